@@ -1,0 +1,41 @@
+import threading
+
+import pytest
+import torch
+
+from tokenrouter_sdk.models import tiny_model, tiny_tokenizer, truncate
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def pair():
+    """float64 tiny pair: large = 4 layers, small = its first 2 layers (zero-copy)."""
+    large = tiny_model(num_layers=4, seed=1)
+    return {"small": truncate(large, 2), "large": large}
+
+
+@pytest.fixture(scope="session")
+def trio():
+    """Three float64 tiny models of different depth and weights."""
+    return {"s": tiny_model(num_layers=1, seed=11), "m": tiny_model(num_layers=2, seed=12),
+            "l": tiny_model(num_layers=3, seed=13)}
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_leak():
+    before = {t for t in threading.enumerate() if t.name.startswith("tokenrouter")}
+    yield
+    import gc
+    gc.collect()
+    after = {t for t in threading.enumerate() if t.name.startswith("tokenrouter") and t.is_alive()}
+    assert after <= before, f"threads leaked: {sorted(t.name for t in after - before)}"
+
+
+def mixed_prompts(n, seed=0, vocab=259):
+    g = torch.Generator().manual_seed(seed)
+    lens = [1, 2, 5, 9, 17, 33, 3, 12, 40, 7][:n] + [4] * max(0, n - 10)
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]

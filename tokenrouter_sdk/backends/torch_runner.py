@@ -1,0 +1,201 @@
+"""The torch backend: one packed forward of any `transformers` causal LM over a ragged batch
+that mixes prefill, decode and extend, with K/V kept in our own paged `KVPool`.
+
+How: the batch is packed into one [1, T] sequence (T = sum of the fed suffix lengths) with
+per-token ``position_ids``; a custom attention function (registered with transformers'
+``AttentionInterface`` under ``ATTN_NAME``, with a mask function that returns None) writes the
+new K/V into the pool slots and attends each request to its own cached prefix. Decodes are
+attended together in one padded SDPA call; prefills and extends one by one. Only the last
+position of each request goes through the LM head (never full-sequence logits).
+When the forward carries no ``tr_batch`` keyword, the function falls back to plain SDPA, so
+the model still works for ordinary, unpadded use.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.kv_pool import KVPool
+
+ATTN_NAME = "tokenrouter_paged"
+
+
+@dataclass
+class ForwardBatch:
+    """Per-step attention metadata shared by all layers (built once per step).
+
+    Attributes:
+        pool: the model's KV pool.
+        slot_mapping: pool slot of every fed token, shape [T].
+        dec_q: packed indices of decode tokens, shape [Bd] (or None).
+        dec_kv: pool slots of each decode request's keys, padded, shape [Bd, Lmax].
+        dec_mask: key padding mask, shape [Bd, 1, 1, Lmax], or None when unpadded.
+        segs: prefill/extend requests as (q_start, q_len, kv_slots [L], mask [q_len, L] | None).
+    """
+
+    pool: KVPool
+    slot_mapping: torch.Tensor
+    dec_q: torch.Tensor | None
+    dec_kv: torch.Tensor | None
+    dec_mask: torch.Tensor | None
+    segs: list
+
+
+def _sdpa(q, k, v, mask, is_causal, scale):
+    if q.shape[1] != k.shape[1]:  # grouped-query attention
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                    tr_batch: ForwardBatch | None = None, **kwargs):
+    """Attention over the paged KV pool. query [1, H, T, D], key/value [1, Hkv, T, D];
+    returns ([1, T, H, D], None) as transformers expects."""
+    if tr_batch is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    fb, layer = tr_batch, module.layer_idx
+    kc, vc = fb.pool.k[layer], fb.pool.v[layer]
+    kc[fb.slot_mapping] = key[0].transpose(0, 1)
+    vc[fb.slot_mapping] = value[0].transpose(0, 1)
+    q = query[0]                                        # [H, T, D]
+    out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
+    if fb.dec_q is not None:
+        qd = q[:, fb.dec_q].transpose(0, 1).unsqueeze(2)           # [Bd, H, 1, D]
+        kd, vd = kc[fb.dec_kv].transpose(1, 2), vc[fb.dec_kv].transpose(1, 2)  # [Bd, Hkv, L, D]
+        out[fb.dec_q] = _sdpa(qd, kd, vd, fb.dec_mask, False, scaling)[:, :, 0]
+    for qs, ql, slots, mask in fb.segs:
+        qi = q[:, qs:qs + ql].unsqueeze(0)                             # [1, H, ql, D]
+        ki, vi = kc[slots].transpose(0, 1).unsqueeze(0), vc[slots].transpose(0, 1).unsqueeze(0)
+        o = _sdpa(qi, ki, vi, mask, mask is None and ql > 1, scaling)  # [1, H, ql, D]
+        out[qs:qs + ql] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def register_attention() -> None:
+    """Register ``ATTN_NAME`` with transformers (idempotent; called by `TorchRunner`)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(ATTN_NAME, paged_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+
+
+def use_paged_attention(model) -> None:
+    """Switch a model (and the configs of modules it shares, e.g. a zero-copy truncation's
+    layers) to the paged attention function."""
+    register_attention()
+    model.set_attn_implementation(ATTN_NAME)
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation") and cfg._attn_implementation != ATTN_NAME:
+            cfg._attn_implementation = ATTN_NAME
+
+
+@dataclass
+class SeqInput:
+    """One request's part of a step: feed ``tokens`` at positions [start, start+len)."""
+
+    tokens: list[int]
+    start: int
+    table: list[int]
+
+
+class TorchRunner:
+    """Runs one model's packed forward over a ragged batch.
+
+    Args:
+        model: a `transformers` causal LM (Llama, Qwen2, Qwen3 families, or any whose
+            decoder layers call ``ALL_ATTENTION_FUNCTIONS``). Its attention implementation is
+            switched to the paged one.
+        max_kv_tokens: KV pool capacity in tokens (rounded up to whole blocks).
+        block_size: tokens per KV block.
+
+    Attributes:
+        pool: the private `KVPool`.
+        last_forward_s: seconds spent in the last model forward (for overhead metrics).
+    """
+
+    def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16):
+        self.model = model
+        use_paged_attention(model)
+        cfg = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.pool = KVPool(cfg.num_hidden_layers, kv_heads, head_dim, -(-max_kv_tokens // block_size),
+                           block_size, dtype=self.dtype, device=self.device)
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.lm_head = model.get_output_embeddings()
+        self.last_forward_s = 0.0
+
+    def _batch(self, seqs: list[SeqInput]) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        pool, dev = self.pool, self.device
+        ids, pos, slots, last = [], [], [], []
+        dec_q, dec_kv, dec_len, segs = [], [], [], []
+        t = 0
+        for s in seqs:
+            n, end = len(s.tokens), s.start + len(s.tokens)
+            ids.extend(s.tokens)
+            pos.extend(range(s.start, end))
+            all_slots = pool.slots(s.table, 0, end)
+            slots.append(all_slots[s.start:])
+            if n == 1:
+                dec_q.append(t)
+                dec_kv.append(all_slots)
+                dec_len.append(end)
+            else:
+                mask = None
+                if s.start > 0:  # extend: query i sees keys j <= start + i
+                    mask = (torch.arange(end)[None, :] <= torch.arange(s.start, end)[:, None]).to(dev)
+                segs.append((t, n, all_slots.to(dev), mask))
+            t += n
+            last.append(t - 1)
+        dq = dkv = dmask = None
+        if dec_q:
+            lmax = max(dec_len)
+            dkv = torch.zeros(len(dec_q), lmax, dtype=torch.long)
+            for i, sl in enumerate(dec_kv):
+                dkv[i, :len(sl)] = sl
+            if min(dec_len) != lmax:
+                dmask = (torch.arange(lmax)[None, :] < torch.tensor(dec_len)[:, None])[:, None, None, :].to(dev)
+            dq, dkv = torch.tensor(dec_q, device=dev), dkv.to(dev)
+        fb = ForwardBatch(pool, torch.cat(slots).to(dev), dq, dkv, dmask, segs)
+        return (fb, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
+                torch.tensor(last, device=dev))
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the batch.
+
+        Args:
+            seqs: per request, the tokens to feed (the unseen suffix: whole prompt on
+                prefill, one token on decode, a few on extend), the position of the first
+                fed token (= tokens already in this model's KV) and the block table, already
+                grown to cover ``start + len(tokens)``.
+
+        Returns:
+            logits: last-position logits per request, shape [B, V].
+            hidden: last-layer hidden states (after the final norm) at those positions, [B, H].
+        """
+        fb, ids, pos, last = self._batch(seqs)
+        t0 = time.perf_counter()
+        out = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb)
+        hidden = out.last_hidden_state[0, last]
+        logits = self.lm_head(hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - t0
+        return logits, hidden

@@ -1,0 +1,246 @@
+"""The engine: admission, per-request output assembly, streams and the event trace.
+
+It starts one `SubServer` per model (through a transport), sends each new request to its
+entry model, and turns the sub-servers' events (`Committed`, `Hopped`, `Finished`,
+`StepDone`) into `RequestOutput`s. Every event is appended to ``trace`` with its time, which
+is all `metrics` needs.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+from ..policy import Policy
+from ..request import RequestConfig, RequestOutput, RequestView, SamplingParams
+from . import messages as M
+from .subserver import RegisterPolicy, SubServer
+from .transport import ThreadTransport
+
+
+class RequestHandle:
+    """An admitted (or queued) request: its growing output and a done event."""
+
+    def __init__(self, config: RequestConfig, prompt, entry: str):
+        self.config, self.entry = config, entry
+        self.output = RequestOutput(rid=config.rid, prompt=prompt)
+        self.t_submit = time.perf_counter()
+        self.t_admit: float | None = None
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.done = threading.Event()
+        self.listeners: list[Callable[[str, object], None]] = []
+
+    @property
+    def rid(self) -> int:
+        return self.config.rid
+
+
+class Engine:
+    """Runs requests across per-model sub-servers.
+
+    Args:
+        runners: model name -> runner (smallest model first).
+        tokenizer: the shared tokenizer (decoding outputs, stop strings, EOS ids).
+        max_concurrency: requests in flight at most; more wait in a FIFO queue (None = no limit).
+        max_batch_tokens, max_batch_size: per-step scheduler limits of every sub-server.
+    """
+
+    def __init__(self, runners: dict, tokenizer, *, max_concurrency: int | None = None,
+                 max_batch_tokens: int = 4096, max_batch_size: int = 256):
+        self.models = list(runners)
+        self.runners = dict(runners)
+        self.tokenizer = tokenizer
+        self.max_concurrency = max_concurrency
+        self.trace: list = []
+        self._lock = threading.RLock()
+        self._reqs: dict[int, RequestHandle] = {}
+        self._queue: collections.deque[RequestHandle] = collections.deque()
+        self._inflight = 0
+        self._next_rid = 0
+        self._policies: dict[int, Policy] = {}
+        self._closed = False
+        self.transport = ThreadTransport()
+        self.subservers = {
+            name: SubServer(name, self.models, r, tokenizer, self.transport.send, self.transport.emit,
+                            max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size)
+            for name, r in runners.items()}
+        self.transport.start(self.subservers)
+        self._collector = threading.Thread(target=self._collect, name="tokenrouter-engine", daemon=True)
+        self._collector.start()
+
+    # -- submission -----------------------------------------------------------------------
+    def register_policy(self, policy: Policy) -> int:
+        with self._lock:
+            for k, p in self._policies.items():
+                if p is policy:
+                    return k
+            key = len(self._policies)
+            self._policies[key] = policy
+        for name in self.models:
+            self.transport.send(name, RegisterPolicy(key, policy))
+        return key
+
+    def submit(self, prompt_ids: list[int] | None, params: SamplingParams, policy: Policy, prompt=None,
+               error: str | None = None) -> RequestHandle:
+        """Queue one request; returns its handle at once. A request with ``error`` set (bad
+        input found by the caller) ends ``failed`` with that error without running."""
+        if self._closed:
+            raise RuntimeError("this Router is closed; create a new one")
+        key = self.register_policy(policy)
+        eos = self.tokenizer.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        with self._lock:
+            rid = self._next_rid
+            self._next_rid += 1
+        cfg = RequestConfig(rid, list(prompt_ids or []), params, key, eos_ids)
+        entry = self.models[0]
+        if error is None:
+            try:
+                e = policy.entry(RequestView(rid, cfg.prompt_ids, [], "", {}, 0, tuple(self.models)), self.models)
+                if e is not None:
+                    if e not in self.models:
+                        raise ValueError(f"returned {e!r}; expected one of {self.models}")
+                    entry = e
+            except Exception as ex:  # noqa: BLE001
+                error = f"policy {policy!r}.entry failed: {type(ex).__name__}: {ex}"
+        h = RequestHandle(cfg, prompt, entry)
+        with self._lock:
+            self._reqs[rid] = h
+            if error is not None:
+                self.trace.append(("admit", rid, time.perf_counter()))
+                self._end(h, "failed", error, time.perf_counter())
+                return h
+            self._queue.append(h)
+            self._admit_more()
+        return h
+
+    def _admit_more(self) -> None:
+        while self._queue and (self.max_concurrency is None or self._inflight < self.max_concurrency):
+            h = self._queue.popleft()
+            h.t_admit = time.perf_counter()
+            self._inflight += 1
+            self.trace.append(("admit", h.rid, h.t_admit))
+            self.transport.send(h.entry, M.Admit(h.config, h.t_admit))
+
+    def abort(self, rid: int, reason: str = "aborted by the user") -> None:
+        with self._lock:
+            h = self._reqs.get(rid)
+            if h is None or h.done.is_set():
+                return
+            if h in self._queue:
+                self._queue.remove(h)
+                self._end(h, "aborted", reason, time.perf_counter())
+                return
+        for name in self.models:
+            self.transport.send(name, M.Abort(rid, reason))
+
+    # -- events ---------------------------------------------------------------------------
+    def _collect(self) -> None:
+        while True:
+            ev = self.transport.events.get()
+            if ev is None:
+                return
+            with self._lock:
+                self._on_event(ev)
+
+    def _on_event(self, ev) -> None:
+        if isinstance(ev, M.StepDone):
+            self.trace.append(("step", ev))
+            return
+        if isinstance(ev, M.Finished) and ev.rid == -1:  # a sub-server died
+            for h in list(self._reqs.values()):
+                if not h.done.is_set() and h.t_admit is not None:
+                    self._end(h, "failed", ev.error, time.perf_counter())
+            return
+        h = self._reqs.get(ev.rid)
+        if h is None or h.done.is_set():
+            return
+        if isinstance(ev, M.Committed):
+            self.trace.append(("commit", ev.rid, ev.model, len(ev.tokens), ev.t))
+            if h.t_first is None:
+                h.t_first = ev.t
+            h.output.token_ids.extend(ev.tokens)
+            h.output.token_models.extend([ev.model] * len(ev.tokens))
+            for fn in h.listeners:
+                fn("tokens", ev)
+        elif isinstance(ev, M.Hopped):
+            self.trace.append(("hop", ev.rid, ev.src, ev.dst, ev.kept, ev.t))
+            h.output.hops += 1
+            h.output.discarded += 0 if ev.kept else 1
+            for fn in h.listeners:
+                fn("hop", ev)
+        elif isinstance(ev, M.Finished):
+            self._end(h, ev.reason, ev.error, ev.t)
+
+    def _end(self, h: RequestHandle, reason: str, error: str | None, t: float) -> None:
+        out = h.output
+        out.finish_reason, out.error = reason, error
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if out.token_ids else ""
+        if reason == "stop":
+            cuts = [text.find(s) for s in h.config.params.stop if s in text]
+            text = text[:min(cuts)] if cuts else text
+        out.text = text
+        h.t_end = t
+        t0 = h.t_admit if h.t_admit is not None else h.t_submit
+        out.latency_s = t - t0
+        out.ttft_s = None if h.t_first is None else h.t_first - t0
+        self.trace.append(("finish", h.rid, reason, t))
+        if h.t_admit is not None:
+            self._inflight -= 1
+        h.done.set()
+        for fn in h.listeners:
+            fn("finish", out)
+        self._admit_more()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def wait(self, handles: list[RequestHandle], timeout: float | None = None,
+             poll_s: float = 0.5) -> None:
+        """Block until every handle is done; fail the rest if a sub-server thread died.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+        """
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for h in handles:
+            while not h.done.wait(poll_s):
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise TimeoutError(f"request {h.rid} did not finish within {timeout} s")
+                self._check_alive()
+
+    def _check_alive(self) -> None:
+        dead = [m for m in self.models if not self.transport.alive(m)]
+        if dead and not self._closed:
+            self.transport.emit(M.Finished(-1, dead[0], "crashed", f"sub-server '{dead[0]}' is not running", 0.0))
+
+    def idle(self) -> bool:
+        """True when no request is queued or in flight and every sub-server holds no request."""
+        with self._lock:
+            busy = self._inflight or self._queue
+        return not busy and all(not ss.sched.seqs and ss.inbox.empty() for ss in self.subservers.values())
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            if self.idle():
+                return True
+            time.sleep(0.01)
+        return self.idle()
+
+    def close(self) -> None:
+        """Stop the sub-servers and the collector; unfinished requests end ``aborted``.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.transport.close()
+        self.transport.events.put(None)
+        self._collector.join(10)
+        with self._lock:
+            for h in self._reqs.values():
+                if not h.done.is_set():
+                    self._end(h, "aborted", "the Router was closed", time.perf_counter())
+        for r in self.runners.values():
+            r.pool.release()

@@ -1,0 +1,78 @@
+"""A paged KV pool private to one model: fixed-size blocks, a free list, block tables.
+
+Layout: ``k[layer]`` and ``v[layer]`` have shape [num_blocks * block_size, kv_heads, head_dim]
+(a flat slot view); slot ``b * block_size + o`` is offset o of block b. A request's block
+table is a list of block ids; token position p of the request lives in slot
+``table[p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPoolFull(RuntimeError):
+    """Raised when a request needs more blocks than are free."""
+
+
+class KVPool:
+    """Paged KV cache of one model.
+
+    Args:
+        num_layers, kv_heads, head_dim: from the model config.
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        dtype, device: tensor dtype and device.
+
+    Memory: 2 * num_layers * num_blocks * block_size * kv_heads * head_dim * dtype bytes.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, device="cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def ensure(self, table: list[int], n_tokens: int) -> None:
+        """Grow ``table`` in place so it covers ``n_tokens`` positions.
+
+        Raises:
+            KVPoolFull: not enough free blocks (the table is left unchanged).
+        """
+        need = self.blocks_for(n_tokens) - len(table)
+        if need <= 0:
+            return
+        if need > len(self._free):
+            raise KVPoolFull(f"need {need} blocks, {len(self._free)} free")
+        table.extend(self._free.pop() for _ in range(need))
+
+    def free(self, table: list[int]) -> None:
+        """Return every block of ``table`` to the pool and empty it."""
+        self._free.extend(reversed(table))
+        table.clear()
+
+    def release(self) -> None:
+        """Drop the KV tensors (the pool is unusable afterwards); called on close."""
+        self.k = self.v = None
+        self._free = []
+
+    def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """Slot ids of positions [start, end) of a request, shape [end - start] (int64)."""
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size

@@ -1,0 +1,118 @@
+"""Messages between the engine and the sub-servers. Sub-servers share no state: everything
+they learn about a request arrives as one of these. Per-step messages are compact: a handoff
+carries only the suffix the target has not seen, never the whole history."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..request import RequestConfig
+
+
+# ---- into a sub-server -------------------------------------------------------------------
+@dataclass
+class Admit:
+    """A new request enters at this model (its entry model)."""
+
+    config: RequestConfig
+    t_admit: float
+
+
+@dataclass
+class HandoffMsg:
+    """The request now belongs to the receiving model.
+
+    Attributes:
+        rid: request id.
+        src: the model that handed off.
+        suffix: tokens of prompt + committed the target has not seen, shape [s].
+        seen: per model, how many tokens of prompt + committed it has seen (after the
+            target applies ``suffix``, ``seen[target] == len(prompt + committed)``).
+        n_committed: committed output tokens so far.
+        hops, hops_since_commit, discarded: counters.
+        state: the policy's per-request state.
+        span, return_to: forced span (tokens the target writes before control returns to
+            ``return_to``), or None.
+        keep_sampled: whether the source committed its sampled token.
+        config: the request config, sent only on the target's first visit.
+    """
+
+    rid: int
+    src: str
+    suffix: list[int]
+    seen: dict[str, int]
+    n_committed: int
+    hops: int
+    hops_since_commit: int
+    discarded: int
+    state: dict
+    span: int | None
+    return_to: str | None
+    keep_sampled: bool
+    config: RequestConfig | None = None
+
+
+@dataclass
+class Release:
+    """The request ended elsewhere: free its KV here."""
+
+    rid: int
+
+
+@dataclass
+class Abort:
+    """Abort the request if this model owns it; free its KV either way."""
+
+    rid: int
+    reason: str = "aborted by the user"
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- out of a sub-server (to the engine) -----------------------------------------------
+@dataclass
+class Committed:
+    """Tokens committed to a request's output by ``model`` at time ``t`` (seconds)."""
+
+    rid: int
+    model: str
+    tokens: list[int]
+    t: float
+
+
+@dataclass
+class Hopped:
+    rid: int
+    src: str
+    dst: str
+    kept: bool
+    t: float
+
+
+@dataclass
+class Finished:
+    """The request ended: reason is eos | length | stop | aborted | failed."""
+
+    rid: int
+    model: str
+    reason: str
+    error: str | None
+    t: float
+    text_cut: int | None = None  # chars of the decoded output to keep (stop strings)
+
+
+@dataclass
+class StepDone:
+    """One forward of ``model``: timing (seconds) and what it fed."""
+
+    model: str
+    t_start: float
+    t_end: float
+    forward_s: float
+    batch_size: int
+    tokens_fed: int
+    fed: dict[int, int] = field(default_factory=dict)  # rid -> tokens fed this step
+    preempted: int = 0

