@@ -128,15 +128,15 @@ class SubServer:
                 pass
             if not self._running:
                 break
+            pre = self.sched.preemptions
             batch = self.sched.schedule()
             if batch:
-                self.step(batch)
+                self.step(batch, preempted=self.sched.preemptions - pre)
 
-    def step(self, batch: list[Seq]) -> None:
+    def step(self, batch: list[Seq], preempted: int = 0) -> None:
         """One forward over ``batch``, then sample, route and commit/hand off each request."""
         from ..backends.torch_runner import SeqInput
         t0 = time.perf_counter()
-        pre = self.sched.preemptions
         fed = {s.rid: len(s.tokens) - s.kv_len for s in batch}
         inputs = [SeqInput(s.tokens[s.kv_len:], s.kv_len, s.table) for s in batch]
         try:
@@ -159,7 +159,7 @@ class SubServer:
             except RequestFailed as e:
                 self._finish(s, "failed", str(e))
         self.emit(M.StepDone(self.name, t0, time.perf_counter(), self.runner.last_forward_s, len(batch),
-                             sum(fed.values()), fed, self.sched.preemptions - pre))
+                             sum(fed.values()), fed, preempted))
 
     # -- routing --------------------------------------------------------------------------
     def _view(self, s: Seq) -> RequestView:

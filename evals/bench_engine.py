@@ -1,0 +1,187 @@
+"""Engine vs `transformers.generate` on the packaged CPU model (issue 2, "Benchmark").
+
+What runs, in ONE process on the same weights (SmolLM2-135M-Instruct, fp32) and the same prompts
+(the first N GSM8K questions, chat-templated; built-in questions if the data file is missing):
+  engine    Router({"large": large}, LargeOnly()), greedy, ignore_eos=True, max_new_tokens=M;
+            concurrency c = at most c requests in flight (router.generate(..., concurrency=c)).
+  generate  large.generate on left-padded batches of c prompts (attention mask, do_sample=False,
+            min_new_tokens = max_new_tokens = M), with attention switched to "sdpa" for it (the
+            Router's paged attention ignores padding masks outside the engine) and back after.
+Both sides write exactly N*M tokens. One warm-up of each side, then the repeats interleaved
+(engine, generate, engine, generate, ...) so load noise hits both; the table shows medians.
+
+How to read the table:
+  engine tok/s     router.metrics().throughput_tok_s: committed tokens / (first admit .. last finish)
+  generate tok/s   generated tokens / wall time of all its batches (tokenization excluded both sides)
+  ratio            engine / generate (> 1: the engine is faster)
+  ovh step         1 - forward_fraction of the large model: time of a step spent outside the model
+                   forward (batch building, sampling, routing, commit events) / step time
+  ovh e2e          (window - sum of forward_s) / window over the trace: also counts idle gaps
+                   between steps (scheduler loop, thread hand-offs, admission at concurrency 1)
+Bars (issue 2): engine >= generate at c=8, and ovh step < 15% at c=8.
+Usage: .venv/bin/python evals/bench_engine.py --concurrency 1 8 --max-new-tokens 64 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import tokenrouter_sdk
+from tokenrouter_sdk import Router
+from tokenrouter_sdk.backends.torch_runner import ATTN_NAME, use_paged_attention
+from tokenrouter_sdk.models import default_pair
+from tokenrouter_sdk.policies import LargeOnly
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k_test.jsonl"
+BUILTIN = ["What is 7 + 5?", "Name a planet of the solar system and describe it.",
+           "A train travels 60 km in 1.5 hours. What is its average speed?",
+           "Tom has 3 apples and buys 4 more. He eats 2. How many are left?",
+           "Explain why the sky is blue in two sentences.", "Write a haiku about autumn.",
+           "If a shirt costs $20 and is 25% off, what do you pay?", "List three uses of a paperclip."]
+
+
+def load_questions(n: int) -> list[str]:
+    if DATA.exists():
+        with open(DATA) as f:
+            qs = [json.loads(line)["question"] for line, _ in zip(f, range(n))]
+        print(f"prompts: first {len(qs)} GSM8K questions from {DATA.resolve()}")
+        return qs
+    print(f"prompts: {DATA} missing, using built-in questions")
+    return (BUILTIN * (n // len(BUILTIN) + 1))[:n]
+
+
+def set_attn(model, name: str) -> None:
+    """Switch the model (and every module config it holds) to attention ``name``."""
+    if name == ATTN_NAME:
+        use_paged_attention(model)
+        return
+    model.set_attn_implementation(name)
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", name) != name:
+            cfg._attn_implementation = name
+
+
+def run_engine(router, ids, c, m):
+    n0 = len(router.trace)
+    t = time.perf_counter()
+    outs = router.generate(ids, concurrency=c, max_new_tokens=m, ignore_eos=True)
+    wall = time.perf_counter() - t
+    # the last StepDone is emitted after the last Finished: wait until it is in the trace
+    deadline = time.perf_counter() + 2.0
+    while time.perf_counter() < deadline:
+        tr = list(router.trace[n0:])
+        t1 = max(ev[3] for ev in tr if ev[0] == "finish")
+        if any(ev[0] == "step" and ev[1].t_end >= t1 for ev in tr):
+            break
+        time.sleep(0.005)
+    met = router.metrics()
+    t0 = min(ev[2] for ev in tr if ev[0] == "admit")
+    steps = [ev[1] for ev in tr if ev[0] == "step" and t0 <= ev[1].t_start <= t1]
+    fwd = sum(s.forward_s for s in steps)
+    pm = met.per_model["large"]
+    toks = sum(len(o.token_ids) for o in outs)
+    assert toks == len(ids) * m, f"engine wrote {toks} tokens, expected {len(ids) * m}"
+    return dict(tok_s=met.throughput_tok_s, wall_tok_s=toks / wall, tokens=toks, wall_s=wall,
+                ovh_step=1 - pm.forward_fraction, ovh_e2e=(t1 - t0 - fwd) / (t1 - t0),
+                mean_step_ms=pm.mean_step_s * 1e3, mean_fwd_ms=fwd / len(steps) * 1e3, steps=len(steps),
+                busy=pm.busy_fraction), [o.token_ids for o in outs]
+
+
+@torch.inference_mode()
+def run_generate(model, ids, c, m, pad_id):
+    set_attn(model, "sdpa")
+    try:
+        toks, outs, t = 0, [], time.perf_counter()
+        for i in range(0, len(ids), c):
+            chunk = ids[i:i + c]
+            w = max(map(len, chunk))
+            inp = torch.tensor([[pad_id] * (w - len(x)) + x for x in chunk])
+            mask = torch.tensor([[0] * (w - len(x)) + [1] * len(x) for x in chunk])
+            out = model.generate(input_ids=inp, attention_mask=mask, do_sample=False, max_new_tokens=m,
+                                 min_new_tokens=m, pad_token_id=pad_id)[:, w:]
+            toks += out.numel()
+            outs.extend(out.tolist())
+        wall = time.perf_counter() - t
+    finally:
+        set_attn(model, ATTN_NAME)
+    assert toks == len(ids) * m, f"generate wrote {toks} tokens, expected {len(ids) * m}"
+    return dict(tok_s=toks / wall, tokens=toks, wall_s=wall), outs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
+    ap.add_argument("--prompts", type=int, default=8, help="number of prompts (GSM8K questions)")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    print(f"torch {torch.__version__}  transformers {transformers.__version__}  tokenrouter_sdk "
+          f"{getattr(tokenrouter_sdk, '__version__', '?')}  python {platform.python_version()}")
+    print(f"torch threads {torch.get_num_threads()}  cpus {os.cpu_count()}  "
+          f"loadavg {tuple(round(x, 2) for x in os.getloadavg())}")
+    large, _, tok = default_pair()
+    qs = load_questions(a.prompts)
+    ids = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]) for q in qs]
+    print(f"{len(ids)} prompts, {min(map(len, ids))}-{max(map(len, ids))} tokens; "
+          f"{a.max_new_tokens} new tokens each; concurrency {a.concurrency}; repeats {a.repeats}")
+    router = Router({"large": large}, LargeOnly(), tokenizer=tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    cmax = max(a.concurrency)
+    run_engine(router, ids, cmax, 8)  # warm-up
+    run_generate(large, ids, cmax, 8, pad)
+    res = {c: {"engine": [], "generate": []} for c in a.concurrency}
+    same = {}
+    for r in range(a.repeats):
+        for c in a.concurrency:
+            e, eo = run_engine(router, ids, c, a.max_new_tokens)
+            g, go = run_generate(large, ids, c, a.max_new_tokens, pad)
+            res[c]["engine"].append(e)
+            res[c]["generate"].append(g)
+            same[c] = sum(x == y for x, y in zip(eo, go))
+            print(f"  rep {r} c={c}: engine {e['tok_s']:6.1f} tok/s (wall {e['wall_tok_s']:.1f}, step "
+                  f"{e['mean_step_ms']:.1f} ms, fwd {e['mean_fwd_ms']:.1f} ms, {e['steps']} steps, ovh step "
+                  f"{e['ovh_step']:.1%} e2e {e['ovh_e2e']:.1%}) | generate {g['tok_s']:6.1f} tok/s "
+                  f"| loadavg {os.getloadavg()[0]:.2f}", flush=True)
+    router.close()
+    med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
+    summary = {}
+    print(f"\ntorch threads {torch.get_num_threads()}, loadavg {tuple(round(x, 2) for x in os.getloadavg())}; "
+          f"medians of {a.repeats}; greedy outputs identical engine vs generate (last rep): "
+          + ", ".join(f"c={c}: {same[c]}/{len(ids)}" for c in a.concurrency))
+    print(f"{'concurrency':>11} | {'engine tok/s':>12} | {'generate tok/s':>14} | {'ratio':>5} | "
+          f"engine overhead (1 - fwd/step) | e2e (1 - fwd/wall)")
+    for c in a.concurrency:
+        e, g = res[c]["engine"], res[c]["generate"]
+        s = dict(engine_tok_s=med(e, "tok_s"), generate_tok_s=med(g, "tok_s"), ovh_step=med(e, "ovh_step"),
+                 ovh_e2e=med(e, "ovh_e2e"))
+        s["ratio"] = s["engine_tok_s"] / s["generate_tok_s"]
+        summary[c] = s
+        print(f"{c:>11} | {s['engine_tok_s']:>12.1f} | {s['generate_tok_s']:>14.1f} | {s['ratio']:>5.2f} | "
+              f"{s['ovh_step']:>30.1%} | {s['ovh_e2e']:>17.1%}")
+    if 8 in summary:
+        print(f"BAR engine >= generate at c=8: {'PASS' if summary[8]['ratio'] >= 1 else 'FAIL'}")
+        print(f"BAR overhead < 15% at c=8: {'PASS' if summary[8]['ovh_step'] < 0.15 else 'FAIL'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(args=vars(a), threads=torch.get_num_threads(),
+                                                versions=dict(torch=torch.__version__,
+                                                              transformers=transformers.__version__),
+                                                summary=summary, runs=res, identical=same), indent=1))
+
+
+if __name__ == "__main__":
+    main()

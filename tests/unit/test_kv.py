@@ -1,0 +1,112 @@
+"""DESIGN.md invariants 1-3: KV consistency, pending keeps KV, nothing lost."""
+
+import pytest
+
+from tokenrouter_sdk import Handoff, Policy, Router, SamplingParams
+from tokenrouter_sdk.engine.kv_pool import KVPool, KVPoolFull
+from tokenrouter_sdk.policies import RandomRouting
+
+from ..conftest import mixed_prompts
+
+
+class Scripted(Policy):
+    """Token at output position i is followed by a switch to plan[i] (keeping the token)."""
+
+    def __init__(self, plan, probe=None):
+        self.plan, self.probe = plan, probe
+
+    def route(self, step):
+        if self.probe:
+            self.probe(step)
+        return self.plan[step.position] if step.position < len(self.plan) else step.model
+
+    def send(self, req, target):
+        return Handoff(keep_sampled=True)
+
+
+def fed_per_step(trace, rid):
+    """[(model, tokens fed for rid)] in step order."""
+    return [(ev[1].model, ev[1].fed[rid]) for ev in trace if ev[0] == "step" and rid in ev[1].fed]
+
+
+def test_return_feeds_exactly_the_unseen_suffix(pair, tok):
+    probes = []
+
+    def probe(step):  # while the large model runs, the small one still holds the request's KV
+        if step.model == "large":
+            ss = router.engine.subservers["small"]
+            seq = ss.sched.seqs[step.request.rid]
+            probes.append((seq.status, seq.kv_len, len(seq.table)))
+
+    P = 7
+    plan = ["small", "small", "large", "large", "large", "small"] + ["small"] * 10
+    router = Router(pair, Scripted(plan, probe), tokenizer=tok, block_size=4)
+    with router:
+        out = router.generate([list(range(10, 10 + P))], max_new_tokens=9, ignore_eos=True)[0]
+        trace = list(router.trace)
+    assert out.token_models == ["small"] * 3 + ["large"] * 3 + ["small"] * 3
+    # small: prefill P, decode, decode, (pending), extend by tok2 (its own, never fed) + 3 large tokens,
+    # then decodes. large: prefill of prompt + 3 committed tokens, then two decodes.
+    assert fed_per_step(trace, out.rid) == [("small", P), ("small", 1), ("small", 1), ("large", P + 3),
+                                            ("large", 1), ("large", 1), ("small", 4), ("small", 1), ("small", 1)]
+    # pending on small: KV of prompt + 2 tokens kept, blocks not freed: ceil((P + 2) / 4) = 3
+    assert probes == [("pending", P + 2, 3)] * 3
+
+
+def test_discard_then_return_recomputes_nothing_but_the_suffix(pair, tok):
+    """small discards at position 2, large writes 1 token (span), small extends by that token."""
+
+    class DiscardAt2(Policy):
+        def route(self, step):
+            return "large" if step.model == "small" and step.position == 2 else step.model
+
+        def send(self, req, target):
+            return Handoff(keep_sampled=False, span=1)
+
+    P = 5
+    with Router(pair, DiscardAt2(), tokenizer=tok) as r:
+        out = r.generate([list(range(40, 40 + P))], max_new_tokens=5, ignore_eos=True)[0]
+        trace = list(r.trace)
+    assert out.token_models == ["small", "small", "large", "small", "small"]
+    assert out.discarded == 1 and out.hops == 2
+    assert fed_per_step(trace, out.rid) == [("small", P), ("small", 1), ("small", 1), ("large", P + 2),
+                                            ("small", 1), ("small", 1)]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 8])
+def test_pools_return_to_initial_free_size(pair, tok, concurrency):
+    with Router(pair, RandomRouting(p=0.5, seed=7), tokenizer=tok, max_kv_tokens=2048, block_size=8) as r:
+        initial = {n: ss.sched.pool.num_free for n, ss in r.engine.subservers.items()}
+        outs = r.generate(mixed_prompts(10, seed=1), max_new_tokens=12, ignore_eos=True, concurrency=concurrency)
+        assert all(o.finish_reason == "length" for o in outs)
+        assert r.engine.wait_idle()
+        assert {n: ss.sched.pool.num_free for n, ss in r.engine.subservers.items()} == initial
+        assert all(v == 2048 // 8 for v in initial.values())
+
+
+def test_full_pool_preempts_and_recomputes_without_loss(pair, tok):
+    """A pool that fits ~2 requests serves 8: evictions are counted, outputs equal a roomy run."""
+    prompts = mixed_prompts(8, seed=4)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    with Router(pair, RandomRouting(p=0.3, seed=2), tokenizer=tok, max_kv_tokens=4096) as r:
+        roomy = r.generate(prompts, sampling=params)
+    with Router(pair, RandomRouting(p=0.3, seed=2), tokenizer=tok, max_kv_tokens=64, block_size=8) as r:
+        tight = r.generate(prompts, sampling=params)
+        m = r.metrics()
+        assert r.engine.wait_idle()
+        assert all(ss.sched.pool.num_free == ss.sched.pool.num_blocks for ss in r.engine.subservers.values())
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert m.preemptions > 0 and m.failed == 0
+
+
+def test_kv_pool_blocks():
+    pool = KVPool(num_layers=2, kv_heads=1, head_dim=4, num_blocks=3, block_size=4)
+    t = []
+    pool.ensure(t, 5)
+    assert len(t) == 2 and pool.num_free == 1
+    assert pool.slots(t, 3, 6).tolist() == [t[0] * 4 + 3, t[1] * 4 + 0, t[1] * 4 + 1]
+    with pytest.raises(KVPoolFull):
+        pool.ensure(t, 13)
+    assert len(t) == 2  # unchanged on failure
+    pool.free(t)
+    assert t == [] and pool.num_free == 3

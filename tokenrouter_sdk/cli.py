@@ -1,0 +1,167 @@
+"""The ``tokenrouter`` command line.
+
+``tokenrouter demo`` routes the first GSM8K questions between the packaged CPU pair with R-Stitch
+and prints each answer with the tokens of each model told apart (colours on a terminal, ``[S:...]``
+/ ``[L:...]`` markers otherwise), then the metrics table. ``tokenrouter info`` prints versions,
+torch threads and the cache folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+GSM8K = "gsm8k_test.jsonl"
+INSTRUCTION = "Solve the problem. Give the final answer as a number at the end.\n\n"
+BUILTIN = ["What is 7 + 5?", "Name a planet of the solar system.",
+           "A box holds 12 eggs. How many eggs are in 3 boxes?"]
+COLORS = ["\033[36m", "\033[33m", "\033[35m", "\033[32m"]  # cyan (small), yellow (large), ...
+RESET = "\033[0m"
+
+
+def find_data(name: str = GSM8K) -> Path | None:
+    """``../shared/data/<name>`` relative to the cwd, else relative to the repo root; None if absent."""
+    import tokenrouter_sdk
+    roots = [Path.cwd(), Path(tokenrouter_sdk.__file__).resolve().parents[1]]
+    return next((p for r in roots if (p := r / ".." / "shared" / "data" / name).is_file()), None)
+
+
+def load_prompts(path: Path, n: int, instruction: str = INSTRUCTION) -> list[str]:
+    """The first ``n`` prompts of ``path``: a JSONL file with a ``question`` field (prefixed with
+    ``instruction``) or a text file with one prompt per line (used as is)."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                prompts.append(instruction + json.loads(line)["question"])
+            else:
+                prompts.append(line.strip())
+            if len(prompts) == n:
+                break
+    return prompts
+
+
+def model_label(models: list[str]) -> dict[str, str]:
+    """Marker letter per model: its initial, upper-case (the whole name if initials collide)."""
+    letters = [m[:1].upper() for m in models]
+    return dict(zip(models, letters if len(set(letters)) == len(letters) else models))
+
+
+def format_output(out, tokenizer, models: list[str], color: bool) -> str:
+    """The answer text with each run of tokens of one model coloured (``color``) or wrapped as
+    ``[S:...]``. Runs are decoded as differences of prefix decodes, so leading spaces and
+    characters split across runs survive; special tokens (EOS) are skipped."""
+    labels, parts, ids, prev = model_label(models), [], [], ""
+    for model, run in out.segments():
+        ids += run
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        piece = text[len(prev):] if text.startswith(prev) else tokenizer.decode(run, skip_special_tokens=True)
+        prev = text
+        if not piece:
+            continue
+        if color:
+            parts.append(f"{COLORS[models.index(model) % len(COLORS)]}{piece}{RESET}")
+        else:
+            parts.append(f"[{labels[model]}:{piece}]")
+    return "".join(parts)
+
+
+def cmd_demo(args) -> int:
+    """Route the prompts, print the coloured or marked answers and the metrics table."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from tokenrouter_sdk import Router
+    from tokenrouter_sdk.policies import RStitch
+
+    hf_logging.disable_progress_bar()
+    if args.prompt:
+        prompts, source = list(args.prompt), "--prompt"
+    else:
+        path = Path(args.data) if args.data else find_data()
+        if path is None or not path.is_file():
+            print(f"note: {args.data or '../shared/data/' + GSM8K} not found; using built-in prompts")
+            prompts, source = BUILTIN[:args.num], "built-in"
+        else:
+            prompts, source = load_prompts(path, args.num), str(path)
+    color = sys.stdout.isatty() and not args.no_color
+    t0 = time.perf_counter()
+    router = Router.default(policy=RStitch(tau=args.tau), small_layers=args.small_layers)
+    with router:
+        models = list(router.models)
+        large = router.models[models[-1]]
+        print(f"models : small = first {args.small_layers} of {large.config.num_hidden_layers} layers of "
+              f"{Path(large.config._name_or_path).name}, large = all of them (loaded in {time.perf_counter() - t0:.1f} s)")
+        print(f"policy : {router.policy!r}")
+        print(f"run    : {len(prompts)} prompts from {source}, max_new_tokens={args.max_new_tokens}, "
+              f"concurrency={args.concurrency}, torch threads={torch.get_num_threads()}")
+        if color:
+            print("legend : " + "  ".join(f"{COLORS[i % len(COLORS)]}{m}{RESET}" for i, m in enumerate(models)))
+        else:
+            print("legend : " + "  ".join(f"[{c}:...] = {m}" for m, c in model_label(models).items()))
+        t1 = time.perf_counter()
+        outs = router.generate(prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
+                               temperature=args.temperature, seed=args.seed, progress=sys.stderr.isatty())
+        gen_s = time.perf_counter() - t1
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+            large_frac = out.token_models.count(models[-1]) / max(1, len(out.token_ids))
+            print(f"\n=== {i + 1}/{len(prompts)}: {prompt.removeprefix(INSTRUCTION)}")
+            print(format_output(out, router.tokenizer, models, color) if out.ok else f"ERROR: {out.error}")
+            print(f"--- finish={out.finish_reason} tokens={len(out.token_ids)} hops={out.hops} "
+                  f"large_fraction={large_frac:.2f} latency={out.latency_s or 0:.1f}s")
+        print(f"\n=== metrics ({gen_s:.1f} s generation, {time.perf_counter() - t0:.1f} s total)")
+        print(router.metrics().table())
+    return 0 if all(o.ok for o in outs) else 1
+
+
+def cmd_info(args) -> int:
+    """Print versions, torch threads, the cache folder and the data file found."""
+    import platform
+
+    import torch
+    import transformers
+
+    import tokenrouter_sdk
+    from tokenrouter_sdk.models import cache_dir
+    smol = cache_dir() / "smollm2-135m-instruct"
+    print(f"tokenrouter_sdk {tokenrouter_sdk.__version__} ({Path(tokenrouter_sdk.__file__).parent})")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"torch threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}")
+    print(f"cache dir {cache_dir()} (default model {'converted' if (smol / 'config.json').exists() else 'not converted yet'})")
+    print(f"demo data {find_data() or 'not found (built-in prompts)'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with the ``demo`` and ``info`` subcommands."""
+    p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level routing between a small and a large LM.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="route GSM8K questions between the packaged CPU pair with R-Stitch")
+    d.add_argument("--data", help="JSONL with a 'question' field, or a text file with one prompt per line")
+    d.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --data)")
+    d.add_argument("-n", "--num", type=int, default=8, help="number of prompts from the data (default 8)")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--tau", type=float, default=0.3, help="R-Stitch normalised-entropy threshold")
+    d.add_argument("--small-layers", type=int, default=10, help="layers of the large model the small one runs")
+    d.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
+    d.add_argument("--no-color", action="store_true", help="markers instead of colours")
+    d.set_defaults(fn=cmd_demo)
+    sub.add_parser("info", help="versions, threads, cache folder").set_defaults(fn=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tokenrouter`` script."""
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
