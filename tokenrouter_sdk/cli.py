@@ -56,10 +56,12 @@ def format_output(out, tokenizer, models: list[str], color: bool) -> str:
     """The answer text with each run of tokens of one model coloured (``color``) or wrapped as
     ``[S:...]``. Runs are decoded as differences of prefix decodes, so leading spaces and
     characters split across runs survive; special tokens (EOS) are skipped."""
-    labels, parts, ids, prev = model_label(models), [], [], ""
-    for model, run in out.segments():
+    labels, parts, ids, prev, segs = model_label(models), [], [], "", out.segments()
+    for k, (model, run) in enumerate(segs):
         ids += run
         text = tokenizer.decode(ids, skip_special_tokens=True)
+        if k < len(segs) - 1:  # a character cut between runs goes to the run that completes it
+            text = text.rstrip("\ufffd")
         piece = text[len(prev):] if text.startswith(prev) else tokenizer.decode(run, skip_special_tokens=True)
         prev = text
         if not piece:

@@ -127,8 +127,8 @@ def test_single_model_equals_transformers_generate(pair, tok):
     large = pair["large"]
     prompts = mixed_prompts(4, seed=2)
     with Router({"large": large}, SingleModel("large"), tokenizer=tok) as r:
-        outs = r.generate(prompts, max_new_tokens=16, ignore_eos=True)
+        outs = r.generate(prompts, max_new_tokens=16)
     for p, o in zip(prompts, outs):
-        g = large.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                           pad_token_id=tok.pad_token_id)
+        g = large.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         assert o.token_ids == g[0, len(p):].tolist()

@@ -1,0 +1,64 @@
+"""The `tokenrouter` command: marker formatting (cheap, tiny tokenizer) and a real demo run."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenrouter_sdk.cli import RESET, format_output, load_prompts, main
+from tokenrouter_sdk.models import tiny_tokenizer
+from tokenrouter_sdk.request import RequestOutput
+
+
+def _out(tok, pieces):
+    ids, models = [], []
+    for model, text in pieces:
+        t = tok.encode(text, add_special_tokens=False)
+        ids += t
+        models += [model] * len(t)
+    return RequestOutput(rid=0, prompt="p", token_ids=ids, token_models=models, finish_reason="eos")
+
+
+def test_markers_and_colours():
+    tok = tiny_tokenizer()
+    out = _out(tok, [("small", "7 + 5"), ("large", " = 12"), ("small", ". Done")])
+    out.token_ids.append(tok.eos_token_id)  # special tokens are not shown
+    out.token_models.append("small")
+    assert format_output(out, tok, ["small", "large"], color=False) == "[S:7 + 5][L: = 12][S:. Done]"
+    col = format_output(out, tok, ["small", "large"], color=True)
+    assert col == f"\033[36m7 + 5{RESET}\033[33m = 12{RESET}\033[36m. Done{RESET}"
+
+
+def test_multibyte_char_split_across_models():
+    tok = tiny_tokenizer()  # one token per byte: "é" is two tokens, here written by two models
+    b = "é".encode()
+    out = RequestOutput(rid=0, prompt="p", token_ids=[ord("a"), b[0], b[1], ord("b")],
+                        token_models=["small", "small", "large", "large"])
+    text = format_output(out, tok, ["small", "large"], color=False)
+    assert text.replace("[S:", "").replace("[L:", "").replace("]", "") == "aéb", text
+
+
+def test_load_prompts(tmp_path):
+    (tmp_path / "q.jsonl").write_text('{"question": "Q1"}\n\n{"question": "Q2"}\n{"question": "Q3"}\n')
+    (tmp_path / "q.txt").write_text("first prompt\nsecond\n")
+    assert load_prompts(tmp_path / "q.jsonl", 2, instruction="I: ") == ["I: Q1", "I: Q2"]
+    assert load_prompts(tmp_path / "q.txt", 8) == ["first prompt", "second"]
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    assert "torch threads" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_demo_subprocess():
+    exe = Path(sys.executable).parent / "tokenrouter"
+    r = subprocess.run([str(exe), "demo", "--prompt", "What is 7 + 5?", "-n", "1", "--max-new-tokens", "16",
+                        "--no-color"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "[S:" in out or "[L:" in out, out
+    assert "\033[" not in out
+    for field in ("throughput_tok_s", "hop_rate", "large_fraction", "committed_tokens", "finish="):
+        assert field in out, out
+    assert "committed_tokens     16" in out or "finish=eos" in out, out
