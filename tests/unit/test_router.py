@@ -149,3 +149,28 @@ def test_close_is_idempotent_and_frees(pair, tok):
     assert r.closed
     assert all(ss.sched.pool.k is None for ss in r.engine.subservers.values())
     del r  # the autouse fixture checks that no tokenrouter thread is left
+
+
+def test_rebinding_a_router_without_close_frees_threads_and_kv(pair, tok):
+    """What re-running a notebook cell does: `router = Router(...)` again, never closing the old one."""
+    import gc
+    import threading
+    import weakref
+
+    def alive():
+        return sum(t.name.startswith("tokenrouter") and t.is_alive() for t in threading.enumerate())
+
+    base = alive()
+    router = Router(pair, RandomRouting(0.3), tokenizer=tok)
+    router.generate(PROMPTS[:2], max_new_tokens=4)
+    pools = [weakref.ref(ss.sched.pool.k) for ss in router.engine.subservers.values()]
+    for _ in range(3):
+        router = Router(pair, RandomRouting(0.3), tokenizer=tok)  # noqa: F841 - the old one is dropped
+        router.generate(PROMPTS[:2], max_new_tokens=4)
+    del router
+    gc.collect()
+    deadline = time.time() + 10
+    while alive() > base and time.time() < deadline:
+        time.sleep(0.05)
+    assert alive() == base
+    assert all(p() is None for p in pools)  # the first Router's KV tensors are gone
