@@ -68,12 +68,15 @@ class StepBatch:
         logits: last-position logits, shape [B, V] (float32 or the model dtype).
         hidden: last-layer hidden states (after the final norm) of those positions, shape [B, H].
         requests: the requests, length B.
+        tokenizer: the shared tokenizer (for text-level rules such as step boundaries), or None.
     """
 
     def __init__(self, model: str, models: Sequence[str], tokens: torch.Tensor,
-                 logits: torch.Tensor, hidden: torch.Tensor, requests: list["RequestView"]):
+                 logits: torch.Tensor, hidden: torch.Tensor, requests: list["RequestView"],
+                 tokenizer=None):
         self.model, self.models = model, list(models)
         self.tokens, self.logits, self.hidden, self.requests = tokens, logits, hidden, requests
+        self.tokenizer = tokenizer
         self._logp: torch.Tensor | None = None
         self._entropy: torch.Tensor | None = None
 
@@ -131,6 +134,7 @@ class Step:
 
     model = property(lambda self: self.batch.model)
     models = property(lambda self: self.batch.models)
+    tokenizer = property(lambda self: self.batch.tokenizer)
     request = property(lambda self: self.batch.requests[self.i])
     req = request
     state = property(lambda self: self.batch.requests[self.i].state)

@@ -20,7 +20,7 @@ def _last(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, params: SamplingParams,
-                       *, eos_ids: tuple[int, ...] = (), rid: int = 0) -> dict:
+                       *, eos_ids: tuple[int, ...] = (), rid: int = 0, tokenizer=None) -> dict:
     """Generate one request the slow, obviously-correct way.
 
     Args:
@@ -31,6 +31,7 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
             from the same per-(seed, model) generators as the engine).
         eos_ids: end-of-sequence ids.
         rid: request id the policy sees (seeded policies key on it).
+        tokenizer: what ``step.tokenizer`` gives the policy.
 
     Returns:
         dict with ``token_ids``, ``token_models``, ``hops``, ``discarded``, ``finish_reason``,
@@ -72,7 +73,7 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
                 owner, span, return_to = return_to, None, None
                 hops += 1
             continue
-        sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()])
+        sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()], tokenizer)
         dec = policy.route_batch(sb)[0]
         if isinstance(dec, bool) and len(names) == 2:
             dec = names[1 - names.index(owner)] if dec else owner

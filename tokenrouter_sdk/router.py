@@ -49,6 +49,10 @@ class Router:
         max_concurrency: requests in flight at most (None = all submitted).
         max_batch_tokens: tokens fed per step at most, per model.
         dtype, device: used when loading models from source strings.
+        mode: schedule mode, ``"async"`` (default), ``"delayed"``, ``"sync"`` or ``"model_sync"``
+            (see `Engine`).
+        thresholds: delayed batching thresholds B_i per model (``mode="delayed"``).
+        retain_kv: False re-prefills the whole context on every return (baseline).
 
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).
@@ -57,7 +61,8 @@ class Router:
 
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
                  max_kv_tokens: int = 8192, block_size: int = 16, max_concurrency: int | None = None,
-                 max_batch_tokens: int = 4096, dtype=None, device: str = "cpu"):
+                 max_batch_tokens: int = 4096, dtype=None, device: str = "cpu", mode: str = "async",
+                 thresholds: dict[str, int] | None = None, retain_kv: bool = True):
         from .models import check_same_tokenizer, load_model
         if not models:
             raise ValueError("Router needs at least one model, e.g. Router({'small': m1, 'large': m2}, policy)")
@@ -81,7 +86,8 @@ class Router:
         self.policy = policy if policy is not None else Policy()
         runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens, block_size=block_size) for n, m in loaded.items()}
         self.engine = Engine(runners, self.tokenizer, max_concurrency=max_concurrency,
-                             max_batch_tokens=max_batch_tokens)
+                             max_batch_tokens=max_batch_tokens, mode=mode, thresholds=thresholds,
+                             retain_kv=retain_kv)
         self.max_context = min(r.max_context for r in runners.values())
         self._last_rids: set[int] = set()
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
@@ -196,6 +202,8 @@ class Router:
         if concurrency is not None:
             self.engine.max_concurrency = concurrency
         try:
+            n = len(plist) if self.engine.max_concurrency is None else min(len(plist), self.engine.max_concurrency)
+            self.engine.check_thresholds(n)
             handles = self.submit(plist, sampling=sampling, policy=policy, chat=chat, **kw)
             bar = None
             if progress:

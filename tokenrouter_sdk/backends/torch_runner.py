@@ -46,10 +46,8 @@ class ForwardBatch:
 
 
 def _sdpa(q, k, v, mask, is_causal, scale):
-    if q.shape[1] != k.shape[1]:  # grouped-query attention
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

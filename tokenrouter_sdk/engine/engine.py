@@ -16,7 +16,7 @@ from typing import Callable
 from ..policy import Policy
 from ..request import RequestConfig, RequestOutput, RequestView, SamplingParams
 from . import messages as M
-from .subserver import RegisterPolicy, SubServer
+from .subserver import MODES, RegisterPolicy, SubServer
 from .transport import ThreadTransport
 
 
@@ -46,10 +46,21 @@ class Engine:
         tokenizer: the shared tokenizer (decoding outputs, stop strings, EOS ids).
         max_concurrency: requests in flight at most; more wait in a FIFO queue (None = no limit).
         max_batch_tokens, max_batch_size: per-step scheduler limits of every sub-server.
+        mode: ``"async"`` (default: each model steps whenever it has ready requests),
+            ``"delayed"`` (async + per-model thresholds), ``"sync"`` (global step barrier: every
+            model finishes its step before any starts the next, as the official R2R/CITER code
+            runs), ``"model_sync"`` (one model at a time, round robin).
+        thresholds: delayed batching thresholds B_i per model name (``delayed`` mode; missing
+            models get 1). Feasibility sum_i (B_i - 1) < N is checked per run (`check_thresholds`).
+        retain_kv: False frees a request's KV on every handoff (re-prefill on return).
+
+    Raises:
+        ValueError: unknown mode, or thresholds < 1 / naming unknown models.
     """
 
     def __init__(self, runners: dict, tokenizer, *, max_concurrency: int | None = None,
-                 max_batch_tokens: int = 4096, max_batch_size: int = 256):
+                 max_batch_tokens: int = 4096, max_batch_size: int = 256, mode: str = "async",
+                 thresholds: dict[str, int] | None = None, retain_kv: bool = True):
         self.models = list(runners)
         self.runners = dict(runners)
         self.tokenizer = tokenizer
@@ -62,10 +73,19 @@ class Engine:
         self._next_rid = 0
         self._policies: dict[int, Policy] = {}
         self._closed = False
+        if mode not in MODES:
+            raise ValueError(f"unknown schedule mode {mode!r}; choose one of {MODES}")
+        thresholds = dict(thresholds or {})
+        bad = {k: v for k, v in thresholds.items() if k not in self.models or int(v) < 1}
+        if bad:
+            raise ValueError(f"thresholds {bad} invalid: each must name a model of {self.models} and be >= 1")
+        self.mode, self.thresholds, self.retain_kv = mode, {m: int(thresholds.get(m, 1)) for m in self.models}, retain_kv
+        self._round, self._awaiting, self._rr = 0, set(), 0
         self.transport = ThreadTransport()
         self.subservers = {
             name: SubServer(name, self.models, r, tokenizer, self.transport.send, self.transport.emit,
-                            max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size)
+                            max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, mode=mode,
+                            thresholds=self.thresholds, retain_kv=retain_kv)
             for name, r in runners.items()}
         self.transport.start(self.subservers)
         self._collector = threading.Thread(target=self._collect, name="tokenrouter-engine", daemon=True)
@@ -117,13 +137,54 @@ class Engine:
             self._admit_more()
         return h
 
+    def check_thresholds(self, n: int) -> None:
+        """Raise ValueError unless sum_i (B_i - 1) < n (TokenRouter paper, appendix: with fewer
+        requests in flight, every model can wait below its threshold forever)."""
+        if self.mode != "delayed":
+            return
+        slack = sum(b - 1 for b in self.thresholds.values())
+        if slack >= n:
+            raise ValueError(f"delayed batching thresholds {self.thresholds} need sum(B_i - 1) = {slack} < N, "
+                             f"but N = {n} requests are in flight; lower a threshold or raise concurrency "
+                             f"to at least {slack + 1}")
+
     def _admit_more(self) -> None:
+        admitted = False
         while self._queue and (self.max_concurrency is None or self._inflight < self.max_concurrency):
             h = self._queue.popleft()
             h.t_admit = time.perf_counter()
             self._inflight += 1
+            admitted = True
             self.trace.append(("admit", h.rid, h.t_admit))
+            if self.mode == "delayed":
+                self._broadcast_inflight()
             self.transport.send(h.entry, M.Admit(h.config, h.t_admit))
+        if admitted:
+            self._kick()
+
+    def _broadcast_inflight(self) -> None:
+        for name in self.models:
+            self.transport.send(name, M.SetInflight(self._inflight))
+
+    def _kick(self) -> None:
+        """Gated modes: start the next round if none is running and work is in flight."""
+        if self.mode not in ("sync", "model_sync") or self._awaiting or self._inflight == 0 or self._closed:
+            return
+        self._round += 1
+        if self.mode == "sync":
+            targets = list(self.models)
+        else:
+            targets = [self.models[self._rr % len(self.models)]]
+            self._rr += 1
+        self._awaiting = set(targets)
+        for name in targets:
+            self.transport.send(name, M.Go(self._round))
+
+    def _round_done(self, model: str, rnd: int | None) -> None:
+        if rnd is not None and rnd == self._round:
+            self._awaiting.discard(model)
+            if not self._awaiting:
+                self._kick()
 
     def abort(self, rid: int, reason: str = "aborted by the user") -> None:
         with self._lock:
@@ -149,6 +210,10 @@ class Engine:
     def _on_event(self, ev) -> None:
         if isinstance(ev, M.StepDone):
             self.trace.append(("step", ev))
+            self._round_done(ev.model, ev.round)
+            return
+        if isinstance(ev, M.Idle):
+            self._round_done(ev.model, ev.round)
             return
         if isinstance(ev, M.Finished) and ev.rid == -1:  # a sub-server died
             for h in list(self._reqs.values()):
@@ -190,6 +255,8 @@ class Engine:
         self.trace.append(("finish", h.rid, reason, t))
         if h.t_admit is not None:
             self._inflight -= 1
+            if self.mode == "delayed":
+                self._broadcast_inflight()
         h.done.set()
         for fn in h.listeners:
             fn("finish", out)

@@ -72,6 +72,20 @@ class Shutdown:
     pass
 
 
+@dataclass
+class Go:
+    """Gated modes (``sync``, ``model_sync``): run at most one step now, then report."""
+
+    round: int
+
+
+@dataclass
+class SetInflight:
+    """Requests in flight in the whole engine (``delayed`` mode's tail rule)."""
+
+    n: int
+
+
 # ---- out of a sub-server (to the engine) -----------------------------------------------
 @dataclass
 class Committed:
@@ -116,3 +130,12 @@ class StepDone:
     tokens_fed: int
     fed: dict[int, int] = field(default_factory=dict)  # rid -> tokens fed this step
     preempted: int = 0
+    round: int | None = None
+
+
+@dataclass
+class Idle:
+    """Gated modes: ``model`` had nothing to run in ``round``."""
+
+    model: str
+    round: int

@@ -20,6 +20,7 @@ from .sampler import make_generator, sample
 from .scheduler import Scheduler, Seq
 
 MAX_HOPS_WITHOUT_COMMIT = 16
+MODES = ("async", "delayed", "sync", "model_sync")
 
 
 class RequestFailed(Exception):
@@ -37,11 +38,18 @@ class SubServer:
         send: ``send(model_name, msg)`` delivers a message to a peer sub-server.
         emit: ``emit(event)`` delivers an output event to the engine.
         max_batch_tokens, max_batch_size: scheduler limits.
+        mode: ``async`` (step whenever a request is ready), ``delayed`` (step when at least
+            ``thresholds[name]`` requests are ready, see `delayed_ok`), ``sync`` / ``model_sync``
+            (step only on a `Go` from the engine's coordinator).
+        thresholds: per-model delayed-batching thresholds B_i (``delayed`` mode).
+        retain_kv: False frees a request's KV on handoff, so a return re-prefills the whole
+            context (what serving each model separately costs without prefix caching).
     """
 
     def __init__(self, name: str, models: list[str], runner, tokenizer,
                  send: Callable[[str, object], None], emit: Callable[[object], None],
-                 max_batch_tokens: int = 4096, max_batch_size: int = 256):
+                 max_batch_tokens: int = 4096, max_batch_size: int = 256, mode: str = "async",
+                 thresholds: dict[str, int] | None = None, retain_kv: bool = True):
         self.name, self.models, self.index = name, list(models), list(models).index(name)
         self.runner, self.tokenizer = runner, tokenizer
         self.send, self.emit = send, emit
@@ -50,6 +58,10 @@ class SubServer:
         self.policies: dict[int, Policy] = {}
         self.aborted: set[int] = set()
         self._running = True
+        self.mode, self.retain_kv = mode, retain_kv
+        self.thresholds = dict(thresholds or {})
+        self.inflight = 0
+        self._go: list[int] = []
 
     # -- message handling -----------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -73,6 +85,10 @@ class SubServer:
             self.policies[msg.key] = msg.policy
         elif isinstance(msg, M.Shutdown):
             self._running = False
+        elif isinstance(msg, M.Go):
+            self._go.append(msg.round)
+        elif isinstance(msg, M.SetInflight):
+            self.inflight = msg.n
 
     def _own(self, seq: Seq) -> None:
         if self.sched.too_big(seq):
@@ -115,12 +131,30 @@ class SubServer:
         self._own(seq)
 
     # -- the loop -------------------------------------------------------------------------
+    def delayed_ok(self) -> bool:
+        """Delayed batching (TokenRouter paper, "delayed batching"): launch when at least B_i
+        requests are ready here. Tail rule: when the thresholds are infeasible for the requests
+        still in flight (sum_j (B_j - 1) >= inflight), launch as soon as one is ready, so no
+        workload tail can deadlock (DESIGN.md invariant 7)."""
+        ready = len(self.sched.owned)
+        if ready == 0:
+            return False
+        if sum(b - 1 for b in self.thresholds.values()) >= self.inflight:
+            return True
+        return ready >= self.thresholds.get(self.name, 1)
+
+    def _can_step(self) -> bool:
+        if self.mode in ("sync", "model_sync"):
+            return bool(self._go)
+        if self.mode == "delayed":
+            return self.delayed_ok()
+        return bool(self.sched.owned)
+
     def run(self) -> None:
-        """Serve until `Shutdown`: drain messages, schedule, step. Blocks when idle."""
+        """Serve until `Shutdown`: drain messages, schedule, step. Blocks when it cannot step."""
         while self._running:
-            block = not self.sched.owned
             try:
-                msg = self.inbox.get(block=block)
+                msg = self.inbox.get(block=not self._can_step())
                 self.handle(msg)
                 while True:
                     self.handle(self.inbox.get_nowait())
@@ -128,12 +162,17 @@ class SubServer:
                 pass
             if not self._running:
                 break
+            if not self._can_step():
+                continue
+            rnd = self._go.pop(0) if self.mode in ("sync", "model_sync") else None
             pre = self.sched.preemptions
             batch = self.sched.schedule()
             if batch:
-                self.step(batch, preempted=self.sched.preemptions - pre)
+                self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
+            elif rnd is not None:
+                self.emit(M.Idle(self.name, rnd))
 
-    def step(self, batch: list[Seq], preempted: int = 0) -> None:
+    def step(self, batch: list[Seq], preempted: int = 0, round: int | None = None) -> None:
         """One forward over ``batch``, then sample, route and commit/hand off each request."""
         from ..backends.torch_runner import SeqInput
         t0 = time.perf_counter()
@@ -145,6 +184,7 @@ class SubServer:
             for s in batch:
                 s.kv_len = 0
                 self._finish(s, "failed", f"forward of model '{self.name}' failed: {type(e).__name__}: {e}")
+            self.emit(M.StepDone(self.name, t0, time.perf_counter(), 0.0, len(batch), 0, {}, preempted, round))
             return
         for s in batch:
             s.kv_len = len(s.tokens)
@@ -159,7 +199,7 @@ class SubServer:
             except RequestFailed as e:
                 self._finish(s, "failed", str(e))
         self.emit(M.StepDone(self.name, t0, time.perf_counter(), self.runner.last_forward_s, len(batch),
-                             sum(fed.values()), fed, preempted))
+                             sum(fed.values()), fed, preempted, round))
 
     # -- routing --------------------------------------------------------------------------
     def _view(self, s: Seq) -> RequestView:
@@ -184,7 +224,7 @@ class SubServer:
         for key, idx in groups.items():
             pol = self.policies[key]
             views = [self._view(batch[i]) for i in idx]
-            sb = StepBatch(self.name, self.models, tokens[idx], logits[idx], hidden[idx], views)
+            sb = StepBatch(self.name, self.models, tokens[idx], logits[idx], hidden[idx], views, self.tokenizer)
             try:
                 res = list(pol.route_batch(sb))
                 if len(res) != len(idx):
@@ -279,6 +319,9 @@ class SubServer:
         s.seen = seen
         s.span = s.return_to = None
         self.sched.set_pending(s)
+        if not self.retain_kv:  # baseline: forget the KV, the return re-prefills everything
+            self.sched.pool.free(s.table)
+            s.kv_len = 0
         self.send(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None) -> None:

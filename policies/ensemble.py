@@ -1,0 +1,77 @@
+"""Token-level ensemble (ME) across 2+ models (TokenRouter paper, arXiv 2610.12242, evaluation:
+"models are selected token by token using ensemble weights", Qwen3-0.6B/8B/32B with weights
+0.5/0.3/0.2; spec in ``shared/research/policies.md`` section 7; no official code).
+
+The writer of every output position is drawn from Categorical(w): the entry model (which
+prefills and writes position 0) is drawn first, then after each step the writer of the next
+position. On a handoff the just-sampled token is kept (it was written by the model drawn for
+it), so the peer writes from the next position on; the peer span is one token, re-drawn.
+
+Uncertain (marked in the spec): whether "ensemble weights" means choosing a writer (done
+here) or averaging the models' distributions (sum_m w_m p_m, which needs every model to run
+every token in lockstep: not a handoff pattern); which weight goes with which model (here:
+models smallest first, 0.5/0.3/0.2 for three models; equal weights for other counts).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from tokenrouter_sdk.policy import Handoff, Policy, Step
+
+DEFAULT_WEIGHTS_3 = (0.5, 0.3, 0.2)
+
+
+class TokenEnsemble(Policy):
+    """Args:
+        weights: ``{model: w}`` (models left out get 0) or a list aligned with the models
+            (smallest first); non-negative, summing to > 0; normalised. None: 0.5/0.3/0.2 for
+            three models, equal weights otherwise.
+        seed: base seed; each request draws from ``Random(seed * 1_000_003 + rid)`` (the
+            first draw picks the entry model), like `RandomRouting`.
+    """
+
+    def __init__(self, weights: dict[str, float] | Sequence[float] | None = None, seed: int = 0):
+        if weights is not None:
+            vals = list(weights.values()) if isinstance(weights, dict) else list(weights)
+            if any(not w >= 0 for w in vals):  # also rejects NaN
+                raise ValueError(f"TokenEnsemble: weights must be non-negative, got {weights}")
+            if sum(vals) <= 0:
+                raise ValueError(f"TokenEnsemble: weights must sum to > 0, got {weights}")
+            weights = dict(weights) if isinstance(weights, dict) else vals
+        self.weights, self.seed = weights, seed
+
+    def probs(self, models: Sequence[str]) -> list[float]:
+        """The normalised weights aligned with ``models``; ValueError if they do not fit."""
+        w = self.weights
+        if w is None:
+            w = list(DEFAULT_WEIGHTS_3) if len(models) == 3 else [1.0] * len(models)
+        elif isinstance(w, dict):
+            unknown = sorted(set(w) - set(models))
+            if unknown:
+                raise ValueError(f"TokenEnsemble: weights name unknown models {unknown}; the models are "
+                                 f"{list(models)}")
+            w = [w.get(m, 0.0) for m in models]
+        elif len(w) != len(models):
+            raise ValueError(f"TokenEnsemble: {len(w)} weights for {len(models)} models {list(models)}; "
+                             "give one weight per model (smallest first) or a dict")
+        if sum(w) <= 0:
+            raise ValueError(f"TokenEnsemble: the weights of models {list(models)} sum to 0")
+        return [x / sum(w) for x in w]
+
+    def _rng(self, rid: int) -> random.Random:
+        return random.Random(self.seed * 1_000_003 + rid)
+
+    def entry(self, req, models):
+        return self._rng(req.rid).choices(list(models), weights=self.probs(models))[0]
+
+    def route(self, step: Step) -> str:
+        st = step.state
+        if "rng" not in st:  # replay the entry draw (entry() has no per-request state to keep it)
+            st["rng"] = self._rng(step.request.rid)
+            st["rng"].random()
+        return st["rng"].choices(step.models, weights=self.probs(step.models))[0]
+
+    def send(self, req, target) -> Handoff:
+        return Handoff(keep_sampled=True)

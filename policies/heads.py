@@ -1,0 +1,145 @@
+"""Learned routing heads: one small file format, the error raised when a head is missing, and
+the plumbing shared by the one-token deferral policies (CITER, Co-LLM, R2R).
+
+File format: ``torch.save`` of a plain dict, read back with ``torch.load(weights_only=True)``::
+
+    {"format": "tokenrouter-head", "version": 1, "kind": "citer" | "co_llm" | "r2r",
+     "state_dict": {name: tensor}, "config": {...}, "meta": {...}}
+
+``config`` and ``meta`` hold only plain Python values (str, int, float, bool, None, lists, dicts)
+so that the weights-only loader accepts them. Foreign formats (the CITER trainer's raw state
+dict, R2R's ``default_router.pt``) are read by the policy that knows them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tokenrouter_sdk.policy import Handoff, Policy, Step, StepBatch
+
+FORMAT, VERSION = "tokenrouter-head", 1
+
+# kind -> (policy class, what the head is, where weights come from)
+KINDS = {
+    "citer": ("CITER", "a confidence head (MLP on the small model's last hidden state giving "
+              "c = P(the small model's token is acceptable))",
+              "aiming-lab/CITER publishes no router weights: train one per model pair"),
+    "co_llm": ("CoLLM", "a deferral head g (a vector [H] and a bias: pi = sigmoid(g . h + b) on the "
+               "small model's last hidden state)",
+               "clinicalml/co-llm publishes no weights: train one per model pair"),
+    "r2r": ("R2R", "a router network on [small last hidden state, sampled-token embedding, top-100 logits]",
+            "published routers: HF nics-efc/R2R_router_collections, file default_router.pt (download it "
+            "where you have hub access and pass its local path)"),
+}
+
+
+class HeadMissingError(FileNotFoundError):
+    """A learned policy was built without its head (``head=None``) or the head file is absent."""
+
+    def __init__(self, kind: str, path=None):
+        cls, what, where = KINDS[kind]
+        given = "no head was given (head=None)" if path is None else f"the head file {str(path)!r} does not exist"
+        super().__init__(
+            f"{cls} needs {what}, and {given}. {where}. Training pipelines come with tokenrouter_sdk "
+            f"training (issue \"Train routers\"; CLI: `tokenrouter train {kind}`). For tests, a head with "
+            f"random weights can be made with `{cls}.random_head(...)`.")
+        self.kind, self.path = kind, path
+
+
+def save_head(path, kind: str, state_dict: dict, config: dict | None = None, meta: dict | None = None) -> None:
+    """Write a head file (see the module docstring for the layout)."""
+    if kind not in KINDS:
+        raise ValueError(f"save_head: kind must be one of {sorted(KINDS)}, got {kind!r}")
+    sd = {k: v.detach().cpu() for k, v in state_dict.items()}
+    torch.save({"format": FORMAT, "version": VERSION, "kind": kind, "state_dict": sd,
+                "config": dict(config or {}), "meta": dict(meta or {})}, path)
+
+
+def _unpack(obj, kind: str, where: str, foreign) -> tuple[dict, dict, dict]:
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        if obj.get("kind") != kind:
+            raise ValueError(f"{where}: holds a {obj.get('kind')!r} head, but a {kind!r} head was expected "
+                             f"(by {KINDS[kind][0]})")
+        return obj["state_dict"], obj.get("config", {}), obj.get("meta", {})
+    if foreign is not None:
+        return foreign(obj)
+    raise ValueError(f"{where}: not a tokenrouter head (no format={FORMAT!r} key); write one with save_head()")
+
+
+def load_head(path, kind: str, foreign: Callable[[object], tuple] | None = None) -> tuple[dict, dict, dict]:
+    """Read a head file -> ``(state_dict, config, meta)``. ``foreign(obj)`` converts other layouts.
+
+    Raises:
+        HeadMissingError: the file does not exist.
+        ValueError: it holds another kind of head, or (without ``foreign``) is not a head file.
+    """
+    if not os.path.exists(path):
+        raise HeadMissingError(kind, path)
+    return _unpack(torch.load(path, map_location="cpu", weights_only=True), kind, str(path), foreign)
+
+
+def resolve_head(head, kind: str, foreign: Callable[[object], tuple] | None = None) -> tuple[dict, dict, dict]:
+    """``head`` as given to a policy (a path, an ``nn.Module`` or a state dict) -> ``(state_dict, config, meta)``."""
+    if head is None:
+        raise HeadMissingError(kind)
+    if isinstance(head, (str, os.PathLike)):
+        return load_head(head, kind, foreign)
+    if isinstance(head, nn.Module):
+        return head.state_dict(), dict(getattr(head, "config", {})), {}
+    if isinstance(head, dict):
+        plain = head.get("format") != FORMAT and all(isinstance(v, torch.Tensor) for v in head.values())
+        return (head, {}, {}) if plain else _unpack(head, kind, "head", foreign)
+    raise TypeError(f"{KINDS[kind][0]}: head must be a path, an nn.Module or a state dict, got {type(head).__name__}")
+
+
+def check_hidden(kind: str, head_size: int, model_size: int) -> None:
+    """Raise a clear error when the head was made for another hidden size than the model's."""
+    if head_size != model_size:
+        raise ValueError(f"{KINDS[kind][0]} head expects hidden size {head_size} (from its weights) but the "
+                         f"small model's hidden states have size {model_size}: the head belongs to another model")
+
+
+class DeferOneToken(Policy):
+    """Shared routing rule of CITER, Co-LLM and R2R: on each step of the small model, where
+    ``defer(batch)`` is True the small model's token is discarded and the large model writes
+    exactly one token for that position (``Handoff(keep_sampled=False, span=1)``); control then
+    returns to the small model without calling ``route`` on the large one.
+
+    Subclasses implement ``defer(batch) -> BoolTensor [B]`` (vectorised over the batch).
+    ``small`` / ``large`` default to the first and last model.
+    """
+
+    small: str | None = None
+    large: str | None = None
+
+    def defer(self, batch: StepBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def route_batch(self, batch: StepBatch) -> list[str]:
+        small, large = self.small or batch.models[0], self.large or batch.models[-1]
+        if batch.model != small:
+            return [batch.model] * len(batch)
+        with torch.no_grad():
+            d = self.defer(batch).tolist()
+        return [large if x else small for x in d]
+
+    def route(self, step: Step) -> str:
+        b, i = step.batch, step.i
+        one = StepBatch(b.model, b.models, b.tokens[i:i + 1], b.logits[i:i + 1], b.hidden[i:i + 1],
+                        [b.requests[i]], b.tokenizer)
+        return self.route_batch(one)[0]
+
+    def send(self, req, target):
+        return Handoff(keep_sampled=False, span=1)
+
+
+def on_device(net: nn.Module, x: torch.Tensor) -> nn.Module:
+    """Move ``net`` (float32, eval mode) to ``x``'s device if it is elsewhere."""
+    p = next(net.parameters(), None)
+    if p is not None and p.device != x.device:
+        net.to(x.device)
+    return net
