@@ -18,6 +18,10 @@ How to read the table:
                    forward (batch building, sampling, routing, commit events) / step time
   ovh e2e          (window - sum of forward_s) / window over the trace: also counts idle gaps
                    between steps (scheduler loop, thread hand-offs, admission at concurrency 1)
+  paired ratio     median over repeats of engine/generate within one repeat (the pair ran back to
+                   back, so it is less sensitive to load from other processes than the ratio of medians)
+  CPU-time ratio   median of generate CPU s / engine CPU s (process time, all threads; > 1: the engine
+                   used less CPU for the same tokens; robust to other processes taking the cores)
 Bars (issue 2): engine >= generate at c=8, and ovh step < 15% at c=8.
 Usage: .venv/bin/python evals/bench_engine.py --concurrency 1 8 --max-new-tokens 64 --repeats 3
 """
@@ -72,10 +76,10 @@ def set_attn(model, name: str) -> None:
 
 
 def run_engine(router, ids, c, m):
-    n0 = len(router.trace)
+    n0, cpu = len(router.trace), time.process_time()
     t = time.perf_counter()
     outs = router.generate(ids, concurrency=c, max_new_tokens=m, ignore_eos=True)
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     # the last StepDone is emitted after the last Finished: wait until it is in the trace
     deadline = time.perf_counter() + 2.0
     while time.perf_counter() < deadline:
@@ -91,7 +95,7 @@ def run_engine(router, ids, c, m):
     pm = met.per_model["large"]
     toks = sum(len(o.token_ids) for o in outs)
     assert toks == len(ids) * m, f"engine wrote {toks} tokens, expected {len(ids) * m}"
-    return dict(tok_s=met.throughput_tok_s, wall_tok_s=toks / wall, tokens=toks, wall_s=wall,
+    return dict(tok_s=met.throughput_tok_s, wall_tok_s=toks / wall, tokens=toks, wall_s=wall, cpu_s=cpu,
                 ovh_step=1 - pm.forward_fraction, ovh_e2e=(t1 - t0 - fwd) / (t1 - t0),
                 mean_step_ms=pm.mean_step_s * 1e3, mean_fwd_ms=fwd / len(steps) * 1e3, steps=len(steps),
                 busy=pm.busy_fraction), [o.token_ids for o in outs]
@@ -101,7 +105,7 @@ def run_engine(router, ids, c, m):
 def run_generate(model, ids, c, m, pad_id):
     set_attn(model, "sdpa")
     try:
-        toks, outs, t = 0, [], time.perf_counter()
+        toks, outs, t, cpu = 0, [], time.perf_counter(), time.process_time()
         for i in range(0, len(ids), c):
             chunk = ids[i:i + c]
             w = max(map(len, chunk))
@@ -111,11 +115,11 @@ def run_generate(model, ids, c, m, pad_id):
                                  min_new_tokens=m, pad_token_id=pad_id)[:, w:]
             toks += out.numel()
             outs.extend(out.tolist())
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     finally:
         set_attn(model, ATTN_NAME)
     assert toks == len(ids) * m, f"generate wrote {toks} tokens, expected {len(ids) * m}"
-    return dict(tok_s=toks / wall, tokens=toks, wall_s=wall), outs
+    return dict(tok_s=toks / wall, tokens=toks, wall_s=wall, cpu_s=cpu), outs
 
 
 def main():
@@ -153,10 +157,11 @@ def main():
             res[c]["engine"].append(e)
             res[c]["generate"].append(g)
             same[c] = sum(x == y for x, y in zip(eo, go))
+            e["paired_ratio"], e["cpu_ratio"] = e["tok_s"] / g["tok_s"], g["cpu_s"] / e["cpu_s"]
             print(f"  rep {r} c={c}: engine {e['tok_s']:6.1f} tok/s (wall {e['wall_tok_s']:.1f}, step "
                   f"{e['mean_step_ms']:.1f} ms, fwd {e['mean_fwd_ms']:.1f} ms, {e['steps']} steps, ovh step "
-                  f"{e['ovh_step']:.1%} e2e {e['ovh_e2e']:.1%}) | generate {g['tok_s']:6.1f} tok/s "
-                  f"| loadavg {os.getloadavg()[0]:.2f}", flush=True)
+                  f"{e['ovh_step']:.1%} e2e {e['ovh_e2e']:.1%}) | generate {g['tok_s']:6.1f} tok/s | ratio "
+                  f"{e['paired_ratio']:.2f}, by CPU {e['cpu_ratio']:.2f} | load {os.getloadavg()[0]:.2f}", flush=True)
     router.close()
     med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
     summary = {}
@@ -164,22 +169,22 @@ def main():
           f"medians of {a.repeats}; greedy outputs identical engine vs generate (last rep): "
           + ", ".join(f"c={c}: {same[c]}/{len(ids)}" for c in a.concurrency))
     print(f"{'concurrency':>11} | {'engine tok/s':>12} | {'generate tok/s':>14} | {'ratio':>5} | "
-          f"engine overhead (1 - fwd/step) | e2e (1 - fwd/wall)")
+          f"engine overhead (1 - fwd/step) | e2e (1 - fwd/wall) | paired ratio | CPU-time ratio")
     for c in a.concurrency:
         e, g = res[c]["engine"], res[c]["generate"]
         s = dict(engine_tok_s=med(e, "tok_s"), generate_tok_s=med(g, "tok_s"), ovh_step=med(e, "ovh_step"),
-                 ovh_e2e=med(e, "ovh_e2e"))
+                 ovh_e2e=med(e, "ovh_e2e"), paired_ratio=med(e, "paired_ratio"), cpu_ratio=med(e, "cpu_ratio"))
         s["ratio"] = s["engine_tok_s"] / s["generate_tok_s"]
         summary[c] = s
         print(f"{c:>11} | {s['engine_tok_s']:>12.1f} | {s['generate_tok_s']:>14.1f} | {s['ratio']:>5.2f} | "
-              f"{s['ovh_step']:>30.1%} | {s['ovh_e2e']:>17.1%}")
+              f"{s['ovh_step']:>30.1%} | {s['ovh_e2e']:>17.1%} | {s['paired_ratio']:>12.2f} | "
+              f"{s['cpu_ratio']:>14.2f}")
     if 8 in summary:
         print(f"BAR engine >= generate at c=8: {'PASS' if summary[8]['ratio'] >= 1 else 'FAIL'}")
         print(f"BAR overhead < 15% at c=8: {'PASS' if summary[8]['ovh_step'] < 0.15 else 'FAIL'}")
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(args=vars(a), threads=torch.get_num_threads(),
-                                                versions=dict(torch=torch.__version__,
-                                                              transformers=transformers.__version__),
+        vers = dict(torch=torch.__version__, transformers=transformers.__version__)
+        Path(a.json).write_text(json.dumps(dict(args=vars(a), threads=torch.get_num_threads(), versions=vers,
                                                 summary=summary, runs=res, identical=same), indent=1))
 
 

@@ -56,8 +56,6 @@ class TokenEnsemble(Policy):
         elif len(w) != len(models):
             raise ValueError(f"TokenEnsemble: {len(w)} weights for {len(models)} models {list(models)}; "
                              "give one weight per model (smallest first) or a dict")
-        if sum(w) <= 0:
-            raise ValueError(f"TokenEnsemble: the weights of models {list(models)} sum to 0")
         return [x / sum(w) for x in w]
 
     def _rng(self, rid: int) -> random.Random:

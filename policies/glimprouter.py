@@ -77,7 +77,9 @@ class GlimpRouter(Policy):
     ``glimpses`` (list of (position, H, writer)), ``keep`` (commit rule of the next handoff).
     """
 
-    needs = Needs(topk=20)
+    @property
+    def needs(self) -> Needs:
+        return Needs(topk=self.top_k)
 
     def __init__(self, theta: float = 1.0, top_k: int = 20, separator: str = "\n\n",
                  max_step_tokens: int = 512, budget: int | None = 8192,

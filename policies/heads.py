@@ -89,7 +89,7 @@ def resolve_head(head, kind: str, foreign: Callable[[object], tuple] | None = No
     if isinstance(head, (str, os.PathLike)):
         return load_head(head, kind, foreign)
     if isinstance(head, nn.Module):
-        return head.state_dict(), dict(getattr(head, "config", {})), {}
+        return head.state_dict(), {}, {}
     if isinstance(head, dict):
         plain = head.get("format") != FORMAT and all(isinstance(v, torch.Tensor) for v in head.values())
         return (head, {}, {}) if plain else _unpack(head, kind, "head", foreign)

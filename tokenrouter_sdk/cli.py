@@ -86,8 +86,10 @@ def cmd_demo(args) -> int:
         prompts, source = list(args.prompt), "--prompt"
     else:
         path = Path(args.data) if args.data else find_data()
-        if path is None or not path.is_file():
-            print(f"note: {args.data or '../shared/data/' + GSM8K} not found; using built-in prompts")
+        if args.data and not path.is_file():
+            sys.exit(f"tokenrouter demo: --data {args.data}: no such file")
+        if path is None:
+            print(f"note: ../shared/data/{GSM8K} not found; using built-in prompts")
             prompts, source = BUILTIN[:args.num], "built-in"
         else:
             prompts, source = load_prompts(path, args.num), str(path)
@@ -98,10 +100,12 @@ def cmd_demo(args) -> int:
         models = list(router.models)
         large = router.models[models[-1]]
         print(f"models : small = first {args.small_layers} of {large.config.num_hidden_layers} layers of "
-              f"{Path(large.config._name_or_path).name}, large = all of them (loaded in {time.perf_counter() - t0:.1f} s)")
+              f"{Path(large.config._name_or_path).name}, large = all of them "
+              f"(loaded in {time.perf_counter() - t0:.1f} s)")
         print(f"policy : {router.policy!r}")
-        print(f"run    : {len(prompts)} prompts from {source}, max_new_tokens={args.max_new_tokens}, "
-              f"concurrency={args.concurrency}, torch threads={torch.get_num_threads()}")
+        print(f"run    : {len(prompts)} prompt{'s' * (len(prompts) != 1)} from {source}, "
+              f"max_new_tokens={args.max_new_tokens}, concurrency={args.concurrency}, "
+              f"torch threads={torch.get_num_threads()}")
         if color:
             print("legend : " + "  ".join(f"{COLORS[i % len(COLORS)]}{m}{RESET}" for i, m in enumerate(models)))
         else:
@@ -130,11 +134,11 @@ def cmd_info(args) -> int:
 
     import tokenrouter_sdk
     from tokenrouter_sdk.models import cache_dir
-    smol = cache_dir() / "smollm2-135m-instruct"
+    done = (cache_dir() / "smollm2-135m-instruct" / "config.json").exists()
     print(f"tokenrouter_sdk {tokenrouter_sdk.__version__} ({Path(tokenrouter_sdk.__file__).parent})")
     print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"torch threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}")
-    print(f"cache dir {cache_dir()} (default model {'converted' if (smol / 'config.json').exists() else 'not converted yet'})")
+    print(f"cache dir {cache_dir()} (default model {'converted' if done else 'not converted yet'})")
     print(f"demo data {find_data() or 'not found (built-in prompts)'}")
     return 0
 
@@ -148,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --data)")
     d.add_argument("-n", "--num", type=int, default=8, help="number of prompts from the data (default 8)")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--tau", type=float, default=0.3, help="R-Stitch normalised-entropy threshold")
+    d.add_argument("--tau", type=float, default=0.1, help="R-Stitch normalised-entropy threshold (default 0.1)")
     d.add_argument("--small-layers", type=int, default=10, help="layers of the large model the small one runs")
     d.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -44,7 +44,7 @@ class Router:
         policy: the default `Policy` (per call, ``generate(policy=...)`` overrides it).
             None: a base `Policy`, which keeps every request on the first model.
         tokenizer: the shared tokenizer; required when ``models`` are model objects.
-        max_kv_tokens: KV pool capacity per model, tokens.
+        max_kv_tokens: KV pool capacity per model, tokens (default 8192; sim: 4M).
         block_size: tokens per KV block.
         max_concurrency: requests in flight at most (None = all submitted).
         max_batch_tokens: tokens fed per step at most, per model.
@@ -53,6 +53,9 @@ class Router:
             (see `Engine`).
         thresholds: delayed batching thresholds B_i per model (``mode="delayed"``).
         retain_kv: False re-prefills the whole context on every return (baseline).
+        backend: ``"torch"`` (real models) or ``"sim"``: then each model is a
+            `tokenrouter_sdk.backends.sim_runner.LatencyModel` (or a dict of its fields, or None
+            for the default), steps take simulated time, and metrics are in simulated seconds.
 
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).
@@ -60,34 +63,49 @@ class Router:
     """
 
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
-                 max_kv_tokens: int = 8192, block_size: int = 16, max_concurrency: int | None = None,
+                 max_kv_tokens: int | None = None, block_size: int = 16, max_concurrency: int | None = None,
                  max_batch_tokens: int = 4096, dtype=None, device: str = "cpu", mode: str = "async",
-                 thresholds: dict[str, int] | None = None, retain_kv: bool = True):
+                 thresholds: dict[str, int] | None = None, retain_kv: bool = True, backend: str = "torch"):
         from .models import check_same_tokenizer, load_model
         if not models:
             raise ValueError("Router needs at least one model, e.g. Router({'small': m1, 'large': m2}, policy)")
-        loaded, toks = {}, {}
-        for name, m in models.items():
-            if isinstance(m, tuple):  # (model, its tokenizer)
-                m, toks[name] = m
-            elif isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
-                kw = {"device": device} | ({"dtype": dtype} if dtype is not None else {})
-                m, tok = load_model(m, **kw)
-                toks[name] = tok
-            elif tokenizer is None:
-                raise ValueError(f"model '{name}' was given as an object: pass tokenizer=... too")
-            loaded[name] = m
-        self.tokenizer = tokenizer if tokenizer is not None else next(iter(toks.values()))
-        names = list(loaded)
-        for name in names:
-            check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else names[0],
-                                 toks.get(name, self.tokenizer), name)
-        self.models = loaded
+        if backend not in ("torch", "sim"):
+            raise ValueError(f"unknown backend {backend!r}; choose 'torch' or 'sim'")
+        transport = None
+        if backend == "sim":
+            from .backends.sim_runner import LatencyModel, SimRunner, SimTransport
+            from .models import tiny_tokenizer
+            self.tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
+            vocab = len(self.tokenizer)
+            runners = {n: SimRunner(m if isinstance(m, LatencyModel) else LatencyModel(**(m or {})),
+                                    vocab_size=vocab, max_kv_tokens=max_kv_tokens or (1 << 22), block_size=block_size, seed=i)
+                       for i, (n, m) in enumerate(models.items())}
+            self.models = dict(models)
+            transport = SimTransport()
+        else:
+            loaded, toks = {}, {}
+            for name, m in models.items():
+                if isinstance(m, tuple):  # (model, its tokenizer)
+                    m, toks[name] = m
+                elif isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
+                    kw = {"device": device} | ({"dtype": dtype} if dtype is not None else {})
+                    m, tok = load_model(m, **kw)
+                    toks[name] = tok
+                elif tokenizer is None:
+                    raise ValueError(f"model '{name}' was given as an object: pass tokenizer=... too")
+                loaded[name] = m
+            self.tokenizer = tokenizer if tokenizer is not None else next(iter(toks.values()))
+            names = list(loaded)
+            for name in names:
+                check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else names[0],
+                                     toks.get(name, self.tokenizer), name)
+            self.models = loaded
+            runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens or 8192, block_size=block_size)
+                       for n, m in loaded.items()}
         self.policy = policy if policy is not None else Policy()
-        runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens, block_size=block_size) for n, m in loaded.items()}
         self.engine = Engine(runners, self.tokenizer, max_concurrency=max_concurrency,
                              max_batch_tokens=max_batch_tokens, mode=mode, thresholds=thresholds,
-                             retain_kv=retain_kv)
+                             retain_kv=retain_kv, transport=transport)
         self.max_context = min(r.max_context for r in runners.values())
         self._last_rids: set[int] = set()
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
@@ -159,7 +177,7 @@ class Router:
         top_k, seed, stop, ignore_eos)."""
         params = self._params(len(prompts), sampling, kw)
         pol = policy if policy is not None else self.policy
-        handles = []
+        checked = []
         for prompt, p in zip(prompts, params):
             ids, err = self._check_prompt(prompt, chat)
             if err is None:
@@ -167,7 +185,9 @@ class Router:
                     p.validate()
                 except ValueError as e:
                     err = str(e)
-            handles.append(self.engine.submit(ids, p, pol, prompt=prompt, error=err))
+            checked.append((prompt, ids, p, err))
+        with self.engine.transport.hold():
+            handles = [self.engine.submit(ids, p, pol, prompt=prompt, error=err) for prompt, ids, p, err in checked]
         self._last_rids = {h.rid for h in handles}
         return handles
 

@@ -26,7 +26,7 @@ class RequestHandle:
     def __init__(self, config: RequestConfig, prompt, entry: str):
         self.config, self.entry = config, entry
         self.output = RequestOutput(rid=config.rid, prompt=prompt)
-        self.t_submit = time.perf_counter()
+        self.t_submit = 0.0
         self.t_admit: float | None = None
         self.t_first: float | None = None
         self.t_end: float | None = None
@@ -53,6 +53,8 @@ class Engine:
         thresholds: delayed batching thresholds B_i per model name (``delayed`` mode; missing
             models get 1). Feasibility sum_i (B_i - 1) < N is checked per run (`check_thresholds`).
         retain_kv: False frees a request's KV on every handoff (re-prefill on return).
+        transport: how sub-servers run and talk: `ThreadTransport` (default) or `SimTransport`
+            (simulated time, for the sim backend).
 
     Raises:
         ValueError: unknown mode, or thresholds < 1 / naming unknown models.
@@ -60,7 +62,7 @@ class Engine:
 
     def __init__(self, runners: dict, tokenizer, *, max_concurrency: int | None = None,
                  max_batch_tokens: int = 4096, max_batch_size: int = 256, mode: str = "async",
-                 thresholds: dict[str, int] | None = None, retain_kv: bool = True):
+                 thresholds: dict[str, int] | None = None, retain_kv: bool = True, transport=None):
         self.models = list(runners)
         self.runners = dict(runners)
         self.tokenizer = tokenizer
@@ -81,15 +83,14 @@ class Engine:
             raise ValueError(f"thresholds {bad} invalid: each must name a model of {self.models} and be >= 1")
         self.mode, self.thresholds, self.retain_kv = mode, {m: int(thresholds.get(m, 1)) for m in self.models}, retain_kv
         self._round, self._awaiting, self._rr = 0, set(), 0
-        self.transport = ThreadTransport()
+        self.transport = transport if transport is not None else ThreadTransport()
+        self.clock = self.transport.clock
         self.subservers = {
             name: SubServer(name, self.models, r, tokenizer, self.transport.send, self.transport.emit,
                             max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, mode=mode,
-                            thresholds=self.thresholds, retain_kv=retain_kv)
+                            thresholds=self.thresholds, retain_kv=retain_kv, clock=self.transport.clock_for(name))
             for name, r in runners.items()}
-        self.transport.start(self.subservers)
-        self._collector = threading.Thread(target=self._collect, name="tokenrouter-engine", daemon=True)
-        self._collector.start()
+        self.transport.start(self.subservers, self._handle_event)
 
     # -- submission -----------------------------------------------------------------------
     def register_policy(self, policy: Policy) -> int:
@@ -127,11 +128,12 @@ class Engine:
             except Exception as ex:  # noqa: BLE001
                 error = f"policy {policy!r}.entry failed: {type(ex).__name__}: {ex}"
         h = RequestHandle(cfg, prompt, entry)
+        h.t_submit = self.clock()
         with self._lock:
             self._reqs[rid] = h
             if error is not None:
-                self.trace.append(("admit", rid, time.perf_counter()))
-                self._end(h, "failed", error, time.perf_counter())
+                self.trace.append(("admit", rid, self.clock()))
+                self._end(h, "failed", error, self.clock())
                 return h
             self._queue.append(h)
             self._admit_more()
@@ -152,7 +154,7 @@ class Engine:
         admitted = False
         while self._queue and (self.max_concurrency is None or self._inflight < self.max_concurrency):
             h = self._queue.popleft()
-            h.t_admit = time.perf_counter()
+            h.t_admit = self.clock()
             self._inflight += 1
             admitted = True
             self.trace.append(("admit", h.rid, h.t_admit))
@@ -193,19 +195,15 @@ class Engine:
                 return
             if h in self._queue:
                 self._queue.remove(h)
-                self._end(h, "aborted", reason, time.perf_counter())
+                self._end(h, "aborted", reason, self.clock())
                 return
         for name in self.models:
             self.transport.send(name, M.Abort(rid, reason))
 
     # -- events ---------------------------------------------------------------------------
-    def _collect(self) -> None:
-        while True:
-            ev = self.transport.events.get()
-            if ev is None:
-                return
-            with self._lock:
-                self._on_event(ev)
+    def _handle_event(self, ev) -> None:
+        with self._lock:
+            self._on_event(ev)
 
     def _on_event(self, ev) -> None:
         if isinstance(ev, M.StepDone):
@@ -218,7 +216,7 @@ class Engine:
         if isinstance(ev, M.Finished) and ev.rid == -1:  # a sub-server died
             for h in list(self._reqs.values()):
                 if not h.done.is_set() and h.t_admit is not None:
-                    self._end(h, "failed", ev.error, time.perf_counter())
+                    self._end(h, "failed", ev.error, self.clock())
             return
         h = self._reqs.get(ev.rid)
         if h is None or h.done.is_set():
@@ -280,7 +278,7 @@ class Engine:
     def _check_alive(self) -> None:
         dead = [m for m in self.models if not self.transport.alive(m)]
         if dead and not self._closed:
-            self.transport.emit(M.Finished(-1, dead[0], "crashed", f"sub-server '{dead[0]}' is not running", 0.0))
+            self._handle_event(M.Finished(-1, dead[0], "crashed", f"sub-server '{dead[0]}' is not running", 0.0))
 
     def idle(self) -> bool:
         """True when no request is queued or in flight and every sub-server holds no request."""
@@ -303,11 +301,9 @@ class Engine:
             return
         self._closed = True
         self.transport.close()
-        self.transport.events.put(None)
-        self._collector.join(10)
         with self._lock:
             for h in self._reqs.values():
                 if not h.done.is_set():
-                    self._end(h, "aborted", "the Router was closed", time.perf_counter())
+                    self._end(h, "aborted", "the Router was closed", self.clock())
         for r in self.runners.values():
             r.pool.release()

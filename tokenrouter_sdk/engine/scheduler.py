@@ -100,16 +100,15 @@ class Scheduler:
     def too_big(self, seq: Seq) -> bool:
         return self.pool.blocks_for(len(seq.tokens)) > self.pool.num_blocks
 
-    def _reserve(self, seq: Seq, batch: list[Seq]) -> bool:
-        in_batch = {s.rid for s in batch}
-        in_batch.add(seq.rid)
+    def _reserve(self, seq: Seq, in_batch: set[int]) -> bool:
         while True:
             try:
                 self.pool.ensure(seq.table, len(seq.tokens))
                 return True
             except KVPoolFull:
                 pending = [s for s in self.seqs.values() if s.status == "pending" and s.table]
-                others = [s for s in reversed(self.owned.values()) if s.rid not in in_batch and s.table]
+                others = [s for s in reversed(self.owned.values()) if s.rid not in in_batch and s.rid != seq.rid
+                          and s.table]
                 victims = pending or others
                 if not victims:
                     return False
@@ -119,6 +118,7 @@ class Scheduler:
         """The requests of the next step (possibly empty). Requests too big for the whole
         pool are not scheduled; the sub-server fails them via `too_big` beforehand."""
         batch: list[Seq] = []
+        in_batch: set[int] = set()
         budget = self.max_batch_tokens
         for seq in list(self.owned.values()):
             if len(batch) >= self.max_batch_size:
@@ -126,9 +126,10 @@ class Scheduler:
             need = len(seq.tokens) - seq.kv_len
             if batch and need > budget:
                 continue
-            if not self._reserve(seq, batch):
+            if not self._reserve(seq, in_batch):
                 continue
             seq.status = "running"
             batch.append(seq)
+            in_batch.add(seq.rid)
             budget -= need
         return batch

@@ -44,12 +44,14 @@ class SubServer:
         thresholds: per-model delayed-batching thresholds B_i (``delayed`` mode).
         retain_kv: False frees a request's KV on handoff, so a return re-prefills the whole
             context (what serving each model separately costs without prefix caching).
+        clock: seconds; ``time.perf_counter`` (or a simulated clock for the sim backend).
     """
 
     def __init__(self, name: str, models: list[str], runner, tokenizer,
                  send: Callable[[str, object], None], emit: Callable[[object], None],
                  max_batch_tokens: int = 4096, max_batch_size: int = 256, mode: str = "async",
-                 thresholds: dict[str, int] | None = None, retain_kv: bool = True):
+                 thresholds: dict[str, int] | None = None, retain_kv: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
         self.name, self.models, self.index = name, list(models), list(models).index(name)
         self.runner, self.tokenizer = runner, tokenizer
         self.send, self.emit = send, emit
@@ -62,6 +64,7 @@ class SubServer:
         self.thresholds = dict(thresholds or {})
         self.inflight = 0
         self._go: list[int] = []
+        self.clock = clock
 
     # -- message handling -----------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -160,22 +163,27 @@ class SubServer:
                     self.handle(self.inbox.get_nowait())
             except queue.Empty:
                 pass
-            if not self._running:
-                break
-            if not self._can_step():
-                continue
-            rnd = self._go.pop(0) if self.mode in ("sync", "model_sync") else None
-            pre = self.sched.preemptions
-            batch = self.sched.schedule()
-            if batch:
-                self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
-            elif rnd is not None:
-                self.emit(M.Idle(self.name, rnd))
+            if self._running:
+                self.try_step()
+
+    def try_step(self) -> bool:
+        """Run one step if the mode allows it now; return True if a forward ran."""
+        if not self._can_step():
+            return False
+        rnd = self._go.pop(0) if self.mode in ("sync", "model_sync") else None
+        pre = self.sched.preemptions
+        batch = self.sched.schedule()
+        if batch:
+            self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
+            return True
+        if rnd is not None:
+            self.emit(M.Idle(self.name, rnd))
+        return False
 
     def step(self, batch: list[Seq], preempted: int = 0, round: int | None = None) -> None:
         """One forward over ``batch``, then sample, route and commit/hand off each request."""
         from ..backends.torch_runner import SeqInput
-        t0 = time.perf_counter()
+        t0 = self.clock()
         fed = {s.rid: len(s.tokens) - s.kv_len for s in batch}
         inputs = [SeqInput(s.tokens[s.kv_len:], s.kv_len, s.table) for s in batch]
         try:
@@ -184,7 +192,7 @@ class SubServer:
             for s in batch:
                 s.kv_len = 0
                 self._finish(s, "failed", f"forward of model '{self.name}' failed: {type(e).__name__}: {e}")
-            self.emit(M.StepDone(self.name, t0, time.perf_counter(), 0.0, len(batch), 0, {}, preempted, round))
+            self.emit(M.StepDone(self.name, t0, self.clock(), 0.0, len(batch), 0, {}, preempted, round))
             return
         for s in batch:
             s.kv_len = len(s.tokens)
@@ -198,7 +206,7 @@ class SubServer:
                 self._apply(s, tok, dec)
             except RequestFailed as e:
                 self._finish(s, "failed", str(e))
-        self.emit(M.StepDone(self.name, t0, time.perf_counter(), self.runner.last_forward_s, len(batch),
+        self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s, len(batch),
                              sum(fed.values()), fed, preempted, round))
 
     # -- routing --------------------------------------------------------------------------
@@ -277,7 +285,7 @@ class SubServer:
         s.seen[self.name] = len(s.tokens)
         s.n_committed += 1
         s.hops_since_commit = 0
-        self.emit(M.Committed(s.rid, self.name, [tok], time.perf_counter()))
+        self.emit(M.Committed(s.rid, self.name, [tok], self.clock()))
         p = s.config.params
         reason = None
         if tok in s.config.eos_ids and not p.ignore_eos:
@@ -310,7 +318,7 @@ class SubServer:
         t_seen = s.seen.get(target, 0)
         seen = dict(s.seen)
         seen[target] = len(s.tokens)
-        self.emit(M.Hopped(s.rid, self.name, target, committed, time.perf_counter()))
+        self.emit(M.Hopped(s.rid, self.name, target, committed, self.clock()))
         msg = M.HandoffMsg(
             rid=s.rid, src=self.name, suffix=s.tokens[t_seen:], seen=seen, n_committed=s.n_committed,
             hops=s.hops, hops_since_commit=s.hops_since_commit, discarded=s.discarded, state=s.state,
@@ -325,7 +333,7 @@ class SubServer:
         self.send(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None) -> None:
-        self.emit(M.Finished(s.rid, self.name, reason, error, time.perf_counter()))
+        self.emit(M.Finished(s.rid, self.name, reason, error, self.clock()))
         for m, n in s.seen.items():
             if m != self.name and n > 0:
                 self.send(m, M.Release(s.rid))

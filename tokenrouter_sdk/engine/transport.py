@@ -1,29 +1,41 @@
 """How messages move between the engine and the sub-servers.
 
+A transport starts the sub-servers, delivers ``send(model, msg)`` to a sub-server's inbox,
+delivers the sub-servers' events to the engine's handler, and says what time it is.
 `ThreadTransport` runs each sub-server in a thread of this process and moves messages over
-`queue.Queue`s (no copies, debuggable with breakpoints). A process transport (pyzmq) plugs
-in behind the same three calls: ``start``, ``send(model, msg)``, ``close``.
+`queue.Queue`s (no copies, debuggable with breakpoints). `SimTransport`
+(`tokenrouter_sdk.backends.sim_runner`) runs them in simulated time. A process transport
+(pyzmq) plugs in behind the same calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
+from typing import Callable
 
 from . import messages as M
 
 
 class ThreadTransport:
-    """Sub-servers in threads of this process.
+    """Sub-servers in threads of this process; one collector thread hands events to the engine."""
 
-    Args:
-        subservers: name -> `SubServer` (their ``send`` must be this transport's ``send``).
-    """
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self):
         self.subservers: dict = {}
         self.events: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
+
+    def clock_for(self, model: str) -> Callable[[], float]:
+        return time.perf_counter
+
+    @contextlib.contextmanager
+    def hold(self):
+        """A batch submission (a no-op here; the sim transport freezes time during it)."""
+        yield
 
     def emit(self, event) -> None:
         self.events.put(event)
@@ -31,12 +43,22 @@ class ThreadTransport:
     def send(self, model: str, msg) -> None:
         self.subservers[model].inbox.put(msg)
 
-    def start(self, subservers: dict) -> None:
+    def start(self, subservers: dict, on_event: Callable[[object], None]) -> None:
         self.subservers = dict(subservers)
+        self._on_event = on_event
         for name, ss in self.subservers.items():
             t = threading.Thread(target=self._serve, args=(ss,), name=f"tokenrouter-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        self._collector = threading.Thread(target=self._collect, name="tokenrouter-engine", daemon=True)
+        self._collector.start()
+
+    def _collect(self) -> None:
+        while True:
+            ev = self.events.get()
+            if ev is None:
+                return
+            self._on_event(ev)
 
     def _serve(self, ss) -> None:
         try:
@@ -54,3 +76,5 @@ class ThreadTransport:
         for t in self._threads:
             t.join(timeout)
         self._threads.clear()
+        self.events.put(None)
+        self._collector.join(timeout)

@@ -1,0 +1,157 @@
+"""Co-LLM: Learning to Decode Collaboratively with Multiple Language Models (arXiv 2403.03870,
+ACL'24; spec in ``shared/research/policies.md`` section 4; official code clinicalml/co-llm,
+``collm/generate.py generate_response``, ``collm/inference/api_server_deferral.py``).
+
+Signal: a deferral head g on the small ("base") model's last-layer hidden state h_t. In Co-LLM g
+is one extra row of the base model's vocabulary projection (``<|defer|>``), split off before
+sampling; here it is a separate vector [H] plus a bias b:
+
+    pi_t = sigmoid(g . h_t + b)
+
+Rule (``deferral_strategy="defer"``): pi_t > eta_t -> the base token is discarded and the large
+("assistant") model writes exactly one token for that position; control returns to the base.
+``eta_t`` follows the optional warm-up schedule of the code (``create_deferral_threshold_schedule``:
+from 1.0, i.e. never defer, to eta over ``warmup_steps`` output tokens; default constant).
+
+``compose=True`` (``deferral_strategy="compose"``): at a deferral position the token is
+argmax_x [(1 - pi_t) p_base(x) + pi_t p_asst(x)]. The engine lets no policy write a token of its
+own choosing, so this is done with handoffs: the assistant's route sees p_asst and, with the
+p_base stored at deferral, computes the composed argmax x*. If x* is the assistant's token it is
+kept; if x* is the base model's token the assistant's token is discarded and the base model
+regenerates the position, which it then keeps without deferring (the same token under greedy
+decoding; one extra base forward). If x* is a third token it cannot be written: the assistant's
+token is kept instead and ``state["co_llm_unwritable"]`` counts such positions. Exact compose
+needs an engine hook that lets a policy set the sampled token.
+
+Defaults: eta = 0.5 (``generate_deferral(deferral_threshold=0.5)``); the paper picks eta per task
+on validation data (Youden's J / deferral-rate sweep), so pass yours.
+Deviations: Co-LLM decodes greedily on both models (the base argmax, one greedy assistant token);
+here both sample with the request's own parameters (identical under greedy decoding, the default),
+since the engine cannot yet force greedy decoding for one model. ``tokens_per_call`` > 1 (the base
+drafts k tokens, truncated at the first deferral) is not implemented: the scripts use 1.
+Weights: Co-LLM publishes none, and it fine-tunes the whole base model jointly with g; a head
+trained on a frozen small model is an approximation. ``head`` takes a tokenrouter head file (kind
+``"co_llm"``), a `DeferralHead`, or a state dict ``{"g": [H], "b": []}``; the deferral row of a
+fine-tuned Co-LLM checkpoint is ``lm_head.weight[-1]`` (pass ``{"g": row, "b": torch.tensor(0.)}``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tokenrouter_sdk.policy import Handoff, Needs, Step, StepBatch
+
+from .heads import DeferOneToken, check_hidden, on_device, resolve_head
+
+WARMUPS = ("constant", "linear", "cosine", "exponential")
+
+
+class DeferralHead(nn.Module):
+    """g and b: h [B, H] -> pi [B] = sigmoid(h . g + b)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.g = nn.Parameter(torch.zeros(hidden_size))
+        self.b = nn.Parameter(torch.zeros(()))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(h @ self.g + self.b)
+
+
+def warmup_eta(t: int, eta: float, schedule: str, steps: int) -> float:
+    """eta_t of Co-LLM's threshold schedule: from 1.0 at t=0 to ``eta`` at t >= ``steps``."""
+    if schedule == "constant" or t >= steps:
+        return eta
+    if schedule == "linear":
+        return 1.0 + (eta - 1.0) * t / steps
+    if schedule == "cosine":
+        return eta + (1.0 - eta) / 2 * (math.cos(math.pi * t / steps) + 1)
+    return eta ** (t / steps)  # exponential: 1.0 * (eta / 1.0) ** (t / steps)
+
+
+class CoLLM(DeferOneToken):
+    """Args:
+        head: the deferral head: a path, a `DeferralHead` or ``{"g": [H], "b": []}``. Required:
+            ``None`` or a missing file raises `HeadMissingError`, which says how to get one.
+        eta: defer when pi > eta (default 0.5).
+        compose: mix the two distributions at deferral positions (see the module docstring).
+        warmup: threshold schedule, one of ``constant`` (default), ``linear``, ``cosine``,
+            ``exponential``, from 1.0 to eta over ``warmup_steps`` (default 15) output tokens.
+        small, large: model names (default: first and last model).
+    """
+
+    def __init__(self, head, eta: float = 0.5, compose: bool = False, warmup: str = "constant",
+                 warmup_steps: int = 15, small: str | None = None, large: str | None = None):
+        if warmup not in WARMUPS:
+            raise ValueError(f"CoLLM: warmup must be one of {WARMUPS}, got {warmup!r}")
+        sd, _, self.head_meta = resolve_head(head, "co_llm")
+        if set(sd) != {"g", "b"}:
+            raise ValueError(f"CoLLM: a deferral head has tensors 'g' [H] and 'b' [], got {sorted(sd)}")
+        self.hidden_size = int(sd["g"].shape[-1])
+        self._net = DeferralHead(self.hidden_size)
+        self._net.load_state_dict({"g": sd["g"].reshape(-1), "b": sd["b"].reshape(())})
+        self._net.float().eval().requires_grad_(False)
+        self.eta, self.compose, self.warmup, self.warmup_steps = eta, compose, warmup, warmup_steps
+        self.small, self.large = small, large
+        self.needs = Needs(hidden=True, logits=compose)
+
+    @classmethod
+    def random_head(cls, hidden_size: int, seed: int = 0, bias: float = 0.0) -> DeferralHead:
+        """A head with g ~ N(0, 1/H) and the given bias (for tests; it routes arbitrarily)."""
+        head = DeferralHead(hidden_size)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            head.g.copy_(torch.randn(hidden_size, generator=g) / math.sqrt(hidden_size))
+            head.b.fill_(bias)
+        return head
+
+    def deferral_prob(self, batch: StepBatch) -> torch.Tensor:
+        """pi for each request of the batch, shape [B] (float32)."""
+        check_hidden("co_llm", self.hidden_size, batch.hidden.shape[-1])
+        return on_device(self._net, batch.hidden)(batch.hidden.float())
+
+    def defer(self, batch: StepBatch) -> torch.Tensor:
+        pi = self.deferral_prob(batch)
+        eta = torch.tensor([warmup_eta(r.n_generated, self.eta, self.warmup, self.warmup_steps)
+                            for r in batch.requests], device=pi.device)
+        d = pi > eta
+        if self.compose:
+            for i, r in enumerate(batch.requests):
+                if r.state.pop("co_llm_accept", False):   # composed argmax = the base token: keep it
+                    d[i] = False
+                elif d[i]:
+                    r.state["co_llm_defer"] = (float(pi[i]), int(batch.tokens[i]),
+                                               torch.softmax(batch.logits[i].float(), -1).cpu())
+        return d
+
+    def route_batch(self, batch: StepBatch) -> list[str]:
+        small = self.small or batch.models[0]
+        if not self.compose or batch.model == small:
+            return super().route_batch(batch)
+        return [self._compose(batch[i], small) for i in range(len(batch))]
+
+    def _compose(self, step: Step, small: str) -> str:
+        st = step.state
+        if "co_llm_defer" not in st:
+            return step.model
+        pi, base_tok, p_base = st.pop("co_llm_defer")
+        p_asst = torch.softmax(step.logits.float(), -1).cpu()
+        x = int(((1 - pi) * p_base + pi * p_asst).argmax())
+        if x == step.token:                      # the assistant's token: keep it
+            st["co_llm_keep"] = True
+        elif x == base_tok:                      # the base token: discard, the base regenerates it
+            st["co_llm_keep"], st["co_llm_accept"] = False, True
+        else:                                    # a third token: not writable, keep the assistant's
+            st["co_llm_keep"] = True
+            st["co_llm_unwritable"] = st.get("co_llm_unwritable", 0) + 1
+        return small
+
+    def send(self, req, target) -> Handoff:
+        if self.compose:
+            if req.owner == (self.small or req.models[0]):
+                return Handoff(keep_sampled=False)          # the assistant's route composes
+            return Handoff(keep_sampled=req.state.pop("co_llm_keep", True))
+        return Handoff(keep_sampled=False, span=1)

@@ -1,0 +1,145 @@
+"""Query-level routing: one model writes the whole answer, chosen once per request from the
+prompt (RouteLLM, arXiv 2406.18665, lm-sys/RouteLLM ``routellm/routers/routers.py``; spec in
+``shared/research/policies.md`` section 8).
+
+RouteLLM routes to the strong model iff its predicted strong-win-rate >= threshold, from a prompt
+embedding (OpenAI embeddings, BERT, an LLM judge). Offline here, the feature is the small
+model's own last-layer hidden state h at the last prompt token (after the final norm): the
+prefill computes it anyway, so the decision costs one head evaluation and no extra model.
+A pooled (mean) prompt state would need every prompt position's hidden state, which the engine
+does not expose (it keeps only the position that produces the next token).
+
+`QueryRouter`: the request enters on the small model S; at S's first step (position 0) a head
+predicts p = P(S answers correctly | h). p < threshold -> S's token is discarded and the large
+model L writes the whole answer (including position 0); else S writes it all. Cost of the L
+branch: one S prefill and one discarded token.
+
+`RandomQueryRouting`: with probability p per request L writes everything; decided in
+``entry()``, so an L request is prefilled on L only (no S work at all).
+
+Head file: the shared format of ``policies/heads.py`` (kind ``"query"``; ``config`` =
+``{"hidden_size", "hidden_dim"}``), read with ``torch.load(weights_only=True)``. Training (which
+prompts S answers correctly -> logistic regression / MLP) is a later issue: ``tokenrouter train query``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+from torch import nn
+
+from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step, StepBatch
+
+from .heads import KINDS, check_hidden, resolve_head, save_head
+
+KINDS.setdefault("query", (  # registered here until heads.py lists it
+    "QueryRouter", "a query-level head (logistic regression or MLP on the small model's last-layer hidden "
+    "state at the last prompt token, giving p = P(the small model answers the prompt correctly))",
+    "RouteLLM's published routers use other features (OpenAI embeddings, BERT): train one per small model"))
+
+
+class QueryHead(nn.Module):
+    """p = sigmoid(f((h - mu) / sigma)): logistic regression (``hidden_dim=0``, f = Linear) or a
+    one-hidden-layer MLP (f = Linear-ReLU-Linear). h: [B, H] -> p: [B] (float32)."""
+
+    def __init__(self, hidden_size: int, hidden_dim: int = 0):
+        super().__init__()
+        self.config = {"hidden_size": hidden_size, "hidden_dim": hidden_dim}
+        self.register_buffer("mu", torch.zeros(hidden_size))
+        self.register_buffer("sigma", torch.ones(hidden_size))
+        self.net = (nn.Linear(hidden_size, 1) if hidden_dim == 0 else
+                    nn.Sequential(nn.Linear(hidden_size, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 1)))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        check_hidden("query", self.config["hidden_size"], h.shape[-1])
+        x = (h.to(self.mu.device, torch.float32) - self.mu) / self.sigma
+        return torch.sigmoid(self.net(x)).squeeze(-1)
+
+
+def save_query_head(head: QueryHead, path, meta: dict | None = None) -> None:
+    """Write ``head`` as a head file of kind ``"query"``."""
+    save_head(path, "query", head.state_dict(), head.config, meta)
+
+
+def load_query_head(head) -> QueryHead:
+    """A `QueryHead` from a head file path or a `QueryHead`; HeadMissingError if there is none."""
+    if isinstance(head, QueryHead):
+        return head
+    sd, config, _ = resolve_head(head, "query")
+    q = QueryHead(**config)
+    q.load_state_dict(sd)
+    return q.eval().requires_grad_(False)
+
+
+class QueryRouter(Policy):
+    """Args:
+        head: a head file (see the module docstring) or a `QueryHead`. Required.
+        threshold: L writes the answer when p = P(S correct) < threshold (RouteLLM calibrates it
+            as a quantile of the router's scores for a target share of L requests).
+        small, large: model names (default: first and last model).
+
+    Per-request state: ``p_small`` (the head's p, set at position 0 on S).
+    """
+
+    needs = Needs(hidden=True)
+
+    def __init__(self, head: str | os.PathLike | QueryHead | None = None, threshold: float = 0.5,
+                 small: str | None = None, large: str | None = None):
+        self._head = load_query_head(head)
+        self.head = "<in memory>" if isinstance(head, QueryHead) else str(head)
+        self.threshold, self.small, self.large = threshold, small, large
+
+    @staticmethod
+    def random_head(hidden_size: int, seed: int = 0, hidden_dim: int = 0) -> QueryHead:
+        """An untrained head with seeded random weights (for tests)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return QueryHead(hidden_size, hidden_dim).eval().requires_grad_(False)
+
+    def route_batch(self, batch: StepBatch) -> list[str]:
+        small, large = self.small or batch.models[0], self.large or batch.models[-1]
+        out = [batch.model] * len(batch)
+        rows = [i for i, r in enumerate(batch.requests) if batch.model == small and r.n_generated == 0]
+        if rows:
+            with torch.inference_mode():
+                p = self._head(batch.hidden[rows]).tolist()
+            for i, pi in zip(rows, p):
+                batch.requests[i].state["p_small"] = pi
+                if pi < self.threshold:
+                    out[i] = large
+        return out
+
+    def route(self, step: Step) -> str:
+        b = step.batch
+        one = StepBatch(b.model, b.models, b.tokens[step.i:step.i + 1], b.logits[step.i:step.i + 1],
+                        b.hidden[step.i:step.i + 1], [step.request], b.tokenizer)
+        return self.route_batch(one)[0]
+
+    def send(self, req, target) -> Handoff:
+        return Handoff(keep_sampled=False)  # L regenerates position 0 and keeps the request
+
+
+class RandomQueryRouting(Policy):
+    """Per request, with probability ``p`` the large model prefills and writes everything,
+    else the small one does (RouteLLM's ``random`` router). Draws from
+    ``Random(seed * 1_000_003 + rid)``, like `RandomRouting`.
+
+    Args:
+        p: share of requests sent to the large model, in [0, 1].
+        seed: base seed.
+        small, large: model names (default: first and last model).
+    """
+
+    def __init__(self, p: float = 0.5, seed: int = 0, small: str | None = None, large: str | None = None):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"RandomQueryRouting: p must be in [0, 1], got {p}")
+        self.p, self.seed, self.small, self.large = p, seed, small, large
+
+    def entry(self, req, models):
+        to_large = random.Random(self.seed * 1_000_003 + req.rid).random() < self.p
+        return (self.large or models[-1]) if to_large else (self.small or models[0])
+
+    def route(self, step: Step) -> str:
+        return step.model
