@@ -34,6 +34,9 @@ KINDS = {
     "r2r": ("R2R", "a router network on [small last hidden state, sampled-token embedding, top-100 logits]",
             "published routers: HF nics-efc/R2R_router_collections, file default_router.pt (download it "
             "where you have hub access and pass its local path)"),
+    "query": ("QueryRouter", "a query-level head (logistic regression or MLP on the small model's last-layer "
+              "hidden state at the last prompt token, giving p = P(the small model answers the prompt correctly))",
+              "RouteLLM's published routers use other features (OpenAI embeddings, BERT): train one per small model"),
 }
 
 

@@ -32,12 +32,7 @@ from torch import nn
 
 from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step, StepBatch
 
-from .heads import KINDS, check_hidden, resolve_head, save_head
-
-KINDS.setdefault("query", (  # registered here until heads.py lists it
-    "QueryRouter", "a query-level head (logistic regression or MLP on the small model's last-layer hidden "
-    "state at the last prompt token, giving p = P(the small model answers the prompt correctly))",
-    "RouteLLM's published routers use other features (OpenAI embeddings, BERT): train one per small model"))
+from .heads import check_hidden, resolve_head, save_head
 
 
 class QueryHead(nn.Module):

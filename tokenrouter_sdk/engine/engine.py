@@ -118,9 +118,10 @@ class Engine:
             self._next_rid += 1
         cfg = RequestConfig(rid, list(prompt_ids or []), params, key, eos_ids)
         entry = self.models[0]
+        state: dict = {}
         if error is None:
             try:
-                e = policy.entry(RequestView(rid, cfg.prompt_ids, [], "", {}, 0, tuple(self.models)), self.models)
+                e = policy.entry(RequestView(rid, cfg.prompt_ids, [], "", state, 0, tuple(self.models)), self.models)
                 if e is not None:
                     if e not in self.models:
                         raise ValueError(f"returned {e!r}; expected one of {self.models}")
@@ -128,7 +129,7 @@ class Engine:
             except Exception as ex:  # noqa: BLE001
                 error = f"policy {policy!r}.entry failed: {type(ex).__name__}: {ex}"
         h = RequestHandle(cfg, prompt, entry)
-        h.t_submit = self.clock()
+        h.t_submit, h.state = self.clock(), state
         with self._lock:
             self._reqs[rid] = h
             if error is not None:
@@ -160,7 +161,7 @@ class Engine:
             self.trace.append(("admit", h.rid, h.t_admit))
             if self.mode == "delayed":
                 self._broadcast_inflight()
-            self.transport.send(h.entry, M.Admit(h.config, h.t_admit))
+            self.transport.send(h.entry, M.Admit(h.config, h.t_admit, h.state))
         if admitted:
             self._kick()
 

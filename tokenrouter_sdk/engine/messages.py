@@ -16,6 +16,7 @@ class Admit:
 
     config: RequestConfig
     t_admit: float
+    state: dict = field(default_factory=dict)  # the policy state entry() started
 
 
 @dataclass

@@ -70,7 +70,7 @@ class SubServer:
     def handle(self, msg) -> None:
         if isinstance(msg, M.Admit):
             cfg = msg.config
-            seq = Seq(cfg, list(cfg.prompt_ids), seen={self.name: len(cfg.prompt_ids)},
+            seq = Seq(cfg, list(cfg.prompt_ids), seen={self.name: len(cfg.prompt_ids)}, state=msg.state,
                       generator=make_generator(cfg.params.seed, self.index, self.runner.device))
             self._own(seq)
         elif isinstance(msg, M.HandoffMsg):
