@@ -146,8 +146,11 @@ class SimTransport:
         with self._cv:
             heapq.heappush(self._heap, (self._t(), next(self._seq), None, event))
 
-    def start(self, subservers: dict, on_event: Callable[[object], None]) -> None:
-        self.subservers, self._on_event = dict(subservers), on_event
+    def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
+        from ..engine.subserver import SubServer
+        self.subservers = {name: SubServer(**spec, send=self.send, emit=self.emit, clock=self.clock_for(name))
+                           for name, spec in specs.items()}
+        self._on_event = on_event
         for name, ss in self.subservers.items():
             self._busy[name] = 0.0
             ss.runner.advance = self._advancer(name)

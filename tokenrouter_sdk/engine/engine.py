@@ -16,7 +16,7 @@ from typing import Callable
 from ..policy import Policy
 from ..request import RequestConfig, RequestOutput, RequestView, SamplingParams
 from . import messages as M
-from .subserver import MODES, RegisterPolicy, SubServer
+from .subserver import MODES, RegisterPolicy
 from .transport import ThreadTransport
 
 
@@ -85,12 +85,11 @@ class Engine:
         self._round, self._awaiting, self._rr = 0, set(), 0
         self.transport = transport if transport is not None else ThreadTransport()
         self.clock = self.transport.clock
-        self.subservers = {
-            name: SubServer(name, self.models, r, tokenizer, self.transport.send, self.transport.emit,
+        specs = {name: dict(name=name, models=self.models, runner=r, tokenizer=tokenizer,
                             max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, mode=mode,
-                            thresholds=self.thresholds, retain_kv=retain_kv, clock=self.transport.clock_for(name))
-            for name, r in runners.items()}
-        self.transport.start(self.subservers, self._handle_event)
+                            thresholds=self.thresholds, retain_kv=retain_kv) for name, r in runners.items()}
+        self.transport.start(specs, self._handle_event)
+        self.subservers = getattr(self.transport, "subservers", {})  # in-process transports only
 
     # -- submission -----------------------------------------------------------------------
     def register_policy(self, policy: Policy) -> int:

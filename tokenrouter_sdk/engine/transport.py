@@ -43,8 +43,12 @@ class ThreadTransport:
     def send(self, model: str, msg) -> None:
         self.subservers[model].inbox.put(msg)
 
-    def start(self, subservers: dict, on_event: Callable[[object], None]) -> None:
-        self.subservers = dict(subservers)
+    def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
+        """Build a `SubServer` from each spec (its keyword arguments, less send/emit/clock)
+        and serve it in a thread."""
+        from .subserver import SubServer
+        self.subservers = {name: SubServer(**spec, send=self.send, emit=self.emit, clock=self.clock_for(name))
+                           for name, spec in specs.items()}
         self._on_event = on_event
         for name, ss in self.subservers.items():
             t = threading.Thread(target=self._serve, args=(ss,), name=f"tokenrouter-{name}", daemon=True)
