@@ -143,8 +143,36 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """The side-by-side throughput benchmark (see `tokenrouter_sdk.bench`)."""
+    from .bench import environment, format_table, run_bench, write_csv, write_html
+    ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
+    if args.backend == "sim":
+        from .backends.sim_runner import LatencyModel
+        from .models import tiny_tokenizer
+        models, tok = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051}),
+                       "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158})}, tiny_tokenizer()
+        prompts = [[5 + i % 200] * 40 for i in range(64)]
+        kw = {"backend": "sim"}
+    else:
+        from .models import default_pair
+        large, small, tok = default_pair(small_layers=args.small_layers)
+        models, kw = {"small": small, "large": large}, {}
+        path = Path(args.data) if args.data else find_data()
+        prompts = load_prompts(path, 64) if path else BUILTIN
+    print(environment())
+    cells = run_bench(models, tok, prompts, policies=args.policies, modes=args.modes, concurrency=ints(args.concurrency),
+                      max_new_tokens=ints(args.max_new_tokens), baselines=not args.no_baselines,
+                      thresholds=args.thresholds, **kw)
+    print(format_table(cells))
+    write_csv(cells, args.out + ".csv")
+    html = write_html(cells, args.out + ".html")
+    print(f"wrote {args.out}.csv" + (f" and {args.out}.html" if html else " (no plotly: no HTML chart)"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser with the ``demo`` and ``info`` subcommands."""
+    """The argparse parser with the ``demo``, ``bench`` and ``info`` subcommands."""
     p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level routing between a small and a large LM.")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="route GSM8K questions between the packaged CPU pair with R-Stitch")
@@ -159,6 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
     d.add_argument("--no-color", action="store_true", help="markers instead of colours")
     d.set_defaults(fn=cmd_demo)
+    b = sub.add_parser("bench", help="committed-token throughput: policies x modes x concurrency, side by side")
+    b.add_argument("--backend", choices=["torch", "sim"], default="torch")
+    b.add_argument("--policies", nargs="+", default=["random10", "random30", "rstitch"],
+                   help="random<PCT> (RandomRouting at that large fraction), rstitch")
+    b.add_argument("--modes", nargs="+", default=["sync", "model_sync", "async", "delayed"])
+    b.add_argument("--concurrency", nargs="+", default=["1", "4", "8", "16"])
+    b.add_argument("--max-new-tokens", nargs="+", default=["256"])
+    b.add_argument("--thresholds", default="auto", help="delayed thresholds: auto (planner) or small=8,large=4")
+    b.add_argument("--no-baselines", action="store_true", help="skip retain_kv=False, large-only, small-only")
+    b.add_argument("--small-layers", type=int, default=10)
+    b.add_argument("--data", help="prompts (JSONL with 'question' or text lines); default GSM8K")
+    b.add_argument("--out", default="bench", help="output prefix for .csv and .html")
+    b.set_defaults(fn=cmd_bench)
     sub.add_parser("info", help="versions, threads, cache folder").set_defaults(fn=cmd_info)
     return p
 

@@ -274,6 +274,9 @@ def _gmres_stationary(src: np.ndarray, dst: np.ndarray, w: np.ndarray, n: int, *
     """Stationary law pi of the chain with edges (src -> dst, prob w): solves
     (I - P^T + 1 1^T / n) pi = 1 / n with restarted GMRES (unique solution when the chain has
     one recurrent class). Returns (pi clipped to >= 0 and normalised, residual)."""
+    def norm(x):
+        return float(np.sqrt(np.einsum("i,i->", x, x)))
+
     def pt(x):  # P^T x
         return np.bincount(dst, weights=w * x[src], minlength=n)
 
@@ -285,11 +288,11 @@ def _gmres_stationary(src: np.ndarray, dst: np.ndarray, w: np.ndarray, n: int, *
     x = b.copy()
     for _ in range(30):
         x = 0.5 * (x + pt(x))
-    bnorm = np.linalg.norm(b)
+    bnorm = norm(b)
     it = 0
     while it < max_iter:
         r = b - mv(x)
-        beta = np.linalg.norm(r)
+        beta = norm(r)
         if beta <= tol * bnorm:
             break
         m = min(restart, max_iter - it)
@@ -299,10 +302,11 @@ def _gmres_stationary(src: np.ndarray, dst: np.ndarray, w: np.ndarray, n: int, *
         k_used = 0
         for k in range(m):
             wv = mv(V[k])
-            for j in range(k + 1):  # modified Gram-Schmidt
-                H[j, k] = V[j] @ wv
-                wv -= H[j, k] * V[j]
-            H[k + 1, k] = np.linalg.norm(wv)
+            for _ in range(2):  # classical Gram-Schmidt, twice (numerically as good as modified);
+                h = np.einsum("ij,j->i", V[:k + 1], wv)  # einsum, not BLAS: a threaded BLAS on
+                wv -= np.einsum("ij,i->j", V[:k + 1], h)  # busy cores is 20x slower here
+                H[:k + 1, k] += h
+            H[k + 1, k] = norm(wv)
             k_used = k + 1
             it += 1
             if H[k + 1, k] > 1e-14:
@@ -313,7 +317,7 @@ def _gmres_stationary(src: np.ndarray, dst: np.ndarray, w: np.ndarray, n: int, *
             res = np.linalg.norm(H[:k + 2, :k + 1] @ y - e1)
             if res <= tol * bnorm or H[k + 1, k] <= 1e-14:
                 break
-        x = x + V[:k_used].T @ y
+        x = x + np.einsum("ij,i->j", V[:k_used], y)
     x = np.clip(x, 0.0, None)
     x /= x.sum()
     resid = float(np.abs(x - pt(x)).sum())
@@ -366,13 +370,8 @@ def _solve_chain(N: int, B: tuple[int, int], q: tuple[float, float], keep: tuple
     z = np.zeros(1, dtype=np.int64)
     a0 = _launch(dict(Q0=z + N, Q1=z, b0=z, r0=z, b1=z, r1=z, p=np.ones(1), src=z), B, tail, fl, pc, cap)
     front = np.unique(encode(a0))
-    space = int(np.prod(np.array(dims, dtype=np.int64)))
-    use_dense = space <= 60_000_000
-    if use_dense:
-        lookup = np.full(space, -1, dtype=np.int32)
-        lookup[front] = np.arange(front.size, dtype=np.int32)
-    else:
-        lookup_d: dict[int, int] = {c: i for i, c in enumerate(front.tolist())}
+    known = front.copy()                      # sorted codes of the states found so far
+    known_idx = np.arange(front.size, dtype=np.int64)
     n_states = front.size
     first = 0
     srcs, dsts, ws, rewards, holds, comps, busys = [], [], [], [], [], [], []
@@ -413,22 +412,20 @@ def _solve_chain(N: int, B: tuple[int, int], q: tuple[float, float], keep: tuple
         a = _launch({k: v[m] for k, v in a.items()}, B, tail, fl, pc, cap)
         codes = encode(a)
         new = np.unique(codes)
-        if use_dense:
-            new = new[lookup[new] < 0]
-            lookup[new] = np.arange(n_states, n_states + new.size, dtype=np.int32)
-            dst = lookup[codes]
-        else:
-            new = np.array([x for x in new.tolist() if x not in lookup_d], dtype=np.int64)
-            for x in new.tolist():
-                lookup_d[x] = len(lookup_d)
-            dst = np.array([lookup_d[x] for x in codes.tolist()], dtype=np.int64)
+        pos = np.minimum(np.searchsorted(known, new), known.size - 1)
+        new = new[known[pos] != new]
+        allc = np.concatenate([known, new])
+        alli = np.concatenate([known_idx, np.arange(n_states, n_states + new.size, dtype=np.int64)])
+        o = np.argsort(allc, kind="stable")
+        known, known_idx = allc[o], alli[o]
+        dst = known_idx[np.searchsorted(known, codes)]
         srcs.append(a["src"]); dsts.append(dst); ws.append(a["p"])
         first += front.size
         n_states += new.size
         if n_states > max_states:
             raise StateSpaceTooLarge(f"the DTMC needs more than {max_states} states")
         front = new
-    src, dst, w = np.concatenate(srcs), np.concatenate(dsts).astype(np.int64), np.concatenate(ws)
+    src, dst, w = np.concatenate(srcs), np.concatenate(dsts), np.concatenate(ws)
     pi, resid = _gmres_stationary(src, dst, w, n_states)
     return (pi, np.concatenate(rewards), np.concatenate(holds), np.concatenate(comps),
             np.concatenate(busys), resid)
@@ -516,13 +513,127 @@ def dtmc_throughput(latency: dict[str, LatencyModel], routing: dict[str, float],
                     f"the DTMC for N = {n}, thresholds {dict(zip(names, B))} needs more than {max_states} "
                     f"states even with ticks of {cur * 1e3:.3g} ms; raise max_states or pass a larger dt") from None
             cur = min(cur * 1.5, coarsest)
-    mean_ticks = float(pi @ hold)
+    def avg(x):  # no BLAS (see _gmres_stationary)
+        return float(np.einsum("i,i->", pi, np.asarray(x, dtype=float)))
+
+    mean_ticks = avg(hold)
     horizon = mean_ticks * cur  # seconds per epoch
-    steps = pi @ (comp > 0)
+    steps = [avg(comp[:, i] > 0) for i in (0, 1)]
     return DTMCResult(
-        tok_s=float(pi @ rew) / horizon,
+        tok_s=avg(rew) / horizon,
         thresholds=dict(zip(names, B)),
-        busy={m: float(pi @ (busy[:, i] * hold)) / mean_ticks for i, m in enumerate(names)},
-        mean_batch={m: (float(pi @ comp[:, i]) / steps[i] if steps[i] > 0 else 0.0) for i, m in enumerate(names)},
+        busy={m: avg(busy[:, i] * hold) / mean_ticks for i, m in enumerate(names)},
+        mean_batch={m: (avg(comp[:, i]) / steps[i] if steps[i] > 0 else 0.0) for i, m in enumerate(names)},
         steps_s={m: float(steps[i]) / horizon for i, m in enumerate(names)},
         states=int(pi.size), dt=cur, residual=resid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Threshold search
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """The planner's answer.
+
+    Attributes:
+        thresholds: the best feasible B_i found.
+        predicted_tok_s: its DTMC throughput (committed tokens per second).
+        table: every candidate evaluated, best first: ``{"thresholds", "tok_s", "busy",
+            "mean_batch", "states"}``.
+        n: concurrency planned for; candidates: feasible threshold vectors; search: how they
+            were searched (``"exhaustive"`` or ``"pruned"``).
+        best: the `DTMCResult` of the pick.
+    """
+
+    thresholds: dict[str, int]
+    predicted_tok_s: float
+    table: list[dict] = field(default_factory=list)
+    n: int = 0
+    candidates: int = 0
+    search: str = "exhaustive"
+    best: DTMCResult | None = None
+
+
+def feasible_thresholds(models: Sequence[str], n: int) -> list[dict[str, int]]:
+    """Every threshold vector with B_i >= 1 and sum_i (B_i - 1) < n (DESIGN.md invariant 7: below
+    that, every model can wait under its threshold forever)."""
+    models = list(models)
+    out = []
+    for slack in itertools.product(range(n), repeat=len(models)):
+        if sum(slack) < n:
+            out.append({m: s + 1 for m, s in zip(models, slack)})
+    return out
+
+
+def plan_thresholds(latency: dict[str, LatencyModel], routing: dict[str, float], n: int, *,
+                    keep: dict[str, float] | None = None, extra_tokens: dict[str, float] | None = None,
+                    search: str = "auto", max_exhaustive: int = 160, progress=None, **dtmc_kw) -> Plan:
+    """Best feasible delayed-batching thresholds for concurrency ``n`` by the DTMC.
+
+    Args:
+        latency, routing, keep, extra_tokens: as in `dtmc_throughput` (two models, entry first).
+        n: concurrency N.
+        search: ``"exhaustive"`` (every feasible vector: N (N + 1) / 2 of them), ``"pruned"`` (a
+            coarse grid of B values, then hill climbing by +-1 from the three best until no
+            neighbour improves), or ``"auto"`` (exhaustive up to ``max_exhaustive`` candidates).
+        progress: optional callable ``progress(done, total)``.
+        **dtmc_kw: passed to `dtmc_throughput` (dt, ticks, rounding, max_states, max_batch).
+
+    Returns:
+        a `Plan` (ties go to the smaller sum of thresholds: less waiting for the same throughput).
+    """
+    names = list(latency)
+    if n < 1:
+        raise ValueError(f"concurrency must be >= 1, got {n}")
+    cands = feasible_thresholds(names, n)
+    mode = search if search != "auto" else ("exhaustive" if len(cands) <= max_exhaustive else "pruned")
+    if mode not in ("exhaustive", "pruned"):
+        raise ValueError(f"search must be 'exhaustive', 'pruned' or 'auto', got {search!r}")
+    memo: dict[tuple, DTMCResult] = {}
+    feasible = {tuple(c[m] for m in names) for c in cands}
+
+    def ev(key: tuple) -> float:
+        if key not in memo:
+            memo[key] = dtmc_throughput(latency, routing, n, dict(zip(names, key)), keep=keep,
+                                        extra_tokens=extra_tokens, **dtmc_kw)
+            if progress is not None:
+                progress(len(memo), len(cands) if mode == "exhaustive" else None)
+        return memo[key].tok_s
+
+    if mode == "exhaustive":
+        for c in sorted(feasible):
+            ev(c)
+    else:
+        grid = sorted({v for v in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if v <= n} | {n})
+        for c in itertools.product(grid, repeat=len(names)):
+            if c in feasible:
+                ev(c)
+        starts = sorted(memo, key=lambda k: -memo[k].tok_s)[:3]
+        for cur in starts:
+            while True:
+                nbrs = [tuple(c + d for c, d in zip(cur, dd)) for dd in itertools.product((-1, 0, 1), repeat=len(names))]
+                nbrs = [k for k in nbrs if k != cur and k in feasible]
+                best = max(nbrs, key=ev, default=cur)
+                if ev(best) <= ev(cur):
+                    break
+                cur = best
+
+    def rank(k):
+        return (-memo[k].tok_s, sum(k), k)
+
+    order = sorted(memo, key=rank)
+    table = [{"thresholds": dict(zip(names, k)), "tok_s": memo[k].tok_s, "busy": memo[k].busy,
+              "mean_batch": memo[k].mean_batch, "states": memo[k].states} for k in order]
+    top = memo[order[0]]
+    return Plan(thresholds=dict(zip(names, order[0])), predicted_tok_s=top.tok_s, table=table, n=n,
+                candidates=len(cands), search=mode, best=top)
+
+
+def plan_from_trace(router_or_trace, latency: dict[str, LatencyModel], n: int, **kw) -> Plan:
+    """`plan_thresholds` with routing probabilities, the commit rule and extra fed tokens
+    estimated from a pilot run (`estimate_routing`, `estimate_keep`, `estimate_extra_tokens`)."""
+    names = list(latency)
+    trace = _trace(router_or_trace)
+    kw.setdefault("keep", estimate_keep(trace, names))
+    kw.setdefault("extra_tokens", estimate_extra_tokens(trace, names))
+    return plan_thresholds(latency, estimate_routing(trace, names), n, **kw)

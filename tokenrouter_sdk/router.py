@@ -7,6 +7,7 @@ manager, and called when the Router is garbage-collected)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import weakref
 from dataclasses import dataclass
@@ -56,6 +57,13 @@ class Router:
         backend: ``"torch"`` (real models) or ``"sim"``: then each model is a
             `tokenrouter_sdk.backends.sim_runner.LatencyModel` (or a dict of its fields, or None
             for the default), steps take simulated time, and metrics are in simulated seconds.
+        processes: run each sub-server in its own process (`ProcessTransport`: spawn, pyzmq)
+            instead of a thread of this process. None (default): processes when the Router holds
+            two or more torch models, unless the environment variable ``TOKENROUTER_PROCESSES``
+            says ``0`` (threads) or ``1`` (processes, even for one model). A dict also means
+            processes and passes its items to `ProcessTransport` (``threads``, ``address``).
+            Threads are for debugging with breakpoints and for policies that share state with
+            this process.
 
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).
@@ -65,7 +73,8 @@ class Router:
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
                  max_kv_tokens: int | None = None, block_size: int = 16, max_concurrency: int | None = None,
                  max_batch_tokens: int = 4096, dtype=None, device: str = "cpu", mode: str = "async",
-                 thresholds: dict[str, int] | None = None, retain_kv: bool = True, backend: str = "torch"):
+                 thresholds: dict[str, int] | None = None, retain_kv: bool = True, backend: str = "torch",
+                 processes: bool | dict | None = None):
         from .models import check_same_tokenizer, load_model
         if not models:
             raise ValueError("Router needs at least one model, e.g. Router({'small': m1, 'large': m2}, policy)")
@@ -82,6 +91,9 @@ class Router:
                        for i, (n, m) in enumerate(models.items())}
             self.models = dict(models)
             transport = SimTransport()
+            if processes:
+                raise ValueError("backend='sim' runs in simulated time in one thread: processes=True is not "
+                                 "available with it")
         else:
             loaded, toks = {}, {}
             for name, m in models.items():
@@ -102,6 +114,13 @@ class Router:
             self.models = loaded
             runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens or 8192, block_size=block_size)
                        for n, m in loaded.items()}
+            if processes is None:
+                env = os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower()
+                processes = {"0": False, "false": False, "no": False, "off": False,
+                             "1": True, "true": True, "yes": True, "on": True}.get(env, len(loaded) >= 2)
+            if isinstance(processes, dict) or processes:
+                from .engine.process_transport import ProcessTransport
+                transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
         self.policy = policy if policy is not None else Policy()
         self.engine = Engine(runners, self.tokenizer, max_concurrency=max_concurrency,
                              max_batch_tokens=max_batch_tokens, mode=mode, thresholds=thresholds,
@@ -290,6 +309,15 @@ class Router:
             if ev is sentinel:
                 return
             yield ev
+
+    def set_thresholds(self, thresholds: dict[str, int]) -> None:
+        """Set delayed batching thresholds B_i per model (``mode="delayed"``); checked against the
+        concurrency of each later `generate` (sum_i (B_i - 1) < N).
+
+        Raises:
+            ValueError: a threshold below 1 or an unknown model name.
+        """
+        self.engine.set_thresholds(thresholds)
 
     # -- results --------------------------------------------------------------------------
     def metrics(self) -> Metrics:

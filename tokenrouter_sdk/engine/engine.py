@@ -77,11 +77,8 @@ class Engine:
         self._closed = False
         if mode not in MODES:
             raise ValueError(f"unknown schedule mode {mode!r}; choose one of {MODES}")
-        thresholds = dict(thresholds or {})
-        bad = {k: v for k, v in thresholds.items() if k not in self.models or int(v) < 1}
-        if bad:
-            raise ValueError(f"thresholds {bad} invalid: each must name a model of {self.models} and be >= 1")
-        self.mode, self.thresholds, self.retain_kv = mode, {m: int(thresholds.get(m, 1)) for m in self.models}, retain_kv
+        self.mode, self.retain_kv = mode, retain_kv
+        self.thresholds = self._valid_thresholds(thresholds)
         self._round, self._awaiting, self._rr = 0, set(), 0
         self.transport = transport if transport is not None else ThreadTransport()
         self.clock = self.transport.clock
@@ -138,6 +135,21 @@ class Engine:
             self._queue.append(h)
             self._admit_more()
         return h
+
+    def _valid_thresholds(self, thresholds: dict | None) -> dict[str, int]:
+        thresholds = dict(thresholds or {})
+        bad = {k: v for k, v in thresholds.items() if k not in self.models or int(v) < 1}
+        if bad:
+            raise ValueError(f"thresholds {bad} invalid: each must name a model of {self.models} and be >= 1")
+        return {m: int(thresholds.get(m, 1)) for m in self.models}
+
+    def set_thresholds(self, thresholds: dict[str, int]) -> None:
+        """Change the delayed batching thresholds B_i (models not named keep theirs)."""
+        new = self._valid_thresholds({**self.thresholds, **thresholds})
+        with self._lock:
+            self.thresholds = new
+        for name in self.models:
+            self.transport.send(name, M.SetThresholds(new))
 
     def check_thresholds(self, n: int) -> None:
         """Raise ValueError unless sum_i (B_i - 1) < n (TokenRouter paper, appendix: with fewer

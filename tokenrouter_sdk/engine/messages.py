@@ -81,6 +81,13 @@ class Go:
 
 
 @dataclass
+class SetThresholds:
+    """New delayed batching thresholds B_i per model."""
+
+    thresholds: dict[str, int]
+
+
+@dataclass
 class SetInflight:
     """Requests in flight in the whole engine (``delayed`` mode's tail rule)."""
 

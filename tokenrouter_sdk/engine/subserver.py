@@ -92,6 +92,8 @@ class SubServer:
             self._go.append(msg.round)
         elif isinstance(msg, M.SetInflight):
             self.inflight = msg.n
+        elif isinstance(msg, M.SetThresholds):
+            self.thresholds = dict(msg.thresholds)
 
     def _own(self, seq: Seq) -> None:
         if self.sched.too_big(seq):

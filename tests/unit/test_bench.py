@@ -1,0 +1,30 @@
+"""The throughput benchmark's matrix, ratios and outputs, on the sim backend."""
+
+import csv
+
+from tokenrouter_sdk.backends.sim_runner import LatencyModel
+from tokenrouter_sdk.bench import format_table, run_bench, write_csv, write_html
+from tokenrouter_sdk.models import tiny_tokenizer
+
+LAT = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051}), "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158})}
+
+
+def test_bench_matrix_ratios_and_files(tmp_path):
+    cells = run_bench(LAT, tiny_tokenizer(), [[5] * 20, [9] * 33], policies=("random10",), concurrency=(1, 4),
+                      max_new_tokens=(32,), thresholds="small=2,large=2", backend="sim", progress=False)
+    # 4 modes x 2 concurrencies + retain_kv=False for async and delayed + large-only and small-only
+    assert len(cells) == 4 * 2 + 2 * 2 + 2 * 2
+    by = {(c.policy, c.mode, c.retain_kv, c.concurrency): c for c in cells}
+    for n in (1, 4):
+        assert by[("random10", "sync", True, n)].vs_sync == 1.0
+        a, d = by[("random10", "async", True, n)], by[("random10", "async", False, n)]
+        assert a.vs_no_retain == a.throughput_tok_s / d.throughput_tok_s > 1.0
+        assert all(c.committed_tokens == 2 * n * 32 for c in cells if c.concurrency == n)
+    assert by[("random10", "delayed", True, 4)].thresholds == "small=2,large=2"
+    assert 0.0 < by[("random10", "async", True, 4)].large_fraction < 0.3
+    assert by[("large_only", "async", True, 4)].large_fraction == 1.0
+    write_csv(cells, tmp_path / "b.csv")
+    rows = list(csv.DictReader(open(tmp_path / "b.csv")))
+    assert len(rows) == len(cells) and float(rows[0]["throughput_tok_s"]) == cells[0].throughput_tok_s
+    assert write_html(cells, tmp_path / "b.html") and "plotly" in (tmp_path / "b.html").read_text()[:5000].lower()
+    assert "random10" in format_table(cells)

@@ -1,0 +1,184 @@
+"""The planner: DTMC throughput model, threshold search, profiling and pilot estimates."""
+
+import random
+
+import numpy as np
+import pytest
+
+from tokenrouter_sdk import Router
+from tokenrouter_sdk.backends.sim_runner import LatencyModel
+from tokenrouter_sdk.planner import (Plan, StateSpaceTooLarge, _gmres_stationary, dtmc_throughput,
+                                     estimate_extra_tokens, estimate_keep, estimate_routing, feasible_thresholds,
+                                     plan_from_trace, plan_thresholds, profile_latency)
+from tokenrouter_sdk.policies import RandomRouting
+
+LAT = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
+       "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4})}
+
+
+def prompts(n, seed=0, length=20):
+    rng = random.Random(seed)
+    return [[rng.randint(3, 250) for _ in range(length)] for _ in range(n)]
+
+
+def sim(n, p, thresholds=None, mode="delayed", requests=None, new=64, seed=1):
+    with Router(LAT, RandomRouting(p=p, seed=seed), backend="sim", mode=mode, thresholds=thresholds,
+                max_concurrency=n) as r:
+        r.generate(prompts(requests or 4 * n), max_new_tokens=new, ignore_eos=True, timeout=120)
+        return r.metrics(), list(r.trace)
+
+
+# -- the chain on cases with known answers ------------------------------------------------------
+@pytest.mark.parametrize("n,b", [(1, 1), (4, 1), (4, 4), (6, 3)])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_one_model_only_is_n_over_step_time(n, b, rounding):
+    # q = 0 on the entry model: the other model never runs; every step carries all N requests
+    lat = {"small": LatencyModel({1: 0.010, 8: 0.024}, per_token_s=0.0), "large": LatencyModel({1: 0.05})}
+    r = dtmc_throughput(lat, {"small": 0.0, "large": 1.0}, n, {"small": b, "large": 1}, dt=0.001,
+                        rounding=rounding)
+    assert r.tok_s == pytest.approx(n / lat["small"].step_s(n), rel=1e-6)
+    assert r.busy["small"] == pytest.approx(1.0) and r.busy["large"] == 0.0
+    assert r.mean_batch["small"] == pytest.approx(n)
+
+
+def test_stochastic_rounding_keeps_the_mean_step_time():
+    lat = {"small": LatencyModel({1: 0.0137}), "large": LatencyModel({1: 0.05})}
+    for dt in (0.001, 0.004, 0.006):
+        r = dtmc_throughput(lat, {"small": 0.0, "large": 1.0}, 3, {}, dt=dt)
+        assert r.tok_s == pytest.approx(3 / 0.0137, rel=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_ping_pong_with_deterministic_latencies(n):
+    # q = 1 both ways: all N requests move together, small (20 ms) then large (30 ms)
+    lat = {"small": LatencyModel({1: 0.02}, per_token_s=0.0), "large": LatencyModel({1: 0.03}, per_token_s=0.0)}
+    q = {"small": 1.0, "large": 1.0}
+    keep_both = dtmc_throughput(lat, q, n, {}, keep={"small": 1.0, "large": 1.0}, dt=0.005)
+    assert keep_both.tok_s == pytest.approx(2 * n / 0.05)
+    r2r = dtmc_throughput(lat, q, n, {}, dt=0.005)  # default: the small model discards on leaving
+    assert r2r.tok_s == pytest.approx(n / 0.05)
+    assert r2r.busy == pytest.approx({"small": 0.4, "large": 0.6})
+
+
+def test_extra_tokens_price_the_step():
+    lat = {"small": LatencyModel({1: 0.01}, per_token_s=0.001), "large": LatencyModel({1: 0.05})}
+    r = dtmc_throughput(lat, {"small": 0.0, "large": 1.0}, 2, {}, extra_tokens={"small": 5, "large": 0}, dt=0.001)
+    assert r.tok_s == pytest.approx(2 / (0.01 + 0.001 * 2 * 5))
+
+
+def test_gmres_solves_a_small_chain():
+    # 3-state chain, stationary law known in closed form
+    P = np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.0, 0.4, 0.6]])
+    src, dst = np.nonzero(P)
+    pi, resid = _gmres_stationary(src, dst, P[src, dst], 3)
+    evals, evecs = np.linalg.eig(P.T)
+    ref = np.real(evecs[:, np.argmin(abs(evals - 1))])
+    assert pi == pytest.approx(ref / ref.sum(), abs=1e-9) and resid < 1e-9
+
+
+def test_more_delay_on_the_large_model_means_larger_large_batches():
+    q = {"small": 0.1, "large": 1.0}
+    lo = dtmc_throughput(LAT, q, 8, {"small": 1, "large": 1})
+    hi = dtmc_throughput(LAT, q, 8, {"small": 1, "large": 5})
+    assert hi.mean_batch["large"] > lo.mean_batch["large"] >= 1.0
+    assert hi.busy["large"] < lo.busy["large"]
+
+
+# -- guards ------------------------------------------------------------------------------------
+def test_feasible_thresholds():
+    c = feasible_thresholds(["small", "large"], 4)
+    assert len(c) == 10 and all(sum(b - 1 for b in x.values()) < 4 for x in c)
+    assert {"small": 4, "large": 1} in c and {"small": 3, "large": 3} not in c
+    assert len(feasible_thresholds(["a", "b", "c"], 3)) == 10
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="two models"):
+        dtmc_throughput({"a": LAT["small"]}, {"a": 0.1}, 4, {})
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        dtmc_throughput(LAT, {"small": 1.5, "large": 1.0}, 4, {})
+    with pytest.raises(ValueError, match="no entry for model"):
+        dtmc_throughput(LAT, {"small": 0.1}, 4, {})
+    with pytest.raises(ValueError, match="search"):
+        plan_thresholds(LAT, {"small": 0.1, "large": 1.0}, 4, search="bogus")
+
+
+def test_state_space_guard():
+    q = {"small": 0.1, "large": 1.0}
+    with pytest.raises(StateSpaceTooLarge, match="max_states"):
+        dtmc_throughput(LAT, q, 16, {}, dt=0.001, max_states=2000)
+    # without a fixed dt the tick is coarsened until it fits
+    fine = dtmc_throughput(LAT, q, 16, {}, ticks=8)
+    coarse = dtmc_throughput(LAT, q, 16, {}, ticks=8, max_states=fine.states // 3)
+    assert coarse.dt > fine.dt and coarse.states <= fine.states // 3
+    assert coarse.tok_s == pytest.approx(fine.tok_s, rel=0.05)
+
+
+def test_tail_rule_in_the_chain():
+    # infeasible thresholds for N: the tail rule launches at 1 ready request, so no deadlock
+    r = dtmc_throughput(LAT, {"small": 0.1, "large": 1.0}, 3, {"small": 3, "large": 3})
+    a = dtmc_throughput(LAT, {"small": 0.1, "large": 1.0}, 3, {"small": 1, "large": 1})
+    assert r.tok_s == pytest.approx(a.tok_s)
+
+
+def test_n_32_solves_in_seconds():
+    import time
+    t = time.perf_counter()
+    r = dtmc_throughput(LAT, {"small": 0.1, "large": 1.0}, 32, {"small": 1, "large": 1},
+                        extra_tokens={"small": 0.15, "large": 9.0})
+    assert time.perf_counter() - t < 10 and r.residual < 1e-8 and r.tok_s > 0
+
+
+# -- search ------------------------------------------------------------------------------------
+def test_plan_only_feasible_and_best_first():
+    q = {"small": 0.1, "large": 1.0}
+    plan = plan_thresholds(LAT, q, 6, search="exhaustive")
+    assert isinstance(plan, Plan) and plan.search == "exhaustive"
+    assert len(plan.table) == plan.candidates == 21
+    assert all(sum(b - 1 for b in row["thresholds"].values()) < 6 for row in plan.table)
+    assert plan.table[0]["thresholds"] == plan.thresholds
+    assert plan.predicted_tok_s == max(row["tok_s"] for row in plan.table)
+    pruned = plan_thresholds(LAT, q, 6, search="pruned")
+    assert pruned.predicted_tok_s == pytest.approx(plan.predicted_tok_s, rel=0.01)
+    assert len(pruned.table) <= len(plan.table)
+
+
+# -- measurement -------------------------------------------------------------------------------
+def test_profile_latency_on_a_tiny_model():
+    from tokenrouter_sdk.backends.torch_runner import TorchRunner
+    from tokenrouter_sdk.models import tiny_model
+    runner = TorchRunner(tiny_model(dtype=__import__("torch").float32), max_kv_tokens=2048)
+    free = runner.pool.num_free
+    lat = profile_latency(runner, batch_sizes=(1, 2, 4, 8), context=16, steps=3, warmup=1, extend_tokens=8)
+    assert sorted(lat.table) == [1, 2, 4, 8]
+    assert all(0 < t < 1.0 for t in lat.table.values())
+    assert lat.table[8] > 0.5 * lat.table[1]  # increasing-ish (timings on a busy CPU are noisy)
+    assert lat.per_token_s >= 0
+    assert runner.pool.num_free == free
+    # a bare model works too (wrapped in a TorchRunner)
+    lat2 = profile_latency(tiny_model(), batch_sizes=(1, 2), context=8, steps=2, warmup=1, extend_tokens=0)
+    assert sorted(lat2.table) == [1, 2] and lat2.per_token_s == 0.0
+
+
+def test_estimates_from_a_sim_pilot_recover_p():
+    p = 0.3
+    m, trace = sim(8, p, mode="async", requests=16, new=64)
+    q = estimate_routing(trace)
+    assert set(q) == {"small", "large"}
+    assert q["small"] == pytest.approx(p, abs=0.04)
+    assert q["large"] > 0.95  # the large model writes one token and returns (unless it finishes the request)
+    assert estimate_keep(trace) == {"small": 0.0, "large": 1.0}
+    extra = estimate_extra_tokens(trace)
+    assert extra["large"] == pytest.approx((1 - p) / p, rel=0.5) and extra["small"] < 1.0
+    assert m.large_fraction == pytest.approx(p, abs=0.05)
+
+
+def test_planner_pick_matches_a_brute_force_sim_sweep():
+    n, p = 4, 0.1
+    _, pilot = sim(n, p, mode="async", requests=24, new=64, seed=11)
+    plan = plan_from_trace(pilot, LAT, n)
+    sims = {tuple(th.values()): sim(n, p, th, new=64)[0].throughput_tok_s for th in feasible_thresholds(LAT, n)}
+    best = max(sims.values())
+    at_plan = sims[(plan.thresholds["small"], plan.thresholds["large"])]
+    assert at_plan >= 0.95 * best, (plan.thresholds, sims)
+    assert plan.predicted_tok_s == pytest.approx(at_plan, rel=0.15)

@@ -1,0 +1,247 @@
+"""Sub-servers in their own processes (`ProcessTransport`): the same tokens as the naive
+reference in async and gated (sync) modes, notebook-style policies shipped with cloudpickle,
+two Routers side by side, a killed sub-server failing its requests, and no process left behind.
+
+Spawning a sub-server costs seconds (a fresh interpreter imports torch and transformers), so
+the Routers are shared across tests where possible.
+"""
+
+import gc
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from tokenrouter_sdk import Handoff, Policy, Router, SamplingParams
+from tokenrouter_sdk.engine.process_transport import ProcessTransport
+from tokenrouter_sdk.policies import RandomRouting
+from tokenrouter_sdk.reference import reference_generate
+
+from ..conftest import mixed_prompts
+from .test_equivalence import DiscardTwoBack
+
+N_NEW = 24
+pytestmark = pytest.mark.timeout(180)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie still answers kill(0); it is gone once its parent reaped it
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def routers(pair, tok):
+    """An async and a sync Router over the float64 pair, with the default transport choice
+    (two torch models: processes), built together so their four sub-server processes boot in
+    parallel, and alive side by side for the whole module. The last tests consume them."""
+    saved = os.environ.pop("TOKENROUTER_PROCESSES", None)
+    try:
+        rs = {mode: Router(pair, DiscardTwoBack(), tokenizer=tok, mode=mode) for mode in ("async", "sync")}
+    finally:
+        if saved is not None:
+            os.environ["TOKENROUTER_PROCESSES"] = saved
+    yield rs
+    for r in rs.values():
+        r.close()
+
+
+def _check(router, pair, policy, prompts, concurrency=8):
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    outs = router.generate(prompts, sampling=params, policy=policy, concurrency=concurrency, timeout=120)
+    for o in outs:
+        assert o.finish_reason == "length", o.error
+        ref = reference_generate(pair, o.prompt, policy, params, rid=o.rid)
+        assert (o.token_ids, o.token_models) == (ref["token_ids"], ref["token_models"]), f"rid {o.rid}"
+        assert (o.hops, o.discarded) == (ref["hops"], ref["discarded"])
+    assert sum(o.hops for o in outs) >= 4
+    assert {m for o in outs for m in o.token_models} == {"small", "large"}
+    return outs
+
+
+def test_two_torch_models_default_to_processes(routers, pair, tok, monkeypatch):
+    for r in routers.values():
+        assert isinstance(r.engine.transport, ProcessTransport)
+        assert r.engine.transport.wait_ready(120)
+    monkeypatch.setenv("TOKENROUTER_PROCESSES", "0")
+    with Router(pair, tokenizer=tok) as r:  # the environment switch keeps tiny tests in threads
+        assert not isinstance(r.engine.transport, ProcessTransport)
+    with pytest.raises(ValueError, match="sim"):
+        Router({"a": None, "b": None}, backend="sim", processes=True)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("policy", [DiscardTwoBack(), RandomRouting(p=0.3, seed=3)], ids=["discard", "random"])
+def test_equivalence_through_processes(routers, pair, mode, policy):
+    r = routers[mode]
+    outs = _check(r, pair, policy, mixed_prompts(8, seed=len(mode)))
+    # children stamp events with the same system-wide clock as the engine
+    trace, now = list(r.trace), time.perf_counter()
+    for o in outs:
+        admit = next(ev[2] for ev in trace if ev[0] == "admit" and ev[1] == o.rid)
+        commits = [ev[4] for ev in trace if ev[0] == "commit" and ev[1] == o.rid]
+        finish = next(ev[3] for ev in trace if ev[0] == "finish" and ev[1] == o.rid)
+        assert admit < commits[0] <= commits[-1] <= finish <= now
+
+
+def test_policy_defined_in_a_function_body(routers, pair):
+    """A class that only exists in this function's frame reaches the sub-server processes
+    (cloudpickle, by value) and runs there, not here."""
+    here, every = os.getpid(), 3
+
+    class LocalKeep(Policy):
+        checking = True
+
+        def route(self, step):
+            if self.checking and os.getpid() == here:
+                raise RuntimeError("route ran in the engine's process")
+            step.state["n"] = step.state.get("n", 0) + 1
+            return step.state["n"] % every == 0
+
+        def send(self, req, target):
+            return Handoff(keep_sampled=True)
+
+    pol = LocalKeep()
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    outs = routers["async"].generate(mixed_prompts(8, seed=4), sampling=params, policy=pol, timeout=120)
+    pol.checking = False  # the reference runs here
+    for o in outs:
+        assert o.finish_reason == "length", o.error
+        assert o.token_ids == reference_generate(pair, o.prompt, pol, params, rid=o.rid)["token_ids"]
+    assert sum(o.hops for o in outs) >= 8
+
+
+def test_two_routers_side_by_side(routers, pair):
+    ra, rs = routers["async"], routers["sync"]
+    ta, ts = ra.engine.transport, rs.engine.transport
+    assert ta.address != ts.address
+    assert not set(ta.pids().values()) & set(ts.pids().values())
+    results, errors = {}, []
+
+    def run(mode):
+        try:
+            results[mode] = _check(routers[mode], pair, RandomRouting(p=0.5, seed=7), mixed_prompts(6, seed=8))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in ("async", "sync")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not errors, errors
+    assert set(results) == {"async", "sync"}
+
+
+class Slow(Policy):
+    """Stays on its model, slowly (so requests are still in flight when the process is killed)."""
+
+    def route(self, step):
+        time.sleep(0.01)
+        return step.model
+
+
+def test_killed_subserver_fails_its_requests_and_close_ends_the_rest(routers):
+    r = routers.pop("async")
+    tr = r.engine.transport
+    pids, addr = tr.pids(), tr.address
+    try:
+        handles = r.submit(mixed_prompts(6, seed=1), policy=Slow(), max_new_tokens=400, ignore_eos=True)
+        deadline = time.monotonic() + 60
+        while not handles[0].output.token_ids:  # in flight: the child is serving
+            assert time.monotonic() < deadline and not handles[0].done.is_set()
+            time.sleep(0.02)
+        os.kill(pids["small"], signal.SIGKILL)
+        t0 = time.monotonic()
+        r.engine.wait(handles, timeout=30)
+        assert time.monotonic() - t0 < 10
+        for h in handles:
+            assert h.output.finish_reason == "failed"
+            assert "sub-server process 'small' died" in h.output.error and "SIGKILL" in h.output.error
+        assert not tr.alive("small") and tr.alive("large")
+        later = r.generate(mixed_prompts(2), max_new_tokens=4, timeout=30)  # fails fast, never hangs
+        assert all(o.finish_reason == "failed" for o in later)
+    finally:
+        r.close()
+    r.close()  # idempotent
+    assert all(_gone(p) for p in pids.values())
+    assert not set(pids.values()) & {p.pid for p in multiprocessing.active_children()}
+    assert addr.startswith("ipc://") and not os.path.exists(os.path.dirname(addr[len("ipc://"):]))
+
+
+def test_garbage_collected_router_ends_its_processes(routers):
+    r = routers.pop("sync")
+    pids = list(r.engine.transport.pids().values())
+    del r
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids)
+    assert not multiprocessing.active_children()
+
+
+SCRIPT = """
+import gc, json, multiprocessing, os
+from tokenrouter_sdk import Policy, Router, SamplingParams
+from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
+from tokenrouter_sdk.reference import reference_generate
+
+HERE = os.getpid()
+
+
+def helper(step):  # a __main__ function the policy calls
+    return step.model
+
+
+class MainPolicy(Policy):  # lives in __main__ only: no guard, no importable module
+    checking = True
+
+    def route(self, step):
+        if self.checking and os.getpid() == HERE:
+            raise RuntimeError("route ran in the engine's process")
+        step.state["calls"] = step.state.get("calls", 0) + 1
+        return helper(step)
+
+
+models = {"large": tiny_model(num_layers=2, seed=3)}
+pol = MainPolicy()
+r = Router(models, pol, tokenizer=tiny_tokenizer(), processes=True)
+kind = type(r.engine.transport).__name__
+params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+outs = r.generate([[5, 6, 7], [40, 41], [9]], sampling=params, timeout=120)
+pids = list(r.engine.transport.pids().values())
+del r
+gc.collect()
+pol.checking = False
+same = all(o.token_ids == reference_generate(models, o.prompt, pol, params, rid=o.rid)["token_ids"] for o in outs)
+print(json.dumps({"kind": kind, "errors": [o.error for o in outs],
+                  "same": same, "children": len(multiprocessing.active_children()), "pids": pids}))
+"""
+
+
+def test_policy_defined_in_main_of_a_script(tmp_path):
+    script = tmp_path / "notebook_like.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {k: v for k, v in os.environ.items() if k != "TOKENROUTER_PROCESSES"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=170, env=env,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["kind"] == "ProcessTransport"
+    assert out["errors"] == [None, None, None] and out["same"], out
+    assert out["children"] == 0 and all(_gone(p) for p in out["pids"])

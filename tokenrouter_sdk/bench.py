@@ -1,0 +1,170 @@
+"""The side-by-side throughput benchmark (``tokenrouter bench``, ``evals/bench_throughput.py``).
+
+One run measures, on one set of prompts, every combination of policy x schedule mode x
+concurrency x output length that is asked for, plus the baselines (``retain_kv=False``,
+large-only, small-only), and reports committed-token throughput, mean latency, per-user speed,
+realized hop rate and large fraction, with ratios to ``sync`` and to ``retain_kv=False`` in the
+same cell. All figures come from `Router.metrics` (committed tokens only).
+
+Policies: ``random10`` / ``random30`` = `RandomRouting` with p = f, which gives a large fraction f
+(every small step ends in exactly one committed token: the small one, or with probability p the
+large model's after the small one is discarded);
+``rstitch`` = `RStitch` at its default tau.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+import time
+from dataclasses import asdict, dataclass
+
+MODES = ("sync", "model_sync", "async", "delayed")
+
+
+@dataclass
+class Cell:
+    policy: str
+    mode: str
+    retain_kv: bool
+    concurrency: int
+    max_new_tokens: int
+    thresholds: str = ""
+    throughput_tok_s: float = 0.0
+    mean_latency_s: float = 0.0
+    per_user_tok_s: float = 0.0
+    hop_rate: float = 0.0
+    large_fraction: float = 0.0
+    committed_tokens: int = 0
+    wall_s: float = 0.0
+    vs_sync: float | None = None
+    vs_no_retain: float | None = None
+
+
+def make_policy(name: str):
+    from .policies import LargeOnly, RandomRouting, RStitch, SmallOnly
+    if name.startswith("random"):
+        f = int(name[len("random"):]) / 100
+        return RandomRouting(p=f, seed=0)
+    return {"rstitch": RStitch, "large_only": LargeOnly, "small_only": SmallOnly}[name]()
+
+
+def _thresholds(router, policy, n: int, spec: str | dict | None) -> dict[str, int]:
+    """Thresholds for a ``delayed`` cell at concurrency n, lowered (largest first) until
+    feasible: sum_i (B_i - 1) < n."""
+    names = list(router.models)
+    th = None
+    if isinstance(spec, dict):
+        th = dict(spec)
+    elif spec in (None, "", "auto"):
+        try:
+            from .planner import plan_for_router
+            th = plan_for_router(router, policy, n)
+        except (ImportError, AttributeError):
+            th = {names[0]: max(1, n // 2), names[-1]: max(1, n // 4)}  # heuristic without a planner
+    else:
+        th = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    while sum(b - 1 for b in th.values()) >= n:
+        th[max(th, key=th.get)] -= 1
+    return th
+
+
+def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "random30", "rstitch"),
+              modes=MODES, concurrency=(1, 4, 8, 16), max_new_tokens=(256,), baselines=True,
+              thresholds: str | dict | None = "auto", progress: bool = True, **router_kw) -> list[Cell]:
+    """Run the benchmark matrix; returns one `Cell` per measured configuration.
+
+    Args:
+        models: name -> model (smallest first), as for `Router`.
+        tokenizer: the shared tokenizer.
+        prompts: prompts; each cell uses ``2 * concurrency`` of them (cycled), so the
+            concurrency stays at its value until the tail.
+        policies, modes, concurrency, max_new_tokens: the matrix.
+        baselines: add ``retain_kv=False`` (in ``async`` and ``delayed``), large-only and small-only.
+        thresholds: ``delayed`` thresholds: "auto" (planner), "small=8,large=4" or a dict.
+    """
+    from tqdm.auto import tqdm
+
+    from .router import Router
+    cells = []
+    for pol, mode, n, new in itertools.product(policies, modes, concurrency, max_new_tokens):
+        cells.append((pol, mode, True, n, new))
+        if baselines and mode in ("async", "delayed"):
+            cells.append((pol, mode, False, n, new))
+    if baselines:
+        for n, new in itertools.product(concurrency, max_new_tokens):
+            cells += [("large_only", "async", True, n, new), ("small_only", "async", True, n, new)]
+    out: list[Cell] = []
+    bar = tqdm(total=len(cells), desc="bench", disable=not progress)
+    routers: dict = {}
+    try:
+        for pol, mode, retain, n, new in cells:
+            policy = make_policy(pol)
+            key = (mode, retain)
+            if key not in routers:
+                routers[key] = Router(models, tokenizer=tokenizer, mode=mode, retain_kv=retain, **router_kw)
+            r = routers[key]
+            th = ""
+            if mode == "delayed":
+                r.set_thresholds(_thresholds(r, policy, n, thresholds))
+                th = ",".join(f"{k}={v}" for k, v in r.engine.thresholds.items())
+            work = [prompts[i % len(prompts)] for i in range(2 * n)]
+            r.generate(work, policy=policy, max_new_tokens=new, ignore_eos=True, concurrency=n)
+            m = r.metrics()
+            out.append(Cell(pol, mode, retain, n, new, th, m.throughput_tok_s, m.mean_latency_s, m.per_user_tok_s,
+                            m.hop_rate, m.large_fraction, m.committed_tokens, m.wall_s))
+            bar.update(1)
+    finally:
+        bar.close()
+        for r in routers.values():
+            r.close()
+    by = {(c.policy, c.mode, c.retain_kv, c.concurrency, c.max_new_tokens): c for c in out}
+    for c in out:
+        s = by.get((c.policy, "sync", True, c.concurrency, c.max_new_tokens))
+        nr = by.get((c.policy, c.mode, False, c.concurrency, c.max_new_tokens))
+        c.vs_sync = c.throughput_tok_s / s.throughput_tok_s if s and s.throughput_tok_s else None
+        c.vs_no_retain = c.throughput_tok_s / nr.throughput_tok_s if nr and nr.throughput_tok_s else None
+    return out
+
+
+def format_table(cells: list[Cell]) -> str:
+    head = (f"{'policy':<11}{'mode':<11}{'kv':<6}{'N':>3}{'out':>6}{'tok/s':>9}{'lat s':>8}{'user t/s':>9}"
+            f"{'hop':>7}{'large':>7}{'x sync':>8}{'x noKV':>8}  thresholds")
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        f = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8}"  # noqa: E731
+        lines.append(f"{c.policy:<11}{c.mode:<11}{'keep' if c.retain_kv else 'drop':<6}{c.concurrency:>3}"
+                     f"{c.max_new_tokens:>6}{c.throughput_tok_s:9.1f}{c.mean_latency_s:8.2f}{c.per_user_tok_s:9.1f}"
+                     f"{c.hop_rate:7.3f}{c.large_fraction:7.3f}{f(c.vs_sync)}{f(c.vs_no_retain)}  {c.thresholds}")
+    return "\n".join(lines)
+
+
+def write_csv(cells: list[Cell], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(asdict(cells[0])))
+        w.writeheader()
+        w.writerows(asdict(c) for c in cells)
+
+
+def write_html(cells: list[Cell], path: str) -> bool:
+    """A plotly chart (throughput vs concurrency per mode); False if plotly is missing."""
+    try:
+        import plotly.graph_objects as go
+    except ImportError:
+        return False
+    fig = go.Figure()
+    keys = sorted({(c.policy, c.mode, c.retain_kv, c.max_new_tokens) for c in cells})
+    for pol, mode, retain, new in keys:
+        pts = sorted((c.concurrency, c.throughput_tok_s) for c in cells
+                     if (c.policy, c.mode, c.retain_kv, c.max_new_tokens) == (pol, mode, retain, new))
+        fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers",
+                                 name=f"{pol} {mode}{'' if retain else ' noKV'} out={new}"))
+    fig.update_layout(title="committed-token throughput", xaxis_title="concurrency", yaxis_title="tokens/s")
+    fig.write_html(path, include_plotlyjs=True)
+    return True
+
+
+def environment() -> str:
+    import torch
+    return f"torch threads {torch.get_num_threads()}, loadavg {tuple(round(x, 2) for x in os.getloadavg())}, {time.ctime()}"
