@@ -25,7 +25,8 @@ Columns:
   err mean/max    |pred - sim| / sim over all swept vectors (whole run)
   rank corr       Spearman correlation of DTMC vs sim over the swept vectors
   plan s          planner wall time (seconds)
-Usage: .venv/bin/python evals/planner_check.py [--n 2 4 8 16 32] [--p 0.1] [--json out.json]
+Usage: .venv/bin/python evals/planner_check.py [--n 2 4 8 16 32] [--p 0.1] [--preset cpu|gpu] [--json out.json]
+(the full default run takes ~8-10 minutes on one core, most of it the 528 sim runs at N = 32)
 """
 
 from __future__ import annotations
@@ -46,8 +47,15 @@ from tokenrouter_sdk.planner import dtmc_throughput, estimate_extra_tokens, esti
 from tokenrouter_sdk.policies import RandomRouting  # noqa: E402
 
 # the packaged CPU pair, measured (DESIGN.md: 1 thread fp32, full 64/110 ms and k=6 24/39 ms at B=1/8)
-LAT = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
-       "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4})}
+PRESETS = {
+    "cpu": {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
+            "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4})},
+    # GPU-like (illustrative, not measured): step time nearly flat in the batch size, so batching
+    # the large model's steps is worth more
+    "gpu": {"small": LatencyModel({1: 0.008, 16: 0.009, 64: 0.012}, per_token_s=2e-5),
+            "large": LatencyModel({1: 0.030, 16: 0.032, 64: 0.040}, per_token_s=5e-5)},
+}
+LAT = PRESETS["cpu"]
 
 
 def prompts(n: int, seed: int, length: int = 20) -> list[list[int]]:
@@ -128,13 +136,18 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--pilot-requests", type=int, default=32, help="pilot run size (at least 2N)")
     ap.add_argument("--search", default="auto", choices=["auto", "exhaustive", "pruned"])
+    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS), help="latency models (default: the CPU pair)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
+    global LAT
+    LAT = PRESETS[a.preset]
     out = []
     hdr = (f"{'N':>3} {'cand':>4} {'plan B':>8} {'pred':>7} {'sim@plan':>8} {'best B':>8} {'best sim':>8} "
-           f"{'q_small':>7} {'ratio':>6} {'err':>6} {'err_ss':>6} {'err_p':>6} {'err mean/max':>13} {'rank':>5} {'lg frac':>7} {'plan s':>6}")
+           f"{'q_small':>7} {'ratio':>6} {'err':>6} {'err_ss':>6} {'err_p':>6} {'err mean/max':>13} {'rank':>5} "
+           f"{'lg frac':>7} {'plan s':>6}")
     print(f"sim backend, RandomRouting(p={a.p}), {a.requests_per_n}N requests x {a.tokens} tokens; "
-          f"LAT small {LAT['small'].table}, large {LAT['large'].table}, per_token_s {LAT['large'].per_token_s}")
+          f"latency preset {a.preset!r}: small {LAT['small'].table} (+{LAT['small'].per_token_s} s/token), "
+          f"large {LAT['large'].table} (+{LAT['large'].per_token_s} s/token)")
     print(hdr, flush=True)
     ok = True
     for n in a.n:
@@ -142,8 +155,8 @@ def main(argv=None) -> int:
         out.append(r)
         ok &= r["ratio"] >= 0.95 and r["err"] <= 0.15
         print(f"{n:>3} {r['candidates']:>4} {str(r['plan_B']):>8} {r['pred']:>7.1f} {r['sim_at_plan']:>8.1f} "
-              f"{str(r['best_B']):>8} {r['best_sim']:>8.1f} {r['q']['small']:>7.4f} {r['ratio']:>6.3f} {r['err']:>6.1%} "
-              f"{r['err_ss']:>6.1%} {r['err_p']:>6.1%} "
+              f"{str(r['best_B']):>8} {r['best_sim']:>8.1f} {r['q']['small']:>7.4f} {r['ratio']:>6.3f} "
+              f"{r['err']:>6.1%} {r['err_ss']:>6.1%} {r['err_p']:>6.1%} "
               f"{r['err_mean']:>6.1%}/{r['err_max']:>6.1%} {r['spearman']:>5.2f} {r['large_fraction']:>7.3f} "
               f"{r['plan_s']:>6.1f}", flush=True)
     print(f"bars (ratio >= 0.95 and err <= 15% at every N): {'PASS' if ok else 'FAIL'}")

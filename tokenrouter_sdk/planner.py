@@ -39,6 +39,20 @@ Assumptions (what the model ignores; see `evals/planner_check.py` for how far it
     fed-token cost per request-step (``extra_tokens``), the workload's start and drain are not
     modelled (N is constant), and scheduler overhead is zero (as in the sim backend).
 
+Size and speed: the embedded chain has ~17k states at N = 32 with 2 ticks per shortest step (the
+search resolution of `plan_thresholds`), ~35k with 4; one solve takes 0.1-0.5 s on one CPU core,
+a pruned N = 32 plan ~50 solves. ``max_states`` guards the size (the tick is coarsened, then
+`StateSpaceTooLarge` is raised). Against the sim backend (`evals/planner_check.py`) the prediction
+is a few percent high: the sim's whole-run throughput includes the start (all N requests enter
+at once) and the drain of the workload, which the steady-state chain does not see.
+
+Usage (what ``thresholds="auto"`` does): a short pilot run for the inputs, then the plan::
+
+    pilot = Router(lat, policy, backend="sim", max_concurrency=N)     # or the real models
+    pilot.generate(prompts, max_new_tokens=128)
+    plan = plan_from_trace(pilot, lat, N)    # lat: {name: LatencyModel}, e.g. from profile_latency
+    Router(lat, policy, backend="sim", mode="delayed", thresholds=plan.thresholds, max_concurrency=N)
+
 Also here: `profile_latency` (decode-step latency of a real model as a function of batch size,
 through `TorchRunner`), `estimate_routing` and friends (per-model inputs from a pilot run's event
 trace) and `plan_thresholds` (search of the feasible thresholds).
@@ -58,6 +72,7 @@ import numpy as np
 from .backends.sim_runner import LatencyModel
 
 __all__ = ["profile_latency", "estimate_routing", "estimate_keep", "estimate_extra_tokens", "DTMCResult",
+           "StateSpaceTooLarge", "estimate_step_overhead", "router_latency", "plan_router", "plan_for_router",
            "dtmc_throughput", "Plan", "feasible_thresholds", "plan_thresholds", "plan_from_trace"]
 
 
@@ -286,7 +301,7 @@ def _gmres_stationary(src: np.ndarray, dst: np.ndarray, w: np.ndarray, n: int, *
     b = np.full(n, 1.0 / n)
     # a few power steps give a good start
     x = b.copy()
-    for _ in range(30):
+    for _ in range(6):
         x = 0.5 * (x + pt(x))
     bnorm = norm(b)
     it = 0
@@ -567,20 +582,29 @@ def feasible_thresholds(models: Sequence[str], n: int) -> list[dict[str, int]]:
 
 def plan_thresholds(latency: dict[str, LatencyModel], routing: dict[str, float], n: int, *,
                     keep: dict[str, float] | None = None, extra_tokens: dict[str, float] | None = None,
-                    search: str = "auto", max_exhaustive: int = 160, progress=None, **dtmc_kw) -> Plan:
+                    search: str = "auto", max_exhaustive: int = 160, search_ticks: float = 2, ticks: float = 4,
+                    refine: int = 5, progress=None, **dtmc_kw) -> Plan:
     """Best feasible delayed-batching thresholds for concurrency ``n`` by the DTMC.
+
+    Candidates are ranked with a coarse tick (``search_ticks`` ticks for the shortest step: the
+    throughput moves by < 1% against finer ticks, at half the states); the best ``refine`` are then
+    solved again with ``ticks`` and the pick is the best of those.
 
     Args:
         latency, routing, keep, extra_tokens: as in `dtmc_throughput` (two models, entry first).
         n: concurrency N.
         search: ``"exhaustive"`` (every feasible vector: N (N + 1) / 2 of them), ``"pruned"`` (a
-            coarse grid of B values, then hill climbing by +-1 from the three best until no
-            neighbour improves), or ``"auto"`` (exhaustive up to ``max_exhaustive`` candidates).
-        progress: optional callable ``progress(done, total)``.
-        **dtmc_kw: passed to `dtmc_throughput` (dt, ticks, rounding, max_states, max_batch).
+            grid of B values in powers of two, then a pattern search from the three best: moves of
+            +-s along each threshold and trading one for the other, s halving from N/4 to 1 when
+            no move improves), or ``"auto"`` (exhaustive up to ``max_exhaustive`` candidates).
+        search_ticks, ticks, refine: tick resolution of the search and of the final ranking.
+        progress: optional callable ``progress(evaluated, total or None)``.
+        **dtmc_kw: passed to `dtmc_throughput` (rounding, max_states, max_batch; a fixed ``dt``
+            disables the two resolutions).
 
     Returns:
-        a `Plan` (ties go to the smaller sum of thresholds: less waiting for the same throughput).
+        a `Plan`; ``table`` lists every candidate evaluated, best first (ties go to the smaller sum
+        of thresholds: less waiting for the same throughput).
     """
     names = list(latency)
     if n < 1:
@@ -592,10 +616,13 @@ def plan_thresholds(latency: dict[str, LatencyModel], routing: dict[str, float],
     memo: dict[tuple, DTMCResult] = {}
     feasible = {tuple(c[m] for m in names) for c in cands}
 
+    def solve(key: tuple, tk: float) -> DTMCResult:
+        return dtmc_throughput(latency, routing, n, dict(zip(names, key)), keep=keep, extra_tokens=extra_tokens,
+                               ticks=tk, **dtmc_kw)
+
     def ev(key: tuple) -> float:
         if key not in memo:
-            memo[key] = dtmc_throughput(latency, routing, n, dict(zip(names, key)), keep=keep,
-                                        extra_tokens=extra_tokens, **dtmc_kw)
+            memo[key] = solve(key, search_ticks)
             if progress is not None:
                 progress(len(memo), len(cands) if mode == "exhaustive" else None)
         return memo[key].tok_s
@@ -604,28 +631,40 @@ def plan_thresholds(latency: dict[str, LatencyModel], routing: dict[str, float],
         for c in sorted(feasible):
             ev(c)
     else:
-        grid = sorted({v for v in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if v <= n} | {n})
+        grid = sorted({1 << k for k in range(n.bit_length()) if 1 << k <= n} | {n})
         for c in itertools.product(grid, repeat=len(names)):
             if c in feasible:
                 ev(c)
-        starts = sorted(memo, key=lambda k: -memo[k].tok_s)[:3]
-        for cur in starts:
-            while True:
-                nbrs = [tuple(c + d for c, d in zip(cur, dd)) for dd in itertools.product((-1, 0, 1), repeat=len(names))]
-                nbrs = [k for k in nbrs if k != cur and k in feasible]
+        moves = [d for d in itertools.product((-1, 0, 1), repeat=len(names))
+                 if sum(map(abs, d)) == 1 or (sum(map(abs, d)) == 2 and sum(d) == 0)]
+        for cur in sorted(memo, key=lambda k: -memo[k].tok_s)[:3]:
+            step = max(1, 1 << max(0, (n // 4).bit_length() - 1))
+            while step >= 1:
+                nbrs = [k for k in (tuple(c + step * x for c, x in zip(cur, d)) for d in moves) if k in feasible]
                 best = max(nbrs, key=ev, default=cur)
-                if ev(best) <= ev(cur):
-                    break
-                cur = best
+                if ev(best) > ev(cur):
+                    cur = best
+                else:
+                    step //= 2
 
     def rank(k):
         return (-memo[k].tok_s, sum(k), k)
 
+    if search_ticks != ticks and "dt" not in dtmc_kw:
+        for k in sorted(memo, key=rank)[:max(1, refine)]:
+            memo[k] = solve(k, ticks)
+        top_keys = sorted(memo, key=rank)[:max(1, refine)]
+        refined = set(top_keys)
+    else:
+        refined = set(memo)
     order = sorted(memo, key=rank)
+    pick = min(refined, key=rank)
+    order.remove(pick)
+    order.insert(0, pick)
     table = [{"thresholds": dict(zip(names, k)), "tok_s": memo[k].tok_s, "busy": memo[k].busy,
-              "mean_batch": memo[k].mean_batch, "states": memo[k].states} for k in order]
-    top = memo[order[0]]
-    return Plan(thresholds=dict(zip(names, order[0])), predicted_tok_s=top.tok_s, table=table, n=n,
+              "mean_batch": memo[k].mean_batch, "states": memo[k].states, "dt": memo[k].dt} for k in order]
+    top = memo[pick]
+    return Plan(thresholds=dict(zip(names, pick)), predicted_tok_s=top.tok_s, table=table, n=n,
                 candidates=len(cands), search=mode, best=top)
 
 
@@ -637,3 +676,113 @@ def plan_from_trace(router_or_trace, latency: dict[str, LatencyModel], n: int, *
     kw.setdefault("keep", estimate_keep(trace, names))
     kw.setdefault("extra_tokens", estimate_extra_tokens(trace, names))
     return plan_thresholds(latency, estimate_routing(trace, names), n, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# For a Router (thresholds="auto", the benchmark)
+# ---------------------------------------------------------------------------------------------
+PILOT_PROMPTS = ("Explain why the sky is blue in a few sentences.",
+                 "What is 17 * 23? Show your steps.",
+                 "Write a short story about a robot who learns to paint.",
+                 "List three uses of a paperclip and explain each one.",
+                 "Summarise the water cycle for a ten-year-old.",
+                 "Give two arguments for and against homework.")
+
+_PROFILES = None  # weakref.WeakKeyDictionary: model -> LatencyModel (filled by router_latency)
+
+
+def estimate_step_overhead(router_or_trace, models: Sequence[str] | None = None) -> dict[str, float]:
+    """Per model, mean seconds of a step spent outside the model forward (batch building, sampling,
+    routing, events: ``t_end - t_start - forward_s`` of its ``StepDone`` events)."""
+    trace = _trace(router_or_trace)
+    names = _models_of(trace, models)
+    acc = {m: [0.0, 0] for m in names}
+    for ev in trace:
+        if ev[0] == "step" and ev[1].model in acc:
+            s = ev[1]
+            acc[s.model][0] += max(0.0, (s.t_end - s.t_start) - s.forward_s)
+            acc[s.model][1] += 1
+    return {m: (t / k if k else 0.0) for m, (t, k) in acc.items()}
+
+
+def router_latency(router, n: int = 16, **profile_kw) -> dict[str, LatencyModel]:
+    """Each model's `LatencyModel`: the sim backend's own, or `profile_latency` of the loaded
+    model (batch sizes 1, 2, 4, ... up to max(n, 16); cached per model object, so a benchmark
+    profiles each model once). Profiling runs on a private KV pool; call it while the Router is
+    idle (it competes for the CPU with running requests)."""
+    import weakref
+
+    global _PROFILES
+    if _PROFILES is None:
+        _PROFILES = weakref.WeakKeyDictionary()
+    out = {}
+    top = max(16, n)
+    sizes = tuple(sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top}))
+    for name in router.models:
+        runner = router.engine.runners[name]
+        lat = getattr(runner, "latency", None)
+        if isinstance(lat, LatencyModel):
+            out[name] = lat
+            continue
+        model = router.models[name]
+        cached = _PROFILES.get(model)
+        if cached is None or max(cached.table) < top:
+            cached = profile_latency(model, batch_sizes=sizes, **profile_kw)
+            _PROFILES[model] = cached
+        out[name] = cached
+    return out
+
+
+def plan_router(router, policy, n: int, *, trace: list | None = None, prompts: Sequence | None = None,
+                pilot_tokens: int = 64, latency: dict[str, LatencyModel] | None = None, **kw) -> Plan:
+    """Plan delayed-batching thresholds for ``router`` serving ``policy`` at concurrency ``n``.
+
+    Inputs: latency from `router_latency` (unless given); routing, commit rule and extra fed
+    tokens from ``trace`` if given, else analytically for `RandomRouting` (q_small = p,
+    q_large = 1, the small discards, the large keeps, (1 - p) / p extra tokens per large step),
+    else from a pilot run on the router itself: ``max(n, 4)`` requests of ``prompts`` (default
+    `PILOT_PROMPTS`, cycled), ``pilot_tokens`` tokens each, at concurrency n with thresholds 1
+    (restored afterwards). With a pilot trace on a real backend, the measured per-step overhead
+    outside the forward is added to the profiled step times.
+
+    Raises:
+        ValueError: the router does not hold exactly two models (the DTMC covers two).
+    """
+    names = list(router.models)
+    if len(names) != 2:
+        raise ValueError(f"the planner covers two models (small, large), this Router has {names}")
+    lat = dict(latency) if latency is not None else router_latency(router, n)
+    if trace is None and type(policy).__name__ == "RandomRouting" and hasattr(policy, "p"):
+        p = float(policy.p)
+        small = getattr(policy, "small", None) or names[0]
+        large = getattr(policy, "large", None) or names[-1]
+        q = {small: p, large: 1.0}
+        kw.setdefault("keep", {small: 0.0, large: 1.0})
+        kw.setdefault("extra_tokens", {small: 0.0, large: (1 - p) / p if p > 0 else 0.0})
+        return plan_thresholds(lat, q, n, **kw)
+    if trace is None:
+        eng = router.engine
+        old = dict(getattr(eng, "thresholds", {}) or {})
+        start = len(eng.trace)
+        plist = list(prompts or PILOT_PROMPTS)
+        plist = [plist[i % len(plist)] for i in range(max(n, 4))]
+        if getattr(eng, "mode", None) == "delayed":
+            router.set_thresholds({m: 1 for m in names})
+        try:
+            router.generate(plist, policy=policy, concurrency=n, max_new_tokens=pilot_tokens, ignore_eos=True)
+        finally:
+            if old and getattr(eng, "mode", None) == "delayed":
+                router.set_thresholds(old)
+        trace = list(eng.trace[start:])
+        if not any(isinstance(getattr(r, "latency", None), LatencyModel) for r in eng.runners.values()):
+            over = estimate_step_overhead(trace, names)
+            lat = {m: LatencyModel({b: t + over[m] for b, t in lat[m].table.items()}, lat[m].per_token_s)
+                   for m in names}
+    kw.setdefault("keep", estimate_keep(trace, names))
+    kw.setdefault("extra_tokens", estimate_extra_tokens(trace, names))
+    return plan_thresholds(lat, estimate_routing(trace, names), n, **kw)
+
+
+def plan_for_router(router, policy, n: int, **kw) -> dict[str, int]:
+    """The thresholds of `plan_router` (what ``tokenrouter bench --thresholds auto`` uses)."""
+    return plan_router(router, policy, n, **kw).thresholds

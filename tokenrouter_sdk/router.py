@@ -52,7 +52,9 @@ class Router:
         dtype, device: used when loading models from source strings.
         mode: schedule mode, ``"async"`` (default), ``"delayed"``, ``"sync"`` or ``"model_sync"``
             (see `Engine`).
-        thresholds: delayed batching thresholds B_i per model (``mode="delayed"``).
+        thresholds: delayed batching thresholds B_i per model (``mode="delayed"``), or ``"auto"``:
+            before each `generate`, `tokenrouter_sdk.planner.plan_for_router` picks them with the
+            DTMC throughput model for that call's policy and concurrency (cached per pair).
         retain_kv: False re-prefills the whole context on every return (baseline).
         backend: ``"torch"`` (real models) or ``"sim"``: then each model is a
             `tokenrouter_sdk.backends.sim_runner.LatencyModel` (or a dict of its fields, or None
@@ -73,9 +75,11 @@ class Router:
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
                  max_kv_tokens: int | None = None, block_size: int = 16, max_concurrency: int | None = None,
                  max_batch_tokens: int = 4096, dtype=None, device: str = "cpu", mode: str = "async",
-                 thresholds: dict[str, int] | None = None, retain_kv: bool = True, backend: str = "torch",
+                 thresholds: dict[str, int] | str | None = None, retain_kv: bool = True, backend: str = "torch",
                  processes: bool | dict | None = None):
         from .models import check_same_tokenizer, load_model
+        if isinstance(thresholds, str) and thresholds != "auto":
+            raise ValueError(f"thresholds must be a dict of B_i per model or 'auto', got {thresholds!r}")
         if not models:
             raise ValueError("Router needs at least one model, e.g. Router({'small': m1, 'large': m2}, policy)")
         if backend not in ("torch", "sim"):
@@ -123,10 +127,12 @@ class Router:
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
         self.policy = policy if policy is not None else Policy()
         self.engine = Engine(runners, self.tokenizer, max_concurrency=max_concurrency,
-                             max_batch_tokens=max_batch_tokens, mode=mode, thresholds=thresholds,
+                             max_batch_tokens=max_batch_tokens, mode=mode,
+                             thresholds=None if isinstance(thresholds, str) else thresholds,
                              retain_kv=retain_kv, transport=transport)
         self.max_context = min(r.max_context for r in runners.values())
         self._last_rids: set[int] = set()
+        self._auto_thresholds, self._plans = thresholds == "auto", {}
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
 
     @classmethod
@@ -242,6 +248,8 @@ class Router:
             self.engine.max_concurrency = concurrency
         try:
             n = len(plist) if self.engine.max_concurrency is None else min(len(plist), self.engine.max_concurrency)
+            if self._auto_thresholds and self.engine.mode == "delayed":
+                self._plan(policy if policy is not None else self.policy, n)
             self.engine.check_thresholds(n)
             handles = self.submit(plist, sampling=sampling, policy=policy, chat=chat, **kw)
             bar = None
@@ -309,6 +317,13 @@ class Router:
             if ev is sentinel:
                 return
             yield ev
+
+    def _plan(self, policy, n: int) -> None:
+        key = (id(policy), n)
+        if key not in self._plans:
+            from .planner import plan_for_router
+            self._plans[key] = plan_for_router(self, policy, n)
+        self.engine.set_thresholds(self._plans[key])
 
     def set_thresholds(self, thresholds: dict[str, int]) -> None:
         """Set delayed batching thresholds B_i per model (``mode="delayed"``); checked against the

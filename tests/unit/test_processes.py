@@ -45,12 +45,13 @@ def _gone(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def routers(pair, tok):
-    """An async and a sync Router over the float64 pair, with the default transport choice
-    (two torch models: processes), built together so their four sub-server processes boot in
+    """An async and a sync Router over the float64 pair (async: the default transport choice for
+    two torch models, processes over ipc://; sync: processes over tcp://), built together so their four sub-server processes boot in
     parallel, and alive side by side for the whole module. The last tests consume them."""
     saved = os.environ.pop("TOKENROUTER_PROCESSES", None)
     try:
-        rs = {mode: Router(pair, DiscardTwoBack(), tokenizer=tok, mode=mode) for mode in ("async", "sync")}
+        rs = {"async": Router(pair, DiscardTwoBack(), tokenizer=tok, mode="async"),
+              "sync": Router(pair, DiscardTwoBack(), tokenizer=tok, mode="sync", processes={"address": "tcp"})}
     finally:
         if saved is not None:
             os.environ["TOKENROUTER_PROCESSES"] = saved
@@ -124,10 +125,27 @@ def test_policy_defined_in_a_function_body(routers, pair):
     assert sum(o.hops for o in outs) >= 8
 
 
+def test_policy_the_children_cannot_load_fails_only_its_requests(routers, tmp_path, monkeypatch):
+    (tmp_path / "parent_only_policy.py").write_text(
+        "from tokenrouter_sdk import Policy\n\nclass ParentOnly(Policy):\n    def route(self, step):\n"
+        "        return step.model\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # importable here, not in the running children
+    from parent_only_policy import ParentOnly
+    r = routers["async"]
+    bad = r.submit(mixed_prompts(2), policy=ParentOnly(), max_new_tokens=4)
+    good = r.generate(mixed_prompts(3), max_new_tokens=4, ignore_eos=True, timeout=60)
+    r.engine.wait(bad, timeout=60)
+    assert all(o.finish_reason == "length" for o in good)
+    for h in bad:
+        assert h.output.finish_reason == "failed"
+        assert "could not be loaded in the sub-server process" in h.output.error
+        assert "register_pickle_by_value" in h.output.error
+
+
 def test_two_routers_side_by_side(routers, pair):
     ra, rs = routers["async"], routers["sync"]
     ta, ts = ra.engine.transport, rs.engine.transport
-    assert ta.address != ts.address
+    assert ta.address.startswith("ipc://") and ts.address.startswith("tcp://127.0.0.1:")
     assert not set(ta.pids().values()) & set(ts.pids().values())
     results, errors = {}, []
 

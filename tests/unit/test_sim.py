@@ -64,3 +64,16 @@ def test_throughput_grows_with_concurrency():
     t1 = run("async", 1)[1].throughput_tok_s
     t16 = run("async", 16)[1].throughput_tok_s
     assert t16 > 4 * t1
+
+
+def test_auto_thresholds_use_the_planner():
+    with Router(LAT, RandomRouting(p=0.1, seed=1), backend="sim", mode="delayed", thresholds="auto") as r:
+        outs = r.generate(prompts(16), max_new_tokens=32, ignore_eos=True, concurrency=8)
+        th = dict(r.engine.thresholds)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert sum(b - 1 for b in th.values()) < 8 and all(b >= 1 for b in th.values())
+    from tokenrouter_sdk.planner import plan_for_router
+    with Router(LAT, RandomRouting(p=0.1, seed=1), backend="sim", mode="delayed") as r2:
+        assert plan_for_router(r2, RandomRouting(p=0.1, seed=1), 8) == th
+    with pytest.raises(ValueError, match="'auto'"):
+        Router(LAT, backend="sim", thresholds="best")

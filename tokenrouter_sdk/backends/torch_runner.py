@@ -60,17 +60,21 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
                                       scaling=scaling, **kwargs)
     fb, layer = tr_batch, module.layer_idx
     kc, vc = fb.pool.k[layer], fb.pool.v[layer]
-    kc[fb.slot_mapping] = key[0].transpose(0, 1)
-    vc[fb.slot_mapping] = value[0].transpose(0, 1)
+    kc.index_copy_(0, fb.slot_mapping, key[0].transpose(0, 1))
+    vc.index_copy_(0, fb.slot_mapping, value[0].transpose(0, 1))
     q = query[0]                                        # [H, T, D]
     out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
     if fb.dec_q is not None:
+        bd, lmax = fb.dec_kv.shape
         qd = q[:, fb.dec_q].transpose(0, 1).unsqueeze(2)           # [Bd, H, 1, D]
-        kd, vd = kc[fb.dec_kv].transpose(1, 2), vc[fb.dec_kv].transpose(1, 2)  # [Bd, Hkv, L, D]
+        flat = fb.dec_kv.view(-1)
+        kd = kc.index_select(0, flat).view(bd, lmax, *kc.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
+        vd = vc.index_select(0, flat).view(bd, lmax, *vc.shape[1:]).transpose(1, 2)
         out[fb.dec_q] = _sdpa(qd, kd, vd, fb.dec_mask, False, scaling)[:, :, 0]
     for qs, ql, slots, mask in fb.segs:
         qi = q[:, qs:qs + ql].unsqueeze(0)                             # [1, H, ql, D]
-        ki, vi = kc[slots].transpose(0, 1).unsqueeze(0), vc[slots].transpose(0, 1).unsqueeze(0)
+        ki = kc.index_select(0, slots).transpose(0, 1).unsqueeze(0)    # [1, Hkv, L, D]
+        vi = vc.index_select(0, slots).transpose(0, 1).unsqueeze(0)
         o = _sdpa(qi, ki, vi, mask, mask is None and ql > 1, scaling)  # [1, H, ql, D]
         out[qs:qs + ql] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None

@@ -15,9 +15,13 @@ Layout::
         - child -> engine events -> on_event(event)
         - child death (process sentinel) -> Finished(-1, model, "crashed", ...)
 
-Ordering: every message passes through the hub thread, which forwards in arrival order, so
-messages from one sender to one destination stay in order, and a handoff a sub-server sends
-before its ``StepDone`` reaches the peer before any ``Go`` the engine sends in reply.
+Ordering: every message passes through the hub thread, so messages from one sender to one
+destination stay in order. What a sub-server sends its peers during a step (handoffs,
+releases) is held by the hub until that step's ``StepDone`` arrives, then forwarded just before
+the engine sees the ``StepDone``: the trace records a step before any step that reacts to it,
+and a handoff reaches the peer before any ``Go`` the engine sends in reply (gated modes). What
+the engine sends inside `hold` (one `Router.submit`) reaches each sub-server as one batch that
+it handles whole before it next schedules.
 
 Start-up: the per-model spec (runner with its model and KV pool, tokenizer, scheduler settings)
 is the child's `multiprocessing.Process` argument. It is pickled with cloudpickle (so classes
@@ -52,6 +56,7 @@ import traceback
 from collections import ChainMap
 from typing import Callable
 
+from ..policy import Policy
 from . import messages as M
 from .subserver import RegisterPolicy
 
@@ -74,6 +79,49 @@ def dumps(msg) -> bytes:
 
 def loads(data: bytes):
     return pickle.loads(data)
+
+
+class _PolicyBytes:
+    """`RegisterPolicy` on the wire: the policy cloudpickled inside a plain-pickled envelope,
+    so a policy the child cannot load fails only the requests that use it."""
+
+    def __init__(self, key: int, data: bytes, text: str):
+        self.key, self.data, self.text = key, data, text
+
+    def load(self, where: str) -> RegisterPolicy:
+        try:
+            return RegisterPolicy(self.key, pickle.loads(self.data))
+        except Exception as e:  # noqa: BLE001
+            hint = ""
+            if isinstance(e, (ImportError, AttributeError)):
+                hint = ("; its module cannot be imported there: install it, or call "
+                        "cloudpickle.register_pickle_by_value(module) before a Router first uses the policy")
+            return RegisterPolicy(self.key, _UnloadablePolicy(
+                self.text, f"policy {self.text} could not be loaded in the sub-server process of model "
+                           f"'{where}': {type(e).__name__}: {e}{hint}"))
+
+
+class _UnloadablePolicy(Policy):
+    """Stands in for a policy the child could not unpickle: every call raises, so the requests
+    that use it fail with the load error and the others go on."""
+
+    def __init__(self, text: str, error: str):
+        self.text, self.error = text, error
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def route(self, step):
+        raise RuntimeError(self.error)
+
+    def route_batch(self, batch):
+        raise RuntimeError(self.error)
+
+    def send(self, req, target):
+        raise RuntimeError(self.error)
+
+    def receive(self, handoff, req):
+        raise RuntimeError(self.error)
 
 
 class _LoadError:
@@ -151,6 +199,7 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
     import torch
     import zmq
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it closes us
     torch.set_num_threads(max(1, int(threads)))
     ctx = zmq.Context()
     out = ctx.socket(zmq.DEALER)
@@ -159,10 +208,12 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
     out.connect(address)
     out_lock = threading.Lock()  # only the main thread sends today; cheap insurance
 
+    in_step = [False]
+
     def send(model: str, msg) -> None:
         data = dumps(msg)
-        with out_lock:
-            out.send_multipart([b"to", model.encode(), data])
+        with out_lock:  # "ts": sent during a step, released by the hub with that step's StepDone
+            out.send_multipart([b"ts" if in_step[0] else b"to", model.encode(), data])
 
     def emit(event) -> None:
         data = dumps(event)
@@ -170,6 +221,7 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
             out.send_multipart([b"ev", b"", data])
 
     stop = threading.Event()
+    fatal: list[str] = []
     code = 0
     rx = None
     try:
@@ -178,15 +230,27 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
         from .subserver import SubServer
         _prepare_runner(spec["runner"])
         ss = SubServer(**spec, send=send, emit=emit, clock=time.perf_counter)
-        rx = threading.Thread(target=_child_receive, args=(ctx, address, name, ss.inbox, stop),
+        step = ss.step
+
+        def marked_step(*args, **kwargs):
+            in_step[0] = True
+            try:
+                return step(*args, **kwargs)
+            finally:
+                in_step[0] = False
+
+        ss.step = marked_step
+        rx = threading.Thread(target=_child_receive, args=(ctx, address, name, ss.inbox, stop, fatal),
                               name=f"tokenrouter-{name}-rx", daemon=True)
         rx.start()
         ss.run()
+        if fatal:
+            raise RuntimeError(fatal[0])
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the requests
         code = 1
         text = f"sub-server '{name}' crashed: {type(e).__name__}: {e}"
-        if isinstance(e, RuntimeError) and isinstance(spec, _LoadError):
-            text = spec.text
+        if isinstance(spec, _LoadError) or fatal:
+            text = str(e)
         with contextlib.suppress(Exception), out_lock:
             out.send_multipart([b"err", b"", text.encode(errors="replace")])
         traceback.print_exc()
@@ -203,7 +267,7 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
     os._exit(code)
 
 
-def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event) -> None:
+def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, fatal: list) -> None:
     """Receiver thread of a child: hub messages -> ``inbox``; Shutdown also when the parent dies."""
     import multiprocessing
 
@@ -227,9 +291,22 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event) -
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    msg = loads(frames[-1])
-                    inbox.put(msg)
-                    if isinstance(msg, M.Shutdown):
+                    msgs, last = [], False
+                    for frame in frames:  # one batch from the hub: it reaches the inbox at once
+                        try:
+                            msg = loads(frame)
+                        except Exception as e:  # noqa: BLE001 - cannot go on without it: stop, say why
+                            fatal.append(f"sub-server '{name}' could not load a message from the engine: "
+                                         f"{type(e).__name__}: {e}")
+                            msg = M.Shutdown()
+                        if isinstance(msg, _PolicyBytes):
+                            msg = msg.load(name)
+                        msgs.append(msg)
+                        if isinstance(msg, M.Shutdown):
+                            last = True
+                            break
+                    _put_all(inbox, msgs)
+                    if last:
                         return
             if parent is not None and parent.sentinel in ready:  # the parent is gone: stop serving
                 inbox.put(M.Shutdown())
@@ -241,6 +318,15 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event) -
         pass
     finally:
         sock.close(linger=0)
+
+
+def _put_all(q, items: list) -> None:
+    """Append ``items`` to an unbounded `queue.Queue` in one step, so its consumer sees the
+    whole batch (e.g. all admissions of one `Router.submit`) before it next schedules."""
+    with q.mutex:
+        q.queue.extend(items)
+        q.unfinished_tasks += len(items)
+        q.not_empty.notify()
 
 
 # ---- the parent ----------------------------------------------------------------------------
@@ -295,6 +381,9 @@ class ProcessTransport:
         self._closing = False
         self._closed = False
         self._started = False
+        self._hold_lock = threading.Lock()
+        self._holding = 0
+        self._held: dict[str, list[tuple[str, bytes]]] = {}
 
     # -- the transport interface ----------------------------------------------------------
     def clock_for(self, model: str) -> Callable[[], float]:
@@ -302,8 +391,17 @@ class ProcessTransport:
 
     @contextlib.contextmanager
     def hold(self):
-        """A batch submission (a no-op here)."""
-        yield
+        """A batch submission: what the engine sends meanwhile is delivered when it ends, each
+        sub-server's share as one batch it handles before its next step (so a burst of
+        admissions is seen whole, as delayed batching's tail rule expects)."""
+        with self._hold_lock:
+            self._holding += 1
+        try:
+            yield
+        finally:
+            with self._hold_lock:
+                self._holding -= 1
+            self._wake()
 
     def send(self, model: str, msg) -> None:
         """Deliver ``msg`` to ``model``'s sub-server (any thread; order kept per caller)."""
@@ -343,7 +441,11 @@ class ProcessTransport:
                 for name, spec in specs.items():
                     p = mp.Process(target=_child_main, args=(name, _Spec(spec), self._connect_address(), threads),
                                    name=f"tokenrouter-{name}", daemon=True)
-                    p.start()
+                    try:
+                        p.start()
+                    except Exception as e:
+                        raise type(e)(f"could not start the sub-server process of model '{name}': {e}; "
+                                      f"Router(..., processes=False) runs sub-servers in threads") from e
                     self.procs[name] = p
         except BaseException:
             self._closed = True
@@ -358,12 +460,14 @@ class ProcessTransport:
         self._hub.start()
 
     def alive(self, model: str) -> bool:
-        """True while the model's process runs (and its death has not been reported)."""
+        """Whether the model's process serves. The hub watches every process and reports a
+        death (with its exit code) before this turns False, so the engine's own liveness check
+        never races ahead of that message."""
         p = self.procs.get(model)
         if p is None or model in self._dead or self._closed:
             return False
-        if self._hub is None or not self._hub.is_alive():
-            return False
+        if self._hub is not None and self._hub.is_alive():
+            return True
         with self._proc_lock:
             return p.is_alive()
 
@@ -418,7 +522,8 @@ class ProcessTransport:
         if hit is not None and hit[0] is msg.policy:
             return hit[1]
         try:
-            data = dumps(msg)
+            import cloudpickle
+            data = pickle.dumps(_PolicyBytes(msg.key, cloudpickle.dumps(msg.policy, _PROTO), repr(msg.policy)), _PROTO)
         except Exception as e:  # noqa: BLE001
             raise TypeError(f"policy {msg.policy!r} cannot be sent to the sub-server processes "
                             f"({type(e).__name__}: {e}); make it picklable (cloudpickle) or run the "
@@ -468,22 +573,39 @@ class ProcessTransport:
                     p.kill()
             p.join(2.0)
 
-    def _deliver(self, dest: str, data: bytes) -> None:
+    def _deliver(self, dest: str, datas: list[bytes]) -> None:
+        """Send messages to ``dest`` as one multipart message (one batch for its inbox)."""
         import zmq
-        if dest in self._dead or dest not in self.procs:
+        if dest in self._dead or dest not in self.procs or not datas:
             return
         if dest not in self._ready:
-            self._buffer[dest].append(data)
+            self._buffer[dest].extend(datas)
             return
         try:
-            self._router.send_multipart([b"i:" + dest.encode(), data])
+            self._router.send_multipart([b"i:" + dest.encode(), *datas])
         except zmq.ZMQError:  # the peer is gone (ROUTER_MANDATORY): its death is reported separately
             pass
 
     def _drain_out(self) -> None:
+        """Deliver the engine's messages (not during a `hold`), in order per destination."""
+        if self._holding or not self._out:
+            return
+        batches: dict[str, list[bytes]] = {}
         while self._out:
             dest, data = self._out.popleft()
-            self._deliver(dest, data)
+            batches.setdefault(dest, []).append(data)
+        for dest, datas in batches.items():
+            self._deliver(dest, datas)
+
+    def _release_held(self, src: str) -> None:
+        """Forward what ``src`` sent its peers during the step whose StepDone just arrived: the
+        engine records that step before any peer can react to it (a causal trace), and the
+        handoffs reach the peers before any `Go` the engine sends in reply."""
+        batches: dict[str, list[bytes]] = {}
+        for dest, data in self._held.pop(src, []):
+            batches.setdefault(dest, []).append(data)
+        for dest, datas in batches.items():
+            self._deliver(dest, datas)
 
     def _emit(self, event) -> None:
         try:
@@ -504,14 +626,18 @@ class ProcessTransport:
             self._drain_out()
             src = ident.decode()[2:]
             if kind == b"to":
-                self._deliver(dest.decode(), data)
+                self._deliver(dest.decode(), [data])
+            elif kind == b"ts":
+                self._held.setdefault(src, []).append((dest.decode(), data))
             elif kind == b"ev":
-                self._emit(loads(data))
+                ev = loads(data)
+                if isinstance(ev, M.StepDone):
+                    self._release_held(src)
+                self._emit(ev)
                 self._drain_out()
             elif kind == b"hi":
                 self._ready.add(src)
-                for d in self._buffer.pop(src, []):
-                    self._deliver(src, d)
+                self._deliver(src, self._buffer.pop(src, []))
             elif kind == b"err":
                 self._errors[src] = data.decode(errors="replace")
 
@@ -527,13 +653,13 @@ class ProcessTransport:
         with self._proc_lock:
             p.join(1.0)
             code = p.exitcode
-        self._dead.add(name)
         self._buffer.pop(name, None)
-        if self._closing:
-            return
-        err = self._errors.get(name)
-        text = f"sub-server process '{name}' died ({_exit_text(code)})" + (f": {err}" if err else "")
-        self._emit(M.Finished(-1, name, "crashed", text, 0.0))
+        self._held.pop(name, None)
+        if not self._closing:
+            err = self._errors.get(name)
+            text = f"sub-server process '{name}' died ({_exit_text(code)})" + (f": {err}" if err else "")
+            self._emit(M.Finished(-1, name, "crashed", text, 0.0))
+        self._dead.add(name)  # after the report: alive() turns False only once the engine knows why
 
     def _hub_loop(self) -> None:
         import zmq

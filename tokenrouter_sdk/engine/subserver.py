@@ -64,6 +64,7 @@ class SubServer:
         self.thresholds = dict(thresholds or {})
         self.inflight = 0
         self._go: list[int] = []
+        self._deferred: list | None = None  # Finished events held until the step's StepDone
         self.clock = clock
 
     # -- message handling -----------------------------------------------------------------
@@ -184,6 +185,15 @@ class SubServer:
 
     def step(self, batch: list[Seq], preempted: int = 0, round: int | None = None) -> None:
         """One forward over ``batch``, then sample, route and commit/hand off each request."""
+        self._deferred = []
+        try:
+            self._step(batch, preempted, round)
+        finally:
+            deferred, self._deferred = self._deferred, None
+            for ev in deferred:
+                self.emit(ev)
+
+    def _step(self, batch: list[Seq], preempted: int, round: int | None) -> None:
         from ..backends.torch_runner import SeqInput
         t0 = self.clock()
         fed = {s.rid: len(s.tokens) - s.kv_len for s in batch}
@@ -335,7 +345,11 @@ class SubServer:
         self.send(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None) -> None:
-        self.emit(M.Finished(s.rid, self.name, reason, error, self.clock()))
+        ev = M.Finished(s.rid, self.name, reason, error, self.clock())
+        if self._deferred is not None:
+            self._deferred.append(ev)  # so a request's last step is in the trace before it ends
+        else:
+            self.emit(ev)
         for m, n in s.seen.items():
             if m != self.name and n > 0:
                 self.send(m, M.Release(s.rid))
