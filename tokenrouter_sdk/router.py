@@ -211,6 +211,7 @@ class Router:
                 except ValueError as e:
                     err = str(e)
             checked.append((prompt, ids, p, err))
+        self.engine.register_policy(pol, refresh=True)
         with self.engine.transport.hold():
             handles = [self.engine.submit(ids, p, pol, prompt=prompt, error=err) for prompt, ids, p, err in checked]
         self._last_rids = {h.rid for h in handles}

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -46,12 +47,18 @@ def _gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def routers(pair, tok):
     """An async and a sync Router over the float64 pair (async: the default transport choice for
-    two torch models, processes over ipc://; sync: processes over tcp://), built together so their four sub-server processes boot in
-    parallel, and alive side by side for the whole module. The last tests consume them."""
+    two torch models, processes over ipc://; sync: processes over tcp://), built at once so their
+    four sub-server processes boot in parallel, alive side by side for the whole module. The last
+    tests consume them."""
     saved = os.environ.pop("TOKENROUTER_PROCESSES", None)
     try:
-        rs = {"async": Router(pair, DiscardTwoBack(), tokenizer=tok, mode="async"),
-              "sync": Router(pair, DiscardTwoBack(), tokenizer=tok, mode="sync", processes={"address": "tcp"})}
+        kws = {"async": {}, "sync": {"processes": {"address": "tcp"}}}
+
+        def build(mode):
+            return Router(pair, DiscardTwoBack(), tokenizer=tok, mode=mode, **kws[mode])
+
+        with ThreadPoolExecutor(2) as ex:  # a Router returns once its processes run: build both at once
+            rs = dict(zip(kws, ex.map(build, kws)))
     finally:
         if saved is not None:
             os.environ["TOKENROUTER_PROCESSES"] = saved
@@ -76,7 +83,7 @@ def _check(router, pair, policy, prompts, concurrency=8):
 def test_two_torch_models_default_to_processes(routers, pair, tok, monkeypatch):
     for r in routers.values():
         assert isinstance(r.engine.transport, ProcessTransport)
-        assert r.engine.transport.wait_ready(120)
+        assert r.engine.transport.wait_ready(0)  # Router() returned once every process had connected
     monkeypatch.setenv("TOKENROUTER_PROCESSES", "0")
     with Router(pair, tokenizer=tok) as r:  # the environment switch keeps tiny tests in threads
         assert not isinstance(r.engine.transport, ProcessTransport)
@@ -162,6 +169,24 @@ def test_two_routers_side_by_side(routers, pair):
         t.join(150)
     assert not errors, errors
     assert set(results) == {"async", "sync"}
+
+
+def _explode_in_a_child(parent_pid):
+    if os.getpid() != parent_pid:
+        raise RuntimeError("this spec cannot be loaded here")
+
+
+class _Unloadable:
+    def __reduce__(self):
+        return _explode_in_a_child, (os.getpid(),)
+
+
+def test_a_process_that_cannot_start_fails_start_with_its_error():
+    tr = ProcessTransport(start_timeout=120)
+    with pytest.raises(RuntimeError, match=r"'bad': died \(exit code 1\).*cannot be loaded here"):
+        tr.start({"bad": {"x": _Unloadable()}}, lambda ev: None)
+    assert all(p.name != "tokenrouter-bad" for p in multiprocessing.active_children())
+    assert tr._ipc_dir is None and not tr.alive("bad")
 
 
 class Slow(Policy):

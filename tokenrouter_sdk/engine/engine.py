@@ -89,13 +89,16 @@ class Engine:
         self.subservers = getattr(self.transport, "subservers", {})  # in-process transports only
 
     # -- submission -----------------------------------------------------------------------
-    def register_policy(self, policy: Policy) -> int:
+    def register_policy(self, policy: Policy, refresh: bool = False) -> int:
+        """The key of ``policy`` in every sub-server; sends it on first use, and again with
+        ``refresh`` (a policy edited between calls reaches sub-server processes)."""
         with self._lock:
-            for k, p in self._policies.items():
-                if p is policy:
-                    return k
-            key = len(self._policies)
-            self._policies[key] = policy
+            key = next((k for k, p in self._policies.items() if p is policy), None)
+            if key is not None and not refresh:
+                return key
+            if key is None:
+                key = len(self._policies)
+                self._policies[key] = policy
         for name in self.models:
             self.transport.send(name, RegisterPolicy(key, policy))
         return key

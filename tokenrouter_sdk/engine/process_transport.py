@@ -23,13 +23,15 @@ and a handoff reaches the peer before any ``Go`` the engine sends in reply (gate
 the engine sends inside `hold` (one `Router.submit`) reaches each sub-server as one batch that
 it handles whole before it next schedules.
 
-Start-up: the per-model spec (runner with its model and KV pool, tokenizer, scheduler settings)
-is the child's `multiprocessing.Process` argument. It is pickled with cloudpickle (so classes
-defined in ``__main__`` or a notebook cell travel by value) plus torch's multiprocessing
-reductions, which move CPU tensor storage into shared memory and pass its file descriptor: model
-weights (and the zero-copy truncated small model, which shares modules with the large one)
-are mapped once, not copied per process. The child does not re-import the parent's
-``__main__`` script, so a script needs no ``if __name__ == "__main__"`` guard.
+Start-up: the per-model spec (runner with its model, tokenizer, scheduler settings) is the
+child's `multiprocessing.Process` argument, pickled with cloudpickle (so classes defined in
+``__main__`` or a notebook cell travel by value) plus torch's multiprocessing reductions, which
+move CPU tensor storage into shared memory and pass its file descriptor: model weights (and the
+zero-copy truncated small model, which shares modules with the large one) are mapped once, not
+copied per process. The KV pool is not shared: the child allocates its own of the same shape and
+this process's copy is released, so nothing here can write into a sub-server's KV. The child
+does not re-import the parent's ``__main__`` script, so a script needs no
+``if __name__ == "__main__"`` guard.
 
 Serialisation: per-step messages and events are small dataclasses sent with plain pickle;
 `RegisterPolicy` (and anything plain pickle refuses) goes with cloudpickle, so a `Policy`
@@ -162,6 +164,34 @@ class _Spec:
         return _load_spec, (buf.getvalue(),)
 
 
+class _FreshPool:
+    """A `KVPool` of the same shape, allocated in the child: the KV cache is the sub-server's
+    private memory, not shared with this process."""
+
+    def __init__(self, pool):
+        layers, slots, heads, dim = pool.k.shape
+        self.args = (layers, heads, dim, pool.num_blocks, pool.block_size, pool.k.dtype, str(pool.k.device))
+
+    def __reduce__(self):
+        from .kv_pool import KVPool
+        return KVPool, self.args
+
+
+def _child_spec(spec: dict) -> dict:
+    """The spec as the child gets it: the runner (model shared through shared memory) with a
+    fresh KV pool of the same shape instead of this process's."""
+    import copy
+
+    from .kv_pool import KVPool
+    spec = dict(spec)
+    runner = spec.get("runner")
+    if isinstance(getattr(runner, "pool", None), KVPool) and runner.pool.k is not None:
+        runner = copy.copy(runner)
+        runner.pool = _FreshPool(runner.pool)
+        spec["runner"] = runner
+    return spec
+
+
 @contextlib.contextmanager
 def _no_main_reimport():
     """Spawn children without re-running the parent's ``__main__`` script: everything the child
@@ -220,7 +250,7 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
         with out_lock:
             out.send_multipart([b"ev", b"", data])
 
-    stop = threading.Event()
+    stop, orphaned = threading.Event(), threading.Event()
     fatal: list[str] = []
     code = 0
     rx = None
@@ -240,7 +270,7 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
                 in_step[0] = False
 
         ss.step = marked_step
-        rx = threading.Thread(target=_child_receive, args=(ctx, address, name, ss.inbox, stop, fatal),
+        rx = threading.Thread(target=_child_receive, args=(ctx, address, name, ss.inbox, stop, fatal, orphaned),
                               name=f"tokenrouter-{name}-rx", daemon=True)
         rx.start()
         ss.run()
@@ -258,7 +288,7 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
         stop.set()
         if rx is not None:
             rx.join(5.0)
-        out.close(linger=2000)
+        out.close(linger=0 if orphaned.is_set() else 2000)  # flush the last events, unless nobody listens
         ctx.term()
     # skip the interpreter's teardown of torch and transformers (seconds, nothing to save)
     for f in (sys.stdout, sys.stderr):
@@ -267,7 +297,8 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
     os._exit(code)
 
 
-def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, fatal: list) -> None:
+def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, fatal: list,
+                   orphaned: threading.Event) -> None:
     """Receiver thread of a child: hub messages -> ``inbox``; Shutdown also when the parent dies."""
     import multiprocessing
 
@@ -309,7 +340,10 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, f
                     if last:
                         return
             if parent is not None and parent.sentinel in ready:  # the parent is gone: stop serving
+                orphaned.set()
                 inbox.put(M.Shutdown())
+                if address.startswith("ipc://"):  # nobody else will remove the hub's folder
+                    shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
                 t = threading.Timer(5.0, os._exit, args=(0,))  # if a forward never returns
                 t.daemon = True
                 t.start()
@@ -351,6 +385,10 @@ class ProcessTransport:
             close), ``"tcp"`` (``tcp://127.0.0.1`` on a random free port), or a full
             ``"tcp://host:port"`` to bind (children connect to it; ``*``/``0.0.0.0`` become
             127.0.0.1 for them).
+        start_timeout: seconds `start` waits for every process to boot and connect (a fresh
+            interpreter importing torch and transformers: seconds); None returns at once and
+            messages wait in the hub until their process connects (the first requests' latency
+            then includes the boot).
         close_timeout: seconds `close` waits for each process to end before terminating it.
 
     Not provided: ``subservers`` (the sub-servers live in other processes), so
@@ -359,9 +397,11 @@ class ProcessTransport:
 
     clock = staticmethod(time.perf_counter)
 
-    def __init__(self, threads: int | None = None, address: str = "ipc", close_timeout: float = 5.0):
+    def __init__(self, threads: int | None = None, address: str = "ipc", start_timeout: float | None = 600.0,
+                 close_timeout: float = 5.0):
         self.threads = threads
         self.address_spec = address
+        self.start_timeout = start_timeout
         self.close_timeout = close_timeout
         self.address: str | None = None
         self.procs: dict = {}
@@ -417,8 +457,13 @@ class ProcessTransport:
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
         """Bind the hub, spawn one process per spec (its `SubServer` keyword arguments, less
-        send/emit/clock) and start the hub thread. Returns without waiting for the children
-        to boot; messages to a child wait in the hub until it says hello."""
+        send/emit/clock), start the hub thread and wait until every process has connected
+        (``start_timeout``).
+
+        Raises:
+            RuntimeError: a process died while starting (its error and exit code are in the
+                message) or did not connect in time; every process is ended first.
+        """
         import torch.multiprocessing as tmp
         import zmq
         if self._started:
@@ -439,7 +484,8 @@ class ProcessTransport:
         try:
             with _no_main_reimport():
                 for name, spec in specs.items():
-                    p = mp.Process(target=_child_main, args=(name, _Spec(spec), self._connect_address(), threads),
+                    p = mp.Process(target=_child_main,
+                                   args=(name, _Spec(_child_spec(spec)), self._connect_address(), threads),
                                    name=f"tokenrouter-{name}", daemon=True)
                     try:
                         p.start()
@@ -458,6 +504,20 @@ class ProcessTransport:
             raise
         self._hub = threading.Thread(target=self._hub_loop, name="tokenrouter-hub", daemon=True)
         self._hub.start()
+        for spec in specs.values():  # each child has its own KV pool: free this process's copy
+            pool = getattr(spec.get("runner"), "pool", None)
+            if pool is not None and hasattr(pool, "release"):
+                pool.release()
+        if self.start_timeout is not None and not self.wait_ready(self.start_timeout):
+            with self._proc_lock:
+                codes = {m: p.exitcode for m, p in self.procs.items()}
+            why = "; ".join(f"'{m}': " + (f"died ({_exit_text(codes[m])})" if m in self._dead or codes[m] is not None
+                                          else "still starting") + (f": {self._errors[m]}" if m in self._errors else "")
+                            for m in self.procs if m not in self._ready)
+            self._closing = True
+            self.close()
+            raise RuntimeError(f"sub-server processes could not start (each must connect within "
+                               f"{self.start_timeout} s): {why}")
 
     def alive(self, model: str) -> bool:
         """Whether the model's process serves. The hub watches every process and reports a
@@ -476,13 +536,16 @@ class ProcessTransport:
         return {name: p.pid for name, p in self.procs.items()}
 
     def wait_ready(self, timeout: float = 60.0) -> bool:
-        """Block until every child has connected to the hub (or died); True if all connected."""
+        """Block until every child has connected to the hub; False if one died or time ran out."""
         deadline = time.perf_counter() + timeout
-        while time.perf_counter() < deadline:
-            if all(m in self._ready or m in self._dead for m in self.procs):
-                return all(m in self._ready for m in self.procs)
+        while True:
+            if any(m in self._dead for m in self.procs):
+                return False
+            if all(m in self._ready for m in self.procs):
+                return True
+            if time.perf_counter() >= deadline:
+                return False
             time.sleep(0.01)
-        return False
 
     def close(self, timeout: float | None = None) -> None:
         """Shut every sub-server down (Shutdown, join, then terminate/kill leftovers), stop the
