@@ -126,13 +126,17 @@ def test_metrics_are_consistent_with_outputs(pair, tok):
 def test_models_step_concurrently(pair, tok):
     """While the large model is busy, the small one keeps decoding its other requests."""
 
-    class SlowLarge(RandomRouting):
+    class SlowLarge(Policy):  # the large model's route runs (no forced span) and takes 50 ms
         def route(self, step):
             if step.model == "large":
                 time.sleep(0.05)
-            return super().route(step)
+                return "small"
+            return "large" if step.token % 5 == 0 else "small"
 
-    with Router(pair, SlowLarge(p=0.2, seed=0), tokenizer=tok) as r:
+        def send(self, req, target):
+            return Handoff(keep_sampled=(req.owner == "large"))
+
+    with Router(pair, SlowLarge(), tokenizer=tok) as r:
         r.generate(mixed_prompts(8, seed=1), max_new_tokens=20, ignore_eos=True)
         steps = [ev[1] for ev in r.trace if ev[0] == "step"]
     large = [(s.t_start, s.t_end) for s in steps if s.model == "large"]
