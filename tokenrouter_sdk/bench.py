@@ -53,16 +53,11 @@ def make_policy(name: str):
 def _thresholds(router, policy, n: int, spec: str | dict | None) -> dict[str, int]:
     """Thresholds for a ``delayed`` cell at concurrency n, lowered (largest first) until
     feasible: sum_i (B_i - 1) < n."""
-    names = list(router.models)
-    th = None
     if isinstance(spec, dict):
         th = dict(spec)
     elif spec in (None, "", "auto"):
-        try:
-            from .planner import plan_for_router
-            th = plan_for_router(router, policy, n)
-        except (ImportError, AttributeError):
-            th = {names[0]: max(1, n // 2), names[-1]: max(1, n // 4)}  # heuristic without a planner
+        from .planner import plan_for_router
+        th = plan_for_router(router, policy, n)
     else:
         th = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
     while sum(b - 1 for b in th.values()) >= n:

@@ -241,18 +241,10 @@ class Router:
         Raises:
             ValueError: a bad sampling argument (e.g. ``max_new_tokens <= 0``), before anything runs.
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                              and isinstance(prompts[0], (int, dict)))
-        plist = [prompts] if single else list(prompts)
+        single, plist = self._as_list(prompts)
         old = self.engine.max_concurrency
-        if concurrency is not None:
-            self.engine.max_concurrency = concurrency
         try:
-            n = len(plist) if self.engine.max_concurrency is None else min(len(plist), self.engine.max_concurrency)
-            if self._auto_thresholds and self.engine.mode == "delayed":
-                self._plan(policy if policy is not None else self.policy, n)
-            self.engine.check_thresholds(n)
-            handles = self.submit(plist, sampling=sampling, policy=policy, chat=chat, **kw)
+            handles = self._submit_call(plist, policy, concurrency, sampling=sampling, chat=chat, **kw)
             bar = None
             if progress:
                 from tqdm.auto import tqdm
@@ -274,16 +266,51 @@ class Router:
         outs = [h.output for h in handles]
         return outs[0] if single else outs
 
-    async def agenerate(self, prompts, **kw) -> list[RequestOutput] | RequestOutput:
-        """``await``-able `generate` (same arguments); does not block the event loop."""
-        single = isinstance(prompts, str)
-        plist = [prompts] if single else list(prompts)
-        conc = kw.pop("concurrency", None)
-        if conc is not None:
-            self.engine.max_concurrency = conc
-        handles = self.submit(plist, **kw)
+    @staticmethod
+    def _as_list(prompts) -> tuple[bool, list]:
+        """(was it a single prompt, the prompts as a list)."""
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
+                                              and isinstance(prompts[0], (int, dict)))
+        return single, [prompts] if single else list(prompts)
+
+    def _submit_call(self, plist: list, policy, concurrency, **kw) -> list[RequestHandle]:
+        """Per-call set-up shared by `generate` and `agenerate`: concurrency, delayed batching
+        thresholds (planned when ``thresholds="auto"``, checked for feasibility), submission."""
+        if concurrency is not None:
+            self.engine.max_concurrency = concurrency
+        n = len(plist) if self.engine.max_concurrency is None else min(len(plist), self.engine.max_concurrency)
+        if self._auto_thresholds and self.engine.mode == "delayed":
+            self._plan(policy if policy is not None else self.policy, n)
+        self.engine.check_thresholds(n)
+        return self.submit(plist, policy=policy, **kw)
+
+    async def agenerate(self, prompts, *, policy: Policy | None = None, concurrency: int | None = None,
+                        **kw) -> list[RequestOutput] | RequestOutput:
+        """``await``-able `generate` (same arguments except ``timeout`` and ``progress``); does
+        not block the event loop: each request's end resolves a future on the caller's loop."""
+        single, plist = self._as_list(prompts)
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(None, h.done.wait) for h in handles))
+        old = self.engine.max_concurrency
+        try:
+            handles = self._submit_call(plist, policy, concurrency, **kw)
+            def resolver(fut):
+                def on_event(kind, ev):
+                    if kind == "finish":
+                        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+                return on_event
+
+            futures = []
+            for h in handles:
+                fut = loop.create_future()
+                with self.engine._lock:
+                    if h.done.is_set():
+                        fut.set_result(None)
+                    else:
+                        h.listeners.append(resolver(fut))
+                futures.append(fut)
+            await asyncio.gather(*futures)
+        finally:
+            self.engine.max_concurrency = old
         outs = [h.output for h in handles]
         return outs[0] if single else outs
 

@@ -76,7 +76,8 @@ def test_stream_matches_generate(pair, tok):
 def test_agenerate_and_generate_inside_running_loop(pair, tok):
     """Jupyter runs an event loop in the kernel thread: generate must still work there."""
     async def main(r):
-        a = await r.agenerate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+        a = await r.agenerate(PROMPTS, max_new_tokens=8, ignore_eos=True, concurrency=2)
+        assert r.engine.max_concurrency is None  # the per-call concurrency does not stick
         b = r.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)  # sync call while a loop runs
         s = [e async for e in r.astream(PROMPTS[0], max_new_tokens=8, ignore_eos=True)]
         return a, b, s
@@ -85,6 +86,9 @@ def test_agenerate_and_generate_inside_running_loop(pair, tok):
         a, b, s = asyncio.run(main(r))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [e.token_id for e in s] == a[0].token_ids
+    admits = [ev for ev in r.trace if ev[0] == "admit"][:len(PROMPTS)]
+    finishes = [ev for ev in r.trace if ev[0] == "finish"]
+    assert admits[2][2] >= finishes[0][3]  # concurrency=2: the third request waited for a finish
 
 
 def test_policy_defined_in_a_cell_with_per_request_state(pair, tok):
