@@ -27,6 +27,17 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]] || ! "$VENV/bin/python" -c 'im
   echo "$want" > "$STAMP"
 fi
 
+# Headless Chromium for the browser test (tests/browser): Debian's package, only when missing and root.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: installing chromium (apt-get) for the browser test"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+      || echo "setup.sh: apt-get install chromium failed; tests/browser will be skipped" >&2
+  else
+    echo "setup.sh: chromium missing and not root (or no apt-get): skipping; tests/browser will be skipped" >&2
+  fi
+fi
+
 TQDM_DISABLE=1 "$VENV/bin/python" - <<'PY'
 from tokenrouter_sdk.models import cache_dir, smollm2_folder
 if not (cache_dir() / "smollm2-135m-instruct" / "config.json").exists():

@@ -3,7 +3,8 @@
 ``tokenrouter demo`` routes the first GSM8K questions between the packaged CPU pair with R-Stitch
 and prints each answer with the tokens of each model told apart (colours on a terminal, ``[S:...]``
 / ``[L:...]`` markers otherwise), then the metrics table. ``tokenrouter info`` prints versions,
-torch threads and the cache folder.
+torch threads and the cache folder. ``tokenrouter eval`` sweeps a policy's threshold on a
+benchmark (quality at hop rate; `tokenrouter_sdk.eval.cli`).
 """
 
 from __future__ import annotations
@@ -99,9 +100,11 @@ def cmd_demo(args) -> int:
     with router:
         models = list(router.models)
         large = router.models[models[-1]]
-        print(f"models : small = first {args.small_layers} of {large.config.num_hidden_layers} layers of "
-              f"{Path(large.config._name_or_path).name}, large = all of them "
-              f"(loaded in {time.perf_counter() - t0:.1f} s)")
+        small = router.models[models[0]]
+        what = (f"first {args.small_layers} of {large.config.num_hidden_layers} layers of" if args.small_layers
+                else f"self-draft ({small.config.num_hidden_layers} layers: shared + distilled) of")
+        print(f"models : small = {what} {Path(large.config._name_or_path).name}, large = all "
+              f"{large.config.num_hidden_layers} layers (loaded in {time.perf_counter() - t0:.1f} s)")
         print(f"policy : {router.policy!r}")
         print(f"run    : {len(prompts)} prompt{'s' * (len(prompts) != 1)} from {source}, "
               f"max_new_tokens={args.max_new_tokens}, concurrency={args.concurrency}, "
@@ -172,7 +175,7 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser with the ``demo``, ``bench`` and ``info`` subcommands."""
+    """The argparse parser with the ``demo``, ``bench``, ``info`` and ``eval`` subcommands."""
     p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level routing between a small and a large LM.")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="route GSM8K questions between the packaged CPU pair with R-Stitch")
@@ -181,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-n", "--num", type=int, default=8, help="number of prompts from the data (default 8)")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--tau", type=float, default=0.1, help="R-Stitch normalised-entropy threshold (default 0.1)")
-    d.add_argument("--small-layers", type=int, default=10, help="layers of the large model the small one runs")
+    d.add_argument("--small-layers", type=int, default=None,
+                   help="small = plain truncation to this many layers (default: the packaged self-draft)")
     d.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
@@ -196,11 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", nargs="+", default=["256"])
     b.add_argument("--thresholds", default="auto", help="delayed thresholds: auto (planner) or small=8,large=4")
     b.add_argument("--no-baselines", action="store_true", help="skip retain_kv=False, large-only, small-only")
-    b.add_argument("--small-layers", type=int, default=10)
+    b.add_argument("--small-layers", type=int, default=None,
+                   help="small = plain truncation to this many layers (default: the packaged self-draft)")
     b.add_argument("--data", help="prompts (JSONL with 'question' or text lines); default GSM8K")
     b.add_argument("--out", default="bench", help="output prefix for .csv and .html")
     b.set_defaults(fn=cmd_bench)
     sub.add_parser("info", help="versions, threads, cache folder").set_defaults(fn=cmd_info)
+    from .distill import add_parser as add_distill_parser
+    add_distill_parser(sub)
+    from .train.cli import add_parser as add_train_parser
+    add_train_parser(sub)
+    from .eval.cli import add_parser as add_eval_parser
+    add_eval_parser(sub)
     return p
 
 

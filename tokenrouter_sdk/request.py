@@ -120,6 +120,9 @@ class RequestOutput:
         error: why the request failed (``None`` unless ``finish_reason == "failed"``).
         hops: handoffs between models.
         discarded: sampled tokens dropped on a handoff (never in ``token_ids``).
+        discarded_log: each dropped token as ``(position, token_id, model)``: it was sampled by
+            ``model`` for output position ``position`` (an index into ``token_ids``), and the
+            peer wrote that position instead. For views only (``RunResult.show``).
         ttft_s: seconds from admission to the first committed token (None if none).
         latency_s: seconds from admission to the end.
     """
@@ -133,6 +136,7 @@ class RequestOutput:
     error: str | None = None
     hops: int = 0
     discarded: int = 0
+    discarded_log: list[tuple[int, int, str]] = field(default_factory=list)
     ttft_s: float | None = None
     latency_s: float | None = None
 

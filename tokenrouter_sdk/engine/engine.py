@@ -248,6 +248,8 @@ class Engine:
             self.trace.append(("hop", ev.rid, ev.src, ev.dst, ev.kept, ev.t))
             h.output.hops += 1
             h.output.discarded += 0 if ev.kept else 1
+            if not ev.kept and ev.token is not None:
+                h.output.discarded_log.append((len(h.output.token_ids), ev.token, ev.src))
             for fn in h.listeners:
                 fn("hop", ev)
         elif isinstance(ev, M.Finished):

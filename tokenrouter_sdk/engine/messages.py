@@ -107,11 +107,15 @@ class Committed:
 
 @dataclass
 class Hopped:
+    """``src`` handed the request to ``dst`` at ``t``; ``kept``: the sampled token was committed,
+    else ``token`` is the discarded sampled token id (for views; it is in no output or KV)."""
+
     rid: int
     src: str
     dst: str
     kept: bool
     t: float
+    token: int | None = None
 
 
 @dataclass

@@ -289,7 +289,7 @@ class SubServer:
                 return
         else:
             s.discarded += 1
-        self._handoff(s, target, h, committed=h.keep_sampled)
+        self._handoff(s, target, h, committed=h.keep_sampled, token=None if h.keep_sampled else tok)
 
     def _commit(self, s: Seq, tok: int) -> bool:
         """Commit ``tok``; return True if the request finished."""
@@ -317,7 +317,7 @@ class SubServer:
         tail = self.tokenizer.decode(s.output_ids[-n:], skip_special_tokens=False)
         return any(x in tail for x in stops)
 
-    def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool) -> None:
+    def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool, token: int | None = None) -> None:
         s.hops += 1
         s.hops_since_commit = 0 if committed else s.hops_since_commit + 1
         if s.hops_since_commit > MAX_HOPS_WITHOUT_COMMIT:
@@ -330,7 +330,7 @@ class SubServer:
         t_seen = s.seen.get(target, 0)
         seen = dict(s.seen)
         seen[target] = len(s.tokens)
-        self.emit(M.Hopped(s.rid, self.name, target, committed, self.clock()))
+        self.emit(M.Hopped(s.rid, self.name, target, committed, self.clock(), token))
         msg = M.HandoffMsg(
             rid=s.rid, src=self.name, suffix=s.tokens[t_seen:], seen=seen, n_committed=s.n_committed,
             hops=s.hops, hops_since_commit=s.hops_since_commit, discarded=s.discarded, state=s.state,

@@ -1,0 +1,159 @@
+"""The whole quality sweep on a tiny float64 pair and 4 questions: records, reference points,
+agreement, resume after an interruption, recorded configuration, plots, save/load, CLI wiring."""
+
+import json
+
+import pytest
+
+from tokenrouter_sdk import Router
+from tokenrouter_sdk.eval import EvalResult, evaluate_policy, extract_answer, load_benchmark
+from tokenrouter_sdk.eval.plots import pareto_frontier
+from tokenrouter_sdk.policies import LargeOnly, RStitch, SmallOnly
+
+SAMPLING = dict(max_new_tokens=24, concurrency=4, progress=False)
+VALUES = [0.75, 0.8, 0.9]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, pair, tok):
+    """4 short questions whose gold answers are set so the tiny large model is right on exactly
+    the questions where its greedy output holds a number (2 of them are made wrong on purpose)."""
+    d = tmp_path_factory.mktemp("data")
+    qs = ["2+3?", "7*6?", "10-4?", "9/3?"]
+    tpl = "Q: {question}"
+    with Router(pair, LargeOnly(), tokenizer=tok) as r:
+        outs = r.generate([tpl.format(question=q) for q in qs], max_new_tokens=24)
+    preds = [extract_answer(o.text) for o in outs]
+    gold = [p if (p is not None and i % 2 == 0) else "123456789" for i, p in enumerate(preds)]
+    path = d / "tiny.jsonl"
+    path.write_text("".join(json.dumps({"id": f"t{i}", "question": q, "answer": a}) + "\n"
+                            for i, (q, a) in enumerate(zip(qs, gold))))
+    b = load_benchmark(path, template=tpl, seed=None)
+    return b, sum(g != "123456789" for g in gold)
+
+
+def test_sweep_records_references_resume_and_config(pair, tok, bench, tmp_path):
+    b, n_right = bench
+    out = tmp_path / "out"
+    calls = []
+
+    def flaky(tau):  # simulates an interrupted run: dies when the second swept point starts
+        calls.append(tau)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return RStitch(tau=tau)
+
+    with Router(pair, tokenizer=tok) as r:
+        with pytest.raises(KeyboardInterrupt):
+            evaluate_policy(r, flaky, VALUES, dataset=b, out_dir=out, param="tau", **SAMPLING)
+        done = sorted(p.name.split("-")[0] for p in (out / "points").glob("*.json"))
+        assert done == ["RStitch_tau=0.75_", "large_only", "small_only"]
+        res = evaluate_policy(r, RStitch, VALUES, dataset=b, out_dir=out, param="tau", **SAMPLING)
+
+    recs = {x["label"]: x for x in res.records}
+    kinds = [x["kind"] for x in res.records]
+    assert kinds[:5] == ["large_only", "small_only", "sweep", "sweep", "sweep"]
+    assert [x["resumed"] for x in res.records[:5]] == [True, True, True, False, False]
+    # exact bookkeeping: large-only is right on the questions we made right, agrees with itself
+    L, S = recs["large_only"], recs["small_only"]
+    assert L["n"] == 4 and L["correct"] == n_right and L["accuracy"] == n_right / 4
+    assert L["acc_ci_low"] < L["accuracy"] < L["acc_ci_high"] or n_right in (0, 4)
+    assert L["agreement"] == 1.0 and L["large_fraction"] == 1.0 and L["hop_rate"] == 0.0
+    assert S["large_fraction"] == 0.0 and S["hop_rate"] == 0.0
+    for x in res.records:
+        ans = res.answers[x["label"]]
+        assert x["correct"] == sum(a["correct"] for a in ans)
+        assert x["agreement"] == sum(a["agrees"] for a in ans) / 4
+        assert x["tokens_per_answer"] == sum(a["tokens"] for a in ans) / 4
+        assert x["large_fraction"] == pytest.approx(sum(a["large_tokens"] for a in ans) / sum(a["tokens"] for a in ans))
+        assert x["hops"] == sum(a["hops"] for a in ans)
+        assert x["throughput_tok_s"] > 0 and x["mean_latency_s"] > 0
+    # matched references: one RandomRouting and one RandomQueryRouting per distinct fraction in (0, 1)
+    fr = sorted({round(x["large_fraction"], 3) for x in res.records if x["kind"] == "sweep"} - {0.0, 1.0})
+    assert fr, "the chosen taus should give at least one mixed operating point"
+    assert sorted(x["value"] for x in res.records if x["kind"] == "random") == fr
+    assert sorted(x["value"] for x in res.records if x["kind"] == "random_query") == fr
+    for x in res.records:
+        if x["kind"] == "random":
+            assert x["hop_rate"] > 0 and recs[x["matched_to"]]["kind"] == "sweep"
+        if x["kind"] == "random_query":
+            assert x["hop_rate"] == 0.0
+    # configuration recorded, and a rerun of the finished sweep is all resumed and identical
+    cfg = res.config
+    assert cfg["router"]["models"]["large"]["num_hidden_layers"] == 4
+    assert cfg["router"]["models"]["small"]["num_hidden_layers"] == 2
+    assert cfg["router"]["mode"] == "async" and cfg["concurrency"] == 4
+    assert cfg["dataset"]["ids"] == ["t0", "t1", "t2", "t3"] and cfg["sampling"]["max_new_tokens"] == 24
+    assert cfg["policies"]["RStitch(tau=0.8)"] == {
+        "class": "tokenrouter_sdk.policies.rstitch.RStitch",
+        "params": {"tau": 0.8, "tau_back": 0.8, "signal": "entropy", "small": None, "large": None}}
+    assert cfg["versions"]["torch"] and cfg["versions"]["transformers"]
+    with Router(pair, tokenizer=tok) as r:
+        again = evaluate_policy(r, RStitch, VALUES, dataset=b, out_dir=out, param="tau", **SAMPLING)
+        assert all(x["resumed"] for x in again.records)
+        assert [x["accuracy"] for x in again.records] == [x["accuracy"] for x in res.records]
+
+    # saved files, load round trip, table and plots
+    assert {p.name for p in out.iterdir()} >= {"results.csv", "results.json", "plot.html", "points"}
+    html = (out / "plot.html").read_text()
+    assert "Pareto frontier" in html and len(html) > 1_000_000  # plotly.js inlined: works offline
+    back = EvalResult.load(out)
+    assert back.records == again.records and back.config["dataset"]["ids"] == cfg["dataset"]["ids"]
+    df = back.to_pandas()
+    assert list(df["label"]) == [x["label"] for x in again.records] and "agreement" in df.columns
+    assert "RStitch(tau=0.8)" in back.table() and "agree_L" in back.table()
+    for x in ("throughput", "large_fraction"):
+        fig = back.plot(x=x)
+        names = [t.name for t in fig.data]
+        assert "Pareto frontier" in names and "large only" in names and "small only" in names
+        assert "RandomRouting (matched)" in names and "RStitch (tau)" in names
+        front = next(t for t in fig.data if t.name == "Pareto frontier")
+        assert len(front.x) == len(back.frontier(x)) >= 1
+    with pytest.raises(ValueError, match="plot x"):
+        back.plot(x="cost")
+    # a different sampling config does not reuse the points
+    with Router(pair, tokenizer=tok) as r:
+        other = evaluate_policy(r, RStitch, [0.8], dataset=b, out_dir=out, param="tau", references=["large_only"],
+                                **{**SAMPLING, "max_new_tokens": 8})
+    assert not any(x["resumed"] for x in other.records) and other.records[1]["tokens_per_answer"] <= 8
+
+
+def test_pareto_frontier_values():
+    pts = [(10, 0.5), (20, 0.4), (5, 0.6), (15, 0.3), (20, 0.45)]
+    assert pareto_frontier(pts, x_higher_better=True) == [2, 0, 4]
+    # lower x better (large fraction): (5, 0.6) dominates everything but nothing beats it
+    assert pareto_frontier(pts, x_higher_better=False) == [2]
+
+
+def test_bad_arguments(pair, tok, bench):
+    b, _ = bench
+    with Router(pair, tokenizer=tok) as r:
+        with pytest.raises(ValueError, match="values is empty"):
+            evaluate_policy(r, "rstitch", [], dataset=b)
+        with pytest.raises(ValueError, match="unknown references"):
+            evaluate_policy(r, "rstitch", [0.1], dataset=b, references=["oracle"])
+        with pytest.raises(ValueError, match="unknown policy 'magic'"):
+            evaluate_policy(r, "magic", [0.1], dataset=b)
+        with pytest.raises(TypeError, match="policy_factory"):
+            evaluate_policy(r, 3, [0.1], dataset=b)
+        with pytest.raises(TypeError, match="router_or_models"):
+            evaluate_policy(42, "rstitch", [0.1], dataset=b)
+
+
+def test_small_only_only_and_dict_of_models(pair, tok, bench):
+    b, _ = bench
+    res = evaluate_policy(pair, lambda v: SmallOnly(), [0], dataset=b, references=False, tokenizer=tok,
+                          **SAMPLING)
+    (x,) = res.records
+    assert x["agreement"] is None and x["large_fraction"] == 0.0 and x["label"] == "SmallOnly(value=0)"
+    with Router(pair, tokenizer=tok) as r:  # a lambda: the parameter is named after the policy attribute
+        res = evaluate_policy(r, lambda t: RStitch(tau=t), [0.9], dataset=b, references=False, **SAMPLING)
+    assert res.records[0]["label"] == "RStitch(tau=0.9)" and res.records[0]["param"] == "tau"
+
+
+def test_cli_parser_has_eval():
+    from tokenrouter_sdk.cli import build_parser
+    a = build_parser().parse_args(["eval", "--values", "0.02,0.05", "--limit", "16", "--out", "x"])
+    assert a.values == [0.02, 0.05] and a.limit == 16 and a.policy == "rstitch" and a.fn.__name__ == "cmd_eval"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "--values", "a,b"])

@@ -1,0 +1,21 @@
+"""Quality at hop rate: benchmarks, answer checking and threshold sweeps (issue 6).
+
+```python
+from tokenrouter_sdk.eval import evaluate_policy, load_benchmark
+res = evaluate_policy(router, "rstitch", values=[0.02, 0.05, 0.1], dataset="gsm8k", limit=64)
+res.to_pandas(); res.plot(x="large_fraction"); res.save("out/")
+```
+Modules: ``datasets`` (benchmarks + prompt templates), ``answers`` (extraction, Math-Verify),
+``metrics/`` (`evaluate` metric modules), ``sweep`` (`evaluate_policy`), ``result``
+(`EvalResult`), ``plots`` (Pareto plots), ``config`` (recorded configuration), ``cli``
+(``tokenrouter eval``).
+"""
+
+from .answers import answers_agree, extract_answer, extract_choice, extract_math_answer, is_correct
+from .datasets import BENCHMARKS, Benchmark, load_benchmark
+from .metrics import load_metric, metric_path
+from .result import EvalResult
+from .sweep import evaluate_policy
+
+__all__ = ["evaluate_policy", "load_benchmark", "EvalResult", "Benchmark", "BENCHMARKS", "load_metric",
+           "metric_path", "extract_answer", "extract_math_answer", "extract_choice", "is_correct", "answers_agree"]

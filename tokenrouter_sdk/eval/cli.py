@@ -1,0 +1,76 @@
+"""``tokenrouter eval``: a quality sweep from the command line (also ``evals/quality_at_hop_rate.py``).
+
+Imports nothing heavy at module level, so ``tokenrouter --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--values must be comma-separated numbers, e.g. 0.02,0.05,0.1; got {s!r}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``eval`` options (shared by the subcommand and the script)."""
+    p.add_argument("--policy", default="rstitch", help="rstitch (tau), random (p), random_query (p), r2r_entropy "
+                                                       "(threshold); default rstitch")
+    p.add_argument("--values", type=_floats, default=[0.02, 0.05, 0.1, 0.2, 0.4],
+                   help="comma-separated values of the swept parameter (default 0.02,0.05,0.1,0.2,0.4)")
+    p.add_argument("--dataset", default="gsm8k", help="gsm8k, math500, aime24, amc23, commonsenseqa or a JSONL path")
+    p.add_argument("--limit", type=int, default=64, help="questions (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="subset shuffle seed "
+                   "(-1: first --limit questions in file order)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight per point")
+    p.add_argument("--no-references", action="store_true", help="skip large-only, small-only and the random references")
+    p.add_argument("--references", default=None,
+                   help="comma-separated subset of large_only,small_only,random,random_query")
+    p.add_argument("--small-layers", type=int, default=10, help="layers of the large model the small one runs")
+    p.add_argument("--mode", default="async", help="schedule mode: async, delayed, sync, model_sync")
+    p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register ``eval`` on the ``tokenrouter`` subparsers."""
+    p = sub.add_parser("eval", help="quality at hop rate: sweep a policy's threshold on a benchmark")
+    add_arguments(p).set_defaults(fn=cmd_eval)
+    return p
+
+
+def cmd_eval(args) -> int:
+    """Run the sweep on the packaged CPU pair, print the table, write the files."""
+    from transformers.utils import logging as hf_logging
+
+    from . import evaluate_policy
+    hf_logging.disable_progress_bar()
+    refs = False if args.no_references else (args.references.split(",") if args.references else True)
+    res = evaluate_policy("default", args.policy, args.values, dataset=args.dataset, limit=args.limit,
+                          seed=None if args.seed < 0 else args.seed, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, concurrency=args.concurrency, references=refs,
+                          out_dir=args.out, progress=not args.no_progress,
+                          router_kwargs={"small_layers": args.small_layers, "mode": args.mode})
+    print(res.table())
+    resumed = sum(r["resumed"] for r in res.records)
+    print(f"\n{len(res.records)} points ({resumed} resumed from {args.out}/points), "
+          f"{res.config['elapsed_s']:.0f} s; wrote {args.out}/results.csv, results.json, plot.html")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``evals/quality_at_hop_rate.py``."""
+    p = add_arguments(argparse.ArgumentParser(prog="quality_at_hop_rate", description=__doc__))
+    args = p.parse_args(argv)
+    return cmd_eval(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

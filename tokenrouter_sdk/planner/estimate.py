@@ -1,0 +1,85 @@
+"""Per-model planner inputs from a pilot run's event trace: routing probability, commit rule on
+handoff, extra fed tokens per step, scheduler overhead per step."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def _trace(router_or_trace) -> list:
+    tr = getattr(router_or_trace, "trace", router_or_trace)
+    return list(tr)
+
+
+def _models_of(trace: list, models: Sequence[str] | None) -> list[str]:
+    if models is not None:
+        return list(models)
+    seen: list[str] = []
+    for ev in trace:
+        m = ev[1].model if ev[0] == "step" else (ev[2] if ev[0] == "commit" else None)
+        if m is not None and m not in seen:
+            seen.append(m)
+    return seen
+
+
+def estimate_routing(router_or_trace, models: Sequence[str] | None = None) -> dict[str, float]:
+    """Per-model routing probabilities from a pilot run.
+
+    q_i = P(a request leaves model i after a step of model i) = handoffs out of i / request-steps
+    on i (the sum of i's batch sizes), from the event trace (``router.trace``: ``("hop", rid, src,
+    dst, kept, t)`` and ``("step", StepDone)``). Models with no steps get q = 0.
+
+    Args:
+        router_or_trace: a `Router` (its engine trace) or a trace list.
+        models: model names to report (default: those seen in the trace, in order of appearance).
+    """
+    trace = _trace(router_or_trace)
+    names = _models_of(trace, models)
+    hops = {m: 0 for m in names}
+    req_steps = {m: 0 for m in names}
+    for ev in trace:
+        if ev[0] == "hop" and ev[2] in hops:
+            hops[ev[2]] += 1
+        elif ev[0] == "step" and ev[1].model in req_steps:
+            req_steps[ev[1].model] += ev[1].batch_size
+    return {m: (hops[m] / req_steps[m] if req_steps[m] else 0.0) for m in names}
+
+
+def estimate_keep(router_or_trace, models: Sequence[str] | None = None) -> dict[str, float]:
+    """Per model, the fraction of its handoffs that commit the sampled token first (``kept``);
+    models without handoffs get 1.0."""
+    trace = _trace(router_or_trace)
+    names = _models_of(trace, models)
+    kept = {m: [0, 0] for m in names}
+    for ev in trace:
+        if ev[0] == "hop" and ev[2] in kept:
+            kept[ev[2]][0] += bool(ev[4])
+            kept[ev[2]][1] += 1
+    return {m: (k / n if n else 1.0) for m, (k, n) in kept.items()}
+
+
+def estimate_extra_tokens(router_or_trace, models: Sequence[str] | None = None) -> dict[str, float]:
+    """Per model, mean tokens fed per request-step beyond one (prefill and extend cost, folded
+    into the DTMC's step time as ``per_token_s * b * extra``)."""
+    trace = _trace(router_or_trace)
+    names = _models_of(trace, models)
+    fed = {m: [0, 0] for m in names}
+    for ev in trace:
+        if ev[0] == "step" and ev[1].model in fed:
+            fed[ev[1].model][0] += ev[1].tokens_fed - ev[1].batch_size
+            fed[ev[1].model][1] += ev[1].batch_size
+    return {m: (f / n if n else 0.0) for m, (f, n) in fed.items()}
+
+
+def estimate_step_overhead(router_or_trace, models: Sequence[str] | None = None) -> dict[str, float]:
+    """Per model, mean seconds of a step spent outside the model forward (batch building, sampling,
+    routing, events: ``t_end - t_start - forward_s`` of its ``StepDone`` events)."""
+    trace = _trace(router_or_trace)
+    names = _models_of(trace, models)
+    acc = {m: [0.0, 0] for m in names}
+    for ev in trace:
+        if ev[0] == "step" and ev[1].model in acc:
+            s = ev[1]
+            acc[s.model][0] += max(0.0, (s.t_end - s.t_start) - s.forward_s)
+            acc[s.model][1] += 1
+    return {m: (t / k if k else 0.0) for m, (t, k) in acc.items()}

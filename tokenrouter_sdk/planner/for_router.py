@@ -1,0 +1,96 @@
+"""The planner for a live Router: profiles its models, runs a pilot, plans (``thresholds="auto"``)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..backends.sim_runner import LatencyModel
+from .estimate import estimate_extra_tokens, estimate_keep, estimate_routing, estimate_step_overhead
+from .profile import profile_latency
+from .search import Plan, plan_thresholds
+
+
+PROFILE_ATTR = "_tokenrouter_latency"  # attribute holding a model's cached LatencyModel
+PILOT_PROMPTS = ("Explain why the sky is blue in a few sentences.",
+                 "What is 17 * 23? Show your steps.",
+                 "Write a short story about a robot who learns to paint.",
+                 "List three uses of a paperclip and explain each one.",
+                 "Summarise the water cycle for a ten-year-old.",
+                 "Give two arguments for and against homework.")
+
+def router_latency(router, n: int = 16, **profile_kw) -> dict[str, LatencyModel]:
+    """Each model's `LatencyModel`: the sim backend's own, or `profile_latency` of the loaded
+    model (batch sizes 1, 2, 4, ... up to max(n, 16); cached per model object, so a benchmark
+    profiles each model once). Profiling runs on a private KV pool; call it while the Router is
+    idle (it competes for the CPU with running requests)."""
+    out = {}
+    top = max(16, n)
+    sizes = tuple(sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top}))
+    for name in router.models:
+        runner = router.engine.runners[name]
+        lat = getattr(runner, "latency", None)
+        if isinstance(lat, LatencyModel):
+            out[name] = lat
+            continue
+        model = router.models[name]
+        cached = getattr(model, PROFILE_ATTR, None)  # kept on the model object itself, not in a global
+        if cached is None or max(cached.table) < top:
+            cached = profile_latency(model, batch_sizes=sizes, **profile_kw)
+            setattr(model, PROFILE_ATTR, cached)
+        out[name] = cached
+    return out
+
+
+def plan_router(router, policy, n: int, *, trace: list | None = None, prompts: Sequence | None = None,
+                pilot_tokens: int = 64, latency: dict[str, LatencyModel] | None = None, **kw) -> Plan:
+    """Plan delayed-batching thresholds for ``router`` serving ``policy`` at concurrency ``n``.
+
+    Inputs: latency from `router_latency` (unless given); routing, commit rule and extra fed
+    tokens from ``trace`` if given, else analytically for `RandomRouting` (q_small = p,
+    q_large = 1, the small discards, the large keeps, (1 - p) / p extra tokens per large step),
+    else from a pilot run on the router itself: ``max(n, 4)`` requests of ``prompts`` (default
+    `PILOT_PROMPTS`, cycled), ``pilot_tokens`` tokens each, at concurrency n with thresholds 1
+    (restored afterwards). With a pilot trace on a real backend, the measured per-step overhead
+    outside the forward is added to the profiled step times.
+
+    Raises:
+        ValueError: the router does not hold exactly two models (the DTMC covers two).
+    """
+    names = list(router.models)
+    if len(names) != 2:
+        raise ValueError(f"the planner covers two models (small, large), this Router has {names}")
+    lat = dict(latency) if latency is not None else router_latency(router, n)
+    if trace is None and type(policy).__name__ == "RandomRouting" and hasattr(policy, "p"):
+        p = float(policy.p)
+        small = getattr(policy, "small", None) or names[0]
+        large = getattr(policy, "large", None) or names[-1]
+        q = {small: p, large: 1.0}
+        kw.setdefault("keep", {small: 0.0, large: 1.0})
+        kw.setdefault("extra_tokens", {small: 0.0, large: (1 - p) / p if p > 0 else 0.0})
+        return plan_thresholds(lat, q, n, **kw)
+    if trace is None:
+        eng = router.engine
+        old = dict(getattr(eng, "thresholds", {}) or {})
+        start = len(eng.trace)
+        plist = list(prompts or PILOT_PROMPTS)
+        plist = [plist[i % len(plist)] for i in range(max(n, 4))]
+        if getattr(eng, "mode", None) == "delayed":
+            router.set_thresholds({m: 1 for m in names})
+        try:
+            router.generate(plist, policy=policy, concurrency=n, max_new_tokens=pilot_tokens, ignore_eos=True)
+        finally:
+            if old and getattr(eng, "mode", None) == "delayed":
+                router.set_thresholds(old)
+        trace = list(eng.trace[start:])
+        if not any(isinstance(getattr(r, "latency", None), LatencyModel) for r in eng.runners.values()):
+            over = estimate_step_overhead(trace, names)
+            lat = {m: LatencyModel({b: t + over[m] for b, t in lat[m].table.items()}, lat[m].per_token_s)
+                   for m in names}
+    kw.setdefault("keep", estimate_keep(trace, names))
+    kw.setdefault("extra_tokens", estimate_extra_tokens(trace, names))
+    return plan_thresholds(lat, estimate_routing(trace, names), n, **kw)
+
+
+def plan_for_router(router, policy, n: int, **kw) -> dict[str, int]:
+    """The thresholds of `plan_router` (what ``tokenrouter bench --thresholds auto`` uses)."""
+    return plan_router(router, policy, n, **kw).thresholds

@@ -1,0 +1,37 @@
+"""Training pipelines for the learned routers (issue 5): R2R (`train_r2r`), CITER
+(`train_citer`), Co-LLM (`train_co_llm`) and the query-level router (`train_query`).
+
+Each takes a `Router` (or ``{"small": m, "large": M}`` plus ``tokenizer``) and training prompts
+(default: GSM8K test questions without the 32 held-out evaluation ones), shows tqdm progress
+bars, saves the head with `tokenrouter_sdk.policies.heads.save_head` (the file its policy reads)
+plus a JSON record (data ids, model pair, hyperparameters, metrics) next to it, and returns a
+`TrainResult`. CLI: ``tokenrouter train {r2r,citer,co_llm,query}``. Nothing is imported from
+torch-heavy modules until a function is called.
+"""
+
+from __future__ import annotations
+
+__all__ = ["train_r2r", "train_citer", "train_co_llm", "train_query", "TrainResult", "load_examples",
+           "Example", "HELDOUT_IDS"]
+
+
+def __getattr__(name):
+    if name == "train_r2r":
+        from .r2r import train_r2r
+        return train_r2r
+    if name == "train_citer":
+        from .citer import train_citer
+        return train_citer
+    if name == "train_co_llm":
+        from .co_llm import train_co_llm
+        return train_co_llm
+    if name == "train_query":
+        from .query import train_query
+        return train_query
+    if name == "TrainResult":
+        from .common import TrainResult
+        return TrainResult
+    if name in ("load_examples", "Example", "HELDOUT_IDS"):
+        from . import data
+        return getattr(data, name)
+    raise AttributeError(f"module 'tokenrouter_sdk.train' has no attribute {name!r}")

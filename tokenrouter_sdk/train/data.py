@@ -1,0 +1,158 @@
+"""Training data for the router pipelines: GSM8K-style JSONL examples, the held-out split, gold
+chain-of-thought responses and the answer check.
+
+Split (fixed, stated in every run's ``meta``): the first 32 GSM8K test questions
+(ids ``gsm8k-test-0000`` .. ``gsm8k-test-0031``) are reserved for evaluation
+(``evals/train_heads.py``) and never used for training; training takes the questions after them.
+Within the training questions a seeded split by question (never by token) gives validation
+questions for thresholds and early stopping.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HELDOUT = 32
+HELDOUT_IDS = frozenset(f"gsm8k-test-{i:04d}" for i in range(HELDOUT))
+INSTRUCTION = "Solve the problem. Give the final answer as a number at the end.\n\n"
+_CALC = re.compile(r"<<[^<>]*>>")
+
+
+@dataclass
+class Example:
+    """One training question.
+
+    Attributes:
+        id: the data set's id (e.g. ``gsm8k-test-0040``).
+        prompt: the text given to the models (``INSTRUCTION`` + question for GSM8K).
+        answer: the gold final answer (e.g. ``"18"``); ``""`` if unknown.
+        solution: the gold chain of thought ending with the answer (CITER and Co-LLM teacher-force
+            it); ``""`` if the data has none.
+    """
+
+    id: str
+    prompt: str
+    answer: str = ""
+    solution: str = ""
+    meta: dict = field(default_factory=dict)
+
+
+def gold_response(solution: str, answer: str) -> str:
+    """A GSM8K solution as a model response: calculator annotations ``<<...>>`` removed and the
+    ``#### 18`` line written as ``The answer is 18.`` (what the answer check reads)."""
+    text = _CALC.sub("", solution or "").strip()
+    if "####" in text:
+        body, _, final = text.rpartition("####")
+        text = body.rstrip() + f"\nThe answer is {final.strip()}."
+    elif answer and not text:
+        text = f"The answer is {answer}."
+    return text
+
+
+def default_data() -> Path | None:
+    """``../shared/data/gsm8k_test.jsonl`` (as ``tokenrouter demo`` finds it), None if absent."""
+    from tokenrouter_sdk.cli import find_data
+    return find_data()
+
+
+def load_examples(path=None, limit: int | None = None, *, exclude_heldout: bool = True,
+                  instruction: str = INSTRUCTION) -> list[Example]:
+    """Read examples from a JSONL file with ``{id, question, answer, meta: {solution}}`` rows
+    (the schema of ``shared/data``).
+
+    Args:
+        path: the file; None = GSM8K test from ``../shared/data``.
+        limit: keep at most this many examples (after the held-out ones are dropped).
+        exclude_heldout: drop ids in `HELDOUT_IDS` (the 32 evaluation questions).
+        instruction: text put before each question.
+
+    Raises:
+        FileNotFoundError: no file (names the path and how to pass one).
+        ValueError: a row without ``question``, or no example left.
+    """
+    p = Path(path) if path is not None else default_data()
+    if p is None or not p.is_file():
+        raise FileNotFoundError(f"training data {str(path or '../shared/data/gsm8k_test.jsonl')!r} not found: pass "
+                                "data=<a JSONL file with id, question, answer fields>")
+    out = []
+    with open(p, encoding="utf-8") as f:
+        for n, line in enumerate(f):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "question" not in row:
+                raise ValueError(f"{p}: line {n + 1} has no 'question' field (expected {{id, question, answer, meta}})")
+            rid = str(row.get("id", f"{p.stem}-{n:04d}"))
+            if exclude_heldout and rid in HELDOUT_IDS:
+                continue
+            meta = row.get("meta") or {}
+            out.append(Example(rid, instruction + row["question"], str(row.get("answer", "")),
+                               gold_response(meta.get("solution", ""), str(row.get("answer", ""))), meta))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"{p}: no training examples left (limit={limit}, exclude_heldout={exclude_heldout})")
+    return out
+
+
+def as_examples(prompts) -> list[Example]:
+    """Examples from a list of `Example`, dicts ``{id?, prompt|question, answer?, solution?}`` or
+    plain prompt strings (ids ``prompt-0000`` ...)."""
+    out = []
+    for i, x in enumerate(prompts):
+        if isinstance(x, Example):
+            out.append(x)
+        elif isinstance(x, str):
+            out.append(Example(f"prompt-{i:04d}", x))
+        elif isinstance(x, dict):
+            prompt = x.get("prompt") or (INSTRUCTION + x["question"] if "question" in x else None)
+            if prompt is None:
+                raise ValueError(f"example {i}: a dict needs 'prompt' or 'question', got keys {sorted(x)}")
+            out.append(Example(str(x.get("id", f"prompt-{i:04d}")), prompt, str(x.get("answer", "")),
+                               x.get("solution", ""), x.get("meta", {})))
+        else:
+            raise TypeError(f"example {i}: expected an Example, a dict or a str, got {type(x).__name__}")
+    if not out:
+        raise ValueError("no training prompts given")
+    return out
+
+
+def split(examples: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """Seeded split by example -> ``(train, val)``; val holds round(n * val_fraction) examples,
+    at least 1 when n >= 2 and val_fraction > 0."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    idx = list(range(len(examples)))
+    random.Random(seed).shuffle(idx)
+    k = round(len(idx) * val_fraction)
+    if val_fraction > 0 and len(idx) >= 2:
+        k = max(1, min(k, len(idx) - 1))
+    val = set(idx[:k])
+    return [e for i, e in enumerate(examples) if i not in val], [e for i, e in enumerate(examples) if i in val]
+
+
+def _fallback_correct(output: str, reference: str) -> bool:
+    """Last-number check used only when tokenrouter_sdk.eval.answers is unavailable."""
+    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", output or "")
+    if not nums or not reference.strip():
+        return False
+    try:
+        return abs(float(nums[-1].replace(",", "")) - float(reference.replace(",", ""))) < 1e-6
+    except ValueError:
+        return nums[-1].replace(",", "") == reference.strip()
+
+
+def is_correct(output: str, example: Example) -> bool:
+    """Whether ``output``'s final answer equals ``example.answer``
+    (`tokenrouter_sdk.eval.answers.is_correct`: math-verify; a last-number check without it)."""
+    if not example.answer:
+        return False
+    try:
+        from tokenrouter_sdk.eval.answers import is_correct as check
+    except ImportError:
+        return _fallback_correct(output, example.answer)
+    return bool(check(output, example.answer))

@@ -1,0 +1,201 @@
+"""Incremental reading of the engine's event trace for the views (live and static).
+
+`TraceState.feed` consumes trace events (see `tokenrouter_sdk.metrics` for their format) one
+batch at a time, so the live view only reads what is new; the static views feed a finished
+run's whole trace at once. It keeps, per request, who owned it when (and where it was pending),
+per model the batch size and queue length at each step, and the running totals behind the
+stats line. Times are ``time.perf_counter`` seconds; the views show them relative to ``t0``
+(the first admission).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestTrack:
+    """One request's ownership history.
+
+    Attributes:
+        rid: request id.
+        t_admit: admission time (s).
+        segments: ``[[owner, t_start], ...]``: owner from ``t_start`` until the next segment's
+            start (or ``t_end``); ``owner`` is None until the trace names the entry model.
+        seen: models that hold KV for the request (visited it).
+        t_end: end time (s) or None while running.
+        reason: finish reason or None.
+        committed: committed tokens so far; hops: handoffs so far.
+    """
+
+    rid: int
+    t_admit: float
+    segments: list = field(default_factory=list)
+    seen: set = field(default_factory=set)
+    t_end: float | None = None
+    reason: str | None = None
+    committed: int = 0
+    hops: int = 0
+
+    @property
+    def owner(self) -> str | None:
+        return self.segments[-1][0] if self.segments else None
+
+    def _set_owner_if_unknown(self, model: str) -> None:
+        if self.segments and self.segments[-1][0] is None:
+            self.segments[-1][0] = model
+            self.seen.add(model)
+
+
+@dataclass
+class ModelSeries:
+    """Per-model step series: at each step start ``t`` (s), the batch size (requests in the step)
+    and the queue length (requests this model owns that are not in the step)."""
+
+    t: list = field(default_factory=list)
+    batch: list = field(default_factory=list)
+    queue: list = field(default_factory=list)
+    busy_s: float = 0.0
+
+
+class TraceState:
+    """The views' running summary of a trace.
+
+    Args:
+        models: model names, smallest first (the last is "large" for the large fraction).
+        rids: only these requests (None: every request in the trace).
+        entries: rid -> entry model (the engine's ``RequestHandle.entry``); without it a
+            request's owner is unknown until its first step, commit or hop names it, and it
+            counts towards the first model's queue meanwhile.
+
+    Feed events with `feed`; read `tracks`, `series`, `stats`.
+    """
+
+    def __init__(self, models: list[str], rids=None, entries: dict | None = None):
+        self.models = list(models)
+        self.entries = dict(entries or {})
+        self.rids = None if rids is None else set(rids)
+        self.tracks: dict[int, RequestTrack] = {}
+        self.series: dict[str, ModelSeries] = {m: ModelSeries() for m in self.models}
+        self.tokens_by_model: Counter = Counter()
+        self.hops = 0
+        self.discarded = 0
+        self.t0: float | None = None
+        self.t_last: float | None = None
+        self.events = 0
+
+    # -- feeding ------------------------------------------------------------------------------
+    def feed(self, events) -> None:
+        """Consume trace events in order (any iterable of trace tuples)."""
+        for ev in events:
+            self.events += 1
+            kind = ev[0]
+            if kind == "step":
+                self._step(ev[1])
+                continue
+            rid = ev[1]
+            if self.rids is not None and rid not in self.rids:
+                continue
+            if kind == "admit":
+                t = ev[2]
+                entry = self.entries.get(rid)
+                self.tracks[rid] = RequestTrack(rid, t, [[entry, t]], {entry} if entry else set())
+                self.t0 = t if self.t0 is None else min(self.t0, t)
+                self._touch(t)
+                continue
+            tr = self.tracks.get(rid)
+            if tr is None:
+                continue
+            if kind == "commit":
+                _, _, model, n, t = ev
+                tr._set_owner_if_unknown(model)
+                tr.committed += n
+                self.tokens_by_model[model] += n
+                self._touch(t)
+            elif kind == "hop":
+                _, _, src, dst, kept, t = ev[:6]
+                tr._set_owner_if_unknown(src)
+                tr.segments.append([dst, t])
+                tr.seen.add(dst)
+                tr.hops += 1
+                self.hops += 1
+                self.discarded += 0 if kept else 1
+                self._touch(t)
+            elif kind == "finish":
+                tr.reason, tr.t_end = ev[2], ev[3]
+                self._touch(ev[3])
+
+    def _touch(self, t: float) -> None:
+        self.t_last = t if self.t_last is None else max(self.t_last, t)
+
+    def _step(self, s) -> None:
+        if self.t0 is None or s.t_start < self.t0:
+            return  # a step of an earlier run
+        fed = [r for r in s.fed if r in self.tracks]
+        if self.rids is not None and not fed and s.fed:
+            return  # another call's requests
+        for r in fed:
+            self.tracks[r]._set_owner_if_unknown(s.model)
+        ser = self.series.setdefault(s.model, ModelSeries())
+        first = self.models[0]
+        owned = sum(1 for tr in self.tracks.values() if tr.t_end is None and (tr.owner or first) == s.model)
+        ser.t.append(s.t_start)
+        ser.batch.append(s.batch_size)
+        ser.queue.append(max(0, owned - s.batch_size))
+        ser.busy_s += s.t_end - s.t_start
+        self._touch(s.t_end)
+
+    # -- reading ------------------------------------------------------------------------------
+    @property
+    def committed(self) -> int:
+        return sum(self.tokens_by_model.values())
+
+    @property
+    def finished(self) -> int:
+        return sum(1 for tr in self.tracks.values() if tr.t_end is not None)
+
+    def stats(self, now: float | None = None) -> dict:
+        """The stats line: ``tok_s`` (committed tokens/s since the first admission), ``hop_rate``
+        (hops per committed token), ``large_fraction`` (committed tokens by the last model /
+        all), ``committed`` (tokens), ``hops``, ``discarded`` (tokens), ``finished`` and
+        ``requests`` (counts), ``elapsed_s`` (s). ``now``: the clock for a running view (default:
+        the last event's time)."""
+        n = self.committed
+        t1 = now if now is not None else self.t_last
+        el = (t1 - self.t0) if (self.t0 is not None and t1 is not None) else 0.0
+        return dict(tok_s=n / el if el > 0 else 0.0, hop_rate=self.hops / n if n else 0.0,
+                    large_fraction=self.tokens_by_model[self.models[-1]] / n if n else 0.0,
+                    committed=n, hops=self.hops, discarded=self.discarded, finished=self.finished,
+                    requests=len(self.tracks), elapsed_s=el)
+
+    def bars(self, now: float | None = None) -> dict:
+        """Timeline bars relative to ``t0``: ``{("own", model) | ("pending", model): (ys, bases,
+        widths, texts)}``, one entry per model and kind; ``ys`` are row labels ``"req <rid>"``.
+        A running request's last bar ends at ``now`` (default: the last event's time)."""
+        out = {(k, m): ([], [], [], []) for k in ("own", "pending") for m in self.models}
+        if self.t0 is None:
+            return out
+        t_now = now if now is not None else (self.t_last or self.t0)
+        for tr in sorted(self.tracks.values(), key=lambda x: x.rid):
+            end = tr.t_end if tr.t_end is not None else t_now
+            seen: set = set()
+            for i, (owner, t) in enumerate(tr.segments):
+                t_next = tr.segments[i + 1][1] if i + 1 < len(tr.segments) else end
+                owner = owner or self.models[0]
+                seen.add(owner)
+                if t_next <= t and i + 1 < len(tr.segments):
+                    continue
+                w = max(t_next - t, 0.0)
+                y = f"req {tr.rid}"
+                key = ("own", owner) if ("own", owner) in out else None
+                if key is not None:
+                    ys, bs, ws, txt = out[key]
+                    ys.append(y), bs.append(t - self.t0), ws.append(w)
+                    txt.append(f"req {tr.rid}: {owner} writes ({w:.2f} s)")
+                for p in sorted(seen - {owner}):
+                    if ("pending", p) in out:
+                        ys, bs, ws, txt = out[("pending", p)]
+                        ys.append(y), bs.append(t - self.t0), ws.append(w)
+                        txt.append(f"req {tr.rid}: pending on {p} (KV kept)")
+        return out
