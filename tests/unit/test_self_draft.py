@@ -130,3 +130,24 @@ def test_distill_end_to_end_on_a_tiny_model(large, tmp_path):
     assert set(meta["step_time"]) == {"B=1", "B=8"}
     draft = load_self_draft(large, out)
     assert draft.config.num_hidden_layers == 3
+
+
+def test_distill_cli_arguments():
+    from tokenrouter_sdk.cli import build_parser
+    from tokenrouter_sdk.distill import _cmd_distill
+
+    args = build_parser().parse_args(["distill", "--k", "8", "--m", "1", "--seconds", "60", "--out", "x.safetensors"])
+    assert (args.k, args.m, args.seconds, args.out, args.fn) == (8, 1, 60.0, "x.safetensors", _cmd_distill)
+    d = build_parser().parse_args(["distill"])
+    assert (d.k, d.m, d.prompts, d.max_new_tokens) == (12, 2, 400, 128)
+
+
+def test_packaged_draft_file_fits_smollm2():
+    """The shipped draft's sidecar says what it is and what it measured (the numbers in docs)."""
+    from tokenrouter_sdk.self_draft import DEFAULT_DRAFT
+
+    meta = read_meta(DEFAULT_DRAFT)
+    assert (meta["k"], meta["m"], meta["base"]) == (12, 2, "SmolLM2-135M-Instruct")
+    assert DEFAULT_DRAFT.stat().st_size < 20 * 2 ** 20
+    assert meta["agreement"]["synthetic_heldout"]["self_draft"]["agreement"] >= 0.5
+    assert meta["agreement"]["synthetic_heldout"]["truncation_k12"]["agreement"] < 0.2
