@@ -216,8 +216,7 @@ def train_draft(large, data: TeacherData, m: int = 2, *, seconds: float = 1200.0
             longest = max(longest, t)
         if cur:
             yield cur
-    all_batches = list(batches())
-    steps_per_epoch = len(all_batches)
+    steps_per_epoch = sum(1 for _ in batches())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     est_steps = max_epochs * steps_per_epoch
     t0, step, losses, first, epoch = time.perf_counter(), 0, [], None, 0

