@@ -65,23 +65,11 @@ def _thresholds(router, policy, n: int, spec: str | dict | None) -> dict[str, in
     return th
 
 
-def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "random30", "rstitch"),
-              modes=MODES, concurrency=(1, 4, 8, 16), max_new_tokens=(256,), baselines=True,
-              thresholds: str | dict | None = "auto", progress: bool = True, **router_kw) -> list[Cell]:
-    """Run the benchmark matrix; returns one `Cell` per measured configuration.
-
-    Args:
-        models: name -> model (smallest first), as for `Router`.
-        tokenizer: the shared tokenizer.
-        prompts: prompts; each cell uses ``2 * concurrency`` of them (cycled), so the
-            concurrency stays at its value until the tail.
-        policies, modes, concurrency, max_new_tokens: the matrix.
-        baselines: add ``retain_kv=False`` (in ``async`` and ``delayed``), large-only and small-only.
-        thresholds: ``delayed`` thresholds: "auto" (planner), "small=8,large=4" or a dict.
-    """
-    from tqdm.auto import tqdm
-
-    from .router import Router
+def bench_cells(policies=("random10", "random30", "rstitch"), modes=MODES, concurrency=(1, 4, 8, 16),
+                max_new_tokens=(256,), baselines=True) -> list[tuple]:
+    """The benchmark matrix as ``(policy, mode, retain_kv, concurrency, max_new_tokens)`` tuples:
+    every policy x mode x concurrency x length, ``retain_kv=False`` beside each ``async`` and
+    ``delayed`` cell (with ``baselines``), then large-only and small-only per concurrency and length."""
     cells = []
     for pol, mode, n, new in itertools.product(policies, modes, concurrency, max_new_tokens):
         cells.append((pol, mode, True, n, new))
@@ -90,15 +78,52 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
     if baselines:
         for n, new in itertools.product(concurrency, max_new_tokens):
             cells += [("large_only", "async", True, n, new), ("small_only", "async", True, n, new)]
+    return cells
+
+
+def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "random30", "rstitch"),
+              modes=MODES, concurrency=(1, 4, 8, 16), max_new_tokens=(256,), baselines=True,
+              thresholds: str | dict | None = "auto", progress: bool = True, cells: list[tuple] | None = None,
+              deadline: float | None = None, on_cell=None, warmup_tokens: int = 0, **router_kw) -> list[Cell]:
+    """Run the benchmark matrix; returns one `Cell` per measured configuration.
+
+    Args:
+        models: name -> model (smallest first), as for `Router`.
+        tokenizer: the shared tokenizer.
+        prompts: prompts; each cell uses ``2 * concurrency`` of them (cycled), so the
+            concurrency stays at its value until the tail.
+        policies, modes, concurrency, max_new_tokens, baselines: the matrix (`bench_cells`).
+        thresholds: ``delayed`` thresholds: "auto" (planner), "small=8,large=4" or a dict.
+        cells: an explicit, ordered list of ``(policy, mode, retain_kv, concurrency,
+            max_new_tokens)`` to run instead of the matrix (most important first, with ``deadline``).
+        deadline: a ``time.monotonic()`` value; no cell starts after it (the cells run so far
+            are returned; a GPU lease or CI slot ends on time).
+        on_cell: called with each finished `Cell` (e.g. to append it to a CSV as it comes).
+        warmup_tokens: when > 0, each new Router first generates this many tokens for
+            ``2 * max(concurrency)`` requests, unmeasured (CUDA context, kernels, allocator).
+        router_kw: passed to `Router` (``backend``, ``max_kv_tokens``, ``processes``, ...).
+    """
+    from tqdm.auto import tqdm
+
+    from .router import Router
+    if cells is None:
+        cells = bench_cells(policies, modes, concurrency, max_new_tokens, baselines)
     out: list[Cell] = []
     bar = tqdm(total=len(cells), desc="bench", disable=not progress)
     routers: dict = {}
     try:
         for pol, mode, retain, n, new in cells:
+            if deadline is not None and time.monotonic() > deadline:
+                break
             policy = make_policy(pol)
             key = (mode, retain)
             if key not in routers:
                 routers[key] = Router(models, tokenizer=tokenizer, mode=mode, retain_kv=retain, **router_kw)
+                if warmup_tokens > 0:
+                    top = max(c[3] for c in cells)
+                    warm = [prompts[i % len(prompts)] for i in range(2 * top)]
+                    routers[key].generate(warm, policy=make_policy("random30"), max_new_tokens=warmup_tokens,
+                                          ignore_eos=True, concurrency=top)
             r = routers[key]
             th = ""
             if mode == "delayed":
@@ -109,18 +134,25 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
             m = r.metrics()
             out.append(Cell(pol, mode, retain, n, new, th, m.throughput_tok_s, m.mean_latency_s, m.per_user_tok_s,
                             m.hop_rate, m.large_fraction, m.committed_tokens, m.wall_s))
+            _ratios(out)
+            if on_cell is not None:
+                on_cell(out[-1])
             bar.update(1)
     finally:
         bar.close()
         for r in routers.values():
             r.close()
+    return out
+
+
+def _ratios(out: list[Cell]) -> None:
+    """Fill ``vs_sync`` and ``vs_no_retain`` from the cells measured so far."""
     by = {(c.policy, c.mode, c.retain_kv, c.concurrency, c.max_new_tokens): c for c in out}
     for c in out:
         s = by.get((c.policy, "sync", True, c.concurrency, c.max_new_tokens))
         nr = by.get((c.policy, c.mode, False, c.concurrency, c.max_new_tokens))
         c.vs_sync = c.throughput_tok_s / s.throughput_tok_s if s and s.throughput_tok_s else None
         c.vs_no_retain = c.throughput_tok_s / nr.throughput_tok_s if nr and nr.throughput_tok_s else None
-    return out
 
 
 def format_table(cells: list[Cell]) -> str:
@@ -163,3 +195,24 @@ def write_html(cells: list[Cell], path: str) -> bool:
 def environment() -> str:
     import torch
     return f"torch threads {torch.get_num_threads()}, loadavg {tuple(round(x, 2) for x in os.getloadavg())}, {time.ctime()}"
+
+
+class CsvLog:
+    """Appends each finished `Cell` to a CSV as it comes (a run cut short keeps what it measured);
+    `rewrite` writes the whole list again with the final ratios."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._started = False
+
+    def __call__(self, cell: Cell) -> None:
+        with open(self.path, "a" if self._started else "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(asdict(cell)))
+            if not self._started:
+                w.writeheader()
+            w.writerow(asdict(cell))
+        self._started = True
+
+    def rewrite(self, cells: list[Cell]) -> None:
+        if cells:
+            write_csv(cells, self.path)

@@ -148,8 +148,9 @@ def cmd_info(args) -> int:
 
 def cmd_bench(args) -> int:
     """The side-by-side throughput benchmark (see `tokenrouter_sdk.bench`)."""
-    from .bench import environment, format_table, run_bench, write_csv, write_html
+    from .bench import CsvLog, environment, format_table, run_bench, write_html
     ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
+    kw: dict = {}
     if args.backend == "sim":
         from .backends.sim_runner import LatencyModel
         from .models import tiny_tokenizer
@@ -157,18 +158,38 @@ def cmd_bench(args) -> int:
                        "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158})}, tiny_tokenizer()
         prompts = [[5 + i % 200] * 40 for i in range(64)]
         kw = {"backend": "sim"}
+    elif args.random_pair:
+        import torch
+
+        from .random_models import id_tokenizer, random_model, random_prompts
+        names = args.random_pair.split(",")
+        if len(names) != 2:
+            raise SystemExit(f"--random-pair takes SMALL,LARGE (e.g. qwen3-0.6b,qwen3-8b), got {args.random_pair!r}")
+        dtype = getattr(torch, args.dtype)
+        models = {"small": random_model(names[0], dtype=dtype, device=args.device, seed=0),
+                  "large": random_model(names[1], dtype=dtype, device=args.device, seed=1)}
+        tok = id_tokenizer()
+        prompts = random_prompts(64, args.prompt_tokens, seed=0)
     else:
         from .models import default_pair
         large, small, tok = default_pair(small_layers=args.small_layers)
-        models, kw = {"small": small, "large": large}, {}
+        models = {"small": small, "large": large}
         path = Path(args.data) if args.data else find_data()
         prompts = load_prompts(path, 64) if path else BUILTIN
+    if args.backend != "sim":
+        if args.max_kv_tokens:
+            kw["max_kv_tokens"] = args.max_kv_tokens
+        if args.transport != "auto":
+            kw["processes"] = args.transport == "process"
     print(environment())
+    deadline = time.monotonic() + 60 * args.time_budget_min if args.time_budget_min else None
+    log = CsvLog(args.out + ".csv")
     cells = run_bench(models, tok, prompts, policies=args.policies, modes=args.modes, concurrency=ints(args.concurrency),
                       max_new_tokens=ints(args.max_new_tokens), baselines=not args.no_baselines,
-                      thresholds=args.thresholds, **kw)
+                      thresholds=args.thresholds, deadline=deadline, on_cell=log, warmup_tokens=args.warmup_tokens,
+                      **kw)
     print(format_table(cells))
-    write_csv(cells, args.out + ".csv")
+    log.rewrite(cells)  # with the final ratios
     html = write_html(cells, args.out + ".html")
     print(f"wrote {args.out}.csv" + (f" and {args.out}.html" if html else " (no plotly: no HTML chart)"))
     return 0
@@ -203,6 +224,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--small-layers", type=int, default=None,
                    help="small = plain truncation to this many layers (default: the packaged self-draft)")
     b.add_argument("--data", help="prompts (JSONL with 'question' or text lines); default GSM8K")
+    b.add_argument("--random-pair", metavar="SMALL,LARGE",
+                   help="random-weight models built from configs, e.g. qwen3-0.6b,qwen3-8b (token-id prompts)")
+    b.add_argument("--device", default="cuda", help="device of --random-pair models (default cuda)")
+    b.add_argument("--dtype", default="bfloat16", help="dtype of --random-pair models (default bfloat16)")
+    b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length with --random-pair (default 128)")
+    b.add_argument("--max-kv-tokens", type=int, default=None, help="KV pool per model, tokens (default 8192)")
+    b.add_argument("--transport", choices=["auto", "process", "thread"], default="auto",
+                   help="sub-servers in processes or threads (default: processes for two torch models)")
+    b.add_argument("--time-budget-min", type=float, default=None,
+                   help="start no cell after this many minutes (cells so far are reported)")
+    b.add_argument("--warmup-tokens", type=int, default=0,
+                   help="unmeasured warm-up generation per new Router (tokens; use on GPUs)")
     b.add_argument("--out", default="bench", help="output prefix for .csv and .html")
     b.set_defaults(fn=cmd_bench)
     sub.add_parser("info", help="versions, threads, cache folder").set_defaults(fn=cmd_info)

@@ -13,6 +13,7 @@ the model still works for ordinary, unpadded use.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -78,6 +79,17 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         o = _sdpa(qi, ki, vi, mask, mask is None and ql > 1, scaling)  # [1, H, ql, D]
         out[qs:qs + ql] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _sdpa_backends(device: torch.device):
+    """On CUDA, SDPA without the cuDNN backend: cuDNN builds an execution plan for every new
+    query/key shape, and a decode step's key length changes every step (measured on an H200 with
+    random-weight Qwen3-0.6B: about 1.4 ms of host time per attention call, half of the step;
+    `evals/gpu_step_profile.py`). Flash, memory-efficient and math kernels need no plan."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _no_mask(*args, **kwargs):
@@ -194,7 +206,8 @@ class TorchRunner:
         """
         fb, ids, pos, last = self._batch(seqs)
         t0 = time.perf_counter()
-        out = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb)
+        with _sdpa_backends(self.device):
+            out = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb)
         hidden = out.last_hidden_state[0, last]
         logits = self.lm_head(hidden)
         if self.device.type == "cuda":

@@ -1,0 +1,183 @@
+"""Issue 3's benchmark on a CUDA GPU: random-weight Qwen3-0.6B (small) and Qwen3-8B (large) built
+from their configs (no weight download), torch backend, bf16, in one prepared run with a time budget.
+
+    python3 evals/bench_gpu.py --out OUTDIR --budget-min 5.5
+    python3 evals/bench_gpu.py --out /tmp/g --device cpu --shrink     # the same flow on a CPU, tiny shapes
+
+Steps, each printed with its wall time:
+  1. environment (torch, transformers, GPU);
+  2. correctness on the device: a shrunk float64 Qwen3 pair must give exactly the naive
+     reference's tokens (`reference_generate`) with sub-servers in threads and in processes; if
+     processes fail (e.g. CUDA tensors cannot be shared between processes), the benchmark runs
+     with threads and says so;
+  3. build the pair, GPU memory;
+  4. step latency vs batch size of both models (the planner's profiler), and their ratio;
+  5. benchmark cells in priority order (RandomRouting at 0.1 large fraction, c=8, 256 tokens:
+     every mode and baseline; then concurrency 1/4/16; then 1024 tokens; then 0.3 large fraction),
+     until the budget ends. Every finished cell is appended to ``OUTDIR/gpu_bench.csv`` at once;
+  6. the table (and ``gpu_bench.html`` when plotly is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+
+T0 = time.monotonic()
+
+
+def say(*a) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s]", *a, flush=True)
+
+
+def watchdog(seconds: float) -> None:
+    """Dump every thread's stack and exit if the run outlives its budget (a hang must not eat the
+    lease; the CSV holds what was measured)."""
+    def fire():
+        say(f"WATCHDOG: still running after {seconds:.0f}s; stacks follow, exiting")
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+    t = threading.Timer(seconds, fire)
+    t.daemon = True
+    t.start()
+
+
+def cells(quick: bool) -> list[tuple]:
+    c = [("random10", m, True, 8, 256) for m in ("sync", "async", "delayed")]
+    c += [("large_only", "async", True, 8, 256), ("small_only", "async", True, 8, 256),
+          ("random10", "delayed", False, 8, 256)]
+    c += [("random10", m, True, n, 256) for n in (1, 4, 16) for m in ("delayed", "sync")]
+    c += [("random10", "delayed", True, 8, 1024), ("random10", "delayed", False, 8, 1024),
+          ("random10", "sync", True, 8, 1024)]
+    c += [("random30", m, True, 8, 256) for m in ("sync", "async", "delayed")]
+    c += [("random10", "model_sync", True, 8, 256), ("large_only", "async", True, 1, 256),
+          ("large_only", "async", True, 16, 256), ("small_only", "async", True, 16, 256)]
+    if quick:  # the CPU rehearsal: short outputs
+        c = [(p, m, k, n, min(t, 16)) for p, m, k, n, t in c]
+    return c
+
+
+def correctness(device: str, processes: bool) -> tuple[bool, str]:
+    import torch
+
+    from tokenrouter_sdk import Router, SamplingParams
+    from tokenrouter_sdk.policies import RandomRouting
+    from tokenrouter_sdk.random_models import id_tokenizer, random_model, random_prompts
+    from tokenrouter_sdk.reference import reference_generate
+    shrink = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=1024, eos_token_id=1000, bos_token_id=None)
+    pair = {"small": random_model("qwen3-0.6b", device=device, dtype=torch.float64, seed=0, **shrink),
+            "large": random_model("qwen3-8b", device=device, dtype=torch.float64, seed=1,
+                                  **(shrink | {"num_hidden_layers": 3}))}
+    tok = id_tokenizer(1024, eos_token_id=1000)
+    policy = RandomRouting(p=0.3, seed=2)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    kw = {"processes": {"start_timeout": 180.0}} if processes else {"processes": False}
+    with Router(pair, tokenizer=tok, **kw) as r:
+        outs = r.generate(random_prompts(8, 20, vocab_size=1024, seed=3, avoid=(1000,)), sampling=params,
+                          policy=policy, concurrency=8, timeout=180)
+    same = 0
+    for o in outs:
+        ref = reference_generate(pair, o.prompt, policy, params, rid=o.rid)
+        same += (o.token_ids, o.token_models) == (ref["token_ids"], ref["token_models"])
+    hops = sum(o.hops for o in outs)
+    return same == len(outs), f"{same}/{len(outs)} requests equal to the naive reference, {hops} hops"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-min", type=float, default=5.5, help="no benchmark cell starts after this")
+    ap.add_argument("--pair", default="qwen3-0.6b,qwen3-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shrink", action="store_true", help="tiny shapes and 16-token cells (CPU rehearsal)")
+    ap.add_argument("--max-kv-tokens", type=int, default=32768)
+    ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--first", type=int, default=None, help="run only the first N cells of the priority list")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    watchdog(60 * args.budget_min + 120)
+
+    import torch
+    import transformers
+
+    from tokenrouter_sdk.bench import CsvLog, format_table, run_bench, write_html
+    from tokenrouter_sdk.planner import profile_latency
+    from tokenrouter_sdk.planner.for_router import PROFILE_ATTR
+    from tokenrouter_sdk.random_models import count_parameters, id_tokenizer, random_model, random_prompts
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": args.device,
+            "pair": args.pair, "shrink": args.shrink}
+    if args.device.startswith("cuda"):
+        info |= {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
+    say("environment", json.dumps(info))
+
+    processes = True
+    for procs in (() if args.skip_correctness else (False, True)):
+        t = time.monotonic()
+        try:
+            ok, text = correctness(args.device, procs)
+        except Exception as e:  # noqa: BLE001 - reported, and the run goes on with threads
+            ok, text = False, f"{type(e).__name__}: {e}"
+        say(f"correctness ({'processes' if procs else 'threads'}): {'PASS' if ok else 'FAIL'} - {text} "
+            f"({time.monotonic() - t:.1f}s)")
+        if procs and not ok:
+            processes = False
+            say("sub-server processes failed on this device: the benchmark runs with threads")
+        info[f"correct_{'processes' if procs else 'threads'}"] = text
+
+    small_name, large_name = args.pair.split(",")
+    shrink = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, vocab_size=4096, eos_token_id=4000, bos_token_id=None) if args.shrink else {}
+    dtype = torch.float32 if args.shrink else torch.bfloat16
+    t = time.monotonic()
+    models = {"small": random_model(small_name, dtype=dtype, device=args.device, seed=0, **shrink),
+              "large": random_model(large_name, dtype=dtype, device=args.device, seed=1, **shrink)}
+    vocab, eos = (4096, 4000) if args.shrink else (151936, 151645)
+    tok = id_tokenizer(vocab, eos)
+    prompts = random_prompts(64, 128, vocab_size=vocab, seed=0, avoid=(eos,))
+    mem = torch.cuda.memory_allocated() / 2**30 if args.device.startswith("cuda") else 0.0
+    say(f"built {small_name} ({count_parameters(small_name, **shrink) / 1e9:.2f} B) and {large_name} "
+        f"({count_parameters(large_name, **shrink) / 1e9:.2f} B) in {time.monotonic() - t:.1f}s; "
+        f"GPU memory allocated {mem:.1f} GiB")
+
+    t = time.monotonic()
+    prof = {}
+    for name, m in models.items():
+        lat = profile_latency(m, batch_sizes=(1, 2, 4, 8, 16), context=128)
+        setattr(m, PROFILE_ATTR, lat)  # the planner ("auto" thresholds) reuses it
+        prof[name] = {str(b): round(s * 1e3, 3) for b, s in lat.table.items()} | {"per_token_ms": lat.per_token_s * 1e3}
+    ratio = {b: round(prof["small"][b] / prof["large"][b], 3) for b in prof["small"] if b != "per_token_ms"}
+    say(f"decode step ms by batch size: small {prof['small']}; large {prof['large']}; small/large {ratio} "
+        f"({time.monotonic() - t:.1f}s)")
+    info |= {"profile_ms": prof, "small_over_large": ratio, "processes": processes}
+    with open(os.path.join(args.out, "gpu_info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+
+    log = CsvLog(os.path.join(args.out, "gpu_bench.csv"))
+
+    def on_cell(c):
+        log(c)
+        say(f"cell {c.policy} {c.mode} {'keep' if c.retain_kv else 'drop'} N={c.concurrency} out={c.max_new_tokens}: "
+            f"{c.throughput_tok_s:.1f} tok/s, lat {c.mean_latency_s:.2f}s, hop {c.hop_rate:.3f}, "
+            f"large {c.large_fraction:.3f}, x sync {c.vs_sync}, x noKV {c.vs_no_retain} {c.thresholds}")
+
+    deadline = T0 + 60 * args.budget_min  # counted from the script's start
+    todo = cells(args.shrink)[:args.first]
+    out = run_bench(models, tok, prompts, cells=todo, thresholds="auto", deadline=deadline,
+                    on_cell=on_cell, warmup_tokens=8, progress=False, max_kv_tokens=args.max_kv_tokens,
+                    processes={"start_timeout": 300.0} if processes else False)
+    print(format_table(out), flush=True)
+    if out:
+        log.rewrite(out)
+        write_html(out, os.path.join(args.out, "gpu_bench.html"))
+    say(f"done: {len(out)} of {len(todo)} cells")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
