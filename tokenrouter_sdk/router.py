@@ -216,8 +216,12 @@ class Router:
                     err = str(e)
             checked.append((prompt, ids, p, err))
         self.engine.register_policy(pol, refresh=True)
+        with self.engine._lock:
+            start = len(self.engine.trace)  # this call's events all come after it (`_result` scans from here)
         with self.engine.transport.hold():
             handles = [self.engine.submit(ids, p, pol, prompt=prompt, error=err) for prompt, ids, p, err in checked]
+        for h in handles:
+            h.trace_start = start
         self._last_rids = {h.rid for h in handles}
         return handles
 
@@ -291,7 +295,9 @@ class Router:
         rids = {h.rid for h in handles}
         with self.engine._lock:
             trace = self.engine.trace
-            start = next((i for i, ev in enumerate(trace) if ev[0] == "admit" and ev[1] in rids), len(trace))
+            lo = min((h.trace_start for h in handles), default=0)
+            start = next((i for i in range(lo, len(trace)) if trace[i][0] == "admit" and trace[i][1] in rids),
+                         len(trace))
             window = [ev for ev in trace[start:] if ev[0] == "step" or ev[1] in rids]
         self.last_run = RunResult([h.output for h in handles], window, list(self.models), self.tokenizer,
                                   {h.rid: h.entry for h in handles})

@@ -221,3 +221,19 @@ def test_router_latency_profiles_torch_models_once():
         lat = router_latency(r, 4, context=8, steps=1, warmup=1, extend_tokens=0)
         assert sorted(lat["small"].table) == [1, 2, 4, 8, 16] and all(t > 0 for t in lat["large"].table.values())
         assert router_latency(r, 4)["small"] is lat["small"]  # cached
+        # profiles are kept per torch thread count: sub-server processes with k threads each get
+        # a k-thread profile, measured under k threads; this process's setting is restored after
+        seen = []
+        real = torch.set_num_threads
+        old = torch.get_num_threads()
+        r.engine.transport.child_threads = old + 1
+        try:
+            torch.set_num_threads = lambda k: (seen.append(k), real(k))[1]
+            other = router_latency(r, 4, context=8, steps=1, warmup=1, extend_tokens=0)
+        finally:
+            torch.set_num_threads = real
+            del r.engine.transport.child_threads
+        assert seen == [old + 1, old] * 2 and torch.get_num_threads() == old  # once per model
+        assert other["small"] is not lat["small"]
+        assert set(small._tokenrouter_latency) == {old, old + 1}
+        assert router_latency(r, 4)["small"] is lat["small"]

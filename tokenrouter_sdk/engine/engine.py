@@ -30,6 +30,7 @@ class RequestHandle:
         self.t_admit: float | None = None
         self.t_first: float | None = None
         self.t_end: float | None = None
+        self.trace_start = 0  # length of the engine trace before this request was submitted
         self.done = threading.Event()
         self.listeners: list[Callable[[str, object], None]] = []
 

@@ -2,7 +2,7 @@
 
 `ProcessTransport` has the interface of `ThreadTransport` (``start``, ``send``, ``clock``,
 ``clock_for``, ``hold``, ``alive``, ``close``) and is the default when a `Router` holds two
-or more torch models.
+or more torch models. The child's side lives in `process_child`, the serialisation in `wire`.
 
 Layout::
 
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import io
 import os
 import pickle
 import shutil
@@ -55,141 +54,14 @@ import tempfile
 import threading
 import time
 import traceback
-from collections import ChainMap
 from typing import Callable
 
-from ..policy import Policy
 from . import messages as M
+from .process_child import _child_main
 from .subserver import RegisterPolicy
+from .wire import _PROTO, _PolicyBytes, _Spec, _child_spec, dumps, loads
 
-_PROTO = pickle.HIGHEST_PROTOCOL
 _SPAWN_LOCK = threading.Lock()
-
-
-# ---- serialisation -------------------------------------------------------------------------
-def dumps(msg) -> bytes:
-    """Bytes of one message: plain pickle, cloudpickle for policies and whatever pickle refuses
-    (e.g. policy state holding an object of a class defined in ``__main__``)."""
-    if not isinstance(msg, RegisterPolicy):
-        try:
-            return pickle.dumps(msg, _PROTO)
-        except Exception:  # noqa: BLE001 - fall back to pickling by value
-            pass
-    import cloudpickle
-    return cloudpickle.dumps(msg, _PROTO)
-
-
-def loads(data: bytes):
-    return pickle.loads(data)
-
-
-class _PolicyBytes:
-    """`RegisterPolicy` on the wire: the policy cloudpickled inside a plain-pickled envelope,
-    so a policy the child cannot load fails only the requests that use it."""
-
-    def __init__(self, key: int, data: bytes, text: str):
-        self.key, self.data, self.text = key, data, text
-
-    def load(self, where: str) -> RegisterPolicy:
-        try:
-            return RegisterPolicy(self.key, pickle.loads(self.data))
-        except Exception as e:  # noqa: BLE001
-            hint = ""
-            if isinstance(e, (ImportError, AttributeError)):
-                hint = ("; its module cannot be imported there: install it, or call "
-                        "cloudpickle.register_pickle_by_value(module) before a Router first uses the policy")
-            return RegisterPolicy(self.key, _UnloadablePolicy(
-                self.text, f"policy {self.text} could not be loaded in the sub-server process of model "
-                           f"'{where}': {type(e).__name__}: {e}{hint}"))
-
-
-class _UnloadablePolicy(Policy):
-    """Stands in for a policy the child could not unpickle: every call raises, so the requests
-    that use it fail with the load error and the others go on."""
-
-    def __init__(self, text: str, error: str):
-        self.text, self.error = text, error
-
-    def __repr__(self) -> str:
-        return self.text
-
-    def route(self, step):
-        raise RuntimeError(self.error)
-
-    def route_batch(self, batch):
-        raise RuntimeError(self.error)
-
-    def send(self, req, target):
-        raise RuntimeError(self.error)
-
-    def receive(self, handoff, req):
-        raise RuntimeError(self.error)
-
-
-class _LoadError:
-    """Stands in for a spec the child could not unpickle; the child reports ``text``."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-
-def _load_spec(data: bytes):
-    try:
-        return pickle.loads(data)
-    except BaseException as e:  # noqa: BLE001 - reported by the child through the hub
-        return _LoadError(f"could not load the sub-server spec in the child process: {type(e).__name__}: {e}\n"
-                          + traceback.format_exc())
-
-
-class _Spec:
-    """A sub-server spec on its way into a child process (a `Process` argument).
-
-    Pickled (inside `Process.start`, while the spawning popen is set) with cloudpickle plus
-    torch's multiprocessing reductions: tensors travel as shared-memory file descriptors."""
-
-    def __init__(self, spec: dict):
-        self.spec = spec
-
-    def __reduce__(self):
-        import cloudpickle
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401 - registers the tensor/storage reductions
-
-        class TorchCloudPickler(cloudpickle.CloudPickler):
-            dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloudpickle.CloudPickler.dispatch_table)
-
-        buf = io.BytesIO()
-        TorchCloudPickler(buf, protocol=_PROTO).dump(self.spec)
-        return _load_spec, (buf.getvalue(),)
-
-
-class _FreshPool:
-    """A `KVPool` of the same shape, allocated in the child: the KV cache is the sub-server's
-    private memory, not shared with this process."""
-
-    def __init__(self, pool):
-        layers, slots, heads, dim = pool.k.shape
-        self.args = (layers, heads, dim, pool.num_blocks, pool.block_size, pool.k.dtype, str(pool.k.device))
-
-    def __reduce__(self):
-        from .kv_pool import KVPool
-        return KVPool, self.args
-
-
-def _child_spec(spec: dict) -> dict:
-    """The spec as the child gets it: the runner (model shared through shared memory) with a
-    fresh KV pool of the same shape instead of this process's."""
-    import copy
-
-    from .kv_pool import KVPool
-    spec = dict(spec)
-    runner = spec.get("runner")
-    if isinstance(getattr(runner, "pool", None), KVPool) and runner.pool.k is not None:
-        runner = copy.copy(runner)
-        runner.pool = _FreshPool(runner.pool)
-        spec["runner"] = runner
-    return spec
 
 
 @contextlib.contextmanager
@@ -212,155 +84,6 @@ def _no_main_reimport():
             yield
         finally:
             spawn.get_preparation_data = orig
-
-
-# ---- the child -----------------------------------------------------------------------------
-def _prepare_runner(runner) -> None:
-    """Per-process setup a runner needs after unpickling (registries are per process)."""
-    from ..backends.torch_runner import TorchRunner, register_attention
-    if isinstance(runner, TorchRunner):
-        register_attention()
-
-
-def _child_main(name: str, spec, address: str, threads: int) -> None:
-    """Entry point of a sub-server process: build the `SubServer`, serve until `Shutdown`."""
-    import sys
-
-    import torch
-    import zmq
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it closes us
-    torch.set_num_threads(max(1, int(threads)))
-    ctx = zmq.Context()
-    out = ctx.socket(zmq.DEALER)
-    out.setsockopt(zmq.IDENTITY, b"o:" + name.encode())
-    out.setsockopt(zmq.SNDHWM, 0)
-    out.connect(address)
-    out_lock = threading.Lock()  # only the main thread sends today; cheap insurance
-
-    in_step = [False]
-
-    def send(model: str, msg) -> None:
-        data = dumps(msg)
-        with out_lock:  # "ts": sent during a step, released by the hub with that step's StepDone
-            out.send_multipart([b"ts" if in_step[0] else b"to", model.encode(), data])
-
-    def emit(event) -> None:
-        data = dumps(event)
-        with out_lock:
-            out.send_multipart([b"ev", b"", data])
-
-    stop, orphaned = threading.Event(), threading.Event()
-    fatal: list[str] = []
-    code = 0
-    rx = None
-    try:
-        if isinstance(spec, _LoadError):
-            raise RuntimeError(spec.text)
-        from .subserver import SubServer
-        _prepare_runner(spec["runner"])
-        ss = SubServer(**spec, send=send, emit=emit, clock=time.perf_counter)
-        step = ss.step
-
-        def marked_step(*args, **kwargs):
-            in_step[0] = True
-            try:
-                return step(*args, **kwargs)
-            finally:
-                in_step[0] = False
-
-        ss.step = marked_step
-        rx = threading.Thread(target=_child_receive, args=(ctx, address, name, ss.inbox, stop, fatal, orphaned),
-                              name=f"tokenrouter-{name}-rx", daemon=True)
-        rx.start()
-        ss.run()
-        if fatal:
-            raise RuntimeError(fatal[0])
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the requests
-        code = 1
-        text = f"sub-server '{name}' crashed: {type(e).__name__}: {e}"
-        if isinstance(spec, _LoadError) or fatal:
-            text = str(e)
-        with contextlib.suppress(Exception), out_lock:
-            out.send_multipart([b"err", b"", text.encode(errors="replace")])
-        traceback.print_exc()
-    finally:
-        stop.set()
-        if rx is not None:
-            rx.join(5.0)
-        out.close(linger=0 if orphaned.is_set() else 2000)  # flush the last events, unless nobody listens
-        ctx.term()
-    # skip the interpreter's teardown of torch and transformers (seconds, nothing to save)
-    for f in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            f.flush()
-    os._exit(code)
-
-
-def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, fatal: list,
-                   orphaned: threading.Event) -> None:
-    """Receiver thread of a child: hub messages -> ``inbox``; Shutdown also when the parent dies."""
-    import multiprocessing
-
-    import zmq
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"i:" + name.encode())
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(address)
-    sock.send_multipart([b"hi", b"", b""])
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        poller.register(parent.sentinel, zmq.POLLIN)
-    try:
-        while not stop.is_set():
-            ready = dict(poller.poll(200))
-            if sock in ready:
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    msgs, last = [], False
-                    for frame in frames:  # one batch from the hub: it reaches the inbox at once
-                        try:
-                            msg = loads(frame)
-                        except Exception as e:  # noqa: BLE001 - cannot go on without it: stop, say why
-                            fatal.append(f"sub-server '{name}' could not load a message from the engine: "
-                                         f"{type(e).__name__}: {e}")
-                            msg = M.Shutdown()
-                        if isinstance(msg, _PolicyBytes):
-                            msg = msg.load(name)
-                        msgs.append(msg)
-                        if isinstance(msg, M.Shutdown):
-                            last = True
-                            break
-                    _put_all(inbox, msgs)
-                    if last:
-                        return
-            if parent is not None and parent.sentinel in ready:  # the parent is gone: stop serving
-                orphaned.set()
-                inbox.put(M.Shutdown())
-                if address.startswith("ipc://"):  # nobody else will remove the hub's folder
-                    shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
-                t = threading.Timer(5.0, os._exit, args=(0,))  # if a forward never returns
-                t.daemon = True
-                t.start()
-                return
-    except zmq.ContextTerminated:
-        pass
-    finally:
-        sock.close(linger=0)
-
-
-def _put_all(q, items: list) -> None:
-    """Append ``items`` to an unbounded `queue.Queue` in one step, so its consumer sees the
-    whole batch (e.g. all admissions of one `Router.submit`) before it next schedules."""
-    with q.mutex:
-        q.queue.extend(items)
-        q.unfinished_tasks += len(items)
-        q.not_empty.notify()
 
 
 # ---- the parent ----------------------------------------------------------------------------
@@ -400,6 +123,7 @@ class ProcessTransport:
     def __init__(self, threads: int | None = None, address: str = "ipc", start_timeout: float | None = 600.0,
                  close_timeout: float = 5.0):
         self.threads = threads
+        self.child_threads: int | None = None  # torch threads each child runs with (set by start)
         self.address_spec = address
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
@@ -479,7 +203,7 @@ class ProcessTransport:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         n = len(specs)
-        threads = self.threads or max(1, _cpus() // max(1, n))
+        threads = self.child_threads = self.threads or max(1, _cpus() // max(1, n))
         mp = tmp.get_context("spawn")
         try:
             with _no_main_reimport():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
+
+import torch
 
 from ..backends.sim_runner import LatencyModel
 from .estimate import estimate_extra_tokens, estimate_keep, estimate_routing, estimate_step_overhead
@@ -10,7 +13,7 @@ from .profile import profile_latency
 from .search import Plan, plan_thresholds
 
 
-PROFILE_ATTR = "_tokenrouter_latency"  # attribute holding a model's cached LatencyModel
+PROFILE_ATTR = "_tokenrouter_latency"  # attribute holding a model's profiles: {torch threads: LatencyModel}
 PILOT_PROMPTS = ("Explain why the sky is blue in a few sentences.",
                  "What is 17 * 23? Show your steps.",
                  "Write a short story about a robot who learns to paint.",
@@ -18,11 +21,26 @@ PILOT_PROMPTS = ("Explain why the sky is blue in a few sentences.",
                  "Summarise the water cycle for a ten-year-old.",
                  "Give two arguments for and against homework.")
 
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """Run the block with ``torch.set_num_threads(n)`` (restored afterwards); None: unchanged."""
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch.set_num_threads(old)
+
+
 def router_latency(router, n: int = 16, **profile_kw) -> dict[str, LatencyModel]:
     """Each model's `LatencyModel`: the sim backend's own, or `profile_latency` of the loaded
     model (batch sizes 1, 2, 4, ... up to max(n, 16); cached per model object, so a benchmark
     profiles each model once). Profiling runs on a private KV pool; call it while the Router is
-    idle (it competes for the CPU with running requests)."""
+    idle (it competes for the CPU with running requests). With sub-servers in processes it runs
+    with the torch thread count each sub-server process uses, so the latencies are the ones the
+    sub-servers see."""
     out = {}
     top = max(16, n)
     sizes = tuple(sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top}))
@@ -33,10 +51,18 @@ def router_latency(router, n: int = 16, **profile_kw) -> dict[str, LatencyModel]
             out[name] = lat
             continue
         model = router.models[name]
-        cached = getattr(model, PROFILE_ATTR, None)  # kept on the model object itself, not in a global
+        threads = getattr(router.engine.transport, "child_threads", None) or torch.get_num_threads()
+        # kept on the model object itself (not in a global), per torch thread count
+        store = getattr(model, PROFILE_ATTR, None)
+        if isinstance(store, LatencyModel):  # set by hand: used whatever the thread count
+            store = {threads: store}
+        store = dict(store or {})
+        cached = store.get(threads)
         if cached is None or max(cached.table) < top:
-            cached = profile_latency(model, batch_sizes=sizes, **profile_kw)
-            setattr(model, PROFILE_ATTR, cached)
+            with _torch_threads(threads):
+                cached = profile_latency(model, batch_sizes=sizes, **profile_kw)
+            store[threads] = cached
+            setattr(model, PROFILE_ATTR, store)
         out[name] = cached
     return out
 

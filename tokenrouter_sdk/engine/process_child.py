@@ -1,0 +1,165 @@
+"""The sub-server process: its entry point (`_child_main`) and its receiver thread.
+
+Runs a `SubServer` on the unpickled spec; a receiver thread turns hub messages into the
+sub-server's inbox (one hub batch at once), and stops it when the parent process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import threading
+import time
+import traceback
+
+from . import messages as M
+from .wire import _LoadError, _PolicyBytes, dumps, loads
+
+def _prepare_runner(runner) -> None:
+    """Per-process setup a runner needs after unpickling (registries are per process)."""
+    from ..backends.torch_runner import TorchRunner, register_attention
+    if isinstance(runner, TorchRunner):
+        register_attention()
+
+
+def _child_main(name: str, spec, address: str, threads: int) -> None:
+    """Entry point of a sub-server process: build the `SubServer`, serve until `Shutdown`."""
+    import sys
+
+    import torch
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it closes us
+    torch.set_num_threads(max(1, int(threads)))
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.DEALER)
+    out.setsockopt(zmq.IDENTITY, b"o:" + name.encode())
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.connect(address)
+    out_lock = threading.Lock()  # only the main thread sends today; cheap insurance
+
+    in_step = [False]
+
+    def send(model: str, msg) -> None:
+        data = dumps(msg)
+        with out_lock:  # "ts": sent during a step, released by the hub with that step's StepDone
+            out.send_multipart([b"ts" if in_step[0] else b"to", model.encode(), data])
+
+    def emit(event) -> None:
+        data = dumps(event)
+        with out_lock:
+            out.send_multipart([b"ev", b"", data])
+
+    stop, orphaned = threading.Event(), threading.Event()
+    fatal: list[str] = []
+    code = 0
+    rx = None
+    try:
+        if isinstance(spec, _LoadError):
+            raise RuntimeError(spec.text)
+        from .subserver import SubServer
+        _prepare_runner(spec["runner"])
+        ss = SubServer(**spec, send=send, emit=emit, clock=time.perf_counter)
+        step = ss.step
+
+        def marked_step(*args, **kwargs):
+            in_step[0] = True
+            try:
+                return step(*args, **kwargs)
+            finally:
+                in_step[0] = False
+
+        ss.step = marked_step
+        rx = threading.Thread(target=_child_receive, args=(ctx, address, name, ss.inbox, stop, fatal, orphaned),
+                              name=f"tokenrouter-{name}-rx", daemon=True)
+        rx.start()
+        ss.run()
+        if fatal:
+            raise RuntimeError(fatal[0])
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the requests
+        code = 1
+        text = f"sub-server '{name}' crashed: {type(e).__name__}: {e}"
+        if isinstance(spec, _LoadError) or fatal:
+            text = str(e)
+        with contextlib.suppress(Exception), out_lock:
+            out.send_multipart([b"err", b"", text.encode(errors="replace")])
+        traceback.print_exc()
+    finally:
+        stop.set()
+        if rx is not None:
+            rx.join(5.0)
+        out.close(linger=0 if orphaned.is_set() else 2000)  # flush the last events, unless nobody listens
+        ctx.term()
+    # skip the interpreter's teardown of torch and transformers (seconds, nothing to save)
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    os._exit(code)
+
+
+def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, fatal: list,
+                   orphaned: threading.Event) -> None:
+    """Receiver thread of a child: hub messages -> ``inbox``; Shutdown also when the parent dies."""
+    import multiprocessing
+
+    import zmq
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"i:" + name.encode())
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    sock.send_multipart([b"hi", b"", b""])
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        poller.register(parent.sentinel, zmq.POLLIN)
+    try:
+        while not stop.is_set():
+            ready = dict(poller.poll(200))
+            if sock in ready:
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    msgs, last = [], False
+                    for frame in frames:  # one batch from the hub: it reaches the inbox at once
+                        try:
+                            msg = loads(frame)
+                        except Exception as e:  # noqa: BLE001 - cannot go on without it: stop, say why
+                            fatal.append(f"sub-server '{name}' could not load a message from the engine: "
+                                         f"{type(e).__name__}: {e}")
+                            msg = M.Shutdown()
+                        if isinstance(msg, _PolicyBytes):
+                            msg = msg.load(name)
+                        msgs.append(msg)
+                        if isinstance(msg, M.Shutdown):
+                            last = True
+                            break
+                    _put_all(inbox, msgs)
+                    if last:
+                        return
+            if parent is not None and parent.sentinel in ready:  # the parent is gone: stop serving
+                orphaned.set()
+                inbox.put(M.Shutdown())
+                if address.startswith("ipc://"):  # nobody else will remove the hub's folder
+                    shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
+                t = threading.Timer(5.0, os._exit, args=(0,))  # if a forward never returns
+                t.daemon = True
+                t.start()
+                return
+    except zmq.ContextTerminated:
+        pass
+    finally:
+        sock.close(linger=0)
+
+
+def _put_all(q, items: list) -> None:
+    """Append ``items`` to an unbounded `queue.Queue` in one step, so its consumer sees the
+    whole batch (e.g. all admissions of one `Router.submit`) before it next schedules."""
+    with q.mutex:
+        q.queue.extend(items)
+        q.unfinished_tasks += len(items)
+        q.not_empty.notify()
