@@ -6,12 +6,14 @@ from their configs (no weight download), torch backend, bf16, in one prepared ru
 
 Steps, each printed with its wall time:
   1. environment (torch, transformers, GPU);
-  2. correctness on the device: a shrunk float64 Qwen3 pair must give exactly the naive
-     reference's tokens (`reference_generate`) with sub-servers in threads and in processes; if
-     processes fail (e.g. CUDA tensors cannot be shared between processes), the benchmark runs
-     with threads and says so;
+  2. correctness on the device (with CUDA graphs unless ``--no-cuda-graphs``): a shrunk float64
+     Qwen3 pair must give exactly the naive reference's tokens (`reference_generate`) with
+     sub-servers in threads and in processes; if processes fail (e.g. CUDA tensors cannot be
+     shared between processes), the benchmark runs with threads and says so;
   3. build the pair, GPU memory;
-  4. step latency vs batch size of both models (the planner's profiler), and their ratio;
+  4. step latency vs batch size of both models (the planner's profiler), and their ratio; with
+     CUDA graphs (the default; ``--no-cuda-graphs`` for eager steps) also the eager latency and the
+     eager/graph ratio, and whether the captures worked (``captured``, ``error``);
   5. benchmark cells in priority order (RandomRouting at 0.1 large fraction, c=8, 256 tokens:
      every mode and baseline; then concurrency 1/4/16; then 1024 tokens; then 0.3 large fraction),
      until the budget ends. Every finished cell is appended to ``OUTDIR/gpu_bench.csv`` at once;
@@ -62,7 +64,7 @@ def cells(quick: bool) -> list[tuple]:
     return c
 
 
-def correctness(device: str, processes: bool) -> tuple[bool, str]:
+def correctness(device: str, processes: bool, graphs: bool) -> tuple[bool, str]:
     import torch
 
     from tokenrouter_sdk import Router, SamplingParams
@@ -78,15 +80,19 @@ def correctness(device: str, processes: bool) -> tuple[bool, str]:
     policy = RandomRouting(p=0.3, seed=2)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     kw = {"processes": {"start_timeout": 180.0}} if processes else {"processes": False}
-    with Router(pair, tokenizer=tok, **kw) as r:
+    with Router(pair, tokenizer=tok, cuda_graphs=graphs, **kw) as r:
         outs = r.generate(random_prompts(8, 20, vocab_size=1024, seed=3, avoid=(1000,)), sampling=params,
                           policy=policy, concurrency=8, timeout=180)
+        gs = [run.graphs for run in r.engine.runners.values() if run.graphs is not None]
+        graph_text = "" if processes or not gs else (
+            f"; graphs: {sum(g.captured for g in gs)} captured, {sum(g.replays for g in gs)} replays"
+            + "".join(f", error {g.error}" for g in gs if g.error))
     same = 0
     for o in outs:
         ref = reference_generate(pair, o.prompt, policy, params, rid=o.rid)
         same += (o.token_ids, o.token_models) == (ref["token_ids"], ref["token_models"])
     hops = sum(o.hops for o in outs)
-    return same == len(outs), f"{same}/{len(outs)} requests equal to the naive reference, {hops} hops"
+    return same == len(outs), f"{same}/{len(outs)} requests equal to the naive reference, {hops} hops{graph_text}"
 
 
 def main() -> int:
@@ -99,6 +105,8 @@ def main() -> int:
     ap.add_argument("--max-kv-tokens", type=int, default=32768)
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--first", type=int, default=None, help="run only the first N cells of the priority list")
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="eager steps only (default: decode/short-extend steps from CUDA graphs, cuda devices)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     watchdog(60 * args.budget_min + 120)
@@ -106,6 +114,7 @@ def main() -> int:
     import torch
     import transformers
 
+    from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.bench import CsvLog, format_table, run_bench, write_html
     from tokenrouter_sdk.planner import profile_latency
     from tokenrouter_sdk.planner.for_router import PROFILE_ATTR
@@ -114,13 +123,15 @@ def main() -> int:
             "pair": args.pair, "shrink": args.shrink}
     if args.device.startswith("cuda"):
         info |= {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
+    graphs = not args.no_cuda_graphs
+    info["cuda_graphs"] = graphs
     say("environment", json.dumps(info))
 
     processes = True
     for procs in (() if args.skip_correctness else (False, True)):
         t = time.monotonic()
         try:
-            ok, text = correctness(args.device, procs)
+            ok, text = correctness(args.device, procs, graphs)
         except Exception as e:  # noqa: BLE001 - reported, and the run goes on with threads
             ok, text = False, f"{type(e).__name__}: {e}"
         say(f"correctness ({'processes' if procs else 'threads'}): {'PASS' if ok else 'FAIL'} - {text} "
@@ -146,14 +157,27 @@ def main() -> int:
         f"GPU memory allocated {mem:.1f} GiB")
 
     t = time.monotonic()
-    prof = {}
+    prof, modes = {}, ((True, False) if graphs else (False,))
     for name, m in models.items():
-        lat = profile_latency(m, batch_sizes=(1, 2, 4, 8, 16), context=128)
-        setattr(m, PROFILE_ATTR, lat)  # the planner ("auto" thresholds) reuses it
-        prof[name] = {str(b): round(s * 1e3, 3) for b, s in lat.table.items()} | {"per_token_ms": lat.per_token_s * 1e3}
-    ratio = {b: round(prof["small"][b] / prof["large"][b], 3) for b in prof["small"] if b != "per_token_ms"}
-    say(f"decode step ms by batch size: small {prof['small']}; large {prof['large']}; small/large {ratio} "
-        f"({time.monotonic() - t:.1f}s)")
+        for g in modes:  # with graphs first (what the cells run), eager beside it for the ratio
+            runner = TorchRunner(m, max_kv_tokens=17 * 160, cuda_graphs=g)
+            lat = profile_latency(runner, batch_sizes=(1, 2, 4, 8, 16), context=128)
+            key = f"{name}_graphs" if g else name
+            prof[key] = {str(b): round(s * 1e3, 3) for b, s in lat.table.items()} | {"per_token_ms": lat.per_token_s * 1e3}
+            if g:
+                gr = runner.graphs
+                prof[key] |= {"captured": gr.captured, "replays": gr.replays, "error": gr.error}
+            if g == graphs:
+                setattr(m, PROFILE_ATTR, lat)  # the planner ("auto" thresholds) reuses it
+            runner.pool.release()
+    main_s, main_l = ("small_graphs", "large_graphs") if graphs else ("small", "large")
+    ratio = {b: round(prof[main_s][b] / prof[main_l][b], 3) for b in ("1", "2", "4", "8", "16")}
+    say(f"step ms by batch size: {json.dumps(prof)}; small/large {ratio} ({time.monotonic() - t:.1f}s)")
+    if graphs:
+        speed = {n: {b: round(prof[n][b] / prof[f"{n}_graphs"][b], 2) for b in ("1", "8", "16")}
+                 for n in ("small", "large")}
+        say(f"eager/graph step time: {speed}")
+        info["eager_over_graph"] = speed
     info |= {"profile_ms": prof, "small_over_large": ratio, "processes": processes}
     with open(os.path.join(args.out, "gpu_info.json"), "w") as f:
         json.dump(info, f, indent=1)
@@ -169,8 +193,8 @@ def main() -> int:
     deadline = T0 + 60 * args.budget_min  # counted from the script's start
     todo = cells(args.shrink)[:args.first]
     out = run_bench(models, tok, prompts, cells=todo, thresholds="auto", deadline=deadline,
-                    on_cell=on_cell, warmup_tokens=8, progress=False, max_kv_tokens=args.max_kv_tokens,
-                    processes={"start_timeout": 300.0} if processes else False)
+                    on_cell=on_cell, warmup_tokens=32 if graphs else 8, progress=False, max_kv_tokens=args.max_kv_tokens,
+                    processes={"start_timeout": 300.0} if processes else False, cuda_graphs=graphs)
     print(format_table(out), flush=True)
     if out:
         log.rewrite(out)

@@ -84,7 +84,8 @@ def bench_cells(policies=("random10", "random30", "rstitch"), modes=MODES, concu
 def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "random30", "rstitch"),
               modes=MODES, concurrency=(1, 4, 8, 16), max_new_tokens=(256,), baselines=True,
               thresholds: str | dict | None = "auto", progress: bool = True, cells: list[tuple] | None = None,
-              deadline: float | None = None, on_cell=None, warmup_tokens: int = 0, **router_kw) -> list[Cell]:
+              deadline: float | None = None, on_cell=None, warmup_tokens: int = 0, max_routers: int | None = None,
+              **router_kw) -> list[Cell]:
     """Run the benchmark matrix; returns one `Cell` per measured configuration.
 
     Args:
@@ -101,6 +102,10 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
         on_cell: called with each finished `Cell` (e.g. to append it to a CSV as it comes).
         warmup_tokens: when > 0, each new Router first generates this many tokens for
             ``2 * max(concurrency)`` requests, unmeasured (CUDA context, kernels, allocator).
+        max_routers: Routers kept open at once (one per (mode, retain_kv); each holds a process,
+            a KV pool and, with ``cuda_graphs``, captured graphs per model). None keeps all open;
+            1 closes each before the next opens (a GPU with little memory for large pairs);
+            the least recently used one is closed first.
         router_kw: passed to `Router` (``backend``, ``max_kv_tokens``, ``processes``, ...).
     """
     from tqdm.auto import tqdm
@@ -117,7 +122,11 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
                 break
             policy = make_policy(pol)
             key = (mode, retain)
-            if key not in routers:
+            if key in routers:
+                routers[key] = routers.pop(key)  # most recently used last
+            else:
+                while max_routers is not None and routers and len(routers) >= max_routers:
+                    routers.pop(next(iter(routers))).close()
                 routers[key] = Router(models, tokenizer=tokenizer, mode=mode, retain_kv=retain, **router_kw)
                 if warmup_tokens > 0:
                     top = max(c[3] for c in cells)

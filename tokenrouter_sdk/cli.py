@@ -181,13 +181,15 @@ def cmd_bench(args) -> int:
             kw["max_kv_tokens"] = args.max_kv_tokens
         if args.transport != "auto":
             kw["processes"] = args.transport == "process"
+        if args.cuda_graphs:
+            kw["cuda_graphs"] = True
     print(environment())
     deadline = time.monotonic() + 60 * args.time_budget_min if args.time_budget_min else None
     log = CsvLog(args.out + ".csv")
     cells = run_bench(models, tok, prompts, policies=args.policies, modes=args.modes, concurrency=ints(args.concurrency),
                       max_new_tokens=ints(args.max_new_tokens), baselines=not args.no_baselines,
                       thresholds=args.thresholds, deadline=deadline, on_cell=log, warmup_tokens=args.warmup_tokens,
-                      **kw)
+                      max_routers=args.max_routers, **kw)
     print(format_table(cells))
     log.rewrite(cells)  # with the final ratios
     html = write_html(cells, args.out + ".html")
@@ -236,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no cell after this many minutes (cells so far are reported)")
     b.add_argument("--warmup-tokens", type=int, default=0,
                    help="unmeasured warm-up generation per new Router (tokens; use on GPUs)")
+    b.add_argument("--max-routers", type=int, default=None,
+                   help="Routers open at once (default: all; 1 for large pairs on a small GPU)")
+    b.add_argument("--cuda-graphs", action="store_true",
+                   help="serve decode steps from captured CUDA graphs (torch backend on a GPU)")
     b.add_argument("--out", default="bench", help="output prefix for .csv and .html")
     b.set_defaults(fn=cmd_bench)
     sub.add_parser("info", help="versions, threads, cache folder").set_defaults(fn=cmd_info)

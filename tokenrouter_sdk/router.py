@@ -66,6 +66,9 @@ class Router:
             processes and passes its items to `ProcessTransport` (``threads``, ``address``).
             Threads are for debugging with breakpoints and for policies that share state with
             this process.
+        cuda_graphs: serve decode and short-extend steps from captured CUDA graphs
+            (`TorchRunner` ``cuda_graphs``; torch backend; off by default). It removes the host
+            side of a step (Python and kernel launches), which dominates small models on a GPU.
 
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).
@@ -76,7 +79,7 @@ class Router:
                  max_kv_tokens: int | None = None, block_size: int = 16, max_concurrency: int | None = None,
                  max_batch_tokens: int = 4096, dtype=None, device: str = "cpu", mode: str = "async",
                  thresholds: dict[str, int] | str | None = None, retain_kv: bool = True, backend: str = "torch",
-                 processes: bool | dict | None = None):
+                 processes: bool | dict | None = None, cuda_graphs: bool = False):
         from .models import check_same_tokenizer, load_model
         if isinstance(thresholds, str) and thresholds != "auto":
             raise ValueError(f"thresholds must be a dict of B_i per model or 'auto', got {thresholds!r}")
@@ -116,7 +119,8 @@ class Router:
                 check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else names[0],
                                      toks.get(name, self.tokenizer), name)
             self.models = loaded
-            runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens or 8192, block_size=block_size)
+            runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens or 8192, block_size=block_size,
+                                      cuda_graphs=cuda_graphs)
                        for n, m in loaded.items()}
             if processes is None:
                 env = os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower()

@@ -28,3 +28,26 @@ def test_bench_matrix_ratios_and_files(tmp_path):
     assert len(rows) == len(cells) and float(rows[0]["throughput_tok_s"]) == cells[0].throughput_tok_s
     assert write_html(cells, tmp_path / "b.html") and "plotly" in (tmp_path / "b.html").read_text()[:5000].lower()
     assert "random10" in format_table(cells)
+
+
+def test_max_routers_bounds_the_routers_open_at_once(monkeypatch):
+    import tokenrouter_sdk.router as router_mod
+
+    opened, peak = [], []
+
+    class Counting(router_mod.Router):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            opened.append(self)
+            peak.append(sum(not r.closed for r in opened))
+
+    monkeypatch.setattr(router_mod, "Router", Counting)
+    cells = [("random10", m, True, 2, 8) for m in ("sync", "async", "sync", "delayed", "delayed")]
+    kw = dict(cells=cells, thresholds="small=1,large=1", backend="sim", progress=False)
+    out = run_bench(LAT, tiny_tokenizer(), [[5] * 20], max_routers=1, **kw)
+    assert [c.mode for c in out] == [c[1] for c in cells] and all(c.committed_tokens == 32 for c in out)
+    assert len(opened) == 4 and max(peak) == 1  # sync reopened after async; delayed reused
+    assert all(r.closed for r in opened)
+    opened.clear(), peak.clear()
+    run_bench(LAT, tiny_tokenizer(), [[5] * 20], **kw)  # default: every Router stays open to the end
+    assert len(opened) == 3 and max(peak) == 3

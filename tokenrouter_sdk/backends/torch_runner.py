@@ -36,6 +36,9 @@ class ForwardBatch:
         dec_kv: pool slots of each decode request's keys, padded, shape [Bd, Lmax].
         dec_mask: key padding mask, shape [Bd, 1, 1, Lmax], or None when unpadded.
         segs: prefill/extend requests as (q_start, q_len, kv_slots [L], mask [q_len, L] | None).
+        dec_qlen: queries per decode request, Q (1 in eager steps; a fixed-shape step
+            (`DecodeGraphs`) feeds every request Q padded tokens: then dec_q has shape [Bd * Q],
+            request-major, and dec_mask [Bd, 1, Q, Lmax]).
     """
 
     pool: KVPool
@@ -44,6 +47,7 @@ class ForwardBatch:
     dec_kv: torch.Tensor | None
     dec_mask: torch.Tensor | None
     segs: list
+    dec_qlen: int = 1
 
 
 def _sdpa(q, k, v, mask, is_causal, scale):
@@ -67,11 +71,13 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
     if fb.dec_q is not None:
         bd, lmax = fb.dec_kv.shape
-        qd = q[:, fb.dec_q].transpose(0, 1).unsqueeze(2)           # [Bd, H, 1, D]
+        nq, (h, _, d) = fb.dec_qlen, q.shape
+        qd = q[:, fb.dec_q].view(h, bd, nq, d).transpose(0, 1)        # [Bd, H, Q, D]
         flat = fb.dec_kv.view(-1)
         kd = kc.index_select(0, flat).view(bd, lmax, *kc.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
         vd = vc.index_select(0, flat).view(bd, lmax, *vc.shape[1:]).transpose(1, 2)
-        out[fb.dec_q] = _sdpa(qd, kd, vd, fb.dec_mask, False, scaling)[:, :, 0]
+        od = _sdpa(qd, kd, vd, fb.dec_mask, False, scaling)           # [Bd, H, Q, D]
+        out[fb.dec_q] = od.transpose(1, 2).reshape(bd * nq, h, d)
     for qs, ql, slots, mask in fb.segs:
         qi = q[:, qs:qs + ql].unsqueeze(0)                             # [1, H, ql, D]
         ki = kc.index_select(0, slots).transpose(0, 1).unsqueeze(0)    # [1, Hkv, L, D]
@@ -133,13 +139,23 @@ class TorchRunner:
             switched to the paged one.
         max_kv_tokens: KV pool capacity in tokens (rounded up to whole blocks).
         block_size: tokens per KV block.
+        cuda_graphs: serve decode and short-extend steps from CUDA graphs (`DecodeGraphs`: one
+            graph per batch, tokens-per-request and context bucket, captured on first use;
+            prefills stay eager).
+            Off by default. On a non-CUDA device the same fixed-shape path runs eagerly, without
+            capture (for testing). If a capture raises, decode steps fall back to eager with a
+            `RuntimeWarning` and ``graphs.error`` says why.
+        max_graph_batch: largest batch served from a graph, requests.
 
     Attributes:
-        pool: the private `KVPool`.
+        pool: the private `KVPool` (with one scratch block when ``cuda_graphs``).
+        graphs: the `DecodeGraphs`, or None without ``cuda_graphs`` (built on first use, in the
+            process that runs the sub-server: graphs do not travel between processes).
         last_forward_s: seconds spent in the last model forward (for overhead metrics).
     """
 
-    def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16):
+    def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16, cuda_graphs: bool = False,
+                 max_graph_batch: int = 64):
         self.model = model
         use_paged_attention(model)
         cfg = model.config
@@ -150,10 +166,24 @@ class TorchRunner:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.pool = KVPool(cfg.num_hidden_layers, kv_heads, head_dim, -(-max_kv_tokens // block_size),
-                           block_size, dtype=self.dtype, device=self.device)
+                           block_size, dtype=self.dtype, device=self.device, scratch_blocks=int(bool(cuda_graphs)))
+        self.cuda_graphs, self.max_graph_batch = bool(cuda_graphs), max_graph_batch
+        self._graphs = None
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.lm_head = model.get_output_embeddings()
         self.last_forward_s = 0.0
+
+    @property
+    def graphs(self):
+        if self.cuda_graphs and self._graphs is None:
+            from .cuda_graphs import DecodeGraphs
+            self._graphs = DecodeGraphs(self, capture=self.device.type == "cuda", max_batch=self.max_graph_batch)
+        return self._graphs
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_graphs"] = None  # CUDA graphs belong to the process that captured them
+        return state
 
     def _batch(self, seqs: list[SeqInput]) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         pool, dev = self.pool, self.device
@@ -204,13 +234,18 @@ class TorchRunner:
             logits: last-position logits per request, shape [B, V].
             hidden: last-layer hidden states (after the final norm) at those positions, [B, H].
         """
+        if self.cuda_graphs:
+            with _sdpa_backends(self.device):
+                out = self.graphs.run(seqs)
+            if out is not None:
+                return out
         fb, ids, pos, last = self._batch(seqs)
         t0 = time.perf_counter()
         with _sdpa_backends(self.device):
             out = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb)
         hidden = out.last_hidden_state[0, last]
         logits = self.lm_head(hidden)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # this stream only: a device-wide sync breaks a peer thread's graph capture
+            torch.cuda.current_stream(self.device).synchronize()
         self.last_forward_s = time.perf_counter() - t0
         return logits, hidden

@@ -23,16 +23,24 @@ class KVPool:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         dtype, device: tensor dtype and device.
+        scratch_blocks: extra blocks after the usable ones, never handed out; ``scratch_slot``
+            is the first slot of the first one (where CUDA-graph padding rows write their K/V).
 
-    Memory: 2 * num_layers * num_blocks * block_size * kv_heads * head_dim * dtype bytes.
+    Attributes:
+        scratch_slot: a slot no request ever owns, or None without scratch blocks.
+
+    Memory: 2 * num_layers * (num_blocks + scratch_blocks) * block_size * kv_heads * head_dim
+    * dtype bytes.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32, device="cpu"):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, device="cpu", scratch_blocks: int = 0):
+        if num_blocks < 1 or block_size < 1 or scratch_blocks < 0:
+            raise ValueError(f"KV pool needs num_blocks >= 1, block_size >= 1 and scratch_blocks >= 0, got "
+                             f"{num_blocks}, {block_size}, {scratch_blocks}")
+        self.num_blocks, self.block_size, self.scratch_blocks = num_blocks, block_size, scratch_blocks
+        self.scratch_slot = num_blocks * block_size if scratch_blocks else None
+        shape = (num_layers, (num_blocks + scratch_blocks) * block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first

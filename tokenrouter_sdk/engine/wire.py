@@ -122,7 +122,8 @@ class _FreshPool:
 
     def __init__(self, pool):
         layers, slots, heads, dim = pool.k.shape
-        self.args = (layers, heads, dim, pool.num_blocks, pool.block_size, pool.k.dtype, str(pool.k.device))
+        self.args = (layers, heads, dim, pool.num_blocks, pool.block_size, pool.k.dtype, str(pool.k.device),
+                     getattr(pool, "scratch_blocks", 0))
 
     def __reduce__(self):
         from .kv_pool import KVPool

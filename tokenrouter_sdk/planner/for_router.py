@@ -13,7 +13,7 @@ from .profile import profile_latency
 from .search import Plan, plan_thresholds
 
 
-PROFILE_ATTR = "_tokenrouter_latency"  # attribute holding a model's profiles: {torch threads: LatencyModel}
+PROFILE_ATTR = "_tokenrouter_latency"  # a model's profiles: {torch threads (or (threads, "cuda_graphs")): LatencyModel}
 PILOT_PROMPTS = ("Explain why the sky is blue in a few sentences.",
                  "What is 17 * 23? Show your steps.",
                  "Write a short story about a robot who learns to paint.",
@@ -40,7 +40,7 @@ def router_latency(router, n: int = 16, **profile_kw) -> dict[str, LatencyModel]
     profiles each model once). Profiling runs on a private KV pool; call it while the Router is
     idle (it competes for the CPU with running requests). With sub-servers in processes it runs
     with the torch thread count each sub-server process uses, so the latencies are the ones the
-    sub-servers see."""
+    sub-servers see. Runners with ``cuda_graphs`` are profiled with graphs (cached apart)."""
     out = {}
     top = max(16, n)
     sizes = tuple(sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top}))
@@ -52,16 +52,19 @@ def router_latency(router, n: int = 16, **profile_kw) -> dict[str, LatencyModel]
             continue
         model = router.models[name]
         threads = getattr(router.engine.transport, "child_threads", None) or torch.get_num_threads()
-        # kept on the model object itself (not in a global), per torch thread count
+        graphs = bool(getattr(runner, "cuda_graphs", False))
+        key = (threads, "cuda_graphs") if graphs else threads
+        # kept on the model object itself (not in a global), per torch thread count (and graphs)
         store = getattr(model, PROFILE_ATTR, None)
         if isinstance(store, LatencyModel):  # set by hand: used whatever the thread count
-            store = {threads: store}
+            store = {key: store}
         store = dict(store or {})
-        cached = store.get(threads)
+        cached = store.get(key)
         if cached is None or max(cached.table) < top:
             with _torch_threads(threads):
-                cached = profile_latency(model, batch_sizes=sizes, **profile_kw)
-            store[threads] = cached
+                cached = profile_latency(model, batch_sizes=sizes, **({"cuda_graphs": True} if graphs else {}),
+                                         **profile_kw)
+            store[key] = cached
             setattr(model, PROFILE_ATTR, store)
         out[name] = cached
     return out

@@ -13,7 +13,7 @@ from ..backends.sim_runner import LatencyModel
 
 def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), *, context: int = 64,
                     steps: int = 5, warmup: int = 2, extend_tokens: int = 16, vocab_limit: int | None = None,
-                    seed: int = 0) -> LatencyModel:
+                    seed: int = 0, cuda_graphs: bool = False) -> LatencyModel:
     """Measure one model's decode-step latency as a function of batch size.
 
     For each batch size b: prefill b requests of ``context`` random tokens, run ``warmup`` decode
@@ -30,6 +30,8 @@ def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 1
         extend_tokens: size of the extend used for ``per_token_s`` (0 or 1: per_token_s = 0).
         vocab_limit: draw random token ids below this (default: the runner's vocabulary).
         seed: token draws.
+        cuda_graphs: when given a model, profile it with ``TorchRunner(cuda_graphs=True)`` (as the
+            sub-servers of a ``Router(cuda_graphs=True)`` run it).
 
     Returns:
         a `LatencyModel` with ``table = {b: median seconds}``.
@@ -41,7 +43,7 @@ def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 1
     runner = runner_or_model
     if not hasattr(runner, "forward") or not hasattr(runner, "pool"):
         need = (max(batch_sizes) + 1) * (context + warmup + steps + extend_tokens + 2)
-        runner = TorchRunner(runner_or_model, max_kv_tokens=max(need, 1024))
+        runner = TorchRunner(runner_or_model, max_kv_tokens=max(need, 1024), cuda_graphs=cuda_graphs)
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"profile_latency: batch_sizes must be >= 1, got {batch_sizes}")
     if steps < 1:

@@ -1,0 +1,155 @@
+"""`DecodeGraphs`: the fixed-shape decode path that CUDA graphs replay. On the CPU it runs eagerly
+(no capture), which checks the bucketing, padding, scratch slot and masking against the eager
+forward and the naive reference; only the capture itself needs a GPU."""
+
+import pickle
+import random
+
+import pytest
+import torch
+
+from tokenrouter_sdk import Router, SamplingParams
+from tokenrouter_sdk.backends.cuda_graphs import DecodeGraphs
+from tokenrouter_sdk.backends.torch_runner import SeqInput, TorchRunner
+from tokenrouter_sdk.models import tiny_model
+from tokenrouter_sdk.policies import RandomRouting
+from tokenrouter_sdk.reference import reference_generate
+
+from ..conftest import mixed_prompts
+from .test_equivalence import DiscardTwoBack
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_model(arch="qwen3", num_layers=2, seed=4)
+
+
+def _prefill(runner, prompts, extra=40):
+    tables = [[] for _ in prompts]
+    for t, p in zip(tables, prompts):
+        runner.pool.ensure(t, len(p) + extra)
+    runner.forward([SeqInput(p, 0, t) for t, p in zip(tables, prompts)])
+    return tables
+
+
+def test_buckets(qwen3):
+    g = TorchRunner(qwen3, max_kv_tokens=4096, cuda_graphs=True).graphs
+    assert [g.pow2(n) for n in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 16, 64]
+    dec = [SeqInput([3], 200, [0]) for _ in range(3)]
+    assert g.bucket(dec) == (4, 1, 256)
+    assert g.bucket(dec + [SeqInput([3, 4, 5], 10, [0])]) == (4, 4, 256)  # a short extend
+    assert g.bucket([SeqInput([3], 1, [0])]) == (1, 1, 128)  # min_context
+    assert g.bucket([SeqInput([1] * 33, 0, [0])]) is None  # a prefill longer than max_query
+    assert g.bucket([SeqInput([3], 10, [0])] * 65) is None  # above max_batch
+    assert g.bucket([SeqInput([3] * 32, 10, [0])] * 64) is None  # 64 x 32 > max_tokens
+    assert g.bucket([SeqInput([3], 5000, [0])] * 32) is None  # 32 x 8192 > max_kv_tokens
+    assert g.bucket([]) is None
+
+
+def test_scratch_slot_is_never_handed_out(qwen3):
+    r = TorchRunner(qwen3, max_kv_tokens=64, block_size=16, cuda_graphs=True)
+    assert (r.pool.num_blocks, r.pool.capacity_tokens, r.pool.scratch_slot) == (4, 64, 64)
+    assert r.pool.k.shape[1] == 80  # 4 usable blocks + 1 scratch block
+    table: list[int] = []
+    r.pool.ensure(table, 64)
+    assert sorted(table) == [0, 1, 2, 3] and r.pool.num_free == 0
+    assert TorchRunner(qwen3, max_kv_tokens=64).pool.scratch_slot is None
+
+
+def test_fixed_shape_steps_equal_eager_forward(qwen3):
+    """Batches of 1..11 requests feeding 1 to 20 tokens (decodes, extends as after a handoff,
+    short prefills), contexts across the 128/256/512 buckets: the same logits and hidden states as
+    the eager forward and the same K/V in every request slot; padding writes only the scratch slot."""
+    eager = TorchRunner(qwen3, max_kv_tokens=16384)
+    fixed = TorchRunner(qwen3, max_kv_tokens=16384, cuda_graphs=True)
+    rng = random.Random(0)
+    steps = 0
+    for b in (1, 3, 8, 11):
+        prompts = [[rng.randrange(1, 250) for _ in range(rng.randint(2, 400))] for _ in range(b)]
+        te, tf = _prefill(eager, prompts, extra=80), _prefill(fixed, prompts, extra=80)
+        lens = [len(p) for p in prompts]
+        for step in range(4):
+            feed = [[rng.randrange(1, 250) for _ in range(rng.choice([1, 1, 2, 7, 20]))] for _ in range(b)]
+            le, he = eager.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, te)])
+            lf, hf = fixed.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, tf)])
+            assert lf.shape == le.shape == (b, eager.vocab_size) and hf.shape == he.shape
+            torch.testing.assert_close(lf, le, rtol=0, atol=1e-10)
+            torch.testing.assert_close(hf, he, rtol=0, atol=1e-10)
+            lens = [n + len(f) for n, f in zip(lens, feed)]
+            steps += 1
+        for n, t_e, t_f in zip(lens, te, tf):
+            se, sf = eager.pool.slots(t_e, 0, n), fixed.pool.slots(t_f, 0, n)
+            torch.testing.assert_close(fixed.pool.k[:, sf], eager.pool.k[:, se], rtol=0, atol=1e-10)
+            torch.testing.assert_close(fixed.pool.v[:, sf], eager.pool.v[:, se], rtol=0, atol=1e-10)
+        for t in te:
+            eager.pool.free(t)
+        for t in tf:
+            fixed.pool.free(t)
+    g = fixed.graphs
+    assert g.replays == steps == 16 and g.captured == 0 and g.error is None
+    assert {q for _, q, _ in g._buckets} >= {1, 32}
+    assert fixed.pool.k[:, fixed.pool.scratch_slot].abs().sum() > 0  # padding wrote there
+    # a prefill longer than max_query runs eagerly
+    before = g.replays
+    _prefill(fixed, [list(range(1, 60))])
+    assert g.replays == before
+
+
+def test_capture_failure_falls_back_to_eager(qwen3, monkeypatch):
+    r = TorchRunner(qwen3, max_kv_tokens=2048, cuda_graphs=True)
+    ref = TorchRunner(qwen3, max_kv_tokens=2048)
+    g = r.graphs
+    g.capture = True  # as on a GPU; the capture raises, as an unsupported op would
+
+    def boom(bk):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(g, "_capture", boom)
+    prompt = [4, 9, 2, 7, 11]
+    with pytest.warns(RuntimeWarning, match="stream is capturing"):
+        t = _prefill(r, [prompt])[0]  # a 5-token prefill fits a bucket: the first capture
+    tr = _prefill(ref, [prompt])[0]
+    lg, _ = r.forward([SeqInput([3], 5, t)])
+    le, _ = ref.forward([SeqInput([3], 5, tr)])
+    torch.testing.assert_close(lg, le, rtol=0, atol=1e-10)
+    assert "stream is capturing" in g.error and g.disabled and g.replays == 0
+    r.forward([SeqInput([5], 6, t)])  # later steps: no second warning, still eager
+    assert g.replays == 0
+
+
+def test_errors(qwen3):
+    with pytest.raises(ValueError, match="scratch slot"):
+        DecodeGraphs(TorchRunner(qwen3, max_kv_tokens=256), capture=False)
+    with pytest.raises(ValueError, match="needs a CUDA model"):
+        DecodeGraphs(TorchRunner(qwen3, max_kv_tokens=256, cuda_graphs=True), capture=True)
+
+
+def test_runner_pickles_without_its_graphs(qwen3):
+    r = TorchRunner(qwen3, max_kv_tokens=256, cuda_graphs=True)
+    t = _prefill(r, [[1, 2, 3]])[0]
+    r.forward([SeqInput([4], 3, t)])
+    assert r.graphs.replays == 2  # the 3-token prefill and the decode
+    clone = pickle.loads(pickle.dumps(r))
+    assert clone._graphs is None and clone.cuda_graphs and clone.graphs.replays == 0
+
+
+@pytest.mark.parametrize("mode,processes", [("async", False), ("delayed", False), ("sync", False),
+                                            ("async", True)])
+def test_routed_generation_with_graphs_equals_reference(pair, tok, mode, processes):
+    """Invariant 5 with the fixed-shape decode path: exactly the naive reference's tokens."""
+    policy = DiscardTwoBack() if mode == "async" else RandomRouting(p=0.3, seed=3)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = mixed_prompts(8, seed=7)
+    th = {"small": 2, "large": 1} if mode == "delayed" else None
+    with Router(pair, policy, tokenizer=tok, mode=mode, thresholds=th, cuda_graphs=True,
+                processes=processes) as r:
+        outs = r.generate(prompts, sampling=params, concurrency=8)
+        if not processes:
+            assert all(run.graphs.replays > 0 for run in r.engine.runners.values())
+    hops = 0
+    for o in outs:
+        assert o.finish_reason == "length", o.error
+        ref = reference_generate(pair, o.prompt, policy, params, rid=o.rid)
+        assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
+        hops += o.hops
+    assert hops >= 4

@@ -1,0 +1,236 @@
+"""Decode and short-extend steps replayed from captured CUDA graphs, one graph per bucket.
+
+Why: on a GPU a decode step of a small model is host-bound. Measured on an H200 with
+random-weight Qwen3-0.6B / Qwen3-8B (`evals/gpu_step_profile.py`, evals/results/gpu_h200/): the
+GPU works 4 to 9 ms of a 32 to 58 ms step; the rest is Python and about 1,500 kernel launches.
+vLLM and SGLang capture decode steps as CUDA graphs for this reason (nano-vllm's
+``capture_cudagraph`` is the smallest example); this module does the same for `TorchRunner`.
+Routing adds short extends: a model that takes a request back feeds the tokens its peer wrote
+meanwhile (about 1/p of them under `RandomRouting` with probability p). So a bucket also fixes
+the tokens fed per request, and a large model's hop-back steps replay a graph too.
+
+How: a graph needs fixed shapes and fixed tensor addresses. A step of b requests, each feeding at
+most q tokens, whose longest context is n tokens, runs in the bucket (B, Q, L): B = the next
+power of two >= b (up to ``max_batch``), Q = the next power of two >= q (up to ``max_query``),
+L = the next power of two >= n (at least ``min_context``). Each bucket owns static input
+buffers; a step copies its token ids, positions, KV slots, key mask and last-token indices into
+them and replays the graph, which runs the whole decoder, the paged attention (every request's
+Q queries against its L keys) and the LM head on the last token of each request.
+
+Padding: tokens a request does not feed, and whole padding requests (b..B-1), feed token 0, write
+their K/V to the pool's scratch slot (`KVPool` ``scratch_blocks=1``: never handed to a request)
+and attend to keys that hold finite values (a padding token repeats its request's last real
+mask row; a padding request sees only the scratch slot), so no NaN or infinity can reach the
+keys a real query masks out. Real requests' KV is never touched, and a request's logits are the
+eager path's up to floating-point reassociation.
+
+Steps with a longer feed (prefills), more than ``max_batch`` requests, more than
+``max_tokens`` padded tokens (B x Q) or more than ``max_kv_tokens`` padded keys (B x L) run
+eagerly. Graphs are captured lazily, the first time a bucket is used, and share one CUDA memory
+pool (outputs are copied out before the next replay, as vLLM does).
+
+On a device other than CUDA the same fixed-shape path runs eagerly (``capture=False``): that is
+how the tests check the padding and masking on the CPU, against the eager forward and the naive
+reference.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+# CUDA allows one stream capture at a time per process, and the capture state of the CUDA runtime
+# is process-wide; sub-servers in threads of one process (processes=False) take turns here.
+_CAPTURE_LOCK = threading.Lock()
+
+
+@dataclass
+class _Bucket:
+    """Static buffers of one (B, Q, L) bucket. Shapes: ids, pos [1, B*Q]; slots [B*Q]; kv [B, L];
+    mask [B, 1, Q, L] (bool, True = attend); last [B] (packed index of each request's last fed
+    token); logits [B, V]; hidden [B, H]."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    kv: torch.Tensor
+    mask: torch.Tensor
+    last: torch.Tensor
+    batch: object  # the ForwardBatch the graph reads
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    graph: object = None
+
+
+class DecodeGraphs:
+    """Fixed-shape decode and short-extend steps for one `TorchRunner`, replayed from CUDA graphs.
+
+    Args:
+        runner: the `TorchRunner`; its pool must have a scratch slot (``KVPool(scratch_blocks=1)``,
+            which ``TorchRunner(cuda_graphs=True)`` allocates).
+        capture: capture CUDA graphs (CUDA devices only); False runs the fixed-shape path eagerly.
+        max_batch: largest batch bucket B, requests.
+        max_query: largest tokens-fed-per-request bucket Q, tokens (longer feeds run eagerly).
+        min_context: smallest context bucket L, tokens.
+        max_tokens: largest B x Q a bucket may pad to, tokens.
+        max_kv_tokens: largest B x L a bucket may pad to, tokens (bounds the graph's gather
+            buffers: B x L x kv_heads x head_dim per layer for K and for V).
+
+    Attributes:
+        captured: graphs captured so far; replays: steps served from a bucket.
+        error: why graphs were switched off (the first capture that raised), else None.
+        disabled: True after a capture raised: every step runs the runner's eager path.
+
+    Raises:
+        ValueError: the pool has no scratch slot, ``capture`` on a non-CUDA device, or a limit < 1.
+    """
+
+    def __init__(self, runner, *, capture: bool, max_batch: int = 64, max_query: int = 32, min_context: int = 128,
+                 max_tokens: int = 1024, max_kv_tokens: int = 1 << 16):
+        if runner.pool.scratch_slot is None:
+            raise ValueError("DecodeGraphs needs a KV pool with a scratch slot: build the runner with "
+                             "TorchRunner(model, cuda_graphs=True)")
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graph capture needs a CUDA model, this one is on {runner.device}")
+        if min(max_batch, max_query, min_context, max_tokens, max_kv_tokens) < 1:
+            raise ValueError(f"DecodeGraphs limits must be >= 1, got max_batch={max_batch}, max_query={max_query}, "
+                             f"min_context={min_context}, max_tokens={max_tokens}, max_kv_tokens={max_kv_tokens}")
+        self.runner, self.capture = runner, capture
+        self.max_batch, self.max_query, self.min_context = max_batch, max_query, min_context
+        self.max_tokens, self.max_kv_tokens = max_tokens, max_kv_tokens
+        self.captured = self.replays = 0
+        self.error: str | None = None
+        self.disabled = False
+        self._buckets: dict[tuple[int, int, int], _Bucket] = {}
+        self._mempool = None
+
+    # -- bucketing --------------------------------------------------------------------------
+    @staticmethod
+    def pow2(n: int) -> int:
+        """The next power of two >= n (n >= 1)."""
+        return 1 << max(0, n - 1).bit_length()
+
+    def bucket(self, seqs) -> tuple[int, int, int] | None:
+        """(B, Q, L) for a batch of `SeqInput`, or None when it must run eagerly."""
+        if not seqs or len(seqs) > self.max_batch:
+            return None
+        q = max(len(s.tokens) for s in seqs)
+        if q > self.max_query or min(len(s.tokens) for s in seqs) < 1:
+            return None
+        B, Q = self.pow2(len(seqs)), self.pow2(q)
+        L = max(self.min_context, self.pow2(max(s.start + len(s.tokens) for s in seqs)))
+        if B > self.max_batch or B * Q > self.max_tokens or B * L > self.max_kv_tokens:
+            return None
+        return B, Q, L
+
+    # -- buffers, capture, replay --------------------------------------------------------------
+    def _new_bucket(self, B: int, Q: int, L: int) -> _Bucket:
+        from .torch_runner import ForwardBatch
+        r = self.runner
+        dev, long = r.device, torch.long
+        scratch = r.pool.scratch_slot
+        ids = torch.zeros(1, B * Q, dtype=long, device=dev)
+        pos = torch.zeros(1, B * Q, dtype=long, device=dev)
+        slots = torch.full((B * Q,), scratch, dtype=long, device=dev)
+        kv = torch.full((B, L), scratch, dtype=long, device=dev)
+        mask = torch.zeros(B, 1, Q, L, dtype=torch.bool, device=dev)
+        mask[..., 0] = True
+        last = torch.arange(B, device=dev) * Q
+        fb = ForwardBatch(r.pool, slots, torch.arange(B * Q, device=dev), kv, mask, [], dec_qlen=Q)
+        return _Bucket(ids, pos, slots, kv, mask, last, fb)
+
+    def _forward(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.runner
+        out = r.decoder(input_ids=bk.ids, position_ids=bk.pos, use_cache=False, tr_batch=bk.batch)
+        hidden = out.last_hidden_state[0, bk.last]
+        return r.lm_head(hidden), hidden
+
+    def _capture(self, bk: _Bucket) -> None:
+        dev = self.runner.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            # warm-up (as nano-vllm does per batch size): lazy library initialisation must not
+            # happen during capture; the runner's first capture warms up twice
+            for _ in range(1 if self.captured else 2):
+                self._forward(bk)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a peer sub-server in a thread of this process may run CUDA work meanwhile
+        # (it synchronises its own stream only: a device-wide synchronize would break the capture)
+        with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+            bk.logits, bk.hidden = self._forward(bk)
+        bk.graph = graph
+        self.captured += 1
+
+    def _get(self, key: tuple[int, int, int]) -> _Bucket | None:
+        bk = self._buckets.get(key)
+        if bk is not None:
+            return bk
+        bk = self._new_bucket(*key)
+        if self.capture:
+            try:
+                self._capture(bk)
+            except Exception as e:  # noqa: BLE001 - fall back to eager steps, say why once
+                self.disabled, self.error = True, f"{type(e).__name__}: {e}"
+                self._buckets.clear()
+                warnings.warn(f"CUDA graph capture failed, steps run eagerly from now on: {self.error}",
+                              RuntimeWarning, stacklevel=3)
+                return None
+        self._buckets[key] = bk
+        return bk
+
+    def _fill(self, bk: _Bucket, seqs) -> None:
+        pool, scratch = self.runner.pool, self.runner.pool.scratch_slot
+        B, L = bk.kv.shape
+        Q = bk.mask.shape[2]
+        ids = torch.zeros(B, Q, dtype=torch.long)
+        pos = torch.zeros(B, Q, dtype=torch.long)
+        slots = torch.full((B, Q), scratch, dtype=torch.long)
+        kv = torch.full((B, L), scratch, dtype=torch.long)
+        hi = torch.ones(B, Q, dtype=torch.long)  # query j of request i sees keys [0, hi[i, j])
+        last = torch.arange(B) * Q
+        for i, s in enumerate(seqs):
+            n, end = len(s.tokens), s.start + len(s.tokens)
+            kv[i, :end] = pool.slots(s.table, 0, end)
+            ids[i, :n] = torch.tensor(s.tokens)
+            pos[i, :n] = torch.arange(s.start, end)
+            pos[i, n:] = end - 1
+            slots[i, :n] = kv[i, s.start:end]
+            hi[i, :n] = torch.arange(s.start + 1, end + 1)
+            hi[i, n:] = end
+            last[i] += n - 1
+        mask = (torch.arange(L)[None, None, :] < hi[:, :, None])[:, None]
+        for dst, src in ((bk.ids, ids.view(1, -1)), (bk.pos, pos.view(1, -1)), (bk.slots, slots.view(-1)),
+                         (bk.kv, kv), (bk.mask, mask), (bk.last, last)):
+            dst.copy_(src)
+
+    def run(self, seqs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One step through a bucket: (logits [b, V], hidden [b, H]) at the last fed token of each
+        of the b requests of ``seqs``, or None when the batch must run eagerly (see `bucket`, or
+        after a failed capture)."""
+        key = None if self.disabled else self.bucket(seqs)
+        if key is None:
+            return None
+        bk = self._get(key)
+        if bk is None:
+            return None
+        self._fill(bk, seqs)
+        t0 = time.perf_counter()
+        if bk.graph is not None:
+            bk.graph.replay()
+        else:
+            bk.logits, bk.hidden = self._forward(bk)
+        b = len(seqs)
+        logits, hidden = bk.logits[:b].clone(), bk.hidden[:b].clone()
+        if self.runner.device.type == "cuda":
+            torch.cuda.current_stream(self.runner.device).synchronize()
+        self.runner.last_forward_s = time.perf_counter() - t0
+        self.replays += 1
+        return logits, hidden
