@@ -153,3 +153,24 @@ def test_routed_generation_with_graphs_equals_reference(pair, tok, mode, process
         assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
         hops += o.hops
     assert hops >= 4
+
+
+@pytest.mark.parametrize("mask_dims", [0, 2, 4])
+@pytest.mark.parametrize("nq", [1, 5])
+def test_grouped_query_attention_equals_repeated_kv(mask_dims, nq):
+    """`_attend` folds the query heads of a KV head into the query dimension: the same result as
+    repeating K/V per query head (transformers' repeat_kv) with the mask applied per query."""
+    from tokenrouter_sdk.backends.torch_runner import _attend
+    g = torch.Generator().manual_seed(0)
+    b, hkv, grp, L, d = 3, 2, 3, 11, 8
+    q = torch.randn(b, hkv * grp, nq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, L, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, L, d, generator=g, dtype=torch.float64)
+    full = torch.rand(b, 1, nq, L, generator=g) < 0.7
+    full[..., 0] = True
+    mask = {0: None, 2: full[0, 0], 4: full}[mask_dims]
+    kr, vr = k.repeat_interleave(grp, dim=1), v.repeat_interleave(grp, dim=1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+    got = _attend(q, k, v, mask, None)
+    assert got.shape == (b, hkv * grp, nq, d)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -5,8 +5,10 @@ How: the batch is packed into one [1, T] sequence (T = sum of the fed suffix len
 per-token ``position_ids``; a custom attention function (registered with transformers'
 ``AttentionInterface`` under ``ATTN_NAME``, with a mask function that returns None) writes the
 new K/V into the pool slots and attends each request to its own cached prefix. Decodes are
-attended together in one padded SDPA call; prefills and extends one by one. Only the last
-position of each request goes through the LM head (never full-sequence logits).
+attended together in one padded SDPA call (with grouped-query attention, the query heads that
+share a KV head are folded into the query-length dimension, so K/V are never repeated per query
+head); prefills and extends one by one. Only the last position of each request goes through the
+LM head (never full-sequence logits).
 When the forward carries no ``tr_batch`` keyword, the function falls back to plain SDPA, so
 the model still works for ordinary, unpadded use.
 """
@@ -55,6 +57,24 @@ def _sdpa(q, k, v, mask, is_causal, scale):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _attend(q, k, v, mask, scale):
+    """Attention with an explicit key mask (or none), not causal. q [B, H, Q, D], k/v [B, Hkv, L, D],
+    mask broadcastable to [B, 1, Q, L] (bool, True = attend) or None; returns [B, H, Q, D].
+
+    With grouped-query attention (H = g * Hkv) the g query heads of each KV head are folded into
+    the query dimension ([B, Hkv, g*Q, D]; query head j*g + i uses KV head j, as transformers'
+    ``repeat_kv``), so K/V are never repeated, and SDPA's fused kernels take the mask: with
+    ``enable_gqa`` and a mask, CUDA falls back to the math kernel, which materialises the scores."""
+    b, h, nq, d = q.shape
+    g = h // k.shape[1]
+    if g == 1:
+        return _sdpa(q, k, v, mask, False, scale)
+    q = q.reshape(b, k.shape[1], g * nq, d)
+    if mask is not None and nq > 1 and mask.shape[-2] > 1:
+        mask = mask.repeat(*([1] * (mask.dim() - 2)), g, 1)
+    return _sdpa(q, k, v, mask, False, scale).reshape(b, h, nq, d)
+
+
 def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                     tr_batch: ForwardBatch | None = None, **kwargs):
     """Attention over the paged KV pool. query [1, H, T, D], key/value [1, Hkv, T, D];
@@ -76,13 +96,16 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         flat = fb.dec_kv.view(-1)
         kd = kc.index_select(0, flat).view(bd, lmax, *kc.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
         vd = vc.index_select(0, flat).view(bd, lmax, *vc.shape[1:]).transpose(1, 2)
-        od = _sdpa(qd, kd, vd, fb.dec_mask, False, scaling)           # [Bd, H, Q, D]
+        od = _attend(qd, kd, vd, fb.dec_mask, scaling)                 # [Bd, H, Q, D]
         out[fb.dec_q] = od.transpose(1, 2).reshape(bd * nq, h, d)
     for qs, ql, slots, mask in fb.segs:
         qi = q[:, qs:qs + ql].unsqueeze(0)                             # [1, H, ql, D]
         ki = kc.index_select(0, slots).transpose(0, 1).unsqueeze(0)    # [1, Hkv, L, D]
         vi = vc.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        o = _sdpa(qi, ki, vi, mask, mask is None and ql > 1, scaling)  # [1, H, ql, D]
+        if mask is None:  # prefill: causal from position 0
+            o = _sdpa(qi, ki, vi, None, ql > 1, scaling)                # [1, H, ql, D]
+        else:  # extend: query i sees keys j <= start + i
+            o = _attend(qi, ki, vi, mask, scaling)
         out[qs:qs + ql] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
