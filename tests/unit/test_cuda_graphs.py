@@ -62,6 +62,11 @@ def test_fixed_shape_steps_equal_eager_forward(qwen3):
     the eager forward and the same K/V in every request slot; padding writes only the scratch slot."""
     eager = TorchRunner(qwen3, max_kv_tokens=16384)
     fixed = TorchRunner(qwen3, max_kv_tokens=16384, cuda_graphs=True)
+    idle: list[int] = []  # a request that is not stepped owns block 0 (what a padding row must not touch)
+    fixed.pool.ensure(idle, 20)
+    idle_slots = fixed.pool.slots(idle, 0, 20)
+    fixed.pool.k[:, idle_slots] = 7.0
+    fixed.pool.v[:, idle_slots] = -7.0
     rng = random.Random(0)
     steps = 0
     for b in (1, 3, 8, 11):
@@ -89,6 +94,7 @@ def test_fixed_shape_steps_equal_eager_forward(qwen3):
     assert g.replays == steps == 16 and g.captured == 0 and g.error is None
     assert {q for _, q, _ in g._buckets} >= {1, 32}
     assert fixed.pool.k[:, fixed.pool.scratch_slot].abs().sum() > 0  # padding wrote there
+    assert idle[0] == 0 and (fixed.pool.k[:, idle_slots] == 7.0).all() and (fixed.pool.v[:, idle_slots] == -7.0).all()
     # a prefill longer than max_query runs eagerly
     before = g.replays
     _prefill(fixed, [list(range(1, 60))])

@@ -187,26 +187,25 @@ class DecodeGraphs:
         return bk
 
     def _fill(self, bk: _Bucket, seqs) -> None:
-        pool, scratch = self.runner.pool, self.runner.pool.scratch_slot
+        """Copy a step's inputs into the bucket's static buffers (vectorised over requests)."""
+        pool, scratch, bsz = self.runner.pool, self.runner.pool.scratch_slot, self.runner.pool.block_size
         B, L = bk.kv.shape
-        Q = bk.mask.shape[2]
-        ids = torch.zeros(B, Q, dtype=torch.long)
-        pos = torch.zeros(B, Q, dtype=torch.long)
-        slots = torch.full((B, Q), scratch, dtype=torch.long)
-        kv = torch.full((B, L), scratch, dtype=torch.long)
-        hi = torch.ones(B, Q, dtype=torch.long)  # query j of request i sees keys [0, hi[i, j])
-        last = torch.arange(B) * Q
-        for i, s in enumerate(seqs):
-            n, end = len(s.tokens), s.start + len(s.tokens)
-            kv[i, :end] = pool.slots(s.table, 0, end)
-            ids[i, :n] = torch.tensor(s.tokens)
-            pos[i, :n] = torch.arange(s.start, end)
-            pos[i, n:] = end - 1
-            slots[i, :n] = kv[i, s.start:end]
-            hi[i, :n] = torch.arange(s.start + 1, end + 1)
-            hi[i, n:] = end
-            last[i] += n - 1
-        mask = (torch.arange(L)[None, None, :] < hi[:, :, None])[:, None]
+        Q, b = bk.mask.shape[2], len(seqs)
+        nb = -(-L // bsz)
+        pad = B - b
+        n = torch.tensor([len(s.tokens) for s in seqs] + [1] * pad)                    # [B] tokens fed
+        start = torch.tensor([s.start for s in seqs] + [0] * pad)                     # [B]
+        end = start + n
+        tables = torch.tensor([(s.table[:nb] + [0] * nb)[:nb] for s in seqs] + [[0] * nb] * pad)  # [B, nb]
+        ar, j = torch.arange(L), torch.arange(Q)
+        row = (torch.arange(B) < b)[:, None]                                          # real requests
+        kv = torch.where(row & (ar[None] < end[:, None]), tables[:, ar // bsz] * bsz + ar % bsz, scratch)  # [B, L]
+        real = row & (j[None] < n[:, None])                                           # [B, Q] real tokens
+        pos = torch.minimum(start[:, None] + j[None], end[:, None] - 1)               # padding repeats the last
+        slots = torch.where(real, kv.gather(1, pos), scratch)
+        ids = torch.tensor([(s.tokens + [0] * Q)[:Q] for s in seqs] + [[0] * Q] * pad)
+        mask = (ar[None, None, :] <= pos[:, :, None])[:, None]                        # [B, 1, Q, L]: keys <= pos
+        last = torch.arange(B) * Q + n - 1
         for dst, src in ((bk.ids, ids.view(1, -1)), (bk.pos, pos.view(1, -1)), (bk.slots, slots.view(-1)),
                          (bk.kv, kv), (bk.mask, mask), (bk.last, last)):
             dst.copy_(src)
