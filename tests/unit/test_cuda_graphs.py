@@ -54,6 +54,28 @@ def test_scratch_slot_is_never_handed_out(qwen3):
     r.pool.ensure(table, 64)
     assert sorted(table) == [0, 1, 2, 3] and r.pool.num_free == 0
     assert TorchRunner(qwen3, max_kv_tokens=64).pool.scratch_slot is None
+    one = TorchRunner(qwen3, max_kv_tokens=4, block_size=1, cuda_graphs=True)  # 2 one-slot scratch blocks
+    assert (one.pool.scratch_slot, one.pool.k.shape[1], one.graphs.read_slot) == (4, 6, 5)
+
+
+def test_nan_in_the_padding_slot_never_reaches_a_request(qwen3):
+    """Padding rows write the scratch block's first slot; masked-out and padding keys read its
+    second, never-written slot. Even a NaN in the written one stays out of real requests."""
+    eager = TorchRunner(qwen3, max_kv_tokens=2048)
+    fixed = TorchRunner(qwen3, max_kv_tokens=2048, cuda_graphs=True)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7]]
+    te, tf = _prefill(eager, prompts), _prefill(fixed, prompts)
+    for step in range(3):
+        w = fixed.pool.scratch_slot
+        fixed.pool.k[:, w] = float("nan")
+        fixed.pool.v[:, w] = float("nan")
+        feed = [SeqInput([7], len(p) + step, t) for p, t in zip(prompts, te)]
+        le, _ = eager.forward(feed)
+        lf, _ = fixed.forward([SeqInput([7], len(p) + step, t) for p, t in zip(prompts, tf)])  # B=3 -> bucket 4
+        assert torch.isfinite(lf).all()
+        torch.testing.assert_close(lf, le, rtol=0, atol=1e-10)
+    r = fixed.graphs.read_slot
+    assert (fixed.pool.k[:, r] == 0).all() and (fixed.pool.v[:, r] == 0).all()
 
 
 def test_fixed_shape_steps_equal_eager_forward(qwen3):
@@ -124,7 +146,7 @@ def test_capture_failure_falls_back_to_eager(qwen3, monkeypatch):
 
 
 def test_errors(qwen3):
-    with pytest.raises(ValueError, match="scratch slot"):
+    with pytest.raises(ValueError, match="scratch block of at least 2 slots"):
         DecodeGraphs(TorchRunner(qwen3, max_kv_tokens=256), capture=False)
     with pytest.raises(ValueError, match="needs a CUDA model"):
         DecodeGraphs(TorchRunner(qwen3, max_kv_tokens=256, cuda_graphs=True), capture=True)

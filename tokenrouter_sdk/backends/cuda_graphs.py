@@ -36,9 +36,11 @@ reference.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -50,16 +52,21 @@ _CAPTURE_LOCK = threading.Lock()
 
 @dataclass
 class _Bucket:
-    """Static buffers of one (B, Q, L) bucket. Shapes: ids, pos [1, B*Q]; slots [B*Q]; kv [B, L];
-    mask [B, 1, Q, L] (bool, True = attend); last [B] (packed index of each request's last fed
-    token); logits [B, V]; hidden [B, H]."""
+    """Static buffers of one (B, Q, L) bucket. The int64 inputs are views of one device buffer
+    ``buf`` filled from ``host`` (pinned on CUDA) by one copy per step: ids, pos [1, B*Q];
+    slots [B*Q]; kv [B, L]; last [B] (packed index of each request's last fed token). ``mask``
+    [B, 1, Q, L] (bool, True = attend) is computed from ``pos`` inside the graph; logits [B, V]
+    and hidden [B, H] are the graph's outputs."""
 
+    buf: torch.Tensor
+    host: torch.Tensor
     ids: torch.Tensor
     pos: torch.Tensor
     slots: torch.Tensor
     kv: torch.Tensor
-    mask: torch.Tensor
     last: torch.Tensor
+    keys: torch.Tensor  # arange(L) on the device
+    mask: torch.Tensor
     batch: object  # the ForwardBatch the graph reads
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
@@ -70,8 +77,10 @@ class DecodeGraphs:
     """Fixed-shape decode and short-extend steps for one `TorchRunner`, replayed from CUDA graphs.
 
     Args:
-        runner: the `TorchRunner`; its pool must have a scratch slot (``KVPool(scratch_blocks=1)``,
-            which ``TorchRunner(cuda_graphs=True)`` allocates).
+        runner: the `TorchRunner`; its pool must have a scratch block of at least 2 slots
+            (``TorchRunner(cuda_graphs=True)`` allocates it): padding writes go to the first,
+            masked-out and padding keys read the second, which is never written (zeros), so a
+            padding row that produced NaN could not reach a real request through a masked key.
         capture: capture CUDA graphs (CUDA devices only); False runs the fixed-shape path eagerly.
         max_batch: largest batch bucket B, requests.
         max_query: largest tokens-fed-per-request bucket Q, tokens (longer feeds run eagerly).
@@ -86,20 +95,24 @@ class DecodeGraphs:
         disabled: True after a capture raised: every step runs the runner's eager path.
 
     Raises:
-        ValueError: the pool has no scratch slot, ``capture`` on a non-CUDA device, or a limit < 1.
+        ValueError: the pool has no scratch block of 2 slots, ``capture`` on a non-CUDA device, or
+            a limit < 1.
     """
 
     def __init__(self, runner, *, capture: bool, max_batch: int = 64, max_query: int = 32, min_context: int = 128,
                  max_tokens: int = 1024, max_kv_tokens: int = 1 << 16):
-        if runner.pool.scratch_slot is None:
-            raise ValueError("DecodeGraphs needs a KV pool with a scratch slot: build the runner with "
-                             "TorchRunner(model, cuda_graphs=True)")
+        pool = runner.pool
+        if pool.scratch_slot is None or pool.scratch_blocks * pool.block_size < 2:
+            raise ValueError("DecodeGraphs needs a KV pool with a scratch block of at least 2 slots: build the "
+                             "runner with TorchRunner(model, cuda_graphs=True)")
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graph capture needs a CUDA model, this one is on {runner.device}")
         if min(max_batch, max_query, min_context, max_tokens, max_kv_tokens) < 1:
             raise ValueError(f"DecodeGraphs limits must be >= 1, got max_batch={max_batch}, max_query={max_query}, "
                              f"min_context={min_context}, max_tokens={max_tokens}, max_kv_tokens={max_kv_tokens}")
-        self.runner, self.capture = runner, capture
+        self._runner = weakref.ref(runner)  # the runner owns this object: no reference cycle
+        self.capture = capture
+        self.write_slot, self.read_slot = pool.scratch_slot, pool.scratch_slot + 1
         self.max_batch, self.max_query, self.min_context = max_batch, max_query, min_context
         self.max_tokens, self.max_kv_tokens = max_tokens, max_kv_tokens
         self.captured = self.replays = 0
@@ -107,6 +120,11 @@ class DecodeGraphs:
         self.disabled = False
         self._buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._mempool = None
+        self._stream = None  # the capture stream, on the runner's device
+
+    @property
+    def runner(self):
+        return self._runner()
 
     # -- bucketing --------------------------------------------------------------------------
     @staticmethod
@@ -131,41 +149,56 @@ class DecodeGraphs:
     def _new_bucket(self, B: int, Q: int, L: int) -> _Bucket:
         from .torch_runner import ForwardBatch
         r = self.runner
-        dev, long = r.device, torch.long
-        scratch = r.pool.scratch_slot
-        ids = torch.zeros(1, B * Q, dtype=long, device=dev)
-        pos = torch.zeros(1, B * Q, dtype=long, device=dev)
-        slots = torch.full((B * Q,), scratch, dtype=long, device=dev)
-        kv = torch.full((B, L), scratch, dtype=long, device=dev)
+        dev, long, T = r.device, torch.long, B * Q
+        buf = torch.zeros(3 * T + B * L + B, dtype=long, device=dev)
+        host = torch.zeros(buf.numel(), dtype=long, pin_memory=dev.type == "cuda")
+        ids, pos = buf[:T].view(1, T), buf[T:2 * T].view(1, T)
+        slots, kv = buf[2 * T:3 * T], buf[3 * T:3 * T + B * L].view(B, L)
+        last = buf[3 * T + B * L:]
+        slots.fill_(self.write_slot)
+        kv.fill_(self.read_slot)
+        last.copy_(torch.arange(B, device=dev) * Q)
+        host.copy_(buf)
         mask = torch.zeros(B, 1, Q, L, dtype=torch.bool, device=dev)
-        mask[..., 0] = True
-        last = torch.arange(B, device=dev) * Q
-        fb = ForwardBatch(r.pool, slots, torch.arange(B * Q, device=dev), kv, mask, [], dec_qlen=Q)
-        return _Bucket(ids, pos, slots, kv, mask, last, fb)
+        fb = ForwardBatch(r.pool, slots, torch.arange(T, device=dev), kv, mask, [], dec_qlen=Q)
+        return _Bucket(buf, host, ids, pos, slots, kv, last, torch.arange(L, device=dev), mask, fb)
 
     def _forward(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
+        B, _, Q, L = bk.mask.shape
+        torch.le(bk.keys.view(1, 1, 1, L), bk.pos.view(B, 1, Q, 1), out=bk.mask)  # query at p sees keys <= p
         out = r.decoder(input_ids=bk.ids, position_ids=bk.pos, use_cache=False, tr_batch=bk.batch)
         hidden = out.last_hidden_state[0, bk.last]
         return r.lm_head(hidden), hidden
 
     def _capture(self, bk: _Bucket) -> None:
+        """Warm up, then capture ``bk``'s forward on this object's own stream, on the runner's device
+        (``capture_begin``/``capture_end`` directly: no device-wide synchronize, and the current
+        stream is restored even when the capture fails)."""
         dev = self.runner.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            # warm-up (as nano-vllm does per batch size): lazy library initialisation must not
-            # happen during capture; the runner's first capture warms up twice
-            for _ in range(1 if self.captured else 2):
-                self._forward(bk)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a peer sub-server in a thread of this process may run CUDA work meanwhile
-        # (it synchronises its own stream only: a device-wide synchronize would break the capture)
-        with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            bk.logits, bk.hidden = self._forward(bk)
+        with torch.cuda.device(dev):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(dev)
+                self._mempool = torch.cuda.graph_pool_handle()
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(self._stream):
+                # warm-up (as nano-vllm does per batch size): lazy library initialisation must not
+                # happen during capture; the runner's first capture warms up twice
+                for _ in range(1 if self.captured else 2):
+                    self._forward(bk)
+            self._stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a peer sub-server in a thread of this process may run CUDA work meanwhile
+            # (it synchronises its own stream only: a device-wide synchronize would break the capture)
+            with _CAPTURE_LOCK, torch.cuda.stream(self._stream):
+                graph.capture_begin(pool=self._mempool, capture_error_mode="thread_local")
+                try:
+                    bk.logits, bk.hidden = self._forward(bk)
+                except BaseException:
+                    with contextlib.suppress(Exception):  # end the capture; report the first error
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
         bk.graph = graph
         self.captured += 1
 
@@ -187,28 +220,28 @@ class DecodeGraphs:
         return bk
 
     def _fill(self, bk: _Bucket, seqs) -> None:
-        """Copy a step's inputs into the bucket's static buffers (vectorised over requests)."""
-        pool, scratch, bsz = self.runner.pool, self.runner.pool.scratch_slot, self.runner.pool.block_size
+        """Write a step's inputs into the bucket's host buffer (vectorised over requests) and copy
+        it to the device in one transfer."""
+        bsz = self.runner.pool.block_size
         B, L = bk.kv.shape
         Q, b = bk.mask.shape[2], len(seqs)
-        nb = -(-L // bsz)
-        pad = B - b
+        T, nb, pad = B * Q, -(-L // bsz), B - b
         n = torch.tensor([len(s.tokens) for s in seqs] + [1] * pad)                    # [B] tokens fed
         start = torch.tensor([s.start for s in seqs] + [0] * pad)                     # [B]
         end = start + n
         tables = torch.tensor([(s.table[:nb] + [0] * nb)[:nb] for s in seqs] + [[0] * nb] * pad)  # [B, nb]
         ar, j = torch.arange(L), torch.arange(Q)
         row = (torch.arange(B) < b)[:, None]                                          # real requests
-        kv = torch.where(row & (ar[None] < end[:, None]), tables[:, ar // bsz] * bsz + ar % bsz, scratch)  # [B, L]
+        kv = torch.where(row & (ar[None] < end[:, None]), tables[:, ar // bsz] * bsz + ar % bsz, self.read_slot)
         real = row & (j[None] < n[:, None])                                           # [B, Q] real tokens
         pos = torch.minimum(start[:, None] + j[None], end[:, None] - 1)               # padding repeats the last
-        slots = torch.where(real, kv.gather(1, pos), scratch)
-        ids = torch.tensor([(s.tokens + [0] * Q)[:Q] for s in seqs] + [[0] * Q] * pad)
-        mask = (ar[None, None, :] <= pos[:, :, None])[:, None]                        # [B, 1, Q, L]: keys <= pos
-        last = torch.arange(B) * Q + n - 1
-        for dst, src in ((bk.ids, ids.view(1, -1)), (bk.pos, pos.view(1, -1)), (bk.slots, slots.view(-1)),
-                         (bk.kv, kv), (bk.mask, mask), (bk.last, last)):
-            dst.copy_(src)
+        h = bk.host
+        h[:T] = torch.tensor([(s.tokens + [0] * Q)[:Q] for s in seqs] + [[0] * Q] * pad).view(-1)
+        h[T:2 * T] = pos.view(-1)
+        h[2 * T:3 * T] = torch.where(real, kv.gather(1, pos), self.write_slot).view(-1)
+        h[3 * T:3 * T + B * L] = kv.view(-1)
+        h[3 * T + B * L:] = torch.arange(B) * Q + n - 1
+        bk.buf.copy_(h, non_blocking=True)  # the step synchronises its stream before the next fill
 
     def run(self, seqs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One step through a bucket: (logits [b, V], hidden [b, H]) at the last fed token of each

@@ -110,15 +110,15 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     return out.unsqueeze(0), None
 
 
-def _sdpa_backends(device: torch.device):
-    """On CUDA, SDPA without the cuDNN backend: cuDNN builds an execution plan for every new
-    query/key shape, and a decode step's key length changes every step (measured on an H200 with
-    random-weight Qwen3-0.6B: about 1.4 ms of host time per attention call, half of the step;
-    `evals/gpu_step_profile.py`). Flash, memory-efficient and math kernels need no plan."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+def _configure_sdpa(device: torch.device) -> None:
+    """On CUDA, turn the cuDNN SDPA backend off for this process (flash, memory-efficient and
+    math kernels stay): cuDNN builds an execution plan for every new query/key shape, and a decode
+    step's key length changes every step (measured on an H200 with random-weight Qwen3-0.6B: about
+    1.4 ms of host time per attention call, half of the step; `evals/gpu_step_profile.py`). Set
+    once, not with the ``sdpa_kernel`` context per call: its flags are process-wide, and two
+    sub-servers in threads entering and leaving it would undo each other's setting mid-step."""
+    if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _no_mask(*args, **kwargs):
@@ -170,8 +170,11 @@ class TorchRunner:
             `RuntimeWarning` and ``graphs.error`` says why.
         max_graph_batch: largest batch served from a graph, requests.
 
+    On CUDA the first forward turns the cuDNN SDPA backend off for the process (see
+    `_configure_sdpa`; ``torch.backends.cuda.enable_cudnn_sdp(True)`` turns it back on).
+
     Attributes:
-        pool: the private `KVPool` (with one scratch block when ``cuda_graphs``).
+        pool: the private `KVPool` (with a scratch block when ``cuda_graphs``).
         graphs: the `DecodeGraphs`, or None without ``cuda_graphs`` (built on first use, in the
             process that runs the sub-server: graphs do not travel between processes).
         last_forward_s: seconds spent in the last model forward (for overhead metrics).
@@ -189,7 +192,8 @@ class TorchRunner:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.pool = KVPool(cfg.num_hidden_layers, kv_heads, head_dim, -(-max_kv_tokens // block_size),
-                           block_size, dtype=self.dtype, device=self.device, scratch_blocks=int(bool(cuda_graphs)))
+                           block_size, dtype=self.dtype, device=self.device,
+                           scratch_blocks=(1 if block_size >= 2 else 2) if cuda_graphs else 0)
         self.cuda_graphs, self.max_graph_batch = bool(cuda_graphs), max_graph_batch
         self._graphs = None
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -202,6 +206,11 @@ class TorchRunner:
             from .cuda_graphs import DecodeGraphs
             self._graphs = DecodeGraphs(self, capture=self.device.type == "cuda", max_batch=self.max_graph_batch)
         return self._graphs
+
+    def release(self) -> None:
+        """Free the KV pool and the captured graphs (the runner is unusable afterwards)."""
+        self._graphs = None
+        self.pool.release()
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -257,15 +266,18 @@ class TorchRunner:
             logits: last-position logits per request, shape [B, V].
             hidden: last-layer hidden states (after the final norm) at those positions, [B, H].
         """
+        _configure_sdpa(self.device)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._forward(seqs)
+
+    def _forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cuda_graphs:
-            with _sdpa_backends(self.device):
-                out = self.graphs.run(seqs)
+            out = self.graphs.run(seqs)
             if out is not None:
                 return out
         fb, ids, pos, last = self._batch(seqs)
         t0 = time.perf_counter()
-        with _sdpa_backends(self.device):
-            out = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb)
+        out = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb)
         hidden = out.last_hidden_state[0, last]
         logits = self.lm_head(hidden)
         if self.device.type == "cuda":  # this stream only: a device-wide sync breaks a peer thread's graph capture

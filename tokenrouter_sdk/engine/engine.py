@@ -324,4 +324,4 @@ class Engine:
                 if not h.done.is_set():
                     self._end(h, "aborted", "the Router was closed", self.clock())
         for r in self.runners.values():
-            r.pool.release()
+            r.release() if hasattr(r, "release") else r.pool.release()
