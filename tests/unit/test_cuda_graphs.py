@@ -202,3 +202,48 @@ def test_grouped_query_attention_equals_repeated_kv(mask_dims, nq):
     got = _attend(q, k, v, mask, None)
     assert got.shape == (b, hkv * grp, nq, d)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; "
+                                "evals/bench_gpu.py runs the same checks on a GPU lease)")
+
+
+@needs_cuda
+def test_cuda_capture_and_replay_equal_eager():
+    m = tiny_model(arch="qwen3", num_layers=2, seed=4, dtype=torch.float32).cuda()
+    eager = TorchRunner(m, max_kv_tokens=8192)
+    fixed = TorchRunner(m, max_kv_tokens=8192, cuda_graphs=True)
+    rng = random.Random(1)
+    for b in (1, 3, 8):
+        prompts = [[rng.randrange(1, 250) for _ in range(rng.randint(40, 300))] for _ in range(b)]
+        te, tf = _prefill(eager, prompts, extra=60), _prefill(fixed, prompts, extra=60)
+        lens = [len(p) for p in prompts]
+        for _ in range(4):
+            feed = [[rng.randrange(1, 250) for _ in range(rng.choice([1, 1, 3, 12]))] for _ in range(b)]
+            le, _ = eager.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, te)])
+            lf, _ = fixed.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, tf)])
+            torch.testing.assert_close(lf, le, rtol=1e-4, atol=1e-4)
+            lens = [n + len(f) for n, f in zip(lens, feed)]
+    g = fixed.graphs
+    assert g.error is None and g.captured >= 3 and g.replays == 12
+
+
+@needs_cuda
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_cuda_graph_routing_equals_reference(processes):
+    from tokenrouter_sdk.random_models import id_tokenizer, random_model, random_prompts
+    shrink = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=1024, eos_token_id=1000, bos_token_id=None)
+    pair = {"small": random_model("qwen3-0.6b", device="cuda", dtype=torch.float64, seed=0, **shrink),
+            "large": random_model("qwen3-8b", device="cuda", dtype=torch.float64, seed=1,
+                                  **(shrink | {"num_hidden_layers": 3}))}
+    policy, params = RandomRouting(p=0.3, seed=2), SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = random_prompts(8, 20, vocab_size=1024, seed=3, avoid=(1000,))
+    with Router(pair, policy, tokenizer=id_tokenizer(1024, eos_token_id=1000), cuda_graphs=True,
+                processes={"start_timeout": 180.0} if processes else False) as r:
+        outs = r.generate(prompts, sampling=params, concurrency=8, timeout=180)
+        if not processes:
+            assert all(run.graphs.captured > 0 and run.graphs.error is None for run in r.engine.runners.values())
+    for o in outs:
+        ref = reference_generate(pair, o.prompt, policy, params, rid=o.rid)
+        assert (o.token_ids, o.token_models) == (ref["token_ids"], ref["token_models"])
