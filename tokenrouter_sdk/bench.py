@@ -101,7 +101,8 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
             are returned; a GPU lease or CI slot ends on time).
         on_cell: called with each finished `Cell` (e.g. to append it to a CSV as it comes).
         warmup_tokens: when > 0, each new Router first generates this many tokens for
-            ``2 * max(concurrency)`` requests, unmeasured (CUDA context, kernels, allocator).
+            ``2 * max(concurrency)`` requests with the policy of the cell that opened it, unmeasured
+            (CUDA context, kernels, allocator, and the CUDA graphs of the buckets it reaches).
         max_routers: Routers kept open at once (one per (mode, retain_kv); each holds a process,
             a KV pool and, with ``cuda_graphs``, captured graphs per model). None keeps all open;
             1 closes each before the next opens (a GPU with little memory for large pairs);
@@ -131,7 +132,7 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
                 if warmup_tokens > 0:
                     top = max(c[3] for c in cells)
                     warm = [prompts[i % len(prompts)] for i in range(2 * top)]
-                    routers[key].generate(warm, policy=make_policy("random30"), max_new_tokens=warmup_tokens,
+                    routers[key].generate(warm, policy=make_policy(pol), max_new_tokens=warmup_tokens,
                                           ignore_eos=True, concurrency=top)
             r = routers[key]
             th = ""
