@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Sequence
@@ -119,6 +120,11 @@ class Router:
                 check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else names[0],
                                      toks.get(name, self.tokenizer), name)
             self.models = loaded
+            if cuda_graphs and any(next(m.parameters()).device.type != "cuda" for m in loaded.values()):
+                warnings.warn("cuda_graphs=True with a model that is not on a CUDA device: its steps run the "
+                              "fixed-shape path without capture (what the tests check), which pads batches and "
+                              "is slower than the default; move the models to a GPU or leave cuda_graphs off",
+                              UserWarning, stacklevel=2)
             runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens or 8192, block_size=block_size,
                                       cuda_graphs=cuda_graphs)
                        for n, m in loaded.items()}

@@ -161,6 +161,7 @@ def test_runner_pickles_without_its_graphs(qwen3):
     assert clone._graphs is None and clone.cuda_graphs and clone.graphs.replays == 0
 
 
+@pytest.mark.filterwarnings("ignore:cuda_graphs=True with a model that is not on a CUDA device")
 @pytest.mark.parametrize("mode,processes", [("async", False), ("delayed", False), ("sync", False),
                                             ("async", True)])
 def test_routed_generation_with_graphs_equals_reference(pair, tok, mode, processes):
@@ -176,7 +177,7 @@ def test_routed_generation_with_graphs_equals_reference(pair, tok, mode, process
             assert all(run.graphs.replays > 0 for run in r.engine.runners.values())
     hops = 0
     for o in outs:
-        assert o.finish_reason == "length", o.error
+        assert o.finish_reason == "length", o.error  # graphs on the CPU: the fixed-shape path, uncaptured
         ref = reference_generate(pair, o.prompt, policy, params, rid=o.rid)
         assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
         hops += o.hops
@@ -247,3 +248,8 @@ def test_cuda_graph_routing_equals_reference(processes):
     for o in outs:
         ref = reference_generate(pair, o.prompt, policy, params, rid=o.rid)
         assert (o.token_ids, o.token_models) == (ref["token_ids"], ref["token_models"])
+
+
+def test_router_warns_when_graphs_cannot_be_captured(pair, tok):
+    with pytest.warns(UserWarning, match="not on a CUDA device"):
+        Router(pair, tokenizer=tok, cuda_graphs=True, processes=False).close()
