@@ -416,6 +416,17 @@ class Router:
             trace = list(self.engine.trace)
         return compute_metrics(trace, self._last_rids, list(self.models))
 
+    def kv_stats(self, timeout: float = 10.0) -> dict:
+        """Per model, its KV pool and requests now: a `tokenrouter_sdk.engine.messages.Stats` with
+        ``free_blocks``, ``num_blocks``, ``block_size`` (tokens per block), ``owned`` (requests
+        ready to step there) and ``pending`` (handed off, KV kept). Sub-servers in processes answer
+        a message; releases of just-finished requests may still be on their way.
+
+        Raises:
+            TimeoutError: a sub-server did not answer within ``timeout`` seconds.
+        """
+        return self.engine.kv_stats(timeout)
+
     @property
     def trace(self) -> list:
         return self.engine.trace

@@ -82,6 +82,9 @@ def test_pools_return_to_initial_free_size(pair, tok, concurrency):
         assert r.engine.wait_idle()
         assert {n: ss.sched.pool.num_free for n, ss in r.engine.subservers.items()} == initial
         assert all(v == 2048 // 8 for v in initial.values())
+        stats = r.kv_stats()  # the public view of the same
+        assert {n: (s.free_blocks, s.num_blocks, s.block_size, s.owned, s.pending) for n, s in stats.items()} == \
+            {n: (256, 256, 8, 0, 0) for n in ("small", "large")}
 
 
 def test_full_pool_preempts_and_recomputes_without_loss(pair, tok):

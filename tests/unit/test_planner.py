@@ -12,6 +12,8 @@ from tokenrouter_sdk.planner import (Plan, StateSpaceTooLarge, _gmres_stationary
                                      plan_from_trace, plan_thresholds, profile_latency)
 from tokenrouter_sdk.policies import RandomRouting
 
+from ..conftest import mixed_prompts
+
 LAT = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
        "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4})}
 
@@ -237,3 +239,26 @@ def test_router_latency_profiles_torch_models_once():
         assert other["small"] is not lat["small"]
         assert set(small._tokenrouter_latency) == {old, old + 1}
         assert router_latency(r, 4)["small"] is lat["small"]
+
+
+def test_analytic_plan_adds_the_measured_step_overhead_once_the_router_has_history(pair, tok):
+    """RandomRouting is planned without a pilot; once the Router has run enough steps of both
+    models, their time outside the forward is added to the step latencies, so the predicted
+    throughput drops by about what that overhead costs."""
+    from tokenrouter_sdk.planner import estimate_step_overhead, plan_router
+    from tokenrouter_sdk.planner.for_router import HISTORY_EVENTS
+    lat = {"small": LatencyModel({1: 0.002, 4: 0.003}, 0.0001), "large": LatencyModel({1: 0.004, 4: 0.006}, 0.0002)}
+    pol = RandomRouting(0.3, seed=1)
+    with Router(pair, pol, tokenizer=tok, processes=False) as r:
+        fresh = plan_router(r, pol, 4, latency=lat)
+        r.generate(mixed_prompts(8, seed=3), max_new_tokens=24, ignore_eos=True, concurrency=4)
+        steps = [ev for ev in r.trace[-HISTORY_EVENTS:] if ev[0] == "step"]
+        assert min(sum(ev[1].model == m for ev in steps) for m in ("small", "large")) >= 20
+        over = estimate_step_overhead(steps, ["small", "large"])
+        assert all(v > 0 for v in over.values())
+        later = plan_router(r, pol, 4, latency=lat)
+    with_over = {m: LatencyModel({b: t + over[m] for b, t in lat[m].table.items()}, lat[m].per_token_s) for m in lat}
+    want = plan_thresholds(with_over, {"small": 0.3, "large": 1.0}, 4, keep={"small": 0.0, "large": 1.0},
+                           extra_tokens={"small": 0.0, "large": 0.7 / 0.3})
+    assert later.predicted_tok_s < fresh.predicted_tok_s
+    assert later.predicted_tok_s == pytest.approx(want.predicted_tok_s, rel=1e-9)

@@ -105,6 +105,27 @@ def test_equivalence_through_processes(routers, pair, mode, policy):
         assert admit < commits[0] <= commits[-1] <= finish <= now
 
 
+def _kv_settled(router, timeout=10.0):
+    """KV stats once every sub-server holds no request (releases travel between processes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = router.kv_stats()
+        if all(s.owned == s.pending == 0 for s in st.values()) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def test_kv_stats_through_processes_show_every_block_returned(routers, pair):
+    r = routers["async"]
+    before = r.kv_stats()
+    assert set(before) == {"small", "large"} and all(s.num_blocks == 512 and s.block_size == 16 for s in before.values())
+    _check(r, pair, RandomRouting(p=0.3, seed=5), mixed_prompts(8, seed=11))
+    after = _kv_settled(r)
+    for name, s in after.items():
+        assert (s.model, s.owned, s.pending) == (name, 0, 0)
+        assert s.free_blocks == s.num_blocks, f"{name}: {s.num_blocks - s.free_blocks} KV blocks leaked"
+
+
 def test_policy_defined_in_a_function_body(routers, pair):
     """A class that only exists in this function's frame reaches the sub-server processes
     (cloudpickle, by value) and runs there, not here."""

@@ -76,6 +76,9 @@ class Engine:
         self._next_rid = 0
         self._policies: dict[int, Policy] = {}
         self._closed = False
+        self._stats: dict[int, dict] = {}
+        self._stats_cv = threading.Condition(self._lock)
+        self._next_token = 0
         if mode not in MODES:
             raise ValueError(f"unknown schedule mode {mode!r}; choose one of {MODES}")
         self.mode, self.retain_kv = mode, retain_kv
@@ -229,6 +232,12 @@ class Engine:
         if isinstance(ev, M.Idle):
             self._round_done(ev.model, ev.round)
             return
+        if isinstance(ev, M.Stats):
+            box = self._stats.get(ev.token)
+            if box is not None:
+                box[ev.model] = ev
+                self._stats_cv.notify_all()
+            return
         if isinstance(ev, M.Finished) and ev.rid == -1:  # a sub-server died
             for h in list(self._reqs.values()):
                 if not h.done.is_set() and h.t_admit is not None:
@@ -303,6 +312,37 @@ class Engine:
         with self._lock:
             busy = self._inflight or self._queue
         return not busy and all(not ss.sched.seqs and ss.inbox.empty() for ss in self.subservers.values())
+
+    def kv_stats(self, timeout: float = 10.0) -> dict[str, M.Stats]:
+        """Each sub-server's KV pool and request counts (`Stats`), asked through the transport, so
+        sub-servers in processes answer too. A sub-server answers after the messages sent to it
+        before, so after `wait_idle` the counts include every release.
+
+        Raises:
+            TimeoutError: a sub-server did not answer within ``timeout`` seconds (names it).
+        """
+        if self.subservers:  # in-process: read them directly (the sim backend steps only on demand)
+            return {name: ss.stats() for name, ss in self.subservers.items()}
+        with self._lock:
+            self._next_token += 1
+            token, box = self._next_token, {}
+            self._stats[token] = box
+        try:
+            for name in self.models:
+                self.transport.send(name, M.StatsQuery(token))
+            deadline = time.perf_counter() + timeout
+            with self._stats_cv:
+                while len(box) < len(self.models):
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        missing = [m for m in self.models if m not in box]
+                        raise TimeoutError(f"sub-server(s) {missing} did not report KV stats within {timeout} s; "
+                                           f"are they alive? (Router.close() and a new Router restart them)")
+                    self._stats_cv.wait(left)
+            return {name: box[name] for name in self.models}
+        finally:
+            with self._lock:
+                self._stats.pop(token, None)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         deadline = time.perf_counter() + timeout

@@ -94,6 +94,13 @@ class SetInflight:
     n: int
 
 
+@dataclass
+class StatsQuery:
+    """Report this sub-server's KV pool and request counts (answered with `Stats`)."""
+
+    token: int
+
+
 # ---- out of a sub-server (to the engine) -----------------------------------------------
 @dataclass
 class Committed:
@@ -151,3 +158,17 @@ class Idle:
 
     model: str
     round: int
+
+
+@dataclass
+class Stats:
+    """Answer to `StatsQuery` ``token``: ``model``'s KV pool (blocks free / usable, block size)
+    and the requests it holds (``owned``: ready to step here; ``pending``: handed off, KV kept)."""
+
+    model: str
+    token: int
+    free_blocks: int
+    num_blocks: int
+    block_size: int
+    owned: int
+    pending: int

@@ -95,6 +95,14 @@ class SubServer:
             self.inflight = msg.n
         elif isinstance(msg, M.SetThresholds):
             self.thresholds = dict(msg.thresholds)
+        elif isinstance(msg, M.StatsQuery):
+            self.emit(self.stats(msg.token))
+
+    def stats(self, token: int = 0) -> M.Stats:
+        """This sub-server's KV pool and request counts, as a `Stats` event."""
+        pool, seqs = self.sched.pool, self.sched.seqs
+        owned = len(self.sched.owned)
+        return M.Stats(self.name, token, pool.num_free, pool.num_blocks, pool.block_size, owned, len(seqs) - owned)
 
     def _own(self, seq: Seq) -> None:
         if self.sched.too_big(seq):

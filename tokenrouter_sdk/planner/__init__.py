@@ -37,7 +37,9 @@ Assumptions (what the model ignores; see `evals/planner_check.py` for how far it
     mean 1/q_i (true for `RandomRouting`; a policy with bursts of hard tokens violates it);
   * steady-state decode: prefill and the variable cost of extends are folded into a mean extra
     fed-token cost per request-step (``extra_tokens``), the workload's start and drain are not
-    modelled (N is constant), and scheduler overhead is zero (as in the sim backend).
+    modelled (N is constant), and scheduler overhead is zero (as in the sim backend); on a real
+    backend `plan_router` adds the overhead measured outside the forward (a pilot's, or the
+    Router's recent steps) to the step times.
 
 Size and speed: the embedded chain has ~17k states at N = 32 with 2 ticks per shortest step (the
 search resolution of `plan_thresholds`), ~35k with 4; one solve takes 0.1-0.5 s on one CPU core,

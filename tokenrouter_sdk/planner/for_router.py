@@ -13,6 +13,7 @@ from .profile import profile_latency
 from .search import Plan, plan_thresholds
 
 
+HISTORY_EVENTS = 4000  # trace events the analytic RandomRouting plan reads the per-step overhead from
 PROFILE_ATTR = "_tokenrouter_latency"  # a model's profiles: {torch threads (or (threads, "cuda_graphs")): LatencyModel}
 PILOT_PROMPTS = ("Explain why the sky is blue in a few sentences.",
                  "What is 17 * 23? Show your steps.",
@@ -76,7 +77,10 @@ def plan_router(router, policy, n: int, *, trace: list | None = None, prompts: S
 
     Inputs: latency from `router_latency` (unless given); routing, commit rule and extra fed
     tokens from ``trace`` if given, else analytically for `RandomRouting` (q_small = p,
-    q_large = 1, the small discards, the large keeps, (1 - p) / p extra tokens per large step),
+    q_large = 1, the small discards, the large keeps, (1 - p) / p extra tokens per large step;
+    when the router has already run at least 20 steps of each model, on a real backend, their
+    measured per-step overhead outside the forward is added to the step times, from the last
+    ``HISTORY_EVENTS`` trace events),
     else from a pilot run on the router itself: ``max(n, 4)`` requests of ``prompts`` (default
     `PILOT_PROMPTS`, cycled), ``pilot_tokens`` tokens each, at concurrency n with thresholds 1
     (restored afterwards). With a pilot trace on a real backend, the measured per-step overhead
@@ -96,7 +100,8 @@ def plan_router(router, policy, n: int, *, trace: list | None = None, prompts: S
         q = {small: p, large: 1.0}
         kw.setdefault("keep", {small: 0.0, large: 1.0})
         kw.setdefault("extra_tokens", {small: 0.0, large: (1 - p) / p if p > 0 else 0.0})
-        return plan_thresholds(lat, q, n, **kw)
+        recent = [ev for ev in list(router.engine.trace[-HISTORY_EVENTS:]) if ev[0] == "step"]
+        return plan_thresholds(_with_overhead(router, lat, names, recent, min_steps=20), q, n, **kw)
     if trace is None:
         eng = router.engine
         old = dict(getattr(eng, "thresholds", {}) or {})
@@ -111,13 +116,24 @@ def plan_router(router, policy, n: int, *, trace: list | None = None, prompts: S
             if old and getattr(eng, "mode", None) == "delayed":
                 router.set_thresholds(old)
         trace = list(eng.trace[start:])
-        if not any(isinstance(getattr(r, "latency", None), LatencyModel) for r in eng.runners.values()):
-            over = estimate_step_overhead(trace, names)
-            lat = {m: LatencyModel({b: t + over[m] for b, t in lat[m].table.items()}, lat[m].per_token_s)
-                   for m in names}
+        lat = _with_overhead(router, lat, names, trace, min_steps=1)
     kw.setdefault("keep", estimate_keep(trace, names))
     kw.setdefault("extra_tokens", estimate_extra_tokens(trace, names))
     return plan_thresholds(lat, estimate_routing(trace, names), n, **kw)
+
+
+def _with_overhead(router, lat: dict[str, LatencyModel], names: list[str], trace: list,
+                   min_steps: int) -> dict[str, LatencyModel]:
+    """``lat`` plus each model's measured per-step overhead outside the forward
+    (`estimate_step_overhead` of ``trace``), when the backend is real and ``trace`` holds at least
+    ``min_steps`` steps of every model; else ``lat`` unchanged (the sim backend has no overhead)."""
+    if any(isinstance(getattr(r, "latency", None), LatencyModel) for r in router.engine.runners.values()):
+        return lat
+    counts = {m: sum(1 for ev in trace if ev[0] == "step" and ev[1].model == m) for m in names}
+    if min(counts.values()) < max(1, min_steps):
+        return lat
+    over = estimate_step_overhead(trace, names)
+    return {m: LatencyModel({b: t + over[m] for b, t in lat[m].table.items()}, lat[m].per_token_s) for m in names}
 
 
 def plan_for_router(router, policy, n: int, **kw) -> dict[str, int]:
