@@ -424,6 +424,7 @@ class Router:
 
         Raises:
             TimeoutError: a sub-server did not answer within ``timeout`` seconds.
+            RuntimeError: the Router is closed.
         """
         return self.engine.kv_stats(timeout)
 

@@ -85,6 +85,8 @@ def test_pools_return_to_initial_free_size(pair, tok, concurrency):
         stats = r.kv_stats()  # the public view of the same
         assert {n: (s.free_blocks, s.num_blocks, s.block_size, s.owned, s.pending) for n, s in stats.items()} == \
             {n: (256, 256, 8, 0, 0) for n in ("small", "large")}
+    with pytest.raises(RuntimeError, match="closed"):
+        r.kv_stats()
 
 
 def test_full_pool_preempts_and_recomputes_without_loss(pair, tok):

@@ -320,7 +320,10 @@ class Engine:
 
         Raises:
             TimeoutError: a sub-server did not answer within ``timeout`` seconds (names it).
+            RuntimeError: the engine is closed.
         """
+        if self._closed:
+            raise RuntimeError("kv_stats: the Router is closed (its sub-servers and KV pools are gone)")
         if self.subservers:  # in-process: read them directly (the sim backend steps only on demand)
             return {name: ss.stats() for name, ss in self.subservers.items()}
         with self._lock:
@@ -364,4 +367,7 @@ class Engine:
                 if not h.done.is_set():
                     self._end(h, "aborted", "the Router was closed", self.clock())
         for r in self.runners.values():
-            r.release() if hasattr(r, "release") else r.pool.release()
+            if hasattr(r, "release"):  # TorchRunner: the pool and its CUDA graphs
+                r.release()
+            else:
+                r.pool.release()
