@@ -169,7 +169,7 @@ def main() -> int:
                 prof[key] |= {"captured": gr.captured, "replays": gr.replays, "error": gr.error}
             if g == graphs:
                 setattr(m, PROFILE_ATTR, lat)  # the planner ("auto" thresholds) reuses it
-            runner.pool.release()
+            runner.release()
     main_s, main_l = ("small_graphs", "large_graphs") if graphs else ("small", "large")
     ratio = {b: round(prof[main_s][b] / prof[main_l][b], 3) for b in ("1", "2", "4", "8", "16")}
     say(f"step ms by batch size: {json.dumps(prof)}; small/large {ratio} ({time.monotonic() - t:.1f}s)")

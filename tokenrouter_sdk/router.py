@@ -120,14 +120,14 @@ class Router:
                 check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else names[0],
                                      toks.get(name, self.tokenizer), name)
             self.models = loaded
-            if cuda_graphs and any(next(m.parameters()).device.type != "cuda" for m in loaded.values()):
+            runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens or 8192, block_size=block_size,
+                                      cuda_graphs=cuda_graphs)
+                       for n, m in loaded.items()}
+            if cuda_graphs and any(r.device.type != "cuda" for r in runners.values()):
                 warnings.warn("cuda_graphs=True with a model that is not on a CUDA device: its steps run the "
                               "fixed-shape path without capture (what the tests check), which pads batches and "
                               "is slower than the default; move the models to a GPU or leave cuda_graphs off",
                               UserWarning, stacklevel=2)
-            runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens or 8192, block_size=block_size,
-                                      cuda_graphs=cuda_graphs)
-                       for n, m in loaded.items()}
             if processes is None:
                 env = os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower()
                 processes = {"0": False, "false": False, "no": False, "off": False,

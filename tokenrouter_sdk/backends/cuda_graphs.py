@@ -13,21 +13,23 @@ How: a graph needs fixed shapes and fixed tensor addresses. A step of b requests
 most q tokens, whose longest context is n tokens, runs in the bucket (B, Q, L): B = the next
 power of two >= b (up to ``max_batch``), Q = the next power of two >= q (up to ``max_query``),
 L = the next power of two >= n (at least ``min_context``). Each bucket owns static input
-buffers; a step copies its token ids, positions, KV slots, key mask and last-token indices into
-them and replays the graph, which runs the whole decoder, the paged attention (every request's
-Q queries against its L keys) and the LM head on the last token of each request.
+buffers; a step copies its token ids, positions, KV slots and last-token indices into them (one
+host-to-device copy) and replays the graph, which builds the key mask from the positions, runs
+the whole decoder, the paged attention (every request's Q queries against its L keys) and the
+LM head on the last token of each request.
 
-Padding: tokens a request does not feed, and whole padding requests (b..B-1), feed token 0, write
-their K/V to the pool's scratch slot (`KVPool` ``scratch_blocks=1``: never handed to a request)
-and attend to keys that hold finite values (a padding token repeats its request's last real
-mask row; a padding request sees only the scratch slot), so no NaN or infinity can reach the
-keys a real query masks out. Real requests' KV is never touched, and a request's logits are the
-eager path's up to floating-point reassociation.
+Padding: tokens a request does not feed, and whole padding requests (b..B-1), feed token 0 and
+write their K/V to the first slot of the pool's scratch block (`KVPool` ``scratch_blocks``: never
+handed to a request). Masked-out keys and a padding request's keys read the block's second slot,
+which nothing writes (zeros), so no NaN or infinity can reach a real query through a masked key.
+A padding token repeats its request's last position. Real requests' KV is never touched, and a
+request's logits are the eager path's up to floating-point reassociation.
 
 Steps with a longer feed (prefills), more than ``max_batch`` requests, more than
 ``max_tokens`` padded tokens (B x Q) or more than ``max_kv_tokens`` padded keys (B x L) run
-eagerly. Graphs are captured lazily, the first time a bucket is used, and share one CUDA memory
-pool (outputs are copied out before the next replay, as vLLM does).
+eagerly. Graphs are captured lazily, the first time a bucket is used, on the runner's own stream,
+and share one CUDA memory pool per runner (outputs are copied out before the next replay, as
+vLLM does).
 
 On a device other than CUDA the same fixed-shape path runs eagerly (``capture=False``): that is
 how the tests check the padding and masking on the CPU, against the eager forward and the naive
