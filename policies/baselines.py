@@ -3,14 +3,15 @@
 `RandomRouting` follows R2R's ``RandomSwitching`` (thu-nics/R2R, ``r2r/utils/switching.py``;
 arXiv 2505.21600): on each step of the small model, with probability ``p`` the sampled token
 is discarded and the large model writes exactly one token, then control returns. Unlike R2R's
-code the draws are seeded per request, so runs are reproducible.
+code the draws are seeded per request (from the seed and the request's key), so runs are
+reproducible.
 """
 
 from __future__ import annotations
 
 import random
 
-from tokenrouter_sdk.policy import Handoff, Policy, Step
+from tokenrouter_sdk.policy import Handoff, Policy, Step, request_rng
 
 
 class SingleModel(Policy):
@@ -60,7 +61,7 @@ class RandomRouting(Policy):
 
     Args:
         p: routing probability per small-model step, in [0, 1].
-        seed: base seed; each request draws from ``Random(seed * 1_000_003 + rid)``.
+        seed: base seed; each request draws from `request_rng` ``(seed, request key)``.
         small, large: model names (default: first and last model).
     """
 
@@ -72,7 +73,7 @@ class RandomRouting(Policy):
     def _rng(self, step: Step) -> random.Random:
         st = step.state
         if "rng" not in st:
-            st["rng"] = random.Random(self.seed * 1_000_003 + step.request.rid)
+            st["rng"] = request_rng(self.seed, step.request)
         return st["rng"]
 
     def route(self, step: Step) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from tokenrouter_sdk.policy import Handoff, Policy, Step
+from tokenrouter_sdk.policy import Handoff, Policy, Step, request_rng
 
 DEFAULT_WEIGHTS_3 = (0.5, 0.3, 0.2)
 
@@ -28,7 +28,7 @@ class TokenEnsemble(Policy):
         weights: ``{model: w}`` (models left out get 0) or a list aligned with the models
             (smallest first); non-negative, summing to > 0; normalised. None: 0.5/0.3/0.2 for
             three models, equal weights otherwise.
-        seed: base seed; each request draws from ``Random(seed * 1_000_003 + rid)`` (the
+        seed: base seed; each request draws from `request_rng` ``(seed, request key)`` (the
             first draw picks the entry model), like `RandomRouting`.
     """
 
@@ -58,16 +58,16 @@ class TokenEnsemble(Policy):
                              "give one weight per model (smallest first) or a dict")
         return [x / sum(w) for x in w]
 
-    def _rng(self, rid: int) -> random.Random:
-        return random.Random(self.seed * 1_000_003 + rid)
+    def _rng(self, req) -> random.Random:
+        return request_rng(self.seed, req)
 
     def entry(self, req, models):
-        return self._rng(req.rid).choices(list(models), weights=self.probs(models))[0]
+        return self._rng(req).choices(list(models), weights=self.probs(models))[0]
 
     def route(self, step: Step) -> str:
         st = step.state
         if "rng" not in st:  # replay the entry draw (entry() has no per-request state to keep it)
-            st["rng"] = self._rng(step.request.rid)
+            st["rng"] = self._rng(step.request)
             st["rng"].random()
         return st["rng"].choices(step.models, weights=self.probs(step.models))[0]
 

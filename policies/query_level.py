@@ -30,7 +30,7 @@ import random
 import torch
 from torch import nn
 
-from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step, StepBatch
+from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step, StepBatch, request_rng
 
 from .heads import check_hidden, resolve_head, save_head
 
@@ -119,7 +119,7 @@ class QueryRouter(Policy):
 class RandomQueryRouting(Policy):
     """Per request, with probability ``p`` the large model prefills and writes everything,
     else the small one does (RouteLLM's ``random`` router). Draws from
-    ``Random(seed * 1_000_003 + rid)``, like `RandomRouting`.
+    `request_rng` ``(seed, request key)``, like `RandomRouting`.
 
     Args:
         p: share of requests sent to the large model, in [0, 1].
@@ -133,7 +133,7 @@ class RandomQueryRouting(Policy):
         self.p, self.seed, self.small, self.large = p, seed, small, large
 
     def entry(self, req, models):
-        to_large = random.Random(self.seed * 1_000_003 + req.rid).random() < self.p
+        to_large = request_rng(self.seed, req).random() < self.p
         return (self.large or models[-1]) if to_large else (self.small or models[0])
 
     def route(self, step: Step) -> str:

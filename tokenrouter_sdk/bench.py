@@ -114,6 +114,12 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
     from .router import Router
     if cells is None:
         cells = bench_cells(policies, modes, concurrency, max_new_tokens, baselines)
+    if router_kw.get("backend", "torch") == "torch" and "max_kv_tokens" not in router_kw and cells:
+        # every request reserves prompt + max_new_tokens of KV on admission: size the pools so
+        # that KV never limits a cell's concurrency
+        longest = max(_prompt_tokens(tokenizer, p) for p in prompts)
+        top = max(c[3] * (longest + c[4]) for c in cells)
+        router_kw["max_kv_tokens"] = max(8192, top)
     out: list[Cell] = []
     bar = tqdm(total=len(cells), desc="bench", disable=not progress)
     routers: dict = {}
@@ -153,6 +159,18 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
         for r in routers.values():
             r.close()
     return out
+
+
+def _prompt_tokens(tokenizer, prompt) -> int:
+    """Tokens of ``prompt`` as a Router encodes it by default (chat template for text when the
+    tokenizer has one)."""
+    if not isinstance(prompt, str):
+        return len(prompt)
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def _ratios(out: list[Cell]) -> None:

@@ -1,8 +1,7 @@
-"""Committed-token metrics computed from the engine's event trace (DESIGN.md, "Metrics").
-
-Trace events: ``("admit", rid, t)``, ``("commit", rid, model, n_tokens, t)``,
-``("hop", rid, src, dst, kept, t)``, ``("finish", rid, reason, t)``, ``("step", StepDone)``;
-times are ``time.perf_counter()`` seconds.
+"""Committed-token metrics computed from a call's events (`Admitted`, `Committed`, `Hopped`,
+`Finished`, `StepDone` of `tokenrouter_sdk.engine.messages`); times are
+``time.perf_counter()`` seconds. Throughput counts committed tokens only: tokens a policy
+discarded on a handoff never count.
 """
 
 from __future__ import annotations
@@ -10,6 +9,8 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
+
+from .engine.messages import Admitted, Committed, Finished, Hopped, StepDone
 
 
 @dataclass
@@ -95,29 +96,32 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Metrics:
-    """Metrics of the requests ``rids`` (None = all) over their window in ``trace``.
+    """Metrics of the requests ``rids`` (None = all) over their window in ``trace`` (a list of
+    events, e.g. `Call.events`). Cost: O(len(trace)).
 
     ``models`` is ordered smallest first; the last one is "large" for ``large_fraction``.
     """
     admit, first, end, n_tok, failed = {}, {}, {}, Counter(), 0
     per_model_tok, hops, discarded = Counter(), 0, 0
+    steps_all = []
     for ev in trace:
-        kind = ev[0]
-        if kind == "step" or (rids is not None and ev[1] not in rids):
+        if isinstance(ev, StepDone):
+            steps_all.append(ev)
             continue
-        if kind == "admit":
-            admit[ev[1]] = ev[2]
-        elif kind == "commit":
-            _, rid, model, n, t = ev
-            first.setdefault(rid, t)
-            n_tok[rid] += n
-            per_model_tok[model] += n
-        elif kind == "hop":
+        if rids is not None and ev.rid not in rids:
+            continue
+        if isinstance(ev, Admitted):
+            admit[ev.rid] = ev.t
+        elif isinstance(ev, Committed):
+            first.setdefault(ev.rid, ev.t)
+            n_tok[ev.rid] += len(ev.tokens)
+            per_model_tok[ev.model] += len(ev.tokens)
+        elif isinstance(ev, Hopped):
             hops += 1
-            discarded += 0 if ev[4] else 1
-        elif kind == "finish":
-            end[ev[1]] = ev[3]
-            failed += ev[2] in ("failed", "aborted")
+            discarded += 0 if ev.kept else 1
+        elif isinstance(ev, Finished):
+            end[ev.rid] = ev.t
+            failed += ev.reason in ("failed", "aborted")
     m = Metrics(requests=len(admit), failed=failed)
     if not admit:
         return m
@@ -137,9 +141,9 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
     m.hop_rate = hops / m.committed_tokens if m.committed_tokens else 0.0
     m.large_fraction = per_model_tok[models[-1]] / m.committed_tokens if m.committed_tokens else 0.0
     steps = defaultdict(list)
-    for ev in trace:
-        if ev[0] == "step" and t0 <= ev[1].t_start <= t1:
-            steps[ev[1].model].append(ev[1])
+    for s in steps_all:
+        if t0 <= s.t_start <= t1:
+            steps[s.model].append(s)
     for name in models:
         ss = steps.get(name, [])
         busy = sum(s.t_end - s.t_start for s in ss)

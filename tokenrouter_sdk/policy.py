@@ -9,6 +9,7 @@ in ``step.state`` (a dict that travels with the request across handoffs).
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -152,6 +153,13 @@ class Step:
 
     def __repr__(self) -> str:
         return f"Step(model={self.model!r}, rid={self.request.rid}, position={self.position}, token={self.token})"
+
+
+def request_rng(seed, req: "RequestView") -> random.Random:
+    """A `random.Random` for one request of a seeded policy: drawn from ``(seed, req.key)``, so
+    the same call twice, or a prompt alone and in a batch, draws the same numbers, whatever the
+    Router served before."""
+    return random.Random(f"{seed}:{req.key}")
 
 
 class Policy:

@@ -1,6 +1,6 @@
 """The naive reference: recompute the whole prefix on every step, no KV cache, no batching,
-one request at a time, applying the same policy. It defines what the engine must produce
-(DESIGN.md invariant 5): with greedy decoding, the engine's tokens equal these."""
+one request at a time, applying the same policy. It defines what the engine must produce: with
+greedy decoding, the engine's tokens equal these."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from .engine.sampler import make_generator, sample
 from .policy import Handoff, Policy, StepBatch
-from .request import RequestView, SamplingParams
+from .request import RequestView, SamplingParams, prompt_key
 
 
 @torch.inference_mode()
@@ -20,7 +20,8 @@ def _last(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, params: SamplingParams,
-                       *, eos_ids: tuple[int, ...] = (), rid: int = 0, tokenizer=None) -> dict:
+                       *, eos_ids: tuple[int, ...] = (), rid: int = 0, tokenizer=None, key=None,
+                       vocab_limit: int | None = None) -> dict:
     """Generate one request the slow, obviously-correct way.
 
     Args:
@@ -30,14 +31,21 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
         params: sampling parameters (greedy for exact equivalence; seeded sampling draws
             from the same per-(seed, model) generators as the engine).
         eos_ids: end-of-sequence ids.
-        rid: request id the policy sees (seeded policies key on it).
+        rid: request id the policy sees.
         tokenizer: what ``step.tokenizer`` gives the policy.
+        key: the request key the policy sees (default: the engine's default key of a prompt
+            that is the first of its kind in its call, `prompt_key`).
+        vocab_limit: logits beyond it are cut before sampling (default: the smallest vocabulary
+            of the models and the tokenizer, as the engine does).
 
     Returns:
         dict with ``token_ids``, ``token_models``, ``hops``, ``discarded``, ``finish_reason``,
         ``logits`` (the last-position logits of every step, for tolerance checks).
     """
     names = list(models)
+    key = prompt_key(prompt_ids) if key is None else key
+    limit = vocab_limit or min([m.get_output_embeddings().weight.shape[0] for m in models.values()]
+                               + ([len(tokenizer)] if tokenizer is not None else []))
     max_ctx = min(int(getattr(m.config, "max_position_embeddings", 1 << 30)) for m in models.values())
     gens = {n: make_generator(params.seed, i, next(models[n].parameters()).device) for i, n in enumerate(names)}
     state: dict = {}
@@ -46,14 +54,16 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     hops = discarded = 0
     span, return_to = None, None
     all_logits = []
-    owner = policy.entry(RequestView(rid, list(prompt_ids), [], "", state, 0, tuple(names)), names) or names[0]
+    owner = policy.entry(RequestView(rid, list(prompt_ids), [], "", state, 0, tuple(names), key), names) or names[0]
 
     def view():
-        return RequestView(rid, list(prompt_ids), list(out), owner, state, hops, tuple(names))
+        return RequestView(rid, list(prompt_ids), list(out), owner, state, hops, tuple(names), key)
 
     def commit(tok) -> str | None:
         out.append(tok)
         who.append(owner)
+        if tok in params.stop_token_ids:
+            return "stop"
         if tok in eos_ids and not params.ignore_eos:
             return "eos"
         if len(out) >= params.max_new_tokens or len(prompt_ids) + len(out) >= max_ctx:
@@ -62,6 +72,7 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
 
     while True:
         logits, hidden = _last(models[owner], list(prompt_ids) + out)
+        logits = logits[:limit]
         all_logits.append(logits)
         tok = int(sample(logits[None], [params], [gens[owner]])[0])
         if span is not None:

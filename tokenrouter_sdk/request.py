@@ -5,6 +5,7 @@ sub-servers (`RequestConfig`), what a policy sees (`RequestView`) and what comes
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +22,13 @@ class SamplingParams:
         seed: per-request seed; the same seed (and the same policy decisions) gives the same
             output. ``None`` draws from fresh entropy.
         stop: strings that end generation when they appear in the output text; the text is
-            cut before the stop string, the tokens are kept in ``token_ids``.
-        ignore_eos: keep generating past the end-of-sequence token.
+            cut before the stop string (which is never streamed), the tokens are kept in
+            ``token_ids``; ``finish_reason == "stop"`` and ``stop_reason`` is the string.
+        stop_token_ids: token ids that end generation (``finish_reason == "stop"``,
+            ``stop_reason`` is the id; the token is in ``token_ids``, not in ``text``). The
+            end-of-sequence ids (the tokenizer's EOS and every model's
+            ``generation_config.eos_token_id``) stop a request without being listed here.
+        ignore_eos: keep generating past the end-of-sequence ids (``stop_token_ids`` still stop).
 
     Raises:
         ValueError: from :meth:`validate`, naming the bad field and the accepted range.
@@ -34,6 +40,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
     def validate(self) -> "SamplingParams":
@@ -49,13 +56,47 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if isinstance(self.stop_token_ids, int):
+            self.stop_token_ids = (self.stop_token_ids,)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def prompt_key(prompt_ids, occurrence: int = 0) -> int:
+    """The default `RequestView.key` of a request: a stable 63-bit hash of its prompt token ids
+    and of ``occurrence`` (how many identical prompts came before it in the same call)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(",".join(str(int(i)) for i in prompt_ids).encode())
+    if occurrence:
+        h.update(f"#{occurrence}".encode())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+@dataclass
+class RequestInput:
+    """One request as the engine takes it (`Engine.submit`).
+
+    Attributes:
+        prompt_ids: prompt token ids, shape [P] (None when ``error`` is set).
+        params: sampling and stopping.
+        prompt: the prompt as the user gave it (kept in the output).
+        key: the user's key for seeded policy randomness (None: derived from the prompt).
+        error: bad input found by the caller: the request ends ``failed`` with it, unrun.
+    """
+
+    prompt_ids: list[int] | None
+    params: SamplingParams
+    prompt: Any = None
+    key: int | str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -68,6 +109,7 @@ class RequestConfig:
         params: sampling and stopping.
         policy_key: which registered policy routes this request.
         eos_ids: token ids that end the request (unless ``params.ignore_eos``).
+        key: the request's key for seeded policy randomness (see `RequestView.key`).
     """
 
     rid: int
@@ -75,6 +117,7 @@ class RequestConfig:
     params: SamplingParams
     policy_key: int
     eos_ids: tuple[int, ...] = ()
+    key: int | str = 0
 
 
 @dataclass
@@ -90,6 +133,11 @@ class RequestView:
         state: per-request policy state (a dict the policy may fill; it travels with handoffs).
         hops: handoffs so far.
         models: all model names, smallest first.
+        key: a key for per-request randomness that does not depend on how many requests the
+            Router served: the user's key for the request (``generate(keys=...)``), else a
+            stable hash of the prompt tokens and of how many identical prompts came before it
+            in the same call. The same call twice, or a prompt alone and in a batch, gives the
+            same key. Seeded policies draw from ``(seed, key)``.
     """
 
     rid: int
@@ -99,6 +147,7 @@ class RequestView:
     state: dict
     hops: int
     models: tuple[str, ...] = ()
+    key: int | str = 0
 
     @property
     def n_generated(self) -> int:
@@ -117,7 +166,10 @@ class RequestOutput:
         token_models: for each committed token, the name of the model that wrote it, shape [n].
         finish_reason: ``"eos"``, ``"length"`` (max_new_tokens or context), ``"stop"``,
             ``"aborted"`` or ``"failed"``.
-        error: why the request failed (``None`` unless ``finish_reason == "failed"``).
+        stop_reason: the stop string or stop token id that ended it (``"stop"``), else None.
+        error: why the request failed or was aborted (None otherwise).
+        traceback: the formatted traceback of a policy error that failed it, else None.
+        index: the request's position in its call.
         hops: handoffs between models.
         discarded: sampled tokens dropped on a handoff (never in ``token_ids``).
         discarded_log: each dropped token as ``(position, token_id, model)``: it was sampled by
@@ -133,7 +185,10 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     token_models: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     error: str | None = None
+    traceback: str | None = None
+    index: int = 0
     hops: int = 0
     discarded: int = 0
     discarded_log: list[tuple[int, int, str]] = field(default_factory=list)
@@ -147,7 +202,8 @@ class RequestOutput:
     def raise_for_error(self) -> "RequestOutput":
         """Raise ``RuntimeError`` with the request's own error if it failed; else return self."""
         if self.finish_reason == "failed":
-            raise RuntimeError(f"request {self.rid} failed: {self.error}")
+            raise RuntimeError(f"request {self.index} failed: {self.error}"
+                               + (f"\n{self.traceback}" if self.traceback else ""))
         return self
 
     def segments(self) -> list[tuple[str, list[int]]]:

@@ -1,34 +1,54 @@
-"""`Router`: the notebook facade over the engine. Synchronous ``generate`` (safe inside Jupyter,
-where an event loop already runs: the engine lives in background threads, nothing here needs
-the caller's loop), ``agenerate`` for ``await``, ``stream``/``astream`` for committed tokens
-as they are written, ``metrics`` of the last run, and ``close`` (idempotent; also a context
-manager, and called when the Router is garbage-collected)."""
+"""`Router`: the notebook facade over the engine.
+
+Synchronous ``generate`` (safe inside Jupyter, where an event loop already runs: the engine
+lives in background threads, nothing here needs the caller's loop), ``agenerate`` for
+``await``, ``stream``/``astream`` for text as it is written, ``abort``, ``metrics`` of a call,
+and ``close`` (idempotent; also a context manager, and called when the Router is
+garbage-collected). Every call is one `tokenrouter_sdk.engine.engine.Call` with its own
+concurrency and events, so calls from several threads do not interfere; leaving a call early
+(an exception, Ctrl-C, a cancelled task, a closed stream) aborts its requests.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Sequence
 
-from .backends.torch_runner import TorchRunner
-from .engine.engine import Engine, RequestHandle
-from .metrics import Metrics, compute_metrics
+from .engine.config import EngineConfig
+from .engine.engine import Call, Engine, RequestHandle
+from .engine.runner import Runner
+from .metrics import Metrics
 from .policy import Policy
-from .request import RequestOutput, SamplingParams
+from .request import RequestInput, RequestOutput, SamplingParams
+
+_SETTINGS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 @dataclass
 class TokenEvent:
-    """One committed token in a stream: id, its decoded text and the model that wrote it."""
+    """One committed token of a stream.
+
+    Attributes:
+        rid: request id.
+        token_id: the token (None only on a last event that carries text held back at the end
+            of an aborted or failed request).
+        text: the text this token made final (may be "": a character split across tokens, or
+            text that may begin a stop string, is held back until it is decided). Joining the
+            ``text`` of every event gives the output's final ``text`` exactly.
+        model: the model that wrote it.
+    """
 
     rid: int
-    token_id: int
+    token_id: int | None
     text: str
-    model: str
+    model: str | None
 
 
 def _shutdown(engine: Engine) -> None:
@@ -40,111 +60,107 @@ class Router:
 
     Args:
         models: name -> model, smallest first (the last one counts as "large" in metrics).
-            A model is a loaded `transformers` causal LM, a ``(model, tokenizer)`` pair, or a
+            A model is a loaded `transformers` causal LM, a ``(model, tokenizer)`` pair, a
             source string (local folder, GGUF file, hub id) resolved by
-            `tokenrouter_sdk.models.load_model`.
-        policy: the default `Policy` (per call, ``generate(policy=...)`` overrides it).
-            None: a base `Policy`, which keeps every request on the first model.
-        tokenizer: the shared tokenizer; required when ``models`` are model objects.
-        max_kv_tokens: KV pool capacity per model, tokens (default 8192; sim: 4M).
-        block_size: tokens per KV block.
-        max_concurrency: requests in flight at most (None = all submitted).
-        max_batch_tokens: tokens fed per step at most, per model.
+            `tokenrouter_sdk.models.load_model`, a ready `tokenrouter_sdk.engine.runner.Runner`,
+            or, with ``backend="sim"``, a `LatencyModel` (or a dict of its fields, or None).
+        policy: the default `Policy` (``generate(policy=...)`` overrides it per call). None: a
+            base `Policy`, which keeps every request on the first model.
+        tokenizer: the shared tokenizer; required when ``models`` are model or runner objects.
+        config: an `EngineConfig`; keyword settings below override its fields.
         dtype, device: used when loading models from source strings.
-        mode: schedule mode, ``"async"`` (default), ``"delayed"``, ``"sync"`` or ``"model_sync"``
-            (see `Engine`).
-        thresholds: delayed batching thresholds B_i per model (``mode="delayed"``), or ``"auto"``:
-            before each `generate`, `tokenrouter_sdk.planner.plan_for_router` picks them with the
-            DTMC throughput model for that call's policy and concurrency (cached per pair).
-        retain_kv: False re-prefills the whole context on every return (baseline).
-        backend: ``"torch"`` (real models) or ``"sim"``: then each model is a
-            `tokenrouter_sdk.backends.sim_runner.LatencyModel` (or a dict of its fields, or None
-            for the default), steps take simulated time, and metrics are in simulated seconds.
-        processes: run each sub-server in its own process (`ProcessTransport`: spawn, pyzmq)
-            instead of a thread of this process. None (default): processes when the Router holds
-            two or more torch models, unless the environment variable ``TOKENROUTER_PROCESSES``
-            says ``0`` (threads) or ``1`` (processes, even for one model). A dict also means
-            processes and passes its items to `ProcessTransport` (``threads``, ``address``).
-            Threads are for debugging with breakpoints and for policies that share state with
-            this process.
-        cuda_graphs: serve decode and short-extend steps from captured CUDA graphs
-            (`TorchRunner` ``cuda_graphs``; torch backend; off by default). It removes the host
-            side of a step (Python and kernel launches), which dominates small models on a GPU.
+        **settings: `EngineConfig` fields: ``mode`` (``"async"``, ``"delayed"``, ``"sync"``,
+            ``"model_sync"``), ``thresholds`` (dict or ``"auto"``), ``retain_kv``,
+            ``max_kv_tokens`` (tokens per model), ``block_size``, ``max_batch_tokens``,
+            ``max_batch_size``, ``max_concurrency``, ``kv_admission``, ``backend`` (``"torch"`` or
+            ``"sim"``), ``processes``, ``cuda_graphs``. See `EngineConfig` for each.
 
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).
-        ValueError: fewer than one model, or duplicate names.
+        ValueError: no model, or a bad setting (names it).
+        TypeError: an unknown keyword (lists the settings).
     """
 
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
-                 max_kv_tokens: int | None = None, block_size: int = 16, max_concurrency: int | None = None,
-                 max_batch_tokens: int = 4096, dtype=None, device: str = "cpu", mode: str = "async",
-                 thresholds: dict[str, int] | str | None = None, retain_kv: bool = True, backend: str = "torch",
-                 processes: bool | dict | None = None, cuda_graphs: bool = False):
-        from .models import check_same_tokenizer, load_model
-        if isinstance(thresholds, str) and thresholds != "auto":
-            raise ValueError(f"thresholds must be a dict of B_i per model or 'auto', got {thresholds!r}")
+                 config: EngineConfig | None = None, dtype=None, device: str = "cpu", **settings):
+        unknown = sorted(set(settings) - _SETTINGS)
+        if unknown:
+            raise TypeError(f"Router got unknown keyword(s) {unknown}; engine settings are {sorted(_SETTINGS)}")
+        config = (config or EngineConfig()).replace(**settings) if settings else (config or EngineConfig())
         if not models:
             raise ValueError("Router needs at least one model, e.g. Router({'small': m1, 'large': m2}, policy)")
-        if backend not in ("torch", "sim"):
-            raise ValueError(f"unknown backend {backend!r}; choose 'torch' or 'sim'")
+        self.config = config
         transport = None
-        if backend == "sim":
+        eos_ids: list[int] = []
+        if config.backend == "sim":
             from .backends.sim_runner import LatencyModel, SimRunner, SimTransport
             from .models import tiny_tokenizer
+            if config.processes:
+                raise ValueError("backend='sim' runs in simulated time in one thread: processes=True is not "
+                                 "available with it")
             self.tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
             vocab = len(self.tokenizer)
             runners = {n: SimRunner(m if isinstance(m, LatencyModel) else LatencyModel(**(m or {})),
-                                    vocab_size=vocab, max_kv_tokens=max_kv_tokens or (1 << 22), block_size=block_size, seed=i)
+                                    vocab_size=vocab, max_kv_tokens=config.max_kv_tokens or (1 << 22),
+                                    block_size=config.block_size, seed=i)
                        for i, (n, m) in enumerate(models.items())}
             self.models = dict(models)
             transport = SimTransport()
-            if processes:
-                raise ValueError("backend='sim' runs in simulated time in one thread: processes=True is not "
-                                 "available with it")
         else:
-            loaded, toks = {}, {}
-            for name, m in models.items():
-                if isinstance(m, tuple):  # (model, its tokenizer)
-                    m, toks[name] = m
-                elif isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
-                    kw = {"device": device} | ({"dtype": dtype} if dtype is not None else {})
-                    m, tok = load_model(m, **kw)
-                    toks[name] = tok
-                elif tokenizer is None:
-                    raise ValueError(f"model '{name}' was given as an object: pass tokenizer=... too")
-                loaded[name] = m
-            self.tokenizer = tokenizer if tokenizer is not None else next(iter(toks.values()))
-            names = list(loaded)
-            for name in names:
-                check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else names[0],
-                                     toks.get(name, self.tokenizer), name)
-            self.models = loaded
-            runners = {n: TorchRunner(m, max_kv_tokens=max_kv_tokens or 8192, block_size=block_size,
-                                      cuda_graphs=cuda_graphs)
-                       for n, m in loaded.items()}
-            if cuda_graphs and any(r.device.type != "cuda" for r in runners.values()):
-                warnings.warn("cuda_graphs=True with a model that is not on a CUDA device: its steps run the "
-                              "fixed-shape path without capture (what the tests check), which pads batches and "
-                              "is slower than the default; move the models to a GPU or leave cuda_graphs off",
-                              UserWarning, stacklevel=2)
+            runners, eos_ids = self._build_runners(models, tokenizer, config, dtype, device)
+            processes = config.processes
             if processes is None:
                 env = os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower()
+                torch_models = sum(not isinstance(m, Runner) for m in models.values())
                 processes = {"0": False, "false": False, "no": False, "off": False,
-                             "1": True, "true": True, "yes": True, "on": True}.get(env, len(loaded) >= 2)
+                             "1": True, "true": True, "yes": True, "on": True}.get(env, torch_models >= 2)
             if isinstance(processes, dict) or processes:
                 from .engine.process_transport import ProcessTransport
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
         self.policy = policy if policy is not None else Policy()
-        self.engine = Engine(runners, self.tokenizer, max_concurrency=max_concurrency,
-                             max_batch_tokens=max_batch_tokens, mode=mode,
-                             thresholds=None if isinstance(thresholds, str) else thresholds,
-                             retain_kv=retain_kv, transport=transport)
-        self.max_context = min(r.max_context for r in runners.values())
-        self._last_rids: set[int] = set()
-        self.last_run = None  # the RunResult of the last generate/agenerate call
-        self._auto_thresholds, self._plans = thresholds == "auto", {}
+        self.engine = Engine(runners, self.tokenizer, config, transport=transport, eos_ids=eos_ids)
+        self.max_context = self.engine.max_context
+        self._local = threading.local()
+        self._plans: dict = {}
+        self._markers: tuple[str, ...] | None = None
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
+
+    def _build_runners(self, models: dict, tokenizer, config: EngineConfig, dtype, device):
+        from .backends.torch_runner import TorchRunner
+        from .models import check_same_tokenizer, load_model
+        loaded, toks, runners, eos = {}, {}, {}, []
+        for name, m in models.items():
+            if isinstance(m, Runner):
+                runners[name] = m
+                eos += list(getattr(m, "eos_token_ids", ()) or ())
+                continue
+            if isinstance(m, tuple):  # (model, its tokenizer)
+                m, toks[name] = m
+            elif isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
+                kw = {"device": device} | ({"dtype": dtype} if dtype is not None else {})
+                m, toks[name] = load_model(m, **kw)
+            elif tokenizer is None:
+                raise ValueError(f"model '{name}' was given as an object: pass tokenizer=... too")
+            loaded[name] = m
+        if tokenizer is None and not toks:
+            raise ValueError("the models were given as runner objects: pass tokenizer=... too")
+        self.tokenizer = tokenizer if tokenizer is not None else next(iter(toks.values()))
+        for name in loaded:
+            check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else next(iter(loaded)),
+                                 toks.get(name, self.tokenizer), name)
+        for name, m in loaded.items():
+            runners[name] = TorchRunner(m, max_kv_tokens=config.max_kv_tokens or 8192, block_size=config.block_size,
+                                        cuda_graphs=config.cuda_graphs)
+            gen_eos = getattr(getattr(m, "generation_config", None), "eos_token_id", None)
+            eos += list(gen_eos) if isinstance(gen_eos, (list, tuple)) else ([gen_eos] if gen_eos is not None else [])
+        if config.cuda_graphs and any(getattr(r, "device", None) is not None and r.device.type != "cuda"
+                                      for r in runners.values() if isinstance(r, TorchRunner)):
+            warnings.warn("cuda_graphs=True with a model that is not on a CUDA device: its steps run the "
+                          "fixed-shape path without capture (what the tests check), which pads batches and "
+                          "is slower than the default; move the models to a GPU or leave cuda_graphs off",
+                          UserWarning, stacklevel=3)
+        self.models = {n: loaded.get(n, runners[n]) for n in models}
+        return {n: runners[n] for n in models}, [int(i) for i in eos]
 
     @classmethod
     def default(cls, policy: Policy | None = None, *, small_layers: int | None = None, draft=None, dtype=None,
@@ -161,22 +177,55 @@ class Router:
         return cls({"small": small, "large": large}, policy, tokenizer=tok, **kwargs)
 
     # -- prompts --------------------------------------------------------------------------
+    def _template_markers(self) -> tuple[str, ...]:
+        """Special tokens the chat template writes (e.g. ``<|im_start|>``): a string holding one
+        of them is already templated."""
+        if self._markers is None:
+            tok, found = self.tokenizer, ()
+            if getattr(tok, "chat_template", None):
+                try:
+                    shown = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                                    tokenize=False)
+                    specials = set(getattr(tok, "all_special_tokens", []) or [])
+                    specials |= {str(t) for t in getattr(tok, "added_tokens_decoder", {}).values()
+                                 if getattr(t, "special", False)}
+                    found = tuple(sorted(s for s in specials if s and s in shown))
+                except Exception:  # noqa: BLE001 - a template that cannot render: no detection
+                    found = ()
+            self._markers = found
+        return self._markers
+
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
-        """Token ids of a prompt: a string (chat template applied when the tokenizer has one and
-        ``chat`` is not False), a list of chat messages, or a list of token ids."""
+        """Token ids of a prompt.
+
+        Args:
+            prompt: a string, a list of chat messages (``{"role", "content"}`` dicts) or a list
+                of token ids (used as is).
+            chat: apply the chat template to a string. None (default): when the tokenizer has
+                one and the string does not already hold the template's special tokens (a
+                string rendered with the template is encoded as it is, so it never gets a
+                second template or a second BOS).
+
+        Raises:
+            TypeError: ``prompt`` is none of these.
+        """
         tok = self.tokenizer
         if isinstance(prompt, str):
             if chat is None:
-                chat = bool(getattr(tok, "chat_template", None))
-            if chat:
-                prompt = [{"role": "user", "content": prompt}]
-            else:
+                chat = bool(getattr(tok, "chat_template", None)) and not any(m in prompt for m in
+                                                                              self._template_markers())
+            if not chat:
                 return list(tok.encode(prompt, add_special_tokens=False))
+            prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            return [int(i) for i in ids]
+            ids = [int(i) for i in ids]
+            bos = getattr(tok, "bos_token_id", None)
+            if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+                ids = ids[1:]
+            return ids
         if isinstance(prompt, (list, tuple)):
             return [int(i) for i in prompt]
         raise TypeError(f"a prompt must be a str, a list of chat messages or a list of token ids, "
@@ -191,7 +240,7 @@ class Router:
             return None, f"the prompt could not be tokenized: {type(e).__name__}: {e}"
         if not ids:
             return None, "the prompt is empty: give at least one token"
-        vocab = min(r.vocab_size for r in self.engine.runners.values())
+        vocab = self.engine.vocab_limit
         if any(i < 0 or i >= vocab for i in ids):
             return None, f"the prompt has token ids outside the vocabulary [0, {vocab})"
         if len(ids) >= self.max_context:
@@ -203,115 +252,144 @@ class Router:
         if sampling is None:
             p = SamplingParams(**kw).validate()  # a bad global argument raises at once
             return [p] * n
+        if kw:
+            raise TypeError(f"pass sampling keywords {sorted(kw)} or sampling=..., not both")
         if isinstance(sampling, SamplingParams):
             return [sampling.validate()] * n
         if len(sampling) != n:
             raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts")
         return list(sampling)
 
-    def submit(self, prompts: Sequence, *, sampling=None, policy: Policy | None = None, chat: bool | None = None,
-               **kw) -> list[RequestHandle]:
-        """Submit prompts without waiting; returns handles (``handle.done``, ``handle.output``).
-        Keyword arguments are `SamplingParams` fields (max_new_tokens, temperature, top_p,
-        top_k, seed, stop, ignore_eos)."""
+    def requests(self, prompts: Sequence, *, sampling=None, chat: bool | None = None, keys=None,
+                 **kw) -> list[RequestInput]:
+        """The engine's inputs for ``prompts``: encoded and checked (a bad prompt or bad sampling
+        value gives an input with its ``error``, which fails that request alone)."""
         params = self._params(len(prompts), sampling, kw)
-        pol = policy if policy is not None else self.policy
-        checked = []
-        for prompt, p in zip(prompts, params):
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(f"got {len(keys)} keys for {len(prompts)} prompts")
+        out = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
             ids, err = self._check_prompt(prompt, chat)
             if err is None:
                 try:
                     p.validate()
                 except ValueError as e:
                     err = str(e)
-            checked.append((prompt, ids, p, err))
-        self.engine.register_policy(pol, refresh=True)
-        with self.engine._lock:
-            start = len(self.engine.trace)  # this call's events all come after it (`_result` scans from here)
-        with self.engine.transport.hold():
-            handles = [self.engine.submit(ids, p, pol, prompt=prompt, error=err) for prompt, ids, p, err in checked]
-        for h in handles:
-            h.trace_start = start
-        self._last_rids = {h.rid for h in handles}
-        return handles
+            out.append(RequestInput(ids, p, prompt, None if keys is None else keys[i], err))
+        return out
 
-    # -- generation -----------------------------------------------------------------------
+    # -- calls ------------------------------------------------------------------------------
+    def submit(self, prompts: Sequence, *, sampling=None, policy: Policy | None = None, chat: bool | None = None,
+               concurrency: int | None = None, keys=None, listener=None, **kw) -> Call:
+        """Submit prompts without waiting; returns the `Call` (a sequence of `RequestHandle`:
+        ``handle.done``, ``handle.output``, ``handle.abort()``; ``call.wait()``). Keyword
+        arguments are `SamplingParams` fields (max_new_tokens, temperature, top_p, top_k, seed,
+        stop, stop_token_ids, ignore_eos); ``keys`` give each request's `RequestView.key`.
+
+        Raises:
+            ValueError: a bad sampling argument, before anything runs.
+            EngineDeadError: a sub-server died (names it); build a new Router.
+        """
+        pol = policy if policy is not None else self.policy
+        reqs = self.requests(prompts, sampling=sampling, chat=chat, keys=keys, **kw)
+        n = len(reqs) if concurrency is None else min(len(reqs), concurrency)
+        if self.config.max_concurrency is not None:
+            n = min(n, self.config.max_concurrency)
+        if self.config.auto_thresholds and self.config.mode == "delayed" and reqs:
+            self._plan(pol, n)
+        self.engine.check_thresholds(max(n, 1))
+        call = self.engine.submit(reqs, pol, concurrency=concurrency, listener=listener)
+        self._local.call = call
+        return call
+
     def generate(self, prompts, *, sampling=None, policy: Policy | None = None, concurrency: int | None = None,
                  chat: bool | None = None, timeout: float | None = None, progress: bool = False,
-                 live: bool | str = False, **kw) -> list[RequestOutput] | RequestOutput:
+                 live: bool | str = False, keys=None, **kw) -> list[RequestOutput] | RequestOutput:
         """Generate answers; blocks until every request ends.
 
         Args:
             prompts: a prompt or a list of prompts (str, chat messages, or token ids).
             sampling: one `SamplingParams` or one per prompt; else ``**kw`` builds one
-                (max_new_tokens=64, temperature=0.0 (greedy), top_p, top_k, seed, stop, ignore_eos).
+                (max_new_tokens=64, temperature=0.0 (greedy), top_p, top_k, seed, stop,
+                stop_token_ids, ignore_eos).
             policy: overrides the Router's policy for these requests.
-            concurrency: requests in flight at most for this call.
-            chat: apply the chat template to string prompts (default: when the tokenizer has one).
-            timeout: seconds to wait at most (TimeoutError after; requests are aborted).
+            concurrency: requests of this call in flight at most.
+            chat: apply the chat template to string prompts (see `encode`).
+            timeout: seconds to wait at most (TimeoutError after; the requests are aborted).
             progress: show a tqdm progress bar of finished requests.
-            live: draw the run while it runs (`tokenrouter_sdk.viz.LiveView`, about four redraws
-                per second): in a notebook, the answers as written with tokens coloured by model
-                (discarded tokens on a toggle), a per-request owner/pending timeline, per-model
-                batch size and queue length, and a stats line (committed tokens/s, hop rate, large
-                fraction); elsewhere a tqdm bar and a final text summary. ``"widget"`` or
-                ``"text"`` picks one; True picks by environment.
+            live: draw the run while it runs (`tokenrouter_sdk.viz.LiveView`): in a notebook,
+                the answers as written with tokens coloured by model, a per-request timeline
+                and per-model batch/queue series, and a stats line; elsewhere a tqdm bar and a
+                text summary. ``"widget"`` or ``"text"`` picks one; True picks by environment.
+            keys: per prompt, a key for seeded policy randomness (`RequestView.key`).
 
         Returns:
             one `RequestOutput` per prompt, in order, as a `tokenrouter_sdk.viz.RunResult` (a
-            ``list`` with ``show()``, ``timeline()``, ``to_html()``); a single `RequestOutput`
-            for a single prompt (its run is in ``router.last_run``). A bad prompt gives an output
-            with ``finish_reason == "failed"`` and its ``error``; the others run normally.
+            ``list`` with ``show()``, ``timeline()``, ``metrics()``); a single `RequestOutput`
+            for a single prompt (its run is in ``router.last_run``). A bad prompt gives an
+            output with ``finish_reason == "failed"`` and its ``error``; the others run.
 
         Raises:
             ValueError: a bad sampling argument (e.g. ``max_new_tokens <= 0``), before anything runs.
+            TimeoutError: ``timeout`` passed (the call's requests were aborted).
+            KeyboardInterrupt: the call was interrupted (its requests were aborted).
         """
         single, plist = self._as_list(prompts)
-        old = self.engine.max_concurrency
+        call = self.submit(plist, sampling=sampling, policy=policy, chat=chat, concurrency=concurrency, keys=keys, **kw)
+        bar = view = None
         try:
-            handles = self._submit_call(plist, policy, concurrency, sampling=sampling, chat=chat, **kw)
-            bar = view = None
             if live:
                 from .viz.live import LiveView
-                view = LiveView(self, handles, kind="auto" if live is True else live)
-            elif progress:
-                from tqdm.auto import tqdm
-                bar = tqdm(total=len(handles), desc="requests")
-            try:
-                if view is not None:
-                    view.wait(timeout=timeout)
-                for h in handles:
-                    self.engine.wait([h], timeout=timeout)
-                    if bar is not None:
-                        bar.update(1)
-            except TimeoutError:
-                for h in handles:
-                    self.engine.abort(h.rid, "timed out")
-                raise
-            finally:
-                if bar is not None:
-                    bar.close()
-                if view is not None:
-                    view.close()
+                view = LiveView(self, call, kind="auto" if live is True else live)
+                view.wait(timeout=timeout)
+            else:
+                if progress:
+                    from tqdm.auto import tqdm
+                    bar = tqdm(total=len(call), desc="requests")
+                self._wait(call, timeout, bar)
+        except TimeoutError:
+            call.abort("timed out")
+            self._result(call, warn=False)
+            raise
+        except BaseException:
+            call.abort("the call was interrupted")
+            self._result(call, warn=False)
+            raise
         finally:
-            self.engine.max_concurrency = old
-        outs = self._result(handles)
+            if bar is not None:
+                bar.close()
+            if view is not None:
+                view.close()
+        outs = self._result(call)
         return outs[0] if single else outs
 
-    def _result(self, handles: list[RequestHandle]):
-        """The call's outputs as a `RunResult` holding its slice of the trace; kept in
-        ``self.last_run``."""
+    def _wait(self, call: Call, timeout: float | None, bar=None) -> None:
+        if bar is None:
+            call.wait(timeout)
+            return
+        import time
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for h in call:
+            while not h.done.wait(0.25):
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise TimeoutError(f"request {h.output.index} did not finish within {timeout} s")
+                self.engine.check_alive()
+            bar.update(1)
+
+    def _result(self, call: Call, warn: bool = True):
+        """The call's outputs as a `RunResult` holding its events; kept in ``last_run`` (also for
+        a call left early: its partial outputs). Warns once when requests failed, with the
+        first error."""
         from .viz.result import RunResult
-        rids = {h.rid for h in handles}
-        with self.engine._lock:
-            trace = self.engine.trace
-            lo = min((h.trace_start for h in handles), default=0)
-            start = next((i for i in range(lo, len(trace)) if trace[i][0] == "admit" and trace[i][1] in rids),
-                         len(trace))
-            window = [ev for ev in trace[start:] if ev[0] == "step" or ev[1] in rids]
-        self.last_run = RunResult([h.output for h in handles], window, list(self.models), self.tokenizer,
-                                  {h.rid: h.entry for h in handles})
-        return self.last_run
+        failed = [o for o in call.outputs if o.finish_reason == "failed"]
+        if failed and warn:
+            warnings.warn(f"{len(failed)} of {len(call)} requests failed; request {failed[0].index}: "
+                          f"{failed[0].error} (each output's .error and .traceback say why)", RuntimeWarning,
+                          stacklevel=3)
+        run = RunResult(call.outputs, call.events, list(self.models), self.tokenizer,
+                        {h.rid: h.entry for h in call})
+        self._local.last_run = run
+        return run
 
     @staticmethod
     def _as_list(prompts) -> tuple[bool, list]:
@@ -320,78 +398,88 @@ class Router:
                                               and isinstance(prompts[0], (int, dict)))
         return single, [prompts] if single else list(prompts)
 
-    def _submit_call(self, plist: list, policy, concurrency, **kw) -> list[RequestHandle]:
-        """Per-call set-up shared by `generate` and `agenerate`: concurrency, delayed batching
-        thresholds (planned when ``thresholds="auto"``, checked for feasibility), submission."""
-        if concurrency is not None:
-            self.engine.max_concurrency = concurrency
-        n = len(plist) if self.engine.max_concurrency is None else min(len(plist), self.engine.max_concurrency)
-        if self._auto_thresholds and self.engine.mode == "delayed":
-            self._plan(policy if policy is not None else self.policy, n)
-        self.engine.check_thresholds(n)
-        return self.submit(plist, policy=policy, **kw)
-
     async def agenerate(self, prompts, *, policy: Policy | None = None, concurrency: int | None = None,
                         **kw) -> list[RequestOutput] | RequestOutput:
-        """``await``-able `generate` (same arguments except ``timeout`` and ``progress``); does
-        not block the event loop: each request's end resolves a future on the caller's loop."""
+        """``await``-able `generate` (same arguments except ``timeout``, ``progress`` and
+        ``live``); does not block the event loop. Cancelling the task aborts its requests."""
         single, plist = self._as_list(prompts)
-        loop = asyncio.get_running_loop()
-        old = self.engine.max_concurrency
+        call = self.submit(plist, policy=policy, concurrency=concurrency, **kw)
         try:
-            handles = self._submit_call(plist, policy, concurrency, **kw)
-            def resolver(fut):
-                def on_event(kind, ev):
-                    if kind == "finish":
-                        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
-                return on_event
-
-            futures = []
-            for h in handles:
-                fut = loop.create_future()
-                with self.engine._lock:
-                    if h.done.is_set():
-                        fut.set_result(None)
-                    else:
-                        h.listeners.append(resolver(fut))
-                futures.append(fut)
-            await asyncio.gather(*futures)
-        finally:
-            self.engine.max_concurrency = old
-        outs = self._result(handles)
+            await call.wait_async()
+        except BaseException:
+            call.abort("the task was cancelled")
+            self._result(call, warn=False)
+            raise
+        outs = self._result(call)
         return outs[0] if single else outs
 
     def stream(self, prompt, **kw) -> Iterator[TokenEvent]:
-        """Yield each committed token of one prompt as it is written (`TokenEvent`); the final
-        `RequestOutput` is then in ``router.last_output``."""
+        """Yield each committed token of one prompt as it is written (`TokenEvent`); joining the
+        events' ``text`` gives the final text. Closing the iterator early (``break``, ``close``)
+        aborts the request. The final `RequestOutput` is then in ``router.last_output``.
+        Keyword arguments as for `submit`."""
         q: queue.Queue = queue.Queue()
-        handles = self.submit([prompt], **kw)
-        h = handles[0]
-        with self.engine._lock:
-            h.listeners.append(lambda kind, ev: q.put((kind, ev)))
-            backlog = list(zip(h.output.token_ids, h.output.token_models))
-            done = h.done.is_set()
-        for tok, m in backlog:
-            yield TokenEvent(h.rid, tok, self.tokenizer.decode([tok]), m)
-        while not done:
-            kind, ev = q.get()
-            if kind == "tokens":
-                for tok in ev.tokens:
-                    yield TokenEvent(h.rid, tok, self.tokenizer.decode([tok]), ev.model)
-            elif kind == "finish":
-                done = True
-        self.last_output = h.output
+        call = self.submit([prompt], listener=lambda kind, h, payload: q.put((kind, payload)), **kw)
+        h = call[0]
+        try:
+            while True:
+                try:
+                    kind, payload = q.get(timeout=0.25)
+                except queue.Empty:
+                    self.engine.check_alive()
+                    continue
+                if kind == "tokens":
+                    ev, piece = payload
+                    for j, tok in enumerate(ev.tokens):
+                        yield TokenEvent(h.rid, tok, piece if j == len(ev.tokens) - 1 else "", ev.model)
+                elif kind == "finish":
+                    if payload:
+                        yield TokenEvent(h.rid, None, payload, None)
+                    return
+        finally:
+            if not h.done.is_set():
+                call.abort("the stream was closed")
+            self._local.last_output = h.output
 
     async def astream(self, prompt, **kw) -> AsyncIterator[TokenEvent]:
-        """Async form of `stream`."""
+        """Async form of `stream`; cancelling the consuming task or closing the iterator aborts
+        the request."""
         loop = asyncio.get_running_loop()
-        it = self.stream(prompt, **kw)
-        sentinel = object()
-        while True:
-            ev = await loop.run_in_executor(None, next, it, sentinel)
-            if ev is sentinel:
-                return
-            yield ev
+        q: asyncio.Queue = asyncio.Queue()
+
+        def listener(kind, h, payload):
+            loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
+        call = self.submit([prompt], listener=listener, **kw)
+        h = call[0]
+        try:
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(q.get(), 1.0)
+                except asyncio.TimeoutError:
+                    self.engine.check_alive()
+                    continue
+                if kind == "tokens":
+                    ev, piece = payload
+                    for j, tok in enumerate(ev.tokens):
+                        yield TokenEvent(h.rid, tok, piece if j == len(ev.tokens) - 1 else "", ev.model)
+                elif kind == "finish":
+                    if payload:
+                        yield TokenEvent(h.rid, None, payload, None)
+                    return
+        finally:
+            if not h.done.is_set():
+                call.abort("the stream was closed")
+            self._local.last_output = h.output
+
+    def abort(self, target, reason: str = "aborted by the user") -> None:
+        """Abort a request or a whole call: ``target`` is a `RequestHandle`, a `Call`, a
+        `RequestOutput` or a request id. The request ends ``aborted`` at once (nothing is
+        committed afterwards) and its KV is freed on every model at their next step."""
+        if isinstance(target, Call):
+            target.abort(reason)
+            return
+        rid = target.rid if isinstance(target, (RequestHandle, RequestOutput)) else int(target)
+        self.engine.abort(rid, reason)
 
     def _plan(self, policy, n: int) -> None:
         key = (id(policy), n)
@@ -402,7 +490,7 @@ class Router:
 
     def set_thresholds(self, thresholds: dict[str, int]) -> None:
         """Set delayed batching thresholds B_i per model (``mode="delayed"``); checked against the
-        concurrency of each later `generate` (sum_i (B_i - 1) < N).
+        concurrency of each later call (sum_i (B_i - 1) < N).
 
         Raises:
             ValueError: a threshold below 1 or an unknown model name.
@@ -410,30 +498,52 @@ class Router:
         self.engine.set_thresholds(thresholds)
 
     # -- results --------------------------------------------------------------------------
-    def metrics(self) -> Metrics:
-        """`Metrics` of the requests of the last `generate`/`submit` call."""
+    @property
+    def last_run(self):
+        """The `RunResult` of this thread's last `generate`/`agenerate` call (None before)."""
+        return getattr(self._local, "last_run", None)
+
+    @last_run.setter
+    def last_run(self, value) -> None:
+        self._local.last_run = value
+
+    @property
+    def last_output(self) -> RequestOutput | None:
+        """The `RequestOutput` of this thread's last `stream`/`astream`."""
+        return getattr(self._local, "last_output", None)
+
+    def metrics(self, run=None) -> Metrics:
+        """`Metrics` of a call: ``run`` (a `RunResult` or `Call`), else this thread's last call."""
+        if run is None:
+            run = getattr(self._local, "call", None)
+            if run is None:
+                return Metrics()
+        return run.metrics()
+
+    @property
+    def trace(self) -> list:
+        """The events of this thread's last call (`tokenrouter_sdk.engine.messages` events)."""
+        call = getattr(self._local, "call", None)
+        if call is None:
+            return []
         with self.engine._lock:
-            trace = list(self.engine.trace)
-        return compute_metrics(trace, self._last_rids, list(self.models))
+            return list(call.events)
 
     def kv_stats(self, timeout: float = 10.0) -> dict:
         """Per model, its KV pool and requests now: a `tokenrouter_sdk.engine.messages.Stats` with
         ``free_blocks``, ``num_blocks``, ``block_size`` (tokens per block), ``owned`` (requests
-        ready to step there) and ``pending`` (handed off, KV kept). Sub-servers in processes answer
-        a message; releases of just-finished requests may still be on their way.
+        ready to step there), ``pending`` (handed off, KV kept), ``running_blocks`` and
+        ``pending_blocks`` (blocks they hold), and ``alive``. Sub-servers in processes answer a
+        message; releases of just-finished requests may still be on their way.
 
         Raises:
-            TimeoutError: a sub-server did not answer within ``timeout`` seconds.
+            TimeoutError: a live sub-server did not answer within ``timeout`` seconds.
             RuntimeError: the Router is closed.
         """
         return self.engine.kv_stats(timeout)
 
-    @property
-    def trace(self) -> list:
-        return self.engine.trace
-
     def close(self) -> None:
-        """Stop the engine's threads and free the KV pools. Idempotent."""
+        """Stop the engine's threads and processes and free the KV pools. Idempotent."""
         self._finalizer()
 
     @property

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from tokenrouter_sdk import Router, SamplingParams
+from tokenrouter_sdk.engine.messages import Admitted, Finished, StepDone
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 
@@ -16,7 +17,7 @@ MODES = [("async", {}), ("delayed", {"small": 3, "large": 2}), ("sync", {}), ("m
 
 
 def steps_of(trace):
-    return [ev[1] for ev in trace if ev[0] == "step"]
+    return [ev for ev in trace if isinstance(ev, StepDone)]
 
 
 @pytest.mark.parametrize("mode,thresholds", MODES, ids=[m for m, _ in MODES])
@@ -61,12 +62,12 @@ def test_delayed_batches_reach_threshold_until_the_tail(pair, tok):
     assert all(o.finish_reason == "length" for o in outs)
     inflight, small_batches = 0, []
     for ev in trace:  # replay: a step below threshold is allowed only when the tail rule applies
-        if ev[0] == "admit":
+        if isinstance(ev, Admitted):
             inflight += 1
-        elif ev[0] == "finish":
+        elif isinstance(ev, Finished):
             inflight -= 1
-        elif ev[0] == "step":
-            s = ev[1]
+        elif isinstance(ev, StepDone):
+            s = ev
             if s.batch_size < th[s.model]:
                 assert inflight <= sum(b - 1 for b in th.values()) + 1, (s.model, s.batch_size, inflight)
             if s.model == "small":

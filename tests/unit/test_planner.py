@@ -7,6 +7,7 @@ import pytest
 
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
+from tokenrouter_sdk.engine.messages import Committed, StepDone
 from tokenrouter_sdk.planner import (Plan, StateSpaceTooLarge, _gmres_stationary, dtmc_throughput,
                                      estimate_extra_tokens, estimate_keep, estimate_routing, feasible_thresholds,
                                      plan_from_trace, plan_thresholds, profile_latency)
@@ -206,9 +207,11 @@ def test_plan_for_a_sim_router_analytic_and_pilot():
         assert router_latency(r) == LAT
         th = plan_for_router(r, RandomRouting(0.1), 8)
         assert set(th) == {"small", "large"} and sum(b - 1 for b in th.values()) < 8
-        n_trace = len(r.trace)
+        seen: list = []
+        stop = r.engine.add_observer(seen.append)
         plan = plan_router(r, CoinFlip(0.2, seed=3), 6, pilot_tokens=48)
-        assert len(r.trace) > n_trace  # a pilot ran on the router
+        stop()
+        assert any(isinstance(ev, Committed) for ev in seen)  # a pilot ran on the router
         assert r.engine.thresholds == {"small": 3, "large": 2}  # and the thresholds came back
         assert sum(b - 1 for b in plan.thresholds.values()) < 6 and plan.predicted_tok_s > 0
 
@@ -252,8 +255,8 @@ def test_analytic_plan_adds_the_measured_step_overhead_once_the_router_has_histo
     with Router(pair, pol, tokenizer=tok, processes=False) as r:
         fresh = plan_router(r, pol, 4, latency=lat)
         r.generate(mixed_prompts(8, seed=3), max_new_tokens=24, ignore_eos=True, concurrency=4)
-        steps = [ev for ev in r.trace[-HISTORY_EVENTS:] if ev[0] == "step"]
-        assert min(sum(ev[1].model == m for ev in steps) for m in ("small", "large")) >= 20
+        steps = [ev for ev in list(r.engine.recent)[-HISTORY_EVENTS:] if isinstance(ev, StepDone)]
+        assert min(sum(ev.model == m for ev in steps) for m in ("small", "large")) >= 20
         over = estimate_step_overhead(steps, ["small", "large"])
         assert all(v > 0 for v in over.values())
         later = plan_router(r, pol, 4, latency=lat)

@@ -14,9 +14,15 @@ from tokenrouter_sdk.policies.heads import HeadMissingError, save_head
 from tokenrouter_sdk.policies.query_level import (QueryHead, QueryRouter, RandomQueryRouting, load_query_head,
                                                   save_query_head)
 from tokenrouter_sdk.reference import reference_generate
-from tokenrouter_sdk.request import RequestView
+from tokenrouter_sdk.policy import request_rng
+from tokenrouter_sdk.request import RequestView, prompt_key
 
 from ..conftest import mixed_prompts
+
+
+def view_of(o):
+    """The `RequestView` key a policy saw for output ``o`` (the default key of a unique prompt)."""
+    return RequestView(o.rid, list(o.prompt), [], "", {}, 0, (), prompt_key(o.prompt))
 
 MODELS = ("small", "large")
 N_NEW = 24
@@ -200,13 +206,13 @@ def test_ensemble_defaults_and_validation(trio, tok):
 
 
 def test_ensemble_draws_every_writer(trio, tok):
-    """Writer of position i = the (i+1)-th draw of Random(seed * 1_000_003 + rid); tokens kept."""
+    """Writer of position i = the (i+1)-th draw of the request's `request_rng`; tokens kept."""
     w = {"s": 0.5, "m": 0.3, "l": 0.2}
     with Router(trio, TokenEnsemble(w, seed=7), tokenizer=tok) as r:
         outs = r.generate(mixed_prompts(8, seed=3), max_new_tokens=30, ignore_eos=True)
     counts = dict.fromkeys(w, 0)
     for o in outs:
-        rng = random.Random(7 * 1_000_003 + o.rid)
+        rng = request_rng(7, view_of(o))
         want = [rng.choices(list(w), weights=list(w.values()))[0] for _ in range(30)]
         assert o.token_models == want
         assert o.discarded == 0 and o.hops == sum(a != b for a, b in zip(want, want[1:]))
@@ -293,7 +299,7 @@ def test_random_query_routing_enters_on_the_chosen_model(pair, tok):
     with Router(pair, tokenizer=tok) as r:
         outs = r.generate(prompts, max_new_tokens=6, ignore_eos=True, policy=RandomQueryRouting(0.4, seed=5))
         for o in outs:
-            large = random.Random(5 * 1_000_003 + o.rid).random() < 0.4
+            large = request_rng(5, view_of(o)).random() < 0.4
             assert o.token_models == ["large" if large else "small"] * 6 and o.hops == o.discarded == 0
         assert len({o.token_models[0] for o in outs}) == 2
     for p, idle in ((1.0, "small"), (0.0, "large")):  # the other model never runs, not even a prefill

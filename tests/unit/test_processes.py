@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tokenrouter_sdk import Handoff, Policy, Router, SamplingParams
+from tokenrouter_sdk.engine.engine import EngineDeadError
+from tokenrouter_sdk.engine.messages import Admitted, Committed, Finished
 from tokenrouter_sdk.engine.process_transport import ProcessTransport
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
@@ -99,9 +101,9 @@ def test_equivalence_through_processes(routers, pair, mode, policy):
     # children stamp events with the same system-wide clock as the engine
     trace, now = list(r.trace), time.perf_counter()
     for o in outs:
-        admit = next(ev[2] for ev in trace if ev[0] == "admit" and ev[1] == o.rid)
-        commits = [ev[4] for ev in trace if ev[0] == "commit" and ev[1] == o.rid]
-        finish = next(ev[3] for ev in trace if ev[0] == "finish" and ev[1] == o.rid)
+        admit = next(ev.t for ev in trace if isinstance(ev, Admitted) and ev.rid == o.rid)
+        commits = [ev.t for ev in trace if isinstance(ev, Committed) and ev.rid == o.rid]
+        finish = next(ev.t for ev in trace if isinstance(ev, Finished) and ev.rid == o.rid)
         assert admit < commits[0] <= commits[-1] <= finish <= now
 
 
@@ -162,7 +164,7 @@ def test_policy_the_children_cannot_load_fails_only_its_requests(routers, tmp_pa
     r = routers["async"]
     bad = r.submit(mixed_prompts(2), policy=ParentOnly(), max_new_tokens=4)
     good = r.generate(mixed_prompts(3), max_new_tokens=4, ignore_eos=True, timeout=60)
-    r.engine.wait(bad, timeout=60)
+    bad.wait(timeout=60)
     assert all(o.finish_reason == "length" for o in good)
     for h in bad:
         assert h.output.finish_reason == "failed"
@@ -230,14 +232,15 @@ def test_killed_subserver_fails_its_requests_and_close_ends_the_rest(routers):
             time.sleep(0.02)
         os.kill(pids["small"], signal.SIGKILL)
         t0 = time.monotonic()
-        r.engine.wait(handles, timeout=30)
+        handles.wait(timeout=30)
         assert time.monotonic() - t0 < 10
         for h in handles:
             assert h.output.finish_reason == "failed"
             assert "sub-server process 'small' died" in h.output.error and "SIGKILL" in h.output.error
         assert not tr.alive("small") and tr.alive("large")
-        later = r.generate(mixed_prompts(2), max_new_tokens=4, timeout=30)  # fails fast, never hangs
-        assert all(o.finish_reason == "failed" for o in later)
+        with pytest.raises(EngineDeadError, match="model 'small'.*died"):  # a later call: a clear error at once
+            r.generate(mixed_prompts(2), max_new_tokens=4, timeout=30)
+        assert r.kv_stats(timeout=30)["small"].alive is False
     finally:
         r.close()
     r.close()  # idempotent

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from tokenrouter_sdk import Handoff, Policy, Router, SamplingParams
+from tokenrouter_sdk.engine.messages import Admitted, Finished, StepDone
 from tokenrouter_sdk.policies import LargeOnly, RandomRouting, RStitch
 from tokenrouter_sdk.reference import reference_generate
 
@@ -77,7 +78,7 @@ def test_agenerate_and_generate_inside_running_loop(pair, tok):
     """Jupyter runs an event loop in the kernel thread: generate must still work there."""
     async def main(r):
         a = await r.agenerate(PROMPTS, max_new_tokens=8, ignore_eos=True, concurrency=2)
-        assert r.engine.max_concurrency is None  # the per-call concurrency does not stick
+        assert r.engine.config.max_concurrency is None  # the per-call concurrency does not stick
         b = r.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)  # sync call while a loop runs
         s = [e async for e in r.astream(PROMPTS[0], max_new_tokens=8, ignore_eos=True)]
         return a, b, s
@@ -86,9 +87,9 @@ def test_agenerate_and_generate_inside_running_loop(pair, tok):
         a, b, s = asyncio.run(main(r))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [e.token_id for e in s] == a[0].token_ids
-    admits = [ev for ev in r.trace if ev[0] == "admit"][:len(PROMPTS)]
-    finishes = [ev for ev in r.trace if ev[0] == "finish"]
-    assert admits[2][2] >= finishes[0][3]  # concurrency=2: the third request waited for a finish
+    admits = [ev for ev in a.trace if isinstance(ev, Admitted)]
+    finishes = [ev for ev in a.trace if isinstance(ev, Finished)]
+    assert admits[2].t >= finishes[0].t  # concurrency=2: the third request waited for a finish
 
 
 def test_policy_defined_in_a_cell_with_per_request_state(pair, tok):
@@ -142,7 +143,7 @@ def test_models_step_concurrently(pair, tok):
 
     with Router(pair, SlowLarge(), tokenizer=tok) as r:
         r.generate(mixed_prompts(8, seed=1), max_new_tokens=20, ignore_eos=True)
-        steps = [ev[1] for ev in r.trace if ev[0] == "step"]
+        steps = [ev for ev in r.trace if isinstance(ev, StepDone)]
     large = [(s.t_start, s.t_end) for s in steps if s.model == "large"]
     small = [(s.t_start, s.t_end) for s in steps if s.model == "small"]
     inside = sum(any(a < s0 and s1 < b for a, b in large) for s0, s1 in small)

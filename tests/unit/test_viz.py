@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tokenrouter_sdk import Router
-from tokenrouter_sdk.engine.messages import StepDone
+from tokenrouter_sdk.engine.messages import Admitted, Committed, Finished, Hopped, StepDone
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.viz import LiveView, RunResult, TraceState
 from tokenrouter_sdk.viz.tokens import PALETTE, token_pieces
@@ -93,14 +93,14 @@ def test_to_html_inlines_plotly(run, tmp_path):
 
 def test_trace_state_batch_queue_and_pending():
     st = TraceState(["small", "large"])
-    st.feed([("admit", 0, 0.0), ("admit", 1, 0.0),
-             ("step", StepDone("small", 0.0, 1.0, 0.9, 1, 5, {0: 5})),  # req 1 waits: queue 1
-             ("commit", 0, "small", 1, 1.0),
-             ("hop", 0, "small", "large", False, 1.0),
-             ("step", StepDone("small", 1.0, 2.0, 0.9, 1, 3, {1: 3})),
-             ("step", StepDone("large", 1.0, 2.0, 0.9, 1, 6, {0: 6})),
-             ("commit", 0, "large", 1, 2.0), ("commit", 1, "small", 1, 2.0),
-             ("finish", 0, "length", 2.0), ("finish", 1, "length", 3.0)])
+    st.feed([Admitted(0, None, 0.0), Admitted(1, None, 0.0),
+             StepDone("small", 0.0, 1.0, 0.9, 1, 5, {0: 5}),  # req 1 waits: queue 1
+             Committed(0, "small", [7], 1.0),
+             Hopped(0, "small", "large", False, 1.0),
+             StepDone("small", 1.0, 2.0, 0.9, 1, 3, {1: 3}),
+             StepDone("large", 1.0, 2.0, 0.9, 1, 6, {0: 6}),
+             Committed(0, "large", [8], 2.0), Committed(1, "small", [9], 2.0),
+             Finished(0, "large", "length", None, 2.0), Finished(1, "small", "length", None, 3.0)])
     assert st.series["small"].batch == [1, 1] and st.series["small"].queue == [1, 0]
     assert st.series["large"].batch == [1] and st.series["large"].queue == [0]
     bars = st.bars()

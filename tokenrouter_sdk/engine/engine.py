@@ -1,158 +1,403 @@
-"""The engine: admission, per-request output assembly, streams and the event trace.
+"""The engine: admission, per-request outputs and text, calls, abort, and the event trace.
 
-It starts one `SubServer` per model (through a transport), sends each new request to its
-entry model, and turns the sub-servers' events (`Committed`, `Hopped`, `Finished`,
-`StepDone`) into `RequestOutput`s. Every event is appended to ``trace`` with its time, which
-is all `metrics` needs.
+It starts one `SubServer` per model (through a transport), sends each admitted request to its
+entry model, and turns the sub-servers' events into `RequestOutput`s. Work arrives as a
+`Call`: a batch of requests with its own policy and concurrency limit, its own events (its
+trace) and its own end. The engine keeps a call only while it runs: once every request of a
+call has ended, the call (held by its caller) is the only place its outputs and events live,
+so memory does not grow with the requests served.
+
+Everything the Router, the planner, the views and a server need goes through this API:
+`Engine.submit` / `Call.wait` / `Call.abort` / `Call.metrics`, `Engine.abort`,
+`Engine.kv_stats`, `Engine.add_observer`, `Engine.close`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 from ..policy import Policy
-from ..request import RequestConfig, RequestOutput, RequestView, SamplingParams
+from ..request import RequestConfig, RequestInput, RequestOutput, RequestView, prompt_key
 from . import messages as M
-from .subserver import MODES, RegisterPolicy
+from .config import EngineConfig, valid_thresholds
+from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .transport import ThreadTransport
+
+RECENT_EVENTS = 4096  # events kept engine-wide for the planner's history and Router-wide views
+
+
+class EngineDeadError(RuntimeError):
+    """A sub-server is dead: the engine cannot serve new requests (names the model and why)."""
 
 
 class RequestHandle:
-    """An admitted (or queued) request: its growing output and a done event."""
+    """One submitted request: its growing output and text, and its end.
 
-    def __init__(self, config: RequestConfig, prompt, entry: str):
-        self.config, self.entry = config, entry
-        self.output = RequestOutput(rid=config.rid, prompt=prompt)
+    Attributes:
+        output: the `RequestOutput` (grows as tokens are committed; final once ``done``).
+        done: set when the request ended (finished, aborted or failed).
+        entry: the model it enters on; owner: the model writing it now.
+        call: the `Call` it belongs to.
+    """
+
+    def __init__(self, config: RequestConfig, prompt, entry: str, call: "Call", index: int, tokenizer,
+                 stop_ids: frozenset):
+        self.config, self.entry, self.owner, self.call = config, entry, entry, call
+        self.output = RequestOutput(rid=config.rid, prompt=prompt, index=index)
         self.t_submit = 0.0
         self.t_admit: float | None = None
         self.t_first: float | None = None
         self.t_end: float | None = None
-        self.trace_start = 0  # length of the engine trace before this request was submitted
         self.done = threading.Event()
-        self.listeners: list[Callable[[str, object], None]] = []
+        self.need: dict[str, int] = {}  # KV blocks reserved per model while admitted
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = StopMatcher(config.params.stop) if config.params.stop else None
+        self.stop_ids = stop_ids  # ids that end the request: their text is not part of it
+        self.released = 0  # characters of text given to streams
+        self.final_text: str | None = None
+        self.state: dict = {}  # the policy state entry() started
+        self.error: str | None = None  # bad input found before admission
 
     @property
     def rid(self) -> int:
         return self.config.rid
+
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Abort this request (see `Engine.abort`)."""
+        self.call.engine.abort(self.rid, reason)
+
+    # -- text -------------------------------------------------------------------------------
+    def _add_text(self, tokens: list[int], last: bool) -> str:
+        """Feed committed tokens to the detokenizer; return the text that became safe to stream:
+        stable, before any stop string, and not possibly the start of one. With ``last`` (the
+        request ends with these tokens) everything up to the final text's end."""
+        if self.detok is None:
+            return ""
+        ids = [t for t in tokens if t not in self.stop_ids]
+        if ids:
+            self.detok.add(ids)
+        if last:
+            return self._take(len(self._finalize()))
+        text = self.detok.text
+        limit = len(text)
+        if self.stops is not None:
+            hit = self.stops.find(text)
+            limit = hit[0] if hit else len(text) - self.stops.held(text)
+        return self._take(limit)
+
+    def _take(self, limit: int) -> str:
+        text = self.final_text if self.final_text is not None else self.detok.text
+        if limit <= self.released:
+            return ""
+        piece = text[self.released:limit]
+        self.released = limit
+        return piece
+
+    def _finalize(self) -> str:
+        """The final text: every token decoded (special tokens skipped), cut before the first
+        stop string."""
+        if self.final_text is None:
+            if self.detok is None:
+                self.final_text = ""
+            else:
+                self.detok.flush()
+                text = self.detok.text
+                hit = self.stops.find(text) if self.stops is not None else None
+                self.final_text = text[:hit[0]] if hit else text
+        return self.final_text
+
+
+class Call:
+    """One submission: its requests (handles, in prompt order), its events and its end.
+
+    A `Call` is a sequence of `RequestHandle`s (``call[i]``, ``len(call)``, iteration).
+
+    Attributes:
+        events: the call's trace: `Admitted`, `Committed`, `Hopped`, `Finished` of its
+            requests and the `StepDone` of every step while it ran, in arrival order.
+        limit: requests of this call in flight at most (None: no limit of its own).
+        done: set when every request ended.
+    """
+
+    def __init__(self, engine: "Engine", limit: int | None, policy_key: int,
+                 listener: Callable[[str, RequestHandle, object], None] | None):
+        self.engine, self.limit, self.policy_key, self.listener = engine, limit, policy_key, listener
+        self.handles: list[RequestHandle] = []
+        self.events: list = []
+        self.queue: collections.deque[RequestHandle] = collections.deque()
+        self.inflight = 0
+        self.open = 0  # requests not ended yet
+        self.done = threading.Event()
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __getitem__(self, i):
+        return self.handles[i]
+
+    def __iter__(self) -> Iterator[RequestHandle]:
+        return iter(self.handles)
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        return [h.output for h in self.handles]
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.25) -> None:
+        """Block until every request ended.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first (the requests keep running; call
+                `abort` to end them).
+            EngineDeadError: never; a dead sub-server fails the requests it held instead.
+        """
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while not self.done.wait(poll_s):
+            if deadline is not None and time.perf_counter() > deadline:
+                left = sum(1 for h in self.handles if not h.done.is_set())
+                raise TimeoutError(f"{left} of {len(self.handles)} requests did not finish within {timeout} s")
+            self.engine.check_alive()
+
+    async def wait_async(self) -> None:
+        """``await`` form of `wait` (resolves on the running loop; no thread is blocked)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def wake():
+            if not fut.done():
+                fut.set_result(None)
+        self.engine._on_done(self, lambda: loop.call_soon_threadsafe(wake))
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), 1.0)
+                return
+            except asyncio.TimeoutError:
+                self.engine.check_alive()
+
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Abort every request of the call that has not ended."""
+        for h in self.handles:
+            if not h.done.is_set():
+                self.engine.abort(h.rid, reason)
+
+    def metrics(self):
+        """`tokenrouter_sdk.metrics.Metrics` of this call (O(its events))."""
+        from ..metrics import compute_metrics
+        with self.engine._lock:
+            events = list(self.events)
+        return compute_metrics(events, {h.rid for h in self.handles}, self.engine.models)
 
 
 class Engine:
     """Runs requests across per-model sub-servers.
 
     Args:
-        runners: model name -> runner (smallest model first).
-        tokenizer: the shared tokenizer (decoding outputs, stop strings, EOS ids).
-        max_concurrency: requests in flight at most; more wait in a FIFO queue (None = no limit).
-        max_batch_tokens, max_batch_size: per-step scheduler limits of every sub-server.
-        mode: ``"async"`` (default: each model steps whenever it has ready requests),
-            ``"delayed"`` (async + per-model thresholds), ``"sync"`` (global step barrier: every
-            model finishes its step before any starts the next, as the official R2R/CITER code
-            runs), ``"model_sync"`` (one model at a time, round robin).
-        thresholds: delayed batching thresholds B_i per model name (``delayed`` mode; missing
-            models get 1). Feasibility sum_i (B_i - 1) < N is checked per run (`check_thresholds`).
-        retain_kv: False frees a request's KV on every handoff (re-prefill on return).
-        transport: how sub-servers run and talk: `ThreadTransport` (default) or `SimTransport`
-            (simulated time, for the sim backend).
+        runners: model name -> runner (smallest model first); each implements
+            `tokenrouter_sdk.engine.runner.Runner`.
+        tokenizer: the shared tokenizer (text, stop strings, EOS id).
+        config: the `EngineConfig`.
+        transport: how sub-servers run and talk (`ThreadTransport` by default; `SimTransport`
+            for the sim backend, `ProcessTransport` for processes).
+        eos_ids: token ids that end a request besides the tokenizer's EOS (e.g. every model's
+            ``generation_config.eos_token_id``).
 
     Raises:
-        ValueError: unknown mode, or thresholds < 1 / naming unknown models.
+        ValueError: thresholds naming unknown models or below 1.
     """
 
-    def __init__(self, runners: dict, tokenizer, *, max_concurrency: int | None = None,
-                 max_batch_tokens: int = 4096, max_batch_size: int = 256, mode: str = "async",
-                 thresholds: dict[str, int] | None = None, retain_kv: bool = True, transport=None):
+    def __init__(self, runners: dict, tokenizer, config: EngineConfig | None = None, *, transport=None,
+                 eos_ids: Sequence[int] = ()):
+        self.config = config or EngineConfig()
         self.models = list(runners)
         self.runners = dict(runners)
         self.tokenizer = tokenizer
-        self.max_concurrency = max_concurrency
-        self.trace: list = []
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        tok_eos = list(tok_eos) if isinstance(tok_eos, (list, tuple)) else ([tok_eos] if tok_eos is not None else [])
+        self.eos_ids = tuple(dict.fromkeys(int(i) for i in [*tok_eos, *eos_ids]))
+        vocabs = [int(r.vocab_size) for r in self.runners.values()]
+        self.vocab_limit = min(vocabs + ([len(tokenizer)] if tokenizer is not None else []))
+        self.max_context = min(int(r.max_context) for r in self.runners.values())
+        self.capacity = {m: (r.pool.num_blocks, r.pool.block_size) for m, r in self.runners.items()}
+        self.thresholds = self.config.threshold_map(self.models)
+        self.recent: collections.deque = collections.deque(maxlen=RECENT_EVENTS)
+        self.handles: dict[int, RequestHandle] = {}  # requests not ended
         self._lock = threading.RLock()
-        self._reqs: dict[int, RequestHandle] = {}
-        self._queue: collections.deque[RequestHandle] = collections.deque()
+        self._calls: list[Call] = []  # calls with requests not ended, in submission order
         self._inflight = 0
+        self._reserved = {m: 0 for m in self.models}
         self._next_rid = 0
-        self._policies: dict[int, Policy] = {}
+        self._policies: dict[int, list] = {}  # key -> [policy, calls using it]
+        self._next_key = 0
+        self._observers: list[Callable[[object], None]] = []
+        self._dead: dict[str, str] = {}
         self._closed = False
         self._stats: dict[int, dict] = {}
         self._stats_cv = threading.Condition(self._lock)
         self._next_token = 0
-        if mode not in MODES:
-            raise ValueError(f"unknown schedule mode {mode!r}; choose one of {MODES}")
-        self.mode, self.retain_kv = mode, retain_kv
-        self.thresholds = self._valid_thresholds(thresholds)
         self._round, self._awaiting, self._rr = 0, set(), 0
+        self._done_waiters: dict[int, list[Callable[[], None]]] = {}
         self.transport = transport if transport is not None else ThreadTransport()
         self.clock = self.transport.clock
-        specs = {name: dict(name=name, models=self.models, runner=r, tokenizer=tokenizer,
-                            max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size, mode=mode,
-                            thresholds=self.thresholds, retain_kv=retain_kv) for name, r in runners.items()}
+        specs = {name: dict(name=name, models=self.models, runner=r, tokenizer=tokenizer, config=self.config,
+                            thresholds=self.thresholds, vocab_limit=self.vocab_limit)
+                 for name, r in runners.items()}
         self.transport.start(specs, self._handle_event)
         self.subservers = getattr(self.transport, "subservers", {})  # in-process transports only
 
-    # -- submission -----------------------------------------------------------------------
-    def register_policy(self, policy: Policy, refresh: bool = False) -> int:
-        """The key of ``policy`` in every sub-server; sends it on first use, and again with
-        ``refresh`` (a policy edited between calls reaches sub-server processes)."""
+    # -- policies ---------------------------------------------------------------------------
+    def _register(self, policy: Policy) -> int:
+        """The key of ``policy`` in every sub-server, sent (again) for this call: a policy edited
+        since the last call reaches sub-server processes as it is now."""
         with self._lock:
-            key = next((k for k, p in self._policies.items() if p is policy), None)
-            if key is not None and not refresh:
-                return key
+            key = next((k for k, (p, _) in self._policies.items() if p is policy), None)
             if key is None:
-                key = len(self._policies)
-                self._policies[key] = policy
+                key = self._next_key
+                self._next_key += 1
+                self._policies[key] = [policy, 0]
+            self._policies[key][1] += 1
+        msg = M.RegisterPolicy(key, policy)
         for name in self.models:
-            self.transport.send(name, RegisterPolicy(key, policy))
+            self.transport.send(name, msg)
         return key
 
-    def submit(self, prompt_ids: list[int] | None, params: SamplingParams, policy: Policy, prompt=None,
-               error: str | None = None) -> RequestHandle:
-        """Queue one request; returns its handle at once. A request with ``error`` set (bad
-        input found by the caller) ends ``failed`` with that error without running."""
+    def _unregister(self, key: int) -> None:
+        entry = self._policies.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._policies[key]
+            for name in self.models:
+                self.transport.send(name, M.UnregisterPolicy(key))
+
+    # -- submission -------------------------------------------------------------------------
+    def submit(self, requests: Sequence[RequestInput], policy: Policy, *, concurrency: int | None = None,
+               listener: Callable[[str, RequestHandle, object], None] | None = None) -> Call:
+        """Queue a batch of requests routed by ``policy``; returns its `Call` at once.
+
+        Args:
+            requests: the requests (`RequestInput`: prompt ids, sampling, key; one with
+                ``error`` set ends ``failed`` with it, without running).
+            policy: the `Policy` of these requests.
+            concurrency: requests of this call in flight at most (None: no own limit).
+            listener: ``listener(kind, handle, payload)``, called from the engine's thread for
+                ``"tokens"`` (payload: (`Committed`, newly stable text)), ``"hop"`` (`Hopped`)
+                and ``"finish"`` (the last text piece) of this call's requests.
+
+        Raises:
+            RuntimeError: the engine is closed.
+            EngineDeadError: a sub-server is dead (names it and why).
+            ValueError: ``concurrency < 1``.
+        """
         if self._closed:
             raise RuntimeError("this Router is closed; create a new one")
-        key = self.register_policy(policy)
-        eos = self.tokenizer.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        with self._lock:
-            rid = self._next_rid
-            self._next_rid += 1
-        cfg = RequestConfig(rid, list(prompt_ids or []), params, key, eos_ids)
-        entry = self.models[0]
-        state: dict = {}
-        if error is None:
-            try:
-                e = policy.entry(RequestView(rid, cfg.prompt_ids, [], "", state, 0, tuple(self.models)), self.models)
-                if e is not None:
-                    if e not in self.models:
-                        raise ValueError(f"returned {e!r}; expected one of {self.models}")
-                    entry = e
-            except Exception as ex:  # noqa: BLE001
-                error = f"policy {policy!r}.entry failed: {type(ex).__name__}: {ex}"
-        h = RequestHandle(cfg, prompt, entry)
-        h.t_submit, h.state = self.clock(), state
-        with self._lock:
-            self._reqs[rid] = h
-            if error is not None:
-                self.trace.append(("admit", rid, self.clock()))
-                self._end(h, "failed", error, self.clock())
-                return h
-            self._queue.append(h)
+        self.check_alive()
+        if self._dead:
+            m, why = next(iter(self._dead.items()))
+            raise EngineDeadError(f"the sub-server of model '{m}' is dead ({why}); this Router cannot serve new "
+                                  f"requests: close it and build a new Router")
+        if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+            raise ValueError(f"concurrency must be None or an int >= 1, got {concurrency!r}")
+        key = self._register(policy)
+        call = Call(self, concurrency, key, listener)
+        seen: collections.Counter = collections.Counter()
+        handles = []
+        for i, req in enumerate(requests):
+            ids = list(req.prompt_ids or [])
+            rkey = req.key
+            if rkey is None:
+                occ = seen[tuple(ids)]
+                seen[tuple(ids)] += 1
+                rkey = prompt_key(ids, occ)
+            with self._lock:
+                rid = self._next_rid
+                self._next_rid += 1
+            cfg = RequestConfig(rid, ids, req.params, key, self.eos_ids, rkey)
+            error, entry, state = req.error, self.models[0], {}
+            if error is None:
+                try:
+                    e = policy.entry(RequestView(rid, cfg.prompt_ids, [], "", state, 0, tuple(self.models), rkey),
+                                     self.models)
+                    if e is not None:
+                        if e not in self.models:
+                            raise ValueError(f"returned {e!r}; expected one of {self.models}")
+                        entry = e
+                except Exception as ex:  # noqa: BLE001
+                    error = f"policy {policy!r}.entry failed: {type(ex).__name__}: {ex}"
+            p = req.params
+            stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
+            h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids)
+            h.t_submit, h.state, h.error = self.clock(), state, error
+            tokens = min(len(ids) + p.max_new_tokens, self.max_context)
+            h.need = {m: -(-tokens // bs) for m, (_, bs) in self.capacity.items()}
+            handles.append(h)
+        call.handles = handles
+        with self.transport.hold(), self._lock:
+            call.open = len(handles)
+            self._calls.append(call)
+            for h in handles:
+                self.handles[h.rid] = h
+                if h.error is not None:
+                    self._fail_before_admission(h, h.error)
+                else:
+                    call.queue.append(h)
             self._admit_more()
-        return h
+            if call.open == 0:
+                self._call_ended(call)
+        return call
 
-    def _valid_thresholds(self, thresholds: dict | None) -> dict[str, int]:
-        thresholds = dict(thresholds or {})
-        bad = {k: v for k, v in thresholds.items() if k not in self.models or int(v) < 1}
-        if bad:
-            raise ValueError(f"thresholds {bad} invalid: each must name a model of {self.models} and be >= 1")
-        return {m: int(thresholds.get(m, 1)) for m in self.models}
+    def _fail_before_admission(self, h: RequestHandle, error: str) -> None:
+        ev = M.Admitted(h.rid, h.entry, self.clock())
+        self._record(h.call, ev)
+        self._end(h, "failed", error, self.clock())
 
+    def _fits(self, h: RequestHandle) -> bool:
+        if self._inflight == 0 or self.config.kv_admission == "optimistic":
+            return True
+        return all(self._reserved[m] + h.need[m] <= self.capacity[m][0] for m in self.models)
+
+    def _admit_more(self) -> None:
+        admitted = False
+        cap = self.config.max_concurrency
+        for call in list(self._calls):
+            while call.queue and (cap is None or self._inflight < cap):
+                if call.limit is not None and call.inflight >= call.limit:
+                    break
+                h = call.queue[0]
+                if h.entry in self._dead:
+                    call.queue.popleft()
+                    self._fail_before_admission(h, f"model '{h.entry}' is dead: {self._dead[h.entry]}")
+                    continue
+                if not self._fits(h):
+                    return self._kick() if admitted else None  # first come, first served
+                call.queue.popleft()
+                self._admit(h)
+                admitted = True
+        if admitted:
+            self._kick()
+
+    def _admit(self, h: RequestHandle) -> None:
+        h.t_admit = self.clock()
+        self._inflight += 1
+        h.call.inflight += 1
+        for m in self.models:
+            self._reserved[m] += h.need[m]
+        self._record(h.call, M.Admitted(h.rid, h.entry, h.t_admit))
+        if self.config.mode == "delayed":
+            self._broadcast_inflight()
+        self.transport.send(h.entry, M.Admit(h.config, h.t_admit, h.state))
+
+    # -- thresholds and gated modes ---------------------------------------------------------
     def set_thresholds(self, thresholds: dict[str, int]) -> None:
-        """Change the delayed batching thresholds B_i (models not named keep theirs)."""
-        new = self._valid_thresholds({**self.thresholds, **thresholds})
+        """Change the delayed batching thresholds B_i (models not named keep theirs).
+
+        Raises:
+            ValueError: a threshold below 1 or an unknown model.
+        """
+        new = valid_thresholds({**self.thresholds, **thresholds}, self.models)
         with self._lock:
             self.thresholds = new
         for name in self.models:
@@ -161,7 +406,7 @@ class Engine:
     def check_thresholds(self, n: int) -> None:
         """Raise ValueError unless sum_i (B_i - 1) < n (TokenRouter paper, appendix: with fewer
         requests in flight, every model can wait below its threshold forever)."""
-        if self.mode != "delayed":
+        if self.config.mode != "delayed":
             return
         slack = sum(b - 1 for b in self.thresholds.values())
         if slack >= n:
@@ -169,33 +414,20 @@ class Engine:
                              f"but N = {n} requests are in flight; lower a threshold or raise concurrency "
                              f"to at least {slack + 1}")
 
-    def _admit_more(self) -> None:
-        admitted = False
-        while self._queue and (self.max_concurrency is None or self._inflight < self.max_concurrency):
-            h = self._queue.popleft()
-            h.t_admit = self.clock()
-            self._inflight += 1
-            admitted = True
-            self.trace.append(("admit", h.rid, h.t_admit))
-            if self.mode == "delayed":
-                self._broadcast_inflight()
-            self.transport.send(h.entry, M.Admit(h.config, h.t_admit, h.state))
-        if admitted:
-            self._kick()
-
     def _broadcast_inflight(self) -> None:
         for name in self.models:
             self.transport.send(name, M.SetInflight(self._inflight))
 
     def _kick(self) -> None:
         """Gated modes: start the next round if none is running and work is in flight."""
-        if self.mode not in ("sync", "model_sync") or self._awaiting or self._inflight == 0 or self._closed:
+        if self.config.mode not in ("sync", "model_sync") or self._awaiting or self._inflight == 0 or self._closed:
             return
         self._round += 1
-        if self.mode == "sync":
-            targets = list(self.models)
+        live = [m for m in self.models if m not in self._dead]
+        if self.config.mode == "sync":
+            targets = live
         else:
-            targets = [self.models[self._rr % len(self.models)]]
+            targets = [live[self._rr % len(live)]] if live else []
             self._rr += 1
         self._awaiting = set(targets)
         for name in targets:
@@ -207,26 +439,57 @@ class Engine:
             if not self._awaiting:
                 self._kick()
 
+    # -- abort ------------------------------------------------------------------------------
     def abort(self, rid: int, reason: str = "aborted by the user") -> None:
+        """End request ``rid`` now: its output is final (``finish_reason == "aborted"``, error
+        ``reason``) and nothing is committed to it afterwards; the sub-servers stop it at their
+        next step boundary, wherever it is (waiting, running, pending on a peer, mid-handoff),
+        and free its KV on every model. A request that already ended is left as it is."""
         with self._lock:
-            h = self._reqs.get(rid)
+            h = self.handles.get(rid)
             if h is None or h.done.is_set():
                 return
-            if h in self._queue:
-                self._queue.remove(h)
-                self._end(h, "aborted", reason, self.clock())
-                return
-        for name in self.models:
-            self.transport.send(name, M.Abort(rid, reason))
+            admitted = h.t_admit is not None
+            if not admitted:
+                h.call.queue.remove(h)
+                self._record(h.call, M.Admitted(h.rid, h.entry, self.clock()))
+            self._end(h, "aborted", reason, self.clock())
+        if admitted:
+            for name in self.models:
+                self.transport.send(name, M.Abort(rid, "aborted", reason))
 
-    # -- events ---------------------------------------------------------------------------
+    # -- events -----------------------------------------------------------------------------
+    def add_observer(self, fn: Callable[[object], None]) -> Callable[[], None]:
+        """Call ``fn(event)`` for every event (engine thread, under the engine lock: keep it
+        short); returns a function that removes it. For Router-wide counters and exporters."""
+        with self._lock:
+            self._observers.append(fn)
+
+        def remove():
+            with self._lock:
+                if fn in self._observers:
+                    self._observers.remove(fn)
+        return remove
+
+    def _record(self, call: Call | None, ev) -> None:
+        self.recent.append(ev)
+        if call is not None:
+            call.events.append(ev)
+        for fn in self._observers:
+            fn(ev)
+
     def _handle_event(self, ev) -> None:
         with self._lock:
             self._on_event(ev)
 
     def _on_event(self, ev) -> None:
         if isinstance(ev, M.StepDone):
-            self.trace.append(("step", ev))
+            self.recent.append(ev)
+            for call in self._calls:
+                if call.inflight or call.open != len(call.queue):
+                    call.events.append(ev)
+            for fn in self._observers:
+                fn(ev)
             self._round_done(ev.model, ev.round)
             return
         if isinstance(ev, M.Idle):
@@ -238,114 +501,125 @@ class Engine:
                 box[ev.model] = ev
                 self._stats_cv.notify_all()
             return
-        if isinstance(ev, M.Finished) and ev.rid == -1:  # a sub-server died
-            for h in list(self._reqs.values()):
-                if not h.done.is_set() and h.t_admit is not None:
-                    self._end(h, "failed", ev.error, self.clock())
+        if isinstance(ev, M.ModelDied):
+            self._model_died(ev.model, ev.error)
             return
-        h = self._reqs.get(ev.rid)
+        h = self.handles.get(ev.rid)
         if h is None or h.done.is_set():
             return
+        out = h.output
         if isinstance(ev, M.Committed):
-            self.trace.append(("commit", ev.rid, ev.model, len(ev.tokens), ev.t))
+            self._record(h.call, ev)
             if h.t_first is None:
                 h.t_first = ev.t
-            h.output.token_ids.extend(ev.tokens)
-            h.output.token_models.extend([ev.model] * len(ev.tokens))
-            for fn in h.listeners:
-                fn("tokens", ev)
+            out.token_ids.extend(ev.tokens)
+            out.token_models.extend([ev.model] * len(ev.tokens))
+            piece = h._add_text(ev.tokens, ev.last)
+            if h.call.listener is not None:
+                h.call.listener("tokens", h, (ev, piece))
         elif isinstance(ev, M.Hopped):
-            self.trace.append(("hop", ev.rid, ev.src, ev.dst, ev.kept, ev.t))
-            h.output.hops += 1
-            h.output.discarded += 0 if ev.kept else 1
+            self._record(h.call, ev)
+            h.owner = ev.dst
+            if ev.dst in self._dead:
+                self._end(h, "failed", f"model '{ev.dst}' is dead ({self._dead[ev.dst]}): the request was routed "
+                          f"to it", ev.t)
+                return
+            out.hops += 1
+            out.discarded += 0 if ev.kept else 1
             if not ev.kept and ev.token is not None:
-                h.output.discarded_log.append((len(h.output.token_ids), ev.token, ev.src))
-            for fn in h.listeners:
-                fn("hop", ev)
+                out.discarded_log.append((len(out.token_ids), ev.token, ev.src))
+            if h.call.listener is not None:
+                h.call.listener("hop", h, ev)
         elif isinstance(ev, M.Finished):
-            self._end(h, ev.reason, ev.error, ev.t)
+            self._end(h, ev.reason, ev.error, ev.t, ev.stop_reason, ev.traceback)
 
-    def _end(self, h: RequestHandle, reason: str, error: str | None, t: float) -> None:
+    def _end(self, h: RequestHandle, reason: str, error: str | None, t: float, stop_reason=None,
+             tb: str | None = None) -> None:
+        """Make ``h``'s output final (first end wins) and free its place."""
         out = h.output
-        out.finish_reason, out.error = reason, error
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True) if out.token_ids else ""
-        if reason == "stop":
-            cuts = [text.find(s) for s in h.config.params.stop if s in text]
-            text = text[:min(cuts)] if cuts else text
-        out.text = text
+        out.finish_reason, out.error, out.stop_reason, out.traceback = reason, error, stop_reason, tb
+        out.text = h._finalize()
         h.t_end = t
         t0 = h.t_admit if h.t_admit is not None else h.t_submit
         out.latency_s = t - t0
         out.ttft_s = None if h.t_first is None else h.t_first - t0
-        self.trace.append(("finish", h.rid, reason, t))
+        self._record(h.call, M.Finished(h.rid, h.owner, reason, error, t, stop_reason, tb))
+        call = h.call
         if h.t_admit is not None:
             self._inflight -= 1
-            if self.mode == "delayed":
+            call.inflight -= 1
+            for m in self.models:
+                self._reserved[m] -= h.need[m]
+            if self.config.mode == "delayed":
                 self._broadcast_inflight()
+        self.handles.pop(h.rid, None)
+        piece = h._take(len(out.text))
         h.done.set()
-        for fn in h.listeners:
-            fn("finish", out)
+        if call.listener is not None:
+            call.listener("finish", h, piece)
+        call.open -= 1
+        if call.open == 0:
+            self._call_ended(call)
         self._admit_more()
 
-    # -- lifecycle ------------------------------------------------------------------------
-    def wait(self, handles: list[RequestHandle], timeout: float | None = None,
-             poll_s: float = 0.5) -> None:
-        """Block until every handle is done; fail the rest if a sub-server thread died.
+    def _call_ended(self, call: Call) -> None:
+        if call in self._calls:
+            self._calls.remove(call)
+        self._unregister(call.policy_key)
+        call.done.set()
+        for fn in self._done_waiters.pop(id(call), []):
+            fn()
 
-        Raises:
-            TimeoutError: ``timeout`` seconds passed first.
-        """
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        for h in handles:
-            while not h.done.wait(poll_s):
-                if deadline is not None and time.perf_counter() > deadline:
-                    raise TimeoutError(f"request {h.rid} did not finish within {timeout} s")
-                self._check_alive()
+    def _on_done(self, call: Call, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (from the engine's thread) when ``call`` ends, or now if it has."""
+        with self._lock:
+            if not call.done.is_set():
+                self._done_waiters.setdefault(id(call), []).append(fn)
+                return
+        fn()
 
-    def _check_alive(self) -> None:
-        dead = [m for m in self.models if not self.transport.alive(m)]
-        if dead and not self._closed:
-            self._handle_event(M.Finished(-1, dead[0], "crashed", f"sub-server '{dead[0]}' is not running", 0.0))
+    # -- dead sub-servers -------------------------------------------------------------------
+    def check_alive(self) -> None:
+        """Report sub-servers that stopped without saying so (a fallback of the transports'
+        own death reports)."""
+        if self._closed:
+            return
+        for m in self.models:
+            if m not in self._dead and not self.transport.alive(m):
+                self._handle_event(M.ModelDied(m, f"sub-server '{m}' is not running", self.clock()))
+
+    def _model_died(self, model: str, error: str) -> None:
+        if model in self._dead or self._closed:
+            return
+        self._dead[model] = error
+        for h in list(self.handles.values()):
+            if h.t_admit is not None and h.owner == model and not h.done.is_set():
+                self._end(h, "failed", f"model '{model}' died while it held this request: {error}", self.clock())
+        for call in list(self._calls):
+            for h in [h for h in call.queue if h.entry == model]:
+                call.queue.remove(h)
+                self._fail_before_admission(h, f"model '{model}' is dead: {error}")
+        self._awaiting.discard(model)
+        if not self._awaiting:
+            self._kick()
+
+    @property
+    def dead(self) -> dict[str, str]:
+        """Dead models and why."""
+        return dict(self._dead)
+
+    # -- state ------------------------------------------------------------------------------
+    def active_calls(self) -> list[Call]:
+        with self._lock:
+            return list(self._calls)
 
     def idle(self) -> bool:
-        """True when no request is queued or in flight and every sub-server holds no request."""
+        """True when no request is queued or in flight and every in-process sub-server holds no
+        request and has no message waiting."""
         with self._lock:
-            busy = self._inflight or self._queue
-        return not busy and all(not ss.sched.seqs and ss.inbox.empty() for ss in self.subservers.values())
-
-    def kv_stats(self, timeout: float = 10.0) -> dict[str, M.Stats]:
-        """Each sub-server's KV pool and request counts (`Stats`), asked through the transport, so
-        sub-servers in processes answer too. A sub-server answers after the messages sent to it
-        before, so after `wait_idle` the counts include every release.
-
-        Raises:
-            TimeoutError: a sub-server did not answer within ``timeout`` seconds (names it).
-            RuntimeError: the engine is closed.
-        """
-        if self._closed:
-            raise RuntimeError("kv_stats: the Router is closed (its sub-servers and KV pools are gone)")
-        if self.subservers:  # in-process: read them directly (the sim backend steps only on demand)
-            return {name: ss.stats() for name, ss in self.subservers.items()}
-        with self._lock:
-            self._next_token += 1
-            token, box = self._next_token, {}
-            self._stats[token] = box
-        try:
-            for name in self.models:
-                self.transport.send(name, M.StatsQuery(token))
-            deadline = time.perf_counter() + timeout
-            with self._stats_cv:
-                while len(box) < len(self.models):
-                    left = deadline - time.perf_counter()
-                    if left <= 0:
-                        missing = [m for m in self.models if m not in box]
-                        raise TimeoutError(f"sub-server(s) {missing} did not report KV stats within {timeout} s; "
-                                           f"are they alive? (Router.close() and a new Router restart them)")
-                    self._stats_cv.wait(left)
-            return {name: box[name] for name in self.models}
-        finally:
-            with self._lock:
-                self._stats.pop(token, None)
+            busy = bool(self.handles)
+        return not busy and all(not ss.sched.seqs and ss.inbox.empty() for name, ss in self.subservers.items()
+                                if name not in self._dead)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         deadline = time.perf_counter() + timeout
@@ -355,19 +629,57 @@ class Engine:
             time.sleep(0.01)
         return self.idle()
 
+    def kv_stats(self, timeout: float = 10.0) -> dict[str, M.Stats]:
+        """Each sub-server's KV pool and request counts (`Stats`), asked through the transport,
+        so sub-servers in processes answer too; a dead model answers at once (``alive=False``).
+        A sub-server answers after the messages sent to it before.
+
+        Raises:
+            TimeoutError: a live sub-server did not answer within ``timeout`` seconds (names it).
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("kv_stats: the Router is closed (its sub-servers and KV pools are gone)")
+        self.check_alive()
+        dead = {m: M.Stats(m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False, error=why)
+                for m, why in self._dead.items()}
+        live = [m for m in self.models if m not in dead]
+        if self.subservers:  # in-process: read them directly (the sim backend steps only on demand)
+            return {m: dead.get(m) or self.subservers[m].stats() for m in self.models}
+        with self._lock:
+            self._next_token += 1
+            token, box = self._next_token, {}
+            self._stats[token] = box
+        try:
+            for name in live:
+                self.transport.send(name, M.StatsQuery(token))
+            deadline = time.perf_counter() + timeout
+            with self._stats_cv:
+                while any(m not in box and m not in self._dead for m in live):
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        missing = [m for m in live if m not in box]
+                        raise TimeoutError(f"sub-server(s) {missing} did not report KV stats within {timeout} s")
+                    self._stats_cv.wait(min(left, 0.25))
+                    self.check_alive()
+            return {m: box.get(m) or M.Stats(m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False,
+                                            error=self._dead.get(m)) for m in self.models}
+        finally:
+            with self._lock:
+                self._stats.pop(token, None)
+
     def close(self) -> None:
-        """Stop the sub-servers and the collector; unfinished requests end ``aborted``.
-        Idempotent."""
+        """Stop the sub-servers; unfinished requests end ``aborted``. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.transport.close()
         with self._lock:
-            for h in self._reqs.values():
+            for h in list(self.handles.values()):
                 if not h.done.is_set():
                     self._end(h, "aborted", "the Router was closed", self.clock())
         for r in self.runners.values():
-            if hasattr(r, "release"):  # TorchRunner: the pool and its CUDA graphs
+            if hasattr(r, "release"):
                 r.release()
             else:
                 r.pool.release()

@@ -1,6 +1,12 @@
-"""Messages between the engine and the sub-servers. Sub-servers share no state: everything
-they learn about a request arrives as one of these. Per-step messages are compact: a handoff
-carries only the suffix the target has not seen, never the whole history."""
+"""Messages between the engine and the sub-servers, and the events of the trace.
+
+Sub-servers share no state: everything they learn about a request arrives as one of the
+messages below, and everything the engine learns comes back as an event. The engine records
+the events it receives (plus `Admitted`, which it makes itself) as a call's trace: a list of
+these dataclasses, read by field name by metrics, views, the planner and the benchmarks.
+Per-step messages are compact: a handoff carries only the suffix the target has not seen.
+Times are ``time.perf_counter()`` seconds (simulated seconds on the sim backend).
+"""
 
 from __future__ import annotations
 
@@ -62,10 +68,28 @@ class Release:
 
 @dataclass
 class Abort:
-    """Abort the request if this model owns it; free its KV either way."""
+    """End the request at the next step boundary: the model that owns it (or receives it later
+    in a handoff) reports ``Finished(reason)``; every model frees its KV."""
 
     rid: int
-    reason: str = "aborted by the user"
+    reason: str = "aborted"
+    error: str | None = "aborted by the user"
+
+
+@dataclass
+class RegisterPolicy:
+    """Makes a policy known to a sub-server under ``key`` (sent before any request uses it;
+    sent again when the policy changed between calls)."""
+
+    key: int
+    policy: object
+
+
+@dataclass
+class UnregisterPolicy:
+    """No request uses the policy under ``key`` any more: drop it."""
+
+    key: int
 
 
 @dataclass
@@ -101,15 +125,26 @@ class StatsQuery:
     token: int
 
 
-# ---- out of a sub-server (to the engine) -----------------------------------------------
+# ---- events: out of a sub-server (and the engine's own), recorded in the trace ----------
+@dataclass
+class Admitted:
+    """The engine admitted request ``rid`` at ``t``; ``model`` is its entry model."""
+
+    rid: int
+    model: str
+    t: float
+
+
 @dataclass
 class Committed:
-    """Tokens committed to a request's output by ``model`` at time ``t`` (seconds)."""
+    """Tokens committed to a request's output by ``model`` at time ``t`` (seconds); ``last``:
+    the request ends with them (its `Finished` follows)."""
 
     rid: int
     model: str
     tokens: list[int]
     t: float
+    last: bool = False
 
 
 @dataclass
@@ -127,19 +162,32 @@ class Hopped:
 
 @dataclass
 class Finished:
-    """The request ended: reason is eos | length | stop | aborted | failed."""
+    """The request ended on ``model`` at ``t``: ``reason`` is eos | length | stop | aborted |
+    failed; ``error`` says why for failed/aborted; ``stop_reason`` is the stop string or stop
+    token id that ended it (reason ``stop``)."""
 
     rid: int
     model: str
     reason: str
     error: str | None
     t: float
-    text_cut: int | None = None  # chars of the decoded output to keep (stop strings)
+    stop_reason: str | int | None = None
+    traceback: str | None = None
 
 
 @dataclass
 class StepDone:
-    """One forward of ``model``: timing (seconds) and what it fed."""
+    """One forward of ``model``: timing (seconds) and what it fed.
+
+    Attributes:
+        t_start, t_end: the step's start and end; forward_s: time inside the model forward.
+        batch_size: requests in the step; tokens_fed: tokens fed (prefill + decode + extend).
+        fed: rid -> tokens fed this step.
+        preempted: KV evictions made to schedule this step.
+        round: the gated-mode round it answered, or None.
+        kv_used_blocks: blocks of this model's pool in use after the step.
+        queued: requests this model owned that were not in the step.
+    """
 
     model: str
     t_start: float
@@ -147,9 +195,15 @@ class StepDone:
     forward_s: float
     batch_size: int
     tokens_fed: int
-    fed: dict[int, int] = field(default_factory=dict)  # rid -> tokens fed this step
+    fed: dict[int, int] = field(default_factory=dict)
     preempted: int = 0
     round: int | None = None
+    kv_used_blocks: int = 0
+    queued: int = 0
+
+    @property
+    def t(self) -> float:
+        return self.t_end
 
 
 @dataclass
@@ -161,9 +215,24 @@ class Idle:
 
 
 @dataclass
+class ModelDied:
+    """The sub-server of ``model`` stopped serving (its process died or its thread raised)."""
+
+    model: str
+    error: str
+    t: float = 0.0
+
+
+@dataclass
 class Stats:
-    """Answer to `StatsQuery` ``token``: ``model``'s KV pool (blocks free / usable, block size)
-    and the requests it holds (``owned``: ready to step here; ``pending``: handed off, KV kept)."""
+    """Answer to `StatsQuery` ``token``: ``model``'s KV pool and the requests it holds.
+
+    Attributes:
+        free_blocks, num_blocks: blocks free / usable in the pool; block_size: tokens per block.
+        owned: requests ready to step here (waiting or running); pending: handed off, KV kept.
+        running_blocks: blocks held by owned requests; pending_blocks: by pending ones.
+        alive: False when the sub-server is dead (the counts are then zero); error: why.
+    """
 
     model: str
     token: int
@@ -172,3 +241,14 @@ class Stats:
     block_size: int
     owned: int
     pending: int
+    running_blocks: int = 0
+    pending_blocks: int = 0
+    alive: bool = True
+    error: str | None = None
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - self.free_blocks
+
+
+EVENTS = (Admitted, Committed, Hopped, Finished, StepDone)

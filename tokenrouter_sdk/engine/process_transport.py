@@ -1,4 +1,4 @@
-"""Sub-servers in their own processes, talking over pyzmq (DESIGN.md, "Data flow").
+"""Sub-servers in their own processes, talking over pyzmq.
 
 `ProcessTransport` has the interface of `ThreadTransport` (``start``, ``send``, ``clock``,
 ``clock_for``, ``hold``, ``alive``, ``close``) and is the default when a `Router` holds two
@@ -13,7 +13,8 @@ Layout::
         - engine -> child messages (in send order)        send/emit: DEALER "o:<model>"
         - child -> child messages, forwarded as bytes
         - child -> engine events -> on_event(event)
-        - child death (process sentinel) -> Finished(-1, model, "crashed", ...)
+        - child death (process sentinel) -> ModelDied(model, why); what was sent to the dead
+          child and carries a request (Admit, HandoffMsg) -> that request's Finished(failed)
 
 Ordering: every message passes through the hub thread, so messages from one sender to one
 destination stay in order. What a sub-server sends its peers during a step (handoffs,
@@ -35,7 +36,9 @@ does not re-import the parent's ``__main__`` script, so a script needs no
 
 Serialisation: per-step messages and events are small dataclasses sent with plain pickle;
 `RegisterPolicy` (and anything plain pickle refuses) goes with cloudpickle, so a `Policy`
-class defined in a notebook cell works in the sub-server processes. Sender and receiver run the
+class defined in a notebook cell works in the sub-server processes. A policy is pickled again
+for every call that uses it and sent when its bytes changed, so an object edited between calls
+reaches the processes as it is. Sender and receiver run the
 same interpreter, never stored.
 
 Timestamps: children stamp events with ``time.perf_counter`` (``CLOCK_MONOTONIC`` on Linux,
@@ -58,7 +61,7 @@ from typing import Callable
 
 from . import messages as M
 from .process_child import _child_main
-from .subserver import RegisterPolicy
+from .runner import dead_letter
 from .wire import _PROTO, _PolicyBytes, _Spec, _child_spec, dumps, loads
 
 _SPAWN_LOCK = threading.Lock()
@@ -138,10 +141,12 @@ class ProcessTransport:
         self._on_event: Callable[[object], None] | None = None
         self._ready: set[str] = set()
         self._dead: set[str] = set()
+        self._dead_why: dict[str, str] = {}
         self._errors: dict[str, str] = {}
         self._buffer: dict[str, list[bytes]] = collections.defaultdict(list)
         self._proc_lock = threading.Lock()
-        self._policy_cache: dict[int, tuple[object, bytes]] = {}
+        self._policy_cache: dict[tuple[str, int], bytes] = {}  # (model, key) -> the policy bytes it holds
+        self._last_policy: tuple | None = None  # (RegisterPolicy message, its pickled policy)
         self._closing = False
         self._closed = False
         self._started = False
@@ -171,8 +176,14 @@ class ProcessTransport:
         """Deliver ``msg`` to ``model``'s sub-server (any thread; order kept per caller)."""
         if self._closed:
             return
-        if isinstance(msg, RegisterPolicy):
-            data = self._policy_bytes(msg)
+        if isinstance(msg, M.RegisterPolicy):
+            data = self._policy_bytes(model, msg)
+            if data is None:
+                return
+        elif isinstance(msg, M.UnregisterPolicy):
+            with self._proc_lock:
+                self._policy_cache.pop((model, msg.key), None)
+            data = dumps(msg)
         else:
             data = dumps(msg)
         self._out.append((model, data))
@@ -304,19 +315,27 @@ class ProcessTransport:
                 p.close()
 
     # -- internals ------------------------------------------------------------------------
-    def _policy_bytes(self, msg: RegisterPolicy) -> bytes:
-        hit = self._policy_cache.get(msg.key)
-        if hit is not None and hit[0] is msg.policy:
-            return hit[1]
-        try:
-            import cloudpickle
-            data = pickle.dumps(_PolicyBytes(msg.key, cloudpickle.dumps(msg.policy, _PROTO), repr(msg.policy)), _PROTO)
-        except Exception as e:  # noqa: BLE001
-            raise TypeError(f"policy {msg.policy!r} cannot be sent to the sub-server processes "
-                            f"({type(e).__name__}: {e}); make it picklable (cloudpickle) or run the "
-                            f"sub-servers in threads with Router(..., processes=False)") from e
-        self._policy_cache[msg.key] = (msg.policy, data)
-        return data
+    def _policy_bytes(self, model: str, msg: M.RegisterPolicy) -> bytes | None:
+        """The wire bytes of ``msg`` for ``model``, or None when that process already holds these
+        exact bytes. The policy is pickled once per message (one message goes to every model)."""
+        with self._proc_lock:
+            last = self._last_policy
+        if last is not None and last[0] is msg:
+            body = last[1]
+        else:
+            try:
+                import cloudpickle
+                body = cloudpickle.dumps(msg.policy, _PROTO)
+            except Exception as e:  # noqa: BLE001
+                raise TypeError(f"policy {msg.policy!r} cannot be sent to the sub-server processes "
+                                f"({type(e).__name__}: {e}); make it picklable (cloudpickle) or run the "
+                                f"sub-servers in threads with Router(..., processes=False)") from e
+        with self._proc_lock:
+            self._last_policy = (msg, body)
+            if self._policy_cache.get((model, msg.key)) == body:
+                return None
+            self._policy_cache[(model, msg.key)] = body
+        return pickle.dumps(_PolicyBytes(msg.key, body, repr(msg.policy)), _PROTO)
 
     def _bind(self, sock, spec: str) -> str:
         if spec == "ipc":
@@ -361,9 +380,13 @@ class ProcessTransport:
             p.join(2.0)
 
     def _deliver(self, dest: str, datas: list[bytes]) -> None:
-        """Send messages to ``dest`` as one multipart message (one batch for its inbox)."""
+        """Send messages to ``dest`` as one multipart message (one batch for its inbox); what a
+        dead ``dest`` was sent is answered with `dead_letter`."""
         import zmq
-        if dest in self._dead or dest not in self.procs or not datas:
+        if not datas or dest not in self.procs:
+            return
+        if dest in self._dead:
+            self._bounce(dest, datas)
             return
         if dest not in self._ready:
             self._buffer[dest].extend(datas)
@@ -371,7 +394,18 @@ class ProcessTransport:
         try:
             self._router.send_multipart([b"i:" + dest.encode(), *datas])
         except zmq.ZMQError:  # the peer is gone (ROUTER_MANDATORY): its death is reported separately
-            pass
+            self._bounce(dest, datas)
+
+    def _bounce(self, dest: str, datas: list[bytes]) -> None:
+        why = self._dead_why.get(dest, f"sub-server process '{dest}' is not running")
+        for data in datas:
+            try:
+                msg = loads(data)
+            except Exception:  # noqa: BLE001 - e.g. a policy envelope: nothing to answer
+                continue
+            ev = dead_letter(dest, msg, why, time.perf_counter())
+            if ev is not None:
+                self._emit(ev)
 
     def _drain_out(self) -> None:
         """Deliver the engine's messages (not during a `hold`), in order per destination."""
@@ -440,13 +474,16 @@ class ProcessTransport:
         with self._proc_lock:
             p.join(1.0)
             code = p.exitcode
-        self._buffer.pop(name, None)
+        held = self._buffer.pop(name, [])
         self._held.pop(name, None)
+        err = self._errors.get(name)
+        text = f"sub-server process '{name}' died ({_exit_text(code)})" + (f": {err}" if err else "")
+        self._dead_why[name] = text
         if not self._closing:
-            err = self._errors.get(name)
-            text = f"sub-server process '{name}' died ({_exit_text(code)})" + (f": {err}" if err else "")
-            self._emit(M.Finished(-1, name, "crashed", text, 0.0))
+            self._emit(M.ModelDied(name, text, time.perf_counter()))
         self._dead.add(name)  # after the report: alive() turns False only once the engine knows why
+        if not self._closing:
+            self._bounce(name, held)
 
     def _hub_loop(self) -> None:
         import zmq
@@ -477,8 +514,9 @@ class ProcessTransport:
             if not self._closing:
                 for name in self.procs:
                     self._dead.add(name)
-                self._emit(M.Finished(-1, next(iter(self.procs)), "crashed",
-                                      f"the sub-server message hub failed: {type(e).__name__}: {e}", 0.0))
+                for name in self.procs:
+                    self._emit(M.ModelDied(name, f"the sub-server message hub failed: {type(e).__name__}: {e}",
+                                           time.perf_counter()))
         finally:
             if self._closed:
                 with contextlib.suppress(Exception):

@@ -7,7 +7,9 @@ A request on a model is one `Seq`. States:
 
 When the pool is full, pending requests lose their KV first (oldest first), then owned
 requests not in the batch (newest first); each such eviction is a counted preemption and the
-request is recomputed from token 0 when it next runs (DESIGN.md invariant 2). Nothing is dropped.
+request is recomputed from token 0 when it next runs. A request that has outgrown the whole pool
+can never run again: `Scheduler.schedule` lists it in ``unfit`` (the sub-server fails it with an
+error naming the pool size), so no request waits forever for blocks.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Scheduler:
         self.seqs: dict[int, Seq] = {}
         self.owned: dict[int, Seq] = {}  # insertion order = FIFO
         self.preemptions = 0
+        self.unfit: list[Seq] = []  # the last `schedule`'s requests too big for the whole pool
 
     # -- state changes --------------------------------------------------------------------
     def add_owned(self, seq: Seq) -> None:
@@ -115,14 +118,19 @@ class Scheduler:
                 self._evict(victims[0])
 
     def schedule(self) -> list[Seq]:
-        """The requests of the next step (possibly empty). Requests too big for the whole
-        pool are not scheduled; the sub-server fails them via `too_big` beforehand."""
+        """The requests of the next step (possibly empty), first come first served. Requests
+        that need more blocks than the whole pool holds are left out and listed in ``unfit``;
+        one that only waits for blocks held by the batch runs in a later step."""
         batch: list[Seq] = []
         in_batch: set[int] = set()
         budget = self.max_batch_tokens
+        self.unfit = []
         for seq in list(self.owned.values()):
             if len(batch) >= self.max_batch_size:
                 break
+            if self.too_big(seq):
+                self.unfit.append(seq)
+                continue
             need = len(seq.tokens) - seq.kv_len
             if batch and need > budget:
                 continue

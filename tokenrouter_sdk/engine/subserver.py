@@ -1,26 +1,36 @@
-"""A sub-server: everything that serves one model (DESIGN.md, "Data flow").
+"""A sub-server: everything that serves one model.
 
 It owns a scheduler, a runner with a private KV pool, and runs the policy's per-step code for
 the requests it owns. It learns about requests only from messages (`Admit`, `HandoffMsg`,
-`Release`, `Abort`) and reports only through messages (`Committed`, `Hopped`, `Finished`,
-`StepDone`), so the same loop runs in a thread today and in a process later.
+`Release`, `Abort`) and reports only through events (`Committed`, `Hopped`, `Finished`,
+`StepDone`), so the same loop runs in a thread, in a process or in simulated time.
+
+One step (`SubServer.step`): schedule a batch (prefill, decode and extend mixed), one forward,
+mask the vocabulary to the shared tokenizer's, sample, ask the policy where each request goes,
+then commit (and check the stop rules) or hand off (the request stays pending here, KV kept).
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import time
 import traceback
 from typing import Callable
 
+import torch
+
 from ..policy import Handoff, Policy, StepBatch
 from ..request import RequestView
 from . import messages as M
+from .config import MODES, EngineConfig
+from .runner import SeqInput
 from .sampler import make_generator, sample
 from .scheduler import Scheduler, Seq
 
-MAX_HOPS_WITHOUT_COMMIT = 16
-MODES = ("async", "delayed", "sync", "model_sync")
+ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
+
+__all__ = ["SubServer", "RequestFailed", "MODES"]
 
 
 class RequestFailed(Exception):
@@ -33,35 +43,32 @@ class SubServer:
     Args:
         name: model name (e.g. ``"small"``).
         models: all model names, smallest first.
-        runner: the backend runner (e.g. `TorchRunner`), holding the KV pool.
-        tokenizer: used only to detect stop strings.
+        runner: the model's `tokenrouter_sdk.engine.runner.Runner` (holds the KV pool).
+        tokenizer: the shared tokenizer (stop strings; ``step.tokenizer`` for policies).
+        config: the `EngineConfig` (mode, retain_kv, batch limits, ...).
         send: ``send(model_name, msg)`` delivers a message to a peer sub-server.
-        emit: ``emit(event)`` delivers an output event to the engine.
-        max_batch_tokens, max_batch_size: scheduler limits.
-        mode: ``async`` (step whenever a request is ready), ``delayed`` (step when at least
-            ``thresholds[name]`` requests are ready, see `delayed_ok`), ``sync`` / ``model_sync``
-            (step only on a `Go` from the engine's coordinator).
-        thresholds: per-model delayed-batching thresholds B_i (``delayed`` mode).
-        retain_kv: False frees a request's KV on handoff, so a return re-prefills the whole
-            context (what serving each model separately costs without prefix caching).
+        emit: ``emit(event)`` delivers an event to the engine.
+        thresholds: delayed batching thresholds B_i per model (``delayed`` mode).
+        vocab_limit: token ids at or above it are never sampled (the shared tokenizer's size:
+            a model's extra logits rows, e.g. Qwen's padding to 151,936, are cut off).
         clock: seconds; ``time.perf_counter`` (or a simulated clock for the sim backend).
     """
 
-    def __init__(self, name: str, models: list[str], runner, tokenizer,
+    def __init__(self, name: str, models: list[str], runner, tokenizer, config: EngineConfig,
                  send: Callable[[str, object], None], emit: Callable[[object], None],
-                 max_batch_tokens: int = 4096, max_batch_size: int = 256, mode: str = "async",
-                 thresholds: dict[str, int] | None = None, retain_kv: bool = True,
+                 thresholds: dict[str, int] | None = None, vocab_limit: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.name, self.models, self.index = name, list(models), list(models).index(name)
-        self.runner, self.tokenizer = runner, tokenizer
+        self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.send, self.emit = send, emit
-        self.sched = Scheduler(runner.pool, max_batch_tokens, max_batch_size)
+        self.sched = Scheduler(runner.pool, config.max_batch_tokens, config.max_batch_size)
         self.inbox: queue.Queue = queue.Queue()
         self.policies: dict[int, Policy] = {}
-        self.aborted: set[int] = set()
+        self.aborted: collections.OrderedDict[int, tuple[str, str | None]] = collections.OrderedDict()
         self._running = True
-        self.mode, self.retain_kv = mode, retain_kv
+        self.mode, self.retain_kv = config.mode, config.retain_kv
         self.thresholds = dict(thresholds or {})
+        self.vocab_limit = int(vocab_limit or runner.vocab_size)
         self.inflight = 0
         self._go: list[int] = []
         self._deferred: list | None = None  # Finished events held until the step's StepDone
@@ -73,20 +80,20 @@ class SubServer:
             cfg = msg.config
             seq = Seq(cfg, list(cfg.prompt_ids), seen={self.name: len(cfg.prompt_ids)}, state=msg.state,
                       generator=make_generator(cfg.params.seed, self.index, self.runner.device))
-            self._own(seq)
+            if cfg.rid in self.aborted:
+                self._end_aborted(seq)
+            else:
+                self._own(seq)
         elif isinstance(msg, M.HandoffMsg):
             self._receive(msg)
         elif isinstance(msg, M.Release):
             self.sched.remove(msg.rid)
         elif isinstance(msg, M.Abort):
-            self.aborted.add(msg.rid)
-            seq = self.sched.owned.get(msg.rid)
-            if seq is not None:
-                self._finish(seq, "aborted", msg.reason)
-            else:
-                self.sched.remove(msg.rid)
-        elif isinstance(msg, RegisterPolicy):
+            self._abort(msg)
+        elif isinstance(msg, M.RegisterPolicy):
             self.policies[msg.key] = msg.policy
+        elif isinstance(msg, M.UnregisterPolicy):
+            self.policies.pop(msg.key, None)
         elif isinstance(msg, M.Shutdown):
             self._running = False
         elif isinstance(msg, M.Go):
@@ -100,24 +107,50 @@ class SubServer:
 
     def stats(self, token: int = 0) -> M.Stats:
         """This sub-server's KV pool and request counts, as a `Stats` event."""
-        pool, seqs = self.sched.pool, self.sched.seqs
-        owned = len(self.sched.owned)
-        return M.Stats(self.name, token, pool.num_free, pool.num_blocks, pool.block_size, owned, len(seqs) - owned)
+        pool, seqs, owned = self.sched.pool, self.sched.seqs, self.sched.owned
+        run = sum(len(s.table) for s in owned.values())
+        pend = sum(len(s.table) for r, s in seqs.items() if r not in owned)
+        return M.Stats(self.name, token, pool.num_free, pool.num_blocks, pool.block_size, len(owned),
+                       len(seqs) - len(owned), run, pend)
+
+    def _abort(self, msg: M.Abort) -> None:
+        self.aborted[msg.rid] = (msg.reason, msg.error)
+        while len(self.aborted) > ABORTED_KEPT:
+            self.aborted.popitem(last=False)
+        seq = self.sched.owned.get(msg.rid)
+        if seq is not None:
+            self._end_aborted(seq)
+        else:
+            self.sched.remove(msg.rid)  # pending here (or unknown): free its KV
+
+    def _end_aborted(self, seq: Seq) -> None:
+        reason, error = self.aborted.pop(seq.rid, ("aborted", "aborted by the user"))
+        self.sched.seqs[seq.rid] = seq
+        self._finish(seq, reason, error)
 
     def _own(self, seq: Seq) -> None:
         if self.sched.too_big(seq):
             self.sched.seqs[seq.rid] = seq
-            need, have = len(seq.tokens), self.sched.pool.capacity_tokens
-            self._finish(seq, "failed", f"KV pool of model '{self.name}' is too small for request "
-                         f"{seq.rid}: it needs {need} tokens of KV, the pool holds {have}; "
-                         f"raise max_kv_tokens or shorten the prompt")
+            self._finish(seq, "failed", self._kv_error(seq))
             return
         self.sched.add_owned(seq)
+
+    def _kv_error(self, seq: Seq) -> str:
+        have = self.sched.pool.capacity_tokens
+        return (f"KV pool of model '{self.name}' is too small for request {seq.rid}: it needs {len(seq.tokens)} "
+                f"tokens of KV, the pool holds {have} tokens; raise max_kv_tokens (Router(..., max_kv_tokens=...)), "
+                f"lower max_new_tokens or shorten the prompt")
 
     def _receive(self, msg: M.HandoffMsg) -> None:
         seq = self.sched.seqs.get(msg.rid)
         if seq is None:
-            if msg.config is None:  # KV released meanwhile (abort race): nothing to continue
+            if msg.config is None:  # our KV of it was freed by an abort meanwhile
+                if msg.rid in self.aborted:
+                    reason, error = self.aborted.pop(msg.rid)
+                    self.emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
+                    for m, n in msg.seen.items():
+                        if m != self.name and n > 0:
+                            self.send(m, M.Release(msg.rid))
                 return
             seq = Seq(msg.config, [], generator=make_generator(msg.config.params.seed, self.index,
                                                                self.runner.device))
@@ -128,19 +161,27 @@ class SubServer:
         seq.hops_since_commit, seq.discarded, seq.state = msg.hops_since_commit, msg.discarded, msg.state
         seq.span, seq.return_to = msg.span, msg.return_to
         if msg.rid in self.aborted:
-            self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "aborted", "aborted by the user")
+            self._end_aborted(seq)
             return
         if len(seq.tokens) != msg.seen[self.name]:
             self.sched.seqs[seq.rid] = seq
             self._finish(seq, "failed", f"internal error: model '{self.name}' holds {len(seq.tokens)} "
                          f"tokens of request {seq.rid}, the handoff says {msg.seen[self.name]}")
             return
+        bad = [t for t in msg.suffix if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            self.sched.seqs[seq.rid] = seq
+            self._finish(seq, "failed", f"model '{msg.src}' wrote token id {bad[0]}, outside model '{self.name}'s "
+                         f"vocabulary [0, {self.runner.vocab_size}); the models must share one tokenizer")
+            return
+        pol = self.policies.get(seq.config.policy_key)
         try:
-            self.policies[seq.config.policy_key].receive(Handoff(msg.keep_sampled, msg.span), self._view(seq))
+            if pol is None:
+                raise RuntimeError("the request's policy is no longer registered")
+            pol.receive(Handoff(msg.keep_sampled, msg.span), self._view(seq))
         except Exception as e:  # noqa: BLE001 - a policy error fails this request only
             self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", self._policy_error(seq, "receive", e))
+            self._finish(seq, "failed", *self._policy_error(seq, "receive", e))
             return
         self._own(seq)
 
@@ -149,7 +190,7 @@ class SubServer:
         """Delayed batching (TokenRouter paper, "delayed batching"): launch when at least B_i
         requests are ready here. Tail rule: when the thresholds are infeasible for the requests
         still in flight (sum_j (B_j - 1) >= inflight), launch as soon as one is ready, so no
-        workload tail can deadlock (DESIGN.md invariant 7)."""
+        workload tail can deadlock."""
         ready = len(self.sched.owned)
         if ready == 0:
             return False
@@ -184,6 +225,8 @@ class SubServer:
         rnd = self._go.pop(0) if self.mode in ("sync", "model_sync") else None
         pre = self.sched.preemptions
         batch = self.sched.schedule()
+        for seq in self.sched.unfit:
+            self._finish(seq, "failed", self._kv_error(seq))
         if batch:
             self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
             return True
@@ -201,47 +244,78 @@ class SubServer:
             for ev in deferred:
                 self.emit(ev)
 
-    def _step(self, batch: list[Seq], preempted: int, round: int | None) -> None:
-        from ..backends.torch_runner import SeqInput
-        t0 = self.clock()
-        fed = {s.rid: len(s.tokens) - s.kv_len for s in batch}
+    def _forward(self, batch: list[Seq]) -> tuple[list[Seq], torch.Tensor | None, torch.Tensor | None]:
+        """The forward; when it raises, each request is run alone so that only the ones whose own
+        inputs fail are failed (their KV slots are rewritten by the retry). Returns the requests
+        that ran and their logits and hidden states."""
         inputs = [SeqInput(s.tokens[s.kv_len:], s.kv_len, s.table) for s in batch]
         try:
             logits, hidden = self.runner.forward(inputs)
-        except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
-            for s in batch:
-                s.kv_len = 0
-                self._finish(s, "failed", f"forward of model '{self.name}' failed: {type(e).__name__}: {e}")
-            self.emit(M.StepDone(self.name, t0, self.clock(), 0.0, len(batch), 0, {}, preempted, round))
-            return
-        for s in batch:
-            s.kv_len = len(s.tokens)
-        tokens = sample(logits, [s.config.params for s in batch], [s.generator for s in batch])
-        decisions = self._route(batch, tokens, logits, hidden)
-        for s, tok, dec in zip(batch, tokens.tolist(), decisions):
-            if isinstance(dec, Exception):
-                self._finish(s, "failed", str(dec))
-                continue
+            return batch, logits, hidden
+        except Exception as e:  # noqa: BLE001
+            if len(batch) == 1:
+                self._fail_forward(batch[0], e)
+                return [], None, None
+        ok, ls, hs = [], [], []
+        for s, inp in zip(batch, inputs):
             try:
-                self._apply(s, tok, dec)
-            except RequestFailed as e:
-                self._finish(s, "failed", str(e))
-        self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s, len(batch),
-                             sum(fed.values()), fed, preempted, round))
+                lg, hd = self.runner.forward([inp])
+            except Exception as e:  # noqa: BLE001
+                self._fail_forward(s, e)
+                continue
+            ok.append(s), ls.append(lg), hs.append(hd)
+        if not ok:
+            return [], None, None
+        return ok, torch.cat(ls), torch.cat(hs)
+
+    def _fail_forward(self, s: Seq, e: Exception) -> None:
+        s.kv_len = 0
+        self._finish(s, "failed", f"forward of model '{self.name}' failed for request {s.rid}: "
+                     f"{type(e).__name__}: {e}")
+
+    def _step(self, batch: list[Seq], preempted: int, round: int | None) -> None:
+        t0 = self.clock()
+        fed = {s.rid: len(s.tokens) - s.kv_len for s in batch}
+        batch, logits, hidden = self._forward(batch)
+        if batch:
+            for s in batch:
+                s.kv_len = len(s.tokens)
+            if logits.shape[-1] > self.vocab_limit:
+                logits = logits[:, :self.vocab_limit]
+            tokens = sample(logits, [s.config.params for s in batch], [s.generator for s in batch])
+            decisions = self._route(batch, tokens, logits, hidden)
+            for s, tok, dec in zip(batch, tokens.tolist(), decisions):
+                if isinstance(dec, RequestFailed):
+                    self._finish(s, "failed", *dec.args)
+                    continue
+                try:
+                    self._apply(s, tok, dec)
+                except RequestFailed as e:
+                    self._finish(s, "failed", *e.args)
+        pool = self.sched.pool
+        self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if batch else 0.0,
+                             len(fed), sum(fed.values()), fed, preempted, round,
+                             pool.num_blocks - pool.num_free, max(0, len(self.sched.owned) - len(batch))))
 
     # -- routing --------------------------------------------------------------------------
     def _view(self, s: Seq) -> RequestView:
-        return RequestView(s.rid, s.config.prompt_ids, s.output_ids, self.name, s.state, s.hops, tuple(self.models))
+        return RequestView(s.rid, s.config.prompt_ids, s.output_ids, self.name, s.state, s.hops, tuple(self.models),
+                           s.config.key)
 
-    def _policy_error(self, s: Seq, fn: str, e: Exception) -> str:
+    def _policy_error(self, s: Seq, fn: str, e: Exception) -> tuple[str, str]:
+        """(message, formatted traceback) of policy method ``fn`` raising ``e`` for ``s``: the
+        message names the policy, its source file and line, the model and the position."""
         pol = self.policies.get(s.config.policy_key)
-        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-        loc = f" ({where.filename}:{where.lineno})" if where else ""
+        frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ else []
+        own = [f for f in frames if "tokenrouter_sdk/engine" not in f.filename.replace("\\", "/")]
+        where = (own or frames or [None])[-1]
+        loc = f" at {where.filename}:{where.lineno}" if where else ""
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         return (f"policy {pol!r}.{fn} raised {type(e).__name__}: {e}{loc} on model '{self.name}' "
-                f"at output position {s.n_committed} of request {s.rid}")
+                f"at output position {s.n_committed} of request {s.rid}", tb)
 
     def _route(self, batch, tokens, logits, hidden) -> list:
-        """Policy decisions per request: a model name, or an Exception that fails it."""
+        """Policy decisions per request: a model name, or a `RequestFailed` that fails it."""
         out: list = [None] * len(batch)
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(batch):
@@ -250,7 +324,11 @@ class SubServer:
             else:
                 groups.setdefault(s.config.policy_key, []).append(i)
         for key, idx in groups.items():
-            pol = self.policies[key]
+            pol = self.policies.get(key)
+            if pol is None:
+                for i in idx:
+                    out[i] = RequestFailed(f"request {batch[i].rid}: its policy is no longer registered")
+                continue
             views = [self._view(batch[i]) for i in idx]
             sb = StepBatch(self.name, self.models, tokens[idx], logits[idx], hidden[idx], views, self.tokenizer)
             try:
@@ -263,12 +341,12 @@ class SubServer:
                     try:
                         res.append(pol.route(sb[j]))
                     except Exception as e:  # noqa: BLE001
-                        res.append(RequestFailed(self._policy_error(batch[idx[j]], "route", e)))
+                        res.append(RequestFailed(*self._policy_error(batch[idx[j]], "route", e)))
             for j, i in enumerate(idx):
-                out[i] = res[j] if isinstance(res[j], Exception) else self._target(batch[i], res[j], pol)
+                out[i] = res[j] if isinstance(res[j], RequestFailed) else self._target(batch[i], res[j], pol)
         return out
 
-    def _target(self, s: Seq, dec, pol) -> str | Exception:
+    def _target(self, s: Seq, dec, pol) -> str | RequestFailed:
         if isinstance(dec, bool) and len(self.models) == 2:
             return self.models[1 - self.index] if dec else self.name
         if isinstance(dec, str) and dec in self.models:
@@ -291,7 +369,7 @@ class SubServer:
         try:
             h = pol.send(self._view(s), target) or Handoff()
         except Exception as e:  # noqa: BLE001
-            raise RequestFailed(self._policy_error(s, "send", e)) from e
+            raise RequestFailed(*self._policy_error(s, "send", e)) from e
         if h.keep_sampled:
             if self._commit(s, tok):
                 return
@@ -305,30 +383,42 @@ class SubServer:
         s.seen[self.name] = len(s.tokens)
         s.n_committed += 1
         s.hops_since_commit = 0
-        self.emit(M.Committed(s.rid, self.name, [tok], self.clock()))
         p = s.config.params
-        reason = None
-        if tok in s.config.eos_ids and not p.ignore_eos:
+        reason, why = None, None
+        if tok in p.stop_token_ids:
+            reason, why = "stop", tok
+        elif tok in s.config.eos_ids and not p.ignore_eos:
             reason = "eos"
-        elif p.stop and self._hit_stop(s):
+        elif p.stop and (why := self._hit_stop(s)) is not None:
             reason = "stop"
         elif s.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
             reason = "length"
+        self.emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None))
         if reason:
-            self._finish(s, reason, None)
+            self._finish(s, reason, None, stop_reason=why)
             return True
         return False
 
-    def _hit_stop(self, s: Seq) -> bool:
+    def _hit_stop(self, s: Seq) -> str | None:
+        """The stop string the output's text now contains (decoded as the final text is: special
+        tokens skipped), or None. Only the tail is decoded: enough tokens to hold the longest
+        stop string plus the characters one token may add."""
         stops = s.config.params.stop
-        n = max(len(x) for x in stops) + 8
-        tail = self.tokenizer.decode(s.output_ids[-n:], skip_special_tokens=False)
-        return any(x in tail for x in stops)
+        longest = max(len(x) for x in stops)
+        out = s.output_ids
+        n = longest + 8
+        while True:
+            tail = self.tokenizer.decode(out[-n:], skip_special_tokens=True)
+            if len(tail) >= longest + 8 or n >= len(out):
+                break
+            n *= 2
+        hits = [(tail.find(x), x) for x in stops if x in tail]
+        return min(hits)[1] if hits else None
 
     def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool, token: int | None = None) -> None:
         s.hops += 1
         s.hops_since_commit = 0 if committed else s.hops_since_commit + 1
-        if s.hops_since_commit > MAX_HOPS_WITHOUT_COMMIT:
+        if s.hops_since_commit > self.config.max_hops_without_commit:
             raise RequestFailed(
                 f"policy {self.policies[s.config.policy_key]!r} handed request {s.rid} off "
                 f"{s.hops_since_commit} times in a row without committing a token (ping-pong between "
@@ -352,8 +442,8 @@ class SubServer:
             s.kv_len = 0
         self.send(target, msg)
 
-    def _finish(self, s: Seq, reason: str, error: str | None) -> None:
-        ev = M.Finished(s.rid, self.name, reason, error, self.clock())
+    def _finish(self, s: Seq, reason: str, error: str | None, tb: str | None = None, stop_reason=None) -> None:
+        ev = M.Finished(s.rid, self.name, reason, error, self.clock(), stop_reason, tb)
         if self._deferred is not None:
             self._deferred.append(ev)  # so a request's last step is in the trace before it ends
         else:
@@ -362,10 +452,3 @@ class SubServer:
             if m != self.name and n > 0:
                 self.send(m, M.Release(s.rid))
         self.sched.remove(s.rid)
-
-
-class RegisterPolicy:
-    """Makes a policy known to a sub-server under ``key`` (sent before any request uses it)."""
-
-    def __init__(self, key: int, policy: Policy):
-        self.key, self.policy = key, policy

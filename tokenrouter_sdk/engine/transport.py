@@ -4,8 +4,9 @@ A transport starts the sub-servers, delivers ``send(model, msg)`` to a sub-serve
 delivers the sub-servers' events to the engine's handler, and says what time it is.
 `ThreadTransport` runs each sub-server in a thread of this process and moves messages over
 `queue.Queue`s (no copies, debuggable with breakpoints). `SimTransport`
-(`tokenrouter_sdk.backends.sim_runner`) runs them in simulated time. A process transport
-(pyzmq) plugs in behind the same calls.
+(`tokenrouter_sdk.backends.sim_runner`) runs them in simulated time and `ProcessTransport`
+(`tokenrouter_sdk.engine.process_transport`) in processes; all three implement
+`tokenrouter_sdk.engine.runner.Transport`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from typing import Callable
 
 from . import messages as M
+from .runner import dead_letter
 
 
 class ThreadTransport:
@@ -28,6 +30,7 @@ class ThreadTransport:
         self.subservers: dict = {}
         self.events: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._dead: dict[str, str] = {}
 
     def clock_for(self, model: str) -> Callable[[], float]:
         return time.perf_counter
@@ -41,6 +44,11 @@ class ThreadTransport:
         self.events.put(event)
 
     def send(self, model: str, msg) -> None:
+        if model in self._dead:
+            ev = dead_letter(model, msg, self._dead[model], self.clock())
+            if ev is not None:
+                self.events.put(ev)
+            return
         self.subservers[model].inbox.put(msg)
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
@@ -68,8 +76,17 @@ class ThreadTransport:
         try:
             ss.run()
         except BaseException as e:  # noqa: BLE001 - report, the engine fails its requests
-            self.events.put(M.Finished(-1, ss.name, "crashed", f"sub-server '{ss.name}' crashed: "
-                                       f"{type(e).__name__}: {e}", 0.0))
+            why = f"sub-server '{ss.name}' crashed: {type(e).__name__}: {e}"
+            self._dead[ss.name] = why
+            self.events.put(M.ModelDied(ss.name, why, self.clock()))
+            while True:  # answer what was sent to it meanwhile
+                try:
+                    msg = ss.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                ev = dead_letter(ss.name, msg, why, self.clock())
+                if ev is not None:
+                    self.events.put(ev)
 
     def alive(self, model: str) -> bool:
         return any(t.is_alive() and t.name == f"tokenrouter-{model}" for t in self._threads)

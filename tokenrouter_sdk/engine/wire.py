@@ -15,7 +15,7 @@ import traceback
 from collections import ChainMap
 
 from ..policy import Policy
-from .subserver import RegisterPolicy
+from .messages import RegisterPolicy
 
 _PROTO = pickle.HIGHEST_PROTOCOL
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..engine.messages import Committed, Hopped, StepDone
+
 
 def _trace(router_or_trace) -> list:
     tr = getattr(router_or_trace, "trace", router_or_trace)
@@ -16,7 +18,7 @@ def _models_of(trace: list, models: Sequence[str] | None) -> list[str]:
         return list(models)
     seen: list[str] = []
     for ev in trace:
-        m = ev[1].model if ev[0] == "step" else (ev[2] if ev[0] == "commit" else None)
+        m = ev.model if isinstance(ev, (StepDone, Committed)) else None
         if m is not None and m not in seen:
             seen.append(m)
     return seen
@@ -26,11 +28,11 @@ def estimate_routing(router_or_trace, models: Sequence[str] | None = None) -> di
     """Per-model routing probabilities from a pilot run.
 
     q_i = P(a request leaves model i after a step of model i) = handoffs out of i / request-steps
-    on i (the sum of i's batch sizes), from the event trace (``router.trace``: ``("hop", rid, src,
-    dst, kept, t)`` and ``("step", StepDone)``). Models with no steps get q = 0.
+    on i (the sum of i's batch sizes), from the events (`Hopped` and `StepDone`). Models with no
+    steps get q = 0.
 
     Args:
-        router_or_trace: a `Router` (its engine trace) or a trace list.
+        router_or_trace: a `Router` (the events of its last call) or a list of events.
         models: model names to report (default: those seen in the trace, in order of appearance).
     """
     trace = _trace(router_or_trace)
@@ -38,10 +40,10 @@ def estimate_routing(router_or_trace, models: Sequence[str] | None = None) -> di
     hops = {m: 0 for m in names}
     req_steps = {m: 0 for m in names}
     for ev in trace:
-        if ev[0] == "hop" and ev[2] in hops:
-            hops[ev[2]] += 1
-        elif ev[0] == "step" and ev[1].model in req_steps:
-            req_steps[ev[1].model] += ev[1].batch_size
+        if isinstance(ev, Hopped) and ev.src in hops:
+            hops[ev.src] += 1
+        elif isinstance(ev, StepDone) and ev.model in req_steps:
+            req_steps[ev.model] += ev.batch_size
     return {m: (hops[m] / req_steps[m] if req_steps[m] else 0.0) for m in names}
 
 
@@ -52,9 +54,9 @@ def estimate_keep(router_or_trace, models: Sequence[str] | None = None) -> dict[
     names = _models_of(trace, models)
     kept = {m: [0, 0] for m in names}
     for ev in trace:
-        if ev[0] == "hop" and ev[2] in kept:
-            kept[ev[2]][0] += bool(ev[4])
-            kept[ev[2]][1] += 1
+        if isinstance(ev, Hopped) and ev.src in kept:
+            kept[ev.src][0] += bool(ev.kept)
+            kept[ev.src][1] += 1
     return {m: (k / n if n else 1.0) for m, (k, n) in kept.items()}
 
 
@@ -65,9 +67,9 @@ def estimate_extra_tokens(router_or_trace, models: Sequence[str] | None = None) 
     names = _models_of(trace, models)
     fed = {m: [0, 0] for m in names}
     for ev in trace:
-        if ev[0] == "step" and ev[1].model in fed:
-            fed[ev[1].model][0] += ev[1].tokens_fed - ev[1].batch_size
-            fed[ev[1].model][1] += ev[1].batch_size
+        if isinstance(ev, StepDone) and ev.model in fed:
+            fed[ev.model][0] += ev.tokens_fed - ev.batch_size
+            fed[ev.model][1] += ev.batch_size
     return {m: (f / n if n else 0.0) for m, (f, n) in fed.items()}
 
 
@@ -77,9 +79,8 @@ def estimate_step_overhead(router_or_trace, models: Sequence[str] | None = None)
     trace = _trace(router_or_trace)
     names = _models_of(trace, models)
     acc = {m: [0.0, 0] for m in names}
-    for ev in trace:
-        if ev[0] == "step" and ev[1].model in acc:
-            s = ev[1]
+    for s in trace:
+        if isinstance(s, StepDone) and s.model in acc:
             acc[s.model][0] += max(0.0, (s.t_end - s.t_start) - s.forward_s)
             acc[s.model][1] += 1
     return {m: (t / k if k else 0.0) for m, (t, k) in acc.items()}

@@ -8,12 +8,13 @@ from typing import Sequence
 import torch
 
 from ..backends.sim_runner import LatencyModel
+from ..engine.messages import StepDone
 from .estimate import estimate_extra_tokens, estimate_keep, estimate_routing, estimate_step_overhead
 from .profile import profile_latency
 from .search import Plan, plan_thresholds
 
 
-HISTORY_EVENTS = 4000  # trace events the analytic RandomRouting plan reads the per-step overhead from
+HISTORY_EVENTS = 4000  # recent engine events the analytic RandomRouting plan reads the per-step overhead from
 PROFILE_ATTR = "_tokenrouter_latency"  # a model's profiles: {torch threads (or (threads, "cuda_graphs")): LatencyModel}
 PILOT_PROMPTS = ("Explain why the sky is blue in a few sentences.",
                  "What is 17 * 23? Show your steps.",
@@ -100,26 +101,41 @@ def plan_router(router, policy, n: int, *, trace: list | None = None, prompts: S
         q = {small: p, large: 1.0}
         kw.setdefault("keep", {small: 0.0, large: 1.0})
         kw.setdefault("extra_tokens", {small: 0.0, large: (1 - p) / p if p > 0 else 0.0})
-        recent = [ev for ev in list(router.engine.trace[-HISTORY_EVENTS:]) if ev[0] == "step"]
+        with router.engine._lock:
+            recent = [ev for ev in list(router.engine.recent)[-HISTORY_EVENTS:] if isinstance(ev, StepDone)]
         return plan_thresholds(_with_overhead(router, lat, names, recent, min_steps=20), q, n, **kw)
     if trace is None:
-        eng = router.engine
-        old = dict(getattr(eng, "thresholds", {}) or {})
-        start = len(eng.trace)
-        plist = list(prompts or PILOT_PROMPTS)
-        plist = [plist[i % len(plist)] for i in range(max(n, 4))]
-        if getattr(eng, "mode", None) == "delayed":
-            router.set_thresholds({m: 1 for m in names})
-        try:
-            router.generate(plist, policy=policy, concurrency=n, max_new_tokens=pilot_tokens, ignore_eos=True)
-        finally:
-            if old and getattr(eng, "mode", None) == "delayed":
-                router.set_thresholds(old)
-        trace = list(eng.trace[start:])
+        trace = pilot_trace(router, policy, n, prompts, pilot_tokens)
         lat = _with_overhead(router, lat, names, trace, min_steps=1)
     kw.setdefault("keep", estimate_keep(trace, names))
     kw.setdefault("extra_tokens", estimate_extra_tokens(trace, names))
     return plan_thresholds(lat, estimate_routing(trace, names), n, **kw)
+
+
+def pilot_trace(router, policy, n: int, prompts: Sequence | None = None, pilot_tokens: int = 64) -> list:
+    """The events of a pilot call through the engine: ``max(n, 4)`` requests of ``prompts``
+    (default `PILOT_PROMPTS`, cycled), ``pilot_tokens`` tokens each (EOS ignored), at concurrency
+    ``n``, with every delayed-batching threshold at 1 meanwhile (restored afterwards)."""
+    from ..request import SamplingParams
+    eng = router.engine
+    plist = list(prompts or PILOT_PROMPTS)
+    plist = [plist[i % len(plist)] for i in range(max(n, 4))]
+    reqs = router.requests(plist, sampling=SamplingParams(max_new_tokens=pilot_tokens, ignore_eos=True))
+    old = dict(eng.thresholds)
+    delayed = eng.config.mode == "delayed"
+    if delayed:
+        eng.set_thresholds({m: 1 for m in eng.models})
+    try:
+        call = eng.submit(reqs, policy, concurrency=n)
+        try:
+            call.wait()
+        except BaseException:
+            call.abort("the planner's pilot was interrupted")
+            raise
+    finally:
+        if delayed:
+            eng.set_thresholds(old)
+    return list(call.events)
 
 
 def _with_overhead(router, lat: dict[str, LatencyModel], names: list[str], trace: list,
@@ -129,7 +145,7 @@ def _with_overhead(router, lat: dict[str, LatencyModel], names: list[str], trace
     ``min_steps`` steps of every model; else ``lat`` unchanged (the sim backend has no overhead)."""
     if any(isinstance(getattr(r, "latency", None), LatencyModel) for r in router.engine.runners.values()):
         return lat
-    counts = {m: sum(1 for ev in trace if ev[0] == "step" and ev[1].model == m) for m in names}
+    counts = {m: sum(1 for ev in trace if isinstance(ev, StepDone) and ev.model == m) for m in names}
     if min(counts.values()) < max(1, min_steps):
         return lat
     over = estimate_step_overhead(trace, names)

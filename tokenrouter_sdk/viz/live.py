@@ -2,9 +2,9 @@
 
 Design: no extra thread. The caller's thread, which would otherwise block until the requests
 end, wakes every ``interval`` seconds (default 0.25 s: four updates per second), reads the
-trace entries appended since its last look (the engine appends them as sub-server events
-arrive, from threads or, in process mode, from the pyzmq hub thread: the same trace either way)
-and the handles' growing outputs, and redraws. Generation never waits for the view.
+call's events appended since its last look (the engine appends them as sub-server events
+arrive, from threads or, in process mode, from the pyzmq hub thread: the same events either
+way) and the handles' growing outputs, and redraws. Generation never waits for the view.
 
 In a notebook (an IPython kernel with ipywidgets): a stats line (committed tokens/s, hop rate,
 large fraction), the answers as they are written with tokens coloured by model (a toggle shows
@@ -39,8 +39,8 @@ class LiveView:
     """Follows one `Router.generate` call's requests and draws them while they run.
 
     Args:
-        router: the `Router` (its engine's trace and tokenizer are read).
-        handles: the call's `RequestHandle`s.
+        router: the `Router` (its tokenizer and models are read).
+        handles: the call (`tokenrouter_sdk.engine.engine.Call`: its handles and events).
         kind: ``"auto"`` (widgets in a notebook, else text), ``"widget"`` or ``"text"``.
             ``"widget"`` outside a notebook builds and updates the widgets without displaying
             them (used to measure the view's cost).
@@ -62,15 +62,13 @@ class LiveView:
         if not interval > 0:
             raise ValueError(f"live view interval must be > 0 seconds, got {interval!r}")
         self.router, self.engine, self.handles = router, router.engine, list(handles)
+        self.call = handles
         self.interval, self.out = interval, out
         self.displayed = in_notebook()
         self.kind = ("widget" if self.displayed else "text") if kind == "auto" else kind
         self.state = TraceState(list(router.models), {h.rid for h in self.handles},
                                 {h.rid: h.entry for h in self.handles})
         self._pos = 0
-        with self.engine._lock:  # skip earlier runs' events
-            admits = [i for i, ev in enumerate(self.engine.trace) if ev[0] == "admit" and ev[1] in self.state.rids]
-            self._pos = min(admits) if admits else len(self.engine.trace)
         self._pieces: dict[int, list[str]] = {h.rid: [] for h in self.handles}
         self._html: dict[int, str] = {}
         self._dpieces: dict[int, list[str]] = {}
@@ -113,7 +111,7 @@ class LiveView:
                 h.done.wait(self.interval)
                 if deadline is not None and time.perf_counter() > deadline and not h.done.is_set():
                     raise TimeoutError(f"request {h.rid} did not finish within {timeout} s")
-                self.engine._check_alive()
+                self.engine.check_alive()
                 if time.perf_counter() - last >= self.gap:
                     self.update()
                     last = time.perf_counter()
@@ -123,7 +121,7 @@ class LiveView:
         """Read what is new in the trace and the outputs, and redraw."""
         t = time.perf_counter()
         with self.engine._lock:
-            new = self.engine.trace[self._pos:]
+            new = self.call.events[self._pos:]
             self._pos += len(new)
             snap = {h.rid: (list(h.output.token_ids), list(h.output.token_models), list(h.output.discarded_log),
                             h.output.finish_reason) for h in self.handles}

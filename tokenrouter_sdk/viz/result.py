@@ -61,6 +61,11 @@ class RunResult(list):
     def __reduce__(self):
         return (list, (list(self),))
 
+    def metrics(self):
+        """`tokenrouter_sdk.metrics.Metrics` of this run (its requests over its window)."""
+        from ..metrics import compute_metrics
+        return compute_metrics(self.trace, {o.rid for o in self}, self.models)
+
     # -- views ----------------------------------------------------------------------------
     def state(self) -> TraceState:
         """A `TraceState` fed with this run's trace."""

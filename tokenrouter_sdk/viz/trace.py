@@ -1,7 +1,7 @@
 """Incremental reading of the engine's event trace for the views (live and static).
 
-`TraceState.feed` consumes trace events (see `tokenrouter_sdk.metrics` for their format) one
-batch at a time, so the live view only reads what is new; the static views feed a finished
+`TraceState.feed` consumes trace events (the `tokenrouter_sdk.engine.messages` events of a call)
+one batch at a time, so the live view only reads what is new; the static views feed a finished
 run's whole trace at once. It keeps, per request, who owned it when (and where it was pending),
 per model the batch size and queue length at each step, and the running totals behind the
 stats line. Times are ``time.perf_counter`` seconds; the views show them relative to ``t0``
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+
+from ..engine.messages import Admitted, Committed, Finished, Hopped, StepDone
 
 
 @dataclass
@@ -87,19 +89,18 @@ class TraceState:
 
     # -- feeding ------------------------------------------------------------------------------
     def feed(self, events) -> None:
-        """Consume trace events in order (any iterable of trace tuples)."""
+        """Consume trace events in order (any iterable of events)."""
         for ev in events:
             self.events += 1
-            kind = ev[0]
-            if kind == "step":
-                self._step(ev[1])
+            if isinstance(ev, StepDone):
+                self._step(ev)
                 continue
-            rid = ev[1]
-            if self.rids is not None and rid not in self.rids:
+            rid = getattr(ev, "rid", None)
+            if rid is None or (self.rids is not None and rid not in self.rids):
                 continue
-            if kind == "admit":
-                t = ev[2]
-                entry = self.entries.get(rid)
+            if isinstance(ev, Admitted):
+                t = ev.t
+                entry = self.entries.get(rid) or ev.model
                 self.tracks[rid] = RequestTrack(rid, t, [[entry, t]], {entry} if entry else set())
                 self.t0 = t if self.t0 is None else min(self.t0, t)
                 self._touch(t)
@@ -107,24 +108,23 @@ class TraceState:
             tr = self.tracks.get(rid)
             if tr is None:
                 continue
-            if kind == "commit":
-                _, _, model, n, t = ev
-                tr._set_owner_if_unknown(model)
+            if isinstance(ev, Committed):
+                n = len(ev.tokens)
+                tr._set_owner_if_unknown(ev.model)
                 tr.committed += n
-                self.tokens_by_model[model] += n
-                self._touch(t)
-            elif kind == "hop":
-                _, _, src, dst, kept, t = ev[:6]
-                tr._set_owner_if_unknown(src)
-                tr.segments.append([dst, t])
-                tr.seen.add(dst)
+                self.tokens_by_model[ev.model] += n
+                self._touch(ev.t)
+            elif isinstance(ev, Hopped):
+                tr._set_owner_if_unknown(ev.src)
+                tr.segments.append([ev.dst, ev.t])
+                tr.seen.add(ev.dst)
                 tr.hops += 1
                 self.hops += 1
-                self.discarded += 0 if kept else 1
-                self._touch(t)
-            elif kind == "finish":
-                tr.reason, tr.t_end = ev[2], ev[3]
-                self._touch(ev[3])
+                self.discarded += 0 if ev.kept else 1
+                self._touch(ev.t)
+            elif isinstance(ev, Finished):
+                tr.reason, tr.t_end = ev.reason, ev.t
+                self._touch(ev.t)
 
     def _touch(self, t: float) -> None:
         self.t_last = t if self.t_last is None else max(self.t_last, t)

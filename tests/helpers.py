@@ -1,0 +1,135 @@
+"""Shared test helpers: prompt sets, scripted runners and policies, and the reference check.
+
+Import them as ``from tests.helpers import ...`` (the fixtures live in conftest.py files)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenrouter_sdk import Handoff, Policy, SamplingParams
+from tokenrouter_sdk.engine.kv_pool import KVPool
+from tokenrouter_sdk.reference import reference_generate
+
+
+def mixed_prompts(n, seed=0, vocab=259):
+    """``n`` token-id prompts of mixed lengths (1 to 40 tokens), ids in [3, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [1, 2, 5, 9, 17, 33, 3, 12, 40, 7][:n] + [4] * max(0, n - 10)
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def assert_matches_reference(models, outs, policy_factory, params: SamplingParams, eos_ids=(), tokenizer=None):
+    """Each output's tokens, writers, hops and finish reason equal the naive reference's."""
+    for o in outs:
+        ref = reference_generate(models, list(o.prompt), policy_factory(), params, eos_ids=eos_ids,
+                                 tokenizer=tokenizer)
+        assert o.token_ids == ref["token_ids"], (o.index, o.token_ids, ref["token_ids"])
+        assert o.token_models == ref["token_models"], o.index
+        assert o.hops == ref["hops"] and o.discarded == ref["discarded"], o.index
+        assert o.finish_reason == ref["finish_reason"], (o.index, o.finish_reason, ref["finish_reason"])
+
+
+class ScriptedRunner:
+    """A runner (the `tokenrouter_sdk.engine.Runner` protocol) whose next token is a function of
+    the position: ``script(position)`` (or ``script[position - offset]`` for a list, then
+    ``after``). Logits are one-hot at that token (``peak`` above the rest), so greedy decoding
+    writes the script exactly; ``delay_s`` sleeps in every forward (to abort mid-run).
+
+    Args:
+        script: callable position -> token id, or a list of token ids written from position
+            ``offset`` on.
+        vocab_size: logits width (may exceed the tokenizer's: padding rows).
+        after: token written past the end of a list script.
+        pad_peak: if set, logits of ids >= ``pad_from`` get this value (padding rows that
+            win every draw unless the engine masks them).
+    """
+
+    device = torch.device("cpu")
+    dtype = torch.float32
+
+    def __init__(self, script, *, vocab_size=259, offset=0, after=257, max_kv_tokens=4096, block_size=16,
+                 max_context=512, delay_s=0.0, peak=30.0, pad_from=None, pad_peak=None):
+        self.script, self.offset, self.after = script, offset, after
+        self.vocab_size, self.max_context = vocab_size, max_context
+        self.pool = KVPool(1, 1, 1, -(-max_kv_tokens // block_size), block_size)
+        self.delay_s, self.peak = delay_s, peak
+        self.pad_from, self.pad_peak = pad_from, pad_peak
+        self.last_forward_s = 0.0
+        self.forwards = 0
+        self.fed: list[list[int]] = []
+
+    def token_at(self, pos: int) -> int:
+        if callable(self.script):
+            return int(self.script(pos))
+        i = pos - self.offset
+        return int(self.script[i]) if 0 <= i < len(self.script) else self.after
+
+    def forward(self, seqs):
+        t0 = time.perf_counter()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.forwards += 1
+        logits = torch.zeros(len(seqs), self.vocab_size)
+        for i, s in enumerate(seqs):
+            if any(t >= self.vocab_size or t < 0 for t in s.tokens):
+                raise IndexError(f"index out of range in self (token ids {s.tokens})")
+            self.fed.append(list(s.tokens))
+            pos = s.start + len(s.tokens)
+            logits[i, self.token_at(pos)] = self.peak
+            if self.pad_peak is not None:
+                logits[i, self.pad_from:] = self.pad_peak
+        self.last_forward_s = time.perf_counter() - t0
+        return logits, torch.zeros(len(seqs), 4)
+
+    def release(self):
+        self.pool.release()
+
+
+class Alternate(Policy):
+    """Small writes even positions, large odd ones; the sampled token is kept on every hop."""
+
+    def route(self, step):
+        return step.models[step.position % 2]
+
+    def send(self, req, target):
+        return Handoff(keep_sampled=True)
+
+
+class StayOn(Policy):
+    """Every request enters and stays on ``model``."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def entry(self, req, models):
+        return self.model
+
+    def route(self, step):
+        return self.model
+
+
+class HandTo(Policy):
+    """The entry model hands every request to ``target`` after ``after`` tokens, which keeps it."""
+
+    def __init__(self, target, after=1):
+        self.target, self.after = target, after
+
+    def route(self, step):
+        return self.target if step.position >= self.after else step.model
+
+    def send(self, req, target):
+        return Handoff(keep_sampled=True)
+
+
+def pools_free(router, timeout=10.0) -> dict:
+    """Wait until the engine holds no request; return per model (free, usable) KV blocks."""
+    assert router.engine.wait_idle(timeout), "the engine still holds requests"
+    deadline = time.perf_counter() + timeout
+    while True:
+        st = router.kv_stats()
+        out = {m: (s.free_blocks, s.num_blocks) for m, s in st.items()}
+        if all(f == n for f, n in out.values()) or time.perf_counter() > deadline:
+            return out
+        time.sleep(0.02)

@@ -1,0 +1,267 @@
+"""A request's whole life: abort at every stage, KV pressure, bad tokens, dead sub-servers,
+per-call settings, reproducible keys, bounded memory."""
+
+import _thread
+import asyncio
+import gc
+import random
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+from tokenrouter_sdk import Handoff, Policy, Router
+from tokenrouter_sdk.models import tiny_model
+from tokenrouter_sdk.policies import RandomRouting, TokenEnsemble
+
+from ..helpers import Alternate, HandTo, ScriptedRunner, StayOn, mixed_prompts, pools_free
+
+TOKENS = list(range(65, 91))  # 'A'..'Z' on the byte tokenizer
+
+
+def scripted_pair(delay_s=0.0, **kw):
+    return {"small": ScriptedRunner(lambda p: TOKENS[p % 26], delay_s=delay_s, **kw),
+            "large": ScriptedRunner(lambda p: TOKENS[(p + 3) % 26], delay_s=delay_s, **kw)}
+
+
+def committed_after(router, rid, t):
+    return [ev for ev in router.engine.recent if getattr(ev, "rid", None) == rid
+            and type(ev).__name__ == "Committed" and ev.t > t]
+
+
+# ---- abort -------------------------------------------------------------------------------
+class SlowLarge(Policy):
+    """Hands off to the large model at position 2; the large model keeps the request."""
+
+    def route(self, step):
+        if step.model == "small" and step.position >= 2:
+            return "large"
+        return step.model
+
+    def send(self, req, target):
+        return Handoff(keep_sampled=True)
+
+
+@pytest.mark.parametrize("stage", ["queued", "running", "pending", "returned"])
+def test_cancel_agenerate_aborts_at_every_stage(tok, stage):
+    """Cancelling the task aborts its request wherever it is; nothing is committed afterwards and
+    every KV block comes back (repeated, with block counts checked after each)."""
+    pair = scripted_pair(delay_s=0.01)
+    policy = {"queued": StayOn("small"), "running": StayOn("small"), "pending": HandTo("large", after=2),
+              "returned": Alternate()}[stage]
+    with Router(pair, policy, tokenizer=tok) as r:
+        for rep in range(12):
+            # "queued": two requests at concurrency 1, the second waits behind the first
+            prompts = [[5, 6], [7, 8, 9]] if stage == "queued" else [[7, 8, 9]]
+
+            async def main():
+                task = asyncio.ensure_future(r.agenerate(prompts, max_new_tokens=400, ignore_eos=True,
+                                                         concurrency=1))
+                while not r.engine.active_calls():
+                    await asyncio.sleep(0.001)
+                h = r.engine.active_calls()[0][0]
+                want = {"queued": 1, "running": 2, "pending": 3, "returned": 4}[stage] + rep % 3
+                while len(h.output.token_ids) < want:  # the stage is reached (varied by a step or two)
+                    await asyncio.sleep(0.001)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                return time.perf_counter()
+            t_cancel = asyncio.run(main())
+            free = pools_free(r)
+            assert all(f == n for f, n in free.values()), (rep, free)
+            run = r.last_run  # the partial result of the cancelled call
+            assert run is not None and [o.finish_reason for o in run] == ["aborted"] * len(prompts), run
+            assert all(len(o.token_ids) < 400 for o in run)
+            if stage == "queued":
+                assert run[1].token_ids == []
+            for o in run:
+                assert not committed_after(r, o.rid, t_cancel + 0.05)
+            if stage in ("pending", "returned"):
+                assert run[0].hops >= 1  # it was handed off before the cancel
+        assert r.generate([[1, 2]], max_new_tokens=5, ignore_eos=True)[0].ok  # still usable
+
+
+def test_abort_handle_and_stream_close(tok):
+    with Router(scripted_pair(delay_s=0.005), Alternate(), tokenizer=tok) as r:
+        call = r.submit([[3, 4], [5, 6]], max_new_tokens=1000, ignore_eos=True)
+        time.sleep(0.05)
+        r.abort(call[0])
+        call[1].abort()
+        call.wait(timeout=10)
+        assert [h.output.finish_reason for h in call] == ["aborted", "aborted"]
+        assert all(0 < len(h.output.token_ids) < 1000 for h in call)
+        n = len(call[0].output.token_ids)
+        time.sleep(0.05)
+        assert len(call[0].output.token_ids) == n  # nothing committed after the abort
+        it = r.stream([7, 8], max_new_tokens=1000, ignore_eos=True)
+        got = [next(it) for _ in range(5)]
+        assert len(got) == 5
+        it.close()  # closing the stream aborts its request
+        assert r.last_output.finish_reason == "aborted"
+        assert all(f == n for f, n in pools_free(r).values())
+
+
+def test_keyboard_interrupt_in_generate_aborts_the_call(tok):
+    with Router(scripted_pair(delay_s=0.005), Alternate(), tokenizer=tok) as r:
+        threading.Timer(0.15, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            r.generate([[3, 4], [5, 6], [7, 8]], max_new_tokens=5000, ignore_eos=True)
+        assert all(o.finish_reason == "aborted" for o in r.last_run)
+        assert all(f == n for f, n in pools_free(r).values())
+        t = time.perf_counter()
+        assert r.generate([[1, 2]], max_new_tokens=5, ignore_eos=True)[0].ok
+        assert time.perf_counter() - t < 2.0
+
+
+# ---- KV pressure -------------------------------------------------------------------------
+def test_request_outgrowing_the_pool_fails_alone_and_never_hangs(tok, pair):
+    with Router(pair, RandomRouting(0.3), tokenizer=tok, max_kv_tokens=64) as r:
+        outs = r.generate([[7] * 50, [5, 6]], max_new_tokens=100, ignore_eos=True, timeout=60)
+        assert outs[0].finish_reason == "failed"
+        assert "KV pool" in outs[0].error and "64 tokens" in outs[0].error and "max_kv_tokens" in outs[0].error
+        assert outs[1].finish_reason == "failed" or outs[1].ok
+        assert all(f == n for f, n in pools_free(r).values())
+
+
+@pytest.mark.parametrize("admission", ["reserve", "optimistic"])
+def test_random_pool_sizes_never_hang(admission):
+    """Random pools, prompt lengths and routing (sim backend): every request ends within a step
+    bound and the pools come back whole."""
+    rnd = random.Random(0)
+    for case in range(12):
+        kv = rnd.choice([32, 48, 64, 96, 160, 256])
+        n = rnd.randint(1, 12)
+        prompts = [[5 + rnd.randrange(200)] * rnd.randint(1, 80) for _ in range(n)]
+        new = rnd.randint(1, 60)
+        with Router({"small": None, "large": None}, RandomRouting(rnd.random(), seed=case), backend="sim",
+                    max_kv_tokens=kv, block_size=8, kv_admission=admission) as r:
+            outs = r.generate(prompts, max_new_tokens=new, ignore_eos=True, concurrency=rnd.choice([None, 2, 4]),
+                              timeout=60)
+            for p, o in zip(prompts, outs):
+                assert o.finish_reason in ("length", "failed"), (case, o.finish_reason, o.error)
+                if len(p) + new <= kv:  # it fits alone: it must finish
+                    assert o.finish_reason == "length", (case, kv, len(p), new, o.error)
+                else:
+                    assert o.finish_reason == "length" or "KV pool" in o.error
+            assert all(f == n for f, n in pools_free(r).values()), case
+
+
+# ---- bad tokens, dead sub-servers ----------------------------------------------------------
+def test_padding_rows_are_never_sampled(tok):
+    """The large model has 300 logits for a 259-token tokenizer and its padding rows win every
+    draw: they are masked, so no request fails and no id >= 259 is written."""
+    pair = {"small": ScriptedRunner(lambda p: 70), "large": ScriptedRunner(lambda p: 71, vocab_size=300, pad_from=259,
+                                                                          pad_peak=50.0)}
+    with Router(pair, Alternate(), tokenizer=tok) as r:
+        outs = r.generate(mixed_prompts(6), max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    assert all(t < 259 for o in outs for t in o.token_ids)
+
+
+class BoomRunner(ScriptedRunner):
+    def forward(self, seqs):
+        raise SystemExit("the large model's worker died")
+
+
+def test_dead_sub_server_fails_only_its_requests(tok):
+    pair = {"small": ScriptedRunner(lambda p: 70, delay_s=0.005), "large": BoomRunner(lambda p: 71)}
+    with Router(pair, StayOn("small"), tokenizer=tok) as r:
+        call = r.submit([[3, 4], [5, 6]], max_new_tokens=40, ignore_eos=True)
+        doomed = r.submit([[9, 9]], max_new_tokens=40, ignore_eos=True, policy=HandTo("large", after=1))
+        call.wait(timeout=10)
+        doomed.wait(timeout=10)
+        assert [h.output.finish_reason for h in call] == ["length", "length"]  # never touched 'large'
+        assert doomed[0].output.finish_reason == "failed" and "'large'" in doomed[0].output.error
+        t = time.perf_counter()
+        stats = r.kv_stats(timeout=30)
+        assert time.perf_counter() - t < 2.0
+        assert stats["large"].alive is False and stats["small"].alive
+        with pytest.raises(RuntimeError, match="'large'"):
+            r.generate([[1, 2]], max_new_tokens=3)
+
+
+# ---- per-call settings, keys, memory -------------------------------------------------------
+def test_concurrent_calls_keep_their_own_concurrency_and_metrics(tok):
+    with Router(scripted_pair(delay_s=0.002), Alternate(), tokenizer=tok) as r:
+        res = {}
+
+        def run(name, conc, n):
+            outs = r.generate([[3 + i, 4] for i in range(n)], max_new_tokens=20, ignore_eos=True, concurrency=conc)
+            res[name] = (outs, r.metrics())
+
+        ts = [threading.Thread(target=run, args=("a", 1, 3)), threading.Thread(target=run, args=("b", None, 5))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert r.engine.config.max_concurrency is None
+        (oa, ma), (ob, mb) = res["a"], res["b"]
+        assert ma.requests == 3 and mb.requests == 5
+        assert ma.committed_tokens == 60 and mb.committed_tokens == 100
+        assert oa.metrics().requests == 3
+        # call a ran one request at a time: its admissions never overlapped
+        spans = sorted((o.latency_s, o) for o in oa)
+        adm = [ev for ev in oa.trace if type(ev).__name__ == "Admitted"]
+        fin = [ev for ev in oa.trace if type(ev).__name__ == "Finished"]
+        assert len(adm) == 3 and all(adm[i + 1].t >= fin[i].t for i in range(2)), spans
+
+
+@pytest.mark.parametrize("policy", [lambda: RandomRouting(0.5, seed=3), lambda: TokenEnsemble(seed=3)])
+def test_seeded_policies_route_the_same_in_every_call(pair, tok, policy):
+    prompts = mixed_prompts(4, seed=9)
+    with Router(pair, policy(), tokenizer=tok) as r:
+        a = r.generate(prompts, max_new_tokens=12, ignore_eos=True)
+        b = r.generate(prompts, max_new_tokens=12, ignore_eos=True)
+        alone = r.generate([prompts[2]], max_new_tokens=12, ignore_eos=True)
+        keyed = r.generate(prompts[:2], max_new_tokens=12, ignore_eos=True, keys=["x", "y"])
+        keyed2 = r.generate(prompts[:2], max_new_tokens=12, ignore_eos=True, keys=["x", "y"])
+    assert [o.token_models for o in a] == [o.token_models for o in b]
+    assert alone[0].token_models == a[2].token_models
+    assert [o.token_models for o in keyed] == [o.token_models for o in keyed2]
+    assert len({tuple(o.token_models) for o in a}) > 1  # requests still draw differently
+
+
+def test_memory_does_not_grow_with_requests_served(pair, tok):
+    """10,000 requests on a tiny pair: the engine keeps nothing of finished calls, and the
+    memory held after 10,000 equals that after 100 (tracemalloc, within noise)."""
+    with Router(pair, RandomRouting(0.3), tokenizer=tok) as r:
+        def serve(n):
+            for _ in range(n // 500):
+                outs = r.generate([[5 + i % 50, 6] for i in range(500)], max_new_tokens=2, ignore_eos=True)
+                assert all(o.ok for o in outs)
+            del outs
+            r.last_run = None
+            gc.collect()
+        serve(500)
+        tracemalloc.start()
+        serve(500)
+        base = tracemalloc.get_traced_memory()[0]
+        serve(10_000)
+        grown = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        assert not r.engine.active_calls() and not r.engine.handles
+        assert len(r.engine.recent) <= r.engine.recent.maxlen
+        assert grown < 2_000_000, f"memory grew {grown} bytes over 10,000 requests"
+        for ss in r.engine.subservers.values():
+            assert not ss.sched.seqs and len(ss.policies) <= 1 and len(ss.aborted) == 0
+
+
+class Flag(Policy):
+    def __init__(self):
+        self.to_large = False
+
+    def route(self, step):
+        return "large" if self.to_large else "small"
+
+
+def test_edited_policy_reaches_process_sub_servers(tok):
+    pair = {"small": tiny_model(num_layers=1, seed=1), "large": tiny_model(num_layers=2, seed=2)}
+    pol = Flag()
+    with Router(pair, pol, tokenizer=tok, processes=True) as r:
+        a = r.generate([[3, 4, 5]], max_new_tokens=4, ignore_eos=True)[0]
+        pol.to_large = True
+        b = r.generate([[3, 4, 5]], max_new_tokens=4, ignore_eos=True)[0]
+    assert set(a.token_models) == {"small"}
+    assert "large" in b.token_models

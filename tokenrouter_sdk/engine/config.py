@@ -1,0 +1,117 @@
+"""`EngineConfig`: every engine-wide setting, in one frozen object passed Router -> Engine ->
+SubServer. Per-call settings (concurrency, policy, sampling) travel with a submission instead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+MODES = ("async", "delayed", "sync", "model_sync")
+KV_ADMISSION = ("reserve", "optimistic")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine-wide settings.
+
+    Attributes:
+        mode: schedule mode. ``"async"``: each model steps whenever it has a ready request.
+            ``"delayed"``: async, but model i launches only when ``thresholds[i]`` requests
+            are ready (delayed batching, TokenRouter paper §4; a tail rule keeps it from
+            deadlocking). ``"sync"``: a global step barrier (every model finishes its step
+            before any starts the next, as the official R2R/CITER code runs).
+            ``"model_sync"``: one model at a time, round robin.
+        thresholds: delayed batching thresholds B_i per model name (``delayed`` mode; models
+            not named get 1), or ``"auto"``: the planner picks them before each call
+            (`tokenrouter_sdk.planner.plan_for_router`). Feasibility sum_i (B_i - 1) < N is
+            checked per call.
+        retain_kv: False frees a request's KV on every handoff, so a return re-prefills its
+            whole context (what serving each model separately costs; a baseline).
+        max_kv_tokens: KV pool capacity per model, tokens (None: 8192 for torch models,
+            4,194,304 for the sim backend).
+        block_size: tokens per KV block.
+        max_batch_tokens: tokens fed per step at most, per model (a longer single prompt
+            still runs alone).
+        max_batch_size: requests per step at most, per model.
+        max_concurrency: requests in flight at most over all calls (None: no engine-wide
+            limit; each call may set its own).
+        kv_admission: ``"reserve"`` (default) admits a request only when every model's pool
+            can hold ``prompt + max_new_tokens`` tokens of it beside what the requests in
+            flight reserved (a policy may send any request to every model), so requests never
+            evict each other; one request is always admitted when none is in flight.
+            ``"optimistic"`` admits by count only and preempts (evicts, later recomputes)
+            when a pool runs full.
+        max_hops_without_commit: handoffs in a row without a committed token before the
+            request fails (catches ping-pong policies).
+        backend: ``"torch"`` (real models) or ``"sim"`` (latency models, simulated time).
+        processes: each sub-server in its own process (True), in a thread of this process
+            (False), or None: processes when two or more torch models are served, unless the
+            environment variable ``TOKENROUTER_PROCESSES`` says 0 or 1. A dict means processes
+            and passes its items to `ProcessTransport` (``threads``, ``address``).
+        cuda_graphs: serve decode and short-extend steps from captured CUDA graphs (torch
+            backend on a GPU).
+
+    Raises:
+        ValueError: from construction, naming the bad field and what it accepts.
+    """
+
+    mode: str = "async"
+    thresholds: Mapping[str, int] | str | None = None
+    retain_kv: bool = True
+    max_kv_tokens: int | None = None
+    block_size: int = 16
+    max_batch_tokens: int = 4096
+    max_batch_size: int = 256
+    max_concurrency: int | None = None
+    kv_admission: str = "reserve"
+    max_hops_without_commit: int = 16
+    backend: str = "torch"
+    processes: bool | dict | None = None
+    cuda_graphs: bool = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown schedule mode {self.mode!r}; choose one of {MODES}")
+        if isinstance(self.thresholds, str) and self.thresholds != "auto":
+            raise ValueError(f"thresholds must be a dict of B_i per model or 'auto', got {self.thresholds!r}")
+        if self.backend not in ("torch", "sim"):
+            raise ValueError(f"unknown backend {self.backend!r}; choose 'torch' or 'sim'")
+        if self.kv_admission not in KV_ADMISSION:
+            raise ValueError(f"kv_admission must be one of {KV_ADMISSION}, got {self.kv_admission!r}")
+        for name in ("block_size", "max_batch_tokens", "max_batch_size", "max_hops_without_commit"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        for name in ("max_kv_tokens", "max_concurrency"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
+
+    @property
+    def auto_thresholds(self) -> bool:
+        return self.thresholds == "auto"
+
+    def threshold_map(self, models: list[str]) -> dict[str, int]:
+        """B_i for every model (1 where not given; all 1 with ``"auto"`` until planned).
+
+        Raises:
+            ValueError: a threshold below 1 or naming a model not in ``models``.
+        """
+        given = {} if isinstance(self.thresholds, str) or self.thresholds is None else dict(self.thresholds)
+        return valid_thresholds(given, models)
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return replace(self, **changes)
+
+
+def valid_thresholds(thresholds: Mapping[str, int], models: list[str]) -> dict[str, int]:
+    """``thresholds`` completed with 1 for every model not named.
+
+    Raises:
+        ValueError: a threshold below 1 or naming a model not in ``models``.
+    """
+    bad = {k: v for k, v in thresholds.items() if k not in models or int(v) < 1}
+    if bad:
+        raise ValueError(f"thresholds {bad} invalid: each must name a model of {models} and be >= 1")
+    return {m: int(thresholds.get(m, 1)) for m in models}

@@ -1,0 +1,87 @@
+"""The two seams below the engine: what a model backend (`Runner`) and a message carrier
+(`Transport`) must offer. The torch backend (`tokenrouter_sdk.backends.torch_runner`), the sim
+backend (`tokenrouter_sdk.backends.sim_runner`) and the transports implement them; the engine
+depends only on these protocols, never on a backend module."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Protocol, runtime_checkable
+
+import torch
+
+from .kv_pool import KVPool
+
+
+@dataclass
+class SeqInput:
+    """One request's part of a step: feed ``tokens`` at positions [start, start + len(tokens)),
+    with K/V written to (and read from) the slots of block ``table`` in the runner's pool."""
+
+    tokens: list[int]
+    start: int
+    table: list[int]
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """One model's forward over a ragged batch, with a private paged KV pool.
+
+    Attributes:
+        pool: the model's `KVPool`.
+        vocab_size: logits width V (may exceed the tokenizer's: padding rows are masked).
+        max_context: positions the model supports, tokens.
+        device: where logits come back.
+        last_forward_s: seconds inside the last model forward (for overhead metrics).
+    """
+
+    pool: KVPool
+    vocab_size: int
+    max_context: int
+    device: torch.device
+    last_forward_s: float
+
+    def forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every request's tokens; return the last-position logits [B, V] and the
+        last-layer hidden states [B, H] of each request."""
+        ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Starts the sub-servers and carries messages between them and the engine.
+
+    ``start(specs, on_event)`` builds one `SubServer` per spec (its keyword arguments, less
+    send/emit/clock) and delivers every event to ``on_event``; ``send(model, msg)`` delivers a
+    message to a sub-server (in order per sender); ``hold()`` is a batch submission (delivered
+    whole); ``clock()`` is the time; ``alive(model)`` whether it serves; ``close()`` stops all.
+    A message to a dead sub-server that carries a request (`Admit`, `HandoffMsg`) is answered
+    with that request's ``Finished(failed)``.
+    """
+
+    def start(self, specs: dict, on_event: Callable[[object], None]) -> None: ...
+
+    def send(self, model: str, msg) -> None: ...
+
+    def hold(self) -> ContextManager: ...
+
+    def clock(self) -> float: ...
+
+    def alive(self, model: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def dead_letter(model: str, msg, why: str, t: float):
+    """The `Finished(failed)` that answers ``msg`` sent to dead ``model`` (None if ``msg`` carries
+    no request)."""
+    from . import messages as M
+    if isinstance(msg, (M.Admit, M.HandoffMsg)):
+        rid = msg.config.rid if isinstance(msg, M.Admit) else msg.rid
+        return M.Finished(rid, model, "failed", f"model '{model}' is dead ({why}): the request was routed to it", t)
+    return None
+
+
+def no_hold() -> ContextManager:
+    return contextlib.nullcontext()
