@@ -189,7 +189,12 @@ def test_metric_modules_load_offline(monkeypatch):
         load_metric("accuracy")
 
 
-def test_load_benchmark_local_files_subsets_and_templates(tmp_path):
+def test_load_benchmark_local_files_subsets_and_templates(tmp_path, monkeypatch):
+    # CommonsenseQA is not shipped: it comes from a local folder passed explicitly
+    (tmp_path / "commonsenseqa_validation.jsonl").write_text("".join(json.dumps(
+        {"id": f"c{i}", "question": f"Where {i}?\nAnswer Choices: (A) bank (B) mall", "answer": "AB"[i % 2]}) + "\n"
+        for i in range(3)))
+    monkeypatch.setenv("TOKENROUTER_DATA", str(tmp_path))
     for name in BENCHMARKS:
         b = load_benchmark(name, limit=3)
         assert len(b) == 3 and b.kind == ("choice" if name == "commonsenseqa" else "math")
