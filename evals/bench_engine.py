@@ -1,7 +1,7 @@
 """Engine vs `transformers.generate` on the packaged CPU model (issue 2, "Benchmark").
 
 What runs, in ONE process on the same weights (SmolLM2-135M-Instruct, fp32) and the same prompts
-(the first N GSM8K questions, chat-templated; built-in questions if the data file is missing):
+(the first N GSM8K questions in the GSM8K template of `tokenrouter_sdk.benchmarks`, chat-templated):
   engine    Router({"large": large}, LargeOnly()), greedy, ignore_eos=True, max_new_tokens=M;
             concurrency c = at most c requests in flight (router.generate(..., concurrency=c)).
   generate  large.generate on left-padded batches of c prompts (attention mask, do_sample=False,
@@ -42,25 +42,15 @@ import transformers
 import tokenrouter_sdk
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.torch_runner import ATTN_NAME, use_paged_attention
+from tokenrouter_sdk.benchmarks import load as load_benchmark_rows
 from tokenrouter_sdk.models import default_pair
 from tokenrouter_sdk.policies import LargeOnly
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k_test.jsonl"
-BUILTIN = ["What is 7 + 5?", "Name a planet of the solar system and describe it.",
-           "A train travels 60 km in 1.5 hours. What is its average speed?",
-           "Tom has 3 apples and buys 4 more. He eats 2. How many are left?",
-           "Explain why the sky is blue in two sentences.", "Write a haiku about autumn.",
-           "If a shirt costs $20 and is 25% off, what do you pay?", "List three uses of a paperclip."]
-
 
 def load_questions(n: int) -> list[str]:
-    if DATA.exists():
-        with open(DATA) as f:
-            qs = [json.loads(line)["question"] for line, _ in zip(f, range(n))]
-        print(f"prompts: first {len(qs)} GSM8K questions from {DATA.resolve()}")
-        return qs
-    print(f"prompts: {DATA} missing, using built-in questions")
-    return (BUILTIN * (n // len(BUILTIN) + 1))[:n]
+    data = load_benchmark_rows("gsm8k", n)
+    print(f"prompts: first {len(data)} GSM8K questions from {data.source}")
+    return data.prompts
 
 
 def set_attn(model, name: str) -> None:

@@ -18,7 +18,7 @@ import time
 
 import tokenrouter_sdk
 from tokenrouter_sdk.bench import CsvLog, environment, format_table, run_bench, write_html
-from tokenrouter_sdk.cli import find_data, load_prompts
+from tokenrouter_sdk.benchmarks import load_prompts
 from tokenrouter_sdk.models import default_pair
 
 R = "random10"
@@ -45,7 +45,7 @@ def main() -> None:
         log(c)
         print(time.strftime("%H:%M:%S"), c, flush=True)
 
-    out = run_bench({"small": small, "large": large}, tok, load_prompts(find_data(), 64), cells=SETS[name],
+    out = run_bench({"small": small, "large": large}, tok, load_prompts("gsm8k", 64), cells=SETS[name],
                     thresholds="auto", on_cell=on_cell, progress=False)
     print(format_table(out))
     log.rewrite(out)

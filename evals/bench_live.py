@@ -1,7 +1,7 @@
 """Overhead of the live hop view (issue 7, bar: < 5% of wall time on a 16-request run).
 
 What runs: the packaged pair (`Router.default()`, R-Stitch tau=0.1, process sub-servers as by
-default), the first N GSM8K questions (chat-templated), greedy, ``ignore_eos=True``,
+default), the first N GSM8K questions (GSM8K template, chat-templated), greedy, ``ignore_eos=True``,
 ``max_new_tokens=M``, so every run writes exactly N*M committed tokens. Three variants of the
 same call, interleaved per repeat (off, text, widget, off, text, widget, ...) after one warm-up
 each, so machine-load noise hits all of them:
@@ -32,17 +32,11 @@ import time
 from pathlib import Path
 
 from tokenrouter_sdk import Router
+from tokenrouter_sdk.benchmarks import load_prompts
 from tokenrouter_sdk.policies import RStitch
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.jsonl"
-BUILTIN = ["What is 7 + 5?", "Name a planet.", "Write a haiku about autumn.", "List three uses of a paperclip."]
-
-
 def load_questions(n: int) -> list[str]:
-    if DATA.exists():
-        with open(DATA) as f:
-            return [json.loads(line)["question"] for line, _ in zip(f, range(n))]
-    return [BUILTIN[i % len(BUILTIN)] for i in range(n)]
+    return load_prompts("gsm8k", n)
 
 
 def run_once(router: Router, prompts: list[str], variant: str, max_new_tokens: int) -> dict:

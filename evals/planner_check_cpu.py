@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenrouter_sdk import Router  # noqa: E402
-from tokenrouter_sdk.cli import find_data, load_prompts  # noqa: E402
+from tokenrouter_sdk.benchmarks import load_prompts  # noqa: E402
 from tokenrouter_sdk.models import default_pair  # noqa: E402
 from tokenrouter_sdk.planner import dtmc_throughput, feasible_thresholds  # noqa: E402
 from tokenrouter_sdk.planner.for_router import plan_router, router_latency  # noqa: E402
@@ -44,8 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     large, small, tok = default_pair()
-    path = find_data()
-    prompts = load_prompts(path, 64) if path else ["What is 7 + 5?"] * 64
+    prompts = load_prompts("gsm8k", 64)
     out, ok = [], True
     with Router({"small": small, "large": large}, tokenizer=tok, mode="delayed", thresholds={"small": 1, "large": 1}) as r:
         for n in a.n:

@@ -1,10 +1,11 @@
 """Every built-in policy on the packaged CPU pair, side by side in one run.
 
 For each policy at its default parameters: realized hop rate, large fraction, discarded tokens
-and committed-token throughput, on the first N GSM8K questions (chat-templated, greedy) at
-concurrency C. Learned policies (CITER, R2R, Co-LLM, query-level) get *random, untrained* heads
-here (the training pipelines are a separate issue), so their routing shows the runtime's
-behaviour, not the algorithm's quality; their thresholds are their published defaults.
+and committed-token throughput, on the first N GSM8K questions (GSM8K template of
+`tokenrouter_sdk.benchmarks`, chat-templated, greedy) at concurrency C. Learned policies (CITER,
+R2R, Co-LLM, query-level) get *random, untrained* heads here (the training pipelines are a
+separate issue), so their routing shows the runtime's behaviour, not the algorithm's quality;
+their thresholds are their published defaults.
 
     .venv/bin/python evals/policy_table.py --num 16 --concurrency 8 --max-new-tokens 64
 """
@@ -19,8 +20,8 @@ import time
 import torch
 
 from tokenrouter_sdk import Router
-from tokenrouter_sdk.cli import find_data, load_prompts
-from tokenrouter_sdk.models import default_pair
+from tokenrouter_sdk.benchmarks import load_prompts
+from tokenrouter_sdk.models import default_pair, describe_default_pair
 from tokenrouter_sdk.policies import (CITER, R2R, CoLLM, GlimpRouter, LargeOnly, QueryRouter, R2RAleatoric,
                                       R2REntropy, RandomQueryRouting, RandomRouting, RStitch, SmallOnly)
 
@@ -49,14 +50,13 @@ def main() -> None:
     ap.add_argument("--num", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--small-layers", type=int, default=10)
+    ap.add_argument("--small-layers", type=int, default=None,
+                    help="small = plain truncation to this many layers (default: the packaged self-draft)")
     ap.add_argument("--only", nargs="*", help="policy names to run (substring match)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
-    path = find_data()
-    if path is None:
-        raise SystemExit("GSM8K file not found (../shared/data/gsm8k_test.jsonl)")
-    prompts = load_prompts(path, args.num)
+    prompts = load_prompts("gsm8k", args.num)
+    print(describe_default_pair(args.small_layers))
     large, small, tok = default_pair(small_layers=args.small_layers)
     print(f"torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}, {args.num} GSM8K questions, "
           f"concurrency {args.concurrency}, max_new_tokens {args.max_new_tokens}")

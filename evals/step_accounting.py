@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.bench import make_policy
-from tokenrouter_sdk.cli import find_data, load_prompts
+from tokenrouter_sdk.benchmarks import load_prompts
 from tokenrouter_sdk.models import default_pair
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     new = int(sys.argv[2]) if len(sys.argv) > 2 else 128
     modes = sys.argv[3].split(",") if len(sys.argv) > 3 else ["sync", "delayed"]
     large, small, tok = default_pair()
-    prompts = load_prompts(find_data(), 64)
+    prompts = load_prompts("gsm8k", 64)
     for mode in modes:
         th = {"small": 1, "large": 1} if mode == "delayed" else None
         with Router({"small": small, "large": large}, make_policy("random10"), tokenizer=tok, mode=mode,

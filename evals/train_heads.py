@@ -1,10 +1,10 @@
 """Bars of issue 5 for the trained R2R and CITER heads on the packaged CPU pair (`Router.default()`).
 
-1. Train both heads on GSM8K test questions after the 32 held-out ones (``--train`` questions,
+1. Train both heads on GSM8K test questions after the 128 held-out ones (``--train`` questions,
    responses / gold / rollouts of at most ``--max-new-tokens`` tokens); the validation questions
    (a quarter of them, by question) give the held-out labels: recall and precision of the
    router at its recall-0.95 threshold, and AUC.
-2. On the 32 held-out questions (gsm8k-test-0000..0031, never trained on): large-only greedy
+2. On the 128 held-out questions (gsm8k-test-0000..0127, never trained on): large-only greedy
    answers; then each head at the threshold that routes about 0.2 of the small model's own greedy
    steps on ``--calibrate`` training prompts (teacher-forced validation rows score differently
    from free-running generation), and `RandomRouting` at the large fraction the head realised.
@@ -76,7 +76,7 @@ def calibrate(router, res, prompts, rate: float, max_new_tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--train", type=int, default=48, help="training questions (after the 32 held-out ones)")
+    ap.add_argument("--train", type=int, default=48, help="training questions (after the 128 held-out ones)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--branches", type=int, default=6, help="R2R verified positions per response")
     ap.add_argument("--rollouts", type=int, default=2, help="CITER rollouts per example")

@@ -1,50 +1,27 @@
 """The ``tokenrouter`` command line.
 
-``tokenrouter demo`` routes the first GSM8K questions between the packaged CPU pair with R-Stitch
-and prints each answer with the tokens of each model told apart (colours on a terminal, ``[S:...]``
-/ ``[L:...]`` markers otherwise), then the metrics table. ``tokenrouter info`` prints versions,
+``tokenrouter demo`` routes the first GSM8K questions (shipped with the package, in the GSM8K
+template of `tokenrouter_sdk.benchmarks`) between the packaged CPU pair with R-Stitch and prints
+each answer with the tokens of each model told apart (colours on a terminal, ``[S:...]`` /
+``[L:...]`` markers otherwise), then the metrics table. ``tokenrouter info`` prints versions,
 torch threads and the cache folder. ``tokenrouter eval`` sweeps a policy's threshold on a
-benchmark (quality at hop rate; `tokenrouter_sdk.eval.cli`).
+benchmark (quality at hop rate; `tokenrouter_sdk.eval.cli`). ``demo``, ``bench``, ``eval`` and
+``train`` all default to the same pair, the packaged self-draft (``--small-layers K``: the plain
+truncation to K layers), and each prints one ``pair: ...`` line naming it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-GSM8K = "gsm8k_test.jsonl"
-INSTRUCTION = "Solve the problem. Give the final answer as a number at the end.\n\n"
-BUILTIN = ["What is 7 + 5?", "Name a planet of the solar system.",
-           "A box holds 12 eggs. How many eggs are in 3 boxes?"]
+from .benchmarks import load, load_prompts
+
 COLORS = ["\033[36m", "\033[33m", "\033[35m", "\033[32m"]  # cyan (small), yellow (large), ...
 RESET = "\033[0m"
-
-
-def find_data(name: str = GSM8K) -> Path | None:
-    """``../shared/data/<name>`` relative to the cwd, else relative to the repo root; None if absent."""
-    import tokenrouter_sdk
-    roots = [Path.cwd(), Path(tokenrouter_sdk.__file__).resolve().parents[1]]
-    return next((p for r in roots if (p := r / ".." / "shared" / "data" / name).is_file()), None)
-
-
-def load_prompts(path: Path, n: int, instruction: str = INSTRUCTION) -> list[str]:
-    """The first ``n`` prompts of ``path``: a JSONL file with a ``question`` field (prefixed with
-    ``instruction``) or a text file with one prompt per line (used as is)."""
-    prompts = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl":
-                prompts.append(instruction + json.loads(line)["question"])
-            else:
-                prompts.append(line.strip())
-            if len(prompts) == n:
-                break
-    return prompts
+JSONL_SUFFIXES = (".jsonl", ".gz", ".json")
 
 
 def model_label(models: list[str]) -> dict[str, str]:
@@ -74,6 +51,27 @@ def format_output(out, tokenizer, models: list[str], color: bool) -> str:
     return "".join(parts)
 
 
+def demo_prompts(prompt: list[str] | None, data: str | None, n: int) -> tuple[list[str], list[str], str]:
+    """What the demo routes: ``(prompts, what to print above each answer, source)``.
+
+    ``prompt`` (the ``--prompt`` strings) wins; else ``data`` (``--data``): a benchmark name, a
+    JSONL file (its questions in the template of the benchmark its name contains; both read by
+    `tokenrouter_sdk.benchmarks`) or a text file with one prompt per line; else the first ``n``
+    GSM8K questions shipped with the package, in the GSM8K template.
+
+    Raises:
+        FileNotFoundError: a ``data`` path that does not exist.
+        ValueError: an unknown benchmark name, ``n < 1`` or a malformed JSONL file.
+    """
+    if prompt:
+        return list(prompt), list(prompt), "--prompt"
+    if data is not None and Path(data).is_file() and Path(data).suffix not in JSONL_SUFFIXES:
+        prompts = load_prompts(data, n)
+        return prompts, prompts, data
+    bench = load(data or "gsm8k", n)
+    return bench.prompts, bench.questions, f"{bench.spec.name} ({bench.source})"
+
+
 def cmd_demo(args) -> int:
     """Route the prompts, print the coloured or marked answers and the metrics table."""
     import torch
@@ -82,29 +80,20 @@ def cmd_demo(args) -> int:
     from tokenrouter_sdk import Router
     from tokenrouter_sdk.policies import RStitch
 
+    from .models import describe_default_pair
+
     hf_logging.disable_progress_bar()
-    if args.prompt:
-        prompts, source = list(args.prompt), "--prompt"
-    else:
-        path = Path(args.data) if args.data else find_data()
-        if args.data and not path.is_file():
-            sys.exit(f"tokenrouter demo: --data {args.data}: no such file")
-        if path is None:
-            print(f"note: ../shared/data/{GSM8K} not found; using built-in prompts")
-            prompts, source = BUILTIN[:args.num], "built-in"
-        else:
-            prompts, source = load_prompts(path, args.num), str(path)
+    try:
+        prompts, shown, source = demo_prompts(args.prompt, args.data, args.num)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"tokenrouter demo: {e}")
     color = sys.stdout.isatty() and not args.no_color
+    print(describe_default_pair(args.small_layers))
     t0 = time.perf_counter()
     router = Router.default(policy=RStitch(tau=args.tau), small_layers=args.small_layers)
     with router:
         models = list(router.models)
-        large = router.models[models[-1]]
-        small = router.models[models[0]]
-        what = (f"first {args.small_layers} of {large.config.num_hidden_layers} layers of" if args.small_layers
-                else f"self-draft ({small.config.num_hidden_layers} layers: shared + distilled) of")
-        print(f"models : small = {what} {Path(large.config._name_or_path).name}, large = all "
-              f"{large.config.num_hidden_layers} layers (loaded in {time.perf_counter() - t0:.1f} s)")
+        print(f"models : {', '.join(models)} (loaded in {time.perf_counter() - t0:.1f} s)")
         print(f"policy : {router.policy!r}")
         print(f"run    : {len(prompts)} prompt{'s' * (len(prompts) != 1)} from {source}, "
               f"max_new_tokens={args.max_new_tokens}, concurrency={args.concurrency}, "
@@ -117,9 +106,9 @@ def cmd_demo(args) -> int:
         outs = router.generate(prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
                                temperature=args.temperature, seed=args.seed, progress=sys.stderr.isatty())
         gen_s = time.perf_counter() - t1
-        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        for i, out in enumerate(outs):
             large_frac = out.token_models.count(models[-1]) / max(1, len(out.token_ids))
-            print(f"\n=== {i + 1}/{len(prompts)}: {prompt.removeprefix(INSTRUCTION)}")
+            print(f"\n=== {i + 1}/{len(prompts)}: {shown[i]}")
             print(format_output(out, router.tokenizer, models, color) if out.ok else f"ERROR: {out.error}")
             print(f"--- finish={out.finish_reason} tokens={len(out.token_ids)} hops={out.hops} "
                   f"large_fraction={large_frac:.2f} latency={out.latency_s or 0:.1f}s")
@@ -142,7 +131,11 @@ def cmd_info(args) -> int:
     print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"torch threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}")
     print(f"cache dir {cache_dir()} (default model {'converted' if done else 'not converted yet'})")
-    print(f"demo data {find_data() or 'not found (built-in prompts)'}")
+    try:
+        data = load("gsm8k", 1).source
+    except (FileNotFoundError, ValueError) as e:
+        data = f"not available ({e})"
+    print(f"demo data gsm8k from {data}")
     return 0
 
 
@@ -171,11 +164,14 @@ def cmd_bench(args) -> int:
         tok = id_tokenizer()
         prompts = random_prompts(64, args.prompt_tokens, seed=0)
     else:
-        from .models import default_pair
+        from .models import default_pair, describe_default_pair
+        print(describe_default_pair(args.small_layers))
         large, small, tok = default_pair(small_layers=args.small_layers)
         models = {"small": small, "large": large}
-        path = Path(args.data) if args.data else find_data()
-        prompts = load_prompts(path, 64) if path else BUILTIN
+        try:
+            prompts = load_prompts(args.data or "gsm8k", 64)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"tokenrouter bench: --data: {e}")
     if args.backend != "sim":
         if args.max_kv_tokens:
             kw["max_kv_tokens"] = args.max_kv_tokens
@@ -202,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level routing between a small and a large LM.")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="route GSM8K questions between the packaged CPU pair with R-Stitch")
-    d.add_argument("--data", help="JSONL with a 'question' field, or a text file with one prompt per line")
+    d.add_argument("--data", help="a benchmark name (gsm8k, math500, aime24, amc23, commonsenseqa), a JSONL with a "
+                                  "'question' field, or a text file with one prompt per line (default: the GSM8K "
+                                  "test set shipped with the package)")
     d.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --data)")
     d.add_argument("-n", "--num", type=int, default=8, help="number of prompts from the data (default 8)")
     d.add_argument("--max-new-tokens", type=int, default=128)
@@ -225,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-baselines", action="store_true", help="skip retain_kv=False, large-only, small-only")
     b.add_argument("--small-layers", type=int, default=None,
                    help="small = plain truncation to this many layers (default: the packaged self-draft)")
-    b.add_argument("--data", help="prompts (JSONL with 'question' or text lines); default GSM8K")
+    b.add_argument("--data", help="prompts: a benchmark name, a JSONL with 'question' or a text file with one "
+                                  "prompt per line (default: the first 64 GSM8K questions, shipped with the package)")
     b.add_argument("--random-pair", metavar="SMALL,LARGE",
                    help="random-weight models built from configs, e.g. qwen3-0.6b,qwen3-8b (token-id prompts)")
     b.add_argument("--device", default="cuda", help="device of --random-pair models (default cuda)")

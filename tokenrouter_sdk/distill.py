@@ -3,8 +3,8 @@
 Pipeline (each step a function, usable from a notebook; `distill` runs them all):
 
 1. `synthetic_prompts`: templated prompts made in code (grade-school word problems with random
-   names and numbers, and general instructions over a topic list). No text of the evaluation
-   sets in ``shared/data`` is used, so nothing overlaps them.
+   names and numbers, and general instructions over a topic list). No text of the benchmark
+   sets (`tokenrouter_sdk.benchmarks`) is used, so nothing overlaps them.
 2. `teacher_continuations`: the large model's own continuations (greedy for half of the
    prompts, temperature 0.7 for the rest) through this package's engine (sequence-level
    knowledge distillation, Kim & Rush 2016, arXiv 1606.07947, section 3.2).
@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .benchmarks import get_spec
+from .benchmarks import load as load_benchmark_rows
 from .self_draft import attach_layers, init_trainable, save_self_draft
 
 NAMES = ["Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kemi", "Liam",
@@ -78,12 +80,14 @@ GENERAL_TEMPLATES = [
     "What are common misconceptions about {t}?", "How would you teach someone about {t}?",
     "Summarize the history of {t} in a few sentences.",
 ]
+# The instruction before each synthetic word problem (part of the recipe of the packaged draft;
+# benchmark questions use their own template from `tokenrouter_sdk.benchmarks`).
 MATH_INSTRUCTION = "Solve the problem. Give the final answer as a number at the end.\n\n"
 
 
 def synthetic_prompts(n: int, seed: int = 0, math_fraction: float = 0.6) -> list[str]:
-    """``n`` distinct prompts made from templates (``math_fraction`` word problems prefixed with the
-    demo's instruction, the rest general instructions). Deterministic in ``seed``."""
+    """``n`` distinct prompts made from templates (``math_fraction`` word problems prefixed with
+    `MATH_INSTRUCTION`, the rest general instructions). Deterministic in ``seed``."""
     rng, out, seen = random.Random(seed), [], set()
     while len(out) < n:
         if rng.random() < math_fraction:
@@ -344,8 +348,9 @@ def distill(large, tok, out, config: DistillConfig | None = None, *, gsm8k_quest
     """Run the whole pipeline (module docstring) and write the draft to ``out``. Returns the
     metadata written next to it (config, data sizes, stats, agreements, step-time ratio).
 
-    ``gsm8k_questions``: optional held-out evaluation prompts (e.g. the first GSM8K test
-    questions); they are only ever used for the agreement measurement.
+    ``gsm8k_questions``: optional held-out evaluation questions (e.g. the first GSM8K test
+    questions), put in the GSM8K template of `tokenrouter_sdk.benchmarks`; they are only ever
+    used for the agreement measurement.
     """
     import platform
 
@@ -357,7 +362,8 @@ def distill(large, tok, out, config: DistillConfig | None = None, *, gsm8k_quest
     train_p, held_p = prompts[:cfg.train_prompts], prompts[cfg.train_prompts:]
     eval_sets = {"synthetic_heldout": held_p}
     if gsm8k_questions:
-        eval_sets["gsm8k_heldout"] = [MATH_INSTRUCTION + q for q in gsm8k_questions[:cfg.gsm8k_heldout]]
+        gsm8k = get_spec("gsm8k")
+        eval_sets["gsm8k_heldout"] = [gsm8k.prompt(q) for q in gsm8k_questions[:cfg.gsm8k_heldout]]
     log(f"distill: generating teacher continuations for {len(train_p)} training prompts")
     seqs = teacher_continuations(large, tok, train_p, cfg.max_new_tokens, seed=cfg.seed, progress=progress)
     eval_seqs = {}
@@ -395,7 +401,7 @@ def distill(large, tok, out, config: DistillConfig | None = None, *, gsm8k_quest
             "k": cfg.k, "m": cfg.m, "config": asdict(cfg),
             "data": {"train_prompts": len(train_p), "train_positions": data.tokens,
                      "source": "synthetic templated prompts (tokenrouter_sdk.distill.synthetic_prompts, "
-                               f"seed {cfg.seed}); no text from shared/data",
+                               f"seed {cfg.seed}); no text from the benchmark sets",
                      "heldout": {name: len(v[0]) for name, v in eval_seqs.items()}},
             "train": stats, "agreement": agree, "step_time": speed, "times_s": times,
             "total_s": round(time.perf_counter() - t_all, 1),
@@ -430,7 +436,6 @@ def add_parser(sub) -> None:
 def _cmd_distill(args) -> int:
     import json
 
-    from .cli import find_data
     from .models import cache_dir, load_model, smollm2_folder
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -438,8 +443,7 @@ def _cmd_distill(args) -> int:
     cfg = DistillConfig(k=args.k, m=args.m, train_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                         seconds=args.seconds, max_epochs=args.epochs, lr=args.lr)
     large, tok = load_model(smollm2_folder())
-    gsm = find_data()
-    qs = [json.loads(line)["question"] for line in open(gsm, encoding="utf-8")][:cfg.gsm8k_heldout] if gsm else None
+    qs = load_benchmark_rows("gsm8k", cfg.gsm8k_heldout).questions
     meta = distill(large, tok, out, cfg, gsm8k_questions=qs)
     print(json.dumps({k: meta[k] for k in ("agreement", "step_time", "times_s", "total_s")}, indent=1))
     print(f"wrote {out} (+ .json)")

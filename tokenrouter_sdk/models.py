@@ -191,6 +191,26 @@ def default_pair(small_layers: int | None = None, *, draft=None, dtype=torch.flo
     return large, load_self_draft(large, draft or DEFAULT_DRAFT), tok
 
 
+def describe_default_pair(small_layers: int | None = None, *, draft=None) -> str:
+    """One line naming the pair `default_pair` (and `Router.default`) builds with these
+    arguments, without loading it, e.g. ``pair: small = self-draft (12 shared + 2 distilled
+    layers) of SmolLM2-135M-Instruct, large = SmolLM2-135M-Instruct``.
+
+    Raises:
+        FileNotFoundError: the draft's JSON sidecar is missing (self-draft only).
+    """
+    base = "SmolLM2-135M-Instruct"
+    if small_layers is not None:
+        small = f"first {small_layers} layers of {base} (plain truncation)"
+    else:
+        from .self_draft import DEFAULT_DRAFT, read_meta
+        meta = read_meta(draft or DEFAULT_DRAFT)
+        small = f"self-draft ({meta['k']} shared + {meta['m']} distilled layers) of {meta.get('base', base)}"
+        if draft is not None:
+            small += f" from {draft}"
+    return f"pair: small = {small}, large = {base}"
+
+
 def tiny_tokenizer():
     """A byte-level tokenizer built in code: 256 byte tokens (id = byte value, no merges) plus
     ``<|bos|>``=256, ``<|eos|>``=257, ``<|pad|>``=258 and a ChatML-like chat template.

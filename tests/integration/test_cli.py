@@ -41,7 +41,7 @@ def test_multibyte_char_split_across_models():
 def test_load_prompts(tmp_path):
     (tmp_path / "q.jsonl").write_text('{"question": "Q1"}\n\n{"question": "Q2"}\n{"question": "Q3"}\n')
     (tmp_path / "q.txt").write_text("first prompt\nsecond\n")
-    assert load_prompts(tmp_path / "q.jsonl", 2, instruction="I: ") == ["I: Q1", "I: Q2"]
+    assert load_prompts(tmp_path / "q.jsonl", 2, template="I: {question}") == ["I: Q1", "I: Q2"]
     assert load_prompts(tmp_path / "q.txt", 8) == ["first prompt", "second"]
 
 

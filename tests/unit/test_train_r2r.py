@@ -138,11 +138,11 @@ def test_cli_train_subcommand_parses():
 def test_load_examples_excludes_heldout(tmp_path):
     from tokenrouter_sdk.train.data import HELDOUT_IDS, gold_response, load_examples
     rows = [{"id": f"gsm8k-test-{i:04d}", "question": f"q{i}", "answer": str(i),
-             "meta": {"solution": f"2 + {i} = <<2+{i}={i + 2}>>{i + 2}\n#### {i}"}} for i in range(30, 36)]
+             "meta": {"solution": f"2 + {i} = <<2+{i}={i + 2}>>{i + 2}\n#### {i}"}} for i in range(126, 132)]
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in rows))
     exs = load_examples(f)
-    assert [e.id for e in exs] == ["gsm8k-test-0032", "gsm8k-test-0033", "gsm8k-test-0034", "gsm8k-test-0035"]
+    assert [e.id for e in exs] == ["gsm8k-test-0128", "gsm8k-test-0129", "gsm8k-test-0130", "gsm8k-test-0131"]
     assert not HELDOUT_IDS & {e.id for e in exs}
-    assert exs[0].solution == "2 + 32 = 34\nThe answer is 32." == gold_response(rows[2]["meta"]["solution"], "32")
-    assert [e.id for e in load_examples(f, limit=2, exclude_heldout=False)] == ["gsm8k-test-0030", "gsm8k-test-0031"]
+    assert exs[0].solution == "2 + 128 = 130\nThe answer is 128." == gold_response(rows[2]["meta"]["solution"], "128")
+    assert [e.id for e in load_examples(f, limit=2, exclude_heldout=False)] == ["gsm8k-test-0126", "gsm8k-test-0127"]

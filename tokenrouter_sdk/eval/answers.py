@@ -4,11 +4,16 @@ Math sets (GSM8K, MATH-500, AIME, AMC): the answer is, in this order of priority
 1. the content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (braces matched, so nesting such as
    ``\\boxed{\\frac{1}{2}}`` or ``\\boxed{\\boxed{5}}`` works),
 2. what follows the last anchor ``####``, ``final answer`` or ``the answer is`` / ``Answer:`` on its
-   line,
-3. the last number in the text (``1,234`` -> ``1234``, ``-3.5``, ``3/4``).
-The extracted strings are compared with `math_verify` (Hugging Face Math-Verify: ``parse`` then
-``verify``; LaTeX, fractions, units and thousands separators are normalised there), with a plain
-string comparison as fallback.
+   line: a ``$...$`` span, a LaTeX expression (prose after it such as ``cm`` or ``, which ...``
+   cut off), else the first number,
+3. the last expression in the text: a LaTeX expression is taken whole (``1 - \\frac{1}{e}``,
+   ``2\\sqrt{3}``, ``-\\frac{3}{4}``, ``\\frac{\\pi}{2} + 1``; what follows the last ``=``), plain
+   arithmetic gives its last number (``24 - 4 = 20`` -> ``20``, ``-3.5``, ``3/4``).
+Thousands separators are removed first (``1,234``, ``9{,}500``, ``9\\,500``, ``9\\!,500``,
+``10,\\!080`` -> digits only; a plain comma inside a tuple or interval such as ``(12,102)`` is
+kept), as are a leading ``$`` and a trailing period. The extracted strings are compared with
+`math_verify` (Hugging Face Math-Verify: ``parse`` then ``verify``; LaTeX, fractions, percentages
+and ``\\text{}`` units are normalised there), after a plain string comparison.
 
 CommonsenseQA (letters ``A``-``E``): ``\\boxed{B}``, ``answer is (B)`` / ``Answer: B`` /
 ``option B``, a last ``(B)``, or an output that is only a letter (``B``, ``B.``, ``B)``).
@@ -30,7 +35,6 @@ KINDS = (MATH, CHOICE)
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANCHOR = re.compile(r"(?:####|final answer\s*(?:is)?\s*[:=]?|the answer is\s*[:=]?|answer\s*[:=])", re.I)
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
-_LATEX = re.compile(r"\\[a-zA-Z]+|\^|_\{|\\\(|\\\[")
 
 
 def _check_kind(kind: str) -> None:
@@ -74,17 +78,122 @@ def last_boxed(text: str) -> str | None:
     return found
 
 
-_FRAC = re.compile(r"-?\\[dt]?frac\s*\{[^{}]+\}\s*\{[^{}]+\}")
+# Thousands separators. LaTeX spellings between a digit and a group of exactly three digits
+# (``9{,}500``, ``9\,500``, ``9\!,500``, ``10,\!080``, ``11,\! 111``) are unambiguous and removed
+# anywhere; a plain comma (``9,500``) only in a chain of 3-digit groups that is not inside a
+# tuple or interval (``(12,102)`` stays as it is).
+_LATEX_SEP = re.compile(r"(?<=\d)(?:\{,\}|,\s*\\!\s*|\\!\s*,\s*|\\,)(?=\d{3}(?!\d))")
+_PLAIN_THOUSANDS = re.compile(r"(?<![\d.,(\[{])\d{1,3}(?:,\d{3})+(?![\d)\]]|,\d)")
+_FULL_NUMBER = re.compile(r"[-+]?(?:\\?\$)?\s*\d{1,3}(?:,\d{3})+(?:\.\d+)?\s*(?:\\?%)?")
+_CURRENCY = re.compile(r"^(-?)\s*\\?\$\s*(?=[-\d.])")
+
+# One expression: numbers and LaTeX commands (with their brace arguments, nested up to three
+# deep) joined by operators, or side by side for implicit products (``2\sqrt{3}``).
+_BR = r"\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}"
+_RELATION = r"(?:le|ge|leq|geq|neq|ne|lt|gt|approx|sim|equiv|to|implies|Rightarrow|rightarrow|iff|quad|qquad|" \
+            r"cdot|times|pm|mp|div|in|cup|cap|boxed|fbox|text|mbox|textbf|mathrm)\b"
+_CMD = rf"\\(?!{_RELATION})[a-zA-Z]+(?:\s*{_BR})*"
+_UNIT = r"\\(?:text|mbox|textbf|mathrm)\s*\{[^{}]*\}"
+_ATOM = rf"(?:\d+(?:\.\d+)?|\.\d+|{_CMD})(?:\s*\^\s*(?:{_BR}|\d))?"
+_OP = r"\s*(?:[-+*/]|\\cdot|\\times|\\pm|\\mp|\\div)\s*"
+_RUN = re.compile(rf"(?<![\w.])-?\s*{_ATOM}(?:{_OP}{_ATOM}|\s*(?=\\){_ATOM})*(?:\s*{_UNIT})*")
+_MATH_WORD = re.compile(r"\d|\\(?:pi|infty|sqrt|[dt]?frac|ln|log|sin|cos|tan|e)\b")
+_HAS_LATEX = re.compile(r"\\[a-zA-Z]|\^")
+_PROSE = re.compile(r"[A-Za-z]{3,}")
+# $...$ (not the escaped \$) or \(...\) or \[...\]
+_MATH_SPAN = re.compile(r"(?<!\\)\$((?:\\.|[^$\\])+)(?<!\\)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]")
 
 
-def _last_number(text: str) -> str | None:
-    """The last number or LaTeX fraction in ``text`` (thousands separators removed)."""
-    hits = [(m.end(), m.group()) for m in _FRAC.finditer(text)]
-    hits += [(m.end(), re.sub(r"[,\s]", "", m.group()))
-             for m in _NUMBER.finditer(_FRAC.sub(lambda f: " " * len(f.group()), text))]
-    if not hits:
-        return None
-    return max(hits, key=lambda h: h[0])[1]
+def strip_thousands(text: str, prose: bool = False) -> str:
+    """``text`` with thousands separators removed: the LaTeX spellings always; plain commas in
+    prose (``prose=True``: any chain of 3-digit groups outside a tuple or interval) or, for an
+    extracted answer, only when the whole answer is one such number (``1,000`` -> ``1000`` but
+    ``1,-2`` and ``(12,102)`` unchanged).
+
+    >>> strip_thousands("9{,}500 and 10,\\\\!080")
+    '9500 and 10080'
+    """
+    text = _LATEX_SEP.sub("", text)
+    if prose:
+        return _PLAIN_THOUSANDS.sub(lambda m: m.group().replace(",", ""), text)
+    if _FULL_NUMBER.fullmatch(text.strip()):
+        return text.replace(",", "")
+    return text
+
+
+def _top_level_rhs(expr: str) -> str:
+    """What follows the last ``=`` outside braces and brackets (``x = 5`` -> ``5``)."""
+    depth, cut = 0, -1
+    for i, ch in enumerate(expr):
+        if ch in "{([":
+            depth += 1
+        elif ch in "})]":
+            depth -= 1
+        elif ch == "=" and depth == 0:
+            cut = i
+    return expr[cut + 1:] if cut >= 0 else expr
+
+
+def _clean(ans: str) -> str:
+    """An extracted answer tidied: a ``\\text{...}`` wrapping all of it unwrapped, thousands
+    separators and a leading currency sign removed, outer whitespace and a trailing period
+    stripped."""
+    ans = ans.strip()
+    if (m := re.fullmatch(r"\\(?:text|mbox|textbf|mathrm)\s*\{([^{}]*)\}", ans)):
+        ans = m.group(1).strip()
+    ans = strip_thousands(ans).strip()
+    ans = _CURRENCY.sub(r"\1", ans)
+    return ans.rstrip(".").strip()
+
+
+def _valid_run(run: str) -> bool:
+    body = re.sub(_UNIT, "", run)
+    return bool(_MATH_WORD.search(body))
+
+
+def _run_answer(run: str) -> str:
+    """The answer a run gives: the whole run (without trailing ``\\text{...}`` units) when it
+    holds LaTeX, else its last number (plain arithmetic: ``24 - 4`` gives ``4``)."""
+    run = re.sub(rf"(?:\s*{_UNIT})+$", "", run).strip()
+    if _HAS_LATEX.search(run):
+        return run
+    nums = _NUMBER.findall(run)
+    return re.sub(r"\s", "", nums[-1]) if nums else run
+
+
+def _expression_runs(text: str) -> list[str]:
+    return [m.group().strip() for m in _RUN.finditer(text) if _valid_run(m.group())]
+
+
+def _last_expression(text: str) -> str | None:
+    """The last number or LaTeX expression in ``text`` (thousands separators already removed)."""
+    runs = _expression_runs(text)
+    return _run_answer(runs[-1]) if runs else None
+
+
+def _from_anchor_tail(tail: str) -> str | None:
+    """The answer written right after an anchor such as ``The answer is`` (``tail`` = the rest
+    of that line): a ``$...$`` span without prose in it, a LaTeX expression (prose after it cut
+    off), or the first number."""
+    math = _MATH_SPAN.search(tail)
+    if math:
+        raw = next(g for g in math.groups() if g is not None)
+        # "$18. She also earns $20": two dollar signs around prose, not a math span
+        if not _PROSE.search(re.sub(rf"{_UNIT}|\\[a-zA-Z]+", "", raw)):
+            inner = _clean(_top_level_rhs(raw))
+            if inner:
+                return inner
+    if _HAS_LATEX.search(tail):
+        # cut at the first plain word of two or more letters ("cm", "which"), keep what is before
+        head = re.split(r"[,;]?\s+(?=[A-Za-z]{2,}\b)", tail.strip(), maxsplit=1)[0]
+        head = _clean(_top_level_rhs(head))
+        if head and _MATH_WORD.search(head):
+            return head
+        runs = _expression_runs(tail)
+        if runs:
+            return _run_answer(runs[0])
+    num = _NUMBER.search(tail)
+    return re.sub(r"[,\s]", "", num.group()) if num else None
 
 
 def extract_math_answer(text: str | None) -> str | None:
@@ -95,27 +204,23 @@ def extract_math_answer(text: str | None) -> str | None:
     '7'
     >>> extract_math_answer("She makes $1,234 per week.")
     '1234'
+    >>> extract_math_answer("so it costs $9{,}500.")
+    '9500'
+    >>> extract_math_answer("The probability is $1 - \\\\frac{1}{e}$.")
+    '1 - \\\\frac{1}{e}'
     """
     if not text:
         return None
     boxed = last_boxed(text)
     if boxed:
-        return boxed
+        return _clean(boxed) or boxed
+    text = strip_thousands(text, prose=True)
     anchors = list(_ANCHOR.finditer(text))
     if anchors:
-        tail = text[anchors[-1].end():].strip().split("\n")[0]
-        math = re.search(r"\$([^$]+)\$|\\\((.+?)\\\)", tail)
-        inner = (math.group(1) or math.group(2)).strip() if math else ""
-        if inner and (_LATEX.search(inner) or re.fullmatch(r"[-\d.,/\s]+", inner)):
-            return inner.rstrip(".")
-        if _LATEX.search(tail):
-            tail = tail.strip().rstrip(".").strip()
-            if tail:
-                return tail
-        num = _NUMBER.search(tail)
-        if num:
-            return re.sub(r"[,\s]", "", num.group())
-    return _last_number(text)
+        found = _from_anchor_tail(text[anchors[-1].end():].strip().split("\n")[0])
+        if found:
+            return found
+    return _last_expression(text)
 
 
 def _parse(s: str):
@@ -129,10 +234,12 @@ def _norm(s: str) -> str:
 
 
 def math_equal(a: str | None, b: str | None) -> bool:
-    """Whether two extracted math answers are equivalent (math_verify ``verify`` on both parses,
-    then a whitespace/``$``-insensitive string comparison). None equals nothing."""
+    """Whether two extracted math answers are equivalent: equal after tidying (thousands
+    separators, a leading ``$``, whitespace, ``\\dfrac``), else math_verify ``verify`` on both
+    parses. None equals nothing."""
     if a is None or b is None:
         return False
+    a, b = _clean(a) or a, _clean(b) or b
     if _norm(a) == _norm(b):
         return True
     import math_verify

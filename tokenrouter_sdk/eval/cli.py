@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                        "(threshold); default rstitch")
     p.add_argument("--values", type=_floats, default=[0.02, 0.05, 0.1, 0.2, 0.4],
                    help="comma-separated values of the swept parameter (default 0.02,0.05,0.1,0.2,0.4)")
-    p.add_argument("--dataset", default="gsm8k", help="gsm8k, math500, aime24, amc23, commonsenseqa or a JSONL path")
+    p.add_argument("--dataset", default="gsm8k", help="gsm8k, math500, aime24, amc23 (shipped with the package), "
+                                                      "commonsenseqa, or a JSONL path")
     p.add_argument("--limit", type=int, default=64, help="questions (default 64)")
     p.add_argument("--seed", type=int, default=0, help="subset shuffle seed "
                    "(-1: first --limit questions in file order)")
@@ -32,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-references", action="store_true", help="skip large-only, small-only and the random references")
     p.add_argument("--references", default=None,
                    help="comma-separated subset of large_only,small_only,random,random_query")
-    p.add_argument("--small-layers", type=int, default=10, help="layers of the large model the small one runs")
+    p.add_argument("--small-layers", type=int, default=None,
+                   help="small = plain truncation to this many layers of the large model (default: the packaged "
+                        "self-draft, the pair of Router.default() and the tutorials)")
     p.add_argument("--mode", default="async", help="schedule mode: async, delayed, sync, model_sync")
     p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
     p.add_argument("--no-progress", action="store_true")
@@ -50,8 +53,10 @@ def cmd_eval(args) -> int:
     """Run the sweep on the packaged CPU pair, print the table, write the files."""
     from transformers.utils import logging as hf_logging
 
+    from ..models import describe_default_pair
     from . import evaluate_policy
     hf_logging.disable_progress_bar()
+    print(describe_default_pair(args.small_layers), flush=True)
     refs = False if args.no_references else (args.references.split(",") if args.references else True)
     res = evaluate_policy("default", args.policy, args.values, dataset=args.dataset, limit=args.limit,
                           seed=None if args.seed < 0 else args.seed, max_new_tokens=args.max_new_tokens,

@@ -2,7 +2,7 @@
 (`train_citer`), Co-LLM (`train_co_llm`) and the query-level router (`train_query`).
 
 Each takes a `Router` (or ``{"small": m, "large": M}`` plus ``tokenizer``) and training prompts
-(default: GSM8K test questions without the 32 held-out evaluation ones), shows tqdm progress
+(default: GSM8K test questions without the 128 held-out evaluation ones), shows tqdm progress
 bars, saves the head with `tokenrouter_sdk.policies.heads.save_head` (the file its policy reads)
 plus a JSON record (data ids, model pair, hyperparameters, metrics) next to it, and returns a
 `TrainResult`. CLI: ``tokenrouter train {r2r,citer,co_llm,query}``. Nothing is imported from

@@ -152,7 +152,7 @@ def train_citer(router_or_models, prompts=None, *, tokenizer=None, data=None, li
         d = label_citer(pair, train + val, rollout_tokens=rollout_tokens, max_rollouts=max_rollouts,
                         max_gold_tokens=max_gold_tokens, check=check, seed=seed, concurrency=concurrency,
                         progress=progress)
-        meta = base_meta("citer", pair, train, val, data if prompts is None else None, hyper)
+        meta = base_meta("citer", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
     t_label = time.perf_counter() - t0
     from tokenrouter_sdk.policies.citer import ConfidenceHead
     tr, va = d.select(set(range(len(train)))), d.select(set(range(len(train), len(examples))))

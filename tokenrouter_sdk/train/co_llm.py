@@ -98,7 +98,7 @@ def train_co_llm(router_or_models, prompts=None, *, tokenizer=None, data=None, l
     t0 = time.perf_counter()
     with Pair(router_or_models, tokenizer) as pair:
         f = features_co_llm(pair, train + val, max_gold_tokens=max_gold_tokens, progress=progress)
-        meta = base_meta("co_llm", pair, train, val, data if prompts is None else None, hyper)
+        meta = base_meta("co_llm", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
     t_label = time.perf_counter() - t0
     from tokenrouter_sdk.policies.co_llm import DeferralHead
     is_tr = f["example"] < len(train)

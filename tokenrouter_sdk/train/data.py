@@ -1,8 +1,11 @@
 """Training data for the router pipelines: GSM8K-style JSONL examples, the held-out split, gold
 chain-of-thought responses and the answer check.
 
-Split (fixed, stated in every run's ``meta``): the first 32 GSM8K test questions
-(ids ``gsm8k-test-0000`` .. ``gsm8k-test-0031``) are reserved for evaluation
+Questions and their prompt template come from `tokenrouter_sdk.benchmarks` (the GSM8K test set
+shipped with the package, in the same template as evaluation and the demo).
+
+Split (fixed, stated in every run's ``meta``): the first 128 GSM8K test questions
+(ids ``gsm8k-test-0000`` .. ``gsm8k-test-0127``) are reserved for evaluation
 (``evals/train_heads.py``) and never used for training; training takes the questions after them.
 Within the training questions a seeded split by question (never by token) gives validation
 questions for thresholds and early stopping.
@@ -10,15 +13,14 @@ questions for thresholds and early stopping.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-HELDOUT = 32
+from tokenrouter_sdk import benchmarks
+
+HELDOUT = 128
 HELDOUT_IDS = frozenset(f"gsm8k-test-{i:04d}" for i in range(HELDOUT))
-INSTRUCTION = "Solve the problem. Give the final answer as a number at the end.\n\n"
 _CALC = re.compile(r"<<[^<>]*>>")
 
 
@@ -28,7 +30,8 @@ class Example:
 
     Attributes:
         id: the data set's id (e.g. ``gsm8k-test-0040``).
-        prompt: the text given to the models (``INSTRUCTION`` + question for GSM8K).
+        prompt: the text given to the models (the question in its benchmark's template,
+            `tokenrouter_sdk.benchmarks`).
         answer: the gold final answer (e.g. ``"18"``); ``""`` if unknown.
         solution: the gold chain of thought ending with the answer (CITER and Co-LLM teacher-force
             it); ``""`` if the data has none.
@@ -53,55 +56,48 @@ def gold_response(solution: str, answer: str) -> str:
     return text
 
 
-def default_data() -> Path | None:
-    """``../shared/data/gsm8k_test.jsonl`` (as ``tokenrouter demo`` finds it), None if absent."""
-    from tokenrouter_sdk.cli import find_data
-    return find_data()
-
-
 def load_examples(path=None, limit: int | None = None, *, exclude_heldout: bool = True,
-                  instruction: str = INSTRUCTION) -> list[Example]:
-    """Read examples from a JSONL file with ``{id, question, answer, meta: {solution}}`` rows
-    (the schema of ``shared/data``).
+                  template: str | None = None) -> list[Example]:
+    """Training examples from GSM8K test (shipped with the package) or a JSONL file with
+    ``{id, question, answer, meta: {solution}}`` rows, read by `tokenrouter_sdk.benchmarks.load`.
 
     Args:
-        path: the file; None = GSM8K test from ``../shared/data``.
+        path: a JSONL file; None = the GSM8K test set (`tokenrouter_sdk.benchmarks`).
         limit: keep at most this many examples (after the held-out ones are dropped).
-        exclude_heldout: drop ids in `HELDOUT_IDS` (the 32 evaluation questions).
-        instruction: text put before each question.
+        exclude_heldout: drop ids in `HELDOUT_IDS` (the 128 evaluation questions).
+        template: prompt template with ``{question}`` (default: the benchmark's template, the
+            GSM8K one for GSM8K).
 
     Raises:
-        FileNotFoundError: no file (names the path and how to pass one).
-        ValueError: a row without ``question``, or no example left.
+        FileNotFoundError: ``path`` does not exist (names it and how to pass one).
+        ValueError: a row without ``question``, a template without ``{question}``, or no
+            example left.
     """
-    p = Path(path) if path is not None else default_data()
-    if p is None or not p.is_file():
-        raise FileNotFoundError(f"training data {str(path or '../shared/data/gsm8k_test.jsonl')!r} not found: pass "
-                                "data=<a JSONL file with id, question, answer fields>")
+    if template is not None and "{question}" not in template:
+        raise ValueError(f"template must contain '{{question}}', got {template!r}")
+    data = benchmarks.load("gsm8k" if path is None else path)
+    tpl = template or data.spec.template
     out = []
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "question" not in row:
-                raise ValueError(f"{p}: line {n + 1} has no 'question' field (expected {{id, question, answer, meta}})")
-            rid = str(row.get("id", f"{p.stem}-{n:04d}"))
-            if exclude_heldout and rid in HELDOUT_IDS:
-                continue
-            meta = row.get("meta") or {}
-            out.append(Example(rid, instruction + row["question"], str(row.get("answer", "")),
-                               gold_response(meta.get("solution", ""), str(row.get("answer", ""))), meta))
-            if limit is not None and len(out) >= limit:
-                break
+    for row in data.rows:
+        if exclude_heldout and row["id"] in HELDOUT_IDS:
+            continue
+        out.append(Example(row["id"], tpl.format(question=row["question"]), row["answer"],
+                           gold_response(row["meta"].get("solution", ""), row["answer"]), row["meta"]))
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
-        raise ValueError(f"{p}: no training examples left (limit={limit}, exclude_heldout={exclude_heldout})")
+        raise ValueError(f"{data.source}: no training examples left (limit={limit}, exclude_heldout={exclude_heldout})")
     return out
 
 
 def as_examples(prompts) -> list[Example]:
-    """Examples from a list of `Example`, dicts ``{id?, prompt|question, answer?, solution?}`` or
-    plain prompt strings (ids ``prompt-0000`` ...)."""
+    """Examples from a list of `Example`, dicts ``{id?, prompt|question, answer?, solution?}`` (a
+    ``question`` is put in the GSM8K template) or plain prompt strings (ids ``prompt-0000`` ...).
+
+    Raises:
+        ValueError: a dict without ``prompt`` or ``question``, or an empty list.
+        TypeError: an item of another type.
+    """
     out = []
     for i, x in enumerate(prompts):
         if isinstance(x, Example):
@@ -109,7 +105,9 @@ def as_examples(prompts) -> list[Example]:
         elif isinstance(x, str):
             out.append(Example(f"prompt-{i:04d}", x))
         elif isinstance(x, dict):
-            prompt = x.get("prompt") or (INSTRUCTION + x["question"] if "question" in x else None)
+            prompt = x.get("prompt")
+            if prompt is None and "question" in x:
+                prompt = benchmarks.get_spec("gsm8k").prompt(x["question"])
             if prompt is None:
                 raise ValueError(f"example {i}: a dict needs 'prompt' or 'question', got keys {sorted(x)}")
             out.append(Example(str(x.get("id", f"prompt-{i:04d}")), prompt, str(x.get("answer", "")),

@@ -75,7 +75,7 @@ def train_query(router_or_models, prompts=None, *, tokenizer=None, data=None, li
         y = torch.tensor([float(bool(check(o.text, e))) for o, e in zip(outs, allx)])
         h = torch.stack([forward_features(pair.small, p)[0][-1]
                          for p in tqdm(ids, desc="query: prompt states", disable=not progress)])
-        meta = base_meta("query", pair, train, val, data if prompts is None else None, hyper)
+        meta = base_meta("query", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
     t_label = time.perf_counter() - t0
     n_tr = len(train)
     if y.sum() in (0, len(y)):

@@ -216,7 +216,7 @@ def train_r2r(router_or_models, prompts=None, *, tokenizer=None, data=None, limi
         router_or_models: a `Router` (first model small, last large) or ``{"small": m, "large": M}``
             with ``tokenizer``.
         prompts: training prompts (strings, dicts or `Example`); None = ``load_examples(data, limit)``
-            (GSM8K test without the 32 held-out questions).
+            (GSM8K test without the 128 held-out questions).
         out, name: the head goes to ``<out>/<name>.pt`` and its record to ``<out>/<name>.json``
             (name default ``r2r_head``).
         max_new_tokens: length of L's responses (tokens); branch_tokens: bound of each branch
@@ -247,7 +247,7 @@ def train_r2r(router_or_models, prompts=None, *, tokenizer=None, data=None, limi
                       progress=progress)
         t_label = time.perf_counter() - t0
         table = pair.small.get_input_embeddings().weight.detach()
-        meta = base_meta("r2r", pair, train, val, data if prompts is None else None, hyper)
+        meta = base_meta("r2r", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
     tr, va = d.select(set(range(len(train)))), d.select(set(range(len(train), len(examples))))
     emb = lambda x: table[x.token].float()  # noqa: E731
     net = build_router_net(d.hidden.shape[1], table.shape[1], d.topk.shape[1], hidden_dims, seed=seed)
