@@ -5,7 +5,8 @@ batch 8): how attention over the paged KV grows with the context.
 """
 import time, torch
 from tokenrouter_sdk.models import default_pair
-from tokenrouter_sdk.backends.torch_runner import TorchRunner, SeqInput
+from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.runner import SeqInput
 torch.set_num_threads(1)
 large, small, tok = default_pair()
 r = TorchRunner(large, max_kv_tokens=16384)

@@ -66,7 +66,8 @@ def hf_decode(model, dev, b: int, ctx: int, vocab: int, steps: int = 10) -> floa
 
 
 def paged(model, dev, b: int, ctx: int, vocab: int, steps: int = 10, profile: bool = False):
-    from tokenrouter_sdk.backends.torch_runner import SeqInput, TorchRunner
+    from tokenrouter_sdk.backends.torch_runner import TorchRunner
+    from tokenrouter_sdk.engine.runner import SeqInput
     r = TorchRunner(model, max_kv_tokens=(b + 1) * (ctx + steps + 8))
     tables = [[] for _ in range(b)]
     lens = [ctx] * b

@@ -93,7 +93,8 @@ class Router:
         transport = None
         eos_ids: list[int] = []
         if config.backend == "sim":
-            from .backends.sim_runner import LatencyModel, SimRunner, SimTransport
+            from .backends.sim_runner import LatencyModel, SimRunner
+            from .engine.sim_transport import SimTransport
             from .models import tiny_tokenizer
             if config.processes:
                 raise ValueError("backend='sim' runs in simulated time in one thread: processes=True is not "
@@ -324,7 +325,7 @@ class Router:
             keys: per prompt, a key for seeded policy randomness (`RequestView.key`).
 
         Returns:
-            one `RequestOutput` per prompt, in order, as a `tokenrouter_sdk.viz.RunResult` (a
+            one `RequestOutput` per prompt, in order, as a `tokenrouter_sdk.result.RunResult` (a
             ``list`` with ``show()``, ``timeline()``, ``metrics()``); a single `RequestOutput`
             for a single prompt (its run is in ``router.last_run``). A bad prompt gives an
             output with ``finish_reason == "failed"`` and its ``error``; the others run.
@@ -380,7 +381,7 @@ class Router:
         """The call's outputs as a `RunResult` holding its events; kept in ``last_run`` (also for
         a call left early: its partial outputs). Warns once when requests failed, with the
         first error."""
-        from .viz.result import RunResult
+        from .result import RunResult
         failed = [o for o in call.outputs if o.finish_reason == "failed"]
         if failed and warn:
             warnings.warn(f"{len(failed)} of {len(call)} requests failed; request {failed[0].index}: "

@@ -10,7 +10,8 @@ import torch
 
 from tokenrouter_sdk import Router, SamplingParams
 from tokenrouter_sdk.backends.cuda_graphs import DecodeGraphs
-from tokenrouter_sdk.backends.torch_runner import SeqInput, TorchRunner
+from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.kv_pool import KVPool
+from ..engine.runner import SeqInput
 
 ATTN_NAME = "tokenrouter_paged"
 
@@ -144,15 +145,6 @@ def use_paged_attention(model) -> None:
             cfg._attn_implementation = ATTN_NAME
 
 
-@dataclass
-class SeqInput:
-    """One request's part of a step: feed ``tokens`` at positions [start, start+len)."""
-
-    tokens: list[int]
-    start: int
-    table: list[int]
-
-
 class TorchRunner:
     """Runs one model's packed forward over a ragged batch.
 
@@ -206,6 +198,10 @@ class TorchRunner:
             from .cuda_graphs import DecodeGraphs
             self._graphs = DecodeGraphs(self, capture=self.device.type == "cuda", max_batch=self.max_graph_batch)
         return self._graphs
+
+    def prepare_process(self) -> None:
+        """Set-up in a process that unpickled this runner: register the paged attention."""
+        register_attention()
 
     def release(self) -> None:
         """Free the KV pool and the captured graphs (the runner is unusable afterwards)."""

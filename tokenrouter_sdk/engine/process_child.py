@@ -18,10 +18,11 @@ from . import messages as M
 from .wire import _LoadError, _PolicyBytes, dumps, loads
 
 def _prepare_runner(runner) -> None:
-    """Per-process setup a runner needs after unpickling (registries are per process)."""
-    from ..backends.torch_runner import TorchRunner, register_attention
-    if isinstance(runner, TorchRunner):
-        register_attention()
+    """Per-process setup a runner needs after unpickling (e.g. registries, which are per
+    process): its optional ``prepare_process()``."""
+    prepare = getattr(runner, "prepare_process", None)
+    if prepare is not None:
+        prepare()
 
 
 def _child_main(name: str, spec, address: str, threads: int) -> None:

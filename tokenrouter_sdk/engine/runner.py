@@ -5,7 +5,6 @@ depends only on these protocols, never on a backend module."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Protocol, runtime_checkable
 
@@ -81,7 +80,3 @@ def dead_letter(model: str, msg, why: str, t: float):
         rid = msg.config.rid if isinstance(msg, M.Admit) else msg.rid
         return M.Finished(rid, model, "failed", f"model '{model}' is dead ({why}): the request was routed to it", t)
     return None
-
-
-def no_hold() -> ContextManager:
-    return contextlib.nullcontext()

@@ -4,7 +4,7 @@ A transport starts the sub-servers, delivers ``send(model, msg)`` to a sub-serve
 delivers the sub-servers' events to the engine's handler, and says what time it is.
 `ThreadTransport` runs each sub-server in a thread of this process and moves messages over
 `queue.Queue`s (no copies, debuggable with breakpoints). `SimTransport`
-(`tokenrouter_sdk.backends.sim_runner`) runs them in simulated time and `ProcessTransport`
+(`tokenrouter_sdk.engine.sim_transport`) runs them in simulated time and `ProcessTransport`
 (`tokenrouter_sdk.engine.process_transport`) in processes; all three implement
 `tokenrouter_sdk.engine.runner.Transport`.
 """

@@ -38,7 +38,8 @@ def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 1
     """
     import torch
 
-    from ..backends.torch_runner import SeqInput, TorchRunner
+    from ..backends.torch_runner import TorchRunner
+    from ..engine.runner import SeqInput
 
     runner = runner_or_model
     if not hasattr(runner, "forward") or not hasattr(runner, "pool"):

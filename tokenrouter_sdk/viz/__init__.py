@@ -1,4 +1,4 @@
-"""Views of routed generation (DESIGN.md, "Data flow": outputs -> live views).
+"""Views of routed generation: what a finished run and a running one look like.
 
 - `RunResult`: what ``Router.generate`` returns for a list of prompts (a list of
   `RequestOutput`) with ``show()`` (coloured tokens as HTML), ``timeline()`` (plotly figure)
@@ -11,7 +11,8 @@ Importing this package imports neither plotly nor ipywidgets; the views do when 
 """
 
 from .live import LiveView, in_notebook
-from .result import HTMLView, RunResult
+from ..result import RunResult
+from .htmlview import HTMLView
 from .trace import TraceState
 
 __all__ = ["RunResult", "HTMLView", "LiveView", "TraceState", "in_notebook"]

@@ -1,8 +1,9 @@
 """`RunResult`: what `Router.generate` returns for a list of prompts. A plain ``list`` of
 `RequestOutput` (indexing, ``len``, iteration, equality with a list all behave as before) that
-also remembers its run's trace, so a finished run can be looked at: `RunResult.show` (coloured
-tokens as HTML), `RunResult.timeline` (plotly figure), `RunResult.to_html` (one standalone page,
-plotly.js inlined: opens offline)."""
+also remembers its call's events, so a finished run can be measured (`RunResult.metrics`) and
+looked at: `RunResult.show` (coloured tokens as HTML), `RunResult.timeline` (plotly figure),
+`RunResult.to_html` (one standalone page, plotly.js inlined: opens offline). The views live in
+`tokenrouter_sdk.viz` and are imported when drawn."""
 
 from __future__ import annotations
 
@@ -10,32 +11,7 @@ import html
 import itertools
 from pathlib import Path
 
-from .tokens import output_html, page_html, token_pieces
-from .trace import TraceState
-
 _ids = itertools.count()
-
-
-class HTMLView:
-    """An HTML fragment: rendered by Jupyter (``_repr_html_``), plain text in a terminal
-    (``repr``: the answers with ``[S:...]`` style markers), written with `save`."""
-
-    def __init__(self, html_text: str, text: str = ""):
-        self.html = html_text
-        self.text = text
-
-    def _repr_html_(self) -> str:
-        return self.html
-
-    def __repr__(self) -> str:
-        return self.text or self.html
-
-    def save(self, path) -> Path:
-        """Write a standalone HTML page to ``path``; returns the path."""
-        p = Path(path)
-        p.write_text(f"<!doctype html><html><head><meta charset='utf-8'></head><body>{self.html}</body></html>",
-                     encoding="utf-8")
-        return p
 
 
 class RunResult(list):
@@ -63,12 +39,13 @@ class RunResult(list):
 
     def metrics(self):
         """`tokenrouter_sdk.metrics.Metrics` of this run (its requests over its window)."""
-        from ..metrics import compute_metrics
+        from .metrics import compute_metrics
         return compute_metrics(self.trace, {o.rid for o in self}, self.models)
 
     # -- views ----------------------------------------------------------------------------
-    def state(self) -> TraceState:
-        """A `TraceState` fed with this run's trace."""
+    def state(self):
+        """A `tokenrouter_sdk.viz.TraceState` fed with this run's events."""
+        from .viz.trace import TraceState
         st = TraceState(self.models, {o.rid for o in self}, self.entries)
         st.feed(self.trace)
         return st
@@ -87,6 +64,8 @@ class RunResult(list):
         Raises:
             ValueError: no tokenizer (a result built by hand): pass ``tokenizer=`` to `RunResult`.
         """
+        from .viz.htmlview import HTMLView
+        from .viz.tokens import output_html, page_html
         if self.tokenizer is None:
             raise ValueError("RunResult has no tokenizer to decode tokens: build it with RunResult(outputs, trace, "
                              "models, tokenizer=router.tokenizer)")
@@ -102,7 +81,7 @@ class RunResult(list):
         Raises:
             ImportError: plotly is missing.
         """
-        from .figures import timeline_figure
+        from .viz.figures import timeline_figure
         return timeline_figure(self.state(), title=title)
 
     def to_html(self, path=None, title: str = "tokenrouter run") -> str:
@@ -145,11 +124,12 @@ class RunResult(list):
         return [self[i] for i in which]
 
     def _text(self, outs) -> str:
+        from .viz.tokens import token_pieces
         lines = []
         for o in outs:
             pieces = token_pieces(self.tokenizer, list(o.token_ids))
             runs = []
             for m, grp in itertools.groupby(zip(o.token_models, pieces), key=lambda x: x[0]):
                 runs.append(f"[{m[:1].upper()}:{''.join(p for _, p in grp)}]")
-            lines.append(f"req {o.rid}: " + "".join(runs))
+            lines.append(f"req {o.index}: " + "".join(runs))
         return "\n".join(lines)
