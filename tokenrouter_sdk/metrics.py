@@ -26,6 +26,9 @@ class ModelMetrics:
         committed_tokens: committed output tokens this model wrote.
         batch_size_hist: batch size -> number of steps.
         preemptions: KV evictions (recomputed later).
+        kv_blocks_peak: most KV blocks in use after a step; kv_blocks_mean: their mean.
+        kv_pending_blocks_peak: most blocks held by requests pending on this model (handed
+            off, KV kept), after a step.
     """
 
     steps: int = 0
@@ -36,6 +39,9 @@ class ModelMetrics:
     committed_tokens: int = 0
     batch_size_hist: dict = field(default_factory=dict)
     preemptions: int = 0
+    kv_blocks_peak: int = 0
+    kv_blocks_mean: float = 0.0
+    kv_pending_blocks_peak: int = 0
 
 
 @dataclass
@@ -152,6 +158,9 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
             steps=len(ss), busy_fraction=busy / m.wall_s if m.wall_s > 0 else 0.0,
             forward_fraction=fwd / busy if busy > 0 else 0.0, mean_step_s=busy / len(ss) if ss else 0.0,
             tokens_fed=sum(s.tokens_fed for s in ss), committed_tokens=per_model_tok[name],
-            batch_size_hist=dict(Counter(s.batch_size for s in ss)), preemptions=sum(s.preempted for s in ss))
+            batch_size_hist=dict(Counter(s.batch_size for s in ss)), preemptions=sum(s.preempted for s in ss),
+            kv_blocks_peak=max((s.kv_used_blocks for s in ss), default=0),
+            kv_blocks_mean=statistics.fmean(s.kv_used_blocks for s in ss) if ss else 0.0,
+            kv_pending_blocks_peak=max((s.kv_pending_blocks for s in ss), default=0))
         m.preemptions += m.per_model[name].preemptions
     return m

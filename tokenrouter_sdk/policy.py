@@ -21,13 +21,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Needs:
-    """Per-step data a policy opts in to. All of it is computed lazily on the CPU torch
-    backend; the flags matter for backends that must ship data across processes.
+    """Per-step data a policy opts in to. A step computes only what a policy in it declared, and
+    reading anything else raises `NeedsError` naming the flag to set. The sampled token, the
+    request (`RequestView`) and its state are always there.
 
     Attributes:
-        entropy: next-token entropy (nats) and normalised entropy.
-        topk: number of top logits (values and indices) wanted; 0 = none.
-        logits: the full last-position logits, shape [V].
+        entropy: next-token entropy (nats), normalised entropy and max probability.
+        topk: how many top logits (values and indices) `StepBatch.topk` may return; 0 = none.
+        logits: the full last-position logits, shape [V], and log-probabilities (implies
+            ``entropy`` and any ``topk``).
         hidden: the last-layer hidden state of the position that produced the token, shape [H].
     """
 
@@ -35,6 +37,15 @@ class Needs:
     topk: int = 0
     logits: bool = False
     hidden: bool = False
+
+    def union(self, other: "Needs") -> "Needs":
+        """What either asks for."""
+        return Needs(self.entropy or other.entropy, max(self.topk, other.topk), self.logits or other.logits,
+                     self.hidden or other.hidden)
+
+
+class NeedsError(RuntimeError):
+    """A policy read per-step data it did not declare in its ``needs``."""
 
 
 @dataclass
@@ -60,59 +71,126 @@ class Handoff:
 
 
 class StepBatch:
-    """One model's forward results for the requests it owns in a step.
+    """One model's forward results for the requests it owns in a step (those of one policy).
 
     Attributes:
         model: the model that ran the forward.
         models: all model names, smallest first.
         tokens: sampled token per request, shape [B] (int64).
-        logits: last-position logits, shape [B, V] (float32 or the model dtype).
-        hidden: last-layer hidden states (after the final norm) of those positions, shape [B, H].
         requests: the requests, length B.
         tokenizer: the shared tokenizer (for text-level rules such as step boundaries), or None.
+        needs: what the policy declared (None: everything may be read, e.g. in the reference).
+        logits: last-position logits, shape [B, V] (``Needs(logits=True)``).
+        hidden: last-layer hidden states (after the final norm) of those positions, shape [B, H]
+            (``Needs(hidden=True)``).
+
+    Raises:
+        NeedsError: on reading data ``needs`` does not declare (names the flag to set).
     """
 
     def __init__(self, model: str, models: Sequence[str], tokens: torch.Tensor,
-                 logits: torch.Tensor, hidden: torch.Tensor, requests: list["RequestView"],
-                 tokenizer=None):
+                 logits: torch.Tensor, hidden: torch.Tensor | None, requests: list["RequestView"],
+                 tokenizer=None, needs: Needs | None = None, rows: torch.Tensor | None = None, policy: str = "",
+                 topk_cache: dict | None = None):
         self.model, self.models = model, list(models)
-        self.tokens, self.logits, self.hidden, self.requests = tokens, logits, hidden, requests
-        self.tokenizer = tokenizer
+        self.tokens, self.requests, self.tokenizer = tokens, requests, tokenizer
+        self.needs, self.policy = needs, policy
+        self._logits_all, self._hidden_all, self._rows = logits, hidden, rows
+        self._logits: torch.Tensor | None = None
+        self._hidden: torch.Tensor | None = None
         self._logp: torch.Tensor | None = None
         self._entropy: torch.Tensor | None = None
+        self._topk: dict = topk_cache if topk_cache is not None else {}
 
     def __len__(self) -> int:
         return len(self.requests)
 
+    def _require(self, ok: bool, what: str, flag: str) -> None:
+        if self.needs is not None and not ok:
+            who = self.policy or "the policy"
+            raise NeedsError(f"{who} reads {what} but its needs = {self.needs!r} does not declare it: set "
+                             f"needs = Needs({flag}) on the policy (a class attribute, or self.needs in "
+                             f"__init__), so the step computes it")
+
+    def _rows_of(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self._rows is None else t[self._rows]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """Last-position logits, shape [B, V]."""
+        self._require(self.needs is None or self.needs.logits, "step.logits", "logits=True")
+        return self._raw_logits()
+
+    def _raw_logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self._rows_of(self._logits_all)
+        return self._logits
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """Last-layer hidden states, shape [B, H]."""
+        self._require(self.needs is None or self.needs.hidden, "step.hidden", "hidden=True")
+        if self._hidden is None:
+            if self._hidden_all is None:
+                raise NeedsError("this backend gives no hidden states")
+            self._hidden = self._rows_of(self._hidden_all)
+        return self._hidden
+
     @property
     def logprobs(self) -> torch.Tensor:
         """Log-softmax of the logits, shape [B, V] (float32)."""
+        self._require(self.needs is None or self.needs.logits, "step.logprobs", "logits=True")
+        return self._log_softmax()
+
+    def _log_softmax(self) -> torch.Tensor:
         if self._logp is None:
-            self._logp = torch.log_softmax(self.logits.float(), dim=-1)
+            self._logp = torch.log_softmax(self._raw_logits().float(), dim=-1)
         return self._logp
+
+    def _entropy_ok(self, what: str) -> None:
+        self._require(self.needs is None or self.needs.entropy or self.needs.logits, what, "entropy=True")
 
     @property
     def entropy(self) -> torch.Tensor:
         """Shannon entropy of the next-token distribution, nats, shape [B]."""
+        self._entropy_ok("step.entropy")
         if self._entropy is None:
-            lp = self.logprobs
+            lp = self._log_softmax()
             self._entropy = -(lp.exp() * lp).nan_to_num().sum(-1)
         return self._entropy
 
     @property
     def norm_entropy(self) -> torch.Tensor:
         """Entropy divided by log V, in [0, 1], shape [B] (R-Stitch, arXiv 2507.17307)."""
-        return self.entropy / math.log(self.logits.shape[-1])
+        self._entropy_ok("step.norm_entropy")
+        return self.entropy / math.log(self._logits_all.shape[-1])
 
     @property
     def max_prob(self) -> torch.Tensor:
         """Probability of the most likely token, shape [B]."""
-        return self.logprobs.max(-1).values.exp()
+        self._entropy_ok("step.max_prob")
+        return self._log_softmax().max(-1).values.exp()
 
     def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k logit values and indices, each shape [B, k], sorted descending."""
-        v, i = torch.topk(self.logits, k, dim=-1)
-        return v, i
+        """Top-k logit values and indices, each shape [B, k], sorted descending (computed once per
+        step for the largest k its policies declared)."""
+        self._require(self.needs is None or self.needs.logits or self.needs.topk >= k, f"step.topk({k})",
+                      f"topk={k}")
+        hit = next((kk for kk in sorted(self._topk) if kk >= k), None)
+        if hit is None:
+            kk = max(k, self.needs.topk if self.needs is not None else 0)
+            kk = min(kk, self._logits_all.shape[-1])
+            self._topk[kk] = torch.topk(self._raw_logits(), kk, dim=-1)
+            hit = kk
+        v, i = self._topk[hit]
+        return v[:, :k], i[:, :k]
+
+    def select(self, rows: Sequence[int]) -> "StepBatch":
+        """The sub-batch of ``rows`` (same needs)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        base = idx if self._rows is None else self._rows[idx]
+        return StepBatch(self.model, self.models, self.tokens[idx], self._logits_all, self._hidden_all,
+                         [self.requests[i] for i in rows], self.tokenizer, self.needs, base, self.policy)
 
     def __getitem__(self, i: int) -> "Step":
         return Step(self, i)
@@ -142,6 +220,7 @@ class Step:
     token = property(lambda self: int(self.batch.tokens[self.i]))
     position = property(lambda self: self.batch.requests[self.i].n_generated)
     logits = property(lambda self: self.batch.logits[self.i])
+    logprobs = property(lambda self: self.batch.logprobs[self.i])
     hidden = property(lambda self: self.batch.hidden[self.i])
     entropy = property(lambda self: float(self.batch.entropy[self.i]))
     norm_entropy = property(lambda self: float(self.batch.norm_entropy[self.i]))
@@ -149,7 +228,8 @@ class Step:
 
     def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k logit values and indices of this step, each shape [k]."""
-        return torch.topk(self.logits, k)
+        v, i = self.batch.topk(k)
+        return v[self.i], i[self.i]
 
     def __repr__(self) -> str:
         return f"Step(model={self.model!r}, rid={self.request.rid}, position={self.position}, token={self.token})"
@@ -182,7 +262,7 @@ class Policy:
     with an error naming the policy, the model and the position; other requests go on.
     """
 
-    needs: Needs = Needs()
+    needs: Needs = Needs()  # per-step data this policy reads (see `Needs`)
 
     @property
     def name(self) -> str:

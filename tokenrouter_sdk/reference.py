@@ -84,7 +84,8 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
                 owner, span, return_to = return_to, None, None
                 hops += 1
             continue
-        sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()], tokenizer)
+        sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()], tokenizer,
+                       needs=policy.needs, policy=repr(policy))
         dec = policy.route_batch(sb)[0]
         if isinstance(dec, bool) and len(names) == 2:
             dec = names[1 - names.index(owner)] if dec else owner

@@ -4,7 +4,7 @@ the whole prefix on every step and applies the same policy."""
 import pytest
 import torch
 
-from tokenrouter_sdk import Handoff, Policy, Router, SamplingParams
+from tokenrouter_sdk import Handoff, Needs, Policy, Router, SamplingParams
 from tokenrouter_sdk.policies import LargeOnly, RandomRouting, RStitch, SingleModel, SmallOnly
 from tokenrouter_sdk.reference import reference_generate
 
@@ -106,6 +106,8 @@ def test_logits_match_reference_within_tolerance(pair, tok):
     seen = []
 
     class Record(DiscardTwoBack):  # route runs on every step (no forced spans)
+        needs = Needs(logits=True)
+
         def route(self, step):
             seen.append((step.request.rid, step.model, step.position, step.logits.clone()))
             return super().route(step)

@@ -51,7 +51,7 @@ def test_cancel_agenerate_aborts_at_every_stage(tok, stage):
     policy = {"queued": StayOn("small"), "running": StayOn("small"), "pending": HandTo("large", after=2),
               "returned": Alternate()}[stage]
     with Router(pair, policy, tokenizer=tok) as r:
-        for rep in range(12):
+        for rep in range(50):
             # "queued": two requests at concurrency 1, the second waits behind the first
             prompts = [[5, 6], [7, 8, 9]] if stage == "queued" else [[7, 8, 9]]
 
@@ -265,3 +265,21 @@ def test_edited_policy_reaches_process_sub_servers(tok):
         b = r.generate([[3, 4, 5]], max_new_tokens=4, ignore_eos=True)[0]
     assert set(a.token_models) == {"small"}
     assert "large" in b.token_models
+
+
+def test_kv_gauges_split_running_and_pending(tok):
+    """While the large model writes, the small model's blocks of the request are pending; the
+    gauges in kv_stats() and in the metrics say so."""
+    pair = scripted_pair(delay_s=0.01, block_size=4)
+    with Router(pair, HandTo("large", after=2), tokenizer=tok) as r:
+        call = r.submit([[3] * 10], max_new_tokens=40, ignore_eos=True)
+        h = call[0]
+        while h.output.hops == 0 or len(h.output.token_ids) < 6:
+            time.sleep(0.005)
+        st = r.kv_stats()
+        assert st["small"].pending == 1 and st["small"].pending_blocks >= 3 and st["small"].running_blocks == 0
+        assert st["large"].owned == 1 and st["large"].running_blocks >= 3 and st["large"].pending_blocks == 0
+        call.wait(30)
+        m = call.metrics()
+        assert m.per_model["small"].kv_pending_blocks_peak >= 3
+        assert m.per_model["large"].kv_blocks_peak >= 13 // 4 and m.per_model["large"].kv_pending_blocks_peak == 0

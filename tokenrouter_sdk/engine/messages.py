@@ -186,6 +186,7 @@ class StepDone:
         preempted: KV evictions made to schedule this step.
         round: the gated-mode round it answered, or None.
         kv_used_blocks: blocks of this model's pool in use after the step.
+        kv_pending_blocks: of which held by requests pending here (handed off, KV kept).
         queued: requests this model owned that were not in the step.
     """
 
@@ -200,6 +201,7 @@ class StepDone:
     round: int | None = None
     kv_used_blocks: int = 0
     queued: int = 0
+    kv_pending_blocks: int = 0
 
     @property
     def t(self) -> float:

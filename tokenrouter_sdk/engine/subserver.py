@@ -33,6 +33,13 @@ ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in fli
 __all__ = ["SubServer", "RequestFailed", "MODES"]
 
 
+def _policy_frame(filename: str) -> bool:
+    """Whether a traceback frame is the policy's own code (not the SDK around it; the built-in
+    policies count as the policy's)."""
+    f = filename.replace("\\", "/")
+    return "tokenrouter_sdk/" not in f or "tokenrouter_sdk/policies/" in f
+
+
 class RequestFailed(Exception):
     """A request-level error: fails that request only."""
 
@@ -292,10 +299,11 @@ class SubServer:
                     self._apply(s, tok, dec)
                 except RequestFailed as e:
                     self._finish(s, "failed", *e.args)
-        pool = self.sched.pool
+        pool, owned = self.sched.pool, self.sched.owned
+        pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
         self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if batch else 0.0,
                              len(fed), sum(fed.values()), fed, preempted, round,
-                             pool.num_blocks - pool.num_free, max(0, len(self.sched.owned) - len(batch))))
+                             pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending))
 
     # -- routing --------------------------------------------------------------------------
     def _view(self, s: Seq) -> RequestView:
@@ -307,7 +315,7 @@ class SubServer:
         message names the policy, its source file and line, the model and the position."""
         pol = self.policies.get(s.config.policy_key)
         frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ else []
-        own = [f for f in frames if "tokenrouter_sdk/engine" not in f.filename.replace("\\", "/")]
+        own = [f for f in frames if _policy_frame(f.filename)]
         where = (own or frames or [None])[-1]
         loc = f" at {where.filename}:{where.lineno}" if where else ""
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
@@ -330,7 +338,9 @@ class SubServer:
                     out[i] = RequestFailed(f"request {batch[i].rid}: its policy is no longer registered")
                 continue
             views = [self._view(batch[i]) for i in idx]
-            sb = StepBatch(self.name, self.models, tokens[idx], logits[idx], hidden[idx], views, self.tokenizer)
+            rows = None if len(idx) == len(batch) else torch.tensor(idx)
+            sb = StepBatch(self.name, self.models, tokens if rows is None else tokens[rows], logits, hidden, views,
+                           self.tokenizer, needs=pol.needs, rows=rows, policy=repr(pol))
             try:
                 res = list(pol.route_batch(sb))
                 if len(res) != len(idx):

@@ -46,7 +46,8 @@ from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step
 
 
 def topk_entropy(logits: torch.Tensor, k: int = 20) -> float:
-    """Entropy (nats) of the top-k probabilities renormalised to sum 1; logits shape [V]."""
+    """Entropy (nats) of the top-k probabilities renormalised to sum 1; ``logits`` shape [V] (or
+    the top-k values themselves, shape [k])."""
     v = torch.topk(logits.double(), min(k, logits.shape[-1])).values
     lp = torch.log_softmax(v, -1)
     return float(-(lp.exp() * lp).sum())
@@ -113,7 +114,7 @@ class GlimpRouter(Policy):
         start = st.setdefault("start", 0)
         st["keep"] = True
         if step.model == small and pos == start:  # the glimpse
-            h = topk_entropy(step.logits, self.top_k)
+            h = topk_entropy(step.topk(self.top_k)[0], self.top_k)
             writer = large if h >= self.theta else small
             st.setdefault("glimpses", []).append((pos, h, writer))
             if writer == large:

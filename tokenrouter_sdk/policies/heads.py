@@ -131,10 +131,7 @@ class DeferOneToken(Policy):
         return [large if x else small for x in d]
 
     def route(self, step: Step) -> str:
-        b, i = step.batch, step.i
-        one = StepBatch(b.model, b.models, b.tokens[i:i + 1], b.logits[i:i + 1], b.hidden[i:i + 1],
-                        [b.requests[i]], b.tokenizer)
-        return self.route_batch(one)[0]
+        return self.route_batch(step.batch.select([step.i]))[0]
 
     def send(self, req, target):
         return Handoff(keep_sampled=False, span=1)

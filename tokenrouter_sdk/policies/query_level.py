@@ -107,10 +107,7 @@ class QueryRouter(Policy):
         return out
 
     def route(self, step: Step) -> str:
-        b = step.batch
-        one = StepBatch(b.model, b.models, b.tokens[step.i:step.i + 1], b.logits[step.i:step.i + 1],
-                        b.hidden[step.i:step.i + 1], [step.request], b.tokenizer)
-        return self.route_batch(one)[0]
+        return self.route_batch(step.batch.select([step.i]))[0]
 
     def send(self, req, target) -> Handoff:
         return Handoff(keep_sampled=False)  # L regenerates position 0 and keeps the request

@@ -191,7 +191,7 @@ class R2R(DeferOneToken):
         check_hidden("r2r", self.hidden_size, batch.hidden.shape[-1])
         net, dev = on_device(self._net, batch.hidden), batch.hidden.device
         e = self._emb[batch.tokens.to(self._emb.device)].to(dev, torch.float32)
-        z = torch.topk(batch.logits, self.logits_size, dim=-1).values.to(dev, torch.float32)
+        z = batch.topk(self.logits_size)[0].to(dev, torch.float32)
         out = net(batch.hidden.float(), e, z)
         return torch.sigmoid(out[:, 0]) if out.shape[-1] == 1 else torch.softmax(out, -1)[:, 2]
 
@@ -212,7 +212,8 @@ class R2REntropy(DeferOneToken):
 
 
 def aleatoric_uncertainty(logits: torch.Tensor, k: int = 10) -> torch.Tensor:
-    """R2R ``compute_logu`` aleatoric part on the top-k raw logits, [B, V] -> [B] (float32)."""
+    """R2R ``compute_logu`` aleatoric part on the top-k raw logits, [B, V] (or the top-k values,
+    [B, k]) -> [B] (float32)."""
     x = torch.topk(logits, k, dim=-1).values.float()
     S = x.sum(-1, keepdim=True)
     return -((x / S) * (torch.digamma(x + 1) - torch.digamma(S + 1))).sum(-1)
@@ -226,4 +227,4 @@ class R2RAleatoric(DeferOneToken):
         self.needs = Needs(topk=k)
 
     def defer(self, batch: StepBatch) -> torch.Tensor:
-        return ~(aleatoric_uncertainty(batch.logits, self.k) < self.threshold)
+        return ~(aleatoric_uncertainty(batch.topk(self.k)[0], self.k) < self.threshold)
