@@ -1,6 +1,6 @@
 """Benchmark questions and prompt templates, for every part of the package: the demo and
 ``tokenrouter bench`` (`load_prompts`), training (`tokenrouter_sdk.train.data`), distillation
-(`tokenrouter_sdk.distill`), evaluation (`tokenrouter_sdk.eval.load_benchmark`), the scripts in
+(`tokenrouter_sdk.train.self_draft`), evaluation (`tokenrouter_sdk.eval.load_benchmark`), the scripts in
 ``evals/`` and the tutorials.
 
 One spec per benchmark (`BENCHMARKS`): its name, file, answer kind (``"math"``: final answer

@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench", help="output prefix for .csv and .html")
     b.set_defaults(fn=cmd_bench)
     sub.add_parser("info", help="versions, threads, cache folder").set_defaults(fn=cmd_info)
-    from .distill import add_parser as add_distill_parser
+    from .train.self_draft.cli import add_parser as add_distill_parser
     add_distill_parser(sub)
     from .train.cli import add_parser as add_train_parser
     add_train_parser(sub)

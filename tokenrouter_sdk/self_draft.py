@@ -14,7 +14,9 @@ it unchanged.
 Files: the trained part is one safetensors file (bf16, about 7 MB per layer for SmolLM2-135M) with a
 JSON sidecar (``<name>.json``) recording how it was made: base model, ``k``, ``m``, data, metrics.
 The packaged pair's draft ships inside the package (``tokenrouter_sdk/assets/``); it is rebuilt
-from scratch by ``tokenrouter distill`` (see `tokenrouter_sdk.distill`).
+from scratch by ``tokenrouter distill`` (see `tokenrouter_sdk.train.self_draft`). This module is the
+run-time side: the file format and attaching a draft to its large model (`load_self_draft`, used by
+`tokenrouter_sdk.models.default_pair`); it needs no training code.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ reference: tests/unit/test_self_draft.py on tiny models; the demo and tutorials 
 import pytest
 import torch
 
-from tokenrouter_sdk.distill import agreement, synthetic_prompts
+from tokenrouter_sdk.train.self_draft import agreement, synthetic_prompts
 from tokenrouter_sdk.models import default_pair, truncate
 
 pytestmark = pytest.mark.integration

@@ -1,5 +1,5 @@
 """Self-draft small models (tokenrouter_sdk.self_draft) and the distillation pipeline
-(tokenrouter_sdk.distill) on tiny float64 models."""
+(tokenrouter_sdk.train.self_draft) on tiny float64 models."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tokenrouter_sdk import Router
-from tokenrouter_sdk.distill import (DistillConfig, agreement, distill, draft_hidden, synthetic_prompts,
-                                     system_prefix_len, teacher_continuations, teacher_targets)
+from tokenrouter_sdk.train.self_draft import (DistillConfig, agreement, distill, draft_hidden, synthetic_prompts,
+                                              system_prefix_len, teacher_continuations, teacher_targets)
 from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
@@ -134,10 +134,10 @@ def test_distill_end_to_end_on_a_tiny_model(large, tmp_path):
 
 def test_distill_cli_arguments():
     from tokenrouter_sdk.cli import build_parser
-    from tokenrouter_sdk.distill import _cmd_distill
+    from tokenrouter_sdk.train.self_draft.cli import run
 
     args = build_parser().parse_args(["distill", "--k", "8", "--m", "1", "--seconds", "60", "--out", "x.safetensors"])
-    assert (args.k, args.m, args.seconds, args.out, args.fn) == (8, 1, 60.0, "x.safetensors", _cmd_distill)
+    assert (args.k, args.m, args.seconds, args.out, args.fn) == (8, 1, 60.0, "x.safetensors", run)
     d = build_parser().parse_args(["distill"])
     assert (d.k, d.m, d.prompts, d.max_new_tokens) == (12, 2, 400, 128)
 
