@@ -387,6 +387,13 @@ class Router:
             warnings.warn(f"{len(failed)} of {len(call)} requests failed; request {failed[0].index}: "
                           f"{failed[0].error} (each output's .error and .traceback say why)", RuntimeWarning,
                           stacklevel=3)
+        if call.kv_limited and warn:
+            need = max(h.need[m] * self.engine.capacity[m][1] for h in call for m in self.engine.models)
+            cap = min(n * bs for n, bs in self.engine.capacity.values())
+            warnings.warn(f"KV admission held requests back: at most {call.kv_limited} ran at once, because each "
+                          f"request reserves its prompt + max_new_tokens (up to {need} tokens) of KV on every model "
+                          f"and the pools hold {cap} tokens; raise max_kv_tokens, lower max_new_tokens, or use "
+                          f"kv_admission='optimistic' (preempts instead)", RuntimeWarning, stacklevel=3)
         run = RunResult(call.outputs, call.events, list(self.models), self.tokenizer,
                         {h.rid: h.entry for h in call})
         self._local.last_run = run

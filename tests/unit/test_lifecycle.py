@@ -283,3 +283,13 @@ def test_kv_gauges_split_running_and_pending(tok):
         m = call.metrics()
         assert m.per_model["small"].kv_pending_blocks_peak >= 3
         assert m.per_model["large"].kv_blocks_peak >= 13 // 4 and m.per_model["large"].kv_pending_blocks_peak == 0
+
+
+def test_kv_reservation_that_limits_a_call_says_so(pair, tok):
+    with Router(pair, RandomRouting(0.3), tokenizer=tok, max_kv_tokens=256, block_size=16) as r:
+        with pytest.warns(RuntimeWarning, match=r"at most 1 ran at once.*max_kv_tokens"):
+            outs = r.generate([[5, 6]] * 3, max_new_tokens=200, ignore_eos=True)
+        assert all(o.ok for o in outs)
+        adm = [ev for ev in outs.trace if type(ev).__name__ == "Admitted"]
+        fin = [ev for ev in outs.trace if type(ev).__name__ == "Finished"]
+        assert adm[1].t >= fin[0].t  # one at a time: the second waited for the first

@@ -132,6 +132,7 @@ class Call:
         self.inflight = 0
         self.open = 0  # requests not ended yet
         self.done = threading.Event()
+        self.kv_limited = 0  # most requests in flight when KV reservation held the next one back (0: never)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -372,6 +373,8 @@ class Engine:
                     self._fail_before_admission(h, f"model '{h.entry}' is dead: {self._dead[h.entry]}")
                     continue
                 if not self._fits(h):
+                    if call.limit is None or call.inflight < call.limit:
+                        call.kv_limited = max(call.kv_limited, call.inflight)
                     return self._kick() if admitted else None  # first come, first served
                 call.queue.popleft()
                 self._admit(h)
