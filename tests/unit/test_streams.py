@@ -20,6 +20,11 @@ def forced(tok, text, *, extra=(), eos=True):
             "large": ScriptedRunner(ids, offset=3, after=tok.eos_token_id)}, ids
 
 
+def r_text(pair, tok, policy, **kw):
+    with Router(pair, policy, tokenizer=tok) as r:
+        return r.generate([1, 2, 3], max_new_tokens=64, **kw).text
+
+
 def stream_text(r, prompt, **kw):
     evs = list(r.stream(prompt, **kw))
     return "".join(e.text for e in evs), evs
@@ -33,6 +38,7 @@ def test_multibyte_characters_stream_whole(tok, policy):
         joined, evs = stream_text(r, [1, 2, 3], max_new_tokens=64)
         out = r.last_output
     assert out.text == text and joined == text
+    assert r_text(pair, tok, policy) == text  # generate (no stream) decodes once at the end: same text
     assert "\ufffd" not in joined
     assert sum(1 for e in evs if e.token_id is not None) == len(ids)
 
@@ -44,6 +50,7 @@ def test_stop_string_is_never_streamed(tok):
         out = r.last_output
         assert out.finish_reason == "stop" and out.stop_reason == "7, 8"
         assert out.text == " 4, 5, 6, " and joined == out.text
+        assert r.generate([1, 2, 3], max_new_tokens=64, stop=["7, 8"]).text == out.text
         # a stop string that never completes: its held-back prefix is released at the end
         joined2, _ = stream_text(r, [1, 2, 3], max_new_tokens=64, stop=["10!"])
         assert r.last_output.finish_reason == "eos"

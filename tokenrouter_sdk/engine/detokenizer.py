@@ -49,6 +49,10 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def extend(self, ids) -> None:
+        """Append token ids without decoding (text nobody streams: `flush` decodes it once)."""
+        self.ids.extend(int(i) for i in ids)
+
     def flush(self) -> str:
         """The text of every token not yet released (an incomplete character stays as U+FFFD);
         after it, ``text`` covers every token."""

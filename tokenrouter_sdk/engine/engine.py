@@ -78,6 +78,9 @@ class RequestHandle:
         if self.detok is None:
             return ""
         ids = [t for t in tokens if t not in self.stop_ids]
+        if self.call.listener is None:  # nobody streams: decode once at the end
+            self.detok.extend(ids)
+            return self._take(len(self._finalize())) if last else ""
         if ids:
             self.detok.add(ids)
         if last:
@@ -489,7 +492,7 @@ class Engine:
         if isinstance(ev, M.StepDone):
             self.recent.append(ev)
             for call in self._calls:
-                if call.inflight or call.open != len(call.queue):
+                if call.inflight:
                     call.events.append(ev)
             for fn in self._observers:
                 fn(ev)
