@@ -293,3 +293,16 @@ def test_kv_reservation_that_limits_a_call_says_so(pair, tok):
         adm = [ev for ev in outs.trace if type(ev).__name__ == "Admitted"]
         fin = [ev for ev in outs.trace if type(ev).__name__ == "Finished"]
         assert adm[1].t >= fin[0].t  # one at a time: the second waited for the first
+
+
+def test_a_pool_held_by_someone_else_fails_the_request_instead_of_waiting(tok):
+    """A runner given to two Routers: the second finds the pool full with no request of its own
+    holding it, and fails its request with the reason instead of spinning forever."""
+    runner = ScriptedRunner(lambda p: 70, delay_s=0.01, max_kv_tokens=16, block_size=4)
+    with Router({"m": runner}, tokenizer=tok) as a, Router({"m": runner}, tokenizer=tok) as b:
+        hog = a.submit([[3] * 13], max_new_tokens=3, ignore_eos=True)
+        while not hog[0].output.token_ids:
+            time.sleep(0.002)
+        out = b.generate([[4] * 6], max_new_tokens=3, ignore_eos=True, timeout=10)
+        assert out.finish_reason == "failed" and "another engine" in out.error
+        hog.wait(10)

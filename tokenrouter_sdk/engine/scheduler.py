@@ -135,6 +135,8 @@ class Scheduler:
             if batch and need > budget:
                 continue
             if not self._reserve(seq, in_batch):
+                if not batch:  # nothing here holds a block it could give: waiting would never end
+                    self.unfit.append(seq)
                 continue
             seq.status = "running"
             batch.append(seq)

@@ -143,7 +143,12 @@ class SubServer:
         self.sched.add_owned(seq)
 
     def _kv_error(self, seq: Seq) -> str:
-        have = self.sched.pool.capacity_tokens
+        pool, have = self.sched.pool, self.sched.pool.capacity_tokens
+        if not self.sched.too_big(seq):
+            return (f"KV pool of model '{self.name}' has {pool.num_free} free blocks and request {seq.rid} needs "
+                    f"{pool.blocks_for(len(seq.tokens)) - len(seq.table)} more, but no request of this model holds "
+                    f"the others: the pool is used by another engine (a runner object given to two Routers?) "
+                    f"or leaked; give each Router its own runners")
         return (f"KV pool of model '{self.name}' is too small for request {seq.rid}: it needs {len(seq.tokens)} "
                 f"tokens of KV, the pool holds {have} tokens; raise max_kv_tokens (Router(..., max_kv_tokens=...)), "
                 f"lower max_new_tokens or shorten the prompt")
