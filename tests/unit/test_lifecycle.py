@@ -303,6 +303,6 @@ def test_a_pool_held_by_someone_else_fails_the_request_instead_of_waiting(tok):
         hog = a.submit([[3] * 13], max_new_tokens=3, ignore_eos=True)
         while not hog[0].output.token_ids:
             time.sleep(0.002)
-        out = b.generate([[4] * 6], max_new_tokens=3, ignore_eos=True, timeout=10)
+        out = b.generate([4] * 6, max_new_tokens=3, ignore_eos=True, timeout=10)
         assert out.finish_reason == "failed" and "another engine" in out.error
         hog.wait(10)
