@@ -421,6 +421,17 @@ class Router:
         outs = self._result(call)
         return outs[0] if single else outs
 
+    @staticmethod
+    def _token_events(h: RequestHandle, kind: str, payload) -> list[TokenEvent] | None:
+        """The `TokenEvent`s of one listener callback of a streamed request (None: it ended)."""
+        if kind == "tokens":
+            ev, piece = payload
+            return [TokenEvent(h.rid, tok, piece if j == len(ev.tokens) - 1 else "", ev.model)
+                    for j, tok in enumerate(ev.tokens)]
+        if kind == "finish":
+            return [TokenEvent(h.rid, None, payload, None)] if payload else None
+        return []
+
     def stream(self, prompt, **kw) -> Iterator[TokenEvent]:
         """Yield each committed token of one prompt as it is written (`TokenEvent`); joining the
         events' ``text`` gives the final text. Closing the iterator early (``break``, ``close``)
@@ -436,13 +447,9 @@ class Router:
                 except queue.Empty:
                     self.engine.check_alive()
                     continue
-                if kind == "tokens":
-                    ev, piece = payload
-                    for j, tok in enumerate(ev.tokens):
-                        yield TokenEvent(h.rid, tok, piece if j == len(ev.tokens) - 1 else "", ev.model)
-                elif kind == "finish":
-                    if payload:
-                        yield TokenEvent(h.rid, None, payload, None)
+                events = self._token_events(h, kind, payload)
+                yield from events or ()
+                if kind == "finish":
                     return
         finally:
             if not h.done.is_set():
@@ -466,13 +473,9 @@ class Router:
                 except asyncio.TimeoutError:
                     self.engine.check_alive()
                     continue
-                if kind == "tokens":
-                    ev, piece = payload
-                    for j, tok in enumerate(ev.tokens):
-                        yield TokenEvent(h.rid, tok, piece if j == len(ev.tokens) - 1 else "", ev.model)
-                elif kind == "finish":
-                    if payload:
-                        yield TokenEvent(h.rid, None, payload, None)
+                for ev in self._token_events(h, kind, payload) or ():
+                    yield ev
+                if kind == "finish":
                     return
         finally:
             if not h.done.is_set():
