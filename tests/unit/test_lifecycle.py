@@ -306,3 +306,22 @@ def test_a_pool_held_by_someone_else_fails_the_request_instead_of_waiting(tok):
         out = b.generate([4] * 6, max_new_tokens=3, ignore_eos=True, timeout=10)
         assert out.finish_reason == "failed" and "another engine" in out.error
         hog.wait(10)
+
+
+def test_abort_through_processes_frees_every_block(tok):
+    """The same abort path with sub-servers in processes: a request aborted while it is pending
+    on one model and owned by the other ends at once, and both processes free its KV."""
+    pair = {"small": tiny_model(num_layers=1, seed=1), "large": tiny_model(num_layers=2, seed=2)}
+    with Router(pair, Alternate(), tokenizer=tok, processes=True, max_kv_tokens=4096) as r:
+        for _ in range(3):
+            call = r.submit([[3, 4, 5], [6, 7]], max_new_tokens=400, ignore_eos=True)
+            while len(call[0].output.token_ids) < 20:
+                time.sleep(0.002)
+            r.abort(call)
+            call.wait(10)
+            assert [h.output.finish_reason for h in call] == ["aborted", "aborted"]
+            n = [len(h.output.token_ids) for h in call]
+            time.sleep(0.1)
+            assert [len(h.output.token_ids) for h in call] == n
+            assert all(f == total for f, total in pools_free(r).values())
+        assert r.generate([3, 4], max_new_tokens=4, ignore_eos=True).ok
