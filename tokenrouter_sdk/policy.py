@@ -8,8 +8,8 @@ in ``step.state`` (a dict that travels with the request across handoffs).
 
 from __future__ import annotations
 
+import hashlib
 import math
-import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -235,11 +235,23 @@ class Step:
         return f"Step(model={self.model!r}, rid={self.request.rid}, position={self.position}, token={self.token})"
 
 
-def request_rng(seed, req: "RequestView") -> random.Random:
-    """A `random.Random` for one request of a seeded policy: drawn from ``(seed, req.key)``, so
-    the same call twice, or a prompt alone and in a batch, draws the same numbers, whatever the
-    Router served before."""
-    return random.Random(f"{seed}:{req.key}")
+def request_draw(seed, req: "RequestView", index: int) -> float:
+    """A uniform draw in [0, 1) for draw ``index`` (e.g. an output position) of one request of a
+    seeded policy: a hash of ``(seed, req.key, index)``. Stateless, so nothing travels with a
+    handoff, and reproducible: the same call twice, or a prompt alone and in a batch, draws the
+    same numbers, whatever the Router served before."""
+    h = hashlib.blake2b(f"{seed}:{req.key}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2.0 ** 64
+
+
+def weighted_pick(options, weights, u: float):
+    """The option whose cumulative weight first exceeds ``u * sum(weights)`` (``u`` in [0, 1))."""
+    total, acc = sum(weights), 0.0
+    for opt, w in zip(options, weights):
+        acc += w
+        if u * total < acc:
+            return opt
+    return options[-1]
 
 
 class Policy:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import html
 import itertools
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .viz.htmlview import HTMLView
 
 _ids = itertools.count()
 
@@ -50,7 +54,7 @@ class RunResult(list):
         st.feed(self.trace)
         return st
 
-    def show(self, which=None, discarded: bool | None = None) -> HTMLView:
+    def show(self, which=None, discarded: bool | None = None) -> "HTMLView":
         """The answers as coloured tokens (background = the model that wrote the token).
 
         Args:

@@ -200,12 +200,11 @@ def test_concurrent_calls_keep_their_own_concurrency_and_metrics(tok):
         (oa, ma), (ob, mb) = res["a"], res["b"]
         assert ma.requests == 3 and mb.requests == 5
         assert ma.committed_tokens == 60 and mb.committed_tokens == 100
-        assert oa.metrics().requests == 3
+        assert oa.metrics().requests == 3 and ob.metrics().requests == 5
         # call a ran one request at a time: its admissions never overlapped
-        spans = sorted((o.latency_s, o) for o in oa)
         adm = [ev for ev in oa.trace if type(ev).__name__ == "Admitted"]
         fin = [ev for ev in oa.trace if type(ev).__name__ == "Finished"]
-        assert len(adm) == 3 and all(adm[i + 1].t >= fin[i].t for i in range(2)), spans
+        assert len(adm) == 3 and all(adm[i + 1].t >= fin[i].t for i in range(2))
 
 
 @pytest.mark.parametrize("policy", [lambda: RandomRouting(0.5, seed=3), lambda: TokenEnsemble(seed=3)])

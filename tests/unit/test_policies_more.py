@@ -2,7 +2,6 @@
 query-level policies (shared/research/policies.md sections 6-9)."""
 
 import math
-import random
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from tokenrouter_sdk.policies.heads import HeadMissingError, save_head
 from tokenrouter_sdk.policies.query_level import (QueryHead, QueryRouter, RandomQueryRouting, load_query_head,
                                                   save_query_head)
 from tokenrouter_sdk.reference import reference_generate
-from tokenrouter_sdk.policy import request_rng
+from tokenrouter_sdk.policy import request_draw, weighted_pick
 from tokenrouter_sdk.request import RequestView, prompt_key
 
 from ..conftest import mixed_prompts
@@ -206,14 +205,13 @@ def test_ensemble_defaults_and_validation(trio, tok):
 
 
 def test_ensemble_draws_every_writer(trio, tok):
-    """Writer of position i = the (i+1)-th draw of the request's `request_rng`; tokens kept."""
+    """Writer of position i = the weighted pick of `request_draw(seed, request, i)`; tokens kept."""
     w = {"s": 0.5, "m": 0.3, "l": 0.2}
     with Router(trio, TokenEnsemble(w, seed=7), tokenizer=tok) as r:
         outs = r.generate(mixed_prompts(8, seed=3), max_new_tokens=30, ignore_eos=True)
     counts = dict.fromkeys(w, 0)
     for o in outs:
-        rng = request_rng(7, view_of(o))
-        want = [rng.choices(list(w), weights=list(w.values()))[0] for _ in range(30)]
+        want = [weighted_pick(list(w), list(w.values()), request_draw(7, view_of(o), i)) for i in range(30)]
         assert o.token_models == want
         assert o.discarded == 0 and o.hops == sum(a != b for a, b in zip(want, want[1:]))
         for m in want:
@@ -299,7 +297,7 @@ def test_random_query_routing_enters_on_the_chosen_model(pair, tok):
     with Router(pair, tokenizer=tok) as r:
         outs = r.generate(prompts, max_new_tokens=6, ignore_eos=True, policy=RandomQueryRouting(0.4, seed=5))
         for o in outs:
-            large = request_rng(5, view_of(o)).random() < 0.4
+            large = request_draw(5, view_of(o), 0) < 0.4
             assert o.token_models == ["large" if large else "small"] * 6 and o.hops == o.discarded == 0
         assert len({o.token_models[0] for o in outs}) == 2
     for p, idle in ((1.0, "small"), (0.0, "large")):  # the other model never runs, not even a prefill

@@ -3,15 +3,13 @@
 `RandomRouting` follows R2R's ``RandomSwitching`` (thu-nics/R2R, ``r2r/utils/switching.py``;
 arXiv 2505.21600): on each step of the small model, with probability ``p`` the sampled token
 is discarded and the large model writes exactly one token, then control returns. Unlike R2R's
-code the draws are seeded per request (from the seed and the request's key), so runs are
-reproducible.
+code the draws are seeded per request and position (from the seed and the request's key), so
+runs are reproducible and no generator state travels with a handoff.
 """
 
 from __future__ import annotations
 
-import random
-
-from tokenrouter_sdk.policy import Handoff, Policy, Step, request_rng
+from tokenrouter_sdk.policy import Handoff, Policy, Step, request_draw
 
 
 class SingleModel(Policy):
@@ -61,7 +59,7 @@ class RandomRouting(Policy):
 
     Args:
         p: routing probability per small-model step, in [0, 1].
-        seed: base seed; each request draws from `request_rng` ``(seed, request key)``.
+        seed: base seed; the draw at output position i is `request_draw` ``(seed, request, i)``.
         small, large: model names (default: first and last model).
     """
 
@@ -70,16 +68,10 @@ class RandomRouting(Policy):
             raise ValueError(f"RandomRouting: p must be in [0, 1], got {p}")
         self.p, self.seed, self.small, self.large = p, seed, small, large
 
-    def _rng(self, step: Step) -> random.Random:
-        st = step.state
-        if "rng" not in st:
-            st["rng"] = request_rng(self.seed, step.request)
-        return st["rng"]
-
     def route(self, step: Step) -> str:
         small = self.small or step.models[0]
         large = self.large or step.models[-1]
-        if step.model == small and self._rng(step).random() < self.p:
+        if step.model == small and request_draw(self.seed, step.request, step.position) < self.p:
             return large
         return step.model
 

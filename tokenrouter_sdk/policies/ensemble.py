@@ -15,10 +15,9 @@ models smallest first, 0.5/0.3/0.2 for three models; equal weights for other cou
 
 from __future__ import annotations
 
-import random
 from typing import Sequence
 
-from tokenrouter_sdk.policy import Handoff, Policy, Step, request_rng
+from tokenrouter_sdk.policy import Handoff, Policy, Step, request_draw, weighted_pick
 
 DEFAULT_WEIGHTS_3 = (0.5, 0.3, 0.2)
 
@@ -28,8 +27,8 @@ class TokenEnsemble(Policy):
         weights: ``{model: w}`` (models left out get 0) or a list aligned with the models
             (smallest first); non-negative, summing to > 0; normalised. None: 0.5/0.3/0.2 for
             three models, equal weights otherwise.
-        seed: base seed; each request draws from `request_rng` ``(seed, request key)`` (the
-            first draw picks the entry model), like `RandomRouting`.
+        seed: base seed; the writer of output position i is picked by `request_draw`
+            ``(seed, request, i)`` (position 0: the entry model), like `RandomRouting`.
     """
 
     def __init__(self, weights: dict[str, float] | Sequence[float] | None = None, seed: int = 0):
@@ -58,18 +57,15 @@ class TokenEnsemble(Policy):
                              "give one weight per model (smallest first) or a dict")
         return [x / sum(w) for x in w]
 
-    def _rng(self, req) -> random.Random:
-        return request_rng(self.seed, req)
+    def writer(self, req, models: Sequence[str], position: int) -> str:
+        """The model that writes output position ``position`` of ``req``."""
+        return weighted_pick(list(models), self.probs(models), request_draw(self.seed, req, position))
 
     def entry(self, req, models):
-        return self._rng(req).choices(list(models), weights=self.probs(models))[0]
+        return self.writer(req, models, 0)
 
     def route(self, step: Step) -> str:
-        st = step.state
-        if "rng" not in st:  # replay the entry draw (entry() has no per-request state to keep it)
-            st["rng"] = self._rng(step.request)
-            st["rng"].random()
-        return st["rng"].choices(step.models, weights=self.probs(step.models))[0]
+        return self.writer(step.request, step.models, step.position + 1)
 
     def send(self, req, target) -> Handoff:
         return Handoff(keep_sampled=True)

@@ -25,12 +25,11 @@ prompts S answers correctly -> logistic regression / MLP) is a later issue: ``to
 from __future__ import annotations
 
 import os
-import random
 
 import torch
 from torch import nn
 
-from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step, StepBatch, request_rng
+from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step, StepBatch, request_draw
 
 from .heads import check_hidden, resolve_head, save_head
 
@@ -116,7 +115,7 @@ class QueryRouter(Policy):
 class RandomQueryRouting(Policy):
     """Per request, with probability ``p`` the large model prefills and writes everything,
     else the small one does (RouteLLM's ``random`` router). Draws from
-    `request_rng` ``(seed, request key)``, like `RandomRouting`.
+    `request_draw` ``(seed, request, 0)``, like `RandomRouting`.
 
     Args:
         p: share of requests sent to the large model, in [0, 1].
@@ -130,7 +129,7 @@ class RandomQueryRouting(Policy):
         self.p, self.seed, self.small, self.large = p, seed, small, large
 
     def entry(self, req, models):
-        to_large = request_rng(self.seed, req).random() < self.p
+        to_large = request_draw(self.seed, req, 0) < self.p
         return (self.large or models[-1]) if to_large else (self.small or models[0])
 
     def route(self, step: Step) -> str:
