@@ -324,3 +324,34 @@ def test_abort_through_processes_frees_every_block(tok):
             assert [len(h.output.token_ids) for h in call] == n
             assert all(f == total for f, total in pools_free(r).values())
         assert r.generate([3, 4], max_new_tokens=4, ignore_eos=True).ok
+
+
+class SlowStay(Policy):
+    """Requests whose prompt starts with 9 go to the large model; the others stay on the small one."""
+
+    def route(self, step):
+        time.sleep(0.005)
+        return "large" if step.request.prompt_ids[0] == 9 else step.model
+
+    def send(self, req, target):
+        return Handoff(keep_sampled=True)
+
+
+def test_killed_process_fails_only_the_requests_it_held(tok):
+    import os
+    import signal
+    pair = {"small": tiny_model(num_layers=1, seed=1), "large": tiny_model(num_layers=2, seed=2)}
+    with Router(pair, SlowStay(), tokenizer=tok, processes=True) as r:
+        call = r.submit([[3, 4], [5, 6], [9, 9]], max_new_tokens=150, ignore_eos=True)
+        while len(call[2].output.token_ids) < 3:
+            time.sleep(0.002)
+        os.kill(r.engine.transport.pids()["large"], signal.SIGKILL)
+        call.wait(30)
+        assert [h.output.finish_reason for h in call] == ["length", "length", "failed"]
+        assert "'large'" in call[2].output.error and "SIGKILL" in call[2].output.error
+        t = time.perf_counter()
+        stats = r.kv_stats(timeout=30)
+        assert time.perf_counter() - t < 2.0 and not stats["large"].alive
+        assert stats["small"].free_blocks == stats["small"].num_blocks
+        with pytest.raises(RuntimeError, match="model 'large'"):
+            r.generate([3, 4], max_new_tokens=3)

@@ -529,6 +529,7 @@ class Engine:
             if ev.dst in self._dead:
                 self._end(h, "failed", f"model '{ev.dst}' is dead ({self._dead[ev.dst]}): the request was routed "
                           f"to it", ev.t)
+                self._release_live(h.rid)
                 return
             out.hops += 1
             out.discarded += 0 if ev.kept else 1
@@ -538,6 +539,8 @@ class Engine:
                 h.call.listener("hop", h, ev)
         elif isinstance(ev, M.Finished):
             self._end(h, ev.reason, ev.error, ev.t, ev.stop_reason, ev.traceback)
+            if ev.model in self._dead:  # answered for a dead model: free what the live ones hold
+                self._release_live(h.rid)
 
     def _end(self, h: RequestHandle, reason: str, error: str | None, t: float, stop_reason=None,
              tb: str | None = None) -> None:
@@ -601,6 +604,7 @@ class Engine:
         for h in list(self.handles.values()):
             if h.t_admit is not None and h.owner == model and not h.done.is_set():
                 self._end(h, "failed", f"model '{model}' died while it held this request: {error}", self.clock())
+                self._release_live(h.rid)
         for call in list(self._calls):
             for h in [h for h in call.queue if h.entry == model]:
                 call.queue.remove(h)
@@ -608,6 +612,13 @@ class Engine:
         self._awaiting.discard(model)
         if not self._awaiting:
             self._kick()
+
+    def _release_live(self, rid: int) -> None:
+        """A request ended without its owner's word (its owner died): the live models that hold
+        KV of it pending free it."""
+        for m in self.models:
+            if m not in self._dead:
+                self.transport.send(m, M.Abort(rid, "failed", None))
 
     @property
     def dead(self) -> dict[str, str]:

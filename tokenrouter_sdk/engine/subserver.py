@@ -95,6 +95,7 @@ class SubServer:
             self._receive(msg)
         elif isinstance(msg, M.Release):
             self.sched.remove(msg.rid)
+            self.aborted.pop(msg.rid, None)  # it ended: no handoff of it can follow
         elif isinstance(msg, M.Abort):
             self._abort(msg)
         elif isinstance(msg, M.RegisterPolicy):
