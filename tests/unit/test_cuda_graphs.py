@@ -207,7 +207,7 @@ def test_grouped_query_attention_equals_repeated_kv(mask_dims, nq):
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; "
-                                "evals/bench_gpu.py runs the same checks on a GPU lease)")
+                                "evals/throughput/gpu_pair.py runs the same checks on a GPU lease)")
 
 
 @needs_cuda
