@@ -1,4 +1,4 @@
-"""DESIGN.md invariant 5: the engine's greedy tokens equal a naive reference that recomputes
+"""The engine's greedy tokens equal a naive reference that recomputes
 the whole prefix on every step and applies the same policy."""
 
 import pytest

@@ -1,5 +1,5 @@
 """Routing semantics, reference equivalence and defaults of GlimpRouter, TokenEnsemble and the
-query-level policies (shared/research/policies.md sections 6-9)."""
+query-level policies (sources in each policy module's docstring)."""
 
 import math
 import random
