@@ -112,12 +112,13 @@ class Output:
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """A fixed-width text table: ``columns`` are ``(key, header, format)``, e.g.
-    ``("tok_s", "tok/s", ".1f")``; missing values print as ``-``."""
+    """A fixed-width text table (text columns left-aligned, numbers right-aligned): ``columns`` are
+    ``(key, header, format)``, e.g. ``("tok_s", "tok/s", ".1f")``; missing values print as ``-``."""
     cells = [[h for _, h, _ in columns]]
     for r in rows:
         cells.append(["-" if r.get(k) is None else format(r[k], f) for k, _, f in columns])
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    left = [f == "s" for _, _, f in columns]  # text columns read better left-aligned
+    lines = ["  ".join(c.ljust(w) if lft else c.rjust(w) for c, w, lft in zip(row, widths, left)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -1,7 +1,6 @@
 import threading
 
 import pytest
-import torch
 
 from tokenrouter_sdk.models import tiny_model, tiny_tokenizer, truncate
 
@@ -34,8 +33,3 @@ def _no_thread_leak():
     after = {t for t in threading.enumerate() if t.name.startswith("tokenrouter") and t.is_alive()}
     assert after <= before, f"threads leaked: {sorted(t.name for t in after - before)}"
 
-
-def mixed_prompts(n, seed=0, vocab=259):
-    g = torch.Generator().manual_seed(seed)
-    lens = [1, 2, 5, 9, 17, 33, 3, 12, 40, 7][:n] + [4] * max(0, n - 10)
-    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]

@@ -16,8 +16,7 @@ from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 
-from ..conftest import mixed_prompts
-from .test_equivalence import DiscardTwoBack
+from ..helpers import DiscardTwoBack, mixed_prompts
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from tokenrouter_sdk.reference import reference_generate
 from tokenrouter_sdk.policy import request_rng
 from tokenrouter_sdk.request import RequestView, prompt_key
 
-from ..conftest import mixed_prompts
+from ..helpers import mixed_prompts
 
 
 def view_of(o):
