@@ -1,8 +1,18 @@
+"""Fixtures shared by every tier (tiny models, a thread-leak check) and the tier order of the run
+(`tests.tiers`: unit tests first, their one-line result printed before the slow tiers start).
+Shared helpers that are not fixtures live in tests/helpers.py."""
+
 import threading
+from pathlib import Path
 
 import pytest
 
+from tests.tiers import TierReport
 from tokenrouter_sdk.models import tiny_model, tiny_tokenizer, truncate
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(TierReport(config, Path(__file__).parent), "tokenrouter-tiers")
 
 
 @pytest.fixture(scope="session")
