@@ -1,9 +1,18 @@
+"""Fixtures shared by every tier (tiny models, a thread-leak check) and the tier order of the run
+(`tests.tiers`: unit tests first, their one-line result printed before the slow tiers start).
+Shared helpers that are not fixtures live in tests/helpers.py."""
+
 import threading
+from pathlib import Path
 
 import pytest
-import torch
 
+from tests.tiers import TierReport
 from tokenrouter_sdk.models import tiny_model, tiny_tokenizer, truncate
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(TierReport(config, Path(__file__).parent), "tokenrouter-tiers")
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +43,3 @@ def _no_thread_leak():
     after = {t for t in threading.enumerate() if t.name.startswith("tokenrouter") and t.is_alive()}
     assert after <= before, f"threads leaked: {sorted(t.name for t in after - before)}"
 
-
-def mixed_prompts(n, seed=0, vocab=259):
-    g = torch.Generator().manual_seed(seed)
-    lens = [1, 2, 5, 9, 17, 33, 3, 12, 40, 7][:n] + [4] * max(0, n - 10)
-    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]

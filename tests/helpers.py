@@ -1,4 +1,5 @@
-"""Shared test helpers: prompt sets, scripted runners and policies, and the reference check.
+"""Shared test helpers: prompt sets, scripted runners and policies, the reference check and the
+KV pools' free blocks.
 
 Import them as ``from tests.helpers import ...`` (the fixtures live in conftest.py files)."""
 
@@ -120,6 +121,48 @@ class HandTo(Policy):
         return self.target if step.position >= self.after else step.model
 
     def send(self, req, target):
+        return Handoff(keep_sampled=True)
+
+
+class KeepEveryThird(Policy):
+    """Hands off on every third position, keeping the sampled token."""
+
+    def route(self, step):
+        return (step.position % 3 == 2)
+
+    def send(self, req, target):
+        return Handoff(keep_sampled=True)
+
+
+class DiscardTwoBack(Policy):
+    """small hands off (discarding) when the token id is even; large writes 2 tokens on its own
+    route (no span), then hands back keeping its token."""
+
+    def route(self, step):
+        if step.model == "small":
+            return "large" if step.token % 2 == 0 else "small"
+        st = step.state
+        st["large_run"] = st.get("large_run", 0) + 1
+        if st["large_run"] >= 2:
+            st["large_run"] = 0
+            return "small"
+        return "large"
+
+    def send(self, req, target):
+        return Handoff(keep_sampled=(req.owner == "large"))
+
+
+class Cycle3(Policy):
+    """Three models: next writer = models[(token + position) % 3], keeping the token; on
+    every fifth position the first handoff discards instead (the next writer regenerates it)."""
+
+    def route(self, step):
+        return step.models[(step.token + step.position) % 3]
+
+    def send(self, req, target):
+        if req.n_generated % 5 == 4 and req.state.get("discarded_at") != req.n_generated:
+            req.state["discarded_at"] = req.n_generated
+            return Handoff(keep_sampled=False)
         return Handoff(keep_sampled=True)
 
 

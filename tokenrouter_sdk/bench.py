@@ -1,4 +1,4 @@
-"""The side-by-side throughput benchmark (``tokenrouter bench``, ``evals/bench_throughput.py``).
+"""The side-by-side throughput benchmark (``tokenrouter bench``, ``evals/throughput/side_by_side.py``).
 
 One run measures, on one set of prompts, every combination of policy x schedule mode x
 concurrency x output length that is asked for, plus the baselines (``retain_kv=False``,

@@ -193,26 +193,9 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser with the ``demo``, ``bench``, ``info`` and ``eval`` subcommands."""
-    p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level routing between a small and a large LM.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="route GSM8K questions between the packaged CPU pair with R-Stitch")
-    d.add_argument("--data", help="a benchmark name (gsm8k, math500, aime24, amc23, commonsenseqa), a JSONL with a "
-                                  "'question' field, or a text file with one prompt per line (default: the GSM8K "
-                                  "test set shipped with the package)")
-    d.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --data)")
-    d.add_argument("-n", "--num", type=int, default=8, help="number of prompts from the data (default 8)")
-    d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--tau", type=float, default=0.1, help="R-Stitch normalised-entropy threshold (default 0.1)")
-    d.add_argument("--small-layers", type=int, default=None,
-                   help="small = plain truncation to this many layers (default: the packaged self-draft)")
-    d.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
-    d.add_argument("--no-color", action="store_true", help="markers instead of colours")
-    d.set_defaults(fn=cmd_demo)
-    b = sub.add_parser("bench", help="committed-token throughput: policies x modes x concurrency, side by side")
+def add_bench_arguments(b: argparse.ArgumentParser, *, out: bool = True) -> argparse.ArgumentParser:
+    """The ``bench`` options (shared by the subcommand and ``evals/throughput/side_by_side.py``);
+    ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, an output prefix)."""
     b.add_argument("--backend", choices=["torch", "sim"], default="torch")
     b.add_argument("--policies", nargs="+", default=["random10", "random30", "rstitch"],
                    help="random<PCT> (RandomRouting at that large fraction), rstitch")
@@ -241,7 +224,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Routers open at once (default: all; 1 for large pairs on a small GPU)")
     b.add_argument("--cuda-graphs", action="store_true",
                    help="serve decode steps from captured CUDA graphs (torch backend on a GPU)")
-    b.add_argument("--out", default="bench", help="output prefix for .csv and .html")
+    if out:
+        b.add_argument("--out", default="bench", help="output prefix for .csv and .html")
+    return b
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with the ``demo``, ``bench``, ``info`` and ``eval`` subcommands."""
+    p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level routing between a small and a large LM.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="route GSM8K questions between the packaged CPU pair with R-Stitch")
+    d.add_argument("--data", help="a benchmark name (gsm8k, math500, aime24, amc23, commonsenseqa), a JSONL with a "
+                                  "'question' field, or a text file with one prompt per line (default: the GSM8K "
+                                  "test set shipped with the package)")
+    d.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --data)")
+    d.add_argument("-n", "--num", type=int, default=8, help="number of prompts from the data (default 8)")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--tau", type=float, default=0.1, help="R-Stitch normalised-entropy threshold (default 0.1)")
+    d.add_argument("--small-layers", type=int, default=None,
+                   help="small = plain truncation to this many layers (default: the packaged self-draft)")
+    d.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
+    d.add_argument("--no-color", action="store_true", help="markers instead of colours")
+    d.set_defaults(fn=cmd_demo)
+    b = sub.add_parser("bench", help="committed-token throughput: policies x modes x concurrency, side by side")
+    add_bench_arguments(b)
     b.set_defaults(fn=cmd_bench)
     sub.add_parser("info", help="versions, threads, cache folder").set_defaults(fn=cmd_info)
     from .train.self_draft.cli import add_parser as add_distill_parser

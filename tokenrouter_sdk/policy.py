@@ -2,7 +2,7 @@
 sees (`Step`, `StepBatch`), and what travels on a handoff (`Handoff`).
 
 A policy runs on the sub-server of the model that owns the request, after every forward of
-that model (DESIGN.md, "Policy"). It is plain Python and per request; per-request state lives
+that model (docs/architecture.md, "The life of a request"). It is plain Python and per request; per-request state lives
 in ``step.state`` (a dict that travels with the request across handoffs).
 """
 

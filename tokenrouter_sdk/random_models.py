@@ -1,7 +1,7 @@
 """Random-weight models of real architectures, built from their configs in code (no download).
 
-For speed and memory benchmarks on a GPU (issue 3: "random-weight Qwen3-0.6B and Qwen3-8B built
-from their configs"): step latency, KV size and batching behaviour depend on the architecture and
+For speed and memory benchmarks on a GPU (e.g. Qwen3-0.6B and Qwen3-8B built from their
+configs): step latency, KV size and batching behaviour depend on the architecture and
 the shapes, not on the weights, so a random-weight model of the exact shape measures the same
 thing as the released checkpoint without a model hub. Text out of such a model is noise; route
 with a content-blind policy (`RandomRouting`) and feed token-id prompts (`random_prompts`).

@@ -13,7 +13,7 @@ import pytest
 
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.policies import RandomRouting
-from tests.conftest import mixed_prompts
+from tests.helpers import mixed_prompts
 
 CHROMIUM = next((p for p in (os.environ.get("CHROMIUM"), shutil.which("chromium"), "/usr/bin/chromium",
                              shutil.which("chromium-browser"), shutil.which("google-chrome")) if p and Path(p).exists()),

@@ -2,9 +2,10 @@ import pytest
 import torch
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True, scope="package")
 def _one_thread():
-    """Tiny float64 forwards are ~10x faster on one thread on a shared 2-core machine."""
+    """Tiny float64 forwards are ~10x faster on one thread on a shared 2-core machine (the unit
+    tier only: the thread count is restored before the other tiers run)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

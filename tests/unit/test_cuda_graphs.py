@@ -16,8 +16,7 @@ from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 
-from ..conftest import mixed_prompts
-from .test_equivalence import DiscardTwoBack
+from ..helpers import DiscardTwoBack, mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +206,7 @@ def test_grouped_query_attention_equals_repeated_kv(mask_dims, nq):
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; "
-                                "evals/bench_gpu.py runs the same checks on a GPU lease)")
+                                "evals/throughput/gpu_pair.py runs the same checks on a GPU lease)")
 
 
 @needs_cuda

@@ -1,67 +1,23 @@
-"""DESIGN.md invariant 5: the engine's greedy tokens equal a naive reference that recomputes
+"""The engine's greedy tokens equal a naive reference that recomputes
 the whole prefix on every step and applies the same policy."""
 
 import pytest
 import torch
 
-from tokenrouter_sdk import Handoff, Needs, Policy, Router, SamplingParams
+from tokenrouter_sdk import Needs, Router, SamplingParams
 from tokenrouter_sdk.policies import LargeOnly, RandomRouting, RStitch, SingleModel, SmallOnly
 from tokenrouter_sdk.reference import reference_generate
 
-from ..conftest import mixed_prompts
+from ..helpers import Cycle3, DiscardTwoBack, KeepEveryThird, mixed_prompts, pools_free
 
 N_NEW = 24
-
-
-class KeepEveryThird(Policy):
-    """Hands off on every third position, keeping the sampled token."""
-
-    def route(self, step):
-        return (step.position % 3 == 2)
-
-    def send(self, req, target):
-        return Handoff(keep_sampled=True)
-
-
-class DiscardTwoBack(Policy):
-    """small hands off (discarding) when the token id is even; large writes 2 tokens on its own
-    route (no span), then hands back keeping its token."""
-
-    def route(self, step):
-        if step.model == "small":
-            return "large" if step.token % 2 == 0 else "small"
-        st = step.state
-        st["large_run"] = st.get("large_run", 0) + 1
-        if st["large_run"] >= 2:
-            st["large_run"] = 0
-            return "small"
-        return "large"
-
-    def send(self, req, target):
-        return Handoff(keep_sampled=(req.owner == "large"))
-
-
-class Cycle3(Policy):
-    """Three models: next writer = models[(token + position) % 3], keeping the token; on
-    every fifth position the first handoff discards instead (the next writer regenerates it)."""
-
-    def route(self, step):
-        return step.models[(step.token + step.position) % 3]
-
-    def send(self, req, target):
-        if req.n_generated % 5 == 4 and req.state.get("discarded_at") != req.n_generated:
-            req.state["discarded_at"] = req.n_generated
-            return Handoff(keep_sampled=False)
-        return Handoff(keep_sampled=True)
 
 
 def run_and_compare(models, tok, policy, prompts, concurrency, min_hops=1):
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
     with Router(models, policy, tokenizer=tok, max_kv_tokens=8192) as r:
         outs = r.generate(prompts, sampling=params, concurrency=concurrency)
-        assert r.engine.wait_idle()
-        pools = [ss.sched.pool for ss in r.engine.subservers.values()]
-        assert all(p.num_free == p.num_blocks for p in pools)
+        assert all(free == usable for free, usable in pools_free(r).values())
     total_hops = 0
     for o in outs:
         assert o.finish_reason == "length", o.error

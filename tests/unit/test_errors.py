@@ -8,6 +8,8 @@ from tokenrouter_sdk import Policy, Router, SamplingParams
 from tokenrouter_sdk.models import TokenizerMismatchError, tiny_model
 from tokenrouter_sdk.policies import RandomRouting
 
+from ..helpers import pools_free
+
 GOOD = [[5, 6, 7], [9, 10]]
 
 
@@ -71,8 +73,7 @@ def test_route_returns_unknown_model(pair, tok, concurrency):
     with Router(pair, FailFor("unknown"), tokenizer=tok) as r:
         outs = r.generate([GOOD[0], [99, 3, 4], GOOD[1]], max_new_tokens=6, ignore_eos=True,
                           concurrency=concurrency)
-        assert r.engine.wait_idle()
-        assert all(ss.sched.pool.num_free == ss.sched.pool.num_blocks for ss in r.engine.subservers.values())
+        assert all(free == usable for free, usable in pools_free(r).values())
     err = outs[1].error
     assert outs[1].finish_reason == "failed"
     assert "FailFor" in err and "'medium'" in err and "['small', 'large']" in err and "position 2" in err

@@ -8,7 +8,7 @@ from tokenrouter_sdk.engine.kv_pool import KVPool, KVPoolFull
 from tokenrouter_sdk.engine.messages import StepDone
 from tokenrouter_sdk.policies import RandomRouting
 
-from ..conftest import mixed_prompts
+from ..helpers import mixed_prompts, pools_free
 
 
 class Scripted(Policy):
@@ -78,13 +78,12 @@ def test_discard_then_return_recomputes_nothing_but_the_suffix(pair, tok):
 @pytest.mark.parametrize("concurrency", [1, 3, 8])
 def test_pools_return_to_initial_free_size(pair, tok, concurrency):
     with Router(pair, RandomRouting(p=0.5, seed=7), tokenizer=tok, max_kv_tokens=2048, block_size=8) as r:
-        initial = {n: ss.sched.pool.num_free for n, ss in r.engine.subservers.items()}
+        initial = {n: s.free_blocks for n, s in r.kv_stats().items()}
         outs = r.generate(mixed_prompts(10, seed=1), max_new_tokens=12, ignore_eos=True, concurrency=concurrency)
         assert all(o.finish_reason == "length" for o in outs)
-        assert r.engine.wait_idle()
-        assert {n: ss.sched.pool.num_free for n, ss in r.engine.subservers.items()} == initial
+        assert {n: free for n, (free, _) in pools_free(r).items()} == initial
         assert all(v == 2048 // 8 for v in initial.values())
-        stats = r.kv_stats()  # the public view of the same
+        stats = r.kv_stats()
         assert {n: (s.free_blocks, s.num_blocks, s.block_size, s.owned, s.pending) for n, s in stats.items()} == \
             {n: (256, 256, 8, 0, 0) for n in ("small", "large")}
     with pytest.raises(RuntimeError, match="closed"):
@@ -103,8 +102,7 @@ def test_full_pool_preempts_and_recomputes_without_loss(pair, tok, admission):
                 kv_admission=admission) as r:
         tight = r.generate(prompts, sampling=params)
         m = r.metrics()
-        assert r.engine.wait_idle()
-        assert all(ss.sched.pool.num_free == ss.sched.pool.num_blocks for ss in r.engine.subservers.values())
+        assert all(free == usable for free, usable in pools_free(r).values())
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     assert (m.preemptions > 0 if admission == "optimistic" else m.preemptions == 0) and m.failed == 0
 

@@ -13,7 +13,7 @@ from tokenrouter_sdk.planner import (Plan, StateSpaceTooLarge, _gmres_stationary
                                      plan_from_trace, plan_thresholds, profile_latency)
 from tokenrouter_sdk.policies import RandomRouting
 
-from ..conftest import mixed_prompts
+from ..helpers import mixed_prompts
 
 LAT = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
        "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4})}

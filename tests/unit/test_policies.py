@@ -9,7 +9,7 @@ from tokenrouter_sdk import Router, StepBatch
 from tokenrouter_sdk.policies import LargeOnly, RandomRouting, RStitch, SingleModel, SmallOnly
 from tokenrouter_sdk.request import RequestView
 
-from ..conftest import mixed_prompts
+from ..helpers import mixed_prompts
 
 MODELS = ["small", "large"]
 

@@ -1,5 +1,5 @@
 """Routing semantics, reference equivalence and defaults of GlimpRouter, TokenEnsemble and the
-query-level policies (shared/research/policies.md sections 6-9)."""
+query-level policies (sources in each policy module's docstring)."""
 
 import math
 
@@ -16,7 +16,7 @@ from tokenrouter_sdk.reference import reference_generate
 from tokenrouter_sdk.policy import request_draw, weighted_pick
 from tokenrouter_sdk.request import RequestView, prompt_key
 
-from ..conftest import mixed_prompts
+from ..helpers import mixed_prompts
 
 
 def view_of(o):

@@ -27,8 +27,7 @@ from tokenrouter_sdk.engine.process_transport import ProcessTransport
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 
-from ..conftest import mixed_prompts
-from .test_equivalence import DiscardTwoBack
+from ..helpers import DiscardTwoBack, mixed_prompts
 
 N_NEW = 24
 pytestmark = pytest.mark.timeout(180)

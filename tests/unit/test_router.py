@@ -10,7 +10,7 @@ from tokenrouter_sdk.engine.messages import Admitted, Finished, StepDone
 from tokenrouter_sdk.policies import LargeOnly, RandomRouting, RStitch
 from tokenrouter_sdk.reference import reference_generate
 
-from ..conftest import mixed_prompts
+from ..helpers import mixed_prompts
 
 PROMPTS = mixed_prompts(6, seed=3)
 

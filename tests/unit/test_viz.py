@@ -13,7 +13,7 @@ from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.viz import LiveView, RunResult, TraceState
 from tokenrouter_sdk.viz.tokens import PALETTE, token_pieces
 
-from tests.conftest import mixed_prompts
+from tests.helpers import mixed_prompts
 
 
 @pytest.fixture(scope="module")

@@ -115,7 +115,7 @@ def _configure_sdpa(device: torch.device) -> None:
     """On CUDA, turn the cuDNN SDPA backend off for this process (flash, memory-efficient and
     math kernels stay): cuDNN builds an execution plan for every new query/key shape, and a decode
     step's key length changes every step (measured on an H200 with random-weight Qwen3-0.6B: about
-    1.4 ms of host time per attention call, half of the step; `evals/gpu_step_profile.py`). Set
+    1.4 ms of host time per attention call, half of the step; `evals/investigations/gpu_step_profile.py`). Set
     once, not with the ``sdpa_kernel`` context per call: its flags are process-wide, and two
     sub-servers in threads entering and leaving it would undo each other's setting mid-step."""
     if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():

@@ -39,7 +39,7 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
     out.setsockopt(zmq.IDENTITY, b"o:" + name.encode())
     out.setsockopt(zmq.SNDHWM, 0)
     out.connect(address)
-    out_lock = threading.Lock()  # only the main thread sends today; cheap insurance
+    out_lock = threading.Lock()  # the main thread is the only sender; the lock keeps any second sender safe
 
     in_step = [False]
 

@@ -1,4 +1,4 @@
-"""Quality at hop rate: benchmarks, answer checking and threshold sweeps (issue 6).
+"""Quality at hop rate: benchmarks, answer checking and threshold sweeps.
 
 ```python
 from tokenrouter_sdk.eval import evaluate_policy, load_benchmark

@@ -1,4 +1,4 @@
-"""``tokenrouter eval``: a quality sweep from the command line (also ``evals/quality_at_hop_rate.py``).
+"""``tokenrouter eval``: a quality sweep from the command line (also ``evals/quality/hop_rate_sweep.py``).
 
 Imports nothing heavy at module level, so ``tokenrouter --help`` stays fast.
 """
@@ -16,8 +16,9 @@ def _floats(s: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"--values must be comma-separated numbers, e.g. 0.02,0.05,0.1; got {s!r}")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``eval`` options (shared by the subcommand and the script)."""
+def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.ArgumentParser:
+    """The ``eval`` options (shared by the subcommand and ``evals/quality/hop_rate_sweep.py``);
+    ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, the output folder)."""
     p.add_argument("--policy", default="rstitch", help="rstitch (tau), random (p), random_query (p), r2r_entropy "
                                                        "(threshold); default rstitch")
     p.add_argument("--values", type=_floats, default=[0.02, 0.05, 0.1, 0.2, 0.4],
@@ -37,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="small = plain truncation to this many layers of the large model (default: the packaged "
                         "self-draft, the pair of Router.default() and the tutorials)")
     p.add_argument("--mode", default="async", help="schedule mode: async, delayed, sync, model_sync")
-    p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
+    if out:
+        p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -71,8 +73,8 @@ def cmd_eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``evals/quality_at_hop_rate.py``."""
-    p = add_arguments(argparse.ArgumentParser(prog="quality_at_hop_rate", description=__doc__))
+    """Run ``tokenrouter eval`` with ``argv`` (default: ``sys.argv[1:]``)."""
+    p = add_arguments(argparse.ArgumentParser(prog="tokenrouter eval", description=__doc__))
     args = p.parse_args(argv)
     return cmd_eval(args)
 

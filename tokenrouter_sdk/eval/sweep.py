@@ -1,7 +1,7 @@
 """`evaluate_policy`: sweep a policy's threshold on a benchmark and report quality next to cost.
 
 Every operating point runs the same prompts through the same `Router` with the same sampling,
-and is measured by `Router.metrics` (committed tokens only; DESIGN.md "Metrics"). Reference
+and is measured by `Router.metrics` (committed tokens only; docs/metrics.md). Reference
 points in the same run (the comparisons every routing paper plots, e.g. R2R arXiv 2505.21600
 section 5 and RouteLLM arXiv 2406.18665 section 5):
 - ``large_only`` and ``small_only``;

@@ -4,7 +4,7 @@ Source: the TokenRouter paper (arXiv 2610.12242), appendix "performance model": 
 each model's queue length, the batch size of its running step and the step's remaining time, driven
 by the concurrency N, per-model routing probabilities and per-model step latency as a function of
 batch size; its steady state gives committed tokens per second for each feasible threshold vector
-(sum_i (B_i - 1) < N), and delayed batching uses the best one (DESIGN.md, "Performance model").
+(sum_i (B_i - 1) < N), and delayed batching uses the best one.
 The paper body is not available to us in full; the chain below is our reconstruction of it from the
 description above and the scheduler's launch rule (`SubServer.delayed_ok`).
 
@@ -30,7 +30,7 @@ the configurations right after a completion (and the launches it allows), and th
 E[tokens per epoch] / E[ticks per epoch] under the embedded chain's stationary law (renewal-reward).
 The stationary law is found with restarted GMRES (numpy only) on ``(I - P^T + 1 1^T / n) pi = 1/n``.
 
-Assumptions (what the model ignores; see `evals/planner_check.py` for how far it is off):
+Assumptions (what the model ignores; see `evals/planner/sim_sweep.py` for how far it is off):
   * stationary routing probabilities: q_i does not change over a request's life or with load;
   * independent requests: each request's routing draw is independent of the others in its batch;
   * geometric run lengths: a request's number of consecutive steps on model i is geometric with
@@ -44,7 +44,7 @@ Assumptions (what the model ignores; see `evals/planner_check.py` for how far it
 Size and speed: the embedded chain has ~17k states at N = 32 with 2 ticks per shortest step (the
 search resolution of `plan_thresholds`), ~35k with 4; one solve takes 0.1-0.5 s on one CPU core,
 a pruned N = 32 plan ~50 solves. ``max_states`` guards the size (the tick is coarsened, then
-`StateSpaceTooLarge` is raised). Against the sim backend (`evals/planner_check.py`) the prediction
+`StateSpaceTooLarge` is raised). Against the sim backend (`evals/planner/sim_sweep.py`) the prediction
 is a few percent high: the sim's whole-run throughput includes the start (all N requests enter
 at once) and the drain of the workload, which the steady-state chain does not see.
 

@@ -35,8 +35,9 @@ class Plan:
 
 
 def feasible_thresholds(models: Sequence[str], n: int) -> list[dict[str, int]]:
-    """Every threshold vector with B_i >= 1 and sum_i (B_i - 1) < n (DESIGN.md invariant 7: below
-    that, every model can wait under its threshold forever)."""
+    """Every threshold vector with B_i >= 1 and sum_i (B_i - 1) < n (with a larger
+    sum, the N requests can sit B_i - 1 at each model i, every model waits under its threshold and
+    none ever steps)."""
     models = list(models)
     out = []
     for slack in itertools.product(range(n), repeat=len(models)):

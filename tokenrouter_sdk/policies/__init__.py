@@ -1,7 +1,7 @@
 """Built-in routing policies, shipped as ``tokenrouter_sdk.policies``.
 
-One file per algorithm, each with its source (paper, section, official code); the specs are in
-``shared/research/policies.md``. Naming: token-level policies are named after their paper
+One file per algorithm; its docstring gives the source (paper, section, official code) and the
+rule as implemented, with what the paper leaves open. Naming: token-level policies are named after their paper
 (`CITER`, `R2R`, `CoLLM`, `RStitch`, `GlimpRouter`), baselines after what they do.
 
 | policy | decides | on a handoff | peer writes |

@@ -1,5 +1,5 @@
-"""CITER: Collaborative Inference with Token-lEvel Routing (arXiv 2502.01976, COLM'25; spec in
-``shared/research/policies.md`` section 3; official code aiming-lab/CITER,
+"""CITER: Collaborative Inference with Token-lEvel Routing (arXiv 2502.01976, COLM'25; official
+code aiming-lab/CITER,
 ``src/models/conf_model.py`` and ``src/pipeline/token_route.py``).
 
 Signal: a confidence head on the small model's last-layer hidden state h_t (after the final norm,

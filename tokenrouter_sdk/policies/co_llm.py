@@ -1,5 +1,5 @@
 """Co-LLM: Learning to Decode Collaboratively with Multiple Language Models (arXiv 2403.03870,
-ACL'24; spec in ``shared/research/policies.md`` section 4; official code clinicalml/co-llm,
+ACL'24; official code clinicalml/co-llm,
 ``collm/generate.py generate_response``, ``collm/inference/api_server_deferral.py``).
 
 Signal: a deferral head g on the small ("base") model's last-layer hidden state h_t. In Co-LLM g

@@ -1,13 +1,13 @@
 """Token-level ensemble (ME) across 2+ models (TokenRouter paper, arXiv 2610.12242, evaluation:
 "models are selected token by token using ensemble weights", Qwen3-0.6B/8B/32B with weights
-0.5/0.3/0.2; spec in ``shared/research/policies.md`` section 7; no official code).
+0.5/0.3/0.2; no official code).
 
 The writer of every output position is drawn from Categorical(w): the entry model (which
 prefills and writes position 0) is drawn first, then after each step the writer of the next
 position. On a handoff the just-sampled token is kept (it was written by the model drawn for
 it), so the peer writes from the next position on; the peer span is one token, re-drawn.
 
-Uncertain (marked in the spec): whether "ensemble weights" means choosing a writer (done
+Uncertain (the paper does not say): whether "ensemble weights" means choosing a writer (done
 here) or averaging the models' distributions (sum_m w_m p_m, which needs every model to run
 every token in lockstep: not a handoff pattern); which weight goes with which model (here:
 models smallest first, 0.5/0.3/0.2 for three models; equal weights for other counts).

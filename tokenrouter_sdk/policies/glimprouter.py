@@ -1,6 +1,5 @@
 """GlimpRouter: step-level routing on the small model's first-token entropy (arXiv 2601.05110;
-official code Zengwh02/GlimpRouter ``src/glimp_router.py`` @686838e; spec in
-``shared/research/policies.md`` section 6).
+official code Zengwh02/GlimpRouter ``src/glimp_router.py`` @686838e).
 
 A reasoning *step* is the text up to and including a blank line (``separator = "\\n\\n"``).
 At each step start (output position 0, or right after the token that ended the previous step)

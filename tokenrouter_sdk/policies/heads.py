@@ -47,8 +47,8 @@ class HeadMissingError(FileNotFoundError):
         cls, what, where = KINDS[kind]
         given = "no head was given (head=None)" if path is None else f"the head file {str(path)!r} does not exist"
         super().__init__(
-            f"{cls} needs {what}, and {given}. {where}. Training pipelines come with tokenrouter_sdk "
-            f"training (issue \"Train routers\"; CLI: `tokenrouter train {kind}`). For tests, a head with "
+            f"{cls} needs {what}, and {given}. {where}. Train one with "
+            f"`tokenrouter train {kind}` (or `tokenrouter_sdk.train`). For tests, a head with "
             f"random weights can be made with `{cls}.random_head(...)`.")
         self.kind, self.path = kind, path
 

@@ -1,6 +1,5 @@
 """Query-level routing: one model writes the whole answer, chosen once per request from the
-prompt (RouteLLM, arXiv 2406.18665, lm-sys/RouteLLM ``routellm/routers/routers.py``; spec in
-``shared/research/policies.md`` section 8).
+prompt (RouteLLM, arXiv 2406.18665, lm-sys/RouteLLM ``routellm/routers/routers.py``).
 
 RouteLLM routes to the strong model iff its predicted strong-win-rate >= threshold, from a prompt
 embedding (OpenAI embeddings, BERT, an LLM judge). Offline here, the feature is the small
@@ -19,7 +18,8 @@ branch: one S prefill and one discarded token.
 
 Head file: the shared format of ``policies/heads.py`` (kind ``"query"``; ``config`` =
 ``{"hidden_size", "hidden_dim"}``), read with ``torch.load(weights_only=True)``. Training (which
-prompts S answers correctly -> logistic regression / MLP) is a later issue: ``tokenrouter train query``.
+prompts S answers correctly -> logistic regression / MLP): ``tokenrouter train query``
+(`tokenrouter_sdk.train.train_query`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""R2R: Roads to Rome, token-level routing of divergent tokens (arXiv 2505.21600, NeurIPS'25; spec
-in ``shared/research/policies.md`` section 2; official code thu-nics/R2R, ``r2r/models/router.py``
+"""R2R: Roads to Rome, token-level routing of divergent tokens (arXiv 2505.21600, NeurIPS'25;
+official code thu-nics/R2R, ``r2r/models/router.py``
 ``HiddenStatesTokenLMHeadLogitsClassifier``, ``r2r/utils/switching.py``, ``r2r/utils/metrics.py``).
 
 Signal, on each step of the small model S for its sampled token t:

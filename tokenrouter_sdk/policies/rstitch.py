@@ -1,5 +1,4 @@
-"""R-Stitch: entropy-guided stitching in both directions (arXiv 2507.17307, v4+; spec in
-``shared/research/policies.md`` section 5).
+"""R-Stitch: entropy-guided stitching in both directions (arXiv 2507.17307, v4+).
 
 Signal: the owning model's normalised next-token entropy H = -sum p log p / log V, in [0, 1].
 - On the small model: H > tau -> discard the small token, hand off to the large model,
@@ -9,7 +8,7 @@ Signal: the owning model's normalised next-token entropy H = -sum p log p / log 
 The ``max_prob`` variant (v1/v2) uses confidence = max_i p_i instead: hand off when the small
 model's confidence < tau, hand back when the large model's confidence >= tau_back.
 
-Uncertain (marked in the spec): the paper's tau values were not recovered; keeping the large
+Uncertain (the paper does not say): the paper's tau values were not recovered; keeping the large
 token on the way back is inferred. Both are parameters here. The default tau = 0.1 follows the
 spec's suggested sweep 0.01..0.1 on normalised entropy (log V = 10.8 nats for SmolLM2: its
 10-layer truncation has median H ~ 0.12, the full model ~ 0.05 on chat answers).

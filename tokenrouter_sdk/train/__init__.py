@@ -1,5 +1,7 @@
-"""Training pipelines for the learned routers (issue 5): R2R (`train_r2r`), CITER
-(`train_citer`), Co-LLM (`train_co_llm`) and the query-level router (`train_query`).
+"""Training pipelines for the learned routers: R2R (`train_r2r`), CITER
+(`train_citer`), Co-LLM (`train_co_llm`) and the query-level router (`train_query`). The
+self-draft small model of the packaged pair is trained by `tokenrouter_sdk.train.self_draft`
+(``tokenrouter distill``).
 
 Each takes a `Router` (or ``{"small": m, "large": M}`` plus ``tokenizer``) and training prompts
 (default: GSM8K test questions without the 128 held-out evaluation ones), shows tqdm progress

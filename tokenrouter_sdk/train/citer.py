@@ -1,6 +1,5 @@
 """CITER router training: token labels from gold answers and a BCE-trained confidence MLP
-(CITER, arXiv 2502.01976; aiming-lab/CITER ``get_gt_first_iter.py``, ``mlp_training.py``; spec in
-``shared/research/policies.md`` section 3). The head is `policies/citer.py`'s `ConfidenceHead`.
+(CITER, arXiv 2502.01976; aiming-lab/CITER ``get_gt_first_iter.py``, ``mlp_training.py``). The head is `policies/citer.py`'s `ConfidenceHead`.
 
 Labels, teacher-forcing the gold chain of thought (``Example.solution``) after the prompt, at
 each gold position t:

@@ -1,7 +1,6 @@
 """Co-LLM deferral head training (Learning to Decode Collaboratively, arXiv 2403.03870, sec. 2-3;
-clinicalml/co-llm ``collm/training/deferral_training_tools.py``, ``collm/dataset/initialization.py``;
-spec in ``shared/research/policies.md`` section 4). The head is `policies/co_llm.py`'s
-`DeferralHead` (pi_t = sigmoid(g . h_t + b) on the small model's last hidden state).
+clinicalml/co-llm ``collm/training/deferral_training_tools.py``, ``collm/dataset/initialization.py``).
+The head is `policies/co_llm.py`'s `DeferralHead` (pi_t = sigmoid(g . h_t + b) on the small model's last hidden state).
 
 Data: the gold chain of thought (``Example.solution``) teacher-forced after the prompt; per gold
 token x_t the small model's hidden state h_t, log p_S(x_t) and the large model's log p_L(x_t)

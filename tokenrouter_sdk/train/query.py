@@ -1,6 +1,6 @@
 """Query-level router training: which prompts the small model answers correctly (RouteLLM,
 arXiv 2406.18665, trains on preference labels; here the label is the small model's own
-correctness; spec in ``shared/research/policies.md`` section 8). The head is
+correctness). The head is
 `policies/query_level.py`'s `QueryHead`: p = P(small correct | h), h = the small model's last
 hidden state at the last prompt token (what `QueryRouter` sees at the first step).
 

@@ -1,7 +1,6 @@
 """R2R router training: path-following labels and a BCE-trained router (Roads to Rome,
-arXiv 2505.21600, Alg. 1 "path-following routing"; thu-nics/R2R ``script/data_labeling/step_*``,
-spec in ``shared/research/policies.md`` section 2). The head is the network `policies/r2r.py`
-reads (``RouterNet``: small last hidden state, sampled-token embedding, top-k logits).
+arXiv 2505.21600, Alg. 1 "path-following routing"; thu-nics/R2R ``script/data_labeling/step_*``).
+The head is the network `policies/r2r.py` reads (``RouterNet``: small last hidden state, sampled-token embedding, top-k logits).
 
 Labelling, per training prompt:
 0. the large model L writes a greedy response (``max_new_tokens``);

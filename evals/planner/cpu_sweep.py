@@ -1,5 +1,7 @@
-"""Planner check on the packaged CPU pair (issue 3: "Throughput at the planner's thresholds >= 95% of
-the best threshold found by an exhaustive sweep (... and the CPU pair at N = 4 and 8)").
+"""The delayed-batching planner against an exhaustive threshold sweep on the packaged CPU pair.
+
+Target: throughput at the planner's thresholds >= 95% of the best threshold vector found by the
+exhaustive sweep, at N = 4 and 8.
 
 Per concurrency N, on one `delayed` Router over the packaged pair (sub-servers in processes):
   planner  `plan_router` for RandomRouting(p): step latency profiled on the real models (with the
@@ -12,37 +14,39 @@ Per concurrency N, on one `delayed` Router over the packaged pair (sub-servers i
            best measured (bar >= 0.95), and the DTMC's prediction at the plan against the
            measurement there (err).
 
-    .venv/bin/python evals/planner_check_cpu.py --n 4 8 --tokens 64 --passes 2 --json out.json
+Run:
+    .venv/bin/python evals/planner/cpu_sweep.py --n 4 8 --tokens 64 --passes 2
+
+Writes ``<out>/cpu_sweep_<cells>.json`` (every swept vector) and ``.csv`` (one row per N).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tokenrouter_sdk import Router  # noqa: E402
-from tokenrouter_sdk.benchmarks import load_prompts  # noqa: E402
-from tokenrouter_sdk.models import default_pair  # noqa: E402
-from tokenrouter_sdk.planner import dtmc_throughput, feasible_thresholds  # noqa: E402
-from tokenrouter_sdk.planner.for_router import plan_router, router_latency  # noqa: E402
-from tokenrouter_sdk.policies import RandomRouting  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--p", type=float, default=0.1)
-    ap.add_argument("--requests-per-n", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=None)
+    ap = evalkit.parser(__file__, __doc__)
+    ap.add_argument("--n", type=int, nargs="+", default=[4, 8], help="concurrencies N (default 4 8)")
+    ap.add_argument("--p", type=float, default=0.1, help="RandomRouting p (= expected large fraction)")
+    ap.add_argument("--requests-per-n", type=int, default=2, help="requests per run = this x N")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    ap.add_argument("--passes", type=int, default=2, help="passes over the sweep (alternating order)")
     a = ap.parse_args(argv)
+
+    from tokenrouter_sdk import Router
+    from tokenrouter_sdk.benchmarks import load_prompts
+    from tokenrouter_sdk.models import default_pair
+    from tokenrouter_sdk.planner import dtmc_throughput, feasible_thresholds
+    from tokenrouter_sdk.planner.for_router import plan_router, router_latency
+    from tokenrouter_sdk.policies import RandomRouting
+
     large, small, tok = default_pair()
     prompts = load_prompts("gsm8k", 64)
     out, ok = [], True
@@ -81,8 +85,9 @@ def main(argv=None) -> int:
                   f"err {row['err']:.1%}); best {best} {med[best]:.1f} tok/s; ratio {row['ratio']:.3f}; "
                   f"spread of the sweep {min(med.values()):.1f}..{max(med.values()):.1f}", flush=True)
     print(f"bar (ratio >= 0.95 at every N): {'PASS' if ok else 'FAIL'}")
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=1, default=str))
+    evalkit.Output(a, __file__, evalkit.cells_tag(n=a.n, p=a.p, t=a.tokens)).write(
+        [{k: v for k, v in r.items() if k not in ("sweep", "latency_ms")} for r in out],
+        sweeps={r["N"]: r["sweep"] for r in out}, latency_ms={r["N"]: r["latency_ms"] for r in out}, target_met=ok)
     return 0 if ok else 1
 
 

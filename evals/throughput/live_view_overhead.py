@@ -1,4 +1,5 @@
-"""Overhead of the live hop view (issue 7, bar: < 5% of wall time on a 16-request run).
+"""Overhead of the live hop view (``generate(live=...)``; target: < 5% of wall time on a
+16-request run).
 
 What runs: the packaged pair (`Router.default()`, R-Stitch tau=0.1, process sub-servers as by
 default), the first N GSM8K questions (GSM8K template, chat-templated), greedy, ``ignore_eos=True``,
@@ -15,31 +16,31 @@ each, so machine-load noise hits all of them:
 Reported per variant (medians): wall seconds of the generate call (perf_counter around it) and of
 ``router.metrics().wall_s`` (first admission to last finish), committed tok/s, and the live
 view's own time (``LiveView.update_s``: seconds spent redrawing, in the caller's thread) with
-its number of redraws, view/wall = view time / wall time (the share of the caller's thread the view
-took: the view's direct cost, independent of other load on the machine), and the parent process's CPU
-seconds (time.process_time: caller thread, hub thread; the sub-servers are child processes). Overhead = median(live) / median(off) - 1 (also the paired median over
-repeats of live/off within one repeat, which is less sensitive to other load on the machine).
+its number of redraws, view/wall = view time / wall time (the share of the caller's thread the
+view took: the view's direct cost, independent of other load on the machine), and the parent
+process's CPU seconds (time.process_time: caller thread, hub thread; the sub-servers are child
+processes). Overhead = median(live) / median(off) - 1 (also the paired median over repeats of
+live/off within one repeat, which is less sensitive to other load on the machine).
 
-Usage: .venv/bin/python evals/bench_live.py --requests 16 --max-new-tokens 32 --repeats 5
+Run:
+    .venv/bin/python evals/throughput/live_view_overhead.py --requests 16 --max-new-tokens 32 --repeats 5
+
+Writes ``<out>/live_view_overhead_<cells>.json`` (every run and the medians) and ``.csv`` (the
+medians, one line per variant).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from tokenrouter_sdk import Router
-from tokenrouter_sdk.benchmarks import load_prompts
-from tokenrouter_sdk.policies import RStitch
-
-def load_questions(n: int) -> list[str]:
-    return load_prompts("gsm8k", n)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
 
-def run_once(router: Router, prompts: list[str], variant: str, max_new_tokens: int) -> dict:
+def run_once(router, prompts: list[str], variant: str, max_new_tokens: int) -> dict:
     live = {"off": False, "text": "text", "widget": "widget"}[variant]
     router.last_view = None
     t, c = time.perf_counter(), time.process_time()
@@ -52,24 +53,23 @@ def run_once(router: Router, prompts: list[str], variant: str, max_new_tokens: i
                 hop_rate=m.hop_rate, view_s=v.update_s if v else 0.0, redraws=v.updates if v else 0)
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--variants", nargs="+", default=["off", "text", "widget"])
-    ap.add_argument("--json", type=Path, default=None, help="also write the rows and medians here")
+def main(argv=None) -> int:
+    ap = evalkit.parser(__file__, __doc__)
+    ap.add_argument("--requests", type=int, default=16, help="GSM8K questions per call (default 16)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request (default 32)")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default 5)")
+    ap.add_argument("--variants", nargs="+", default=["off", "text", "widget"], choices=["off", "text", "widget"])
     ap.add_argument("--small-layers", type=int, default=None,
-                    help="small = the first k layers of the large model instead of the packaged default small")
+                    help="small = the first k layers of the large model instead of the packaged self-draft")
     args = ap.parse_args(argv)
-    prompts = load_questions(args.requests)
+
+    from tokenrouter_sdk import Router
+    from tokenrouter_sdk.benchmarks import load_prompts
+    from tokenrouter_sdk.policies import RStitch
+
+    prompts = load_prompts("gsm8k", args.requests)
     rows = []
-    try:
-        router = Router.default(policy=RStitch(tau=0.1), small_layers=args.small_layers)
-    except FileNotFoundError as e:  # the packaged small model is not built on this checkout
-        print(f"note: {e}; using small = first 10 layers")
-        router = Router.default(policy=RStitch(tau=0.1), small_layers=10)
-    with router:
+    with Router.default(policy=RStitch(tau=0.1), small_layers=args.small_layers) as router:
         for v in args.variants:  # warm-up
             run_once(router, prompts[:2], v, 4)
         for rep in range(args.repeats):
@@ -94,11 +94,10 @@ def main(argv=None) -> dict:
                 if a["variant"] == v and b["variant"] == "off" and a["repeat"] == b["repeat"])
         print(f"{v:>8} {m['wall_s']:8.3f} {m['engine_wall_s']:9.3f} {m['tok_s']:7.1f} {m['view_s'] * 1e3:8.1f} "
               f"{m['redraws']:8.0f} {ovh:+9.1%} {paired:+8.1%} {m['view_s'] / m['wall_s']:9.2%} {m['parent_cpu_s']:6.2f}")
-    result = {"rows": rows, "medians": med, "args": vars(args) | {"json": str(args.json)}}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
+    out = evalkit.Output(args, __file__, evalkit.cells_tag(r=args.requests, t=args.max_new_tokens))
+    out.write([{"variant": v, **m} for v, m in med.items()], runs=rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,22 +2,29 @@
 (sdpa + DynamicCache) against our paged `TorchRunner` step, and a torch.profiler table of one
 paged step. Random-weight Qwen3 models built from their configs (`tokenrouter_sdk.random_models`).
 
-    python3 evals/gpu_step_profile.py --out OUTDIR                 # CUDA, qwen3-0.6b and qwen3-8b
-    python3 evals/gpu_step_profile.py --out /tmp/p --device cpu --shrink
+Run:
+    python3 evals/investigations/gpu_step_profile.py --out OUTDIR         # CUDA, qwen3-0.6b and qwen3-8b
+    python3 evals/investigations/gpu_step_profile.py --out /tmp/p --device cpu --shrink
+
+Writes ``<out>/gpu_step_profile_<device>.json`` and ``.csv`` (one row per model: step ms of
+transformers' decode and of the paged step at batch 1 and 8); the profiler table is printed.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
 
 def sync(dev):
+    import torch
+
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -36,6 +43,8 @@ def timed(fn, dev, reps: int) -> float:
 
 
 def launch_latency(dev) -> float:
+    import torch
+
     x = torch.zeros(16, device=dev)
     n = 2000
 
@@ -47,6 +56,7 @@ def launch_latency(dev) -> float:
 
 def hf_decode(model, dev, b: int, ctx: int, vocab: int, steps: int = 10) -> float:
     """transformers' own decode step (sdpa, DynamicCache), batch b, context ctx: median seconds."""
+    import torch
     from transformers import DynamicCache
     model.set_attn_implementation("sdpa")
     ids = torch.randint(0, vocab, (b, ctx), device=dev)
@@ -66,6 +76,10 @@ def hf_decode(model, dev, b: int, ctx: int, vocab: int, steps: int = 10) -> floa
 
 
 def paged(model, dev, b: int, ctx: int, vocab: int, steps: int = 10, profile: bool = False):
+    """Our paged decode step (`TorchRunner.forward`), batch b, context ctx: median seconds of the
+    step and of building its batch, and (``profile``) a torch.profiler table of one step."""
+    import torch
+
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.engine.runner import SeqInput
     r = TorchRunner(model, max_kv_tokens=(b + 1) * (ctx + steps + 8))
@@ -103,16 +117,17 @@ def paged(model, dev, b: int, ctx: int, vocab: int, steps: int = 10, profile: bo
     return statistics.median(ts[2:]), statistics.median(tb[2:]), table
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+def main(argv=None) -> int:
+    ap = evalkit.parser(__file__, __doc__)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--shrink", action="store_true")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    ap.add_argument("--shrink", action="store_true", help="tiny shapes (a CPU rehearsal of the flow)")
+    args = ap.parse_args(argv)
+
+    import torch
+
     from tokenrouter_sdk.random_models import random_model
     dev = torch.device(args.device)
-    res = {"launch_us": launch_latency(dev) * 1e6}
+    res, rows = {"launch_us": launch_latency(dev) * 1e6}, []
     print(f"kernel launch (x.add_ loop): {res['launch_us']:.1f} us each", flush=True)
     shrink = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, vocab_size=2048, eos_token_id=2000,
@@ -131,12 +146,13 @@ def main() -> int:
                 print(f"--- {name} paged decode step, batch 8, context 128: torch.profiler by self CPU time")
                 print(table, flush=True)
         res[name] = row
+        rows.append({"model": name, **row})
         print(name, json.dumps({k: round(v, 2) for k, v in row.items()}), flush=True)
         del m
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "gpu_step_profile.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    tag = args.device.replace(":", "") + ("_shrink" if args.shrink else "")
+    evalkit.Output(args, __file__, tag).write(rows, launch_us=res["launch_us"])
     return 0
 
 

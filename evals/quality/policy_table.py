@@ -3,31 +3,31 @@
 For each policy at its default parameters: realized hop rate, large fraction, discarded tokens
 and committed-token throughput, on the first N GSM8K questions (GSM8K template of
 `tokenrouter_sdk.benchmarks`, chat-templated, greedy) at concurrency C. Learned policies (CITER,
-R2R, Co-LLM, query-level) get *random, untrained* heads here (the training pipelines are a
-separate issue), so their routing shows the runtime's behaviour, not the algorithm's quality;
-their thresholds are their published defaults.
+R2R, Co-LLM, query-level) get *random, untrained* heads here (trained heads: ``tokenrouter
+train`` and evals/quality/trained_heads.py), so their routing shows the runtime's behaviour, not
+the algorithm's quality; their thresholds are their published defaults.
 
-    .venv/bin/python evals/policy_table.py --num 16 --concurrency 8 --max-new-tokens 64
+Run:
+    .venv/bin/python evals/quality/policy_table.py --num 16 --concurrency 8 --max-new-tokens 64
+
+Writes ``<out>/policy_table_<cells>.csv`` and ``.json`` (one row per policy).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
+import sys
 import time
+from pathlib import Path
 
-import torch
-
-from tokenrouter_sdk import Router
-from tokenrouter_sdk.benchmarks import load_prompts
-from tokenrouter_sdk.models import default_pair, describe_default_pair
-from tokenrouter_sdk.policies import (CITER, R2R, CoLLM, GlimpRouter, LargeOnly, QueryRouter, R2RAleatoric,
-                                      R2REntropy, RandomQueryRouting, RandomRouting, RStitch, SmallOnly)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
 
 def policies(small, hidden: int) -> dict:
     """name -> (policy, note)."""
+    from tokenrouter_sdk.policies import (CITER, R2R, CoLLM, GlimpRouter, LargeOnly, QueryRouter, R2RAleatoric,
+                                          R2REntropy, RandomQueryRouting, RandomRouting, RStitch, SmallOnly)
+
     return {
         "SmallOnly": (SmallOnly(), ""),
         "LargeOnly": (LargeOnly(), ""),
@@ -45,21 +45,25 @@ def policies(small, hidden: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+def main(argv=None) -> int:
+    ap = evalkit.parser(__file__, __doc__)
+    ap.add_argument("--num", type=int, default=16, help="GSM8K questions (default 16)")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request at most (default 64)")
     ap.add_argument("--small-layers", type=int, default=None,
                     help="small = plain truncation to this many layers (default: the packaged self-draft)")
     ap.add_argument("--only", nargs="*", help="policy names to run (substring match)")
-    ap.add_argument("--json", help="also write the rows here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+
+    from tokenrouter_sdk import Router
+    from tokenrouter_sdk.benchmarks import load_prompts
+    from tokenrouter_sdk.models import default_pair, describe_default_pair
+
     prompts = load_prompts("gsm8k", args.num)
     print(describe_default_pair(args.small_layers))
     large, small, tok = default_pair(small_layers=args.small_layers)
-    print(f"torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}, {args.num} GSM8K questions, "
-          f"concurrency {args.concurrency}, max_new_tokens {args.max_new_tokens}")
+    print(evalkit.environment(), f"{args.num} GSM8K questions, concurrency {args.concurrency}, "
+          f"max_new_tokens {args.max_new_tokens}", flush=True)
     rows = []
     with Router({"small": small, "large": large}, tokenizer=tok) as router:
         router.generate(prompts[:2], max_new_tokens=4)  # warm-up
@@ -78,10 +82,13 @@ def main() -> None:
                   f"discarded {r['discarded']:>4}  tokens {r['tokens']:>5}  {r['tok_s']:6.1f} tok/s  "
                   f"failed {r['failed']}  {note}", flush=True)
             assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print(evalkit.table(rows, [("policy", "policy", "s"), ("hop_rate", "hop rate", ".3f"),
+                               ("large_fraction", "large frac", ".3f"), ("discarded", "discarded", "d"),
+                               ("tokens", "tokens", "d"), ("tok_s", "tok/s", ".1f"), ("failed", "failed", "d"),
+                               ("note", "note", "s")]))
+    evalkit.Output(args, __file__, evalkit.cells_tag(n=args.num, c=args.concurrency, t=args.max_new_tokens)).write(rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Engine vs `transformers.generate` on the packaged CPU model (issue 2, "Benchmark").
+"""Engine vs `transformers.generate` on the packaged CPU model: committed tokens/s of the same
+work, and how much of a step the engine spends outside the model forward.
 
 What runs, in ONE process on the same weights (SmolLM2-135M-Instruct, fp32) and the same prompts
 (the first N GSM8K questions in the GSM8K template of `tokenrouter_sdk.benchmarks`, chat-templated):
@@ -22,32 +23,30 @@ How to read the table:
                    back, so it is less sensitive to load from other processes than the ratio of medians)
   CPU-time ratio   median of generate CPU s / engine CPU s (process time, all threads; > 1: the engine
                    used less CPU for the same tokens; robust to other processes taking the cores)
-Bars (issue 2): engine >= generate at c=8, and ovh step < 15% at c=8.
-Usage: .venv/bin/python evals/bench_engine.py --concurrency 1 8 --max-new-tokens 64 --repeats 3
+Targets (printed as PASS/FAIL): engine >= generate at c=8, and ovh step < 15% at c=8.
+
+Run:
+    .venv/bin/python evals/throughput/engine_vs_generate.py --concurrency 1 8 --max-new-tokens 64 --repeats 3
+
+Writes ``<out>/engine_vs_generate_<cells>.json`` (every repeat and the medians) and ``.csv`` (the
+medians, one line per concurrency).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
-import transformers
-
-import tokenrouter_sdk
-from tokenrouter_sdk import Router
-from tokenrouter_sdk.backends.torch_runner import ATTN_NAME, use_paged_attention
-from tokenrouter_sdk.benchmarks import load as load_benchmark_rows
-from tokenrouter_sdk.models import default_pair
-from tokenrouter_sdk.policies import LargeOnly
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
 
 def load_questions(n: int) -> list[str]:
+    from tokenrouter_sdk.benchmarks import load as load_benchmark_rows
+
     data = load_benchmark_rows("gsm8k", n)
     print(f"prompts: first {len(data)} GSM8K questions from {data.source}")
     return data.prompts
@@ -55,6 +54,8 @@ def load_questions(n: int) -> list[str]:
 
 def set_attn(model, name: str) -> None:
     """Switch the model (and every module config it holds) to attention ``name``."""
+    from tokenrouter_sdk.backends.torch_runner import ATTN_NAME, use_paged_attention
+
     if name == ATTN_NAME:
         use_paged_attention(model)
         return
@@ -66,21 +67,25 @@ def set_attn(model, name: str) -> None:
 
 
 def run_engine(router, ids, c, m):
-    n0, cpu = len(router.trace), time.process_time()
+    from tokenrouter_sdk.engine.messages import Admitted, Finished, StepDone
+
+    steps: list = []  # every StepDone, including those after the call's last Finished
+    remove = router.engine.add_observer(lambda ev: steps.append(ev) if isinstance(ev, StepDone) else None)
+    cpu = time.process_time()
     t = time.perf_counter()
-    outs = router.generate(ids, concurrency=c, max_new_tokens=m, ignore_eos=True)
-    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
-    # the last StepDone is emitted after the last Finished: wait until it is in the trace
-    deadline = time.perf_counter() + 2.0
-    while time.perf_counter() < deadline:
-        tr = list(router.trace[n0:])
-        t1 = max(ev[3] for ev in tr if ev[0] == "finish")
-        if any(ev[0] == "step" and ev[1].t_end >= t1 for ev in tr):
-            break
-        time.sleep(0.005)
+    try:
+        outs = router.generate(ids, concurrency=c, max_new_tokens=m, ignore_eos=True)
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+        t0 = min(ev.t for ev in outs.trace if isinstance(ev, Admitted))
+        t1 = max(ev.t for ev in outs.trace if isinstance(ev, Finished))
+        # the step that wrote the last tokens reports its StepDone after the Finished
+        deadline = time.perf_counter() + 2.0
+        while time.perf_counter() < deadline and not any(s.t_end >= t1 for s in list(steps)):
+            time.sleep(0.005)
+    finally:
+        remove()
     met = router.metrics()
-    t0 = min(ev[2] for ev in tr if ev[0] == "admit")
-    steps = [ev[1] for ev in tr if ev[0] == "step" and t0 <= ev[1].t_start <= t1]
+    steps = [s for s in steps if t0 <= s.t_start <= t1]
     fwd = sum(s.forward_s for s in steps)
     pm = met.per_model["large"]
     toks = sum(len(o.token_ids) for o in outs)
@@ -91,8 +96,11 @@ def run_engine(router, ids, c, m):
                 busy=pm.busy_fraction), [o.token_ids for o in outs]
 
 
-@torch.inference_mode()
 def run_generate(model, ids, c, m, pad_id):
+    import torch
+
+    from tokenrouter_sdk.backends.torch_runner import ATTN_NAME
+
     set_attn(model, "sdpa")
     try:
         toks, outs, t, cpu = 0, [], time.perf_counter(), time.process_time()
@@ -101,8 +109,9 @@ def run_generate(model, ids, c, m, pad_id):
             w = max(map(len, chunk))
             inp = torch.tensor([[pad_id] * (w - len(x)) + x for x in chunk])
             mask = torch.tensor([[0] * (w - len(x)) + [1] * len(x) for x in chunk])
-            out = model.generate(input_ids=inp, attention_mask=mask, do_sample=False, max_new_tokens=m,
-                                 min_new_tokens=m, pad_token_id=pad_id)[:, w:]
+            with torch.inference_mode():
+                out = model.generate(input_ids=inp, attention_mask=mask, do_sample=False, max_new_tokens=m,
+                                     min_new_tokens=m, pad_token_id=pad_id)[:, w:]
             toks += out.numel()
             outs.extend(out.tolist())
         wall, cpu = time.perf_counter() - t, time.process_time() - cpu
@@ -112,21 +121,24 @@ def run_generate(model, ids, c, m, pad_id):
     return dict(tok_s=toks / wall, tokens=toks, wall_s=wall, cpu_s=cpu), outs
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+def main(argv=None) -> int:
+    ap = evalkit.parser(__file__, __doc__)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests in flight (default 1 8)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens written per request (default 64)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
-    ap.add_argument("--prompts", type=int, default=8, help="number of prompts (GSM8K questions)")
-    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
-    a = ap.parse_args()
+    ap.add_argument("--prompts", type=int, default=8, help="number of prompts (GSM8K questions, default 8)")
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from tokenrouter_sdk import Router
+    from tokenrouter_sdk.models import default_pair
+    from tokenrouter_sdk.policies import LargeOnly
+
     if a.threads:
         torch.set_num_threads(a.threads)
-    print(f"torch {torch.__version__}  transformers {transformers.__version__}  tokenrouter_sdk "
-          f"{getattr(tokenrouter_sdk, '__version__', '?')}  python {platform.python_version()}")
-    print(f"torch threads {torch.get_num_threads()}  cpus {os.cpu_count()}  "
-          f"loadavg {tuple(round(x, 2) for x in os.getloadavg())}")
+    print(evalkit.environment(), flush=True)
     large, _, tok = default_pair()
     qs = load_questions(a.prompts)
     ids = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
@@ -169,14 +181,15 @@ def main():
         print(f"{c:>11} | {s['engine_tok_s']:>12.1f} | {s['generate_tok_s']:>14.1f} | {s['ratio']:>5.2f} | "
               f"{s['ovh_step']:>30.1%} | {s['ovh_e2e']:>17.1%} | {s['paired_ratio']:>12.2f} | "
               f"{s['cpu_ratio']:>14.2f}")
+    bars = {}
     if 8 in summary:
-        print(f"BAR engine >= generate at c=8: {'PASS' if summary[8]['ratio'] >= 1 else 'FAIL'}")
-        print(f"BAR overhead < 15% at c=8: {'PASS' if summary[8]['ovh_step'] < 0.15 else 'FAIL'}")
-    if a.json:
-        vers = dict(torch=torch.__version__, transformers=transformers.__version__)
-        Path(a.json).write_text(json.dumps(dict(args=vars(a), threads=torch.get_num_threads(), versions=vers,
-                                                summary=summary, runs=res, identical=same), indent=1))
+        bars = {"engine >= generate at c=8": summary[8]["ratio"] >= 1, "overhead < 15% at c=8": summary[8]["ovh_step"] < 0.15}
+        for name, ok in bars.items():
+            print(f"{name}: {'PASS' if ok else 'FAIL'}")
+    out = evalkit.Output(a, __file__, evalkit.cells_tag(c=a.concurrency, t=a.max_new_tokens, n=a.prompts))
+    out.write([{"concurrency": c, **s} for c, s in summary.items()], runs=res, identical=same, bars=bars)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,10 @@
-"""Issue 3's benchmark on a CUDA GPU: random-weight Qwen3-0.6B (small) and Qwen3-8B (large) built
-from their configs (no weight download), torch backend, bf16, in one prepared run with a time budget.
+"""The throughput benchmark on a CUDA GPU: random-weight Qwen3-0.6B (small) and Qwen3-8B (large)
+built from their configs (no weight download), torch backend, bf16, in one prepared run with a
+time budget (for a short GPU lease: a hang ends the run, what was measured stays on disk).
 
-    python3 evals/bench_gpu.py --out OUTDIR --budget-min 5.5
-    python3 evals/bench_gpu.py --out /tmp/g --device cpu --shrink     # the same flow on a CPU, tiny shapes
+Run:
+    python3 evals/throughput/gpu_pair.py --out OUTDIR --budget-min 5.5
+    python3 evals/throughput/gpu_pair.py --out /tmp/g --device cpu --shrink   # the same flow on a CPU, tiny shapes
 
 Steps, each printed with its wall time:
   1. environment (torch, transformers, GPU);
@@ -16,19 +18,26 @@ Steps, each printed with its wall time:
      eager/graph ratio, and whether the captures worked (``captured``, ``error``);
   5. benchmark cells in priority order (RandomRouting at 0.1 large fraction, c=8, 256 tokens:
      every mode and baseline; then concurrency 1/4/16; then 1024 tokens; then 0.3 large fraction),
-     until the budget ends. Every finished cell is appended to ``OUTDIR/gpu_bench.csv`` at once;
-  6. the table (and ``gpu_bench.html`` when plotly is installed).
+     until the budget ends. Every finished cell is appended to ``<out>/gpu_pair_<cells>.csv`` at
+     once;
+  6. the table (and ``gpu_pair_<cells>.html`` when plotly is installed).
+
+Writes ``<out>/gpu_pair_<cells>.json`` (the environment, the correctness results and the step
+latencies), ``.csv`` (one line per cell) and ``.html``. ``<cells>`` names the pair and the device, e.g. ``qwen3-0.6b-qwen3-8b_cuda``.
 """
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import json
 import os
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
 T0 = time.monotonic()
 
@@ -49,7 +58,7 @@ def watchdog(seconds: float) -> None:
     t.start()
 
 
-def cells(quick: bool) -> list[tuple]:
+def priority_cells(quick: bool) -> list[tuple]:
     c = [("random10", m, True, 8, 256) for m in ("sync", "async", "delayed")]
     c += [("large_only", "async", True, 8, 256), ("small_only", "async", True, 8, 256),
           ("random10", "delayed", False, 8, 256)]
@@ -95,20 +104,20 @@ def correctness(device: str, processes: bool, graphs: bool) -> tuple[bool, str]:
     return same == len(outs), f"{same}/{len(outs)} requests equal to the naive reference, {hops} hops{graph_text}"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-min", type=float, default=5.5, help="no benchmark cell starts after this")
-    ap.add_argument("--pair", default="qwen3-0.6b,qwen3-8b")
+def main(argv=None) -> int:
+    ap = evalkit.parser(__file__, __doc__)
+    ap.add_argument("--budget-min", type=float, default=5.5, help="no benchmark cell starts after this (minutes)")
+    ap.add_argument("--pair", default="qwen3-0.6b,qwen3-8b", help="SMALL,LARGE config names (random_models)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shrink", action="store_true", help="tiny shapes and 16-token cells (CPU rehearsal)")
-    ap.add_argument("--max-kv-tokens", type=int, default=32768)
-    ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--max-kv-tokens", type=int, default=32768, help="KV pool per model (tokens)")
+    ap.add_argument("--skip-correctness", action="store_true", help="skip step 2")
     ap.add_argument("--first", type=int, default=None, help="run only the first N cells of the priority list")
     ap.add_argument("--no-cuda-graphs", action="store_true",
                     help="eager steps only (default: decode/short-extend steps from CUDA graphs, cuda devices)")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    args = ap.parse_args(argv)
+    out = evalkit.Output(args, __file__, "_".join([args.pair.replace(",", "-"), args.device.replace(":", "")]
+                                                  + (["shrink"] if args.shrink else [])))
     watchdog(60 * args.budget_min + 120)
 
     import torch
@@ -179,10 +188,9 @@ def main() -> int:
         say(f"eager/graph step time: {speed}")
         info["eager_over_graph"] = speed
     info |= {"profile_ms": prof, "small_over_large": ratio, "processes": processes}
-    with open(os.path.join(args.out, "gpu_info.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    out.path(".json").write_text(json.dumps(info, indent=1) + "\n")
 
-    log = CsvLog(os.path.join(args.out, "gpu_bench.csv"))
+    log = CsvLog(str(out.path(".csv")))
 
     def on_cell(c):
         log(c)
@@ -193,15 +201,15 @@ def main() -> int:
     # with graphs: a 160-token warm-up per Router takes 128-token prompts past 256 keys, so the
     # (batch, tokens, context <= 512) buckets of the 256-token cells are captured before measuring
     deadline = T0 + 60 * args.budget_min  # counted from the script's start
-    todo = cells(args.shrink)[:args.first]
-    out = run_bench(models, tok, prompts, cells=todo, thresholds="auto", deadline=deadline,
+    planned = priority_cells(args.shrink)[:args.first]
+    cells = run_bench(models, tok, prompts, cells=planned, thresholds="auto", deadline=deadline,
                     on_cell=on_cell, warmup_tokens=160 if graphs else 8, progress=False, max_kv_tokens=args.max_kv_tokens,
                     processes={"start_timeout": 300.0} if processes else False, cuda_graphs=graphs)
-    print(format_table(out), flush=True)
-    if out:
-        log.rewrite(out)
-        write_html(out, os.path.join(args.out, "gpu_bench.html"))
-    say(f"done: {len(out)} of {len(todo)} cells")
+    print(format_table(cells), flush=True)
+    if cells:
+        log.rewrite(cells)
+        write_html(cells, str(out.path(".html")))
+    say(f"done: {len(cells)} of {len(planned)} cells; wrote {out.path('.json')}, {out.path('.csv')}")
     return 0
 
 

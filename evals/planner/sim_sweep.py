@@ -1,6 +1,7 @@
-"""Planner check on the sim backend (issue 3, bar: "Throughput at the planner's thresholds >= 95% of the
-best threshold found by an exhaustive sweep (sim backend, N = 2..32 ...); the DTMC's predicted
-throughput within 15% of the simulated one").
+"""The delayed-batching planner against an exhaustive threshold sweep on the sim backend.
+
+Targets: throughput at the planner's thresholds >= 95% of the best threshold vector found by the
+exhaustive sweep (N = 2..32), and the DTMC's predicted throughput within 15% of the simulated one.
 
 What runs, per concurrency N:
   pilot    one `async` sim run (max(2N, P) requests, another seed) -> routing probabilities q_i, the commit
@@ -25,37 +26,44 @@ Columns:
   err mean/max    |pred - sim| / sim over all swept vectors (whole run)
   rank corr       Spearman correlation of DTMC vs sim over the swept vectors
   plan s          planner wall time (seconds)
-Usage: .venv/bin/python evals/planner_check.py [--n 2 4 8 16 32] [--p 0.1] [--preset cpu|gpu] [--json out.json]
-(the full default run takes ~8-10 minutes on one core, most of it the 528 sim runs at N = 32)
+Run:
+    .venv/bin/python evals/planner/sim_sweep.py [--n 2 4 8 16 32] [--p 0.1] [--preset cpu|gpu]
+(the full default run takes 8-10 minutes on one core, most of it the 528 sim runs at N = 32)
+
+Writes ``<out>/sim_sweep_<cells>.json`` (every swept vector) and ``.csv`` (one row per N).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
-from tokenrouter_sdk import Router  # noqa: E402
-from tokenrouter_sdk.backends.sim_runner import LatencyModel  # noqa: E402
-from tokenrouter_sdk.planner import dtmc_throughput, estimate_extra_tokens, estimate_keep, estimate_routing, \
-    feasible_thresholds, plan_thresholds  # noqa: E402
-from tokenrouter_sdk.policies import RandomRouting  # noqa: E402
-
-# the packaged CPU pair, measured (DESIGN.md: 1 thread fp32, full 64/110 ms and k=6 24/39 ms at B=1/8)
-PRESETS = {
-    "cpu": {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
-            "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4})},
-    # GPU-like (illustrative, not measured): step time nearly flat in the batch size, so batching
-    # the large model's steps is worth more
-    "gpu": {"small": LatencyModel({1: 0.008, 16: 0.009, 64: 0.012}, per_token_s=2e-5),
-            "large": LatencyModel({1: 0.030, 16: 0.032, 64: 0.040}, per_token_s=5e-5)},
+# Decode-step seconds by batch size. "cpu": SmolLM2-135M (large, 30 layers) and its first 6
+# layers (small) measured on this project's CPU machine, 1 torch thread, fp32 (64 / 110 ms and
+# 24 / 39 ms at batch 1 / 8). "gpu": illustrative, not measured: step time nearly flat in the batch
+# size, so batching the large model's steps is worth more.
+PRESET_TABLES = {
+    "cpu": {"small": ({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}, None),
+            "large": ({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4}, None)},
+    "gpu": {"small": ({1: 0.008, 16: 0.009, 64: 0.012}, 2e-5),
+            "large": ({1: 0.030, 16: 0.032, 64: 0.040}, 5e-5)},
 }
-LAT = PRESETS["cpu"]
+
+
+def latency_models(preset: str) -> dict:
+    """name -> `LatencyModel` of a preset."""
+    from tokenrouter_sdk.backends.sim_runner import LatencyModel
+
+    return {m: LatencyModel(t) if pt is None else LatencyModel(t, per_token_s=pt)
+            for m, (t, pt) in PRESET_TABLES[preset].items()}
+
+
+LAT: dict = {}
 
 
 def prompts(n: int, seed: int, length: int = 20) -> list[list[int]]:
@@ -65,19 +73,24 @@ def prompts(n: int, seed: int, length: int = 20) -> list[list[int]]:
 
 def sim_run(n: int, p: float, thresholds, *, requests: int, tokens: int, mode: str = "delayed", seed: int = 1,
             prompt_seed: int = 0):
+    from tokenrouter_sdk import Router
+    from tokenrouter_sdk.policies import RandomRouting
+
     with Router(LAT, RandomRouting(p, seed=seed), backend="sim", mode=mode, thresholds=thresholds,
                 max_concurrency=n) as r:
-        r.generate(prompts(requests, prompt_seed), max_new_tokens=tokens, ignore_eos=True, timeout=600)
-        return r.metrics(), list(r.trace)
+        out = r.generate(prompts(requests, prompt_seed), max_new_tokens=tokens, ignore_eos=True, timeout=600)
+        return out.metrics(), out.trace
 
 
 def steady_tok_s(trace: list) -> float:
     """Committed tokens per second between the first finish and the last admission."""
-    t_a = min(ev[3] for ev in trace if ev[0] == "finish")
-    t_b = max(ev[2] for ev in trace if ev[0] == "admit")
+    from tokenrouter_sdk.engine.messages import Admitted, Committed, Finished
+
+    t_a = min(ev.t for ev in trace if isinstance(ev, Finished))
+    t_b = max(ev.t for ev in trace if isinstance(ev, Admitted))
     if t_b <= t_a:
         return float("nan")
-    n = sum(ev[3] for ev in trace if ev[0] == "commit" and t_a < ev[4] <= t_b)
+    n = sum(len(ev.tokens) for ev in trace if isinstance(ev, Committed) and t_a < ev.t <= t_b)
     return n / (t_b - t_a)
 
 
@@ -99,6 +112,9 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def check(n: int, p: float, requests_per_n: int, tokens: int, search: str, pilot_requests: int) -> dict:
+    from tokenrouter_sdk.planner import (dtmc_throughput, estimate_extra_tokens, estimate_keep, estimate_routing,
+                                         feasible_thresholds, plan_thresholds)
+
     names = list(LAT)
     _, pilot = sim_run(n, p, None, requests=max(2 * n, pilot_requests), tokens=tokens, mode="async", seed=101,
                        prompt_seed=7)
@@ -129,18 +145,18 @@ def check(n: int, p: float, requests_per_n: int, tokens: int, search: str, pilot
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    ap = evalkit.parser(__file__, __doc__)
+    ap.add_argument("--n", type=int, nargs="+", default=[2, 4, 8, 16, 32], help="concurrencies N")
     ap.add_argument("--p", type=float, default=0.1, help="RandomRouting p (= expected large fraction)")
-    ap.add_argument("--requests-per-n", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--requests-per-n", type=int, default=4, help="requests per run = this x N")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per request")
     ap.add_argument("--pilot-requests", type=int, default=32, help="pilot run size (at least 2N)")
     ap.add_argument("--search", default="auto", choices=["auto", "exhaustive", "pruned"])
-    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS), help="latency models (default: the CPU pair)")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--preset", default="cpu", choices=sorted(PRESET_TABLES),
+                    help="latency models (default: the CPU pair)")
     a = ap.parse_args(argv)
-    global LAT
-    LAT = PRESETS[a.preset]
+    LAT.clear()
+    LAT.update(latency_models(a.preset))
     out = []
     hdr = (f"{'N':>3} {'cand':>4} {'plan B':>8} {'pred':>7} {'sim@plan':>8} {'best B':>8} {'best sim':>8} "
            f"{'q_small':>7} {'ratio':>6} {'err':>6} {'err_ss':>6} {'err_p':>6} {'err mean/max':>13} {'rank':>5} "
@@ -160,8 +176,9 @@ def main(argv=None) -> int:
               f"{r['err_mean']:>6.1%}/{r['err_max']:>6.1%} {r['spearman']:>5.2f} {r['large_fraction']:>7.3f} "
               f"{r['plan_s']:>6.1f}", flush=True)
     print(f"bars (ratio >= 0.95 and err <= 15% at every N): {'PASS' if ok else 'FAIL'}")
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=1, default=str))
+    evalkit.Output(a, __file__, evalkit.cells_tag(a.preset, n=a.n, p=a.p, t=a.tokens)).write(
+        [{k: v for k, v in r.items() if k != "rows"} for r in out], sweeps={r["N"]: r["rows"] for r in out},
+        targets_met=ok)
     return 0 if ok else 1
 
 

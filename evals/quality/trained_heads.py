@@ -1,4 +1,5 @@
-"""Bars of issue 5 for the trained R2R and CITER heads on the packaged CPU pair (`Router.default()`).
+"""Trained R2R and CITER heads on the packaged CPU pair (`Router.default()`): how well they pick
+the tokens that need the large model, against random routing at the same large fraction.
 
 1. Train both heads on GSM8K test questions after the 128 held-out ones (``--train`` questions,
    responses / gold / rollouts of at most ``--max-new-tokens`` tokens); the validation questions
@@ -12,24 +13,22 @@
    token agreement (share of the large-only answer's positions holding the same token) and
    common-prefix share; plus gold accuracy, realised large fraction and hop rate.
 
-    .venv/bin/python evals/train_heads.py --train 48 --max-new-tokens 96 --out runs/train_heads
+Run:
+    .venv/bin/python evals/quality/trained_heads.py --train 48 --max-new-tokens 96
 
-Writes ``<out>/r2r_head.*``, ``<out>/citer_head.*`` and ``<out>/train_heads.json``.
+Writes ``<out>/trained_heads_<cells>.json`` (everything) and ``.csv`` (one row per routing run), and
+the heads themselves under ``<out>/trained_heads_<cells>/`` (``r2r_head.*``, ``citer_head.*``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-import torch
-
-from tokenrouter_sdk import Router
-from tokenrouter_sdk.policies import LargeOnly, RandomRouting
-from tokenrouter_sdk.train import load_examples, train_citer, train_r2r
-from tokenrouter_sdk.train.data import HELDOUT
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
 
 def agreement(outs, ref_outs, examples) -> dict:
@@ -56,6 +55,9 @@ def agreement(outs, ref_outs, examples) -> dict:
 def calibrate(router, res, prompts, rate: float, max_new_tokens: int) -> float:
     """Threshold routing about ``rate`` of the small model's own greedy steps on training prompts
     (the teacher-forced validation rows score differently from free-running generation)."""
+    import torch
+
+    from tokenrouter_sdk.policies import RandomRouting
     from tokenrouter_sdk.policy import StepBatch
     from tokenrouter_sdk.request import RequestView
     from tokenrouter_sdk.train.common import forward_features, threshold_for_rate
@@ -74,32 +76,34 @@ def calibrate(router, res, prompts, rate: float, max_new_tokens: int) -> float:
     return threshold_for_rate(torch.cat(scores), rate, above=res.kind == "r2r")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    ap = evalkit.parser(__file__, __doc__)
     ap.add_argument("--train", type=int, default=48, help="training questions (after the 128 held-out ones)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--branches", type=int, default=6, help="R2R verified positions per response")
     ap.add_argument("--rollouts", type=int, default=2, help="CITER rollouts per example")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--out", default="runs/train_heads")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--small-layers", type=int, default=None,
                     help="plain truncation instead of Router.default()'s small model")
     ap.add_argument("--calibrate", type=int, default=12,
                     help="training prompts whose small-only answers set the ~0.2 threshold")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from tokenrouter_sdk import Router
+    from tokenrouter_sdk.policies import LargeOnly, RandomRouting
+    from tokenrouter_sdk.train import load_examples, train_citer, train_r2r
+    from tokenrouter_sdk.train.data import HELDOUT
+
     torch.set_num_threads(args.threads)
-    out, t0, report = Path(args.out), time.perf_counter(), {"args": vars(args)}
+    output = evalkit.Output(args, __file__, evalkit.cells_tag(n=args.train, t=args.max_new_tokens))
+    out, t0, report = output.path(""), time.perf_counter(), {}
     M, C = args.max_new_tokens, args.concurrency
     heldout = load_examples(limit=HELDOUT, exclude_heldout=False)
     assert [e.id for e in heldout] == [f"gsm8k-test-{i:04d}" for i in range(HELDOUT)]
-    try:
-        router = Router.default(processes=False, **({} if args.small_layers is None else
-                                                    {"small_layers": args.small_layers}))
-    except FileNotFoundError as e:   # the packaged self-draft is not built yet
-        print(f"note: {e}\nnote: falling back to the plain truncation small_layers=10", flush=True)
-        router = Router.default(processes=False, small_layers=10)
-    with router:
+    with Router.default(processes=False, small_layers=args.small_layers) as router:
         r2r = train_r2r(router, limit=args.train, out=out, max_new_tokens=M, branch_tokens=24,
                         max_branches=args.branches, concurrency=C)
         print(f"[{time.perf_counter() - t0:.0f}s] R2R trained: {json.dumps(r2r.metrics, default=str)}", flush=True)
@@ -124,7 +128,6 @@ def main() -> None:
             report[name] = {"tau": tau, "routed": routed, "random_same_fraction": rnd}
             print(f"[{time.perf_counter() - t0:.0f}s] {name}: routed {routed}\n   random {rnd}", flush=True)
     report["seconds"] = time.perf_counter() - t0
-    (out / "train_heads.json").write_text(json.dumps(report, indent=1, default=str))
     print(f"\n{'run':<22}{'large frac':>11}{'final ans agr':>14}{'token agr':>10}{'prefix':>8}{'gold acc':>9}")
     rows = [("large-only", report["large_only"]), ("small-only", report["small_only"])]
     for name in ("r2r", "citer"):
@@ -137,8 +140,10 @@ def main() -> None:
         v = report["heads"][name]["val"]
         print(f"{name} held-out labels (val questions) at recall-0.95 tau: recall {v['recall']:.3f} "
               f"precision {v['precision']:.3f} AUC {v['auc']:.3f} routed share {v['positive_rate']:.3f}")
-    print(f"total {report['seconds']:.0f} s; wrote {out / 'train_heads.json'}")
+    print(f"total {report['seconds']:.0f} s")
+    output.write([{"run": n, **r} for n, r in rows], **report)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
