@@ -88,7 +88,7 @@ class Metrics:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"Metrics of {self.requests} requests (units in the names: _s seconds, _tok_s tokens/s)\n{self.table()}"
+        return f"Metrics of {self.requests} requests (_s: seconds, _tok_s: tokens/s)\n{self.table()}"
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(repr(self))
@@ -97,8 +97,7 @@ class Metrics:
         """Two tables: the run-level numbers, and one row per model."""
         from .viz.tables import html_table
         run = html_table(("metric", "value"), [(k, v) for k, v in asdict(self).items() if k != "per_model"],
-                         caption=f"Metrics of {self.requests} requests (units in the names: _s seconds, "
-                                 f"_tok_s tokens/s)")
+                         caption=f"Metrics of {self.requests} requests (_s: seconds, _tok_s: tokens/s)")
         if not self.per_model:
             return run
         cols = ("model", "steps", "busy_fraction", "forward_fraction", "mean_step_ms", "tokens_fed",

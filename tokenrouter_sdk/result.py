@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import html
 import itertools
+import uuid
 from pathlib import Path
-
-_ids = itertools.count()
 
 
 def _restore(outputs, trace, models, entries, pieces) -> "RunResult":
@@ -104,7 +103,7 @@ class RunResult(list):
         outs = self._pick(which)
         pieces = self.pieces()
         answers = [output_html(o, pieces[o.rid], self.models, show_discarded=discarded) for o in outs]
-        page = page_html(answers, self.models, toggle_id=f"tr-toggle-{next(_ids)}", toggle=discarded is None)
+        page = page_html(answers, self.models, toggle_id=f"tr-toggle-{uuid.uuid4().hex[:12]}", toggle=discarded is None)
         return HTMLView(page, self._text(outs))
 
     def timeline(self, title: str | None = None):

@@ -23,15 +23,14 @@ tokenizer, the model names and what it drew, never the Router, its engine or its
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 import time
+import uuid
 
 from .tokens import _piece_at, answer_html, page_html, token_pieces
 from .trace import TraceState
 
-_ids = itertools.count()
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 
@@ -130,8 +129,7 @@ class LiveView:
         import plotly.io as pio
 
         from .figures import timeline_figure
-        n = next(_ids)
-        self.css_class = f"tr-live-{n}"
+        self.css_class = f"tr-live-{uuid.uuid4().hex[:12]}"  # unique across kernel sessions
         self.stats = W.HTML()
         self.toggle = W.HTML(
             f"<style>.{self.css_class}:has(input.tr-toggle:checked) .tr-disc{{display:inline}}</style>"

@@ -17,10 +17,8 @@ figure), so it is left to the reader (``fig.write_image``).
 
 from __future__ import annotations
 
-import itertools
 import json
-
-_ids = itertools.count()
+import uuid
 
 _LOADER = """(function(){
 var id=%(id)s, spec=%(spec)s;
@@ -60,7 +58,7 @@ def figure_html(fig, div_id: str | None = None) -> str:
 
     Args:
         fig: a ``plotly.graph_objects.Figure`` or its dict (``fig.to_plotly_json()``).
-        div_id: the ``id`` of the ``<div>`` (default: a fresh ``tr-fig-<n>``).
+        div_id: the ``id`` of the ``<div>`` (default: a fresh ``tr-fig-<12 hex digits>``).
 
     Returns:
         an HTML fragment (about the size of the figure's JSON plus 1.2 kB).
@@ -68,10 +66,13 @@ def figure_html(fig, div_id: str | None = None) -> str:
     import plotly.io as pio
 
     spec = fig if isinstance(fig, dict) else fig.to_plotly_json()
-    div_id = div_id or f"tr-fig-{next(_ids)}"
+    div_id = div_id or f"tr-fig-{uuid.uuid4().hex[:12]}"  # unique across kernel sessions
     height = (spec.get("layout") or {}).get("height") or 450
-    text = pio.to_json({"data": spec.get("data", []), "layout": spec.get("layout", {}),
-                        "config": {"responsive": True}}, validate=False)
+    body = {"data": spec.get("data", []), "layout": spec.get("layout", {}), "config": {"responsive": True}}
+    try:
+        text = json.dumps(body)  # plain lists and numbers (plotly's own JSON of a figure, the live view)
+    except TypeError:  # numpy arrays, dates: plotly's encoder
+        text = pio.to_json(body, validate=False)
     return (f'<div id="{div_id}" class="tr-plotly" style="height:{int(height)}px;width:100%">'
             f'</div><script type="text/javascript">'
             + _LOADER % {"id": json.dumps(div_id), "spec": _script_json(text), "url": json.dumps(plotlyjs_url())}
