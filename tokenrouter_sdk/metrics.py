@@ -93,6 +93,26 @@ class Metrics:
                          f"batch_hist={dict(sorted(m.batch_size_hist.items()))}")
         return "\n".join(lines)
 
+    def __repr__(self) -> str:
+        return f"Metrics of {self.requests} requests (_s: seconds, _tok_s: tokens/s)\n{self.table()}"
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(repr(self))
+
+    def _repr_html_(self) -> str:
+        """Two tables: the run-level numbers, and one row per model."""
+        from .viz.tables import html_table
+        run = html_table(("metric", "value"), [(k, v) for k, v in asdict(self).items() if k != "per_model"],
+                         caption=f"Metrics of {self.requests} requests (_s: seconds, _tok_s: tokens/s)")
+        if not self.per_model:
+            return run
+        cols = ("model", "steps", "busy_fraction", "forward_fraction", "mean_step_ms", "tokens_fed",
+                "committed_tokens", "preemptions", "batch sizes (size×steps)")
+        rows = [(n, m.steps, m.busy_fraction, m.forward_fraction, m.mean_step_s * 1e3, m.tokens_fed,
+                 m.committed_tokens, m.preemptions,
+                 ", ".join(f"{b}×{c}" for b, c in sorted(m.batch_size_hist.items()))) for n, m in self.per_model.items()]
+        return run + html_table(cols, rows, caption="per model")
+
 
 def _pct(xs: list[float], q: float) -> float:
     if not xs:

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import queue
 import threading
+import traceback
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -348,13 +349,16 @@ class Router:
                     from tqdm.auto import tqdm
                     bar = tqdm(total=len(call), desc="requests")
                 self._wait(call, timeout, bar)
-        except TimeoutError:
-            call.abort("timed out")
+        except BaseException as e:
+            call.abort("timed out" if isinstance(e, TimeoutError) else "the call was interrupted")
             self._result(call, warn=False)
-            raise
-        except BaseException:
-            call.abort("the call was interrupted")
-            self._result(call, warn=False)
+            for v in (bar, view):
+                if v is not None:
+                    v.close()
+            bar = view = None
+            # a notebook keeps the traceback (sys.last_traceback): its frames must not hold the Router
+            traceback.clear_frames(e.__traceback__.tb_next)
+            del self, call
             raise
         finally:
             if bar is not None:
@@ -541,7 +545,8 @@ class Router:
             return list(call.events)
 
     def kv_stats(self, timeout: float = 10.0) -> dict:
-        """Per model, its KV pool and requests now: a `tokenrouter_sdk.engine.messages.Stats` with
+        """Per model, its KV pool and requests now (a `tokenrouter_sdk.viz.tables.KVStats`: a
+        ``dict`` that a notebook shows as a table): a `tokenrouter_sdk.engine.messages.Stats` with
         ``free_blocks``, ``num_blocks``, ``block_size`` (tokens per block), ``owned`` (requests
         ready to step there), ``pending`` (handed off, KV kept), ``running_blocks`` and
         ``pending_blocks`` (blocks they hold), and ``alive``. Sub-servers in processes answer a
@@ -551,7 +556,8 @@ class Router:
             TimeoutError: a live sub-server did not answer within ``timeout`` seconds.
             RuntimeError: the Router is closed.
         """
-        return self.engine.kv_stats(timeout)
+        from .viz.tables import KVStats
+        return KVStats(self.engine.kv_stats(timeout))
 
     def close(self) -> None:
         """Stop the engine's threads and processes and free the KV pools. Idempotent."""

@@ -1,9 +1,17 @@
-"""Views (tokenrouter_sdk.viz): RunResult (list compatible, show/timeline/to_html), discarded
-tokens, the trace reading behind the timeline, and the live view (text and widget kinds)."""
+"""Views (tokenrouter_sdk.viz): RunResult (list compatible, show/timeline/to_html, pickling,
+notebook tables), discarded tokens, the trace reading behind the timeline, figures that carry an
+HTML form, the live view (text and widget kinds, the fallback without ipywidgets, what it keeps
+after the run) and the notebook forms of Metrics and KV stats."""
 
+import gc
 import io
+import json
 import pickle
 import re
+import sys
+import threading
+import time
+import weakref
 
 import pytest
 
@@ -15,12 +23,17 @@ from tokenrouter_sdk.viz.tokens import PALETTE, token_pieces
 
 from tests.helpers import mixed_prompts
 
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
 
 @pytest.fixture(scope="module")
 def run(pair, tok):
-    """One routed run with handoffs and discarded tokens (RandomRouting discards on hops to large)."""
+    """One routed run with handoffs and discarded tokens (RandomRouting discards on hops to large),
+    after a first call: its request ids (Router-wide) differ from its indices in the call."""
     with Router(pair, RandomRouting(p=0.3, seed=0), tokenizer=tok) as r:
+        r.generate(mixed_prompts(2, seed=9), max_new_tokens=2)
         outs = r.generate(mixed_prompts(4), max_new_tokens=24, ignore_eos=True)
+        assert [o.rid for o in outs] == [2, 3, 4, 5] and [o.index for o in outs] == [0, 1, 2, 3]
         yield r, outs, r.metrics()
 
 
@@ -29,9 +42,25 @@ def test_generate_returns_list_compatible_run_result(run, tok):
     assert isinstance(outs, RunResult) and isinstance(outs, list) and len(outs) == 4
     assert outs == [o for o in outs] and r.last_run is outs
     assert all(len(o.token_ids) == 24 for o in outs)
-    plain = pickle.loads(pickle.dumps(outs))
-    assert type(plain) is list and [o.token_ids for o in plain] == [o.token_ids for o in outs]
     assert sum(o.hops for o in outs) == m.hops > 0
+
+
+def test_pickled_run_keeps_its_class_events_and_views(run):
+    r, outs, m = run
+    data = pickle.dumps(outs)
+    back = pickle.loads(data)
+    assert type(back) is RunResult and back == list(outs) and back.tokenizer is None
+    assert back.trace == outs.trace and back.models == outs.models
+    # it draws itself without a tokenizer, from the decoded pieces it carried
+    strip = lambda h: re.sub(r"tr-toggle-[0-9a-f]+", "tr-toggle", h)  # noqa: E731 - fresh checkbox ids
+    assert strip(back.show().html) == strip(outs.show().html) and repr(back.show()) == repr(outs.show())
+    assert back.summary() == outs.summary() and back.metrics() == m
+    assert [t.y for t in back.timeline().data] == [t.y for t in outs.timeline().data]
+    assert pickle.loads(pickle.dumps(back)).show().html.count('class="tr-tok"') == sum(len(o.token_ids) for o in outs)
+    import copy
+    assert copy.copy(outs).tokenizer is r.tokenizer and type(copy.deepcopy(outs)) is RunResult
+    with pytest.raises(ValueError, match="tokenizer"):
+        RunResult(list(outs)).show()
 
 
 def test_discarded_log_matches_counts_and_positions(run):
@@ -57,7 +86,16 @@ def test_show_colours_every_committed_token(run):
     shown = outs.show(discarded=True)._repr_html_()
     assert shown.count("display:inline;") == sum(o.discarded for o in outs) and "tr-toggle\"" not in shown
     text = repr(outs.show(0))
-    assert text.startswith(f"req {outs[0].rid}: [") and text.count("[S:") + text.count("[L:") == len(outs[0].segments())
+    assert text.startswith("req 0: [") and text.count("[S:") + text.count("[L:") == len(outs[0].segments())
+
+
+def test_views_label_requests_by_their_index_in_the_call(run):
+    _, outs, _ = run
+    heads = re.findall(r'<div class="tr-head">req (\d+) ', outs.show().html)
+    assert heads == ["0", "1", "2", "3"]  # not the Router-wide ids 2..5
+    assert re.findall(r"(?m)^req (\d+):", repr(outs.show())) == ["0", "1", "2", "3"]
+    rows = [y for t in outs.timeline().data[:2] for y in t.y]
+    assert set(rows) == {"req 0", "req 1", "req 2", "req 3"}
 
 
 def test_timeline_bars_follow_ownership(run):
@@ -67,7 +105,7 @@ def test_timeline_bars_follow_ownership(run):
     assert names == ["small writes", "large writes", "pending on small", "pending on large",
                      "small batch", "small queue", "large batch", "large queue"]
     for o in outs:
-        y = f"req {o.rid}"
+        y = f"req {o.index}"
         own = [(b, w) for t in fig.data[:2] for yy, b, w in zip(t.y, t.base, t.x) if yy == y]
         assert len(own) == o.hops + 1  # one bar per owner segment
         assert sum(w for _, w in own) == pytest.approx(o.latency_s, abs=1e-6)
@@ -148,11 +186,154 @@ def test_live_widget_updates_figure_and_answers(pair, tok):
         assert v.kind == "widget" and not v.displayed and v.updates >= 1
         html = v.answers.value
         assert html.count('class="tr-tok"') == 60 and html.count('class="tr-disc"') == sum(o.discarded for o in outs)
-        assert "display:inline;" not in html
-        v.toggle.value = True  # the button shows the discarded tokens
-        assert v.answers.value.count("display:inline;") == sum(o.discarded for o in outs) > 0
-        own = sum(len(t.y) for t in v.fig.data[:2])
-        assert own == sum(o.hops + 1 for o in outs)
+        assert sum(o.discarded for o in outs) > 0 and "display:inline;" not in html
+        # the checkbox is pure CSS (works while the kernel is busy): it un-hides .tr-disc in this view only
+        assert f".{v.css_class}:has(input.tr-toggle:checked) .tr-disc{{display:inline}}" in v.toggle.value
+        assert v.css_class in v.widget._dom_classes
+        # the last redraw of the timeline: plotly JSON (no plotly.js) with an HTML form
+        (plot,) = v.plot.outputs
+        spec = plot["data"][PLOTLY_MIME]
+        assert sum(len(t["y"]) for t in spec["data"][:2]) == sum(o.hops + 1 for o in outs)
+        assert "Plotly.newPlot" in plot["data"]["text/html"] and len(json.dumps(plot)) < 60_000
         m = r.metrics()
         assert f"hop rate <b>{m.hop_rate:.3f}</b>" in v.stats.value and "3/3" in v.stats.value
-        assert len(v.fig.data[4].x) == m.per_model["small"].steps
+        assert len(spec["data"][4]["x"]) == m.per_model["small"].steps
+        fig = v.figure()
+        assert [t.y for t in fig.data] == [tuple(t["y"]) for t in spec["data"]]
+
+
+def test_live_view_keeps_nothing_of_the_router(pair, tok):
+    """After the run the view, the result, its figures and tables hold no Router, engine or
+    sub-server: dropping the Router frees them at once (no gc cycle), and the view's widgets are
+    closed (ipywidgets' registry, like a kernel's comms, would otherwise keep them)."""
+    import ipywidgets
+
+    before = set(threading.enumerate())
+    r = Router(pair, RandomRouting(p=0.3, seed=2), tokenizer=tok)
+    outs = r.generate(mixed_prompts(3, seed=5), max_new_tokens=12, ignore_eos=True, live="widget")
+    v = r.last_view
+    keep = (outs, v, v.figure(), outs.show(), outs.timeline(), outs.metrics(), r.metrics(), r.kv_stats())
+    assert v.engine is None and v.call is None and v.handles is None
+    widgets = (v.widget, v.stats, v.toggle, v.answers, v.plot)
+    live = list(ipywidgets.widgets.widget._instances.values())
+    assert all(w.comm is None and not any(w is x for x in live) for w in widgets)
+    engine, threads = weakref.ref(r.engine), set(threading.enumerate()) - before
+    router = weakref.ref(r)
+    gc.disable()  # the Router is freed by reference counting, not by a later collection
+    try:
+        del r
+        assert router() is None  # its finalizer closed the engine: the engine's threads end
+        for t in threads:
+            t.join(5)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        gc.enable()
+    gc.collect()  # the engine's own reference cycles (transport callbacks, calls)
+    assert engine() is None and len(keep) == 8
+
+
+def _slow_policy(delay_s):
+    from tokenrouter_sdk import Policy
+
+    class Slow(Policy):
+        def route(self, step):
+            time.sleep(delay_s)
+            return step.model
+    return Slow()
+
+
+@pytest.mark.parametrize("live", [False, "widget", "text"])
+def test_interrupted_generate_leaves_no_router_in_the_traceback(pair, tok, live):
+    """Ctrl-C in a notebook: the kernel keeps the traceback (sys.last_traceback); its frames must
+    not keep the Router (and its engine) alive."""
+    import _thread
+
+    r = Router(pair, _slow_policy(0.01), tokenizer=tok)
+    router, engine = weakref.ref(r), weakref.ref(r.engine)
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        r.generate(mixed_prompts(2), max_new_tokens=200, ignore_eos=True, live=live)
+        time.sleep(5)  # not reached: the interrupt lands in generate
+    timer.join()
+    outs = r.last_run
+    assert [o.finish_reason for o in outs] == ["aborted", "aborted"]
+    tb = info.value.__traceback__
+    assert tb is not None
+    gc.collect()
+    del r
+    gc.collect()
+    assert router() is None and engine() is None, [type(x).__name__ for x in gc.get_referrers(router())][:5]
+    assert tb is info.value.__traceback__
+
+
+def test_live_auto_falls_back_to_text_without_widgets(pair, tok, monkeypatch, capsys):
+    """In a notebook without ipywidgets (its import fails), live=True prints a one-line notice and
+    shows the text view instead of raising ImportError."""
+    import tokenrouter_sdk.viz.live as live_mod
+
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # `import ipywidgets` raises ImportError
+    monkeypatch.setattr(live_mod, "in_notebook", lambda: True)
+    with Router(pair, RandomRouting(p=0.3, seed=1), tokenizer=tok) as r:
+        outs = r.generate(mixed_prompts(2, seed=4), max_new_tokens=8, ignore_eos=True, live=True)
+        v = r.last_view
+    out = capsys.readouterr().out
+    notice = [line for line in out.splitlines() if line.startswith("live view:")]
+    assert notice == ["live view: ipywidgets is not installed, showing the text view (pip install "
+                      "'tokenrouter-sdk[viz]' for the notebook view)"]
+    assert v.kind == "text" and v.fallback == "ipywidgets" and "2/2 requests" in out
+    assert all(len(o.token_ids) == 8 for o in outs)
+    with Router(pair, tokenizer=tok) as r, pytest.raises(ImportError):
+        r.generate([[5, 6]], max_new_tokens=2, live="widget")  # asked for by name: the error stays
+
+
+def test_figures_carry_plotly_json_and_html_without_plotlyjs(run):
+    from plotly.offline import get_plotlyjs_version
+
+    _, outs, _ = run
+    fig = outs.timeline()
+    bundle = fig._repr_mimebundle_()
+    assert set(bundle) == {PLOTLY_MIME, "text/html", "text/plain"}
+    assert bundle[PLOTLY_MIME]["data"][0]["name"] == "small writes"
+    html = bundle["text/html"]
+    assert "Plotly.newPlot" in html and f"https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js" in html
+    assert "window.TOKENROUTER_PLOTLYJS" in html and len(html) < 100_000  # plotly.js (4.8 MB) is not in it
+    assert "</script" not in html[html.index("<script"):-len("</script>")]
+    assert "Plotly.newPlot" in fig._repr_html_()
+    fig.update_layout(title="x")  # still a plotly Figure
+    assert type(fig).__name__ == "NotebookFigure" and fig.layout.title.text == "x"
+
+
+def test_notebook_tables_of_metrics_run_and_kv_stats(pair, tok):
+    with Router(pair, RandomRouting(p=0.3, seed=3), tokenizer=tok) as r:
+        outs = r.generate(mixed_prompts(3, seed=2), max_new_tokens=10, ignore_eos=True)
+        m = r.metrics()
+        kv = r.kv_stats()
+    text = repr(m)
+    assert text.startswith("Metrics of 3 requests") and "\nthroughput_tok_s" in text and "[small] steps=" in text
+    assert len(text.splitlines()) == 1 + 15 + 2  # header, run-level fields, one line per model
+    h = m._repr_html_()
+    assert h.count("<table") == 2 and "<td style='text-align:left'>hop_rate</td>" in h
+    assert f"<td style='text-align:right'>{m.committed_tokens}</td>" in h and ">large<" in h
+    rtext = repr(outs)
+    assert rtext.startswith("RunResult of 3 requests: 3/3 requests") and len(rtext.splitlines()) == 2 + 3
+    rh = outs._repr_html_()
+    assert rh.count("<tr>") == 1 + 3 and ".timeline()" in rh and "<th style='text-align:left'>text</th>" in rh
+    assert isinstance(kv, dict) and set(kv) == {"small", "large"} and kv["small"].alive
+    kh = kv._repr_html_()
+    assert kh.count("<tr>") == 3 and f">{kv['large'].num_blocks}<" in kh
+    assert repr(kv).splitlines()[1].split()[:3] == ["model", "alive", "used_blocks"]
+
+
+def test_eval_result_table_and_plot_survive_export():
+    from tokenrouter_sdk.eval.result import EvalResult
+
+    rec = dict(label="tau=0.1", kind="sweep", policy="RStitch", param="tau", value=0.1, n=4, correct=2,
+               accuracy=0.5, acc_ci_low=0.15, acc_ci_high=0.85, agreement=0.75, hop_rate=0.05,
+               large_fraction=0.3, throughput_tok_s=12.5, mean_latency_s=1.5, tokens_per_answer=40.0)
+    ref = dict(rec, label="large_only", kind="large_only", value=None, accuracy=0.75, throughput_tok_s=8.0)
+    res = EvalResult([rec, ref], {"dataset": {"name": "gsm8k", "n": 4}})
+    h = res._repr_html_()
+    assert h.count("<tr>") == 3 and "<td style='text-align:left'>tau=0.1</td>" in h and "[0.15,0.85]" in h
+    bundle = res.plot()._repr_mimebundle_()
+    assert {PLOTLY_MIME, "text/html"} <= set(bundle) and "Plotly.newPlot" in bundle["text/html"]

@@ -35,16 +35,19 @@ def _axes(x: str, y: str):
 
 
 def quality_figure(records: list[dict], x: str = "throughput", y: str = "accuracy", title: str | None = None):
-    """A plotly Figure: one trace for the swept points (labelled with their value, 95% CI error
-    bars on accuracy), one per reference kind, and a dashed "Pareto frontier" trace over all
-    points with a value for ``y``.
+    """A plotly Figure (a `tokenrouter_sdk.viz.nbfigure.NotebookFigure`, whose notebook output
+    also has an HTML form): one trace for the swept points (labelled with their value, 95% CI
+    error bars on accuracy), one per reference kind, and a dashed "Pareto frontier" trace over
+    all points with a value for ``y``.
 
     Raises:
         ValueError: unknown ``x`` or ``y``.
     """
     import plotly.graph_objects as go
+
+    from ..viz.nbfigure import NotebookFigure
     (xcol, xlabel, higher), (ycol, ylabel) = _axes(x, y)
-    fig = go.Figure()
+    fig = NotebookFigure()
     rows = [r for r in records if r.get(ycol) is not None and r.get(xcol) is not None]
     for kind in ["sweep", "large_only", "small_only", "random", "random_query"]:
         rs = [r for r in rows if r["kind"] == kind]

@@ -44,9 +44,7 @@ class EvalResult:
         import pandas as pd
         return pd.DataFrame(self.records)
 
-    def table(self) -> str:
-        """Plain-text table: point, accuracy with 95% CI, agreement with large-only, hop rate,
-        large fraction, throughput (tokens/s), mean latency (s), tokens per answer."""
+    def _table_rows(self) -> list[list[str]]:
         rows = [[h for _, h, _ in TABLE_COLUMNS]]
         for r in self.records:
             row = []
@@ -54,6 +52,12 @@ class EvalResult:
                 v = f"[{r['acc_ci_low']:.2f},{r['acc_ci_high']:.2f}]" if key == "acc_ci" else r.get(key)
                 row.append("-" if v is None else fmt.format(v))
             rows.append(row)
+        return rows
+
+    def table(self) -> str:
+        """Plain-text table: point, accuracy with 95% CI, agreement with large-only, hop rate,
+        large fraction, throughput (tokens/s), mean latency (s), tokens per answer."""
+        rows = self._table_rows()
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                          for row in rows)
@@ -61,7 +65,8 @@ class EvalResult:
     def plot(self, x: str = "throughput", y: str = "accuracy"):
         """plotly Figure of ``y`` (``"accuracy"`` or ``"agreement"``) against ``x``
         (``"throughput"``, ``"large_fraction"`` or ``"hop_rate"``), with the Pareto frontier and
-        the reference points. Shows inline in a notebook."""
+        the reference points. Shows inline in a notebook, and in exported notebooks and the docs
+        (a `tokenrouter_sdk.viz.nbfigure.NotebookFigure`: plotly's JSON with an HTML form)."""
         from .plots import quality_figure
         ds = self.config.get("dataset", {})
         title = f"{ds.get('name', '')} (n={ds.get('n', '?')}): {y} vs {x}"
@@ -117,4 +122,9 @@ class EvalResult:
         return f"EvalResult({len(self.records)} points)\n{self.table()}"
 
     def _repr_html_(self) -> str:
-        return self.to_pandas()._repr_html_()
+        """The `table` as HTML (the same columns and formats)."""
+        from ..viz.tables import html_table
+        head, *rows = self._table_rows()
+        ds = self.config.get("dataset", {})
+        return html_table(head, rows, caption=f"{ds.get('name', 'sweep')} (n={ds.get('n', '?')}): "
+                                              f"{len(self.records)} points")

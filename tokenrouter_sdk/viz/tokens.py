@@ -102,14 +102,25 @@ def page_html(answers: list[str], models: list[str], toggle_id: str = "tr-toggle
             f'<div class="tr-answers">{"".join(answers)}</div></div>')
 
 
-def output_html(out, tokenizer, models: list[str], show_discarded: bool | None = None, title: str | None = None) -> str:
-    """`answer_html` of one `RequestOutput` (decodes its tokens with ``tokenizer``)."""
-    pieces = token_pieces(tokenizer, list(out.token_ids))
+def output_pieces(out, tokenizer) -> tuple[list[str], list[str]]:
+    """(text of each committed token, text of each discarded token) of a `RequestOutput`."""
     log = list(getattr(out, "discarded_log", ()) or ())
-    dpieces = [_piece_at(tokenizer, out.token_ids, pos, tok) for pos, tok, _m in log]
-    if title is None:
-        title = f"req {out.rid} · {out.finish_reason} · {len(out.token_ids)} tokens · {out.hops} hops"
-    return answer_html(pieces, list(out.token_models), models, log, dpieces, title, show_discarded)
+    return (token_pieces(tokenizer, list(out.token_ids)),
+            [_piece_at(tokenizer, out.token_ids, pos, tok) for pos, tok, _m in log])
+
+
+def output_title(out) -> str:
+    """The header of an answer: its index in the call (``RequestOutput.index``), how it ended,
+    its length and hops."""
+    return f"req {out.index} · {out.finish_reason or 'running'} · {len(out.token_ids)} tokens · {out.hops} hops"
+
+
+def output_html(out, pieces: tuple[list[str], list[str]], models: list[str], show_discarded: bool | None = None,
+                title: str | None = None) -> str:
+    """`answer_html` of one `RequestOutput`, given its `output_pieces`."""
+    log = list(getattr(out, "discarded_log", ()) or ())
+    return answer_html(pieces[0], list(out.token_models), models, log, pieces[1],
+                       output_title(out) if title is None else title, show_discarded)
 
 
 def _piece_at(tokenizer, ids, pos: int, tok: int) -> str:

@@ -70,13 +70,16 @@ class TraceState:
         entries: rid -> entry model (the engine's ``RequestHandle.entry``); without it a
             request's owner is unknown until its first step, commit or hop names it, and it
             counts towards the first model's queue meanwhile.
+        labels: rid -> the number a view shows for the request (``RequestOutput.index``: its
+            position in the call); default the rid.
 
     Feed events with `feed`; read `tracks`, `series`, `stats`.
     """
 
-    def __init__(self, models: list[str], rids=None, entries: dict | None = None):
+    def __init__(self, models: list[str], rids=None, entries: dict | None = None, labels: dict | None = None):
         self.models = list(models)
         self.entries = dict(entries or {})
+        self.labels = dict(labels or {})
         self.rids = None if rids is None else set(rids)
         self.tracks: dict[int, RequestTrack] = {}
         self.series: dict[str, ModelSeries] = {m: ModelSeries() for m in self.models}
@@ -171,7 +174,8 @@ class TraceState:
 
     def bars(self, now: float | None = None) -> dict:
         """Timeline bars relative to ``t0``: ``{("own", model) | ("pending", model): (ys, bases,
-        widths, texts)}``, one entry per model and kind; ``ys`` are row labels ``"req <rid>"``.
+        widths, texts)}``, one entry per model and kind; ``ys`` are row labels ``"req <label>"``
+        (the request's ``labels`` entry, else its rid), in request order.
         A running request's last bar ends at ``now`` (default: the last event's time)."""
         out = {(k, m): ([], [], [], []) for k in ("own", "pending") for m in self.models}
         if self.t0 is None:
@@ -187,15 +191,16 @@ class TraceState:
                 if t_next <= t and i + 1 < len(tr.segments):
                     continue
                 w = max(t_next - t, 0.0)
-                y = f"req {tr.rid}"
+                name = self.labels.get(tr.rid, tr.rid)
+                y = f"req {name}"
                 key = ("own", owner) if ("own", owner) in out else None
                 if key is not None:
                     ys, bs, ws, txt = out[key]
                     ys.append(y), bs.append(t - self.t0), ws.append(w)
-                    txt.append(f"req {tr.rid}: {owner} writes ({w:.2f} s)")
+                    txt.append(f"req {name}: {owner} writes ({w:.2f} s)")
                 for p in sorted(seen - {owner}):
                     if ("pending", p) in out:
                         ys, bs, ws, txt = out[("pending", p)]
                         ys.append(y), bs.append(t - self.t0), ws.append(w)
-                        txt.append(f"req {tr.rid}: pending on {p} (KV kept)")
+                        txt.append(f"req {name}: pending on {p} (KV kept)")
         return out
