@@ -204,9 +204,12 @@ class TorchRunner:
         register_attention()
 
     def release(self) -> None:
-        """Free the KV pool and the captured graphs (the runner is unusable afterwards)."""
+        """Free the KV pool and the captured graphs and drop the model (the runner is unusable
+        afterwards): a closed Router's models are freed at once, not at the next garbage
+        collection of the engine's reference cycles."""
         self._graphs = None
         self.pool.release()
+        self.model = self.decoder = self.lm_head = None
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -700,3 +700,4 @@ class Engine:
                 r.release()
             else:
                 r.pool.release()
+        self._observers.clear()
