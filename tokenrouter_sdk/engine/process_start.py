@@ -9,7 +9,8 @@ closed Router's sub-server survives it). The fork server never runs a torch oper
 thread pools, no CUDA), so forking it is safe; it ends when this interpreter ends.
 
 ``"spawn"``: a fresh interpreter per sub-server (seconds of imports each time); the default
-where the fork server is unavailable (not Linux).
+where the fork server is unavailable (not Linux) and for models on an accelerator (a CUDA
+process forked from the fork server is not verified here).
 
 Either way the child does not re-run this interpreter's ``__main__`` script (a script needs no
 ``if __name__ == "__main__"`` guard): everything the child needs arrives pickled by value.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import sys
 import threading
 
@@ -38,9 +40,16 @@ PRELOAD_PACKAGES = ("torch", "transformers", "tokenizers", "tokenrouter_sdk")
 _SPAWN_LOCK = threading.Lock()
 
 
-def default_start_method() -> str:
-    """``"forkserver"`` on Linux, else ``"spawn"``."""
-    return "forkserver" if sys.platform.startswith("linux") else "spawn"
+def default_start_method(specs: dict | None = None) -> str:
+    """``"forkserver"`` on Linux when every spec's runner is on the CPU (or names no device),
+    else ``"spawn"``."""
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    for spec in (specs or {}).values():
+        device = getattr(spec.get("runner"), "device", None)
+        if device is not None and getattr(device, "type", str(device)) != "cpu":
+            return "spawn"
+    return "forkserver"
 
 
 def spec_modules(specs: dict) -> list[str]:
@@ -93,6 +102,21 @@ def prestart(method: str | None = None, modules=()) -> None:
     from multiprocessing import forkserver
     with no_main_reimport():
         forkserver.ensure_running()
+
+
+def prestart_for(processes, modules=()) -> None:
+    """`prestart` for a Router about to be built with this ``processes`` setting
+    (`EngineConfig.processes`: None, a bool or a dict of `ProcessTransport` arguments), unless
+    it will not use processes (False, or None with ``TOKENROUTER_PROCESSES`` saying no) or asks
+    for ``"spawn"``. For CPU models (the fork server is the default only for them)."""
+    if processes is None:
+        if os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower() in ("0", "false", "no", "off"):
+            return
+    elif not processes:
+        return
+    method = processes.get("start_method") if isinstance(processes, dict) else None
+    if (method or default_start_method()) == "forkserver":
+        prestart("forkserver", modules)
 
 
 @contextlib.contextmanager

@@ -101,8 +101,9 @@ class ProcessTransport:
             transformers: seconds); None returns at once and messages wait in the hub until
             their process connects (the first requests' latency then includes the boot).
         close_timeout: seconds `close` waits for each process to end before terminating it.
-        start_method: ``"forkserver"`` (default on Linux) or ``"spawn"`` (default elsewhere);
-            see `tokenrouter_sdk.engine.process_start`.
+        start_method: ``"forkserver"`` or ``"spawn"``; None (default): the fork server on
+            Linux when every model is on the CPU, else spawn (set by `start`); see
+            `tokenrouter_sdk.engine.process_start`.
 
     Attributes:
         boot: model -> start-up times in seconds, filled as each process connects:
@@ -123,8 +124,8 @@ class ProcessTransport:
 
     def __init__(self, threads: int | None = None, address: str = "ipc", start_timeout: float | None = 600.0,
                  close_timeout: float = 5.0, start_method: str | None = None):
-        self.start_method = start_method or process_start.default_start_method()
-        if self.start_method not in process_start.START_METHODS:
+        self.start_method = start_method
+        if start_method is not None and start_method not in process_start.START_METHODS:
             raise ValueError(f"ProcessTransport start_method must be one of {process_start.START_METHODS}, "
                              f"got {start_method!r}")
         self.threads = threads
@@ -211,6 +212,7 @@ class ProcessTransport:
         import zmq
         if self._started:
             raise RuntimeError("ProcessTransport.start was called twice")
+        self.start_method = self.start_method or process_start.default_start_method(specs)
         mp = process_start.get_context(self.start_method, specs)
         self._started = True
         self._on_event = on_event
