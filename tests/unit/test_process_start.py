@@ -210,6 +210,40 @@ def test_sub_servers_and_fork_server_end_with_a_killed_parent(tmp_path):
     assert _wait_gone([*out["pids"], out["server"]], timeout=20), "a process outlived its killed parent"
 
 
+class ForkThenExit(Policy):
+    """In a sub-server process: forks a child that sleeps (and so holds every descriptor of
+    the sub-server, its spec channel included), writes its pid to ``pidfile`` and exits 3."""
+
+    def __init__(self, here: int, pidfile: str):
+        self.here, self.pidfile = here, pidfile
+
+    def route(self, step):
+        if os.getpid() != self.here:
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(120)
+                os._exit(0)
+            with open(self.pidfile, "w") as f:
+                f.write(str(pid))
+            os._exit(3)
+        return step.model
+
+
+def test_a_sub_server_that_leaves_a_child_behind_is_still_seen_to_end(pair, tok, tmp_path):
+    pidfile = tmp_path / "grandchild"
+    with Router(pair, tokenizer=tok, processes=True) as r:
+        call = r.submit(mixed_prompts(2), policy=ForkThenExit(os.getpid(), str(pidfile)), max_new_tokens=4)
+        try:
+            call.wait(timeout=60)  # raises TimeoutError if the death went unseen
+            for h in call:
+                assert h.output.finish_reason == "failed"
+                assert "sub-server process 'small' died (exit code 3)" in h.output.error
+        finally:
+            if pidfile.exists():
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        assert not r.engine.transport.alive("small") and r.engine.transport.alive("large")
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

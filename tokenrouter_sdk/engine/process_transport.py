@@ -339,10 +339,12 @@ class ProcessTransport:
             if name not in self._dead:
                 self.send(name, M.Shutdown())
         deadline = time.monotonic() + timeout
-        for name in self.procs:
-            chan = self._chans.get(name)
-            if chan is not None:
-                _readable(chan, max(0.0, deadline - time.monotonic()))
+        from multiprocessing.connection import wait
+        for name, p in self.procs.items():
+            while not self._ended(name) and time.monotonic() < deadline:
+                left = deadline - time.monotonic()
+                if wait([self._chans[name], p.sentinel], min(0.1, max(0.0, left))):
+                    time.sleep(0.01)  # a fork server's death leaves the status pipe readable
         self._kill_all()
         self._closed = True
         self._wake()
@@ -416,15 +418,25 @@ class ProcessTransport:
             os.write(self._wake_w, b"x")
 
     def _running(self, model: str) -> bool:
-        """Whether ``model``'s process still runs: its end of the spec channel is open. (A fork
-        server's child is not this process's child, and its exit status comes through the fork
-        server: this answer holds even if the fork server died.)"""
+        return model in self.procs and not self._ended(model)
+
+    def _ended(self, model: str) -> bool:
+        """Whether ``model``'s process has ended: its end of the spec channel closed (the process
+        may have left a child of its own holding it), or its exit status arrived. A fork
+        server's child is not this process's child: its status comes through the fork server,
+        whose death also ends that pipe (status 255), so then the process id is checked."""
         chan = self._chans.get(model)
-        if chan is None or chan.fileno() < 0:
-            with self._proc_lock:
-                p = self.procs.get(model)
-                return p is not None and p.is_alive()
-        return not _readable(chan, 0.0)
+        if chan is not None and _readable(chan, 0.0):
+            return True
+        p = self.procs[model]
+        with self._proc_lock:
+            try:
+                code = p.exitcode
+            except ValueError:  # closed
+                return True
+        if code is None:
+            return False
+        return not (code == 255 and self.start_method == "forkserver" and p.pid is not None and _pid_runs(p.pid))
 
     def _close_chans(self) -> None:
         for chan in self._chans.values():
@@ -573,7 +585,10 @@ class ProcessTransport:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        # a process's end: its spec channel closes, or its exit status arrives (checked, since a
+        # fork server's death closes that pipe too), whichever comes first
         sentinels = {self._chans[name].fileno(): name for name in self.procs}
+        sentinels.update({p.sentinel: name for name, p in self.procs.items()})
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
         try:
@@ -587,10 +602,13 @@ class ProcessTransport:
                         while os.read(self._wake_r, 4096):
                             pass
                 for fd, name in list(sentinels.items()):
-                    if fd in ready:
-                        poller.unregister(fd)
-                        del sentinels[fd]
-                        self._on_death(name)
+                    if fd in ready and fd in sentinels:
+                        ended = self._ended(name)
+                        for other in [f for f, n in sentinels.items() if n == name and (ended or f == fd)]:
+                            poller.unregister(other)
+                            del sentinels[other]
+                        if ended:
+                            self._on_death(name)
             self._drain_out()
         except Exception as e:  # noqa: BLE001 - the hub is broken: fail everything, say why
             traceback.print_exc()
@@ -611,6 +629,21 @@ def _cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _pid_runs(pid: int) -> bool:
+    """Whether a process with this id runs (exists and is not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def _readable(sock: socket.socket, timeout: float) -> bool:
