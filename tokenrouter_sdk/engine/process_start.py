@@ -1,7 +1,7 @@
 """How sub-server processes are started: the multiprocessing context `ProcessTransport` uses.
 
 ``"forkserver"`` (the default on Linux): multiprocessing's fork server, a process started once
-per interpreter (by the first `ProcessTransport`) that imports torch, transformers, the
+per interpreter (by the first `ProcessTransport`, or early by `Router.default`) that imports torch, transformers, the
 sub-server code and the served models' ``transformers`` modules, then forks one process per
 sub-server on request. A sub-server then starts in tens of milliseconds instead of a fresh
 interpreter's seconds of imports; every Router still gets fresh processes (nothing of a
@@ -9,8 +9,9 @@ closed Router's sub-server survives it). The fork server never runs a torch oper
 thread pools, no CUDA), so forking it is safe; it ends when this interpreter ends.
 
 ``"spawn"``: a fresh interpreter per sub-server (seconds of imports each time); the default
-where the fork server is unavailable (not Linux) and for models on an accelerator (a CUDA
-process forked from the fork server is not verified here).
+where the fork server is unavailable (not Linux) and for models on an accelerator (CUDA in
+a process forked from the fork server has not been verified on a GPU; ``start_method=
+"forkserver"`` asks for it).
 
 Either way the child does not re-run this interpreter's ``__main__`` script (a script needs no
 ``if __name__ == "__main__"`` guard): everything the child needs arrives pickled by value.
@@ -37,7 +38,7 @@ PRELOAD = ("torch", "transformers", "tokenrouter_sdk.engine.process_child", "tok
 # packages whose modules named by a spec (model classes, tokenizers, runners) are preloaded too
 PRELOAD_PACKAGES = ("torch", "transformers", "tokenizers", "tokenrouter_sdk")
 
-_SPAWN_LOCK = threading.Lock()
+_START_LOCK = threading.Lock()
 
 
 def default_start_method(specs: dict | None = None) -> str:
@@ -70,9 +71,9 @@ def get_context(method: str, specs: dict | None = None, modules=()):
     """The multiprocessing context for ``method`` (see the module docstring).
 
     For ``"forkserver"``, the fork server's preload list becomes `PRELOAD` plus
-    `spec_modules(specs)` plus ``modules`` plus what was listed before (less ``"__main__"``, which would run this
-    interpreter's script in the fork server); it takes effect when the fork server starts (the
-    first use in this interpreter, or after it died).
+    `spec_modules(specs)` plus ``modules`` plus what was listed before (less ``"__main__"``,
+    which would run this interpreter's script in the fork server); it takes effect when the
+    fork server starts (the first use in this interpreter, or after it died).
 
     Raises:
         ValueError: an unknown method, or one this platform does not offer.
@@ -133,7 +134,7 @@ def no_main_reimport():
         d.pop("init_main_from_name", None)
         return d
 
-    with _SPAWN_LOCK:
+    with _START_LOCK:
         spawn.get_preparation_data = prep
         try:
             yield
