@@ -12,6 +12,8 @@ after the other, so one run compares them side by side:
                       (``router = Router.default()``: the old Router is still bound to ``router``)
   forkserver-reload   the same with the previous Router dropped (``del``, gc) before each build
                       and ``reuse=False``: the pair is loaded and moved to shared memory each time
+  forkserver-late     the default without `Router.default` starting the fork server before it
+                      loads the pair (the server then starts with the first transport)
   spawn-reload        ``processes={"start_method": "spawn"}``, reload: a fresh interpreter per
                       sub-server (imports torch and transformers each time)
   baseline            (``--baseline-src DIR``) ``Router.default()`` of another checkout of the
@@ -52,6 +54,7 @@ CONFIGS = {
     "forkserver": {"start_method": "forkserver", "reuse": True, "drop": False},
     "forkserver-reload": {"start_method": "forkserver", "reuse": False, "drop": True},
     "spawn-reload": {"start_method": "spawn", "reuse": False, "drop": True},
+    "forkserver-late": {"start_method": "forkserver", "reuse": True, "drop": False, "prestart": False},
     "baseline": {"start_method": None, "reuse": None, "drop": True},
 }
 
@@ -102,6 +105,9 @@ def _child(cfg: dict, builds: int) -> dict:
         setattr(obj, attr, wrapper)
 
     timed(models, "default_pair", "load")
+    if cfg.get("prestart") is False:  # the fork server starts with the first transport, not before the load
+        from tokenrouter_sdk.engine import process_start
+        process_start.prestart_for = lambda *a, **k: None
     timed(process_transport.ProcessTransport, "start", "start")
     kwargs = {}
     if cfg["start_method"] is not None:
@@ -151,20 +157,27 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _summary(name: str, res: dict) -> dict:
-    rows = res["builds"]
-    warm = rows[1:]
-    phases = {}
-    for key in ("load_s", "runners_s", "start_s", "round_trip_s", "first_generate_s", "close_s"):
-        phases[key] = _median([r[key] for r in warm])
-    boot_keys = sorted({k for r in warm for b in r["boot"].values() for k, v in b.items() if isinstance(v, float)})
-    boot = {m: {k: _median([r["boot"].get(m, {}).get(k) for r in warm]) for k in boot_keys}
-            for m in sorted({m for r in warm for m in r["boot"]})}
-    last = rows[-1]
-    return {"config": name, "cold_build_s": rows[0]["build_s"], "warm_median_s": _median([r["build_s"] for r in warm]),
-            "warm_builds_s": [r["build_s"] for r in warm], "import_s": res["import_s"], "warm_phases": phases,
-            "warm_boot": boot, "cold_boot": rows[0]["boot"], "rss_last": last["rss"],
-            "weight_bytes": last["weight_bytes"], "preloaded": {m: b.get("preloaded") for m, b in last["boot"].items()}}
+def _summary(name: str, runs: list[dict]) -> dict:
+    """One configuration over its runs (fresh interpreters): the cold build of each run, every
+    warm build of every run."""
+    cold = [res["builds"][0] for res in runs]
+    warm = [r for res in runs for r in res["builds"][1:]]
+    phases = {key: _median([r[key] for r in warm])
+              for key in ("load_s", "runners_s", "start_s", "round_trip_s", "first_generate_s", "close_s")}
+    cold_phases = {key: _median([r[key] for r in cold]) for key in ("load_s", "runners_s", "start_s")}
+
+    def boot_medians(rows):
+        keys = sorted({k for r in rows for b in r["boot"].values() for k, v in b.items() if isinstance(v, float)})
+        return {m: {k: _median([r["boot"].get(m, {}).get(k) for r in rows]) for k in keys}
+                for m in sorted({m for r in rows for m in r["boot"]})}
+
+    last = (warm or cold)[-1]
+    return {"config": name, "cold_build_s": _median([r["build_s"] for r in cold]),
+            "cold_builds_s": [r["build_s"] for r in cold], "warm_median_s": _median([r["build_s"] for r in warm]),
+            "warm_builds_s": [r["build_s"] for r in warm], "import_s": _median([res["import_s"] for res in runs]),
+            "warm_phases": phases, "cold_phases": cold_phases, "warm_boot": boot_medians(warm),
+            "cold_boot": boot_medians(cold), "rss_last": last["rss"], "weight_bytes": last["weight_bytes"],
+            "preloaded": {m: b.get("preloaded") for m, b in last["boot"].items()}}
 
 
 def main(argv=None) -> dict:
@@ -177,6 +190,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="a checkout whose tokenrouter_sdk the 'baseline' configuration imports (added to the "
                          "configurations when given)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per configuration (fresh interpreters), interleaved across configurations "
+                         "(default 1)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per configuration (default 1200)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -193,30 +209,40 @@ def main(argv=None) -> dict:
     result = {"machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
                           "python": platform.python_version(), "platform": platform.platform()},
               "builds": args.builds, "configs": []}
+    runs: dict[str, list] = {name: [] for name in configs}
+    loads: dict[str, list] = {name: [] for name in configs}
+    for rep in range(args.repeat):  # interleaved, so a change in the machine's load hits every configuration
+        for name in configs:
+            env = {k: v for k, v in os.environ.items() if k != "TOKENROUTER_PROCESSES"}
+            src = args.baseline_src if name == "baseline" else here
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(src).resolve()), env.get("PYTHONPATH", "")]).rstrip(
+                os.pathsep)
+            load_before = os.getloadavg()[0]
+            print(f"{name} (run {rep + 1} of {args.repeat}): 1 + {args.builds} builds "
+                  f"(load average {load_before:.1f})", flush=True)
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", name, "--builds",
+                                   str(args.builds)], capture_output=True, text=True, env=env, timeout=args.timeout,
+                                  cwd=str(here))
+            if proc.returncode != 0:
+                raise SystemExit(f"{name} failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
+            runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            loads[name].append([load_before, os.getloadavg()[0]])
     for name in configs:
-        env = {k: v for k, v in os.environ.items() if k != "TOKENROUTER_PROCESSES"}
-        src = args.baseline_src if name == "baseline" else here
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(src).resolve()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        load_before = os.getloadavg()
-        print(f"{name}: 1 + {args.builds} builds (load average {load_before[0]:.1f})", flush=True)
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", name, "--builds",
-                               str(args.builds)], capture_output=True, text=True, env=env, timeout=args.timeout,
-                              cwd=str(here))
-        if proc.returncode != 0:
-            raise SystemExit(f"{name} failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
-        res = json.loads(proc.stdout.strip().splitlines()[-1])
-        summary = _summary(name, res)
-        summary["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]
-        summary["raw"] = res
+        summary = _summary(name, runs[name])
+        summary["load_average_before_after"] = loads[name]
+        summary["raw"] = runs[name]
         result["configs"].append(summary)
     print()
-    print(f"{'config':<18} {'cold s':>7} {'warm median s':>14}   warm builds s")
+    print(f"{'config':<18} {'cold s':>7} {'warm median s':>14}   cold builds s | warm builds s")
     for s in result["configs"]:
-        print(f"{s['config']:<18} {s['cold_build_s']:7.2f} {s['warm_median_s']:14.2f}   "
-              + " ".join(f"{x:.2f}" for x in s["warm_builds_s"]))
+        warm = "-" if s["warm_median_s"] is None else f"{s['warm_median_s']:.2f}"
+        print(f"{s['config']:<18} {s['cold_build_s']:7.2f} {warm:>14}   " + " ".join(f"{x:.2f}" for x in s["cold_builds_s"])
+              + " | " + " ".join(f"{x:.2f}" for x in s["warm_builds_s"]))
     for s in result["configs"]:
         ph = {k: round(v, 3) for k, v in s["warm_phases"].items() if v is not None}
-        print(f"\n{s['config']}: warm phases (median s) {ph}; load average {s['load_average_before_after']}")
+        cph = {k: round(v, 3) for k, v in s["cold_phases"].items() if v is not None}
+        print(f"\n{s['config']}: cold phases (median s) {cph}; warm phases (median s) {ph}; "
+              f"load average before/after each run {s['load_average_before_after']}")
         for m, b in s["warm_boot"].items():
             print(f"  {m} boot (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in b.items() if v is not None))
         for m, r in s["rss_last"].items():

@@ -271,3 +271,21 @@ def test_pickling_error_names_the_model_and_leaves_nothing_behind(tok):
         tr.start({"bad": {"lock": threading.Lock()}}, lambda ev: None)
     assert _wait_gone(list(tr.pids().values()))
     assert tr._ipc_dir is None and not tr.alive("bad")
+
+
+@pytest.mark.parametrize("processes,env,started", [
+    (None, None, True), (None, "0", False), (True, "0", True), (False, None, False),
+    ({"address": "tcp"}, None, True), ({"start_method": "spawn"}, None, False),
+    ({"start_method": "forkserver"}, None, True)])
+def test_router_default_starts_the_fork_server_early_only_for_processes(monkeypatch, processes, env, started):
+    """`Router.default` starts the fork server before loading the pair (its imports overlap the
+    load) when the Router will fork sub-servers from it, and not otherwise."""
+    from tokenrouter_sdk.engine import process_start
+    calls = []
+    monkeypatch.setattr(process_start, "prestart", lambda method=None, modules=(): calls.append((method, modules)))
+    if env is None:
+        monkeypatch.delenv("TOKENROUTER_PROCESSES", raising=False)
+    else:
+        monkeypatch.setenv("TOKENROUTER_PROCESSES", env)
+    process_start.prestart_for(processes, ("some.module",))
+    assert calls == ([("forkserver", ("some.module",))] if started else [])
