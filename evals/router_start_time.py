@@ -236,8 +236,9 @@ def main(argv=None) -> dict:
     print(f"{'config':<18} {'cold s':>7} {'warm median s':>14}   cold builds s | warm builds s")
     for s in result["configs"]:
         warm = "-" if s["warm_median_s"] is None else f"{s['warm_median_s']:.2f}"
-        print(f"{s['config']:<18} {s['cold_build_s']:7.2f} {warm:>14}   " + " ".join(f"{x:.2f}" for x in s["cold_builds_s"])
-              + " | " + " ".join(f"{x:.2f}" for x in s["warm_builds_s"]))
+        print(f"{s['config']:<18} {s['cold_build_s']:7.2f} {warm:>14}   "
+              + " ".join(f"{x:.2f}" for x in s["cold_builds_s"]) + " | "
+              + " ".join(f"{x:.2f}" for x in s["warm_builds_s"]))
     for s in result["configs"]:
         ph = {k: round(v, 3) for k, v in s["warm_phases"].items() if v is not None}
         cph = {k: round(v, 3) for k, v in s["cold_phases"].items() if v is not None}

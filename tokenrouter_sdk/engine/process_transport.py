@@ -550,10 +550,10 @@ class ProcessTransport:
             b = json.loads(data)
             (t0, t1), (p0, p1) = self._t_launch[name], self._t_pickle[name]
             self.boot[name] = {"start": t1 - t0, "to_main": b["main"] - t0, "pickle": p1 - p0,
-                               "transfer": b["received"] - max(b["main"], p1), "unpickle": b["loaded"] - b["received"],
-                               "build": b["built"] - b["loaded"],
-                               "connect": now - b["built"], "total": now - min(t0, p0), "preloaded": bool(b["preloaded"]),
-                               "pid": b["pid"]}
+                               "transfer": b["received"] - max(b["main"], p1),
+                               "unpickle": b["loaded"] - b["received"], "build": b["built"] - b["loaded"],
+                               "connect": now - b["built"], "total": now - min(t0, p0),
+                               "preloaded": bool(b["preloaded"]), "pid": b["pid"]}
         except (ValueError, KeyError, TypeError):  # a child of another version: no times
             self.boot[name] = {}
 
