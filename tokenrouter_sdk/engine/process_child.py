@@ -1,12 +1,15 @@
 """The sub-server process: its entry point (`_child_main`) and its receiver thread.
 
-Runs a `SubServer` on the unpickled spec; a receiver thread turns hub messages into the
-sub-server's inbox (one hub batch at once), and stops it when the parent process dies.
+Receives its spec over the spec channel (`wire.recv_spec`), runs a `SubServer` on it; a
+receiver thread turns hub messages into the sub-server's inbox (one hub batch at once), and
+stops it when the parent process dies. The first message to the hub (``hi``) carries the
+process's start-up times (`ProcessTransport.boot`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -15,7 +18,9 @@ import time
 import traceback
 
 from . import messages as M
-from .wire import _LoadError, _PolicyBytes, dumps, loads
+from .wire import _LoadError, _PolicyBytes, dumps, load_spec, loads, recv_spec
+
+_IMPORTED_IN = os.getpid()  # another pid in a sub-server: this module came with a fork server's fork
 
 def _prepare_runner(runner) -> None:
     """Per-process setup a runner needs after unpickling (e.g. registries, which are per
@@ -25,9 +30,14 @@ def _prepare_runner(runner) -> None:
         prepare()
 
 
-def _child_main(name: str, spec, address: str, threads: int) -> None:
-    """Entry point of a sub-server process: build the `SubServer`, serve until `Shutdown`."""
+def _child_main(name: str, address: str, threads: int, channel) -> None:
+    """Entry point of a sub-server process: receive the spec over ``channel`` (a Unix socket;
+    kept open while this process lives, so the parent sees its end close when this process
+    ends), build the `SubServer`, serve until `Shutdown`."""
     import sys
+
+    t_main = time.perf_counter()
+    preloaded = _IMPORTED_IN != os.getpid()
 
     import torch
     import zmq
@@ -57,7 +67,13 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
     fatal: list[str] = []
     code = 0
     rx = None
+    spec = None
     try:
+        data, fds = recv_spec(channel)
+        t_received = time.perf_counter()
+        spec = load_spec(data, fds)
+        del data
+        t_loaded = time.perf_counter()
         if isinstance(spec, _LoadError):
             raise RuntimeError(spec.text)
         from .subserver import SubServer
@@ -73,7 +89,10 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
                 in_step[0] = False
 
         ss.step = marked_step
-        rx = threading.Thread(target=_child_receive, args=(ctx, address, name, ss.inbox, stop, fatal, orphaned),
+        boot = {"pid": os.getpid(), "preloaded": preloaded, "main": t_main, "received": t_received,
+                "loaded": t_loaded, "built": time.perf_counter()}
+        rx = threading.Thread(target=_child_receive,
+                              args=(ctx, address, name, ss.inbox, stop, fatal, orphaned, json.dumps(boot).encode()),
                               name=f"tokenrouter-{name}-rx", daemon=True)
         rx.start()
         ss.run()
@@ -101,8 +120,9 @@ def _child_main(name: str, spec, address: str, threads: int) -> None:
 
 
 def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, fatal: list,
-                   orphaned: threading.Event) -> None:
-    """Receiver thread of a child: hub messages -> ``inbox``; Shutdown also when the parent dies."""
+                   orphaned: threading.Event, boot: bytes = b"") -> None:
+    """Receiver thread of a child: says ``hi`` (with ``boot``, JSON start-up times), then hub
+    messages -> ``inbox``; Shutdown also when the parent dies."""
     import multiprocessing
 
     import zmq
@@ -110,7 +130,7 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, f
     sock.setsockopt(zmq.IDENTITY, b"i:" + name.encode())
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(address)
-    sock.send_multipart([b"hi", b"", b""])
+    sock.send_multipart([b"hi", b"", boot])
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     parent = multiprocessing.parent_process()

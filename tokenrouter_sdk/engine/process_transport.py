@@ -6,7 +6,7 @@ or more torch models. The child's side lives in `process_child`, the serialisati
 
 Layout::
 
-    parent process                                  one child process per model (spawn)
+    parent process                                  one child process per model (fork server)
       engine --send(model, msg)--> out queue          receiver thread: DEALER "i:<model>"
                                       |                   -> SubServer.inbox
       hub thread: ROUTER (ipc:// or tcp://) <-------> main thread: SubServer.run()
@@ -24,15 +24,20 @@ and a handoff reaches the peer before any ``Go`` the engine sends in reply (gate
 the engine sends inside `hold` (one `Router.submit`) reaches each sub-server as one batch that
 it handles whole before it next schedules.
 
-Start-up: the per-model spec (runner with its model, tokenizer, scheduler settings) is the
-child's `multiprocessing.Process` argument, pickled with cloudpickle (so classes defined in
-``__main__`` or a notebook cell travel by value) plus torch's multiprocessing reductions, which
-move CPU tensor storage into shared memory and pass its file descriptor: model weights (and the
-zero-copy truncated small model, which shares modules with the large one) are mapped once, not
-copied per process. The KV pool is not shared: the child allocates its own of the same shape and
-this process's copy is released, so nothing here can write into a sub-server's KV. The child
-does not re-import the parent's ``__main__`` script, so a script needs no
-``if __name__ == "__main__"`` guard.
+Start-up: one process per model comes from `process_start` (by default forked from
+multiprocessing's fork server, which imported torch and transformers once per interpreter: tens
+of milliseconds instead of a fresh interpreter's seconds; ``start_method="spawn"`` gives a fresh
+interpreter). The child does not re-import the parent's ``__main__`` script, so a script needs
+no ``if __name__ == "__main__"`` guard. Each child gets one end of a Unix socket pair; the
+per-model spec (runner with its model, tokenizer, scheduler settings) goes over it (`wire`),
+pickled with cloudpickle (so classes defined in ``__main__`` or a notebook cell travel by
+value) plus torch's multiprocessing reductions, which move CPU tensor storage into shared
+memory (once per storage) and pass its file descriptor: model weights (and the zero-copy
+truncated small model, which shares modules with the large one) are mapped once, not copied
+per process. The KV pool is not shared: the child allocates its own of the same shape and this
+process's copy is released, so nothing here can write into a sub-server's KV. The child keeps
+its end of the pair open while it lives: the hub sees the other end turn readable when it ends
+(however it ends, whoever started it).
 
 Serialisation: per-step messages and events are small dataclasses sent with plain pickle;
 `RegisterPolicy` (and anything plain pickle refuses) goes with cloudpickle, so a `Policy`
@@ -49,10 +54,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import pickle
+import select
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -60,34 +68,10 @@ import traceback
 from typing import Callable
 
 from . import messages as M
+from . import process_start
 from .process_child import _child_main
 from .runner import dead_letter
-from .wire import _PROTO, _PolicyBytes, _Spec, _child_spec, dumps, loads
-
-_SPAWN_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _no_main_reimport():
-    """Spawn children without re-running the parent's ``__main__`` script: everything the child
-    needs arrives pickled by value, and a script without a ``__main__`` guard must not build a
-    second Router inside each child."""
-    import multiprocessing.spawn as spawn
-    orig = spawn.get_preparation_data
-
-    def prep(name):
-        d = orig(name)
-        d.pop("init_main_from_path", None)
-        d.pop("init_main_from_name", None)
-        return d
-
-    with _SPAWN_LOCK:
-        spawn.get_preparation_data = prep
-        try:
-            yield
-        finally:
-            spawn.get_preparation_data = orig
-
+from .wire import _PROTO, _PolicyBytes, _child_spec, dump_spec, dumps, loads, send_spec
 
 # ---- the parent ----------------------------------------------------------------------------
 def _exit_text(code: int | None) -> str:
@@ -102,7 +86,7 @@ def _exit_text(code: int | None) -> str:
 
 
 class ProcessTransport:
-    """Each sub-server in its own process (spawn); messages over pyzmq through a hub thread.
+    """Each sub-server in its own process; messages over pyzmq through a hub thread.
 
     Args:
         threads: torch intra-op threads per sub-server process (default: the CPUs this process
@@ -111,11 +95,26 @@ class ProcessTransport:
             close), ``"tcp"`` (``tcp://127.0.0.1`` on a random free port), or a full
             ``"tcp://host:port"`` to bind (children connect to it; ``*``/``0.0.0.0`` become
             127.0.0.1 for them).
-        start_timeout: seconds `start` waits for every process to boot and connect (a fresh
-            interpreter importing torch and transformers: seconds); None returns at once and
-            messages wait in the hub until their process connects (the first requests' latency
-            then includes the boot).
+        start_timeout: seconds `start` waits for every process to boot and connect (forked
+            from the fork server: well under a second plus unpickling the spec; the first time
+            in an interpreter, or with ``"spawn"``, a fresh interpreter imports torch and
+            transformers: seconds); None returns at once and messages wait in the hub until
+            their process connects (the first requests' latency then includes the boot).
         close_timeout: seconds `close` waits for each process to end before terminating it.
+        start_method: ``"forkserver"`` or ``"spawn"``; None (default): the fork server on
+            Linux when every model is on the CPU, else spawn (set by `start`); see
+            `tokenrouter_sdk.engine.process_start`.
+
+    Attributes:
+        boot: model -> start-up times in seconds, filled as each process connects:
+            ``start`` (`multiprocessing.Process.start`), ``to_main`` (from the start to the
+            child's entry point: process creation and, without a preloaded fork server, the
+            imports), ``pickle`` (this process pickling the spec: moving weights to shared
+            memory the first time), ``transfer`` (from the later of the child's entry and the
+            end of pickling until the child has the spec), ``unpickle`` (the child loading it),
+            ``build`` (the child building its `SubServer`), ``connect`` (until its ``hi``
+            reaches the hub), ``total``; and ``preloaded`` (True when the child was forked with
+            the sub-server code already imported) and ``pid``.
 
     Not provided: ``subservers`` (the sub-servers live in other processes), so
     `Engine.idle` checks only the engine's own counters.
@@ -124,7 +123,11 @@ class ProcessTransport:
     clock = staticmethod(time.perf_counter)
 
     def __init__(self, threads: int | None = None, address: str = "ipc", start_timeout: float | None = 600.0,
-                 close_timeout: float = 5.0):
+                 close_timeout: float = 5.0, start_method: str | None = None):
+        self.start_method = start_method
+        if start_method is not None and start_method not in process_start.START_METHODS:
+            raise ValueError(f"ProcessTransport start_method must be one of {process_start.START_METHODS}, "
+                             f"got {start_method!r}")
         self.threads = threads
         self.child_threads: int | None = None  # torch threads each child runs with (set by start)
         self.address_spec = address
@@ -132,6 +135,10 @@ class ProcessTransport:
         self.close_timeout = close_timeout
         self.address: str | None = None
         self.procs: dict = {}
+        self.boot: dict[str, dict] = {}
+        self._chans: dict[str, socket.socket] = {}  # model -> this end of its spec channel / death sentinel
+        self._t_launch: dict[str, tuple[float, float]] = {}  # model -> Process.start began, returned
+        self._t_pickle: dict[str, tuple[float, float]] = {}  # model -> pickling its spec began, ended
         self._ctx = None
         self._router = None
         self._ipc_dir: str | None = None
@@ -191,18 +198,22 @@ class ProcessTransport:
             self._wake()
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
-        """Bind the hub, spawn one process per spec (its `SubServer` keyword arguments, less
-        send/emit/clock), start the hub thread and wait until every process has connected
-        (``start_timeout``).
+        """Bind the hub, start one process per spec (its `SubServer` keyword arguments, less
+        send/emit/clock), start the hub thread, send each process its spec and wait until every
+        process has connected (``start_timeout``).
 
         Raises:
             RuntimeError: a process died while starting (its error and exit code are in the
                 message) or did not connect in time; every process is ended first.
+            ValueError: ``start_method`` is not available on this platform.
+            Exception: a spec cannot be pickled (the type of the pickling error, naming the
+                model); every process is ended first.
         """
-        import torch.multiprocessing as tmp
         import zmq
         if self._started:
             raise RuntimeError("ProcessTransport.start was called twice")
+        self.start_method = self.start_method or process_start.default_start_method(specs)
+        mp = process_start.get_context(self.start_method, specs)
         self._started = True
         self._on_event = on_event
         self._ctx = zmq.Context()
@@ -215,30 +226,37 @@ class ProcessTransport:
         os.set_blocking(self._wake_w, False)
         n = len(specs)
         threads = self.child_threads = self.threads or max(1, _cpus() // max(1, n))
-        mp = tmp.get_context("spawn")
         try:
-            with _no_main_reimport():
-                for name, spec in specs.items():
-                    p = mp.Process(target=_child_main,
-                                   args=(name, _Spec(_child_spec(spec)), self._connect_address(), threads),
-                                   name=f"tokenrouter-{name}", daemon=True)
-                    try:
-                        p.start()
-                    except Exception as e:
-                        raise type(e)(f"could not start the sub-server process of model '{name}': {e}; "
-                                      f"Router(..., processes=False) runs sub-servers in threads") from e
-                    self.procs[name] = p
+            pickled: dict[str, tuple[bytes, list[int]]] = {}
+            if self.start_method == "forkserver":  # the fork server imports while this process pickles
+                process_start.prestart(self.start_method)
+                pickled = {name: self._pickle(name, spec) for name, spec in specs.items()}
+            with process_start.no_main_reimport():
+                for name in specs:
+                    self._launch(mp, name, threads)
+            self._hub = threading.Thread(target=self._hub_loop, name="tokenrouter-hub", daemon=True)
+            self._hub.start()
+            for name, spec in specs.items():
+                data, fds = pickled.pop(name) if name in pickled else self._pickle(name, spec)
+                chan = self._chans[name]
+                chan.settimeout(self.start_timeout)
+                with contextlib.suppress(OSError):  # the process is gone: the hub reports why
+                    send_spec(chan, data, fds)
+                chan.settimeout(None)
+                del data, fds
         except BaseException:
-            self._closed = True
+            self._closing = self._closed = True
+            if self._hub is not None:
+                self._wake()
+                self._hub.join(5.0)
             self._kill_all()
             self._router.close(0)
             self._ctx.term()
             self._remove_ipc_dir()
+            self._close_chans()
             os.close(self._wake_r)
             os.close(self._wake_w)
             raise
-        self._hub = threading.Thread(target=self._hub_loop, name="tokenrouter-hub", daemon=True)
-        self._hub.start()
         for spec in specs.values():  # each child has its own KV pool: free this process's copy
             pool = getattr(spec.get("runner"), "pool", None)
             if pool is not None and hasattr(pool, "release"):
@@ -254,6 +272,34 @@ class ProcessTransport:
             raise RuntimeError(f"sub-server processes could not start (each must connect within "
                                f"{self.start_timeout} s): {why}")
 
+    def _launch(self, mp, name: str, threads: int) -> None:
+        """Start ``name``'s process with one end of a new spec channel."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._chans[name] = mine
+        p = mp.Process(target=_child_main, args=(name, self._connect_address(), threads, theirs),
+                       name=f"tokenrouter-{name}", daemon=True)
+        t0 = time.perf_counter()
+        try:
+            p.start()
+        except Exception as e:
+            raise _with_context(e, f"could not start the sub-server process of model '{name}': {e}; "
+                                   f"Router(..., processes=False) runs sub-servers in threads") from e
+        finally:
+            theirs.close()
+        self._t_launch[name] = (t0, time.perf_counter())
+        self.procs[name] = p
+
+    def _pickle(self, name: str, spec: dict) -> tuple[bytes, list[int]]:
+        t0 = time.perf_counter()
+        try:
+            out = dump_spec(_child_spec(spec))
+        except Exception as e:
+            raise _with_context(e, f"the sub-server spec of model '{name}' cannot be sent to its process "
+                                   f"({type(e).__name__}: {e}); Router(..., processes=False) runs "
+                                   f"sub-servers in threads") from e
+        self._t_pickle[name] = (t0, time.perf_counter())
+        return out
+
     def alive(self, model: str) -> bool:
         """Whether the model's process serves. The hub watches every process and reports a
         death (with its exit code) before this turns False, so the engine's own liveness check
@@ -263,8 +309,7 @@ class ProcessTransport:
             return False
         if self._hub is not None and self._hub.is_alive():
             return True
-        with self._proc_lock:
-            return p.is_alive()
+        return self._running(model)
 
     def pids(self) -> dict[str, int]:
         """Process id of each sub-server."""
@@ -294,8 +339,12 @@ class ProcessTransport:
             if name not in self._dead:
                 self.send(name, M.Shutdown())
         deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            p.join(max(0.0, deadline - time.monotonic()))
+        from multiprocessing.connection import wait
+        for name, p in self.procs.items():
+            while not self._ended(name) and time.monotonic() < deadline:
+                left = deadline - time.monotonic()
+                if wait([self._chans[name], p.sentinel], min(0.1, max(0.0, left))):
+                    time.sleep(0.01)  # a fork server's death leaves the status pipe readable
         self._kill_all()
         self._closed = True
         self._wake()
@@ -310,6 +359,7 @@ class ProcessTransport:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._remove_ipc_dir()
+        self._close_chans()
         for p in self.procs.values():
             with contextlib.suppress(Exception):
                 p.close()
@@ -367,16 +417,47 @@ class ProcessTransport:
         with contextlib.suppress(OSError, TypeError):  # full pipe: the hub wakes anyway
             os.write(self._wake_w, b"x")
 
+    def _running(self, model: str) -> bool:
+        return model in self.procs and not self._ended(model)
+
+    def _ended(self, model: str) -> bool:
+        """Whether ``model``'s process has ended: its end of the spec channel closed (the process
+        may have left a child of its own holding it), or its exit status arrived. A fork
+        server's child is not this process's child: its status comes through the fork server,
+        whose death also ends that pipe (status 255), so then the process id is checked."""
+        chan = self._chans.get(model)
+        if chan is not None and _readable(chan, 0.0):
+            return True
+        p = self.procs[model]
+        with self._proc_lock:
+            try:
+                code = p.exitcode
+            except ValueError:  # closed
+                return True
+        if code is None:
+            return False
+        return not (code == 255 and self.start_method == "forkserver" and p.pid is not None and _pid_runs(p.pid))
+
+    def _close_chans(self) -> None:
+        for chan in self._chans.values():
+            with contextlib.suppress(OSError):
+                chan.close()
+
+    def _signal(self, model: str, sig: int) -> None:
+        p = self.procs[model]
+        if p.pid is not None and self._running(model):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p.pid, sig)
+
     def _kill_all(self) -> None:
+        for name in self.procs:
+            self._signal(name, signal.SIGTERM)
+        deadline = time.monotonic() + 2.0
+        for name in self.procs:
+            while self._running(name) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self._signal(name, signal.SIGKILL)
         for p in self.procs.values():
-            with self._proc_lock:
-                if p.is_alive():
-                    p.terminate()
-        for p in self.procs.values():
-            p.join(2.0)
-            with self._proc_lock:
-                if p.is_alive():
-                    p.kill()
             p.join(2.0)
 
     def _deliver(self, dest: str, datas: list[bytes]) -> None:
@@ -457,10 +538,24 @@ class ProcessTransport:
                 self._emit(ev)
                 self._drain_out()
             elif kind == b"hi":
+                self._record_boot(src, data)
                 self._ready.add(src)
                 self._deliver(src, self._buffer.pop(src, []))
             elif kind == b"err":
                 self._errors[src] = data.decode(errors="replace")
+
+    def _record_boot(self, name: str, data: bytes) -> None:
+        now = time.perf_counter()
+        try:
+            b = json.loads(data)
+            (t0, t1), (p0, p1) = self._t_launch[name], self._t_pickle[name]
+            self.boot[name] = {"start": t1 - t0, "to_main": b["main"] - t0, "pickle": p1 - p0,
+                               "transfer": b["received"] - max(b["main"], p1),
+                               "unpickle": b["loaded"] - b["received"], "build": b["built"] - b["loaded"],
+                               "connect": now - b["built"], "total": now - min(t0, p0),
+                               "preloaded": bool(b["preloaded"]), "pid": b["pid"]}
+        except (ValueError, KeyError, TypeError):  # a child of another version: no times
+            self.boot[name] = {}
 
     def _on_death(self, name: str) -> None:
         import zmq
@@ -490,7 +585,10 @@ class ProcessTransport:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        sentinels = {p.sentinel: name for name, p in self.procs.items()}
+        # a process's end: its spec channel closes, or its exit status arrives (checked, since a
+        # fork server's death closes that pipe too), whichever comes first
+        sentinels = {self._chans[name].fileno(): name for name in self.procs}
+        sentinels.update({p.sentinel: name for name, p in self.procs.items()})
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
         try:
@@ -504,10 +602,13 @@ class ProcessTransport:
                         while os.read(self._wake_r, 4096):
                             pass
                 for fd, name in list(sentinels.items()):
-                    if fd in ready:
-                        poller.unregister(fd)
-                        del sentinels[fd]
-                        self._on_death(name)
+                    if fd in ready and fd in sentinels:
+                        ended = self._ended(name)
+                        for other in [f for f, n in sentinels.items() if n == name and (ended or f == fd)]:
+                            poller.unregister(other)
+                            del sentinels[other]
+                        if ended:
+                            self._on_death(name)
             self._drain_out()
         except Exception as e:  # noqa: BLE001 - the hub is broken: fail everything, say why
             traceback.print_exc()
@@ -528,3 +629,36 @@ def _cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _pid_runs(pid: int) -> bool:
+    """Whether a process with this id runs (exists and is not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` turns readable (for a spec channel: its process ended) within
+    ``timeout`` seconds; True for a closed socket."""
+    if sock.fileno() < 0:
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout * 1000.0))
+
+
+def _with_context(e: BaseException, text: str) -> BaseException:
+    """``e``'s type with ``text`` (falls back to RuntimeError for types that take other arguments)."""
+    try:
+        return type(e)(text)
+    except Exception:  # noqa: BLE001
+        return RuntimeError(text)

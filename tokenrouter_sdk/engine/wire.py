@@ -2,15 +2,25 @@
 
 Per-step messages and events are small dataclasses sent with plain pickle; `RegisterPolicy`
 (and anything plain pickle refuses) goes with cloudpickle, so a `Policy` class defined in a
-notebook cell reaches the sub-server processes. The start-up spec (runner with its model) is
-pickled with cloudpickle plus torch's multiprocessing reductions, so model weights travel as
-shared memory, not copies; the KV pool is re-allocated in the child (`_FreshPool`).
+notebook cell reaches the sub-server processes.
+
+The start-up spec (runner with its model, tokenizer, settings) is pickled by `dump_spec` with
+cloudpickle plus torch's multiprocessing reductions: every CPU tensor storage is moved to shared
+memory (once; later pickles of the same storage reuse it) and travels as a file descriptor, so
+model weights are mapped by every process, not copied. The descriptors and the bytes go over a
+Unix socket pair (`send_spec` / `recv_spec`, SCM_RIGHTS in chunks), not through the process
+launcher: multiprocessing's forkserver passes at most 256 descriptors with a new process, fewer
+than a 30-layer model has storages. The KV pool is re-allocated in the child (`_FreshPool`).
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import socket
+import struct
+import threading
 import traceback
 from collections import ChainMap
 
@@ -85,35 +95,145 @@ class _LoadError:
         self.text = text
 
 
-def _load_spec(data: bytes):
+class _FdCollector:
+    """Takes the place of multiprocessing's spawning ``Popen`` while `dump_spec` pickles: torch's
+    storage reduction hands it each shared-memory file descriptor through
+    ``multiprocessing.reduction.DupFd`` (``DupFd(duplicate_for_child(fd))``), and the pickle
+    holds an `_FdSlot` with the descriptor's position in ``fds``. The descriptors stay owned by
+    their storages (open while the spec is referenced)."""
+
+    def __init__(self):
+        self.fds: list[int] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self.fds.append(fd)
+        return len(self.fds) - 1
+
+    @staticmethod
+    def DupFd(index: int) -> "_FdSlot":  # noqa: N802 - the name multiprocessing.reduction calls
+        return _FdSlot(index)
+
+
+_received = threading.local()  # the descriptors `load_spec` is unpickling against, per thread
+
+
+class _FdSlot:
+    """A file descriptor in a pickled spec: its position among the descriptors sent with it.
+    ``detach()`` (called once by torch's ``rebuild_storage_fd``, which closes it) hands over the
+    received descriptor."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def detach(self) -> int:
+        return _received.fds.pop(self.index)
+
+
+def _torch_cloudpickler():
+    from multiprocessing.reduction import ForkingPickler
+
+    import cloudpickle
+    import torch.multiprocessing  # noqa: F401 - registers the tensor/storage reductions
+
+    class TorchCloudPickler(cloudpickle.CloudPickler):
+        dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloudpickle.CloudPickler.dispatch_table)
+
+    return TorchCloudPickler
+
+
+def dump_spec(spec) -> tuple[bytes, list[int]]:
+    """Pickle a sub-server spec for another process: cloudpickle (classes of ``__main__`` or a
+    notebook cell by value) plus torch's reductions (CPU tensor storages moved to shared memory,
+    each passed as a file descriptor; CUDA tensors as CUDA IPC handles).
+
+    Returns:
+        (the pickle's bytes, the file descriptors it refers to, in order). The descriptors belong
+        to the tensors' storages: keep ``spec`` referenced until they are sent.
+
+    Raises:
+        whatever pickling raises (an object cloudpickle cannot pickle).
+    """
+    from multiprocessing import context
+
+    collector = _FdCollector()
+    before = context.get_spawning_popen()
+    context.set_spawning_popen(collector)
+    try:
+        buf = io.BytesIO()
+        _torch_cloudpickler()(buf, protocol=_PROTO).dump(spec)
+    finally:
+        context.set_spawning_popen(before)
+    return buf.getvalue(), collector.fds
+
+
+def load_spec(data: bytes, fds: list[int]):
+    """Unpickle what `dump_spec` made, with the received descriptors ``fds`` (all are closed
+    when this returns). Returns the spec, or a `_LoadError` saying why it could not be loaded
+    (reported by the child through the hub)."""
+    _received.fds = dict(enumerate(fds))
     try:
         return pickle.loads(data)
     except BaseException as e:  # noqa: BLE001 - reported by the child through the hub
         return _LoadError(f"could not load the sub-server spec in the child process: {type(e).__name__}: {e}\n"
                           + traceback.format_exc())
+    finally:
+        for fd in _received.fds.values():
+            os.close(fd)
+        _received.fds = None
 
 
-class _Spec:
-    """A sub-server spec on its way into a child process (a `Process` argument).
+_HEADER = struct.Struct("!QQ")  # number of descriptors, number of bytes
+_FD_CHUNK = 200  # descriptors per message (Linux takes at most 253 in one SCM_RIGHTS message)
 
-    Pickled (inside `Process.start`, while the spawning popen is set) with cloudpickle plus
-    torch's multiprocessing reductions: tensors travel as shared-memory file descriptors."""
 
-    def __init__(self, spec: dict):
-        self.spec = spec
+def send_spec(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send a pickled spec and its descriptors over a connected Unix stream socket.
 
-    def __reduce__(self):
-        import cloudpickle
-        from multiprocessing.reduction import ForkingPickler
+    Raises:
+        OSError: the peer is gone (e.g. BrokenPipeError) or the socket timed out.
+    """
+    sock.sendall(_HEADER.pack(len(fds), len(data)))
+    for i in range(0, len(fds), _FD_CHUNK):
+        socket.send_fds(sock, [b"f"], fds[i:i + _FD_CHUNK])
+    sock.sendall(data)
 
-        import torch.multiprocessing  # noqa: F401 - registers the tensor/storage reductions
 
-        class TorchCloudPickler(cloudpickle.CloudPickler):
-            dispatch_table = ChainMap(ForkingPickler._extra_reducers, cloudpickle.CloudPickler.dispatch_table)
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError(f"the engine's process closed the spec channel after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
 
-        buf = io.BytesIO()
-        TorchCloudPickler(buf, protocol=_PROTO).dump(self.spec)
-        return _load_spec, (buf.getvalue(),)
+
+def recv_spec(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """Receive what `send_spec` sent: (the pickle's bytes, the descriptors, now owned here).
+
+    Raises:
+        EOFError: the sender closed the socket early.
+        OSError: the descriptors were cut off (this process may open too few files: raise
+            ``ulimit -n``).
+    """
+    n_fds, n_bytes = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    fds: list[int] = []
+    try:
+        while len(fds) < n_fds:
+            msg, got, flags, _ = socket.recv_fds(sock, 1, min(_FD_CHUNK, n_fds - len(fds)))
+            fds += got
+            if not msg:
+                raise EOFError(f"the engine's process closed the spec channel after {len(fds)} of {n_fds} "
+                               f"file descriptors")
+            if flags & socket.MSG_CTRUNC:
+                raise OSError(f"received {len(fds)} of {n_fds} file descriptors of the model's shared "
+                              f"memory: the rest were cut off (too many open files? raise `ulimit -n`)")
+        return _recv_exact(sock, n_bytes), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 class _FreshPool:
