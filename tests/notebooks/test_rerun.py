@@ -176,9 +176,6 @@ def test_policy_error_names_the_cell_with_threads(session):
     _assert_names_cell(row["threads"], row["file"])
 
 
-@pytest.mark.xfail(strict=True, reason="engine: cloudpickle ships the policy's code with co_filename "
-                                       "'<dynamic-code>' and without the cell's source; the sub-server "
-                                       "process cannot name the cell (see docs/views.md)")
 def test_policy_error_names_the_cell_with_processes(session):
     row = _errors(session)
     _assert_names_cell(row["processes"], row["file"])

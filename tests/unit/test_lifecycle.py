@@ -355,3 +355,22 @@ def test_killed_process_fails_only_the_requests_it_held(tok):
         assert stats["small"].free_blocks == stats["small"].num_blocks
         with pytest.raises(RuntimeError, match="model 'large'"):
             r.generate([3, 4], max_new_tokens=3)
+
+
+def test_policy_error_in_a_process_names_the_file_and_shows_the_line(tok, tmp_path):
+    """A policy pickled by value (defined in a script or a notebook cell) keeps its file name and
+    source lines in the sub-server process, so its error points at the line that raised."""
+    import linecache
+    src = ("from tokenrouter_sdk import Policy\n\nclass Bad(Policy):\n    def route(self, step):\n"
+           "        raise ValueError('the policy broke here')\n")
+    fn = str(tmp_path / "cell_17.py")  # a file that exists only in this process's linecache
+    linecache.cache[fn] = (len(src), None, src.splitlines(True), fn)
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(src, fn, "exec"), ns)
+    pair = {"small": tiny_model(num_layers=1, seed=1), "large": tiny_model(num_layers=2, seed=2)}
+    with Router(pair, ns["Bad"](), tokenizer=tok, processes=True) as r:
+        with pytest.warns(RuntimeWarning):
+            out = r.generate([3, 4], max_new_tokens=3)
+    assert out.finish_reason == "failed"
+    assert f"{fn}:5" in out.error, out.error
+    assert "raise ValueError('the policy broke here')" in out.traceback

@@ -24,7 +24,7 @@ from tokenrouter_sdk.engine.process_transport import ProcessTransport
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.reference import reference_generate
 
-from ..conftest import mixed_prompts
+from ..helpers import mixed_prompts
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server and /proc are Linux's")]

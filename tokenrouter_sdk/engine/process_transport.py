@@ -71,7 +71,7 @@ from . import messages as M
 from . import process_start
 from .process_child import _child_main
 from .runner import dead_letter
-from .wire import _PROTO, _PolicyBytes, _child_spec, dump_spec, dumps, loads, send_spec
+from .wire import _PROTO, _PolicyBytes, _child_spec, dump_spec, dumps, loads, send_spec, policy_sources
 
 # ---- the parent ----------------------------------------------------------------------------
 def _exit_text(code: int | None) -> str:
@@ -385,7 +385,7 @@ class ProcessTransport:
             if self._policy_cache.get((model, msg.key)) == body:
                 return None
             self._policy_cache[(model, msg.key)] = body
-        return pickle.dumps(_PolicyBytes(msg.key, body, repr(msg.policy)), _PROTO)
+        return pickle.dumps(_PolicyBytes(msg.key, body, repr(msg.policy), policy_sources(msg.policy)), _PROTO)
 
     def _bind(self, sock, spec: str) -> str:
         if spec == "ipc":

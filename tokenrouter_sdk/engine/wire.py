@@ -45,16 +45,68 @@ def loads(data: bytes):
     return pickle.loads(data)
 
 
+DYNAMIC = "<dynamic-code>"  # the file name cloudpickle gives code it pickles by value
+
+
+def _functions(cls) -> dict:
+    """``qualname -> function`` of the functions defined on ``cls`` (methods, static and class
+    methods, property accessors)."""
+    out = {}
+    for v in vars(cls).values():
+        for f in (v, getattr(v, "__func__", None), getattr(v, "fget", None), getattr(v, "fset", None)):
+            if hasattr(f, "__code__") and hasattr(f, "__qualname__"):
+                out[f.__qualname__] = f
+    return out
+
+
+def policy_sources(policy) -> dict:
+    """Where the policy's code lives, for the child to name it in tracebacks: ``qualname ->
+    (file name, the file's lines as ``linecache`` holds them, or None)`` for every function of the
+    policy's classes (a notebook cell's "file" is only in this process's ``linecache``)."""
+    import linecache
+    out = {}
+    for cls in type(policy).__mro__:
+        if cls.__module__.startswith(("tokenrouter_sdk", "builtins")):
+            continue
+        for name, f in _functions(cls).items():
+            fn = f.__code__.co_filename
+            lines = linecache.cache.get(fn)
+            out[name] = (fn, lines)
+    return out
+
+
+def _rename_code(code, filename: str):
+    consts = tuple(_rename_code(c, filename) if hasattr(c, "co_filename") else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def restore_sources(policy, sources: dict) -> None:
+    """Give the unpickled policy's code back its file names and register the files' lines in
+    ``linecache``, so an error in it names the cell or file and shows the line (see
+    `policy_sources`)."""
+    import linecache
+    for cls in type(policy).__mro__:
+        for name, f in _functions(cls).items():
+            hit = sources.get(name)
+            if hit is None or f.__code__.co_filename != DYNAMIC:
+                continue
+            fn, lines = hit
+            f.__code__ = _rename_code(f.__code__, fn)
+            if lines is not None:
+                linecache.cache.setdefault(fn, lines)
+
+
 class _PolicyBytes:
     """`RegisterPolicy` on the wire: the policy cloudpickled inside a plain-pickled envelope,
-    so a policy the child cannot load fails only the requests that use it."""
+    so a policy the child cannot load fails only the requests that use it; ``sources`` says
+    where its code lives (`policy_sources`)."""
 
-    def __init__(self, key: int, data: bytes, text: str):
-        self.key, self.data, self.text = key, data, text
+    def __init__(self, key: int, data: bytes, text: str, sources: dict | None = None):
+        self.key, self.data, self.text, self.sources = key, data, text, sources or {}
 
     def load(self, where: str) -> RegisterPolicy:
         try:
-            return RegisterPolicy(self.key, pickle.loads(self.data))
+            policy = pickle.loads(self.data)
         except Exception as e:  # noqa: BLE001
             hint = ""
             if isinstance(e, (ImportError, AttributeError)):
@@ -63,6 +115,11 @@ class _PolicyBytes:
             return RegisterPolicy(self.key, _UnloadablePolicy(
                 self.text, f"policy {self.text} could not be loaded in the sub-server process of model "
                            f"'{where}': {type(e).__name__}: {e}{hint}"))
+        try:
+            restore_sources(policy, self.sources)
+        except Exception:  # noqa: BLE001 - names in tracebacks only; the policy works without them
+            pass
+        return RegisterPolicy(self.key, policy)
 
 
 class _UnloadablePolicy(Policy):
