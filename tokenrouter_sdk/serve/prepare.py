@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from ..policy import Policy
 from ..request import SamplingParams
 from .errors import bad_request
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .state import ServeState
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -90,6 +92,12 @@ def completion_prompts(router, prompt) -> list[list[int]]:
     """
     if isinstance(prompt, str):
         items = [prompt]
+    elif prompt and isinstance(prompt[0], dict):
+        try:
+            messages = [ChatMessage.model_validate(m) for m in prompt]
+        except ValidationError:
+            raise bad_request("prompt", "prompt: a list of objects must be chat messages {'role', 'content'}") from None
+        return [chat_prompt(router, messages, "prompt")]
     elif prompt and isinstance(prompt[0], int):
         items = [list(prompt)]
     else:
@@ -108,14 +116,14 @@ def completion_prompts(router, prompt) -> list[list[int]]:
     return out
 
 
-def chat_prompt(router, messages) -> list[int]:
+def chat_prompt(router, messages, param: str = "messages") -> list[int]:
     """Token ids of chat ``messages`` rendered with the tokenizer's chat template.
 
     Raises:
         APIError: 400 naming ``messages`` (none, a non-text part, no template, too long).
     """
     if not messages:
-        raise bad_request("messages", "messages is empty: give at least one {'role': 'user', 'content': ...}")
+        raise bad_request(param, f"{param} is empty: give at least one {{'role': 'user', 'content': ...}}")
     plain = []
     for i, m in enumerate(messages):
         content = m.content
@@ -123,22 +131,22 @@ def chat_prompt(router, messages) -> list[int]:
             parts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"messages.{i}.content", f"messages[{i}].content: only text parts "
+                    raise bad_request(f"{param}.{i}.content", f"{param}[{i}].content: only text parts "
                                       f"({{'type': 'text', 'text': ...}}) are supported, got type {part.get('type')!r}")
                 parts.append(part["text"])
             content = "".join(parts)
         plain.append({"role": m.role, "content": content or ""})
     if not any(p["content"] for p in plain):
-        raise bad_request("messages", "every message is empty: give some text in at least one message")
+        raise bad_request(param, "every message is empty: give some text in at least one message")
     if not getattr(router.tokenizer, "chat_template", None):
-        raise bad_request("messages", "the served tokenizer has no chat template: use /v1/completions with a "
+        raise bad_request(param, "the served tokenizer has no chat template: use /v1/completions with a "
                                       "prompt string instead")
     try:
         ids = router.encode(plain)
     except Exception as e:  # noqa: BLE001 - the template refused the conversation (e.g. role order)
-        raise bad_request("messages", f"messages could not be rendered with the chat template: "
+        raise bad_request(param, f"messages could not be rendered with the chat template: "
                                       f"{type(e).__name__}: {e}") from None
-    return _check_ids(router, ids, "messages")
+    return _check_ids(router, ids, param)
 
 
 def sampling(router, req, prompts: list[list[int]], default_max: int | None) -> SamplingParams:

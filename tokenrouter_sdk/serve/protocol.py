@@ -45,9 +45,10 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or
-    a list of token-id lists (one choice per prompt)."""
+    a list of token-id lists (one choice per prompt); a list of chat messages is rendered with the
+    chat template (what lm-evaluation-harness sends with ``--apply_chat_template``)."""
 
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, list[int], list[str], list[list[int]], list[dict[str, Any]]]
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None

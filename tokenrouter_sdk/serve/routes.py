@@ -181,8 +181,14 @@ async def tokenize(request: Request):
     if isinstance(data.get("prompt"), str):
         tok = router.tokenizer
         ids = list(tok.encode(data["prompt"], add_special_tokens=bool(data.get("add_special_tokens", False))))
-    elif isinstance(data.get("messages"), list):
-        ids = router.encode(list(data["messages"]))
+    elif isinstance(data.get("messages"), list) or isinstance(data.get("prompt"), list):
+        messages = data.get("messages") or data.get("prompt")  # lm-eval's remote tokenizer sends chats as prompt
+        if not messages or not all(isinstance(m, dict) for m in messages):
+            raise bad_request("messages", "'messages' must be a non-empty list of {'role', 'content'} objects")
+        try:
+            ids = router.encode(list(messages))
+        except Exception as e:  # noqa: BLE001 - the chat template refused them
+            raise bad_request("messages", f"messages could not be rendered with the chat template: {e}") from None
     else:
         raise bad_request("prompt", "give 'prompt' (a string) or 'messages' (a list of chat messages)")
     return {"tokens": ids, "count": len(ids), "max_model_len": router.max_context}

@@ -11,6 +11,7 @@ import threading
 from .app import close_app
 
 STOP_GRACE_S = 5.0  # seconds open connections get to finish when the server stops
+KEEP_ALIVE_S = 75.0  # idle keep-alive connections are kept this long (clients that back off and retry reuse them)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -41,7 +42,7 @@ def url_of(sock: socket.socket) -> str:
 def _config(app, log_level: str):
     import uvicorn
     return uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
-                          access_log=False)
+                          timeout_keep_alive=KEEP_ALIVE_S, access_log=False)
 
 
 class BackgroundServer:
