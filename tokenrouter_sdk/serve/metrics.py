@@ -21,6 +21,7 @@ token).
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -82,6 +83,7 @@ class ServerMetrics:
         self._tokens = {m: 0 for m in self.models}
         self._hops = 0
         self._admit_t: dict[int, float] = {}
+        self._last_step: dict[str, float] = {}  # model -> time.monotonic() of its last StepDone
         self._by_model = {m: (self.committed.labels(m), self.step.labels(m), self.forward.labels(m),
                               self.batch.labels(m), self.kv_used.labels(m), self.queued.labels(m))
                           for m in self.models}
@@ -106,6 +108,7 @@ class ServerMetrics:
             if t0 is not None:
                 self.ttft.observe(max(0.0, ev.t - t0))
         elif isinstance(ev, M.StepDone):
+            self._last_step[ev.model] = time.monotonic()
             row = self._by_model.get(ev.model)
             if row is not None:
                 row[1].observe(ev.t_end - ev.t_start)
@@ -134,6 +137,11 @@ class ServerMetrics:
             hops, large = self._hops, self._tokens.get(self.large, 0)
         return {"committed_tokens": total, "hops": hops, "hop_rate": hops / total if total else 0.0,
                 "large_fraction": large / total if total else 0.0}
+
+    def step_ages(self) -> dict[str, float]:
+        """Seconds since each model's last step (models that never stepped are left out)."""
+        now = time.monotonic()
+        return {m: now - t for m, t in dict(self._last_step).items()}
 
     def hop_rate(self) -> float:
         return self.totals()["hop_rate"]

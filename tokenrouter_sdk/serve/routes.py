@@ -17,6 +17,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest, parse
 from .responses import FINISH, ChunkWriter, completion, extension, raise_for_failure, routing, usage
 from .state import ServeState
 
+HEALTH_WAIT_S = 5.0  # seconds /health waits for every sub-server's KV report
+BUSY_GRACE_S = 60.0  # a sub-server that did not answer but stepped this recently is busy, not dead
 CLIENT_CLOSED = 499  # nginx's "client closed request": never seen by the client, shown in access logs
 
 api = APIRouter()
@@ -140,12 +142,27 @@ async def models(request: Request):
 
 @api.get("/health")
 async def health(request: Request):
+    """200 while every sub-server answers: it reports its KV pool within `HEALTH_WAIT_S`, or it
+    is in the middle of stepping (a sub-server answers between steps, and one long step under
+    load can outlast the wait: it counts as answering while its last step ended less than
+    `BUSY_GRACE_S` ago). 503 when a sub-server is dead or silent, or the Router is closed."""
     st = _state(request)
+    router = st.router
     try:
-        stats = await anyio.to_thread.run_sync(st.router.kv_stats, 5.0)
-    except (TimeoutError, RuntimeError) as e:
+        stats = await anyio.to_thread.run_sync(router.kv_stats, HEALTH_WAIT_S)
+    except RuntimeError as e:
         raise APIError(503, f"unhealthy: {e}", None, "engine_unavailable") from None
-    dead = st.router.engine.dead
+    except TimeoutError as e:
+        dead, ages = router.engine.dead, st.metrics.step_ages()
+        models = {m: {"alive": m not in dead and ages.get(m, float("inf")) < BUSY_GRACE_S, "busy": True,
+                      "last_step_s_ago": ages.get(m), "error": dead.get(m)} for m in router.models}
+        ok = all(v["alive"] for v in models.values())
+        body = {"status": "ok" if ok else "unavailable", "models": models}
+        if not ok:
+            body["error"] = {"message": f"unhealthy: {e}", "type": "server_error", "param": None,
+                             "code": "engine_unavailable"}
+        return JSONResponse(body, status_code=200 if ok else 503)
+    dead = router.engine.dead
     models = {m: {"alive": s.alive and m not in dead, "free_blocks": s.free_blocks, "num_blocks": s.num_blocks,
                   "owned": s.owned, "pending": s.pending, "error": s.error or dead.get(m)} for m, s in stats.items()}
     ok = all(v["alive"] for v in models.values())
