@@ -37,6 +37,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -327,12 +328,12 @@ def main(argv=None) -> int:
     from tokenrouter_sdk import Router
     from tokenrouter_sdk.policies.registry import build_policy
 
-    log = Path(args.out).with_suffix(".server.log")
-    log.parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    log = Path(tempfile.gettempdir()) / f"serve_load_server_{os.getpid()}.log"
     proc, url = start_server(args.policy, log)
     print(f"server {url} (pid {proc.pid}), policy {args.policy}", flush=True)
     router = Router.default(build_policy(args.policy))
-    result: dict = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "url": url, "rounds": []}
+    result: dict = {"server_log": str(log), "command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "url": url, "rounds": []}
     bars: dict = {}
     try:
         jobs = workload(router, args.requests, args.disconnect, args.max_tokens, args.seed)
