@@ -207,3 +207,24 @@ def test_health_is_503_when_a_sub_server_is_dead():
         assert h.json()["models"]["large"]["alive"] is False and h.json()["models"]["small"]["alive"] is True
         resp = post(url, OK)
         assert resp.status_code == 503 and "'large'" in resp.json()["error"]["message"]
+
+
+def test_health_counts_a_busy_sub_server_as_answering(monkeypatch):
+    """A sub-server answers KV queries between steps: one that misses the wait but stepped
+    recently is busy (200); one silent for longer than the grace period is not (503)."""
+    tok = tiny_tokenizer()
+    pair = {"small": ScriptedRunner(lambda p: 70), "large": ScriptedRunner(lambda p: 71)}
+    with Router(pair, StayOn("small"), tokenizer=tok) as router, serving(router) as (url, app):
+        assert post(url, OK | {"policy": "large_only"}).status_code == 200  # both models stepped
+        post(url, OK)
+
+        def slow(timeout=10.0):
+            raise TimeoutError("sub-server(s) ['large'] did not report KV stats within 5.0 s")
+        monkeypatch.setattr(router, "kv_stats", slow)
+        h = httpx.get(url + "/health")
+        assert h.status_code == 200 and h.json()["models"]["large"]["busy"] is True
+        metrics = app.state.tr.metrics
+        monkeypatch.setitem(metrics._last_step, "large", metrics._last_step["large"] - 3600)
+        h = httpx.get(url + "/health")
+        assert h.status_code == 503 and h.json()["models"]["large"]["alive"] is False
+        assert h.json()["models"]["small"]["alive"] is True and "did not report" in h.json()["error"]["message"]
