@@ -148,7 +148,7 @@ def committed(metrics: dict) -> float:
 # -- HTTP phase ----------------------------------------------------------------------------------
 async def http_phase(url: str, jobs: list[Job], clients: int, max_tokens: int, deadline: float, name: str,
                      keep_text: bool = True) -> tuple[Phase, list]:
-    ph = Phase(name, requests=len(jobs), expected_full=sum(j.cut is None for j in jobs))
+    ph = Phase(name, requests=len(jobs))
     queue: asyncio.Queue = asyncio.Queue()
     for j in jobs:
         queue.put_nowait(j)
@@ -219,6 +219,7 @@ async def http_phase(url: str, jobs: list[Job], clients: int, max_tokens: int, d
             while not queue.empty() and time.monotonic() < deadline:
                 job = queue.get_nowait()
                 ph.sent += 1
+                ph.expected_full += job.cut is None
                 try:
                     await one(job)
                 except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
@@ -258,7 +259,7 @@ async def settled(url: str, timeout: float = 60.0) -> dict:
 # -- in-process phase ----------------------------------------------------------------------------
 async def local_phase(router, jobs: list[Job], clients: int, max_tokens: int, deadline: float, name: str
                       ) -> Phase:
-    ph = Phase(name, requests=len(jobs), expected_full=sum(j.cut is None for j in jobs))
+    ph = Phase(name, requests=len(jobs))
     queue: asyncio.Queue = asyncio.Queue()
     for j in jobs:
         queue.put_nowait(j)
@@ -293,7 +294,10 @@ async def local_phase(router, jobs: list[Job], clients: int, max_tokens: int, de
 
     async def worker():
         while not queue.empty() and time.monotonic() < deadline:
-            await one(queue.get_nowait())
+            job = queue.get_nowait()
+            ph.sent += 1
+            ph.expected_full += job.cut is None
+            await one(job)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))

@@ -18,7 +18,7 @@ from .responses import FINISH, ChunkWriter, completion, extension, raise_for_fai
 from .state import ServeState
 
 HEALTH_WAIT_S = 5.0  # seconds /health waits for every sub-server's KV report
-BUSY_GRACE_S = 60.0  # a sub-server that did not answer but stepped this recently is busy, not dead
+BUSY_GRACE_S = 300.0  # a sub-server that did not answer but stepped this recently is busy, not hung
 CLIENT_CLOSED = 499  # nginx's "client closed request": never seen by the client, shown in access logs
 
 api = APIRouter()
