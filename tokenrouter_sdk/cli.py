@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     from .eval.cli import add_parser as add_eval_parser
     add_eval_parser(sub)
+    from .serve.cli import add_parser as add_serve_parser
+    add_serve_parser(sub)
     return p
 
 

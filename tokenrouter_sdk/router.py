@@ -563,8 +563,58 @@ class Router:
         from .viz.tables import KVStats
         return KVStats(self.engine.kv_stats(timeout))
 
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, policy=None, model_id: str = "tokenrouter",
+              log_level: str = "warning") -> str:
+        """Serve this Router over HTTP, OpenAI-compatible, in the background; returns its URL.
+
+        uvicorn runs in a thread with its own event loop (so it works inside Jupyter, whose loop
+        is never used). Requests over HTTP and from this notebook share this Router's engine and
+        one set of metrics (``GET /metrics``). `close` stops the server. A second call while it
+        runs returns the same URL. Needs the ``serve`` extra (FastAPI, uvicorn,
+        prometheus_client); see docs/serving.md and `tokenrouter_sdk.serve`.
+
+        Args:
+            host: address to listen on (default loopback only).
+            port: TCP port; 0 picks a free one.
+            policy: the default policy of HTTP requests: a `Policy`, a registry spec such as
+                ``"rstitch:tau=0.1"`` (`tokenrouter_sdk.policies.registry`), or None: the
+                Router's policy.
+            model_id: the ``model`` id of routed generation (each sub-model's name is served too).
+            log_level: uvicorn's log level.
+
+        Returns:
+            the base URL, e.g. ``"http://127.0.0.1:41235"`` (the OpenAI base_url is it + ``/v1``).
+
+        Raises:
+            ImportError: the ``serve`` extra is not installed (says how to install it).
+            OSError: the port is not available.
+            RuntimeError: the Router is closed.
+        """
+        server = getattr(self, "_server", None)
+        if server is not None and server.running:
+            return server.url
+        if self.closed:
+            raise RuntimeError("this Router is closed; create a new one to serve it")
+        try:
+            from .serve.app import close_app, create_app
+            from .serve.server import BackgroundServer
+        except ImportError as e:
+            raise ImportError(f"Router.serve needs the serve extra: pip install 'tokenrouter-sdk[serve]' ({e})") from e
+        app = create_app(self, policy=policy, model_id=model_id)
+        try:
+            self._server = BackgroundServer(app, host, port, log_level=log_level).start()
+        except BaseException:
+            close_app(app)
+            raise
+        return self._server.url
+
     def close(self) -> None:
-        """Stop the engine's threads and processes and free the KV pools. Idempotent."""
+        """Stop the HTTP server (if `serve` started one), the engine's threads and processes, and
+        free the KV pools. Idempotent."""
+        server = getattr(self, "_server", None)
+        if server is not None:
+            self._server = None
+            server.stop()
         self._finalizer()
 
     @property
