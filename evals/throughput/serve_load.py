@@ -22,8 +22,11 @@ in-process (median of the per-round ratios); server RSS at the end within 5% of 
 Bounded: a fixed number of requests per phase, each with a timeout, and ``--time-limit``
 seconds for the whole run (no new request starts after it).
 
-    .venv/bin/python evals/serve_load.py                         # the full run
-    .venv/bin/python evals/serve_load.py --requests 64 --rounds 1 --rss-requests 0   # a quick one
+Run:
+    .venv/bin/python evals/throughput/serve_load.py                         # the full run
+    .venv/bin/python evals/throughput/serve_load.py --requests 64 --rounds 1 --rss-requests 0   # a quick one
+
+Writes ``<out>/serve_load.json`` (every bar, the per-phase numbers, the RSS readings).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
 
 @dataclass
@@ -312,8 +318,7 @@ async def local_phase(router, jobs: list[Job], clients: int, max_tokens: int, de
 
 # -- main ----------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = evalkit.parser(__file__, __doc__)
     p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients (default 64)")
     p.add_argument("--requests", type=int, default=256, help="requests per throughput phase (default 256)")
     p.add_argument("--disconnect", type=float, default=0.1, help="share of requests that hang up (default 0.1)")
@@ -325,14 +330,13 @@ def main(argv=None) -> int:
     p.add_argument("--rss-max-tokens", type=int, default=16, help="tokens per request in the memory phase")
     p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run (default 3600)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="evals/results/serve_load.json")
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.time_limit
 
     from tokenrouter_sdk import Router
     from tokenrouter_sdk.policies.registry import build_policy
 
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    out_path = evalkit.Output(args, __file__).path(".json")
     log = Path(tempfile.gettempdir()) / f"serve_load_server_{os.getpid()}.log"
     proc, url = start_server(args.policy, log)
     print(f"server {url} (pid {proc.pid}), policy {args.policy}", flush=True)
@@ -402,9 +406,9 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     result["bars"] = bars
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    out_path.write_text(json.dumps(result, indent=1, default=str))
     print("bars:", json.dumps(bars, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {out_path}")
     return 0
 
 
