@@ -389,3 +389,22 @@ def test_prefill_peers_survives_evicted_prefills(pair, tok):
     outs, _ = run(pair, tok, HandAfter(), GREEDY, 8, prompts, prefill_peers=True, max_kv_tokens=64,
                   kv_admission="optimistic")
     assert all(o.hops >= 2 for o in outs)
+
+
+def test_hooks_through_processes(pair, tok, monkeypatch):
+    """Sub-servers in processes: logits on the wire, `Prefill`, `Resampled` events, greedy spans
+    and prompt hidden states give the reference's outputs, and every block comes back."""
+    monkeypatch.delenv("TOKENROUTER_PROCESSES", raising=False)
+    head = QueryRouter.random_head(64, seed=1)
+    policies = [CoLLM(CoLLM.random_head(64, seed=0), eta=0.5, compose=True), RedrawOdd(), PeerSpan(greedy=True),
+                QueryRouter(head=head, threshold=0.5, pooling="mean")]
+    prompts = mixed_prompts(8, seed=11)
+    with Router(pair, tokenizer=tok, processes=True, prefill_peers=True) as r:
+        for pol in policies:
+            outs = r.generate(prompts, sampling=SAMPLED, policy=pol, timeout=120)
+            for o in outs:
+                assert o.finish_reason == "length", o.error
+                ref = reference_generate(pair, o.prompt, pol, SAMPLED, rid=o.rid, tokenizer=tok)
+                assert (o.token_ids, o.token_models, o.hops, o.discarded) == (
+                    ref["token_ids"], ref["token_models"], ref["hops"], ref["discarded"]), (pol, o.rid)
+        assert all(f == n for f, n in pools_free(r).values())
