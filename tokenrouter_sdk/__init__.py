@@ -14,6 +14,6 @@ from .policy import Handoff, Needs, Policy, Resample, Step, StepBatch
 from .request import RequestOutput, RequestView, SamplingParams
 from .router import Router, TokenEvent
 
-__all__ = ["Router", "Policy", "Step", "StepBatch", "Handoff", "Needs", "Resample", "SamplingParams", "RequestOutput",
-           "RequestView", "Metrics", "ModelMetrics", "TokenEvent"]
+__all__ = ["Router", "Policy", "Step", "StepBatch", "Handoff", "Needs", "Resample", "SamplingParams",
+           "RequestOutput", "RequestView", "Metrics", "ModelMetrics", "TokenEvent"]
 __version__ = "0.1.0"

@@ -83,6 +83,7 @@ class SubServer:
         self.inflight = 0
         self._go: list[int] = []
         self._deferred: list | None = None  # Finished events held until the step's StepDone
+        self._held: list | None = None  # messages to peers held until the step's StepDone
         self.clock = clock
 
     # -- message handling -----------------------------------------------------------------
@@ -179,7 +180,7 @@ class SubServer:
                     self.emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
                     for m, n in msg.seen.items():
                         if m != self.name and n > 0:
-                            self.send(m, M.Release(msg.rid))
+                            self._post(m, M.Release(msg.rid))
                 return
             known = msg.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
             seq = Seq(msg.config, list(msg.config.prompt_ids[:known]),
@@ -269,12 +270,26 @@ class SubServer:
     def step(self, batch: list[Seq], preempted: int = 0, round: int | None = None) -> None:
         """One forward over ``batch``, then sample, route and commit/hand off each request."""
         self._deferred = []
+        self._held = [] if self.mode in ("async", "delayed") else None  # gated: no peer steps before Go
         try:
             self._step(batch, preempted, round)
         finally:
             deferred, self._deferred = self._deferred, None
             for ev in deferred:
                 self.emit(ev)
+            held, self._held = self._held or [], None
+            for model, msg in held:
+                self.send(model, msg)
+
+    def _post(self, model: str, msg) -> None:
+        """Send ``msg`` to peer ``model``; during a step of an ungated mode, once the step's
+        `StepDone` is out, so that in every transport the trace records a step before any step of
+        a peer that reacts to it (gated modes send at once: a peer steps only on the engine's
+        next `Go`, which follows this step's `StepDone`, and the message must be there by then)."""
+        if self._held is not None:
+            self._held.append((model, msg))
+        else:
+            self.send(model, msg)
 
     def _wants_prompt_hidden(self, s: Seq) -> bool:
         """Whether this step must keep every prompt position's hidden state of ``s``: its first
@@ -329,6 +344,7 @@ class SubServer:
         t0 = self.clock()
         fed = {s.rid: len(s.tokens) - s.kv_len for s in batch}
         batch, logits, hidden, fed_hidden = self._forward(batch)
+        ran = bool(batch)
         if batch:
             for s in batch:
                 s.kv_len = len(s.tokens)
@@ -354,12 +370,12 @@ class SubServer:
                     self._finish(s, "failed", *dec.args)
                     continue
                 try:
-                    self._apply(s, tok, dec, logits[i])
+                    self._apply(s, tok, dec, logits, i)
                 except RequestFailed as e:
                     self._finish(s, "failed", *e.args)
         pool, owned = self.sched.pool, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
-        self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if fed else 0.0,
+        self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
                              len(fed), sum(fed.values()), fed, preempted, round,
                              pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending))
 
@@ -471,7 +487,7 @@ class SubServer:
                              f"position {s.n_committed} of request {s.rid}; expected one of "
                              f"{self.models}" + (" or a bool" if len(self.models) == 2 else "") + " or Resample()")
 
-    def _apply(self, s: Seq, tok: int, target: str, row_logits: torch.Tensor) -> None:
+    def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
         if s.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
             s.span -= 1
             if self._commit(s, tok) or target == self.name:
@@ -493,7 +509,7 @@ class SubServer:
             s.discarded += 1
         peer = None
         if not h.keep_sampled and getattr(pol.needs, "handoff_logits", False):
-            peer = row_logits.detach().cpu()
+            peer = logits[row].detach().cpu()  # only here: a torch op lets peer threads run
         self._handoff(s, target, h, committed=h.keep_sampled, token=None if h.keep_sampled else tok, peer_logits=peer)
 
     def _commit(self, s: Seq, tok: int) -> bool:
@@ -562,7 +578,7 @@ class SubServer:
         if not self.retain_kv:  # baseline: forget the KV, the return re-prefills everything
             self.sched.pool.free(s.table)
             s.kv_len = 0
-        self.send(target, msg)
+        self._post(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None, tb: str | None = None, stop_reason=None) -> None:
         ev = M.Finished(s.rid, self.name, reason, error, self.clock(), stop_reason, tb)
@@ -572,5 +588,5 @@ class SubServer:
             self.emit(ev)
         for m, n in s.seen.items():
             if m != self.name and n > 0:
-                self.send(m, M.Release(s.rid))
+                self._post(m, M.Release(s.rid))
         self.sched.remove(s.rid)
