@@ -261,7 +261,10 @@ class SubServer:
         for seq in self.sched.unfit:
             self._finish(seq, "failed", self._kv_error(seq))
         if batch:
-            self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
+            try:
+                self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
+            finally:
+                self._flush()
             return True
         if rnd is not None:
             self.emit(M.Idle(self.name, rnd))
@@ -277,9 +280,13 @@ class SubServer:
             deferred, self._deferred = self._deferred, None
             for ev in deferred:
                 self.emit(ev)
-            held, self._held = self._held or [], None
-            for model, msg in held:
-                self.send(model, msg)
+
+    def _flush(self) -> None:
+        """Send the peer messages a step held (after `step` returned: a process transport then
+        forwards them at once, behind the step's `StepDone`)."""
+        held, self._held = self._held or [], None
+        for model, msg in held:
+            self.send(model, msg)
 
     def _post(self, model: str, msg) -> None:
         """Send ``msg`` to peer ``model``; during a step of an ungated mode, once the step's
