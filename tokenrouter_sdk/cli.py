@@ -1,9 +1,26 @@
 """The ``tokenrouter`` command line.
 
-``tokenrouter demo`` routes the first GSM8K questions (shipped with the package, in the GSM8K
-template of `tokenrouter_sdk.benchmarks`) between the packaged CPU pair with R-Stitch and prints
-each answer with the tokens of each model told apart (colours on a terminal, ``[S:...]`` /
-``[L:...]`` markers otherwise), then the metrics table. ``tokenrouter info`` prints versions,
+``tokenrouter demo`` runs the first GSM8K questions (shipped with the package, in the GSM8K
+template of `tokenrouter_sdk.benchmarks`) on the packaged CPU pair three times, with the large
+model alone, the small model alone and routed by R-Stitch (`tokenrouter_sdk.demo`), prints each
+routed answer with the tokens of each model told apart (colours on a terminal, ``[S:...]`` /
+``[L:...]`` markers otherwise) beside the large-only answer, then one comparison table
+(committed tokens/s and its ratio to large-only, large share, hop rate, answers agreeing with
+large-only), the step accounting of each run and the routed run's metrics table.
+
+The demo's operating point: R-Stitch ``tau = 0.3`` (small -> large above normalised entropy
+0.3), ``tau_back = 0.02`` (large -> small once the large model's normalised entropy is at most
+0.02), one request at a time (``--concurrency 1``) and ``prefill_peers`` on. R-Stitch's default
+(0.1 both ways) sends ~90% of the tokens through the large model with about one hop per token,
+slower than the large model alone; this point lets each model write a clear share (about a
+third large on the GSM8K questions) with a hop every ~10 tokens. One request at a time because
+on a CPU a decode step costs nearly the same for 2 or 8 requests (and a 1-request step is the
+cheapest, a matrix-vector product): at concurrency 8 routing splits each model's batch, so the
+pair spends about twice the CPU per committed token of the large model alone, and it is faster
+only where the two sub-server processes get a core each; one request at a time, a routed token
+costs less CPU than a large-only one (the small model's step is ~0.55 of the large's) and the
+routed run is faster wherever it runs. The table's last column (committed tokens per CPU
+second of the sub-servers) is what a shared machine cannot skew. ``tokenrouter info`` prints versions,
 torch threads and the cache folder. ``tokenrouter eval`` sweeps a policy's threshold on a
 benchmark (quality at hop rate; `tokenrouter_sdk.eval.cli`). ``demo``, ``bench``, ``eval`` and
 ``train`` all default to the same pair, the packaged self-draft (``--small-layers K``: the plain
@@ -51,6 +68,18 @@ def format_output(out, tokenizer, models: list[str], color: bool) -> str:
     return "".join(parts)
 
 
+def demo_inputs(prompt: list[str] | None, data: str | None, n: int) -> tuple[list[str], list[str], str, str]:
+    """`demo_prompts` plus the answer kind of the prompts (``"math"`` or ``"choice"``, from the
+    benchmark; math for ``--prompt`` and text files)."""
+    if prompt:
+        return list(prompt), list(prompt), "--prompt", "math"
+    if data is not None and Path(data).is_file() and Path(data).suffix not in JSONL_SUFFIXES:
+        prompts = load_prompts(data, n)
+        return prompts, prompts, data, "math"
+    bench = load(data or "gsm8k", n)
+    return bench.prompts, bench.questions, f"{bench.spec.name} ({bench.source})", bench.spec.kind
+
+
 def demo_prompts(prompt: list[str] | None, data: str | None, n: int) -> tuple[list[str], list[str], str]:
     """What the demo routes: ``(prompts, what to print above each answer, source)``.
 
@@ -63,58 +92,69 @@ def demo_prompts(prompt: list[str] | None, data: str | None, n: int) -> tuple[li
         FileNotFoundError: a ``data`` path that does not exist.
         ValueError: an unknown benchmark name, ``n < 1`` or a malformed JSONL file.
     """
-    if prompt:
-        return list(prompt), list(prompt), "--prompt"
-    if data is not None and Path(data).is_file() and Path(data).suffix not in JSONL_SUFFIXES:
-        prompts = load_prompts(data, n)
-        return prompts, prompts, data
-    bench = load(data or "gsm8k", n)
-    return bench.prompts, bench.questions, f"{bench.spec.name} ({bench.source})"
+    return demo_inputs(prompt, data, n)[:3]
 
 
 def cmd_demo(args) -> int:
-    """Route the prompts, print the coloured or marked answers and the metrics table."""
+    """Run the prompts large-only, small-only and routed; print the routed answers (coloured or
+    marked) beside the large-only answers, the comparison table, the step accounting and the
+    routed run's metrics."""
     import torch
     from transformers.utils import logging as hf_logging
 
     from tokenrouter_sdk import Router
-    from tokenrouter_sdk.policies import RStitch
+    from tokenrouter_sdk.policies import RandomRouting, RStitch
 
+    from .demo import format_accounting, format_comparison, run_comparison
     from .models import describe_default_pair
 
     hf_logging.disable_progress_bar()
     try:
-        prompts, shown, source = demo_prompts(args.prompt, args.data, args.num)
+        prompts, shown, source, kind = demo_inputs(args.prompt, args.data, args.num)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"tokenrouter demo: {e}")
     color = sys.stdout.isatty() and not args.no_color
     print(describe_default_pair(args.small_layers))
     t0 = time.perf_counter()
-    router = Router.default(policy=RStitch(tau=args.tau), small_layers=args.small_layers)
+    policy = RStitch(tau=args.tau, tau_back=args.tau_back)
+    router = Router.default(policy=policy, small_layers=args.small_layers, prefill_peers=not args.no_prefill_peers)
     with router:
         models = list(router.models)
         print(f"models : {', '.join(models)} (loaded in {time.perf_counter() - t0:.1f} s)")
-        print(f"policy : {router.policy!r}")
+        print(f"policy : {policy!r}")
+        threads = getattr(router.engine.transport, "child_threads", None) or torch.get_num_threads()
         print(f"run    : {len(prompts)} prompt{'s' * (len(prompts) != 1)} from {source}, "
               f"max_new_tokens={args.max_new_tokens}, concurrency={args.concurrency}, "
-              f"torch threads={torch.get_num_threads()}")
+              f"prefill_peers={not args.no_prefill_peers}, torch threads per model={threads}")
         if color:
             print("legend : " + "  ".join(f"{COLORS[i % len(COLORS)]}{m}{RESET}" for i, m in enumerate(models)))
         else:
             print("legend : " + "  ".join(f"[{c}:...] = {m}" for m, c in model_label(models).items()))
+        router.generate(prompts[:2], max_new_tokens=4, policy=RandomRouting(p=0.5, seed=0))  # warm both models up
         t1 = time.perf_counter()
-        outs = router.generate(prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
-                               temperature=args.temperature, seed=args.seed, progress=sys.stderr.isatty())
+        runs = run_comparison(router, prompts, policy, kind=kind, baselines=not args.no_baselines,
+                              max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
+                              temperature=args.temperature, seed=args.seed,
+                              on_run=lambda r: print(f"ran    : {r.name} in {r.metrics.wall_s:.1f} s", flush=True))
         gen_s = time.perf_counter() - t1
-        for i, out in enumerate(outs):
+        routed, large = runs[-1], (runs[0] if not args.no_baselines else None)
+        for i, out in enumerate(routed.outputs):
             large_frac = out.token_models.count(models[-1]) / max(1, len(out.token_ids))
             print(f"\n=== {i + 1}/{len(prompts)}: {shown[i]}")
             print(format_output(out, router.tokenizer, models, color) if out.ok else f"ERROR: {out.error}")
             print(f"--- finish={out.finish_reason} tokens={len(out.token_ids)} hops={out.hops} "
                   f"large_fraction={large_frac:.2f} latency={out.latency_s or 0:.1f}s")
-        print(f"\n=== metrics ({gen_s:.1f} s generation, {time.perf_counter() - t0:.1f} s total)")
-        print(router.metrics().table())
-    return 0 if all(o.ok for o in outs) else 1
+            if large is not None:
+                print(f"--- answer={routed.answers[i]} large-only answer={large.answers[i]} "
+                      f"({'agrees' if routed.agree[i] else 'differs'})")
+        print(f"\n=== comparison ({gen_s:.1f} s generation, {time.perf_counter() - t0:.1f} s total; same prompts "
+              f"and Router; tok/s = committed tokens / wall time)")
+        print(format_comparison(runs))
+        print("\n=== step accounting (forward time: pure decode steps vs steps that also fed a prefill or extend)")
+        print(format_accounting(runs))
+        print("\n=== metrics of the routed run")
+        print(routed.metrics.table())
+    return 0 if all(o.ok for r in runs for o in r.outputs) else 1
 
 
 def cmd_info(args) -> int:
@@ -233,17 +273,26 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with the ``demo``, ``bench``, ``info`` and ``eval`` subcommands."""
     p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level routing between a small and a large LM.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="route GSM8K questions between the packaged CPU pair with R-Stitch")
+    d = sub.add_parser("demo", help="GSM8K questions on the packaged CPU pair: large-only, small-only and "
+                                    "routed by R-Stitch, compared in one table")
     d.add_argument("--data", help="a benchmark name (gsm8k, math500, aime24, amc23, commonsenseqa), a JSONL with a "
                                   "'question' field, or a text file with one prompt per line (default: the GSM8K "
                                   "test set shipped with the package)")
     d.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --data)")
     d.add_argument("-n", "--num", type=int, default=8, help="number of prompts from the data (default 8)")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--tau", type=float, default=0.1, help="R-Stitch normalised-entropy threshold (default 0.1)")
+    d.add_argument("--tau", type=float, default=0.3,
+                   help="R-Stitch: the small model hands off above this normalised entropy (default 0.3)")
+    d.add_argument("--tau-back", type=float, default=0.02,
+                   help="R-Stitch: the large model hands back at or below this normalised entropy (default 0.02)")
+    d.add_argument("--no-baselines", action="store_true", help="run the routed policy only (no large-only and "
+                                                               "small-only runs)")
+    d.add_argument("--no-prefill-peers", action="store_true",
+                   help="prefill a prompt only on its entry model (a first handoff then prefills it on the peer)")
     d.add_argument("--small-layers", type=int, default=None,
                    help="small = plain truncation to this many layers (default: the packaged self-draft)")
-    d.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    d.add_argument("--concurrency", type=int, default=1,
+                   help="requests in flight (default 1: see the module docstring of tokenrouter_sdk.cli)")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
     d.add_argument("--no-color", action="store_true", help="markers instead of colours")

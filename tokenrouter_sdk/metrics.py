@@ -10,7 +10,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-from .engine.messages import Admitted, Committed, Finished, Hopped, StepDone
+from .engine.messages import Admitted, Committed, Finished, Hopped, Resampled, StepDone
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Metrics:
         per_user_tok_s: mean over requests of committed tokens / (finish - first token).
         hops: handoffs; hop_rate: hops / committed tokens.
         large_fraction: committed tokens written by the largest model / committed tokens.
-        discarded_tokens: sampled tokens dropped on handoffs.
+        discarded_tokens: sampled tokens dropped on handoffs and resamples.
         preemptions: KV evictions over all models.
         per_model: name -> `ModelMetrics`.
     """
@@ -145,6 +145,8 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
         elif isinstance(ev, Hopped):
             hops += 1
             discarded += 0 if ev.kept else 1
+        elif isinstance(ev, Resampled):
+            discarded += 1
         elif isinstance(ev, Finished):
             end[ev.rid] = ev.t
             failed += ev.reason in ("failed", "aborted")

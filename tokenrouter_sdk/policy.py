@@ -1,6 +1,20 @@
 """The researcher's surface: `Policy` with `route` / `send` / `receive`, the per-step data it
 sees (`Step`, `StepBatch`), and what travels on a handoff (`Handoff`).
 
+Hooks beyond "who writes next" (each checked against the naive reference,
+`tokenrouter_sdk.reference`):
+  - ``Handoff(greedy=True)``: the target decodes greedily while it holds the request (e.g. one
+    greedy peer token, CITER / Co-LLM), whatever the request's sampling.
+  - ``Needs(handoff_logits=True)`` + `Step.peer_logits` + `Step.set_token`: the source's
+    next-token logits travel with a handoff that discards its token, and the target may write
+    any token it computes from both models (Co-LLM's composed decoding).
+  - `Resample` as a route decision: discard the sampled token and draw that position again on
+    the same model (GlimpRouter's regenerated glimpse).
+  - ``Needs(prompt_hidden=True)`` + `Step.prompt_hidden`: the last-layer hidden states of every
+    prompt position at the request's first step (pooled query-level features).
+  - `Policy.may_use`: the models a request may visit (with ``EngineConfig.prefill_peers`` they
+    prefill its prompt at admission, so a first handoff feeds only the unseen suffix).
+
 A policy runs on the sub-server of the model that owns the request, after every forward of
 that model (docs/architecture.md, "The life of a request"). It is plain Python and per request; per-request state lives
 in ``step.state`` (a dict that travels with the request across handoffs).
@@ -31,17 +45,28 @@ class Needs:
         logits: the full last-position logits, shape [V], and log-probabilities (implies
             ``entropy`` and any ``topk``).
         hidden: the last-layer hidden state of the position that produced the token, shape [H].
+        handoff_logits: a handoff that discards the sampled token (``keep_sampled=False``)
+            carries the source's logits of that position (shape [V], ~4 bytes x V on the wire),
+            and the target's first step after it reads them as `Step.peer_logits` (Co-LLM's
+            composed decoding). Off: handoffs carry no logits.
+        prompt_hidden: the request's first step (output position 0 on its entry model) gives
+            the last-layer hidden states of every prompt position, shape [P, H]
+            (`Step.prompt_hidden`; pooled query-level features). The prefill keeps them only
+            for requests of a policy that asks.
     """
 
     entropy: bool = False
     topk: int = 0
     logits: bool = False
     hidden: bool = False
+    handoff_logits: bool = False
+    prompt_hidden: bool = False
 
     def union(self, other: "Needs") -> "Needs":
         """What either asks for."""
         return Needs(self.entropy or other.entropy, max(self.topk, other.topk), self.logits or other.logits,
-                     self.hidden or other.hidden)
+                     self.hidden or other.hidden, self.handoff_logits or other.handoff_logits,
+                     self.prompt_hidden or other.prompt_hidden)
 
 
 class NeedsError(RuntimeError):
@@ -59,15 +84,50 @@ class Handoff:
         span: if set, the target writes exactly ``span`` tokens (without calling ``route``
             on the target) and the request then returns to the source, keeping the last one.
             ``None`` lets the target's ``route`` decide when to return.
+        greedy: the target decodes greedily (argmax) from this handoff until it hands the
+            request off again (with ``span``: exactly the span's tokens), whatever the
+            request's sampling parameters; its sampling generator is not advanced meanwhile.
+            CITER (arXiv 2502.01976) and Co-LLM (arXiv 2403.03870) have the large model write
+            one greedy token.
     """
 
     keep_sampled: bool = False
     span: int | None = None
+    greedy: bool = False
 
     @classmethod
     def default(cls, req: "RequestView | None" = None, target: str | None = None, *,
-                keep_sampled: bool = False, span: int | None = None) -> "Handoff":
-        return cls(keep_sampled=keep_sampled, span=span)
+                keep_sampled: bool = False, span: int | None = None, greedy: bool = False) -> "Handoff":
+        return cls(keep_sampled=keep_sampled, span=span, greedy=greedy)
+
+
+class Resample:
+    """A route decision: discard the token just sampled and draw that output position again on
+    the same model, from the same next-token distribution (no new forward; with greedy decoding
+    the same token comes back). ``route`` then runs again on the new token, so a policy that
+    resamples must remember it did (in ``step.state``). Counts as a discarded token (in
+    ``RequestOutput.discarded`` and ``discarded_log``), not as a hop. At most
+    ``EngineConfig.max_hops_without_commit`` resamples in a row, else the request fails.
+
+    Example (GlimpRouter's regenerated glimpse, arXiv 2601.05110)::
+
+        def route(self, step):
+            if not step.state.get("redrawn"):
+                step.state["redrawn"] = True
+                return Resample()
+            ...
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "Resample()"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Resample)
+
+    def __hash__(self) -> int:
+        return hash(Resample)
 
 
 class StepBatch:
@@ -83,6 +143,14 @@ class StepBatch:
         logits: last-position logits, shape [B, V] (``Needs(logits=True)``).
         hidden: last-layer hidden states (after the final norm) of those positions, shape [B, H]
             (``Needs(hidden=True)``).
+        peer_logits: per request, the logits [V] the handing-off model had for the position
+            this model now writes, or None (``Needs(handoff_logits=True)``).
+        prompt_hidden: per request, the hidden states of every prompt position [P, H] at its
+            first step, or None (``Needs(prompt_hidden=True)``).
+
+    A policy may change the token written at a position with `set_token` (then ``tokens``
+    holds it): it is committed when the request stays, or kept on a handoff with
+    ``keep_sampled=True``.
 
     Raises:
         NeedsError: on reading data ``needs`` does not declare (names the flag to set).
@@ -91,7 +159,8 @@ class StepBatch:
     def __init__(self, model: str, models: Sequence[str], tokens: torch.Tensor,
                  logits: torch.Tensor, hidden: torch.Tensor | None, requests: list["RequestView"],
                  tokenizer=None, needs: Needs | None = None, rows: torch.Tensor | None = None, policy: str = "",
-                 topk_cache: dict | None = None):
+                 topk_cache: dict | None = None, peer_logits: Sequence[torch.Tensor | None] | None = None,
+                 prompt_hidden: Sequence[torch.Tensor | None] | None = None):
         self.model, self.models = model, list(models)
         self.tokens, self.requests, self.tokenizer = tokens, requests, tokenizer
         self.needs, self.policy = needs, policy
@@ -101,6 +170,11 @@ class StepBatch:
         self._logp: torch.Tensor | None = None
         self._entropy: torch.Tensor | None = None
         self._topk: dict = topk_cache if topk_cache is not None else {}
+        n = len(requests)
+        self._peer = list(peer_logits) if peer_logits is not None else [None] * n
+        self._prompt_hidden = list(prompt_hidden) if prompt_hidden is not None else [None] * n
+        self._parent: tuple["StepBatch", list[int]] | None = None  # a `select`ed view writes through
+        self._tokens_owned = False
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -185,12 +259,56 @@ class StepBatch:
         v, i = self._topk[hit]
         return v[:, :k], i[:, :k]
 
+    @property
+    def peer_logits(self) -> list[torch.Tensor | None]:
+        """Per request, the logits [V] of the model that handed it here by discarding its token
+        (the distribution it sampled this position from), else None; length B."""
+        self._require(self.needs is None or self.needs.handoff_logits, "step.peer_logits", "handoff_logits=True")
+        return list(self._peer)
+
+    @property
+    def peer_logprobs(self) -> list[torch.Tensor | None]:
+        """Log-softmax (float32) of `peer_logits`, per request [V] or None; length B."""
+        return [None if x is None else torch.log_softmax(x.float(), -1) for x in self.peer_logits]
+
+    @property
+    def prompt_hidden(self) -> list[torch.Tensor | None]:
+        """Per request, the last-layer hidden states (after the final norm) of every prompt
+        position, shape [P, H], at its first step (output position 0 on its entry model), else
+        None; length B."""
+        self._require(self.needs is None or self.needs.prompt_hidden, "step.prompt_hidden", "prompt_hidden=True")
+        return list(self._prompt_hidden)
+
+    def set_token(self, i: int, token: int) -> None:
+        """Write ``token`` (an id in [0, V)) at request ``i``'s position instead of the sampled
+        one: it is what a stay commits and what a handoff with ``keep_sampled=True`` keeps (with
+        ``keep_sampled=False`` it is discarded like a sampled token).
+
+        Raises:
+            ValueError: ``token`` outside the vocabulary [0, V).
+        """
+        v = self._logits_all.shape[-1]
+        token = int(token)
+        if not 0 <= token < v:
+            raise ValueError(f"set_token: token id {token} is outside the vocabulary [0, {v})")
+        if not self._tokens_owned:  # never write into the caller's tensor
+            self.tokens, self._tokens_owned = self.tokens.clone(), True
+        self.tokens[i] = token
+        if self._parent is not None:
+            parent, idx = self._parent
+            parent.set_token(idx[i], token)
+
     def select(self, rows: Sequence[int]) -> "StepBatch":
-        """The sub-batch of ``rows`` (same needs)."""
-        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        """The sub-batch of ``rows`` (same needs); `set_token` on it writes through to this batch."""
+        rows = list(rows)
+        idx = torch.as_tensor(rows, dtype=torch.long)
         base = idx if self._rows is None else self._rows[idx]
-        return StepBatch(self.model, self.models, self.tokens[idx], self._logits_all, self._hidden_all,
-                         [self.requests[i] for i in rows], self.tokenizer, self.needs, base, self.policy)
+        sub = StepBatch(self.model, self.models, self.tokens[idx], self._logits_all, self._hidden_all,
+                        [self.requests[i] for i in rows], self.tokenizer, self.needs, base, self.policy,
+                        peer_logits=[self._peer[i] for i in rows],
+                        prompt_hidden=[self._prompt_hidden[i] for i in rows])
+        sub._parent = (self, rows)
+        return sub
 
     def __getitem__(self, i: int) -> "Step":
         return Step(self, i)
@@ -226,6 +344,17 @@ class Step:
     norm_entropy = property(lambda self: float(self.batch.norm_entropy[self.i]))
     max_prob = property(lambda self: float(self.batch.max_prob[self.i]))
 
+    peer_logits = property(lambda self: self.batch.peer_logits[self.i],
+                           doc="The handing-off model's logits [V] for this position, or None.")
+    peer_logprobs = property(lambda self: self.batch.peer_logprobs[self.i],
+                             doc="Log-softmax (float32) of `peer_logits`, or None.")
+    prompt_hidden = property(lambda self: self.batch.prompt_hidden[self.i],
+                             doc="Hidden states of every prompt position [P, H] at the first step, or None.")
+
+    def set_token(self, token: int) -> None:
+        """Write ``token`` at this position instead of the sampled one (see `StepBatch.set_token`)."""
+        self.batch.set_token(self.i, token)
+
     def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k logit values and indices of this step, each shape [k]."""
         v, i = self.batch.topk(k)
@@ -258,9 +387,11 @@ class Policy:
     """Base class of routing policies. Subclass it, in a module or a notebook cell.
 
     Override:
-        route(step) -> str | bool: after each forward on the owning model; return the model
-            that writes next (its own name to stay). With two models a bool works too:
-            True hands off to the other model, False stays.
+        route(step) -> str | bool | Resample: after each forward on the owning model; return
+            the model that writes next (its own name to stay). With two models a bool works
+            too: True hands off to the other model, False stays. `Resample()` discards the
+            token and draws the position again on the same model. ``step.set_token(t)``
+            changes the token written (e.g. from ``step.peer_logits``).
         route_batch(batch) -> list: vectorised form over a `StepBatch` (shape [B] inputs);
             the default loops over ``route``. Learned routers override this.
         send(req, target) -> Handoff: on a handoff, whether the sampled token is kept and
@@ -269,6 +400,8 @@ class Policy:
             set per-request state). Default: accept.
         entry(req) -> str | None: the model that prefills the request (query-level routing);
             None = the first (smallest) model.
+        may_use(req, models) -> list[str]: the models the request may visit (default: all).
+            With ``EngineConfig.prefill_peers`` each of them prefills the prompt at admission.
 
     Errors: a policy that raises, or returns an unknown model, fails that request only,
     with an error naming the policy, the model and the position; other requests go on.
@@ -282,6 +415,14 @@ class Policy:
 
     def entry(self, req: "RequestView", models: Sequence[str]) -> str | None:
         return None
+
+    def may_use(self, req: "RequestView", models: Sequence[str]) -> Sequence[str]:
+        """The models request ``req`` may visit (``req.owner`` is its entry model); called once
+        at submission. With ``EngineConfig.prefill_peers`` every one of them other than the
+        entry prefills the prompt at admission, so the first handoff to it feeds only the
+        tokens written since. Default: every model. A model left out that the policy routes
+        to still works (it prefills on its first visit)."""
+        return list(models)
 
     def route(self, step: Step) -> str | bool:
         return step.model

@@ -1,22 +1,32 @@
 """The naive reference: recompute the whole prefix on every step, no KV cache, no batching,
 one request at a time, applying the same policy. It defines what the engine must produce: with
-greedy decoding, the engine's tokens equal these."""
+greedy decoding, the engine's tokens equal these (with seeded sampling too, on float64 models).
+
+It applies every hook of the policy surface (`tokenrouter_sdk.policy`) the plain way: greedy
+decoding after ``Handoff(greedy=True)`` until the next handoff, the source's logits handed to
+the target's next step (``Needs(handoff_logits=True)``, discarding handoffs), a token a policy
+sets with ``set_token``, `Resample` (a new draw from the same logits, routed again) and the
+prompt's hidden states at the first step (``Needs(prompt_hidden=True)``)."""
 
 from __future__ import annotations
 
 import torch
 
 from .engine.sampler import make_generator, sample
-from .policy import Handoff, Policy, StepBatch
+from .policy import Handoff, Policy, Resample, StepBatch
 from .request import RequestView, SamplingParams, prompt_key
+
+GREEDY = SamplingParams()
+MAX_RESAMPLES = 16  # EngineConfig.max_hops_without_commit's default
 
 
 @torch.inference_mode()
-def _last(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _last(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(last-position logits [V], last hidden [H], every position's hidden [n, H])."""
     dev = next(model.parameters()).device
     dec = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    h = dec(input_ids=torch.tensor([ids], device=dev), use_cache=False).last_hidden_state[0, -1]
-    return model.get_output_embeddings()(h), h
+    hs = dec(input_ids=torch.tensor([ids], device=dev), use_cache=False).last_hidden_state[0]
+    return model.get_output_embeddings()(hs[-1]), hs[-1], hs
 
 
 def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, params: SamplingParams,
@@ -41,6 +51,10 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     Returns:
         dict with ``token_ids``, ``token_models``, ``hops``, ``discarded``, ``finish_reason``,
         ``logits`` (the last-position logits of every step, for tolerance checks).
+
+    Raises:
+        ValueError: the policy returned an unknown model.
+        RuntimeError: more than 16 `Resample` decisions in a row.
     """
     names = list(models)
     key = prompt_key(prompt_ids) if key is None else key
@@ -70,11 +84,15 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
             return "length"
         return None
 
+    greedy = False  # after a Handoff(greedy=True), until the next handoff
+    peer = None  # the source's logits for the position the owner writes next
     while True:
-        logits, hidden = _last(models[owner], list(prompt_ids) + out)
+        logits, hidden, all_hidden = _last(models[owner], list(prompt_ids) + out)
         logits = logits[:limit]
         all_logits.append(logits)
-        tok = int(sample(logits[None], [params], [gens[owner]])[0])
+        p = GREEDY if greedy else params
+        tok = int(sample(logits[None], [p], [gens[owner]])[0])
+        step_peer, peer = peer, None
         if span is not None:
             span -= 1
             reason = commit(tok)
@@ -83,10 +101,24 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
             if span == 0:
                 owner, span, return_to = return_to, None, None
                 hops += 1
+                greedy = False
             continue
-        sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()], tokenizer,
-                       needs=policy.needs, policy=repr(policy))
-        dec = policy.route_batch(sb)[0]
+        first = hops == 0 and not out
+        prompt_h = all_hidden[:len(prompt_ids)] if first else None
+        resamples = 0
+        while True:
+            sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()], tokenizer,
+                           needs=policy.needs, policy=repr(policy), peer_logits=[step_peer],
+                           prompt_hidden=[prompt_h])
+            dec = policy.route_batch(sb)[0]
+            tok = int(sb.tokens[0])
+            if not isinstance(dec, Resample):
+                break
+            resamples += 1
+            if resamples > MAX_RESAMPLES:
+                raise RuntimeError(f"policy resampled {resamples} times in a row")
+            discarded += 1
+            tok = int(sample(logits[None], [p], [gens[owner]])[0])
         if isinstance(dec, bool) and len(names) == 2:
             dec = names[1 - names.index(owner)] if dec else owner
         if dec not in names:
@@ -103,10 +135,13 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
                 break
         else:
             discarded += 1
+            if getattr(policy.needs, "handoff_logits", False):
+                peer = logits
         if h.span is not None:
             span, return_to = h.span, owner
         owner = dec
         hops += 1
+        greedy = bool(h.greedy)
         policy.receive(h, view())
     return {"token_ids": out, "token_models": who, "hops": hops, "discarded": discarded,
             "finish_reason": reason, "logits": all_logits}

@@ -74,7 +74,7 @@ class Router:
             ``"model_sync"``), ``thresholds`` (dict or ``"auto"``), ``retain_kv``,
             ``max_kv_tokens`` (tokens per model), ``block_size``, ``max_batch_tokens``,
             ``max_batch_size``, ``max_concurrency``, ``kv_admission``, ``backend`` (``"torch"`` or
-            ``"sim"``), ``processes``, ``cuda_graphs``. See `EngineConfig` for each.
+            ``"sim"``), ``processes``, ``cuda_graphs``, ``prefill_peers``. See `EngineConfig` for each.
 
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).

@@ -62,3 +62,20 @@ def test_demo_subprocess():
     for field in ("throughput_tok_s", "hop_rate", "large_fraction", "committed_tokens", "finish="):
         assert field in out, out
     assert "committed_tokens     16" in out or "finish=eos" in out, out
+    # the comparison table: large-only, small-only and routed, with throughput ratio, large share,
+    # hop rate and answer agreement with large-only
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("run ") and "vs large" in line)
+    assert lines[head].split() == ["run", "tok/s", "vs", "large", "large", "share", "hop", "rate", "agree", "w/",
+                                   "large", "tokens", "wall", "s", "tok/cpu-s"], lines[head]
+    rows = {cells[0]: cells for cells in (line.split() for line in lines[head + 2:head + 5])}
+    assert list(rows) == ["large-only", "small-only", "routed"], lines[head:head + 5]
+    for name, cells in rows.items():
+        tok_s, ratio, share, hop, agree, tokens, wall = cells[1:8]
+        assert float(tok_s) > 0 and float(wall) > 0 and 1 <= int(tokens) <= 16
+        assert ratio.endswith("x") and abs(float(ratio[:-1]) - float(tok_s) / float(rows["large-only"][1])) < 0.02
+        assert agree.endswith("/1") and 0 <= float(hop) <= 2
+    assert rows["large-only"][2:4] == ["1.00x", "100%"] and rows["large-only"][5] == "1/1"
+    assert rows["small-only"][3] == "0%" and rows["small-only"][4] == "0.000"
+    assert "=== step accounting" in out and "routed      [small] steps=" in out, out
+    assert "large-only answer=" in out, out

@@ -181,25 +181,25 @@ def test_semantics_and_equivalence(pair, tok, policies, name):
 
 
 def test_co_llm_compose_decisions():
-    """argmax((1 - pi) p_base + pi p_asst): keep the assistant's token, hand the position back to
-    the base model, or (a third token) keep the assistant's and count it as unwritable."""
+    """argmax((1 - pi) p_base + pi p_asst) is written at a deferral position: the assistant's
+    token, the base model's, or a third token; the assistant hands back keeping it."""
     pol = CoLLM({"g": torch.zeros(H), "b": torch.tensor(0.0)}, eta=0.4, compose=True)  # pi = 0.5
     h = torch.zeros(1, H)
     view = lambda owner, st: RequestView(0, [1], [], owner, st, 0, MODELS)  # noqa: E731
-    cases = {"assistant": ([.6, .2, .1, .1], [.5, .3, .1, .1], True),
-             "base": ([.9, .05, .03, .02], [.2, .4, .2, .2], False),
-             "third": ([.45, 0, .4, .15], [0, .45, .4, .15], True)}
-    for case, (p_base, p_asst, keep) in cases.items():
+    cases = {"assistant": ([.6, .2, .1, .1], [.5, .3, .1, .1], 0),
+             "base": ([.9, .05, .03, .02], [.2, .4, .2, .2], 0),
+             "third": ([.45, 0, .4, .15], [0, .45, .4, .15], 2)}
+    for case, (p_base, p_asst, want) in cases.items():
         st = {}
         assert pol.route_batch(batch_of("small", h, torch.tensor([p_base]).log(), states=[st])) == ["large"]
-        assert pol.send(view("small", st), "large").keep_sampled is False
-        assert pol.send(view("small", st), "large").span is None  # the assistant's route decides
-        assert pol.route_batch(batch_of("large", h, torch.tensor([p_asst]).log(), states=[st])) == ["small"]
-        assert pol.send(view("large", st), "small").keep_sampled is keep, case
-        assert st.get("co_llm_unwritable", 0) == (case == "third")
-        # after "base", the base model keeps its regenerated token although pi > eta
-        again = pol.route_batch(batch_of("small", h, torch.tensor([p_base]).log(), states=[st]))
-        assert again == (["small"] if case == "base" else ["large"])
+        sent = pol.send(view("small", st), "large")
+        assert (sent.keep_sampled, sent.span, sent.greedy) == (False, None, True)  # the assistant's route composes
+        b = batch_of("large", h, torch.tensor([p_asst]).log(), states=[st])
+        b._peer = [torch.tensor(p_base).log()]  # the base logits the handoff carried
+        assert pol.route_batch(b) == ["small"]
+        assert int(b.tokens[0]) == want, case
+        assert pol.send(view("large", st), "small").keep_sampled is True
+        assert "co_llm_pi" not in st
 
 
 def test_heads_are_vectorised_and_float32(signals):

@@ -78,8 +78,7 @@ def test_glimprouter_defaults_match_spec():
     assert (g.theta, g.top_k, g.separator, g.max_step_tokens, g.budget) == (1.0, 20, "\n\n", 512, 8192)
     assert (g.answer_marker, g.stop_on_repeat, g.regenerate_glimpse) == ("</think>", True, False)
     assert g.needs.topk == 20 and GlimpRouter(top_k=5).needs.topk == 5
-    with pytest.raises(NotImplementedError, match="resample"):
-        GlimpRouter(regenerate_glimpse=True)
+    assert GlimpRouter(regenerate_glimpse=True).regenerate_glimpse is True  # tests/unit/test_hooks.py
 
 
 def test_topk_entropy_renormalises_the_top_20():

@@ -264,13 +264,16 @@ class TorchRunner:
         Returns:
             logits: last-position logits per request, shape [B, V].
             hidden: last-layer hidden states (after the final norm) at those positions, [B, H].
+            fed_hidden: only when an input has ``all_hidden``: per input, the last-layer hidden
+                states of every fed position, [len(tokens), H], or None where not asked.
         """
         _configure_sdpa(self.device)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             return self._forward(seqs)
 
-    def _forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cuda_graphs:
+    def _forward(self, seqs: list[SeqInput]):
+        want_all = any(getattr(s, "all_hidden", False) for s in seqs)
+        if self.cuda_graphs and not want_all:
             out = self.graphs.run(seqs)
             if out is not None:
                 return out
@@ -282,4 +285,11 @@ class TorchRunner:
         if self.device.type == "cuda":  # this stream only: a device-wide sync breaks a peer thread's graph capture
             torch.cuda.current_stream(self.device).synchronize()
         self.last_forward_s = time.perf_counter() - t0
-        return logits, hidden
+        if not want_all:
+            return logits, hidden
+        fed, start = [], 0
+        for s in seqs:
+            n = len(s.tokens)
+            fed.append(out.last_hidden_state[0, start:start + n] if s.all_hidden else None)
+            start += n
+        return logits, hidden, fed

@@ -50,6 +50,12 @@ class EngineConfig:
             and passes its items to `ProcessTransport` (``threads``, ``address``).
         cuda_graphs: serve decode and short-extend steps from captured CUDA graphs (torch
             backend on a GPU).
+        prefill_peers: at admission, every model the request's policy may use
+            (`Policy.may_use`, default all) besides its entry model prefills the prompt too, in
+            its next step, and keeps it in KV: the first handoff to such a model then feeds only
+            the tokens written since (an extend) instead of the prompt and the whole answer so
+            far. Costs one prompt prefill per extra model even when no handoff comes. Outputs
+            are the same either way.
 
     Raises:
         ValueError: from construction, naming the bad field and what it accepts.
@@ -68,6 +74,7 @@ class EngineConfig:
     backend: str = "torch"
     processes: bool | dict | None = None
     cuda_graphs: bool = False
+    prefill_peers: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:

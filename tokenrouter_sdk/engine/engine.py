@@ -61,6 +61,7 @@ class RequestHandle:
         self.final_text: str | None = None
         self.state: dict = {}  # the policy state entry() started
         self.error: str | None = None  # bad input found before admission
+        self.peers: tuple[str, ...] = ()  # models that prefill the prompt at admission (prefill_peers)
 
     @property
     def rid(self) -> int:
@@ -331,10 +332,21 @@ class Engine:
                         entry = e
                 except Exception as ex:  # noqa: BLE001
                     error = f"policy {policy!r}.entry failed: {type(ex).__name__}: {ex}"
+            peers: tuple[str, ...] = ()
+            if error is None and self.config.prefill_peers:
+                try:
+                    use = policy.may_use(RequestView(rid, cfg.prompt_ids, [], entry, state, 0, tuple(self.models),
+                                                     rkey), self.models)
+                    bad = [m for m in use if m not in self.models]
+                    if bad:
+                        raise ValueError(f"returned unknown models {bad}; expected names of {self.models}")
+                    peers = tuple(m for m in self.models if m in use and m != entry)
+                except Exception as ex:  # noqa: BLE001
+                    error = f"policy {policy!r}.may_use failed: {type(ex).__name__}: {ex}"
             p = req.params
             stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
             h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids)
-            h.t_submit, h.state, h.error = self.clock(), state, error
+            h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
             tokens = min(len(ids) + p.max_new_tokens, self.max_context)
             h.need = {m: -(-tokens // bs) for m, (_, bs) in self.capacity.items()}
             handles.append(h)
@@ -394,7 +406,10 @@ class Engine:
         self._record(h.call, M.Admitted(h.rid, h.entry, h.t_admit))
         if self.config.mode == "delayed":
             self._broadcast_inflight()
-        self.transport.send(h.entry, M.Admit(h.config, h.t_admit, h.state))
+        peers = tuple(m for m in h.peers if m not in self._dead)
+        for m in peers:  # before the Admit: the entry's first handoff can only come after it
+            self.transport.send(m, M.Prefill(h.config, h.entry))
+        self.transport.send(h.entry, M.Admit(h.config, h.t_admit, h.state, peers))
 
     # -- thresholds and gated modes ---------------------------------------------------------
     def set_thresholds(self, thresholds: dict[str, int]) -> None:
@@ -537,6 +552,10 @@ class Engine:
                 out.discarded_log.append((len(out.token_ids), ev.token, ev.src))
             if h.call.listener is not None:
                 h.call.listener("hop", h, ev)
+        elif isinstance(ev, M.Resampled):
+            self._record(h.call, ev)
+            out.discarded += 1
+            out.discarded_log.append((len(out.token_ids), ev.token, ev.model))
         elif isinstance(ev, M.Finished):
             self._end(h, ev.reason, ev.error, ev.t, ev.stop_reason, ev.traceback)
             if ev.model in self._dead:  # answered for a dead model: free what the live ones hold

@@ -23,6 +23,17 @@ class Admit:
     config: RequestConfig
     t_admit: float
     state: dict = field(default_factory=dict)  # the policy state entry() started
+    peers: tuple[str, ...] = ()  # models sent a `Prefill` of this request (they hold its prompt)
+
+
+@dataclass
+class Prefill:
+    """Prefill the prompt of a request whose entry model is ``entry`` now, without routing it:
+    the request then waits here (pending, KV kept) for its first handoff, which feeds only the
+    tokens written since (``EngineConfig.prefill_peers``). Sent before the entry's `Admit`."""
+
+    config: RequestConfig
+    entry: str
 
 
 @dataclass
@@ -42,6 +53,9 @@ class HandoffMsg:
             ``return_to``), or None.
         keep_sampled: whether the source committed its sampled token.
         config: the request config, sent only on the target's first visit.
+        greedy: the target decodes greedily until it hands off again (`Handoff.greedy`).
+        peer_logits: the source's logits [V] of the position the target now writes (a
+            discarding handoff of a policy with ``Needs(handoff_logits=True)``), else None.
     """
 
     rid: int
@@ -57,6 +71,8 @@ class HandoffMsg:
     return_to: str | None
     keep_sampled: bool
     config: RequestConfig | None = None
+    greedy: bool = False
+    peer_logits: object = None  # torch.Tensor [V] or None
 
 
 @dataclass
@@ -161,6 +177,19 @@ class Hopped:
 
 
 @dataclass
+class Resampled:
+    """``model`` discarded the token it sampled for output ``position`` of request ``rid`` and
+    draws that position again (a `Resample` route decision); ``token`` is in no output or KV.
+    Not a hop."""
+
+    rid: int
+    model: str
+    token: int
+    position: int
+    t: float
+
+
+@dataclass
 class Finished:
     """The request ended on ``model`` at ``t``: ``reason`` is eos | length | stop | aborted |
     failed; ``error`` says why for failed/aborted; ``stop_reason`` is the stop string or stop
@@ -253,4 +282,4 @@ class Stats:
         return self.num_blocks - self.free_blocks
 
 
-EVENTS = (Admitted, Committed, Hopped, Finished, StepDone)
+EVENTS = (Admitted, Committed, Hopped, Resampled, Finished, StepDone)

@@ -16,11 +16,14 @@ from .kv_pool import KVPool
 @dataclass
 class SeqInput:
     """One request's part of a step: feed ``tokens`` at positions [start, start + len(tokens)),
-    with K/V written to (and read from) the slots of block ``table`` in the runner's pool."""
+    with K/V written to (and read from) the slots of block ``table`` in the runner's pool.
+    ``all_hidden``: also return the last-layer hidden state of every fed position (see
+    `Runner.forward`)."""
 
     tokens: list[int]
     start: int
     table: list[int]
+    all_hidden: bool = False
 
 
 @runtime_checkable
@@ -43,7 +46,10 @@ class Runner(Protocol):
 
     def forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every request's tokens; return the last-position logits [B, V] and the
-        last-layer hidden states [B, H] of each request."""
+        last-layer hidden states [B, H] of each request. A runner that supports ``all_hidden``
+        returns a third item when an input asks for it: per input, the hidden states of every
+        fed position [len(tokens), H], or None where not asked (a runner without support
+        returns two items, and a policy reading `Step.prompt_hidden` then gets an error)."""
         ...
 
 

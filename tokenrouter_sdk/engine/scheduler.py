@@ -31,6 +31,12 @@ class Seq:
         kv_len: how many of them are in this model's KV (invariant: KV holds tokens[:kv_len]).
         table: block table in this model's pool.
         seen: per model, how many tokens of prompt + committed it has seen.
+        greedy: decode greedily until the next handoff (`Handoff.greedy`).
+        peer_logits: the handing-off model's logits [V] for the next position, until the next
+            step here (``Needs(handoff_logits=True)``).
+        prefill_only: prefilled at admission for a later handoff (``EngineConfig.prefill_peers``):
+            a step feeds it but never samples or routes it; it then waits pending.
+        resamples: `Resample` decisions in a row at the current position.
     """
 
     config: RequestConfig
@@ -47,6 +53,10 @@ class Seq:
     span: int | None = None
     return_to: str | None = None
     generator: torch.Generator | None = None
+    greedy: bool = False
+    peer_logits: torch.Tensor | None = None
+    prefill_only: bool = False
+    resamples: int = 0
 
     @property
     def rid(self) -> int:

@@ -6,8 +6,11 @@ the requests it owns. It learns about requests only from messages (`Admit`, `Han
 `StepDone`), so the same loop runs in a thread, in a process or in simulated time.
 
 One step (`SubServer.step`): schedule a batch (prefill, decode and extend mixed), one forward,
-mask the vocabulary to the shared tokenizer's, sample, ask the policy where each request goes,
-then commit (and check the stop rules) or hand off (the request stays pending here, KV kept).
+mask the vocabulary to the shared tokenizer's, sample (greedily after a ``Handoff(greedy=True)``),
+ask the policy where each request goes (it may set the token written, or `Resample` it: a new
+draw from the same distribution, routed again), then commit (and check the stop rules) or hand
+off (the request stays pending here, KV kept). Requests prefilled at admission for a later
+handoff (`Prefill`, ``EngineConfig.prefill_peers``) are fed and then wait pending, unrouted.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from ..policy import Handoff, Policy, StepBatch
-from ..request import RequestView
+from ..policy import Handoff, Policy, Resample, StepBatch
+from ..request import RequestView, SamplingParams
 from . import messages as M
 from .config import MODES, EngineConfig
 from .runner import SeqInput
@@ -29,6 +32,7 @@ from .sampler import make_generator, sample
 from .scheduler import Scheduler, Seq
 
 ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
+GREEDY = SamplingParams()  # how a request samples after a Handoff(greedy=True)
 
 __all__ = ["SubServer", "RequestFailed", "MODES"]
 
@@ -79,18 +83,22 @@ class SubServer:
         self.inflight = 0
         self._go: list[int] = []
         self._deferred: list | None = None  # Finished events held until the step's StepDone
+        self._held: list | None = None  # messages to peers held until the step's StepDone
         self.clock = clock
 
     # -- message handling -----------------------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, M.Admit):
             cfg = msg.config
-            seq = Seq(cfg, list(cfg.prompt_ids), seen={self.name: len(cfg.prompt_ids)}, state=msg.state,
+            seen = dict.fromkeys([*msg.peers, self.name], len(cfg.prompt_ids))
+            seq = Seq(cfg, list(cfg.prompt_ids), seen=seen, state=msg.state,
                       generator=make_generator(cfg.params.seed, self.index, self.runner.device))
             if cfg.rid in self.aborted:
                 self._end_aborted(seq)
             else:
                 self._own(seq)
+        elif isinstance(msg, M.Prefill):
+            self._prefill(msg)
         elif isinstance(msg, M.HandoffMsg):
             self._receive(msg)
         elif isinstance(msg, M.Release):
@@ -121,12 +129,27 @@ class SubServer:
         return M.Stats(self.name, token, pool.num_free, pool.num_blocks, pool.block_size, len(owned),
                        len(seqs) - len(owned), run, pend)
 
+    def _prefill(self, msg: M.Prefill) -> None:
+        """Admission prefill of a peer: feed the prompt in a coming step, then keep it pending.
+        One that cannot run here (aborted, too big for the pool) is skipped: a later handoff
+        carries the config and prefills on arrival."""
+        cfg = msg.config
+        if cfg.rid in self.aborted or cfg.rid in self.sched.seqs:
+            return
+        n = len(cfg.prompt_ids)
+        seq = Seq(cfg, list(cfg.prompt_ids), seen={msg.entry: n, self.name: n}, prefill_only=True,
+                  generator=make_generator(cfg.params.seed, self.index, self.runner.device))
+        if not self.sched.too_big(seq):
+            self.sched.add_owned(seq)
+
     def _abort(self, msg: M.Abort) -> None:
         self.aborted[msg.rid] = (msg.reason, msg.error)
         while len(self.aborted) > ABORTED_KEPT:
             self.aborted.popitem(last=False)
         seq = self.sched.owned.get(msg.rid)
-        if seq is not None:
+        if seq is not None and seq.prefill_only:  # not ours to report: the owner does; a late handoff finds the mark
+            self.sched.remove(msg.rid)
+        elif seq is not None:
             self._end_aborted(seq)
         else:
             self.sched.remove(msg.rid)  # pending here (or unknown): free its KV
@@ -163,16 +186,19 @@ class SubServer:
                     self.emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
                     for m, n in msg.seen.items():
                         if m != self.name and n > 0:
-                            self.send(m, M.Release(msg.rid))
+                            self._post(m, M.Release(msg.rid))
                 return
-            seq = Seq(msg.config, [], generator=make_generator(msg.config.params.seed, self.index,
-                                                               self.runner.device))
+            known = msg.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
+            seq = Seq(msg.config, list(msg.config.prompt_ids[:known]),
+                      generator=make_generator(msg.config.params.seed, self.index, self.runner.device))
+        seq.prefill_only = False
         seq.tokens.extend(msg.suffix)
         if seq.kv_len >= len(seq.tokens):  # peer discarded and bounced back: recompute the last position
             seq.kv_len = len(seq.tokens) - 1
         seq.seen, seq.n_committed, seq.hops = dict(msg.seen), msg.n_committed, msg.hops
         seq.hops_since_commit, seq.discarded, seq.state = msg.hops_since_commit, msg.discarded, msg.state
         seq.span, seq.return_to = msg.span, msg.return_to
+        seq.greedy, seq.peer_logits, seq.resamples = msg.greedy, msg.peer_logits, 0
         if msg.rid in self.aborted:
             self._end_aborted(seq)
             return
@@ -191,7 +217,7 @@ class SubServer:
         try:
             if pol is None:
                 raise RuntimeError("the request's policy is no longer registered")
-            pol.receive(Handoff(msg.keep_sampled, msg.span), self._view(seq))
+            pol.receive(Handoff(msg.keep_sampled, msg.span, msg.greedy), self._view(seq))
         except Exception as e:  # noqa: BLE001 - a policy error fails this request only
             self.sched.seqs[seq.rid] = seq
             self._finish(seq, "failed", *self._policy_error(seq, "receive", e))
@@ -241,7 +267,10 @@ class SubServer:
         for seq in self.sched.unfit:
             self._finish(seq, "failed", self._kv_error(seq))
         if batch:
-            self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
+            try:
+                self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
+            finally:
+                self._flush()
             return True
         if rnd is not None:
             self.emit(M.Idle(self.name, rnd))
@@ -250,6 +279,7 @@ class SubServer:
     def step(self, batch: list[Seq], preempted: int = 0, round: int | None = None) -> None:
         """One forward over ``batch``, then sample, route and commit/hand off each request."""
         self._deferred = []
+        self._held = [] if self.mode in ("async", "delayed") else None  # gated: no peer steps before Go
         try:
             self._step(batch, preempted, round)
         finally:
@@ -257,59 +287,144 @@ class SubServer:
             for ev in deferred:
                 self.emit(ev)
 
-    def _forward(self, batch: list[Seq]) -> tuple[list[Seq], torch.Tensor | None, torch.Tensor | None]:
+    def _flush(self) -> None:
+        """Send the peer messages a step held (after `step` returned: a process transport then
+        forwards them at once, behind the step's `StepDone`)."""
+        held, self._held = self._held or [], None
+        for model, msg in held:
+            self.send(model, msg)
+
+    def _post(self, model: str, msg) -> None:
+        """Send ``msg`` to peer ``model``; during a step of an ungated mode, once the step's
+        `StepDone` is out, so that in every transport the trace records a step before any step of
+        a peer that reacts to it (gated modes send at once: a peer steps only on the engine's
+        next `Go`, which follows this step's `StepDone`, and the message must be there by then)."""
+        if self._held is not None:
+            self._held.append((model, msg))
+        else:
+            self.send(model, msg)
+
+    def _wants_prompt_hidden(self, s: Seq) -> bool:
+        """Whether this step must keep every prompt position's hidden state of ``s``: its first
+        step (on its entry model, from position 0) under a policy with ``Needs(prompt_hidden)``."""
+        if s.prefill_only or s.hops or s.n_committed or s.kv_len:
+            return False
+        pol = self.policies.get(s.config.policy_key)
+        return pol is not None and getattr(pol.needs, "prompt_hidden", False)
+
+    def _run(self, inputs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """One runner forward: (logits [B, V], hidden [B, H], per input the hidden states of every
+        fed position [n, H] where it asked (``all_hidden``), else None)."""
+        out = self.runner.forward(inputs)
+        fed = list(out[2]) if len(out) > 2 else [None] * len(inputs)
+        return out[0], out[1], fed
+
+    def _forward(self, batch: list[Seq]) -> tuple[list[Seq], torch.Tensor | None, torch.Tensor | None, list]:
         """The forward; when it raises, each request is run alone so that only the ones whose own
         inputs fail are failed (their KV slots are rewritten by the retry). Returns the requests
-        that ran and their logits and hidden states."""
-        inputs = [SeqInput(s.tokens[s.kv_len:], s.kv_len, s.table) for s in batch]
+        that ran, their logits and hidden states, and per request the hidden states of every
+        fed position where asked (else None)."""
+        inputs = [SeqInput(s.tokens[s.kv_len:], s.kv_len, s.table, all_hidden=self._wants_prompt_hidden(s))
+                  for s in batch]
         try:
-            logits, hidden = self.runner.forward(inputs)
-            return batch, logits, hidden
+            logits, hidden, fed = self._run(inputs)
+            return batch, logits, hidden, fed
         except Exception as e:  # noqa: BLE001
             if len(batch) == 1:
                 self._fail_forward(batch[0], e)
-                return [], None, None
-        ok, ls, hs = [], [], []
+                return [], None, None, []
+        ok, ls, hs, fs = [], [], [], []
         for s, inp in zip(batch, inputs):
             try:
-                lg, hd = self.runner.forward([inp])
+                lg, hd, fd = self._run([inp])
             except Exception as e:  # noqa: BLE001
                 self._fail_forward(s, e)
                 continue
-            ok.append(s), ls.append(lg), hs.append(hd)
+            ok.append(s), ls.append(lg), hs.append(hd), fs.extend(fd)
         if not ok:
-            return [], None, None
-        return ok, torch.cat(ls), torch.cat(hs)
+            return [], None, None, []
+        return ok, torch.cat(ls), torch.cat(hs), fs
 
     def _fail_forward(self, s: Seq, e: Exception) -> None:
         s.kv_len = 0
+        if s.prefill_only:  # an admission prefill: skip it (a handoff here prefills on arrival)
+            self.sched.remove(s.rid)
+            return
         self._finish(s, "failed", f"forward of model '{self.name}' failed for request {s.rid}: "
                      f"{type(e).__name__}: {e}")
 
     def _step(self, batch: list[Seq], preempted: int, round: int | None) -> None:
         t0 = self.clock()
         fed = {s.rid: len(s.tokens) - s.kv_len for s in batch}
-        batch, logits, hidden = self._forward(batch)
+        batch, logits, hidden, fed_hidden = self._forward(batch)
+        ran = bool(batch)
         if batch:
             for s in batch:
                 s.kv_len = len(s.tokens)
+            keep = [i for i, s in enumerate(batch) if not s.prefill_only]
+            for s in batch:
+                if s.prefill_only:  # prompt now in KV: wait for the first handoff
+                    self.sched.set_pending(s)
+            if len(keep) < len(batch):
+                rows = torch.tensor(keep, dtype=torch.long)
+                batch, logits, hidden = [batch[i] for i in keep], logits[rows], hidden[rows]
+                fed_hidden = [fed_hidden[i] for i in keep]
+        if batch:
             if logits.shape[-1] > self.vocab_limit:
                 logits = logits[:, :self.vocab_limit]
-            tokens = sample(logits, [s.config.params for s in batch], [s.generator for s in batch])
-            decisions = self._route(batch, tokens, logits, hidden)
-            for s, tok, dec in zip(batch, tokens.tolist(), decisions):
+            prompt_hidden = [None if h is None else h[:len(s.config.prompt_ids)] for s, h in zip(batch, fed_hidden)]
+            tokens = self._sample(batch, logits, range(len(batch)))
+            decisions = self._route(batch, tokens, logits, hidden, prompt_hidden, range(len(batch)))
+            self._resample(batch, tokens, logits, hidden, prompt_hidden, decisions)
+            for s in batch:
+                s.peer_logits = None  # read by this step's route only
+            for i, (s, tok, dec) in enumerate(zip(batch, tokens, decisions)):
                 if isinstance(dec, RequestFailed):
                     self._finish(s, "failed", *dec.args)
                     continue
                 try:
-                    self._apply(s, tok, dec)
+                    self._apply(s, tok, dec, logits, i)
                 except RequestFailed as e:
                     self._finish(s, "failed", *e.args)
         pool, owned = self.sched.pool, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
-        self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if batch else 0.0,
+        self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
                              len(fed), sum(fed.values()), fed, preempted, round,
                              pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending))
+
+    def _sample(self, batch: list[Seq], logits: torch.Tensor, idx) -> list[int]:
+        """A token per request of ``batch`` at rows ``idx`` (greedy after ``Handoff(greedy=True)``)."""
+        idx = list(idx)
+        rows = logits if len(idx) == len(batch) else logits[torch.tensor(idx, dtype=torch.long)]
+        params = [GREEDY if batch[i].greedy else batch[i].config.params for i in idx]
+        return sample(rows, params, [batch[i].generator for i in idx]).tolist()
+
+    def _resample(self, batch, tokens: list[int], logits, hidden, prompt_hidden, decisions: list) -> None:
+        """Apply `Resample` decisions: discard the token, draw the position again from the same
+        logits and route the new token (in place in ``tokens`` and ``decisions``)."""
+        limit = self.config.max_hops_without_commit
+        while True:
+            redo = []
+            for i, d in enumerate(decisions):
+                if not isinstance(d, Resample):
+                    continue
+                s = batch[i]
+                s.resamples += 1
+                if s.resamples > limit:
+                    decisions[i] = RequestFailed(
+                        f"policy {self.policies[s.config.policy_key]!r} resampled output position {s.n_committed} "
+                        f"of request {s.rid} {s.resamples} times in a row on model '{self.name}'; let a draw "
+                        f"stand (return the model) after at most {limit}")
+                    continue
+                s.discarded += 1
+                self.emit(M.Resampled(s.rid, self.name, tokens[i], s.n_committed, self.clock()))
+                redo.append(i)
+            if not redo:
+                return
+            for i, t in zip(redo, self._sample(batch, logits, redo)):
+                tokens[i] = t
+            for i, d in zip(redo, self._route(batch, tokens, logits, hidden, prompt_hidden, redo)):
+                decisions[i] = d
 
     # -- routing --------------------------------------------------------------------------
     def _view(self, s: Seq) -> RequestView:
@@ -328,50 +443,64 @@ class SubServer:
         return (f"policy {pol!r}.{fn} raised {type(e).__name__}: {e}{loc} on model '{self.name}' "
                 f"at output position {s.n_committed} of request {s.rid}", tb)
 
-    def _route(self, batch, tokens, logits, hidden) -> list:
-        """Policy decisions per request: a model name, or a `RequestFailed` that fails it."""
-        out: list = [None] * len(batch)
+    def _route(self, batch, tokens: list[int], logits, hidden, prompt_hidden, idx) -> list:
+        """Policy decisions for the requests of ``batch`` at rows ``idx``: a model name, a
+        `Resample`, or a `RequestFailed` that fails it. A token a policy set (`Step.set_token`)
+        replaces the sampled one in ``tokens``."""
+        idx = list(idx)
+        out: list = [None] * len(idx)
         groups: dict[int, list[int]] = {}
-        for i, s in enumerate(batch):
+        for j, i in enumerate(idx):
+            s = batch[i]
             if s.span is not None:
-                out[i] = s.return_to if s.span <= 1 else self.name
+                out[j] = s.return_to if s.span <= 1 else self.name
             else:
-                groups.setdefault(s.config.policy_key, []).append(i)
-        for key, idx in groups.items():
+                groups.setdefault(s.config.policy_key, []).append(j)
+        for key, js in groups.items():
+            rows_i = [idx[j] for j in js]
             pol = self.policies.get(key)
             if pol is None:
-                for i in idx:
-                    out[i] = RequestFailed(f"request {batch[i].rid}: its policy is no longer registered")
+                for j in js:
+                    out[j] = RequestFailed(f"request {batch[idx[j]].rid}: its policy is no longer registered")
                 continue
-            views = [self._view(batch[i]) for i in idx]
-            rows = None if len(idx) == len(batch) else torch.tensor(idx)
-            sb = StepBatch(self.name, self.models, tokens if rows is None else tokens[rows], logits, hidden, views,
-                           self.tokenizer, needs=pol.needs, rows=rows, policy=repr(pol))
+
+            def make_batch():
+                rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
+                return StepBatch(self.name, self.models, torch.tensor([tokens[i] for i in rows_i]), logits, hidden,
+                                 [self._view(batch[i]) for i in rows_i], self.tokenizer, needs=pol.needs, rows=rows,
+                                 policy=repr(pol), peer_logits=[batch[i].peer_logits for i in rows_i],
+                                 prompt_hidden=[prompt_hidden[i] for i in rows_i])
+            sb = make_batch()
             try:
                 res = list(pol.route_batch(sb))
-                if len(res) != len(idx):
-                    raise ValueError(f"route_batch returned {len(res)} decisions for {len(idx)} requests")
+                if len(res) != len(js):
+                    raise ValueError(f"route_batch returned {len(res)} decisions for {len(js)} requests")
             except Exception:  # noqa: BLE001 - isolate the failing request(s)
-                res = []
-                for j in range(len(idx)):
+                res, sb = [], make_batch()  # tokens as sampled again
+                for k in range(len(js)):
                     try:
-                        res.append(pol.route(sb[j]))
+                        res.append(pol.route(sb[k]))
                     except Exception as e:  # noqa: BLE001
-                        res.append(RequestFailed(*self._policy_error(batch[idx[j]], "route", e)))
-            for j, i in enumerate(idx):
-                out[i] = res[j] if isinstance(res[j], RequestFailed) else self._target(batch[i], res[j], pol)
+                        res.append(RequestFailed(*self._policy_error(batch[rows_i[k]], "route", e)))
+            if sb._tokens_owned:
+                for k, i in enumerate(rows_i):
+                    tokens[i] = int(sb.tokens[k])
+            for k, j in enumerate(js):
+                out[j] = res[k] if isinstance(res[k], RequestFailed) else self._target(batch[idx[j]], res[k], pol)
         return out
 
-    def _target(self, s: Seq, dec, pol) -> str | RequestFailed:
+    def _target(self, s: Seq, dec, pol) -> str | Resample | RequestFailed:
         if isinstance(dec, bool) and len(self.models) == 2:
             return self.models[1 - self.index] if dec else self.name
         if isinstance(dec, str) and dec in self.models:
             return dec
+        if isinstance(dec, Resample):
+            return dec
         return RequestFailed(f"policy {pol!r}.route returned {dec!r} on model '{self.name}' at output "
                              f"position {s.n_committed} of request {s.rid}; expected one of "
-                             f"{self.models}" + (" or a bool" if len(self.models) == 2 else ""))
+                             f"{self.models}" + (" or a bool" if len(self.models) == 2 else "") + " or Resample()")
 
-    def _apply(self, s: Seq, tok: int, target: str) -> None:
+    def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
         if s.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
             s.span -= 1
             if self._commit(s, tok) or target == self.name:
@@ -391,14 +520,17 @@ class SubServer:
                 return
         else:
             s.discarded += 1
-        self._handoff(s, target, h, committed=h.keep_sampled, token=None if h.keep_sampled else tok)
+        peer = None
+        if not h.keep_sampled and getattr(pol.needs, "handoff_logits", False):
+            peer = logits[row].detach().cpu()  # only here: a torch op lets peer threads run
+        self._handoff(s, target, h, committed=h.keep_sampled, token=None if h.keep_sampled else tok, peer_logits=peer)
 
     def _commit(self, s: Seq, tok: int) -> bool:
         """Commit ``tok``; return True if the request finished."""
         s.tokens.append(tok)
         s.seen[self.name] = len(s.tokens)
         s.n_committed += 1
-        s.hops_since_commit = 0
+        s.hops_since_commit = s.resamples = 0
         p = s.config.params
         reason, why = None, None
         if tok in p.stop_token_ids:
@@ -431,7 +563,8 @@ class SubServer:
         hits = [(tail.find(x), x) for x in stops if x in tail]
         return min(hits)[1] if hits else None
 
-    def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool, token: int | None = None) -> None:
+    def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool, token: int | None = None,
+                 peer_logits: torch.Tensor | None = None) -> None:
         s.hops += 1
         s.hops_since_commit = 0 if committed else s.hops_since_commit + 1
         if s.hops_since_commit > self.config.max_hops_without_commit:
@@ -449,14 +582,16 @@ class SubServer:
             rid=s.rid, src=self.name, suffix=s.tokens[t_seen:], seen=seen, n_committed=s.n_committed,
             hops=s.hops, hops_since_commit=s.hops_since_commit, discarded=s.discarded, state=s.state,
             span=h.span, return_to=self.name if h.span is not None else None,
-            keep_sampled=h.keep_sampled, config=s.config if t_seen == 0 else None)
+            keep_sampled=h.keep_sampled, greedy=bool(h.greedy), peer_logits=peer_logits,
+            config=s.config if t_seen <= len(s.config.prompt_ids) else None)
         s.seen = seen
         s.span = s.return_to = None
+        s.greedy, s.resamples = False, 0
         self.sched.set_pending(s)
         if not self.retain_kv:  # baseline: forget the KV, the return re-prefills everything
             self.sched.pool.free(s.table)
             s.kv_len = 0
-        self.send(target, msg)
+        self._post(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None, tb: str | None = None, stop_reason=None) -> None:
         ev = M.Finished(s.rid, self.name, reason, error, self.clock(), stop_reason, tb)
@@ -466,5 +601,5 @@ class SubServer:
             self.emit(ev)
         for m, n in s.seen.items():
             if m != self.name and n > 0:
-                self.send(m, M.Release(s.rid))
+                self._post(m, M.Release(s.rid))
         self.sched.remove(s.rid)

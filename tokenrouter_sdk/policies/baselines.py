@@ -23,6 +23,9 @@ class SingleModel(Policy):
             raise ValueError(f"SingleModel({self.model!r}): no such model, have {list(models)}")
         return self.model
 
+    def may_use(self, req, models):
+        return [req.owner]  # the entry model only: nothing to prefill elsewhere
+
     def route(self, step: Step) -> str:
         return self.model
 

@@ -15,9 +15,8 @@ routes (R2R routes on a high score).
 
 Defaults: tau = 0.95, the default of the official inference script (``token_route.py --threshold``,
 whose output file is named ``route_iter1_95``); the README's example command uses 0.9.
-Deviation: CITER's large model writes its token greedily; here it samples with the request's own
-sampling parameters (identical under greedy decoding, the default), since the engine cannot yet
-force greedy decoding for one model.
+The large model writes its token greedily, as in CITER, whatever the request's sampling
+(``Handoff(greedy=True)``); the small model samples with the request's parameters.
 Weights: CITER publishes none. ``head`` takes a tokenrouter head file (kind ``"citer"``), the
 state dict the CITER trainer saves (``mlp_training.py``: same parameter names), or a module.
 """
@@ -27,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenrouter_sdk.policy import Needs, StepBatch
+from tokenrouter_sdk.policy import Handoff, Needs, StepBatch
 
 from .heads import DeferOneToken, check_hidden, on_device, resolve_head
 
@@ -89,3 +88,7 @@ class CITER(DeferOneToken):
 
     def defer(self, batch: StepBatch) -> torch.Tensor:
         return self.confidence(batch) < self.tau
+
+    def send(self, req, target) -> Handoff:
+        """The small token is discarded; the large model writes one greedy token, then returns."""
+        return Handoff(keep_sampled=False, span=1, greedy=True)

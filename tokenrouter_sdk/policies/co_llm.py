@@ -13,21 +13,20 @@ Rule (``deferral_strategy="defer"``): pi_t > eta_t -> the base token is discarde
 ``eta_t`` follows the optional warm-up schedule of the code (``create_deferral_threshold_schedule``:
 from 1.0, i.e. never defer, to eta over ``warmup_steps`` output tokens; default constant).
 
-``compose=True`` (``deferral_strategy="compose"``): at a deferral position the token is
-argmax_x [(1 - pi_t) p_base(x) + pi_t p_asst(x)]. The engine lets no policy write a token of its
-own choosing, so this is done with handoffs: the assistant's route sees p_asst and, with the
-p_base stored at deferral, computes the composed argmax x*. If x* is the assistant's token it is
-kept; if x* is the base model's token the assistant's token is discarded and the base model
-regenerates the position, which it then keeps without deferring (the same token under greedy
-decoding; one extra base forward). If x* is a third token it cannot be written: the assistant's
-token is kept instead and ``state["co_llm_unwritable"]`` counts such positions. Exact compose
-needs an engine hook that lets a policy set the sampled token.
+The assistant writes its one token greedily (``Handoff(greedy=True)``), whatever the request's
+sampling.
+
+``compose=True`` (``deferral_strategy="compose"``): at a deferral position the token written is
+argmax_x [(1 - pi_t) p_base(x) + pi_t p_asst(x)], exactly: the base token is discarded and the
+base model's logits travel with the handoff (``Needs(handoff_logits=True)``); the assistant's
+route reads them (``step.peer_logits``), mixes the two softmaxes with the pi_t stored at deferral
+(``state["co_llm_pi"]``), writes the argmax with ``step.set_token`` (the base's token, the
+assistant's or any third token) and hands back keeping it. One assistant forward per deferral.
 
 Defaults: eta = 0.5 (``generate_deferral(deferral_threshold=0.5)``); the paper picks eta per task
 on validation data (Youden's J / deferral-rate sweep), so pass yours.
-Deviations: Co-LLM decodes greedily on both models (the base argmax, one greedy assistant token);
-here both sample with the request's own parameters (identical under greedy decoding, the default),
-since the engine cannot yet force greedy decoding for one model. ``tokens_per_call`` > 1 (the base
+Deviations: Co-LLM decodes the base model greedily too; here the base samples with the request's
+own parameters (identical under greedy decoding, the default). ``tokens_per_call`` > 1 (the base
 drafts k tokens, truncated at the first deferral) is not implemented: the scripts use 1.
 Weights: Co-LLM publishes none, and it fine-tunes the whole base model jointly with g; a head
 trained on a frozen small model is an approximation. ``head`` takes a tokenrouter head file (kind
@@ -77,7 +76,8 @@ class CoLLM(DeferOneToken):
         head: the deferral head: a path, a `DeferralHead` or ``{"g": [H], "b": []}``. Required:
             ``None`` or a missing file raises `HeadMissingError`, which says how to get one.
         eta: defer when pi > eta (default 0.5).
-        compose: mix the two distributions at deferral positions (see the module docstring).
+        compose: write the argmax of the mixed distributions at deferral positions (see the
+            module docstring).
         warmup: threshold schedule, one of ``constant`` (default), ``linear``, ``cosine``,
             ``exponential``, from 1.0 to eta over ``warmup_steps`` (default 15) output tokens.
         small, large: model names (default: first and last model).
@@ -96,7 +96,7 @@ class CoLLM(DeferOneToken):
         self._net.float().eval().requires_grad_(False)
         self.eta, self.compose, self.warmup, self.warmup_steps = eta, compose, warmup, warmup_steps
         self.small, self.large = small, large
-        self.needs = Needs(hidden=True, logits=compose)
+        self.needs = Needs(hidden=True, logits=compose, handoff_logits=compose)
 
     @classmethod
     def random_head(cls, hidden_size: int, seed: int = 0, bias: float = 0.0) -> DeferralHead:
@@ -120,11 +120,8 @@ class CoLLM(DeferOneToken):
         d = pi > eta
         if self.compose:
             for i, r in enumerate(batch.requests):
-                if r.state.pop("co_llm_accept", False):   # composed argmax = the base token: keep it
-                    d[i] = False
-                elif d[i]:
-                    r.state["co_llm_defer"] = (float(pi[i]), int(batch.tokens[i]),
-                                               torch.softmax(batch.logits[i].float(), -1).cpu())
+                if d[i]:
+                    r.state["co_llm_pi"] = float(pi[i])
         return d
 
     def route_batch(self, batch: StepBatch) -> list[str]:
@@ -133,25 +130,23 @@ class CoLLM(DeferOneToken):
             return super().route_batch(batch)
         return [self._compose(batch[i], small) for i in range(len(batch))]
 
+    @staticmethod
+    def composed_token(pi: float, base_logits: torch.Tensor, asst_logits: torch.Tensor) -> int:
+        """argmax_x [(1 - pi) p_base(x) + pi p_asst(x)] (softmaxes in float32); logits shape [V]."""
+        p_base = torch.softmax(base_logits.float(), -1)
+        p_asst = torch.softmax(asst_logits.float().to(p_base.device), -1)
+        return int(((1 - pi) * p_base + pi * p_asst).argmax())
+
     def _compose(self, step: Step, small: str) -> str:
-        st = step.state
-        if "co_llm_defer" not in st:
-            return step.model
-        pi, base_tok, p_base = st.pop("co_llm_defer")
-        p_asst = torch.softmax(step.logits.float(), -1).cpu()
-        x = int(((1 - pi) * p_base + pi * p_asst).argmax())
-        if x == step.token:                      # the assistant's token: keep it
-            st["co_llm_keep"] = True
-        elif x == base_tok:                      # the base token: discard, the base regenerates it
-            st["co_llm_keep"], st["co_llm_accept"] = False, True
-        else:                                    # a third token: not writable, keep the assistant's
-            st["co_llm_keep"] = True
-            st["co_llm_unwritable"] = st.get("co_llm_unwritable", 0) + 1
+        pi = step.state.pop("co_llm_pi", None)
+        base = step.peer_logits
+        if pi is not None and base is not None:
+            step.set_token(self.composed_token(pi, base, step.logits))
         return small
 
     def send(self, req, target) -> Handoff:
+        if self.compose and req.owner == (self.small or req.models[0]):
+            return Handoff(keep_sampled=False, greedy=True)  # the assistant's route composes
         if self.compose:
-            if req.owner == (self.small or req.models[0]):
-                return Handoff(keep_sampled=False)          # the assistant's route composes
-            return Handoff(keep_sampled=req.state.pop("co_llm_keep", True))
-        return Handoff(keep_sampled=False, span=1)
+            return Handoff(keep_sampled=True)                 # back to the base, keeping the composed token
+        return Handoff(keep_sampled=False, span=1, greedy=True)

@@ -25,10 +25,12 @@ whole output is routed step by step and there is no separate answer phase; set
 
 Differences from the official code (which calls two vLLM servers step by step):
   - It regenerates the step in both branches (greedy glimpse, then a sampled step at T=0.6).
-    Here S keeps its glimpse token when it stays (``regenerate_glimpse=False``): the entropy is
-    taken from the logits, and the kept token is a draw from the distribution the official code
-    re-samples from (the request's own sampling parameters). ``regenerate_glimpse=True`` would
-    need the engine to discard a token and resample on the same model; it is refused.
+    By default S keeps its glimpse token when it stays (``regenerate_glimpse=False``): the
+    entropy is taken from the logits, and the kept token is a draw from the distribution the
+    official code re-samples from (the request's own sampling parameters).
+    ``regenerate_glimpse=True`` does what the official code does: S discards its glimpse token
+    and draws that position again from the same distribution (a `Resample` decision: no extra
+    forward, one more discarded token per S step; the same tokens under greedy decoding).
   - Separators are kept in the output (vLLM strips the stop string and the code re-joins the
     steps with "\\n\\n"); a step cut at ``max_step_tokens`` gets no separator inserted.
   - At the answer phase the official code cuts the text after ``</think>`` and appends
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step
+from tokenrouter_sdk.policy import Handoff, Needs, Policy, Resample, Step
 
 
 def topk_entropy(logits: torch.Tensor, k: int = 20) -> float:
@@ -69,12 +71,14 @@ class GlimpRouter(Policy):
             None disables it.
         answer_marker: text after which L writes the rest (``"</think>"``); None disables it.
         stop_on_repeat: two identical consecutive steps start the answer phase (official).
-        regenerate_glimpse: must be False (see the module docstring).
+        regenerate_glimpse: S discards its glimpse token and redraws it when it writes the step
+            (the official code's regeneration; see the module docstring). Default False.
         small, large: model names (default: first and last model).
 
     Per-request state (``step.state``): ``start`` (output index where the current step
     began), ``n_steps``, ``prev`` (ids of the previous step), ``answer`` (answer phase on),
-    ``glimpses`` (list of (position, H, writer)), ``keep`` (commit rule of the next handoff).
+    ``glimpses`` (list of (position, H, writer)), ``keep`` (commit rule of the next handoff),
+    ``redrawn`` (the output position of the last regenerated glimpse).
     """
 
     @property
@@ -85,11 +89,6 @@ class GlimpRouter(Policy):
                  max_step_tokens: int = 512, budget: int | None = 8192,
                  answer_marker: str | None = "</think>", stop_on_repeat: bool = True,
                  regenerate_glimpse: bool = False, small: str | None = None, large: str | None = None):
-        if regenerate_glimpse:
-            raise NotImplementedError(
-                "GlimpRouter(regenerate_glimpse=True) needs the engine to discard a token and resample "
-                "it on the same model; with greedy decoding it gives the same tokens as False, with "
-                "sampling the same distribution")
         if not separator:
             raise ValueError("GlimpRouter: separator must be a non-empty string")
         if max_step_tokens < 1 or top_k < 1:
@@ -100,7 +99,7 @@ class GlimpRouter(Policy):
         self.stop_on_repeat, self.regenerate_glimpse = stop_on_repeat, regenerate_glimpse
         self.small, self.large = small, large
 
-    def route(self, step: Step) -> str:
+    def route(self, step: Step) -> str | Resample:
         small, large = self.small or step.models[0], self.large or step.models[-1]
         st = step.state
         if st.get("answer"):
@@ -112,13 +111,16 @@ class GlimpRouter(Policy):
         out, pos = step.request.output_ids, step.position
         start = st.setdefault("start", 0)
         st["keep"] = True
-        if step.model == small and pos == start:  # the glimpse
+        if step.model == small and pos == start and st.get("redrawn") != pos:  # the glimpse
             h = topk_entropy(step.topk(self.top_k)[0], self.top_k)
             writer = large if h >= self.theta else small
             st.setdefault("glimpses", []).append((pos, h, writer))
             if writer == large:
                 st["keep"] = False  # discard the glimpse; L regenerates this position
                 return large
+            if self.regenerate_glimpse:
+                st["redrawn"] = pos  # discard the glimpse; S draws this position again
+                return Resample()
         if self.answer_marker and _completes(tk, out, 0, step.token, self.answer_marker):
             st["answer"] = True
             return large

@@ -3,10 +3,11 @@ prompt (RouteLLM, arXiv 2406.18665, lm-sys/RouteLLM ``routellm/routers/routers.p
 
 RouteLLM routes to the strong model iff its predicted strong-win-rate >= threshold, from a prompt
 embedding (OpenAI embeddings, BERT, an LLM judge). Offline here, the feature is the small
-model's own last-layer hidden state h at the last prompt token (after the final norm): the
-prefill computes it anyway, so the decision costs one head evaluation and no extra model.
-A pooled (mean) prompt state would need every prompt position's hidden state, which the engine
-does not expose (it keeps only the position that produces the next token).
+model's own last-layer hidden state (after the final norm) from its prefill, so the decision
+costs one head evaluation and no extra model: ``pooling="last"`` (default) takes h at the last
+prompt token; ``pooling="mean"`` the mean of h over every prompt position, a pooled prompt
+embedding like RouteLLM's (the prefill keeps every position's state for these requests only,
+``Needs(prompt_hidden=True)``). A head is trained for one pooling: pass the one it was trained on.
 
 `QueryRouter`: the request enters on the small model S; at S's first step (position 0) a head
 predicts p = P(S answers correctly | h). p < threshold -> S's token is discarded and the large
@@ -72,18 +73,45 @@ class QueryRouter(Policy):
         head: a head file (see the module docstring) or a `QueryHead`. Required.
         threshold: L writes the answer when p = P(S correct) < threshold (RouteLLM calibrates it
             as a quantile of the router's scores for a target share of L requests).
+        pooling: the prompt feature: ``"last"`` (h at the last prompt token, default) or
+            ``"mean"`` (h averaged over every prompt position).
         small, large: model names (default: first and last model).
 
     Per-request state: ``p_small`` (the head's p, set at position 0 on S).
+
+    Raises:
+        ValueError: an unknown ``pooling``.
     """
 
-    needs = Needs(hidden=True)
+    POOLINGS = ("last", "mean")
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(hidden=True) if self.pooling == "last" else Needs(prompt_hidden=True)
 
     def __init__(self, head: str | os.PathLike | QueryHead | None = None, threshold: float = 0.5,
-                 small: str | None = None, large: str | None = None):
+                 small: str | None = None, large: str | None = None, pooling: str = "last"):
+        if pooling not in self.POOLINGS:
+            raise ValueError(f"QueryRouter: pooling must be one of {self.POOLINGS}, got {pooling!r}")
         self._head = load_query_head(head)
         self.head = "<in memory>" if isinstance(head, QueryHead) else str(head)
         self.threshold, self.small, self.large = threshold, small, large
+        self.pooling = pooling
+
+    def features(self, batch: StepBatch, rows: list[int]) -> torch.Tensor:
+        """The prompt feature of each request at ``rows`` of a first step, shape [len(rows), H].
+
+        Raises:
+            ValueError: ``pooling="mean"`` on a backend that gives no prompt hidden states.
+        """
+        if self.pooling == "last":
+            return batch.hidden[rows]
+        ph = batch.prompt_hidden
+        missing = [batch.requests[i].rid for i in rows if ph[i] is None]
+        if missing:
+            raise ValueError(f"QueryRouter(pooling='mean'): no prompt hidden states for requests {missing} (this "
+                             f"backend's runner gives none); use pooling='last'")
+        return torch.stack([ph[i].mean(0) for i in rows])
 
     @staticmethod
     def random_head(hidden_size: int, seed: int = 0, hidden_dim: int = 0) -> QueryHead:
@@ -98,7 +126,7 @@ class QueryRouter(Policy):
         rows = [i for i, r in enumerate(batch.requests) if batch.model == small and r.n_generated == 0]
         if rows:
             with torch.inference_mode():
-                p = self._head(batch.hidden[rows]).tolist()
+                p = self._head(self.features(batch, rows)).tolist()
             for i, pi in zip(rows, p):
                 batch.requests[i].state["p_small"] = pi
                 if pi < self.threshold:
@@ -131,6 +159,9 @@ class RandomQueryRouting(Policy):
     def entry(self, req, models):
         to_large = request_draw(self.seed, req, 0) < self.p
         return (self.large or models[-1]) if to_large else (self.small or models[0])
+
+    def may_use(self, req, models):
+        return [req.owner]  # the model entry() chose writes everything
 
     def route(self, step: Step) -> str:
         return step.model

@@ -1,0 +1,41 @@
+"""The demo's comparison (tokenrouter_sdk.demo): three runs on one Router, the table and the
+step accounting (tiny pair; the real demo runs in tests/integration/test_cli.py)."""
+
+from tokenrouter_sdk import Router
+from tokenrouter_sdk.demo import format_accounting, format_comparison, process_cpu_s, run_comparison, step_accounting
+from tokenrouter_sdk.engine.messages import StepDone
+from tokenrouter_sdk.policies import RandomRouting
+
+from ..helpers import mixed_prompts
+
+
+def test_step_accounting_splits_decode_from_prefill_and_extend():
+    ev = [StepDone("small", 0, 1, 0.5, 2, 40, {0: 20, 1: 20}), StepDone("small", 1, 2, 0.1, 2, 2, {0: 1, 1: 1}),
+          StepDone("large", 2, 3, 0.3, 1, 6, {0: 6}), StepDone("large", 3, 4, 0.0, 0, 0, {}),
+          StepDone("other", 0, 1, 9.0, 1, 1, {0: 1})]
+    a = step_accounting(ev, ["small", "large"])
+    assert a["small"] == dict(steps=2, forward_s=0.6, decode_steps=1, decode_s=0.1, mixed_steps=1, mixed_s=0.5,
+                              mixed_fed=38, tokens_fed=42, mean_batch=2.0)
+    assert (a["large"]["steps"], a["large"]["mixed_fed"], a["large"]["decode_steps"]) == (1, 5, 0)
+
+
+def test_run_comparison_on_one_router(pair, tok):
+    prompts = mixed_prompts(4, seed=2)
+    seen = []
+    with Router(pair, tokenizer=tok, prefill_peers=True) as r:
+        runs = run_comparison(r, prompts, RandomRouting(p=0.5, seed=1), max_new_tokens=8, ignore_eos=True,
+                              on_run=lambda run: seen.append(run.name))
+        assert process_cpu_s(r) is None  # sub-servers in threads: no per-process CPU time
+    assert seen == [run.name for run in runs] == ["large-only", "small-only", "routed"]
+    large, small, routed = runs
+    assert large.metrics.large_fraction == 1.0 and small.metrics.large_fraction == 0.0
+    assert 0 < routed.metrics.large_fraction < 1 and routed.metrics.hops > 0
+    assert all(run.metrics.committed_tokens == 32 and len(run.agree) == 4 for run in runs)
+    assert large.agreement == 1.0
+    assert large.steps["small"]["steps"] == 0 and large.steps["large"]["tokens_fed"] == sum(map(len, prompts)) + 28
+    table = format_comparison(runs).splitlines()
+    assert table[0].split()[:3] == ["run", "tok/s", "vs"] and [row.split()[0] for row in table[2:]] == [
+        "large-only", "small-only", "routed"]
+    assert table[2].split()[2:4] == ["1.00x", "100%"] and table[2].split()[-1] == "-"
+    acc = format_accounting(runs)
+    assert "routed      [large]" in acc and "large-only  [small]" not in acc
