@@ -264,6 +264,9 @@ def main() -> None:
     ap.add_argument("--calibrate", type=int, default=8, help="training questions for the training-free thresholds")
     ap.add_argument("--calibrate-rounds", type=int, default=4)
     ap.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    ap.add_argument("--at", nargs="*", metavar="NAME=THRESHOLD",
+                    help="extra rows: a learned policy (CITER, R2R, CoLLM, QueryRouter) with its packaged head at "
+                         "this threshold, e.g. R2R=0.0435 (with RandomRouting beside it)")
     ap.add_argument("--threads", action="store_true", help="sub-servers in threads (default: processes)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch threads of this process (the threaded calibration Router; default 1: on a shared "
@@ -312,6 +315,12 @@ def main() -> None:
                 thr = {"CITER": "tau", "R2R": "tau", "CoLLM": "eta", "QueryRouter": "threshold"}[name]
                 todo.append((name, pol, f"packaged head, default {thr}={getattr(pol, thr):.4g}",
                              sha(packaged_head_path(kind))))
+        for spec in args.at or []:          # extra operating points of the packaged heads
+            name, _, value = spec.partition("=")
+            cls, kind = LEARNED[name]
+            thr = {"CITER": "tau", "R2R": "tau", "CoLLM": "eta", "QueryRouter": "threshold"}[name]
+            todo.append((f"{name}({thr}={float(value):.4g})", cls(**{thr: float(value)}),
+                         f"packaged head, {thr}={float(value):.4g}", sha(packaged_head_path(kind))))
         if any(want(n) for n in free):
             mk = {"RStitch": lambda v: (RStitch(tau=v), f"tau={v:.4g}"),
                   "R2REntropy": lambda v: (R2REntropy(threshold=v), f"threshold={v:.4g}"),
