@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tokenrouter_sdk import Router, SamplingParams, StepBatch
 from tokenrouter_sdk.policies.citer import CITER
 from tokenrouter_sdk.policies.co_llm import CoLLM, DeferralHead, warmup_eta
+from tokenrouter_sdk.policies import heads
 from tokenrouter_sdk.policies.heads import HeadMissingError, load_head, save_head
 from tokenrouter_sdk.policies.r2r import R2R, R2RAleatoric, R2REntropy, aleatoric_uncertainty
 from tokenrouter_sdk.reference import reference_generate
@@ -238,15 +239,18 @@ def test_r2r_loads_published_layout(signals, pair, tmp_path):
 
 
 @pytest.mark.parametrize("cls,kind", [(CITER, "citer"), (CoLLM, "co_llm"), (R2R, "r2r")])
-def test_refuses_to_run_without_a_head(cls, kind, tmp_path):
-    for head in (None, tmp_path / "nope.pt"):
-        with pytest.raises(HeadMissingError) as e:
-            cls(head)
-        msg = str(e.value)
-        assert isinstance(e.value, FileNotFoundError)
-        assert f"tokenrouter train {kind}" in msg and "tokenrouter_sdk.train" in msg and f"{cls.__name__}.random_head(" in msg
+def test_refuses_to_run_without_a_head(cls, kind, tmp_path, monkeypatch):
+    with pytest.raises(HeadMissingError) as e:
+        cls(tmp_path / "nope.pt")
+    msg = str(e.value)
+    assert isinstance(e.value, FileNotFoundError) and "nope.pt' does not exist" in msg
+    assert f"tokenrouter train {kind}" in msg and f"train_{kind}(router)" in msg and f"{cls.__name__}.random_head(" in msg
     if kind == "r2r":
         assert "nics-efc/R2R_router_collections" in msg
+    # head=None loads the packaged head; where it is missing the error says how to rebuild it
+    monkeypatch.setattr(heads, "packaged_head_path", lambda k: tmp_path / f"smollm2_{k}_head.pt")
+    with pytest.raises(HeadMissingError, match=f"head=None.*`tokenrouter train {kind} --package`"):
+        cls()
 
 
 def test_head_file_roundtrip_and_errors(signals, tmp_path):
@@ -286,9 +290,12 @@ def test_defaults_match_the_spec():
     def defaults(cls):
         return {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not p.empty}
 
-    assert defaults(CITER)["tau"] == 0.95                      # token_route.py --threshold (README: 0.9)
-    assert defaults(CoLLM) == {"eta": 0.5, "compose": False, "warmup": "constant", "warmup_steps": 15,
-                                    "small": None, "large": None}
+    # thresholds: the one stored in the head file, else the paper's default
+    assert defaults(CITER) == {"head": None, "tau": None, "small": None, "large": None}
+    assert CITER(CITER.random_head(H)).tau == 0.95             # token_route.py --threshold (README: 0.9)
+    assert defaults(CoLLM) == {"head": None, "eta": None, "compose": False, "warmup": "constant", "warmup_steps": 15,
+                               "small": None, "large": None}
+    assert CoLLM(CoLLM.random_head(H)).eta == 0.5
     assert defaults(R2R)["tau"] is None                        # tau stored in the checkpoint
     assert defaults(R2REntropy)["threshold"] == 0.45
     assert (defaults(R2RAleatoric)["threshold"], defaults(R2RAleatoric)["k"]) == (2.275, 10)

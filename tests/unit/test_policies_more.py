@@ -234,9 +234,12 @@ def small_prompt_hidden(pair, prompt):
     return pair["small"].get_decoder()(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1]
 
 
-def test_query_router_refuses_without_head(tmp_path):
-    with pytest.raises(HeadMissingError, match="tokenrouter train query.*random_head"):
+def test_query_router_refuses_without_head(tmp_path, monkeypatch):
+    from tokenrouter_sdk.policies import heads
+    monkeypatch.setattr(heads, "packaged_head_path", lambda k: tmp_path / f"smollm2_{k}_head.pt")
+    with pytest.raises(HeadMissingError, match="packaged head .* is missing.*tokenrouter train query.*random_head"):
         QueryRouter()
+    monkeypatch.undo()
     with pytest.raises(HeadMissingError, match="nope.pt' does not exist"):
         QueryRouter(head=tmp_path / "nope.pt")
     save_head(tmp_path / "other.pt", "citer", {"w": torch.zeros(3)})

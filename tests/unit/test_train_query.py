@@ -54,3 +54,21 @@ def test_train_query_end_to_end(pair, tmp_path):
         outs = router.generate([e.prompt for e in EXS], max_new_tokens=6)
     for o, big in zip(outs, to_large):
         assert o.ok and set(o.token_models) == {"large" if big else "small"}
+
+
+def test_reference_large_labels_agreement_with_the_large_model(pair, tmp_path):
+    from tokenrouter_sdk.eval.answers import answers_agree, extract_answer
+    small, large, tok = pair
+    exs = [Example(f"n{i}", f"Add {i} and {i + 3}, then {i}", "") for i in range(10)]
+    with pytest.raises(ValueError, match="reference must be 'gold' or 'large'"):
+        train_query({"small": small, "large": large}, exs, tokenizer=tok, out=tmp_path, reference="judge")
+    with Pair({"small": small, "large": large}, tok) as pr:
+        ids = [pr.encode(e.prompt) for e in exs]
+        s, lg = pr.generate(ids, "small", max_new_tokens=6), pr.generate(ids, "large", max_new_tokens=6)
+    want = {e.id: int(answers_agree(extract_answer(a.text), extract_answer(b.text))) for e, a, b in zip(exs, s, lg)}
+    if len(set(want.values())) < 2:
+        pytest.skip("tiny models gave one class")
+    res = train_query({"small": small, "large": large}, exs, tokenizer=tok, out=tmp_path, max_new_tokens=6,
+                      reference="large", progress=False)
+    assert res.meta["labels_per_prompt"] == want and res.meta["hyperparameters"]["reference"] == "large"
+    assert res.metrics["labels"] == {"prompts": 10, "positive": sum(want.values()), "reference": "large"}

@@ -19,6 +19,11 @@ The large model writes its token greedily, as in CITER, whatever the request's s
 (``Handoff(greedy=True)``); the small model samples with the request's parameters.
 Weights: CITER publishes none. ``head`` takes a tokenrouter head file (kind ``"citer"``), the
 state dict the CITER trainer saves (``mlp_training.py``: same parameter names), or a module.
+Without one, the head packaged for `Router.default`'s pair is loaded
+(``tokenrouter_sdk/assets/smollm2_citer_head.pt``, trained by ``tokenrouter train citer``; its record,
+with the measured agreement, is the ``.json`` beside it) with its stored tau, calibrated so that
+about 0.25 of the committed tokens come from the large model (greedy, GSM8K prompts; measured on
+the 128 held-out GSM8K questions: see the record's ``heldout`` section).
 """
 
 from __future__ import annotations
@@ -55,16 +60,22 @@ def _citer_state_dict(obj):
 class CITER(DeferOneToken):
     """Args:
         head: the confidence head: a path, a `ConfidenceHead` (or a module with its parameter
-            names) or its state dict. Required: ``None`` or a missing file raises
+            names) or its state dict; None (default) = the head packaged for `Router.default`'s
+            pair (hidden size 576; another pair fails at its first step with an error naming the
+            fix: train one with ``tokenrouter train citer``). A missing file raises
             `HeadMissingError`, which says how to get one.
-        tau: route to the large model when c < tau (default 0.95, see the module docstring).
+        tau: route to the large model when c < tau. None (default): the threshold stored in the
+            head file (the packaged head's sends about 0.25 of the tokens to the large model),
+            else 0.95 (CITER's default, see the module docstring).
         small, large: model names (default: first and last model).
     """
 
     needs = Needs(hidden=True)
 
-    def __init__(self, head, tau: float = 0.95, small: str | None = None, large: str | None = None):
-        sd, _, self.head_meta = resolve_head(head, "citer", _citer_state_dict)
+    def __init__(self, head=None, tau: float | None = None, small: str | None = None, large: str | None = None):
+        sd, cfg, self.head_meta = resolve_head(head, "citer", _citer_state_dict)
+        if tau is None:
+            tau = cfg.get("threshold", 0.95)
         if "linear.weight" not in sd:
             _citer_state_dict(sd)
         self.hidden_size = int(sd["linear.weight"].shape[1])

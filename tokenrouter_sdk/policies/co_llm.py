@@ -32,6 +32,11 @@ Weights: Co-LLM publishes none, and it fine-tunes the whole base model jointly w
 trained on a frozen small model is an approximation. ``head`` takes a tokenrouter head file (kind
 ``"co_llm"``), a `DeferralHead`, or a state dict ``{"g": [H], "b": []}``; the deferral row of a
 fine-tuned Co-LLM checkpoint is ``lm_head.weight[-1]`` (pass ``{"g": row, "b": torch.tensor(0.)}``).
+Without one, the head packaged for `Router.default`'s pair is loaded
+(``tokenrouter_sdk/assets/smollm2_co_llm_head.pt``, trained by ``tokenrouter train co_llm``; its
+record is the ``.json`` beside it) with its stored eta, calibrated so that about 0.25 of the
+committed tokens come from the large model (greedy, GSM8K prompts; measured on the 128 held-out
+GSM8K questions: the record's ``heldout`` section).
 """
 
 from __future__ import annotations
@@ -73,9 +78,12 @@ def warmup_eta(t: int, eta: float, schedule: str, steps: int) -> float:
 
 class CoLLM(DeferOneToken):
     """Args:
-        head: the deferral head: a path, a `DeferralHead` or ``{"g": [H], "b": []}``. Required:
-            ``None`` or a missing file raises `HeadMissingError`, which says how to get one.
-        eta: defer when pi > eta (default 0.5).
+        head: the deferral head: a path, a `DeferralHead` or ``{"g": [H], "b": []}``; None
+            (default) = the head packaged for `Router.default`'s pair (hidden size 576; another
+            pair fails at its first step with an error naming the fix: train one with
+            ``tokenrouter train co_llm``). A missing file raises `HeadMissingError`.
+        eta: defer when pi > eta. None (default): the threshold stored in the head file (the
+            packaged head's sends about 0.25 of the tokens to the large model), else 0.5.
         compose: write the argmax of the mixed distributions at deferral positions (see the
             module docstring).
         warmup: threshold schedule, one of ``constant`` (default), ``linear``, ``cosine``,
@@ -83,11 +91,13 @@ class CoLLM(DeferOneToken):
         small, large: model names (default: first and last model).
     """
 
-    def __init__(self, head, eta: float = 0.5, compose: bool = False, warmup: str = "constant",
+    def __init__(self, head=None, eta: float | None = None, compose: bool = False, warmup: str = "constant",
                  warmup_steps: int = 15, small: str | None = None, large: str | None = None):
         if warmup not in WARMUPS:
             raise ValueError(f"CoLLM: warmup must be one of {WARMUPS}, got {warmup!r}")
-        sd, _, self.head_meta = resolve_head(head, "co_llm")
+        sd, cfg, self.head_meta = resolve_head(head, "co_llm")
+        if eta is None:
+            eta = cfg.get("threshold", 0.5)
         if set(sd) != {"g", "b"}:
             raise ValueError(f"CoLLM: a deferral head has tensors 'g' [H] and 'b' [], got {sorted(sd)}")
         self.hidden_size = int(sd["g"].shape[-1])

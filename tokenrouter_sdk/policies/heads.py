@@ -9,11 +9,18 @@ File format: ``torch.save`` of a plain dict, read back with ``torch.load(weights
 ``config`` and ``meta`` hold only plain Python values (str, int, float, bool, None, lists, dicts)
 so that the weights-only loader accepts them. Foreign formats (the CITER trainer's raw state
 dict, R2R's ``default_router.pt``) are read by the policy that knows them.
+
+Packaged heads: the package ships one head per kind for `Router.default`'s pair (SmolLM2-135M-Instruct
+and its self-draft, hidden size 576), ``tokenrouter_sdk/assets/smollm2_<kind>_head.pt`` (float16)
+with its record ``smollm2_<kind>_head.json`` (command, data ids, seed, library versions, training
+and held-out metrics). A learned policy built without a head (``head=None``) loads it, and its
+threshold defaults to the one stored there. ``tokenrouter train <kind> --package`` rebuilds them.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -40,16 +47,34 @@ KINDS = {
 }
 
 
-class HeadMissingError(FileNotFoundError):
-    """A learned policy was built without its head (``head=None``) or the head file is absent."""
+PACKAGED_PAIR = "Router.default()'s pair (SmolLM2-135M-Instruct and its self-draft, hidden size 576)"
 
-    def __init__(self, kind: str, path=None):
+
+def packaged_head_path(kind: str) -> Path:
+    """The packaged head of ``kind`` for `Router.default`'s pair:
+    ``tokenrouter_sdk/assets/smollm2_<kind>_head.pt`` (it may be absent in a source tree where it
+    was never built)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    return Path(__file__).resolve().parent.parent / "assets" / f"smollm2_{kind}_head.pt"
+
+
+class HeadMissingError(FileNotFoundError):
+    """A learned policy's head file is absent: the path given, or (``head=None``) the packaged head."""
+
+    def __init__(self, kind: str, path=None, packaged: bool = False):
         cls, what, where = KINDS[kind]
-        given = "no head was given (head=None)" if path is None else f"the head file {str(path)!r} does not exist"
+        if packaged:
+            given = (f"no head was given (head=None) and the packaged head {str(path)!r} is missing (reinstall "
+                     f"tokenrouter-sdk, or rebuild it: `tokenrouter train {kind} --package`)")
+        elif path is None:
+            given = "no head was given"
+        else:
+            given = f"the head file {str(path)!r} does not exist"
         super().__init__(
-            f"{cls} needs {what}, and {given}. {where}. Train one with "
-            f"`tokenrouter train {kind}` (or `tokenrouter_sdk.train`). For tests, a head with "
-            f"random weights can be made with `{cls}.random_head(...)`.")
+            f"{cls} needs {what}, and {given}. {where}. Train one for your pair with "
+            f"`tokenrouter_sdk.train.train_{kind}(router)` (CLI: `tokenrouter train {kind} --out heads`) and pass "
+            f"head=<its .pt file>. For tests, a head with random weights can be made with `{cls}.random_head(...)`.")
         self.kind, self.path = kind, path
 
 
@@ -86,9 +111,17 @@ def load_head(path, kind: str, foreign: Callable[[object], tuple] | None = None)
 
 
 def resolve_head(head, kind: str, foreign: Callable[[object], tuple] | None = None) -> tuple[dict, dict, dict]:
-    """``head`` as given to a policy (a path, an ``nn.Module`` or a state dict) -> ``(state_dict, config, meta)``."""
+    """``head`` as given to a policy (a path, an ``nn.Module`` or a state dict) -> ``(state_dict, config, meta)``;
+    None = the packaged head (`packaged_head_path`).
+
+    Raises:
+        HeadMissingError: the file (or, for None, the packaged head) does not exist.
+    """
     if head is None:
-        raise HeadMissingError(kind)
+        path = packaged_head_path(kind)
+        if not path.exists():
+            raise HeadMissingError(kind, path, packaged=True)
+        return load_head(path, kind, foreign)
     if isinstance(head, (str, os.PathLike)):
         return load_head(head, kind, foreign)
     if isinstance(head, nn.Module):
@@ -103,7 +136,10 @@ def check_hidden(kind: str, head_size: int, model_size: int) -> None:
     """Raise a clear error when the head was made for another hidden size than the model's."""
     if head_size != model_size:
         raise ValueError(f"{KINDS[kind][0]} head expects hidden size {head_size} (from its weights) but the "
-                         f"small model's hidden states have size {model_size}: the head belongs to another model")
+                         f"small model's hidden states have size {model_size}: the head belongs to another model "
+                         f"(the packaged head is for {PACKAGED_PAIR}). Train one for this pair with "
+                         f"`tokenrouter_sdk.train.train_{kind}(router)` (CLI: `tokenrouter train {kind}`) and pass "
+                         f"head=<its .pt file>")
 
 
 class DeferOneToken(Policy):

@@ -18,9 +18,13 @@ branch: one S prefill and one discarded token.
 ``entry()``, so an L request is prefilled on L only (no S work at all).
 
 Head file: the shared format of ``policies/heads.py`` (kind ``"query"``; ``config`` =
-``{"hidden_size", "hidden_dim"}``), read with ``torch.load(weights_only=True)``. Training (which
-prompts S answers correctly -> logistic regression / MLP): ``tokenrouter train query``
-(`tokenrouter_sdk.train.train_query`).
+``{"hidden_size", "hidden_dim", "threshold"?}``), read with ``torch.load(weights_only=True)``.
+Training (which prompts S answers correctly -> logistic regression / MLP):
+``tokenrouter_sdk.train.train_query`` (CLI ``tokenrouter train query``). Without a head, the one
+packaged for `Router.default`'s pair is loaded (``tokenrouter_sdk/assets/smollm2_query_head.pt``;
+its record is the ``.json`` beside it) with its stored threshold, which sends about 0.25 of the
+prompts to the large model (the quantile of p over its training prompts; measured on the 128
+held-out GSM8K questions: the record's ``heldout`` section).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from torch import nn
 
 from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step, StepBatch, request_draw
 
-from .heads import check_hidden, resolve_head, save_head
+from .heads import check_hidden, packaged_head_path, resolve_head, save_head
 
 
 class QueryHead(nn.Module):
@@ -62,19 +66,31 @@ def load_query_head(head) -> QueryHead:
     """A `QueryHead` from a head file path or a `QueryHead`; HeadMissingError if there is none."""
     if isinstance(head, QueryHead):
         return head
+    return _query_head(head)[0]
+
+
+def _query_head(head) -> tuple[QueryHead, dict]:
+    """(head, its file's config) from a path, None (the packaged head) or a `QueryHead`."""
+    if isinstance(head, QueryHead):
+        return head, {}
     sd, config, _ = resolve_head(head, "query")
-    q = QueryHead(**config)
+    q = QueryHead(**{k: config[k] for k in ("hidden_size", "hidden_dim") if k in config})
     q.load_state_dict(sd)
-    return q.eval().requires_grad_(False)
+    return q.eval().requires_grad_(False), config
 
 
 class QueryRouter(Policy):
     """Args:
-        head: a head file (see the module docstring) or a `QueryHead`. Required.
+        head: a head file (see the module docstring) or a `QueryHead`; None (default) = the head
+            packaged for `Router.default`'s pair (hidden size 576; another pair fails at its first
+            step with an error naming the fix: train one with ``tokenrouter train query``). A
+            missing file raises `HeadMissingError`.
         threshold: L writes the answer when p = P(S correct) < threshold (RouteLLM calibrates it
-            as a quantile of the router's scores for a target share of L requests).
-        pooling: the prompt feature: ``"last"`` (h at the last prompt token, default) or
-            ``"mean"`` (h averaged over every prompt position).
+            as a quantile of the router's scores for a target share of L requests). None
+            (default): the threshold stored in the head file (the packaged head's sends about
+            0.25 of the prompts to the large model), else 0.5.
+        pooling: the prompt feature: ``"last"`` (h at the last prompt token, default; the packaged
+            head's) or ``"mean"`` (h averaged over every prompt position).
         small, large: model names (default: first and last model).
 
     Per-request state: ``p_small`` (the head's p, set at position 0 on S).
@@ -89,12 +105,15 @@ class QueryRouter(Policy):
     def needs(self) -> Needs:
         return Needs(hidden=True) if self.pooling == "last" else Needs(prompt_hidden=True)
 
-    def __init__(self, head: str | os.PathLike | QueryHead | None = None, threshold: float = 0.5,
+    def __init__(self, head: str | os.PathLike | QueryHead | None = None, threshold: float | None = None,
                  small: str | None = None, large: str | None = None, pooling: str = "last"):
         if pooling not in self.POOLINGS:
             raise ValueError(f"QueryRouter: pooling must be one of {self.POOLINGS}, got {pooling!r}")
-        self._head = load_query_head(head)
-        self.head = "<in memory>" if isinstance(head, QueryHead) else str(head)
+        self._head, config = _query_head(head)
+        self.head = ("<in memory>" if isinstance(head, QueryHead) else
+                     str(packaged_head_path("query")) if head is None else str(head))
+        if threshold is None:
+            threshold = config.get("threshold", 0.5)
         self.threshold, self.small, self.large = threshold, small, large
         self.pooling = pooling
 

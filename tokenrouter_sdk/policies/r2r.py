@@ -22,6 +22,13 @@ Checkpoint: ``default_router.pt`` of HF ``nics-efc/R2R_router_collections``: a d
 model (or its input embedding table) as ``embedding``. Routers with a position embedding
 (``use_position_embedding``, off in every shipped config) are refused.
 
+Packaged head: without ``head``, the router trained for `Router.default`'s pair is loaded
+(``tokenrouter_sdk/assets/smollm2_r2r_head.pt``, float16, made by ``tokenrouter train r2r``; its
+record, with the measured agreement, is the ``.json`` beside it). Its stored tau sends about 0.25 of
+the committed tokens to the large model (calibrated in the engine, greedy, GSM8K prompts), and it
+reads SmolLM2-135M-Instruct's token table from the model cache (``embedding_source`` in its
+config) in whichever process routes, when no ``embedding`` is given.
+
 Training-free variants of the same code (``switching.py``), same commit rule and span:
 - `R2REntropy`: full-vocabulary entropy of S's next-token distribution in nats; L iff H >= 0.45.
 - `R2RAleatoric` (``immediate`` strategy): LogU aleatoric uncertainty of the top-10 raw logits
@@ -42,6 +49,30 @@ from .heads import DeferOneToken, check_hidden, on_device, resolve_head
 
 MODEL_TYPE = "HiddenStatesTokenLMHeadLogitsClassifier"
 INPUT_TYPE = ["hidden_states", "token", "logits"]
+EMBEDDING_SOURCE = "smollm2-135m-instruct"   # the packaged pair's token table, in the model cache
+
+
+def source_embedding(source: str) -> torch.Tensor:
+    """The input embedding table [V, E] (float32) a head names in ``config["embedding_source"]``,
+    read from the model cache (``<cache>/smollm2-135m-instruct/model.safetensors``).
+
+    Raises:
+        ValueError: an unknown source.
+        FileNotFoundError: the cached model is absent (names how to build it).
+    """
+    if source != EMBEDDING_SOURCE:
+        raise ValueError(f"R2R: unknown embedding_source {source!r} in the head's config (known: "
+                         f"{EMBEDDING_SOURCE!r}); pass embedding=<the small model>")
+    from safetensors import safe_open
+
+    from tokenrouter_sdk.models import cache_dir
+    path = cache_dir() / source / "model.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"R2R: the head reads SmolLM2-135M-Instruct's token embeddings from {path}, which is "
+                                "missing: build it once with tokenrouter_sdk.models.smollm2_folder() (Router.default() "
+                                "does), or pass embedding=<the small model>")
+    with safe_open(str(path), "pt") as f:
+        return f.get_tensor("model.embed_tokens.weight").float()
 
 
 class _Block(nn.Module):
@@ -135,31 +166,36 @@ def _published(obj):
 class R2R(DeferOneToken):
     """Args:
         head: the router: a path to ``default_router.pt`` (or a tokenrouter head file of kind
-            ``"r2r"``), that checkpoint's dict, or a `RouterNet`. Required: ``None`` or a missing
-            file raises `HeadMissingError`, which says how to get one.
+            ``"r2r"``), that checkpoint's dict, or a `RouterNet`; None (default) = the router
+            packaged for `Router.default`'s pair (hidden size 576; another pair fails at its first
+            step with an error naming the fix: train one with ``tokenrouter train r2r``). A
+            missing file raises `HeadMissingError`, which says how to get one.
         embedding: the small model's input embedding table [V, E]: the model itself, its
             ``nn.Embedding``, or the weight tensor. Required unless the checkpoint holds
-            ``token_embeddings.weight`` (R2R's ``*_all.pt``).
-        tau: route when p >= tau; default: the threshold stored in the checkpoint.
+            ``token_embeddings.weight`` (R2R's ``*_all.pt``) or names an ``embedding_source``
+            (the packaged router: SmolLM2-135M-Instruct's table, read from the model cache at
+            the first step, in the process that routes).
+        tau: route when p >= tau; default: the threshold stored in the checkpoint (the packaged
+            router's sends about 0.25 of the tokens to the large model).
         small, large: model names (default: first and last model).
     """
 
-    def __init__(self, head, embedding=None, tau: float | None = None,
+    def __init__(self, head=None, embedding=None, tau: float | None = None,
                  small: str | None = None, large: str | None = None):
         sd, cfg, self.head_meta = resolve_head(head, "r2r", _published)
         sd = dict(sd)
         table = sd.pop("token_embeddings.weight", None)
         self._net = RouterNet.from_state_dict(sd)
         emb = table if embedding is None else embedding
-        if emb is None:
+        self._emb_source = cfg.get("embedding_source") if emb is None else None
+        if emb is None and self._emb_source is None:
             raise ValueError("R2R: the checkpoint holds no token embedding table (R2R strips it); pass the small "
                              "model's: R2R(head, embedding=small_model)")
-        if hasattr(emb, "get_input_embeddings"):
-            emb = emb.get_input_embeddings()
-        self._emb = (emb.weight if isinstance(emb, nn.Embedding) else emb).detach()
-        if self._emb.shape[-1] != self._net.embed_size:
-            raise ValueError(f"R2R: the router expects token embeddings of size {self._net.embed_size} but the "
-                             f"given table has size {self._emb.shape[-1]}: the router belongs to another model")
+        self._emb = None
+        if emb is not None:
+            if hasattr(emb, "get_input_embeddings"):
+                emb = emb.get_input_embeddings()
+            self._set_table((emb.weight if isinstance(emb, nn.Embedding) else emb).detach())
         tau = cfg.get("threshold") if tau is None else tau
         if tau is None:
             raise ValueError("R2R: the checkpoint stores no threshold (common_args.threshold); pass tau=..., "
@@ -186,9 +222,23 @@ class R2R(DeferOneToken):
                 "common_args": {"threshold": threshold, "input_type": list(INPUT_TYPE)},
                 "state_dict": net.state_dict()}
 
+    def _set_table(self, table: torch.Tensor) -> None:
+        if table.shape[-1] != self._net.embed_size:
+            raise ValueError(f"R2R: the router expects token embeddings of size {self._net.embed_size} but the "
+                             f"given table has size {table.shape[-1]}: the router belongs to another model")
+        self._emb = table
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if state.get("_emb_source") is not None:
+            state["_emb"] = None          # re-read from the model cache where it is used
+        return state
+
     def prob(self, batch: StepBatch) -> torch.Tensor:
         """p (probability that the small token is divergent) per request, shape [B] (float32)."""
         check_hidden("r2r", self.hidden_size, batch.hidden.shape[-1])
+        if self._emb is None:
+            self._set_table(source_embedding(self._emb_source))
         net, dev = on_device(self._net, batch.hidden), batch.hidden.device
         e = self._emb[batch.tokens.to(self._emb.device)].to(dev, torch.float32)
         z = batch.topk(self.logits_size)[0].to(dev, torch.float32)

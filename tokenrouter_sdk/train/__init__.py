@@ -7,14 +7,17 @@ Each takes a `Router` (or ``{"small": m, "large": M}`` plus ``tokenizer``) and t
 (default: GSM8K test questions without the 128 held-out evaluation ones), shows tqdm progress
 bars, saves the head with `tokenrouter_sdk.policies.heads.save_head` (the file its policy reads)
 plus a JSON record (data ids, model pair, hyperparameters, metrics) next to it, and returns a
-`TrainResult`. CLI: ``tokenrouter train {r2r,citer,co_llm,query}``. Nothing is imported from
-torch-heavy modules until a function is called.
+`TrainResult`. `calibrate_threshold` and `finalize` (``package``) give a trained head its
+default threshold for a target large fraction, calibrated in the engine, and write it for use
+(``--package``: where the learned policies find their default heads). CLI:
+``tokenrouter train {r2r,citer,co_llm,query}``. Nothing is imported from torch-heavy modules
+until a function is called.
 """
 
 from __future__ import annotations
 
 __all__ = ["train_r2r", "train_citer", "train_co_llm", "train_query", "TrainResult", "load_examples",
-           "Example", "HELDOUT_IDS"]
+           "Example", "HELDOUT_IDS", "calibrate_threshold", "finalize"]
 
 
 def __getattr__(name):
@@ -33,6 +36,9 @@ def __getattr__(name):
     if name == "TrainResult":
         from .common import TrainResult
         return TrainResult
+    if name in ("calibrate_threshold", "finalize"):
+        from . import package
+        return getattr(package, name)
     if name in ("load_examples", "Example", "HELDOUT_IDS"):
         from . import data
         return getattr(data, name)

@@ -1,6 +1,17 @@
 """``tokenrouter train {r2r,citer,co_llm,query}``: train a router head on the packaged CPU pair
 (`Router.default`, the self-draft pair unless ``--small-layers``) from GSM8K test questions without
-the 128 held-out ones, and save it (and its JSON record) under ``--out``."""
+the 128 held-out ones, give it a default threshold that sends ``--large-fraction`` of the tokens
+to the large model (calibrated in the engine on ``--calibrate`` training prompts), and save it
+(and its JSON record) under ``--out``, or with ``--package`` where the policies look for their
+default head (``tokenrouter_sdk/assets/smollm2_<kind>_head.pt``, float16).
+
+The packaged heads were made with::
+
+    tokenrouter train r2r --limit 48 --max-new-tokens 96 --branches 6 --branch-tokens 24 --threads 1 --package
+    tokenrouter train citer --limit 48 --rollouts 2 --threads 1 --package
+    tokenrouter train co_llm --limit 64 --threads 1 --package
+    tokenrouter train query --limit 128 --max-new-tokens 96 --reference large --threads 1 --package
+"""
 
 from __future__ import annotations
 
@@ -18,30 +29,73 @@ def add_parser(sub) -> None:
                                   "excluded)")
     t.add_argument("--limit", type=int, default=64, help="training questions (default 64)")
     t.add_argument("--out", default="heads", help="output folder (default heads/)")
+    t.add_argument("--package", action="store_true",
+                   help="also write the head (float16) and its record where the package looks for the default head "
+                        "(tokenrouter_sdk/assets/smollm2_<kind>_head.*); the float32 head stays in --out")
     t.add_argument("--max-new-tokens", type=int, default=96, help="response / answer length, tokens (r2r, query)")
+    t.add_argument("--branches", type=int, default=8, help="r2r: verified differing positions per response")
+    t.add_argument("--branch-tokens", type=int, default=32, help="r2r: bound of each branch continuation, tokens")
+    t.add_argument("--rollouts", type=int, default=4, help="citer: rollouts per example")
+    t.add_argument("--reference", choices=("gold", "large"), default="gold",
+                   help="query: label = the small answer is correct (gold) or agrees with the large model's (large)")
     t.add_argument("--epochs", type=int, default=None, help="training epochs (default: the pipeline's)")
+    t.add_argument("--large-fraction", type=float, default=0.25,
+                   help="the default threshold sends this share of the committed tokens (query: of the prompts) to "
+                        "the large model (default 0.25)")
+    t.add_argument("--calibrate", type=int, default=16,
+                   help="training prompts the default threshold is calibrated on, in the engine (default 16)")
+    t.add_argument("--calibrate-tokens", type=int, default=128, help="tokens per calibration answer (default 128)")
     t.add_argument("--small-layers", type=int, default=None,
                    help="small = plain truncation to this many layers (default: the packaged self-draft, "
                         "Router.default()'s pair)")
+    t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=run)
 
 
 def run(args) -> int:
-    """Run one pipeline from parsed arguments; prints the head path, threshold and metrics."""
+    """Run one pipeline from parsed arguments, calibrate the default threshold and write the head;
+    prints the head path, threshold and metrics."""
+    import torch
+
     from tokenrouter_sdk import Router
     from tokenrouter_sdk import train as T
+    from tokenrouter_sdk.models import describe_default_pair
+
+    from .data import load_examples
+    from tokenrouter_sdk.policies.r2r import EMBEDDING_SOURCE
+
+    from .package import finalize, packaged_path
+    if args.package and (args.small_layers is not None or args.data is not None):
+        raise SystemExit("tokenrouter train: --package writes the default head of Router.default()'s pair on GSM8K; "
+                         "drop --small-layers/--data or use --out")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kw = {"data": args.data, "limit": args.limit, "out": args.out, "seed": args.seed}
     if args.epochs is not None:
         kw["epochs"] = args.epochs
     if args.kind in ("r2r", "query"):
         kw["max_new_tokens"] = args.max_new_tokens
+    if args.kind == "r2r":
+        kw |= {"max_branches": args.branches, "branch_tokens": args.branch_tokens}
+    if args.kind == "citer":
+        kw["max_rollouts"] = args.rollouts
+    if args.kind == "query":
+        kw |= {"large_share": args.large_fraction, "reference": args.reference}
     fn = {"r2r": T.train_r2r, "citer": T.train_citer, "co_llm": T.train_co_llm, "query": T.train_query}[args.kind]
-    from tokenrouter_sdk.models import describe_default_pair
     print(describe_default_pair(args.small_layers), flush=True)
     extra = {} if args.small_layers is None else {"small_layers": args.small_layers}
     with Router.default(processes=False, **extra) as router:
-        res = fn(router, **kw)
-    print(f"head      {res.head_path}\nrecord    {res.meta_path}\nthreshold {res.threshold:.6g}")
+        res = fn(router, **kw)      # the trained head (float32) stays in --out
+        calib = load_examples(args.data, args.calibrate)
+        dest = packaged_path(args.kind).parent if args.package else None
+        name = packaged_path(args.kind).stem if args.package else None
+        head, record, thr = finalize(res, router, target=args.large_fraction, calib_prompts=calib,
+                                     max_new_tokens=args.calibrate_tokens, dest=dest, name=name,
+                                     dtype=torch.float16 if args.package else None,
+                                     embedding=router.models[list(router.models)[0]],
+                                     config=({"embedding_source": EMBEDDING_SOURCE} if args.kind == "r2r" else None))
+    print(f"head      {head}\nrecord    {record}\nthreshold {thr:.6g} (default; large fraction target "
+          f"{args.large_fraction})")
     print(json.dumps({k: v for k, v in res.metrics.items()}, indent=1, default=str))
     return 0

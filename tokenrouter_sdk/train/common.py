@@ -108,7 +108,8 @@ def fit_bce(net: nn.Module, inputs: tuple[torch.Tensor, ...], y: torch.Tensor, *
             loss_fn: Callable | None = None, progress: bool = False, desc: str = "train") -> dict:
     """Train ``net`` (``net(*inputs) -> logits [N]``) with AdamW on BCE-with-logits (or
     ``loss_fn(logits, batch_inputs, y) -> scalar``); keeps the weights of the best validation
-    loss (early stopping after ``patience`` epochs without improvement).
+    loss (early stopping after ``patience`` epochs without improvement). Batch order and dropout
+    are drawn from ``seed`` (the caller's global random state is left as it was).
 
     Args:
         inputs: tensors with N rows each; y: labels [N] in {0, 1} (float).
@@ -137,29 +138,31 @@ def fit_bce(net: nn.Module, inputs: tuple[torch.Tensor, ...], y: torch.Tensor, *
     hist = {"train_loss": [], "val_loss": [], "best_epoch": 0, "initial_train_loss": evaluate(inputs, y)}
     best, best_state, bad = math.inf, {k: v.clone() for k, v in net.state_dict().items()}, 0
     from tqdm.auto import tqdm
-    for epoch in tqdm(range(epochs), desc=desc, disable=not progress):
-        net.train()
-        perm = torch.randperm(n, generator=g)
-        for s in range(0, n, batch_size):
-            b = perm[s:s + batch_size]
-            if len(b) < 2 and n >= 2:     # BatchNorm needs 2 rows
-                continue
-            xs = tuple(x[b] for x in inputs)
-            loss = loss_of(net(*xs), xs, y[b])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        tr = evaluate(inputs, y)
-        va = evaluate(*val) if val is not None and len(val[1]) else tr
-        hist["train_loss"].append(tr)
-        hist["val_loss"].append(va)
-        if va < best - 1e-6:
-            best, bad, hist["best_epoch"] = va, 0, epoch
-            best_state = {k: v.clone() for k, v in net.state_dict().items()}
-        else:
-            bad += 1
-            if bad >= patience:
-                break
+    with torch.random.fork_rng(devices=[]):   # dropout draws from the seeded global generator
+        torch.manual_seed(seed)
+        for epoch in tqdm(range(epochs), desc=desc, disable=not progress):
+            net.train()
+            perm = torch.randperm(n, generator=g)
+            for s in range(0, n, batch_size):
+                b = perm[s:s + batch_size]
+                if len(b) < 2 and n >= 2:     # BatchNorm needs 2 rows
+                    continue
+                xs = tuple(x[b] for x in inputs)
+                loss = loss_of(net(*xs), xs, y[b])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            tr = evaluate(inputs, y)
+            va = evaluate(*val) if val is not None and len(val[1]) else tr
+            hist["train_loss"].append(tr)
+            hist["val_loss"].append(va)
+            if va < best - 1e-6:
+                best, bad, hist["best_epoch"] = va, 0, epoch
+                best_state = {k: v.clone() for k, v in net.state_dict().items()}
+            else:
+                bad += 1
+                if bad >= patience:
+                    break
     net.load_state_dict(best_state)
     net.eval()
     return hist

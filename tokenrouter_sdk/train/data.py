@@ -6,7 +6,7 @@ shipped with the package, in the same template as evaluation and the demo).
 
 Split (fixed, stated in every run's ``meta``): the first 128 GSM8K test questions
 (ids ``gsm8k-test-0000`` .. ``gsm8k-test-0127``) are reserved for evaluation
-(``evals/quality/trained_heads.py``) and never used for training; training takes the questions after them.
+(``evals/quality/policy_table.py``) and never used for training; training takes the questions after them.
 Within the training questions a seeded split by question (never by token) gives validation
 questions for thresholds and early stopping.
 """
