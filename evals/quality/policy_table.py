@@ -25,26 +25,31 @@ questions), token agreement and common-prefix share with the large-only answer, 
 realised large fraction, hop rate, committed tokens/s and wall time. Resumable: every run is kept
 in ``--cache`` and reused when its configuration matches.
 
-    .venv/bin/python evals/quality/policy_table.py --num 128 --out evals/results/quality/policy_table
+Run:
+    .venv/bin/python evals/quality/policy_table.py --num 128 --max-new-tokens 96 --out evals/results/quality
 
-Writes ``<out>.csv``, ``<out>.md`` and ``<out>.json``.
+Writes ``<out>/policy_table_n<num>_t<tokens>[_at].{csv,md,json}`` (``_at`` when ``--at`` rows are
+asked for).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tokenrouter_sdk import Router
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
+
+from tokenrouter_sdk import Router  # noqa: E402
 from tokenrouter_sdk.eval.answers import answers_agree, extract_answer, is_correct
 from tokenrouter_sdk.eval.config import library_versions, wilson_interval
 from tokenrouter_sdk.policies import (CITER, R2R, CoLLM, GlimpRouter, LargeOnly, QueryRouter, R2RAleatoric,
@@ -255,7 +260,7 @@ def record_heldout(rows: list[dict], meta: dict, command: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = evalkit.parser(__file__, __doc__)
     ap.add_argument("--num", type=int, default=128, help=f"held-out questions (at most {HELDOUT})")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -272,10 +277,10 @@ def main() -> None:
                     help="torch threads of this process (the threaded calibration Router; default 1: on a shared "
                          "machine 2 threads per process ran 3-5x slower)")
     ap.add_argument("--cache", default=".cache/policy_table")
-    ap.add_argument("--out", default="evals/results/quality/policy_table")
     ap.add_argument("--record", action="store_true",
                     help="write the learned rows' numbers into the packaged heads' JSON records (heldout)")
     args = ap.parse_args()
+    out = Path(args.out) / ("policy_table_" + evalkit.cells_tag(n=args.num, t=args.max_new_tokens) + ("_at" if args.at else ""))
     torch.set_num_threads(args.torch_threads)
     if not 1 <= args.num <= HELDOUT:
         raise SystemExit(f"--num must be in 1..{HELDOUT} (the held-out questions)")
@@ -353,14 +358,14 @@ def main() -> None:
                         "rq_agree_lo": qs["agree_lo"], "rq_agree_hi": qs["agree_hi"],
                         **{f"rq_{k}": v for k, v in pq.items()}}
                 rows[-1] = row
-            write(rows, meta | {"seconds": time.perf_counter() - t0}, Path(args.out))
+            write(rows, meta | {"seconds": time.perf_counter() - t0}, out)
     meta["seconds"] = time.perf_counter() - t0
-    write(rows, meta, Path(args.out))
+    write(rows, meta, out)
     if args.record:
         import shlex
         import sys
         record_heldout(rows, meta, shlex.join([".venv/bin/python", *sys.argv]))
-    print(Path(args.out).with_suffix(".md").read_text())
+    print(out.with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":

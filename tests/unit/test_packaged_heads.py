@@ -14,7 +14,7 @@ from tokenrouter_sdk.policies import CITER, R2R, CoLLM, QueryRouter
 from tokenrouter_sdk.policies.heads import load_head, packaged_head_path
 from tokenrouter_sdk.train.data import HELDOUT_IDS
 
-from ..conftest import mixed_prompts
+from ..helpers import mixed_prompts
 
 KINDS = [("citer", CITER, "tau"), ("r2r", R2R, "tau"), ("co_llm", CoLLM, "eta"), ("query", QueryRouter, "threshold")]
 ROOT = Path(__file__).resolve().parents[2]

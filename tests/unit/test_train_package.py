@@ -13,7 +13,7 @@ from tokenrouter_sdk.policies.heads import load_head, save_head
 from tokenrouter_sdk.train.common import TrainResult
 from tokenrouter_sdk.train.package import calibrate_defer, calibrate_threshold, finalize
 
-from ..conftest import mixed_prompts
+from ..helpers import mixed_prompts
 
 PROMPTS = mixed_prompts(8, seed=3)
 
