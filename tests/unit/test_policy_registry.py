@@ -38,7 +38,7 @@ def test_builtin_names_build_the_right_classes():
     ("rstitch:foo=1", ["no argument 'foo'", "tau, tau_back"]),
     ("rstitch:tau", ["not key=value"]),
     (":tau=1", ["empty policy name"]),
-    ("citer", ["needs argument(s) ['head']"]),
+    ("single", ["needs argument(s) ['model']", "single:model="]),
     ("random:p=2", ["p must be in [0, 1]"]),
     ("glimprouter:stop_on_repeat=maybe", ["'stop_on_repeat'", "bool"]),
     ({"tau": 1}, ["needs a 'name'"]),
@@ -48,6 +48,16 @@ def test_bad_specs_name_the_problem(spec, words):
         build_policy(spec)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_learned_policies_build_from_their_packaged_heads():
+    for name, kind, cls in (("citer", "citer", "CITER"), ("r2r", "r2r", "R2R"), ("co_llm", "co_llm", "CoLLM"),
+                            ("query_router", "query", "QueryRouter")):
+        pol = build_policy(name)
+        assert type(pol).__name__ == cls and pol.head.endswith(f"smollm2_{kind}_head.pt")
+        assert len(repr(pol)) < 400          # the head's record stays out of the repr
+        if kind != "query":
+            assert pol.head_meta["kind"] == kind
 
 
 def test_file_arguments_can_be_refused():

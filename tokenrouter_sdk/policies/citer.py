@@ -33,7 +33,7 @@ from torch import nn
 
 from tokenrouter_sdk.policy import Handoff, Needs, StepBatch
 
-from .heads import DeferOneToken, check_hidden, on_device, resolve_head
+from .heads import DeferOneToken, HeadRecord, check_hidden, head_label, on_device, resolve_head
 
 
 class ConfidenceHead(nn.Module):
@@ -57,7 +57,7 @@ def _citer_state_dict(obj):
                      "with keys mlp.0.weight ... linear.weight (aiming-lab/CITER ConfidenceModel)")
 
 
-class CITER(DeferOneToken):
+class CITER(HeadRecord, DeferOneToken):
     """Args:
         head: the confidence head: a path, a `ConfidenceHead` (or a module with its parameter
             names) or its state dict; None (default) = the head packaged for `Router.default`'s
@@ -73,7 +73,8 @@ class CITER(DeferOneToken):
     needs = Needs(hidden=True)
 
     def __init__(self, head=None, tau: float | None = None, small: str | None = None, large: str | None = None):
-        sd, cfg, self.head_meta = resolve_head(head, "citer", _citer_state_dict)
+        self.head = head_label(head, "citer")
+        sd, cfg, self._head_meta = resolve_head(head, "citer", _citer_state_dict)
         if tau is None:
             tau = cfg.get("threshold", 0.95)
         if "linear.weight" not in sd:

@@ -48,7 +48,7 @@ from torch import nn
 
 from tokenrouter_sdk.policy import Handoff, Needs, Step, StepBatch
 
-from .heads import DeferOneToken, check_hidden, on_device, resolve_head
+from .heads import DeferOneToken, HeadRecord, check_hidden, head_label, on_device, resolve_head
 
 WARMUPS = ("constant", "linear", "cosine", "exponential")
 
@@ -76,7 +76,7 @@ def warmup_eta(t: int, eta: float, schedule: str, steps: int) -> float:
     return eta ** (t / steps)  # exponential: 1.0 * (eta / 1.0) ** (t / steps)
 
 
-class CoLLM(DeferOneToken):
+class CoLLM(HeadRecord, DeferOneToken):
     """Args:
         head: the deferral head: a path, a `DeferralHead` or ``{"g": [H], "b": []}``; None
             (default) = the head packaged for `Router.default`'s pair (hidden size 576; another
@@ -95,7 +95,8 @@ class CoLLM(DeferOneToken):
                  warmup_steps: int = 15, small: str | None = None, large: str | None = None):
         if warmup not in WARMUPS:
             raise ValueError(f"CoLLM: warmup must be one of {WARMUPS}, got {warmup!r}")
-        sd, cfg, self.head_meta = resolve_head(head, "co_llm")
+        self.head = head_label(head, "co_llm")
+        sd, cfg, self._head_meta = resolve_head(head, "co_llm")
         if eta is None:
             eta = cfg.get("threshold", 0.5)
         if set(sd) != {"g", "b"}:

@@ -110,6 +110,27 @@ def load_head(path, kind: str, foreign: Callable[[object], tuple] | None = None)
     return _unpack(torch.load(path, map_location="cpu", weights_only=True), kind, str(path), foreign)
 
 
+def head_label(head, kind: str) -> str:
+    """How a policy's repr names its head: the file path, the packaged head's path for None, or
+    ``"<in memory>"`` for a module or state dict."""
+    if head is None:
+        return str(packaged_head_path(kind))
+    if isinstance(head, (str, os.PathLike)):
+        return str(head)
+    return "<in memory>"
+
+
+class HeadRecord:
+    """Mixin of the learned policies: ``head_meta``, the JSON record stored with the head (how it
+    was made, its metrics; ``{}`` when it has none), kept out of the policy's repr."""
+
+    _head_meta: dict = {}
+
+    @property
+    def head_meta(self) -> dict:
+        return self._head_meta
+
+
 def resolve_head(head, kind: str, foreign: Callable[[object], tuple] | None = None) -> tuple[dict, dict, dict]:
     """``head`` as given to a policy (a path, an ``nn.Module`` or a state dict) -> ``(state_dict, config, meta)``;
     None = the packaged head (`packaged_head_path`).

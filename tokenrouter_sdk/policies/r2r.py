@@ -45,7 +45,7 @@ from torch import nn
 
 from tokenrouter_sdk.policy import Needs, StepBatch
 
-from .heads import DeferOneToken, check_hidden, on_device, resolve_head
+from .heads import DeferOneToken, HeadRecord, check_hidden, head_label, on_device, resolve_head
 
 MODEL_TYPE = "HiddenStatesTokenLMHeadLogitsClassifier"
 INPUT_TYPE = ["hidden_states", "token", "logits"]
@@ -163,7 +163,7 @@ def _published(obj):
     return obj["state_dict"], {"threshold": common.get("threshold")}, meta
 
 
-class R2R(DeferOneToken):
+class R2R(HeadRecord, DeferOneToken):
     """Args:
         head: the router: a path to ``default_router.pt`` (or a tokenrouter head file of kind
             ``"r2r"``), that checkpoint's dict, or a `RouterNet`; None (default) = the router
@@ -182,7 +182,8 @@ class R2R(DeferOneToken):
 
     def __init__(self, head=None, embedding=None, tau: float | None = None,
                  small: str | None = None, large: str | None = None):
-        sd, cfg, self.head_meta = resolve_head(head, "r2r", _published)
+        self.head = head_label(head, "r2r")
+        sd, cfg, self._head_meta = resolve_head(head, "r2r", _published)
         sd = dict(sd)
         table = sd.pop("token_embeddings.weight", None)
         self._net = RouterNet.from_state_dict(sd)
