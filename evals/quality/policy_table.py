@@ -2,7 +2,8 @@
 `RandomRouting` at the same large fraction beside each; the bar of the packaged heads.
 
 Prompts: the first ``--num`` held-out GSM8K questions (``gsm8k-test-0000`` ..; never trained on),
-in the GSM8K template of `tokenrouter_sdk.benchmarks`, chat-templated, greedy, at most
+or with ``--offset K`` questions K.. (refused where a packaged head was trained or validated on
+one), in the GSM8K template of `tokenrouter_sdk.benchmarks`, chat-templated, greedy, at most
 ``--max-new-tokens`` tokens each, ``--concurrency`` requests at a time, one `Router.default()`.
 Rows:
 - ``LargeOnly`` (the reference answers) and ``SmallOnly``;
@@ -184,6 +185,16 @@ def matched_random(router, name, f: float, prompts, args, cache) -> dict:
     return min(tried, key=lambda r: abs(r["large_fraction"] - f))
 
 
+def trained_ids() -> set[str]:
+    """Every question id a packaged head was trained or validated on (from their JSON records)."""
+    ids = set()
+    for _, kind in LEARNED.values():
+        record = json.loads(packaged_head_path(kind).with_suffix(".json").read_text())
+        ids |= set(record["data"].get("train_ids", [])) | set(record["data"].get("val_ids", []))
+        ids |= set(record.get("default_threshold", {}).get("calibration_ids", []))
+    return ids
+
+
 # -- report ----------------------------------------------------------------------------------------
 COLS = ["policy", "setting", "large_fraction", "hop_rate", "tok_s", "agreement", "agree_lo", "agree_hi",
         "random", "random_large_fraction", "random_hop_rate", "random_tok_s", "random_agreement", "random_agree_lo",
@@ -262,6 +273,9 @@ def record_heldout(rows: list[dict], meta: dict, command: str) -> None:
 def main() -> None:
     ap = evalkit.parser(__file__, __doc__)
     ap.add_argument("--num", type=int, default=128, help=f"held-out questions (at most {HELDOUT})")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="start at GSM8K test question OFFSET instead of the reserved held-out ones (0); "
+                         "refused where a question is in a packaged head's training or validation ids")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--target", type=float, default=0.25, help="large fraction of the training-free rows")
@@ -280,14 +294,21 @@ def main() -> None:
     ap.add_argument("--record", action="store_true",
                     help="write the learned rows' numbers into the packaged heads' JSON records (heldout)")
     args = ap.parse_args()
-    out = Path(args.out) / ("policy_table_" + evalkit.cells_tag(n=args.num, t=args.max_new_tokens) + ("_at" if args.at else ""))
+    out = Path(args.out) / ("policy_table_" + evalkit.cells_tag(o=args.offset or None, n=args.num, t=args.max_new_tokens)
+                            + ("_at" if args.at else ""))
     torch.set_num_threads(args.torch_threads)
-    if not 1 <= args.num <= HELDOUT:
+    if args.offset == 0 and not 1 <= args.num <= HELDOUT:
         raise SystemExit(f"--num must be in 1..{HELDOUT} (the held-out questions)")
-    examples = load_examples(limit=args.num, exclude_heldout=False)
-    assert [e.id for e in examples] == [f"gsm8k-test-{i:04d}" for i in range(args.num)]
+    examples = load_examples(limit=args.offset + args.num, exclude_heldout=False)[args.offset:]
+    assert [e.id for e in examples] == [f"gsm8k-test-{i:04d}" for i in range(args.offset, args.offset + args.num)]
+    if args.offset:
+        seen = trained_ids()
+        clash = sorted(e.id for e in examples if e.id in seen)
+        if clash:
+            raise SystemExit(f"--offset {args.offset}: {len(clash)} of these questions trained a packaged head "
+                             f"(first {clash[0]}); pick an offset past them")
     prompts = [e.prompt for e in examples]
-    cache = Path(args.cache)
+    cache = Path(args.cache) / (f"offset{args.offset}" if args.offset else "")
     cache.mkdir(parents=True, exist_ok=True)
     want = lambda n: not args.only or n in args.only  # noqa: E731
     t0 = time.perf_counter()
@@ -300,7 +321,7 @@ def main() -> None:
             calib = [e.prompt for e in load_examples(limit=args.calibrate)]
             cal = calibrate_free(calib, args.target, args.max_new_tokens, args.calibrate_rounds)
             calib_file.write_text(json.dumps(cal, indent=1))
-    rows, meta = [], {"n": args.num, "ids": f"gsm8k-test-0000..{args.num - 1:04d}", "max_new_tokens": args.max_new_tokens,
+    rows, meta = [], {"n": args.num, "ids": f"{examples[0].id}..{examples[-1].id[-4:]}", "max_new_tokens": args.max_new_tokens,
                       "concurrency": args.concurrency, "target": args.target, "versions": library_versions(),
                       "heads": {k: {"path": str(packaged_head_path(kind)), "sha256_16": sha(packaged_head_path(kind))}
                                 for k, (_, kind) in LEARNED.items()},
