@@ -13,12 +13,10 @@ Where rows come from (the first that exists wins; `load` names the one used in `
    in ``$TOKENROUTER_DATA``): a local folder may always be passed explicitly;
 2. the file shipped in ``tokenrouter_sdk/data/`` (GSM8K test, MATH-500, AIME 2024, AMC 2023; MIT;
    gzip, its sha256 checked on every read);
-3. ``../shared/data/<file>`` next to the working directory or the repository, when such a folder
-   exists (an optional local copy);
-4. the hub copy already in the `datasets` cache, read offline (no network).
+3. the hub copy already in the `datasets` cache, read offline (no network).
 
-A fresh clone therefore gets the same GSM8K questions as a checkout with a local data folder.
-CommonsenseQA is not shipped (no licence is stated for its file): it loads from 1, 3 or 4.
+No folder outside the package is searched unless it is named (1), so every clone reads the same
+questions. CommonsenseQA is not shipped (no licence is stated for its file): it loads from 1 or 3.
 
 ```python
 from tokenrouter_sdk.benchmarks import load, load_prompts
@@ -123,13 +121,6 @@ def spec_for_path(path: str | os.PathLike) -> BenchmarkSpec:
     if known:
         return BenchmarkSpec(known.name, p.name, known.kind, known.template)
     return BenchmarkSpec(p.stem.removesuffix(".jsonl"), p.name, "math", MATH_TEMPLATE)
-
-
-def fallback_dirs() -> list[Path]:
-    """Optional local copies searched after the shipped files: ``../shared/data`` relative to the
-    working directory and to the repository root (folders that need not exist)."""
-    roots = [Path.cwd(), Path(__file__).resolve().parents[1]]
-    return [r / ".." / "shared" / "data" for r in roots]
 
 
 @dataclass
@@ -313,11 +304,6 @@ def load(name_or_path: str | os.PathLike = "gsm8k", limit: int | None = None, *,
         tried.append(f"{spec.packaged} (shipped file missing from this install)")
     else:
         tried.append(f"shipped files ({spec.name} is not shipped)")
-    for d in fallback_dirs():
-        p = d / spec.file
-        if p.is_file():
-            return BenchmarkData(spec, _parse_jsonl(_read_file(p), str(p), spec.name, limit), str(p.resolve()))
-        tried.append(f"{p.resolve()} (no such file)")
     if spec.hub is not None:
         try:
             rows = _from_datasets_cache(spec)

@@ -17,12 +17,12 @@ FIRST8_IDS = [f"gsm8k-test-{i:04d}" for i in range(8)]
 
 @pytest.fixture
 def fresh_clone(tmp_path, monkeypatch):
-    """The environment of a fresh clone: no ../shared/data anywhere, no $TOKENROUTER_DATA, an empty
-    `datasets` cache, and a working directory with nothing in it."""
+    """The environment of a fresh clone: no $TOKENROUTER_DATA, an empty `datasets` cache, and a
+    working directory with nothing in it; returns a local data folder (not yet created) that only
+    an explicit ``data_dir`` names."""
     import datasets.config
 
-    empty = tmp_path / "nowhere" / "shared" / "data"
-    monkeypatch.setattr(B, "fallback_dirs", lambda: [empty])
+    empty = tmp_path / "nowhere" / "data"
     monkeypatch.delenv("TOKENROUTER_DATA", raising=False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     work = tmp_path / "work"
@@ -94,15 +94,19 @@ def test_training_holds_out_the_first_128_gsm8k_questions(fresh_clone):
     assert [e.id for e in held] == sorted(HELDOUT_IDS)
 
 
-def test_source_order_explicit_then_packaged_then_local_copy(tmp_path, monkeypatch, fresh_clone):
+def test_source_order_explicit_then_packaged(tmp_path, monkeypatch, fresh_clone):
     row = {"id": "gsm8k-test-0000", "question": "local?", "answer": "1", "meta": {}}
-    fresh_clone.mkdir(parents=True)
-    (fresh_clone / "gsm8k_test.jsonl").write_text(json.dumps(row) + "\n")
-    (fresh_clone / "commonsenseqa_validation.jsonl").write_text(json.dumps(
-        {"id": "c0", "question": "Where?\nAnswer Choices: (A) bank (B) mall", "answer": "A"}) + "\n")
-    # the packaged GSM8K file comes before the local copy; a benchmark that is not shipped uses the copy
+    csqa = {"id": "c0", "question": "Where?\nAnswer Choices: (A) bank (B) mall", "answer": "A"}
+    # a data folder beside the working directory is never searched unless named
+    beside = tmp_path / "shared" / "data"
+    beside.mkdir(parents=True)
+    (beside / "gsm8k_test.jsonl").write_text(json.dumps(row) + "\n")
+    (beside / "commonsenseqa_validation.jsonl").write_text(json.dumps(csqa) + "\n")
     assert B.load("gsm8k", 1).questions != ["local?"]
-    assert B.load("csqa").source == str((fresh_clone / "commonsenseqa_validation.jsonl").resolve())
+    with pytest.raises(FileNotFoundError):
+        B.load("csqa")
+    # a benchmark that is not shipped loads from a folder passed explicitly
+    assert B.load("csqa", data_dir=beside).source == str((beside / "commonsenseqa_validation.jsonl").resolve())
     # a local folder passed explicitly (argument or $TOKENROUTER_DATA) and an explicit path come first
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -146,7 +150,7 @@ def test_errors_name_the_problem_and_the_fix(tmp_path, monkeypatch, fresh_clone)
     with pytest.raises(FileNotFoundError) as e:
         B.load("commonsenseqa")  # not shipped, no local copy, nothing cached
     msg = str(e.value)
-    assert "tried:" in msg and str(fresh_clone.resolve()) in msg and "datasets cache of 'tau/commonsense_qa'" in msg
+    assert "tried:" in msg and "datasets cache of 'tau/commonsense_qa'" in msg and "shared" not in msg
     assert "not shipped" in msg and "path=" in msg and "data_dir=" in msg
     with pytest.raises(FileNotFoundError, match="no_such.jsonl"):
         B.load(tmp_path / "no_such.jsonl")
