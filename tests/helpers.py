@@ -5,6 +5,10 @@ Import them as ``from tests.helpers import ...`` (the fixtures live in conftest.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import torch
@@ -176,3 +180,14 @@ def pools_free(router, timeout=10.0) -> dict:
         if all(f == n for f, n in out.values()) or time.perf_counter() > deadline:
             return out
         time.sleep(0.02)
+
+
+def run_script(tmp_path, source: str, name: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``source`` (dedented) as a fresh Python script ``tmp_path/name`` in ``tmp_path``, with
+    this interpreter's import path and without $TOKENROUTER_PROCESSES; stdout/stderr captured."""
+    script = tmp_path / name
+    script.write_text(textwrap.dedent(source))
+    env = {k: v for k, v in os.environ.items() if k != "TOKENROUTER_PROCESSES"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=tmp_path)

@@ -11,9 +11,7 @@ Speed is measured by ``evals/throughput/router_start_time.py``, not here.
 import json
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -24,7 +22,7 @@ from tokenrouter_sdk.engine.process_transport import ProcessTransport
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.reference import reference_generate
 
-from ..helpers import mixed_prompts
+from ..helpers import mixed_prompts, run_script
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server and /proc are Linux's")]
@@ -198,12 +196,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_sub_servers_and_fork_server_end_with_a_killed_parent(tmp_path):
-    script = tmp_path / "killed_parent.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items() if k != "TOKENROUTER_PROCESSES"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=env,
-                         cwd=tmp_path)
+    res = run_script(tmp_path, SCRIPT, "killed_parent.py", timeout=200)
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["error"] is None and out["server"] != out["me"] and len(out["pids"]) == 2

@@ -12,9 +12,6 @@ import json
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +25,7 @@ from tokenrouter_sdk.engine.process_transport import ProcessTransport
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 
-from ..helpers import DiscardTwoBack, mixed_prompts
+from ..helpers import DiscardTwoBack, mixed_prompts, run_script
 
 N_NEW = 24
 pytestmark = pytest.mark.timeout(180)
@@ -301,12 +298,7 @@ print(json.dumps({"kind": kind, "errors": [o.error for o in outs],
 
 
 def test_policy_defined_in_main_of_a_script(tmp_path):
-    script = tmp_path / "notebook_like.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items() if k != "TOKENROUTER_PROCESSES"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=170, env=env,
-                         cwd=tmp_path)
+    res = run_script(tmp_path, SCRIPT, "notebook_like.py", timeout=170)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["kind"] == "ProcessTransport"
