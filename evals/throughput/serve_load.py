@@ -31,12 +31,12 @@ Writes ``<out>/serve_load.json`` (every bar, the per-phase numbers, the RSS read
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -332,6 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.time_limit
+    # SIGTERM (kill, pkill, a CI timeout) ends the run through the `finally` below, which stops the server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from tokenrouter_sdk import Router
     from tokenrouter_sdk.policies.registry import build_policy
