@@ -10,6 +10,13 @@ each gold position t:
   gold[:t] + token + rollout is correct (CITER's first iteration; its later iterations roll out
   with S+L under the current router, which is not done here). At most ``max_rollouts`` such
   positions per example are rolled out (a seeded sample); the others are left out of the data.
+With ``reference="large"`` the teacher-forced text is the large model's own greedy response
+(``max_new_tokens`` tokens) instead of the gold one, and a rollout is "correct" iff its final
+answer agrees with the large model's (`tokenrouter_sdk.eval.answers_agree`): the router learns to
+reproduce the large model, the target when the large model itself is rarely right (the packaged
+CPU pair: 2 of 800 gold-check rollouts were correct). Along the large model's greedy path its own
+prediction equals the reference token, so every position where the small model differs is
+labelled 0 and rollouts are not needed.
 Training: BCE on the head's logit, AdamW (CITER's README uses Adam, lr 1e-7 on large data;
 here lr 1e-3), early stopping on validation questions. Threshold: route when c < tau, with tau
 the smallest value that reaches ``recall`` of the label-0 ("large needed") positions on
@@ -26,7 +33,7 @@ from typing import Callable
 import torch
 
 from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, forward_features,
-                     threshold_below_for_recall, threshold_for_rate, write_run)
+                     reference_responses, threshold_below_for_recall, threshold_for_rate, write_run)
 from .data import Example, as_examples, is_correct, split
 
 
@@ -63,13 +70,30 @@ def gold_ids(pair: Pair, ex: Example) -> list[int]:
 
 def label_citer(pair: Pair, examples: list[Example], *, rollout_tokens: int = 96, max_rollouts: int = 4,
                 max_gold_tokens: int = 256, check: Callable = is_correct, seed: int = 0, concurrency: int = 16,
-                progress: bool = False) -> CiterData:
-    """CITER labels for every gold position (see the module docstring)."""
+                reference: str = "gold", max_new_tokens: int = 96, cache=None, progress: bool = False) -> CiterData:
+    """CITER labels for every position of the reference text (see the module docstring).
+
+    Raises:
+        ValueError: an unknown ``reference``, a gold example without a solution, or no row.
+    """
     from tqdm.auto import tqdm
+    refs = reference_texts(pair, examples, reference, max_new_tokens=max_new_tokens, concurrency=concurrency,
+                           cache=cache, progress=progress)
+    if reference == "large":
+        from tokenrouter_sdk.eval.answers import answers_agree, extract_answer
+        large_answer = [extract_answer(pair.tokenizer.decode(g, skip_special_tokens=True)) for g in refs]
+
+    def verdict(text: str, i: int) -> bool:
+        if reference == "large":
+            return answers_agree(extract_answer(text), large_answer[i])
+        return bool(check(text, examples[i]))
+
     rng = random.Random(seed)
     rows, jobs = [], []   # rows: [ex, t, h, label, reason]; jobs: (row, prompt ids, gold prefix + token)
     for i, ex in enumerate(tqdm(examples, desc="CITER: teacher forcing", disable=not progress)):
-        p, g = pair.encode(ex.prompt), gold_ids(pair, ex)[:max_gold_tokens]
+        p, g = pair.encode(ex.prompt), refs[i][:max_gold_tokens]
+        if not g:
+            continue
         hs, ls = forward_features(pair.small, p + g)
         _, ll = forward_features(pair.large, p + g)
         P = len(p)
@@ -91,9 +115,10 @@ def label_citer(pair: Pair, examples: list[Example], *, rollout_tokens: int = 96
     rollouts = []
     for (r, _, prefix), o in zip(gen, outs):
         text = pair.tokenizer.decode(prefix + list(o.token_ids), skip_special_tokens=True)
-        ok = bool(check(text, examples[rows[r][0]]))
+        i = rows[r][0]
+        ok = verdict(text, i)
         rows[r][3] = float(ok)
-        rollouts.append({"example": examples[rows[r][0]].id, "t": rows[r][1], "text": text[-300:], "correct": ok})
+        rollouts.append({"example": examples[i].id, "t": rows[r][1], "text": text[-300:], "correct": ok})
     done = {j[0] for j in gen}
     rows = [x for n, x in enumerate(rows) if x[4] != 2 or n in done]
     if not rows:
@@ -101,6 +126,23 @@ def label_citer(pair: Pair, examples: list[Example], *, rollout_tokens: int = 96
     return CiterData(torch.stack([x[2] for x in rows]), torch.tensor([x[3] for x in rows]),
                      torch.tensor([x[4] for x in rows]), torch.tensor([x[0] for x in rows]),
                      torch.tensor([x[1] for x in rows]), rollouts)
+
+
+def reference_texts(pair: Pair, examples: list[Example], reference: str, *, max_new_tokens: int,
+                    concurrency: int = 16, cache=None, progress: bool = False) -> list[list[int]]:
+    """The token ids CITER and Co-LLM teacher-force per example: the gold solution
+    (``reference="gold"``) or the large model's greedy response of at most ``max_new_tokens``
+    tokens (``"large"``, `reference_responses`, cached in ``cache``).
+
+    Raises:
+        ValueError: an unknown ``reference``, or (gold) an example without a solution.
+    """
+    if reference == "gold":
+        return [gold_ids(pair, ex) for ex in examples]
+    if reference == "large":
+        return reference_responses(pair, [pair.encode(ex.prompt) for ex in examples], max_new_tokens=max_new_tokens,
+                                   concurrency=concurrency, cache=cache, progress=progress)
+    raise ValueError(f"reference must be 'gold' or 'large', got {reference!r}")
 
 
 class _Logit(torch.nn.Module):
@@ -114,12 +156,12 @@ class _Logit(torch.nn.Module):
         return self.head.linear(self.head.mlp(h)).squeeze(-1)
 
 
-def train_citer(router_or_models, prompts=None, *, tokenizer=None, data=None, limit: int | None = None,
+def train_citer(router_or_models, prompts=None, *, tokenizer=None, data=None, limit: int | None = None, offset: int = 0,
                 out="heads", name: str | None = None, rollout_tokens: int = 96, max_rollouts: int = 4,
                 max_gold_tokens: int = 256, check: Callable = is_correct, recall: float = 0.95,
                 val_fraction: float = 0.25, epochs: int = 50, lr: float = 1e-3, weight_decay: float = 5e-4,
                 batch_size: int = 256, patience: int = 10, seed: int = 0, concurrency: int = 16,
-                progress: bool = True) -> TrainResult:
+                reference: str = "gold", max_new_tokens: int = 96, cache=None, progress: bool = True) -> TrainResult:
     """Label CITER data from gold answers and train the confidence head; save it where `CITER`
     reads it.
 
@@ -131,26 +173,34 @@ def train_citer(router_or_models, prompts=None, *, tokenizer=None, data=None, li
         check: ``check(text, example) -> bool``, the answer check of the rollouts
             (default: `tokenrouter_sdk.train.data.is_correct`).
         recall: tau reaches this recall of label-0 positions (route when c < tau) on validation.
+        reference: ``"gold"`` (teacher-force the gold solutions, rollouts checked against the
+            gold answer) or ``"large"`` (the large model's greedy responses of ``max_new_tokens``
+            tokens, rollouts checked for agreement with its answer); see the module docstring.
+        cache: a folder where the large model's responses are kept and reused (None: none).
 
     Returns:
         `TrainResult` (``threshold`` = tau; ``metrics``: validation precision/recall of routing
         on label-0 positions, AUC of 1 - c).
 
     Raises:
-        ValueError: an example without a gold solution, or no label-0 position in validation.
+        ValueError: an example without a gold solution (``reference="gold"``), an unknown
+            ``reference``, or no label-0 position in validation.
     """
     from .data import load_examples
-    examples = as_examples(prompts) if prompts is not None else load_examples(data, limit)
+    examples = as_examples(prompts) if prompts is not None else load_examples(data, limit, offset=offset)
     train, val = split(examples, val_fraction, seed)
     hyper = {k: v for k, v in locals().items() if k in (
         "rollout_tokens", "max_rollouts", "max_gold_tokens", "recall", "val_fraction", "epochs", "lr",
-        "weight_decay", "batch_size", "patience", "seed")}
-    hyper["check"] = getattr(check, "__qualname__", str(check))
+        "weight_decay", "batch_size", "patience", "seed", "reference")}
+    if reference == "large":
+        hyper["max_new_tokens"] = max_new_tokens
+    hyper["check"] = (getattr(check, "__qualname__", str(check)) if reference == "gold" else
+                      "tokenrouter_sdk.eval.answers_agree(rollout answer, large answer)")
     t0 = time.perf_counter()
     with Pair(router_or_models, tokenizer) as pair:
         d = label_citer(pair, train + val, rollout_tokens=rollout_tokens, max_rollouts=max_rollouts,
                         max_gold_tokens=max_gold_tokens, check=check, seed=seed, concurrency=concurrency,
-                        progress=progress)
+                        reference=reference, max_new_tokens=max_new_tokens, cache=cache, progress=progress)
         meta = base_meta("citer", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
     t_label = time.perf_counter() - t0
     from tokenrouter_sdk.policies.citer import ConfidenceHead

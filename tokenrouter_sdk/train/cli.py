@@ -5,11 +5,12 @@ to the large model (calibrated in the engine on ``--calibrate`` training prompts
 (and its JSON record) under ``--out``, or with ``--package`` where the policies look for their
 default head (``tokenrouter_sdk/assets/smollm2_<kind>_head.pt``, float16).
 
-The packaged heads were made with::
+The packaged heads were made with (``$C`` = ``--offset 556 --limit 300 --max-new-tokens 96
+--concurrency 64 --cache .cache/train_responses --threads 1 --package``)::
 
-    tokenrouter train r2r --limit 48 --max-new-tokens 96 --branches 6 --branch-tokens 24 --threads 1 --package
-    tokenrouter train citer --limit 48 --rollouts 2 --threads 1 --package
-    tokenrouter train co_llm --limit 64 --threads 1 --package
+    tokenrouter train r2r $C --branches 2 --branch-tokens 24 --unverified divergent
+    tokenrouter train citer $C --reference large --rollouts 2
+    tokenrouter train co_llm $C --reference large --epochs 0
     tokenrouter train query --limit 128 --max-new-tokens 96 --reference large --threads 1 --package
 """
 
@@ -28,16 +29,27 @@ def add_parser(sub) -> None:
                                   "with the package; the 128 held-out questions gsm8k-test-0000..0127 are always "
                                   "excluded)")
     t.add_argument("--limit", type=int, default=64, help="training questions (default 64)")
+    t.add_argument("--offset", type=int, default=0,
+                   help="skip the dataset's first N rows (GSM8K: start at gsm8k-test-<N>), to keep training questions "
+                        "apart from evaluation ones (default 0)")
     t.add_argument("--out", default="heads", help="output folder (default heads/)")
     t.add_argument("--package", action="store_true",
                    help="also write the head (float16) and its record where the package looks for the default head "
                         "(tokenrouter_sdk/assets/smollm2_<kind>_head.*); the float32 head stays in --out")
-    t.add_argument("--max-new-tokens", type=int, default=96, help="response / answer length, tokens (r2r, query)")
+    t.add_argument("--max-new-tokens", type=int, default=96,
+                   help="response / answer length, tokens (r2r, query; citer and co_llm with --reference large)")
     t.add_argument("--branches", type=int, default=8, help="r2r: verified differing positions per response")
     t.add_argument("--branch-tokens", type=int, default=32, help="r2r: bound of each branch continuation, tokens")
+    t.add_argument("--unverified", choices=("drop", "divergent"), default="drop",
+                   help="r2r: differing positions beyond --branches are dropped (default) or kept as divergent")
     t.add_argument("--rollouts", type=int, default=4, help="citer: rollouts per example")
     t.add_argument("--reference", choices=("gold", "large"), default="gold",
-                   help="query: label = the small answer is correct (gold) or agrees with the large model's (large)")
+                   help="query: label = the small answer is correct (gold) or agrees with the large model's (large); "
+                        "citer, co_llm: teacher-force the gold solutions or the large model's greedy responses")
+    t.add_argument("--cache", default=None,
+                   help="folder where the large model's responses are kept and reused across pipelines (r2r, citer, "
+                        "co_llm; default: none)")
+    t.add_argument("--concurrency", type=int, default=16, help="generation batch, requests in flight (default 16)")
     t.add_argument("--epochs", type=int, default=None, help="training epochs (default: the pipeline's)")
     t.add_argument("--large-fraction", type=float, default=0.25,
                    help="the default threshold sends this share of the committed tokens (query: of the prompts) to "
@@ -51,6 +63,26 @@ def add_parser(sub) -> None:
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=run)
+
+
+def pipeline_kwargs(args) -> dict:
+    """The keyword arguments of ``train_<kind>`` that the parsed options give."""
+    kw = {"data": args.data, "limit": args.limit, "offset": args.offset, "out": args.out, "seed": args.seed}
+    if args.epochs is not None:
+        kw["epochs"] = args.epochs
+    if args.kind in ("r2r", "query") or args.reference == "large":
+        kw["max_new_tokens"] = args.max_new_tokens
+    if args.kind in ("r2r", "citer", "co_llm"):
+        kw |= {"cache": args.cache, "concurrency": args.concurrency}
+    if args.kind in ("citer", "co_llm"):
+        kw["reference"] = args.reference
+    if args.kind == "r2r":
+        kw |= {"max_branches": args.branches, "branch_tokens": args.branch_tokens, "unverified": args.unverified}
+    if args.kind == "citer":
+        kw["max_rollouts"] = args.rollouts
+    if args.kind == "query":
+        kw |= {"large_share": args.large_fraction, "reference": args.reference}
+    return kw
 
 
 def run(args) -> int:
@@ -71,23 +103,13 @@ def run(args) -> int:
                          "drop --small-layers/--data or use --out")
     if args.threads:
         torch.set_num_threads(args.threads)
-    kw = {"data": args.data, "limit": args.limit, "out": args.out, "seed": args.seed}
-    if args.epochs is not None:
-        kw["epochs"] = args.epochs
-    if args.kind in ("r2r", "query"):
-        kw["max_new_tokens"] = args.max_new_tokens
-    if args.kind == "r2r":
-        kw |= {"max_branches": args.branches, "branch_tokens": args.branch_tokens}
-    if args.kind == "citer":
-        kw["max_rollouts"] = args.rollouts
-    if args.kind == "query":
-        kw |= {"large_share": args.large_fraction, "reference": args.reference}
+    kw = pipeline_kwargs(args)
     fn = {"r2r": T.train_r2r, "citer": T.train_citer, "co_llm": T.train_co_llm, "query": T.train_query}[args.kind]
     print(describe_default_pair(args.small_layers), flush=True)
     extra = {} if args.small_layers is None else {"small_layers": args.small_layers}
     with Router.default(processes=False, **extra) as router:
         res = fn(router, **kw)      # the trained head (float32) stays in --out
-        calib = load_examples(args.data, args.calibrate)
+        calib = load_examples(args.data, args.calibrate, offset=args.offset)
         dest = packaged_path(args.kind).parent if args.package else None
         name = packaged_path(args.kind).stem if args.package else None
         head, record, thr = finalize(res, router, target=args.large_fraction, calib_prompts=calib,

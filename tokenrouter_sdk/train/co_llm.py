@@ -13,6 +13,15 @@ token x_t the small model's hidden state h_t, log p_S(x_t) and the large model's
 3. Threshold eta by Youden's J (max TPR - FPR of the rule pi > eta) on validation questions,
    labels = (the large model's greedy token != the small model's greedy token), as Co-LLM's
    threshold search does (it uses 15 validation samples).
+With ``reference="large"`` the text is the large model's own greedy response (``max_new_tokens``
+tokens) instead of the gold one: the marginal likelihood then rewards deferring exactly where the
+small model would not write the large model's token, so the head learns to reproduce the large
+model (the packaged CPU pair's large model answers 1.6% of GSM8K correctly in 96 tokens, and on
+gold text it out-predicts the small one almost everywhere: 85% deferral on validation). On
+the large model's own greedy tokens p_L is close to 1, so the marginal likelihood grows with pi
+almost everywhere and drives pi to 1 (the packaged pair: pi > 0.99999 on most rows, AUC 0.66 for
+"greedy tokens differ"); the weak-supervision stage alone (``epochs=0``) keeps a usable ranking
+(AUC 0.83), and is how the packaged head was trained.
 """
 
 from __future__ import annotations
@@ -22,20 +31,24 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .citer import gold_ids
+from .citer import reference_texts
 from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, forward_features,
                      threshold_youden, write_run)
 from .data import Example, as_examples, split
 
 
-def features_co_llm(pair: Pair, examples: list[Example], *, max_gold_tokens: int = 256,
-                    progress: bool = False) -> dict:
-    """Per gold position: ``hidden`` [N, H], ``lp_small``/``lp_large`` (log-probs of the gold
-    token, [N]), ``small_greedy``/``large_greedy``/``gold`` token ids [N], ``example`` [N]."""
+def features_co_llm(pair: Pair, examples: list[Example], *, max_gold_tokens: int = 256, reference: str = "gold",
+                    max_new_tokens: int = 96, concurrency: int = 16, cache=None, progress: bool = False) -> dict:
+    """Per position of the reference text (gold, or the large model's response with
+    ``reference="large"``, see `reference_texts`): ``hidden`` [N, H], ``lp_small``/``lp_large``
+    (log-probs of the reference token, [N]), ``small_greedy``/``large_greedy``/``gold`` (the
+    reference token) ids [N], ``example`` [N]."""
     from tqdm.auto import tqdm
+    refs = reference_texts(pair, examples, reference, max_new_tokens=max_new_tokens, concurrency=concurrency,
+                           cache=cache, progress=progress)
     cols = {k: [] for k in ("hidden", "lp_small", "lp_large", "small_greedy", "large_greedy", "gold", "example")}
     for i, ex in enumerate(tqdm(examples, desc="Co-LLM: teacher forcing", disable=not progress)):
-        p, g = pair.encode(ex.prompt), gold_ids(pair, ex)[:max_gold_tokens]
+        p, g = pair.encode(ex.prompt), refs[i][:max_gold_tokens]
         if not g:
             continue
         hs, ls = forward_features(pair.small, p + g)
@@ -71,17 +84,25 @@ class _Z(torch.nn.Module):
         return h @ self.head.g + self.head.b
 
 
-def train_co_llm(router_or_models, prompts=None, *, tokenizer=None, data=None, limit: int | None = None,
+def train_co_llm(router_or_models, prompts=None, *, tokenizer=None, data=None, limit: int | None = None, offset: int = 0,
                  out="heads", name: str | None = None, max_gold_tokens: int = 256, val_fraction: float = 0.25,
                  init_epochs: int = 10, epochs: int = 50, lr: float = 1e-3, weight_decay: float = 0.0,
-                 batch_size: int = 256, patience: int = 10, seed: int = 0, progress: bool = True) -> TrainResult:
-    """Train a Co-LLM deferral head on gold answers; save it where `CoLLM` reads it.
+                 batch_size: int = 256, patience: int = 10, seed: int = 0, reference: str = "gold",
+                 max_new_tokens: int = 96, concurrency: int = 16, cache=None, progress: bool = True) -> TrainResult:
+    """Train a Co-LLM deferral head on gold answers (or the large model's); save it where `CoLLM`
+    reads it.
 
     Args:
         router_or_models, tokenizer, prompts, data, limit, out, name: as in `train_r2r`; prompts
             must carry gold solutions.
         init_epochs: epochs of weak-supervision BCE before the marginal likelihood (0 = none).
         epochs, lr, weight_decay, batch_size, patience: the marginal-likelihood stage (AdamW).
+        reference: ``"gold"`` (the gold solutions) or ``"large"`` (the large model's greedy
+            responses of ``max_new_tokens`` tokens, generated ``concurrency`` at a time and kept in
+            ``cache``, a folder, when given); see the module docstring.
+
+    Raises:
+        ValueError: an unknown ``reference``, or a gold example without a solution.
 
     Returns:
         `TrainResult` (``threshold`` = eta; ``metrics``: validation marginal NLL against
@@ -89,14 +110,17 @@ def train_co_llm(router_or_models, prompts=None, *, tokenizer=None, data=None, l
         differ", deferral rate). ``history`` holds both stages (``init`` and ``marginal``).
     """
     from .data import load_examples
-    examples = as_examples(prompts) if prompts is not None else load_examples(data, limit)
+    examples = as_examples(prompts) if prompts is not None else load_examples(data, limit, offset=offset)
     train, val = split(examples, val_fraction, seed)
     hyper = {k: v for k, v in locals().items() if k in (
         "max_gold_tokens", "val_fraction", "init_epochs", "epochs", "lr", "weight_decay", "batch_size",
-        "patience", "seed")}
+        "patience", "seed", "reference")}
+    if reference == "large":
+        hyper["max_new_tokens"] = max_new_tokens
     t0 = time.perf_counter()
     with Pair(router_or_models, tokenizer) as pair:
-        f = features_co_llm(pair, train + val, max_gold_tokens=max_gold_tokens, progress=progress)
+        f = features_co_llm(pair, train + val, max_gold_tokens=max_gold_tokens, reference=reference,
+                            max_new_tokens=max_new_tokens, concurrency=concurrency, cache=cache, progress=progress)
         meta = base_meta("co_llm", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
     t_label = time.perf_counter() - t0
     from tokenrouter_sdk.policies.co_llm import DeferralHead

@@ -88,6 +88,50 @@ class Pair:
         self.close()
 
 
+def model_fingerprint(model) -> str:
+    """A short hash of a model's parameter values (float64 sums per tensor), for cache keys."""
+    import hashlib
+    with torch.no_grad():
+        sums = [f"{n}:{float(p.detach().double().sum()):.10e}" for n, p in model.named_parameters()]
+    return hashlib.sha256("\n".join(sums).encode()).hexdigest()[:16]
+
+
+def reference_responses(pair: Pair, prompt_ids: list[list[int]], *, max_new_tokens: int, concurrency: int = 16,
+                        cache=None, progress: bool = False) -> list[list[int]]:
+    """The large model's greedy responses (token ids, at most ``max_new_tokens`` each) to
+    ``prompt_ids``: the paths R2R labels along, and the reference text CITER and Co-LLM
+    teacher-force with ``reference="large"``.
+
+    Args:
+        cache: a folder, or None. With a folder the responses are kept there as JSON, keyed by a
+            hash of the large model's parameter values, the prompt ids and ``max_new_tokens``, so
+            the pipelines trained on the same questions generate them once.
+
+    Returns:
+        One token-id list per prompt, in order.
+
+    Raises:
+        RuntimeError: a generation failed.
+    """
+    import hashlib
+    path = None
+    if cache is not None:
+        key = json.dumps({"large": model_fingerprint(pair.large), "prompts": prompt_ids,
+                          "max_new_tokens": max_new_tokens})
+        path = Path(cache) / f"large_responses_{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+        if path.exists():
+            return [list(r) for r in json.loads(path.read_text())]
+    outs = pair.generate(prompt_ids, "large", max_new_tokens=max_new_tokens, concurrency=concurrency,
+                         progress=progress)
+    responses = [list(o.token_ids) for o in outs]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(responses))
+        tmp.replace(path)
+    return responses
+
+
 @torch.inference_mode()
 def forward_features(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced forward of ``ids`` -> ``(hidden [T, H], logits [T, V])``, float32.

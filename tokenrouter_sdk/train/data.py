@@ -57,7 +57,7 @@ def gold_response(solution: str, answer: str) -> str:
 
 
 def load_examples(path=None, limit: int | None = None, *, exclude_heldout: bool = True,
-                  template: str | None = None) -> list[Example]:
+                  template: str | None = None, offset: int = 0) -> list[Example]:
     """Training examples from GSM8K test (shipped with the package) or a JSONL file with
     ``{id, question, answer, meta: {solution}}`` rows, read by `tokenrouter_sdk.benchmarks.load`.
 
@@ -67,18 +67,22 @@ def load_examples(path=None, limit: int | None = None, *, exclude_heldout: bool 
         exclude_heldout: drop ids in `HELDOUT_IDS` (the 128 evaluation questions).
         template: prompt template with ``{question}`` (default: the benchmark's template, the
             GSM8K one for GSM8K).
+        offset: skip the dataset's first ``offset`` rows (``offset=556`` starts GSM8K at
+            ``gsm8k-test-0556``), so that training questions can be kept apart from evaluation ones.
 
     Raises:
         FileNotFoundError: ``path`` does not exist (names it and how to pass one).
-        ValueError: a row without ``question``, a template without ``{question}``, or no
-            example left.
+        ValueError: a row without ``question``, a template without ``{question}``, a negative
+            ``offset``, or no example left.
     """
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
     if template is not None and "{question}" not in template:
         raise ValueError(f"template must contain '{{question}}', got {template!r}")
     data = benchmarks.load("gsm8k" if path is None else path)
     tpl = template or data.spec.template
     out = []
-    for row in data.rows:
+    for row in data.rows[offset:]:
         if exclude_heldout and row["id"] in HELDOUT_IDS:
             continue
         out.append(Example(row["id"], tpl.format(question=row["question"]), row["answer"],
@@ -86,7 +90,8 @@ def load_examples(path=None, limit: int | None = None, *, exclude_heldout: bool 
         if limit is not None and len(out) >= limit:
             break
     if not out:
-        raise ValueError(f"{data.source}: no training examples left (limit={limit}, exclude_heldout={exclude_heldout})")
+        raise ValueError(f"{data.source}: no training examples left (limit={limit}, offset={offset}, "
+                         f"exclude_heldout={exclude_heldout})")
     return out
 
 

@@ -41,7 +41,7 @@ class _Logit(torch.nn.Module):
         return self.head.net((h - self.head.mu) / self.head.sigma).squeeze(-1)
 
 
-def train_query(router_or_models, prompts=None, *, tokenizer=None, data=None, limit: int | None = None,
+def train_query(router_or_models, prompts=None, *, tokenizer=None, data=None, limit: int | None = None, offset: int = 0,
                 out="heads", name: str | None = None, max_new_tokens: int = 128, check: Callable = is_correct,
                 reference: str = "gold", large_share: float = 0.5, hidden_dim: int = 0, val_fraction: float = 0.25, epochs: int = 200,
                 lr: float = 1e-2, weight_decay: float = 1e-2, batch_size: int = 256, patience: int = 30,
@@ -72,7 +72,7 @@ def train_query(router_or_models, prompts=None, *, tokenizer=None, data=None, li
     from tqdm.auto import tqdm
 
     from .data import load_examples
-    examples = as_examples(prompts) if prompts is not None else load_examples(data, limit)
+    examples = as_examples(prompts) if prompts is not None else load_examples(data, limit, offset=offset)
     train, val = split(examples, val_fraction, seed)
     hyper = {k: v for k, v in locals().items() if k in (
         "max_new_tokens", "large_share", "hidden_dim", "val_fraction", "epochs", "lr", "weight_decay",

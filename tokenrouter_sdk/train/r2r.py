@@ -6,12 +6,15 @@ Labelling, per training prompt:
 0. the large model L writes a greedy response (``max_new_tokens``);
 1. the small model S prefills prompt + response (teacher forcing); at each response position t
    S's greedy prediction s_t is compared with L's token l_t: equal -> label 0 ("identical");
-2. at up to ``max_branches`` differing positions per response (a seeded sample; the other
-   differing positions are left out of the data, so the label prior is shifted towards
-   identical tokens) L continues greedily from prefix + s_t, at most ``branch_tokens`` tokens, to
-   a sentence boundary. The other branch, prefix + l_t, needs no generation: under greedy
+2. at up to ``max_branches`` differing positions per response (a seeded sample) L continues
+   greedily from prefix + s_t, at most ``branch_tokens`` tokens, to a sentence boundary. The other branch, prefix + l_t, needs no generation: under greedy
    decoding L's continuation of it *is* the rest of L's response;
 3. a verifier decides whether the two branch sentences are neutral (label 0) or divergent (1).
+   The differing positions not branched are, with ``unverified="drop"`` (default), left out of
+   the data (the label prior shifts towards identical tokens), or with
+   ``unverified="divergent"`` kept and labelled 1 (R2R's labelling branches every differing
+   position; labelling the rest divergent keeps the prior and costs no generation, and most
+   branched differences are divergent: 251 of 288 in the first packaged head's data).
 
 Default verifier (`rule_verifier`, a cheap stated rule instead of R2R's 72B LLM judge): the
 branches are *divergent* unless they carry the same numbers in the same order AND either their
@@ -37,7 +40,7 @@ from typing import Callable
 import torch
 
 from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, forward_features,
-                     threshold_for_rate, threshold_for_recall, write_run)
+                     reference_responses, threshold_for_rate, threshold_for_recall, write_run)
 from .data import Example, as_examples, split
 
 STOPS = ("\n", ". ", "? ", "! ")
@@ -109,8 +112,8 @@ class R2RData:
         hidden: S's last hidden state at the position producing each token, [N, H] float32.
         token: S's greedy token there (the sampled token at inference), [N] int64.
         topk: S's top-k next-token logits, sorted descending, [N, k] float32.
-        label: 1 = divergent, 0 = identical or neutral, [N] float32.
-        kind: 0 identical, 1 neutral, 2 divergent, [N] int64.
+        label: 1 = divergent (or unverified, kept as divergent), 0 = identical or neutral, [N] float32.
+        kind: 0 identical, 1 neutral, 2 divergent, 3 differing but not branched, [N] int64.
         example: index of the example of each row, [N].
         position: response position t of each row, [N].
         branches: per verified position: example id, t, s/l token, the two branch sentences, verdict.
@@ -129,7 +132,8 @@ class R2RData:
 
     def counts(self) -> dict:
         return {"rows": len(self.label), "identical": int((self.kind == 0).sum()),
-                "neutral": int((self.kind == 1).sum()), "divergent": int((self.kind == 2).sum())}
+                "neutral": int((self.kind == 1).sum()), "divergent": int((self.kind == 2).sum()),
+                "unverified": int((self.kind == 3).sum())}
 
     def select(self, examples: set[int]) -> "R2RData":
         m = torch.tensor([int(e) in examples for e in self.example], dtype=torch.bool)
@@ -139,17 +143,24 @@ class R2RData:
 
 def label_r2r(pair: Pair, examples: list[Example], *, max_new_tokens: int = 128, branch_tokens: int = 32,
               max_branches: int = 8, logits_size: int = 100, verifier: Callable | None = None, seed: int = 0,
-              concurrency: int = 16, progress: bool = False) -> R2RData:
+              concurrency: int = 16, unverified: str = "drop", cache=None, progress: bool = False) -> R2RData:
     """Label every response position of the large model's greedy answers (see the module
-    docstring). Returns `R2RData`; rows of examples in order, positions ascending."""
+    docstring). ``cache``: a folder for the large model's responses (`reference_responses`).
+    Returns `R2RData`; rows of examples in order, positions ascending.
+
+    Raises:
+        ValueError: ``unverified`` is not ``"drop"`` or ``"divergent"``, or no row at all.
+    """
     from tqdm.auto import tqdm
+    if unverified not in ("drop", "divergent"):
+        raise ValueError(f"unverified must be 'drop' or 'divergent', got {unverified!r}")
     verifier = verifier or rule_verifier
     tok, eos = pair.tokenizer, pair.tokenizer.eos_token_id
     prompts = [pair.encode(e.prompt) for e in examples]
-    outs = pair.generate(prompts, "large", max_new_tokens=max_new_tokens, concurrency=concurrency, progress=progress)
-    responses = [list(o.token_ids) for o in outs]
+    responses = reference_responses(pair, prompts, max_new_tokens=max_new_tokens, concurrency=concurrency,
+                                    cache=cache, progress=progress)
     k = min(logits_size, pair.small.config.vocab_size)
-    rows, jobs = [], []          # rows: (ex, t, h, s_tok, topk, l_tok); jobs: (row index, branch prompt)
+    rows, jobs, unv = [], [], []   # rows: (ex, t, h, s_tok, topk, l_tok); jobs: (row index, branch prompt)
     rng = random.Random(seed)
     for i, (p, r) in enumerate(tqdm(list(zip(prompts, responses)), desc="R2R: small prefill", disable=not progress)):
         if not r:
@@ -162,16 +173,21 @@ def label_r2r(pair: Pair, examples: list[Example], *, max_new_tokens: int = 128,
         differ = [t for t in range(len(r)) if int(s_pred[t]) != r[t]]
         chosen = set(sorted(rng.sample(differ, min(max_branches, len(differ)))))
         for t in range(len(r)):
-            if int(s_pred[t]) == r[t] or t in chosen:
+            same = int(s_pred[t]) == r[t]
+            if same or t in chosen or unverified == "divergent":
                 rows.append([i, t, h[t], int(s_pred[t]), z[t], r[t]])
                 if t in chosen:
                     jobs.append((len(rows) - 1, p + r[:t] + [int(s_pred[t])]))
+                elif not same:
+                    unv.append(len(rows) - 1)
     limit = pair.router.max_context - 1
     gen = [(j, ids) for j, ids in jobs if rows[j][3] != eos and len(ids) < limit]
     conts = pair.generate([ids for _, ids in gen], "large", max_new_tokens=branch_tokens, stop=STOPS,
                           concurrency=concurrency, progress=progress)
     cont = {j: list(o.token_ids) for (j, _), o in zip(gen, conts)}
     kinds = [0] * len(rows)
+    for j in unv:
+        kinds[j] = 3
     branches = []
     for j, _ in jobs:
         i, t, _, s_tok, _, l_tok = rows[j]
@@ -187,7 +203,7 @@ def label_r2r(pair: Pair, examples: list[Example], *, max_new_tokens: int = 128,
         raise ValueError("R2R labelling produced no rows: the large model wrote empty responses")
     kind = torch.tensor(kinds)
     return R2RData(torch.stack([x[2] for x in rows]), torch.tensor([x[3] for x in rows]),
-                   torch.stack([x[4] for x in rows]), (kind == 2).float(), kind,
+                   torch.stack([x[4] for x in rows]), (kind >= 2).float(), kind,
                    torch.tensor([x[0] for x in rows]), torch.tensor([x[1] for x in rows]), branches, responses)
 
 
@@ -202,25 +218,30 @@ def build_router_net(hidden_size: int, embed_size: int, logits_size: int, hidden
         return RouterNet(hidden_size, embed_size, logits_size, blocks)
 
 
-def train_r2r(router_or_models, prompts=None, *, tokenizer=None, data=None, limit: int | None = None,
+def train_r2r(router_or_models, prompts=None, *, tokenizer=None, data=None, limit: int | None = None, offset: int = 0,
               out="heads", name: str | None = None, max_new_tokens: int = 128, branch_tokens: int = 32,
               max_branches: int = 8, verifier: Callable | None = None, recall: float = 0.95,
               val_fraction: float = 0.25, hidden_dims=(256, 256), epochs: int = 50, lr: float = 1e-3,
               weight_decay: float = 5e-4, batch_size: int = 256, patience: int = 10,
-              pos_weight: float | None = None, seed: int = 0, concurrency: int = 16,
-              progress: bool = True) -> TrainResult:
+              pos_weight: float | None = None, seed: int = 0, concurrency: int = 16, unverified: str = "drop",
+              cache=None, progress: bool = True) -> TrainResult:
     """Label R2R data with the pair and train the router; save it where `R2R` reads it.
 
     Args:
         router_or_models: a `Router` (first model small, last large) or ``{"small": m, "large": M}``
             with ``tokenizer``.
         prompts: training prompts (strings, dicts or `Example`); None = ``load_examples(data, limit)``
-            (GSM8K test without the 128 held-out questions).
+            (GSM8K test without the 128 held-out questions); ``offset`` skips the dataset's
+            first rows (`load_examples`).
         out, name: the head goes to ``<out>/<name>.pt`` and its record to ``<out>/<name>.json``
             (name default ``r2r_head``).
         max_new_tokens: length of L's responses (tokens); branch_tokens: bound of each branch
             continuation (tokens); max_branches: verified differing positions per response.
         verifier: ``verifier(context, a, b) -> bool`` (True = divergent); default `rule_verifier`.
+        unverified: differing positions beyond ``max_branches``: ``"drop"`` them or keep them
+            labelled ``"divergent"`` (see the module docstring).
+        cache: a folder where the large model's responses are kept and reused (None: none).
+        concurrency: generation batch (requests in flight).
         recall: target recall of divergent tokens on validation for tau.
         val_fraction: share of questions held out for validation (threshold, early stopping).
         hidden_dims, epochs, lr, weight_decay, batch_size, patience, pos_weight: training.
@@ -230,20 +251,20 @@ def train_r2r(router_or_models, prompts=None, *, tokenizer=None, data=None, limi
 
     Raises:
         ValueError: no divergent label in the validation questions (use more prompts, larger
-            ``max_branches`` or another verifier).
+            ``max_branches`` or another verifier), or an unknown ``unverified``.
     """
     from .data import load_examples
-    examples = as_examples(prompts) if prompts is not None else load_examples(data, limit)
+    examples = as_examples(prompts) if prompts is not None else load_examples(data, limit, offset=offset)
     train, val = split(examples, val_fraction, seed)
     hyper = {k: v for k, v in locals().items() if k in (
         "max_new_tokens", "branch_tokens", "max_branches", "recall", "val_fraction", "hidden_dims", "epochs", "lr",
-        "weight_decay", "batch_size", "patience", "pos_weight", "seed")}
+        "weight_decay", "batch_size", "patience", "pos_weight", "seed", "unverified")}
     hyper["verifier"] = getattr(verifier, "__name__", type(verifier).__name__) if verifier else "rule_verifier"
     t0 = time.perf_counter()
     with Pair(router_or_models, tokenizer) as pair:
         d = label_r2r(pair, train + val, max_new_tokens=max_new_tokens, branch_tokens=branch_tokens,
                       max_branches=max_branches, verifier=verifier, seed=seed, concurrency=concurrency,
-                      progress=progress)
+                      unverified=unverified, cache=cache, progress=progress)
         t_label = time.perf_counter() - t0
         table = pair.small.get_input_embeddings().weight.detach()
         meta = base_meta("r2r", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
