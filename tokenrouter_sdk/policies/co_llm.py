@@ -36,7 +36,9 @@ Without one, the head packaged for `Router.default`'s pair is loaded
 (``tokenrouter_sdk/assets/smollm2_co_llm_head.pt``, trained by ``tokenrouter train co_llm``; its
 record is the ``.json`` beside it) with its stored eta, calibrated so that about 0.25 of the
 committed tokens come from the large model (greedy, GSM8K prompts; measured on the 128 held-out
-GSM8K questions: the record's ``heldout`` section).
+GSM8K questions: the record's ``heldout`` section). That operating point is fast but, on this
+pair, no better than random routing; the pipeline's threshold (``pipeline_threshold`` in the
+record, ``CoLLM(eta=0.447)``, about 0.65 large) does better than random (docs/train.md).
 """
 
 from __future__ import annotations
