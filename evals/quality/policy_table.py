@@ -8,7 +8,8 @@ one), in the GSM8K template of `tokenrouter_sdk.benchmarks`, chat-templated, gre
 Rows:
 - ``LargeOnly`` (the reference answers) and ``SmallOnly``;
 - the learned policies with no arguments (``CITER()``, ``R2R()``, ``CoLLM()``, ``QueryRouter()``):
-  their packaged heads at their default thresholds, which target 0.25 large fraction;
+  their packaged heads at their default thresholds (the token-level ones target 0.7 large
+  fraction, the query head 0.25 of the prompts);
 - the training-free ones (``RStitch``, ``R2REntropy``, ``R2RAleatoric``, ``GlimpRouter``,
   ``TokenEnsemble``) at the threshold that realises about ``--target`` large fraction on
   ``--calibrate`` training questions (``gsm8k-test-0128`` ..; one-token deferral rules by score

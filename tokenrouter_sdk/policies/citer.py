@@ -22,12 +22,11 @@ state dict the CITER trainer saves (``mlp_training.py``: same parameter names), 
 Without one, the head packaged for `Router.default`'s pair is loaded
 (``tokenrouter_sdk/assets/smollm2_citer_head.pt``, trained by ``tokenrouter train citer``; its record,
 with the measured agreement, is the ``.json`` beside it) with its stored tau, calibrated so that
-about 0.25 of the committed tokens come from the large model (greedy, GSM8K prompts; measured on
-the 128 held-out GSM8K questions: see the record's ``heldout`` section). That operating point is
-fast but, on this pair, no better than random routing; the training pipeline's own threshold
-(``pipeline_threshold`` in the record, ``CITER(tau=0.709)``, about 0.7 large) follows the large
-model: final answers agree with it on 0.39 of the held-out questions against 0.08 for random
-routing at the same large fraction (docs/train.md).
+about 0.7 of the committed tokens come from the large model (greedy, GSM8K prompts; measured on
+the 128 held-out GSM8K questions: see the record's ``heldout`` section). The pair's small model
+writes a different token from the large one at about half the positions, so a router that keeps
+the large model's answers has to write about that much with it; at a quarter large fraction no
+head beats random routing on this pair (docs/train.md). A larger ``tau`` routes more.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ class CITER(HeadRecord, DeferOneToken):
             fix: train one with ``tokenrouter train citer``). A missing file raises
             `HeadMissingError`, which says how to get one.
         tau: route to the large model when c < tau. None (default): the threshold stored in the
-            head file (the packaged head's sends about 0.25 of the tokens to the large model),
+            head file (the packaged head's sends about 0.7 of the tokens to the large model),
             else 0.95 (CITER's default, see the module docstring).
         small, large: model names (default: first and last model).
     """

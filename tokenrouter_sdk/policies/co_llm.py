@@ -34,11 +34,10 @@ trained on a frozen small model is an approximation. ``head`` takes a tokenroute
 fine-tuned Co-LLM checkpoint is ``lm_head.weight[-1]`` (pass ``{"g": row, "b": torch.tensor(0.)}``).
 Without one, the head packaged for `Router.default`'s pair is loaded
 (``tokenrouter_sdk/assets/smollm2_co_llm_head.pt``, trained by ``tokenrouter train co_llm``; its
-record is the ``.json`` beside it) with its stored eta, calibrated so that about 0.25 of the
+record is the ``.json`` beside it) with its stored eta, calibrated so that about 0.7 of the
 committed tokens come from the large model (greedy, GSM8K prompts; measured on the 128 held-out
-GSM8K questions: the record's ``heldout`` section). That operating point is fast but, on this
-pair, no better than random routing; the pipeline's threshold (``pipeline_threshold`` in the
-record, ``CoLLM(eta=0.447)``, about 0.65 large) does better than random (docs/train.md).
+GSM8K questions: the record's ``heldout`` section; on this pair no head beats random routing at a
+quarter large fraction, docs/train.md). A smaller ``eta`` routes more.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ class CoLLM(HeadRecord, DeferOneToken):
             pair fails at its first step with an error naming the fix: train one with
             ``tokenrouter train co_llm``). A missing file raises `HeadMissingError`.
         eta: defer when pi > eta. None (default): the threshold stored in the head file (the
-            packaged head's sends about 0.25 of the tokens to the large model), else 0.5.
+            packaged head's sends about 0.7 of the tokens to the large model), else 0.5.
         compose: write the argmax of the mixed distributions at deferral positions (see the
             module docstring).
         warmup: threshold schedule, one of ``constant`` (default), ``linear``, ``cosine``,

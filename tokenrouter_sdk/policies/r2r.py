@@ -24,14 +24,12 @@ model (or its input embedding table) as ``embedding``. Routers with a position e
 
 Packaged head: without ``head``, the router trained for `Router.default`'s pair is loaded
 (``tokenrouter_sdk/assets/smollm2_r2r_head.pt``, float16, made by ``tokenrouter train r2r``; its
-record, with the measured agreement, is the ``.json`` beside it). Its stored tau sends about 0.25 of
-the committed tokens to the large model (calibrated in the engine, greedy, GSM8K prompts), and it
+record, with the measured agreement, is the ``.json`` beside it). Its stored tau sends about 0.7 of
+the committed tokens to the large model (calibrated in the engine, greedy, GSM8K prompts; the
+pair's small model writes a different token from the large one at about half the positions, and
+at a quarter large fraction no head beats random routing on this pair, docs/train.md), and it
 reads SmolLM2-135M-Instruct's token table from the model cache (``embedding_source`` in its
-config) in whichever process routes, when no ``embedding`` is given. That operating point is fast
-but, on this pair, no better than random routing; the pipeline's threshold (recall 0.95 of
-divergent tokens, ``pipeline_threshold`` in the record, ``R2R(tau=0.302)``, about 0.69 large)
-follows the large model: final answers agree with it on 0.45 of the held-out questions against
-0.08 for random routing at the same large fraction (docs/train.md).
+config) in whichever process routes, when no ``embedding`` is given.
 
 Training-free variants of the same code (``switching.py``), same commit rule and span:
 - `R2REntropy`: full-vocabulary entropy of S's next-token distribution in nats; L iff H >= 0.45.
@@ -180,7 +178,7 @@ class R2R(HeadRecord, DeferOneToken):
             (the packaged router: SmolLM2-135M-Instruct's table, read from the model cache at
             the first step, in the process that routes).
         tau: route when p >= tau; default: the threshold stored in the checkpoint (the packaged
-            router's sends about 0.25 of the tokens to the large model).
+            router's sends about 0.7 of the tokens to the large model).
         small, large: model names (default: first and last model).
     """
 

@@ -6,7 +6,7 @@ to the large model (calibrated in the engine on ``--calibrate`` training prompts
 default head (``tokenrouter_sdk/assets/smollm2_<kind>_head.pt``, float16).
 
 The packaged heads were made with (``$C`` = ``--offset 556 --limit 300 --max-new-tokens 96
---concurrency 64 --cache .cache/train_responses --threads 1 --package``)::
+--concurrency 64 --cache .cache/train_responses --threads 1 --large-fraction 0.7 --package``)::
 
     tokenrouter train r2r $C --branches 2 --branch-tokens 24 --unverified divergent
     tokenrouter train citer $C --reference large --rollouts 2
