@@ -191,3 +191,26 @@ def run_script(tmp_path, source: str, name: str, timeout: float) -> subprocess.C
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=tmp_path)
+
+
+def interrupt_main_after(seconds: float):
+    """Start a timer that raises KeyboardInterrupt in the main thread after ``seconds``, as Ctrl-C
+    does. A process started in the background inherits SIGINT ignored, and then
+    `_thread.interrupt_main` does nothing; Python's default handler is installed for the test
+    and the previous one restored when the timer's context ends. Use as a context manager."""
+    import _thread
+    import contextlib
+    import signal
+    import threading
+
+    @contextlib.contextmanager
+    def ctx():
+        old = signal.signal(signal.SIGINT, signal.default_int_handler)
+        timer = threading.Timer(seconds, _thread.interrupt_main)
+        timer.start()
+        try:
+            yield timer
+        finally:
+            timer.cancel()
+            signal.signal(signal.SIGINT, old)
+    return ctx()

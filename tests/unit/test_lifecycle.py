@@ -1,7 +1,6 @@
 """A request's whole life: abort at every stage, KV pressure, bad tokens, dead sub-servers,
 per-call settings, reproducible keys, bounded memory."""
 
-import _thread
 import asyncio
 import gc
 import random
@@ -15,7 +14,7 @@ from tokenrouter_sdk import Handoff, Policy, Router
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting, TokenEnsemble
 
-from ..helpers import Alternate, HandTo, ScriptedRunner, StayOn, mixed_prompts, pools_free
+from ..helpers import Alternate, HandTo, ScriptedRunner, StayOn, interrupt_main_after, mixed_prompts, pools_free
 
 TOKENS = list(range(65, 91))  # 'A'..'Z' on the byte tokenizer
 
@@ -105,8 +104,7 @@ def test_abort_handle_and_stream_close(tok):
 
 def test_keyboard_interrupt_in_generate_aborts_the_call(tok):
     with Router(scripted_pair(delay_s=0.005), Alternate(), tokenizer=tok) as r:
-        threading.Timer(0.15, _thread.interrupt_main).start()
-        with pytest.raises(KeyboardInterrupt):
+        with interrupt_main_after(0.15), pytest.raises(KeyboardInterrupt):
             r.generate([[3, 4], [5, 6], [7, 8]], max_new_tokens=5000, ignore_eos=True)
         assert all(o.finish_reason == "aborted" for o in r.last_run)
         assert all(f == n for f, n in pools_free(r).values())

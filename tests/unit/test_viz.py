@@ -21,7 +21,7 @@ from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.viz import LiveView, RunResult, TraceState
 from tokenrouter_sdk.viz.tokens import PALETTE, token_pieces
 
-from tests.helpers import mixed_prompts
+from tests.helpers import interrupt_main_after, mixed_prompts
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
@@ -246,13 +246,9 @@ def _slow_policy(delay_s):
 def test_interrupted_generate_leaves_no_router_in_the_traceback(pair, tok, live):
     """Ctrl-C in a notebook: the kernel keeps the traceback (sys.last_traceback); its frames must
     not keep the Router (and its engine) alive."""
-    import _thread
-
     r = Router(pair, _slow_policy(0.01), tokenizer=tok)
     router, engine = weakref.ref(r), weakref.ref(r.engine)
-    timer = threading.Timer(0.3, _thread.interrupt_main)
-    timer.start()
-    with pytest.raises(KeyboardInterrupt) as info:
+    with interrupt_main_after(0.3) as timer, pytest.raises(KeyboardInterrupt) as info:
         r.generate(mixed_prompts(2), max_new_tokens=200, ignore_eos=True, live=live)
         time.sleep(5)  # not reached: the interrupt lands in generate
     timer.join()
