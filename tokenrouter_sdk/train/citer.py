@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, forward_features,
-                     reference_responses, threshold_below_for_recall, threshold_for_rate, write_run)
+                     reference_texts, threshold_below_for_recall, threshold_for_rate, write_run)
 from .data import Example, as_examples, is_correct, split
 
 
@@ -58,14 +58,6 @@ class CiterData:
     def select(self, examples: set[int]) -> "CiterData":
         m = torch.tensor([int(e) in examples for e in self.example], dtype=torch.bool)
         return CiterData(self.hidden[m], self.label[m], self.reason[m], self.example[m], self.position[m])
-
-
-def gold_ids(pair: Pair, ex: Example) -> list[int]:
-    """Token ids of the example's gold response (``Example.solution``); ValueError if it has none."""
-    if not ex.solution:
-        raise ValueError(f"example {ex.id}: no gold solution; CITER and Co-LLM teacher-force gold answers "
-                         "(give dicts with 'solution' or GSM8K rows with meta.solution)")
-    return list(pair.tokenizer.encode(ex.solution, add_special_tokens=False))
 
 
 def label_citer(pair: Pair, examples: list[Example], *, rollout_tokens: int = 96, max_rollouts: int = 4,
@@ -126,23 +118,6 @@ def label_citer(pair: Pair, examples: list[Example], *, rollout_tokens: int = 96
     return CiterData(torch.stack([x[2] for x in rows]), torch.tensor([x[3] for x in rows]),
                      torch.tensor([x[4] for x in rows]), torch.tensor([x[0] for x in rows]),
                      torch.tensor([x[1] for x in rows]), rollouts)
-
-
-def reference_texts(pair: Pair, examples: list[Example], reference: str, *, max_new_tokens: int,
-                    concurrency: int = 16, cache=None, progress: bool = False) -> list[list[int]]:
-    """The token ids CITER and Co-LLM teacher-force per example: the gold solution
-    (``reference="gold"``) or the large model's greedy response of at most ``max_new_tokens``
-    tokens (``"large"``, `reference_responses`, cached in ``cache``).
-
-    Raises:
-        ValueError: an unknown ``reference``, or (gold) an example without a solution.
-    """
-    if reference == "gold":
-        return [gold_ids(pair, ex) for ex in examples]
-    if reference == "large":
-        return reference_responses(pair, [pair.encode(ex.prompt) for ex in examples], max_new_tokens=max_new_tokens,
-                                   concurrency=concurrency, cache=cache, progress=progress)
-    raise ValueError(f"reference must be 'gold' or 'large', got {reference!r}")
 
 
 class _Logit(torch.nn.Module):

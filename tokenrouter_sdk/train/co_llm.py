@@ -31,9 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .citer import reference_texts
 from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, forward_features,
-                     threshold_youden, write_run)
+                     reference_texts, threshold_youden, write_run)
 from .data import Example, as_examples, split
 
 

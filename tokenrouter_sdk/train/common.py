@@ -132,6 +132,31 @@ def reference_responses(pair: Pair, prompt_ids: list[list[int]], *, max_new_toke
     return responses
 
 
+def gold_ids(pair: Pair, ex) -> list[int]:
+    """Token ids of the example's gold response (``Example.solution``); ValueError if it has none."""
+    if not ex.solution:
+        raise ValueError(f"example {ex.id}: no gold solution; CITER and Co-LLM teacher-force gold answers "
+                         "(give dicts with 'solution' or GSM8K rows with meta.solution)")
+    return list(pair.tokenizer.encode(ex.solution, add_special_tokens=False))
+
+
+def reference_texts(pair: Pair, examples: list, reference: str, *, max_new_tokens: int,
+                    concurrency: int = 16, cache=None, progress: bool = False) -> list[list[int]]:
+    """The token ids CITER and Co-LLM teacher-force per example: the gold solution
+    (``reference="gold"``) or the large model's greedy response of at most ``max_new_tokens``
+    tokens (``"large"``, `reference_responses`, cached in ``cache``).
+
+    Raises:
+        ValueError: an unknown ``reference``, or (gold) an example without a solution.
+    """
+    if reference == "gold":
+        return [gold_ids(pair, ex) for ex in examples]
+    if reference == "large":
+        return reference_responses(pair, [pair.encode(ex.prompt) for ex in examples], max_new_tokens=max_new_tokens,
+                                   concurrency=concurrency, cache=cache, progress=progress)
+    raise ValueError(f"reference must be 'gold' or 'large', got {reference!r}")
+
+
 @torch.inference_mode()
 def forward_features(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced forward of ``ids`` -> ``(hidden [T, H], logits [T, V])``, float32.
