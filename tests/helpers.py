@@ -214,3 +214,18 @@ def interrupt_main_after(seconds: float):
             timer.cancel()
             signal.signal(signal.SIGINT, old)
     return ctx()
+
+
+# the tiny template, plus an empty think block when thinking is switched off (as Qwen3's does)
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def thinking_tokenizer():
+    """The tiny tokenizer with a template that reads ``enable_thinking`` (``THINKING_TEMPLATE``)."""
+    from tokenrouter_sdk.models import tiny_tokenizer
+    tok = tiny_tokenizer()
+    tok.chat_template = THINKING_TEMPLATE
+    return tok

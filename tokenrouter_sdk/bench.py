@@ -9,7 +9,8 @@ same cell. All figures come from `Router.metrics` (committed tokens only).
 Policies: ``random10`` / ``random30`` = `RandomRouting` with p = f, which gives a large fraction f
 (every small step ends in exactly one committed token: the small one, or with probability p the
 large model's after the small one is discarded);
-``rstitch`` = `RStitch` at its default tau.
+``rstitch`` = `RStitch` at its default tau; any other label is a registry spec
+(`tokenrouter_sdk.policies.registry`, e.g. ``rstitch:tau=0.3,tau_back=0.02``).
 """
 
 from __future__ import annotations
@@ -42,12 +43,21 @@ class Cell:
     vs_no_retain: float | None = None
 
 
-def make_policy(name: str):
-    from .policies import LargeOnly, RandomRouting, RStitch, SmallOnly
-    if name.startswith("random"):
-        f = int(name[len("random"):]) / 100
-        return RandomRouting(p=f, seed=0)
-    return {"rstitch": RStitch, "large_only": LargeOnly, "small_only": SmallOnly}[name]()
+def make_policy(name: str, registry=None):
+    """The policy of a bench label: ``random<PCT>`` (`RandomRouting` at p = PCT/100, seed 0), or a
+    registry spec (``rstitch``, ``rstitch:tau=0.3,tau_back=0.02``, a learned head, a class added
+    to ``registry``; default: the built-in registry).
+
+    Raises:
+        PolicySpecError: an unknown name or argument.
+    """
+    from .policies import RandomRouting
+    if name.startswith("random") and name[len("random"):].isdigit():
+        return RandomRouting(p=int(name[len("random"):]) / 100, seed=0)
+    if registry is None:
+        from .policies.registry import builtin_registry
+        registry = builtin_registry()
+    return registry.build(name)
 
 
 def _thresholds(router, policy, n: int, spec: str | dict | None) -> dict[str, int]:
@@ -85,7 +95,7 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
               modes=MODES, concurrency=(1, 4, 8, 16), max_new_tokens=(256,), baselines=True,
               thresholds: str | dict | None = "auto", progress: bool = True, cells: list[tuple] | None = None,
               deadline: float | None = None, on_cell=None, warmup_tokens: int = 0, max_routers: int | None = None,
-              **router_kw) -> list[Cell]:
+              registry=None, **router_kw) -> list[Cell]:
     """Run the benchmark matrix; returns one `Cell` per measured configuration.
 
     Args:
@@ -107,6 +117,7 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
             a KV pool and, with ``cuda_graphs``, captured graphs per model). None keeps all open;
             1 closes each before the next opens (a GPU with little memory for large pairs);
             the least recently used one is closed first.
+        registry: where policy specs are looked up (`make_policy`; default: the built-ins).
         router_kw: passed to `Router` (``backend``, ``max_kv_tokens``, ``processes``, ...).
     """
     from tqdm.auto import tqdm
@@ -127,7 +138,7 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
         for pol, mode, retain, n, new in cells:
             if deadline is not None and time.monotonic() > deadline:
                 break
-            policy = make_policy(pol)
+            policy = make_policy(pol, registry)
             key = (mode, retain)
             if key in routers:
                 routers[key] = routers.pop(key)  # most recently used last
@@ -138,7 +149,7 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
                 if warmup_tokens > 0:
                     top = max(c[3] for c in cells)
                     warm = [prompts[i % len(prompts)] for i in range(2 * top)]
-                    routers[key].generate(warm, policy=make_policy(pol), max_new_tokens=warmup_tokens,
+                    routers[key].generate(warm, policy=make_policy(pol, registry), max_new_tokens=warmup_tokens,
                                           ignore_eos=True, concurrency=top)
             r = routers[key]
             th = ""

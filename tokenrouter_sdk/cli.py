@@ -182,32 +182,51 @@ def cmd_info(args) -> int:
 def cmd_bench(args) -> int:
     """The side-by-side throughput benchmark (see `tokenrouter_sdk.bench`)."""
     from .bench import CsvLog, environment, format_table, run_bench, write_html
+    from .cli_common import build_policy, describe_pair, fail, load_models, per_model, policy_registry
+    prog = "tokenrouter bench"
     ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
+    registry, own = policy_registry(args, prog)
+    if args.policy and args.policies is not None:
+        raise fail(prog, "give the routed policies with --policy (repeatable) or --policies, not both")
+    policies = args.policy or args.policies or ([own] if own else ["random10", "random30", "rstitch"])
+    for pol in policies:  # every spec is checked before anything loads
+        if not (pol.startswith("random") and pol[len("random"):].isdigit()):
+            build_policy(registry, pol, prog)
     kw: dict = {}
     if args.backend == "sim":
         from .backends.sim_runner import LatencyModel
         from .models import tiny_tokenizer
+        given = [f for f, v in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+                                ("--random-pair", args.random_pair), ("--small-layers", args.small_layers),
+                                ("--transport", None if args.transport == "auto" else args.transport),
+                                ("--cuda-graphs", args.cuda_graphs or None)) if v is not None]
+        if given:
+            raise fail(prog, f"--backend sim runs latency models: {', '.join(given)} do not apply")
         models, tok = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051}),
                        "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158})}, tiny_tokenizer()
         prompts = [[5 + i % 200] * 40 for i in range(64)]
         kw = {"backend": "sim"}
     elif args.random_pair:
-        import torch
-
+        from .placement import DeviceError, resolve_device, resolve_dtype
         from .random_models import id_tokenizer, random_model, random_prompts
         names = args.random_pair.split(",")
         if len(names) != 2:
-            raise SystemExit(f"--random-pair takes SMALL,LARGE (e.g. qwen3-0.6b,qwen3-8b), got {args.random_pair!r}")
-        dtype = getattr(torch, args.dtype)
-        models = {"small": random_model(names[0], dtype=dtype, device=args.device, seed=0),
-                  "large": random_model(names[1], dtype=dtype, device=args.device, seed=1)}
+            raise fail(prog, f"--random-pair takes SMALL,LARGE (e.g. qwen3-0.6b,qwen3-8b), got {args.random_pair!r}")
+        if args.model or args.small_layers is not None:
+            raise fail(prog, "--random-pair builds its own models: --model and --small-layers do not apply")
+        dev = per_model(args.device or "cuda", ["small", "large"], "--device", prog)
+        dt = per_model(args.dtype or "bfloat16", ["small", "large"], "--dtype", prog)
+        pick = lambda v, n: v[n] if isinstance(v, dict) else v  # noqa: E731
+        try:
+            models = {n: random_model(name, dtype=resolve_dtype(pick(dt, n)), device=resolve_device(pick(dev, n)),
+                                      seed=i) for i, (n, name) in enumerate(zip(("small", "large"), names))}
+        except (DeviceError, ValueError) as e:
+            raise fail(prog, f"{type(e).__name__}: {e}") from None
         tok = id_tokenizer()
         prompts = random_prompts(64, args.prompt_tokens, seed=0)
     else:
-        from .models import default_pair, describe_default_pair
-        print(describe_default_pair(args.small_layers))
-        large, small, tok = default_pair(small_layers=args.small_layers)
-        models = {"small": small, "large": large}
+        print(describe_pair(args))
+        models, tok = load_models(args, prog)
         try:
             prompts = load_prompts(args.data or "gsm8k", 64)
         except (FileNotFoundError, ValueError) as e:
@@ -222,10 +241,10 @@ def cmd_bench(args) -> int:
     print(environment())
     deadline = time.monotonic() + 60 * args.time_budget_min if args.time_budget_min else None
     log = CsvLog(args.out + ".csv")
-    cells = run_bench(models, tok, prompts, policies=args.policies, modes=args.modes, concurrency=ints(args.concurrency),
+    cells = run_bench(models, tok, prompts, policies=policies, modes=args.modes, concurrency=ints(args.concurrency),
                       max_new_tokens=ints(args.max_new_tokens), baselines=not args.no_baselines,
                       thresholds=args.thresholds, deadline=deadline, on_cell=log, warmup_tokens=args.warmup_tokens,
-                      max_routers=args.max_routers, **kw)
+                      max_routers=args.max_routers, registry=registry, **kw)
     print(format_table(cells))
     log.rewrite(cells)  # with the final ratios
     html = write_html(cells, args.out + ".html")
@@ -237,23 +256,26 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, out: bool = True) -> argp
     """The ``bench`` options (shared by the subcommand and ``evals/throughput/side_by_side.py``);
     ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, an output prefix)."""
     b.add_argument("--backend", choices=["torch", "sim"], default="torch")
-    b.add_argument("--policies", nargs="+", default=["random10", "random30", "rstitch"],
-                   help="random<PCT> (RandomRouting at that large fraction), rstitch")
+    from .cli_common import add_model_arguments, add_policy_arguments
+    add_policy_arguments(b, default=None, repeat=True,
+                         what="a routed policy to bench (repeat for several; default random10 random30 rstitch)")
+    b.add_argument("--policies", nargs="+", default=None,
+                   help="the routed policies, in one flag: random<PCT> (RandomRouting at that large fraction) or "
+                        "registry specs (default random10 random30 rstitch)")
     b.add_argument("--modes", nargs="+", default=["sync", "model_sync", "async", "delayed"])
     b.add_argument("--concurrency", nargs="+", default=["1", "4", "8", "16"])
     b.add_argument("--max-new-tokens", nargs="+", default=["256"])
     b.add_argument("--thresholds", default="auto", help="delayed thresholds: auto (planner) or small=8,large=4")
     b.add_argument("--no-baselines", action="store_true", help="skip retain_kv=False, large-only, small-only")
-    b.add_argument("--small-layers", type=int, default=None,
-                   help="small = plain truncation to this many layers (default: the packaged self-draft)")
+    add_model_arguments(b)
     b.add_argument("--data", help="prompts: a benchmark name, a JSONL with 'question' or a text file with one "
                                   "prompt per line (default: the first 64 GSM8K questions, shipped with the package)")
     b.add_argument("--random-pair", metavar="SMALL,LARGE",
-                   help="random-weight models built from configs, e.g. qwen3-0.6b,qwen3-8b (token-id prompts)")
-    b.add_argument("--device", default="cuda", help="device of --random-pair models (default cuda)")
-    b.add_argument("--dtype", default="bfloat16", help="dtype of --random-pair models (default bfloat16)")
+                   help="random-weight models built from configs, e.g. qwen3-0.6b,qwen3-8b (token-id prompts; "
+                        "--device default cuda, --dtype default bfloat16)")
     b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length with --random-pair (default 128)")
-    b.add_argument("--max-kv-tokens", type=int, default=None, help="KV pool per model, tokens (default 8192)")
+    b.add_argument("--max-kv-tokens", type=int, default=None,
+                   help="KV pool per model, tokens (default: large enough that KV never limits a cell)")
     b.add_argument("--transport", choices=["auto", "process", "thread"], default="auto",
                    help="sub-servers in processes or threads (default: processes for two torch models)")
     b.add_argument("--time-budget-min", type=float, default=None,

@@ -69,25 +69,46 @@ def _resolve(source, gguf_file):
     return s, gguf_file, False
 
 
-def load_model(source, *, dtype=torch.float32, device="cpu", gguf_file=None):
+def load_model(source, *, dtype="auto", device="cpu", gguf_file=None):
     """Load ``(model, tokenizer)`` from a local folder, a GGUF file, or a Hugging Face hub id.
 
     ``source`` is (a) a folder with ``config.json`` (safetensors/bin weights), (b) a ``.gguf`` file or a
     folder holding exactly one ``.gguf`` (or any folder plus ``gguf_file=`` naming the file in it; GGUF
-    weights are dequantized at load and cast to ``dtype``), or (c) a hub id. ``dtype`` is a torch dtype,
-    ``device`` a torch device string. The model is returned in eval mode with ``requires_grad=False``.
+    weights are dequantized at load and cast to ``dtype``), or (c) a hub id. ``dtype`` is ``"auto"``
+    (default: the checkpoint's own dtype as its ``config.json`` records it, as vLLM does; float32 for
+    GGUF files), a name such as ``"bfloat16"`` or a torch dtype (`tokenrouter_sdk.placement.resolve_dtype`);
+    ``device`` a device string (``"cpu"``, ``"cuda:1"``), checked before anything loads. On an
+    accelerator the weights load straight onto it (with ``accelerate``). The model is returned in
+    eval mode with ``requires_grad=False``.
 
-    Raises ``ModelLoadError`` (an ``OSError``) if the source is neither a usable local path nor a hub id
-    that can be fetched (e.g. the hub is unreachable or the id does not exist).
+    A hub id is fetched only when the hub answers: an unreachable hub fails within seconds (no
+    retries) with a hint; with ``HF_HUB_OFFLINE=1`` the local Hugging Face cache is used alone.
+
+    Raises:
+        ModelLoadError: (an ``OSError``) the source is neither a usable local path nor a hub id that
+            can be fetched (the hub is unreachable, the id does not exist, not in the offline cache).
+        DeviceError: the device cannot be used here (e.g. CUDA with a CPU-only torch: names the
+            install command).
+        ValueError: an unknown dtype.
     """
     from huggingface_hub.errors import HFValidationError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .placement import AUTO, resolve_device, resolve_dtype
+    dt = resolve_dtype(dtype) or AUTO
+    dev = resolve_device(device)
     where, gguf, local = _resolve(source, gguf_file)
+    if not local:
+        _check_hub(str(source))
     kw = {"gguf_file": gguf} if gguf else {}
+    load_kw = dict(kw)
+    if not gguf:
+        load_kw["dtype"] = dt
+    if dev.type != "cpu" and _has_accelerate():
+        load_kw["device_map"] = str(dev)
     try:
         tok = AutoTokenizer.from_pretrained(where, **kw)
-        model = AutoModelForCausalLM.from_pretrained(where, **kw, **({} if gguf else {"dtype": dtype}))
+        model = AutoModelForCausalLM.from_pretrained(where, **load_kw)
     except (OSError, HFValidationError) as e:
         if local:
             raise ModelLoadError(f"could not load model from {str(source)!r}: {e}") from e
@@ -96,8 +117,52 @@ def load_model(source, *, dtype=torch.float32, device="cpu", gguf_file=None):
             f"could not load model {str(source)!r} from the Hugging Face hub (unreachable or not found: "
             f"{reason}). Pass a local folder (with config.json) or a path to a .gguf file instead."
         ) from e
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if dt == AUTO:
+        dt = torch.float32 if gguf else next(model.parameters()).dtype
+    model = model.to(device=dev, dtype=dt).eval().requires_grad_(False)
     return model, tok
+
+
+def _has_accelerate() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+HUB_PROBE_S = 3.0  # seconds a hub id waits for the hub to answer before failing
+
+
+def _hub_offline() -> bool:
+    import huggingface_hub.constants as hc
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return env or bool(getattr(hc, "HF_HUB_OFFLINE", False))
+
+
+def _check_hub(source: str) -> None:
+    """Fail fast when the hub cannot be reached (one TCP connection, ``HUB_PROBE_S`` at most),
+    instead of the hub client's retries; nothing is checked with ``HF_HUB_OFFLINE=1``.
+
+    Raises:
+        ModelLoadError: the hub's host does not resolve or does not accept a connection (names
+            ``HF_HUB_OFFLINE=1`` and local folders as the ways out).
+    """
+    if _hub_offline():
+        return
+    import socket
+    from urllib.parse import urlparse
+
+    import huggingface_hub.constants as hc
+    url = urlparse(getattr(hc, "ENDPOINT", None) or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_S).close()
+    except OSError as e:
+        raise ModelLoadError(
+            f"could not load model {source!r}: the Hugging Face hub ({url.scheme}://{host}:{port}) cannot be reached "
+            f"({type(e).__name__}: {e}). If the model is in your Hugging Face cache, set HF_HUB_OFFLINE=1 to load it "
+            f"from there; otherwise pass a local folder (with config.json) or a .gguf file.") from None
 
 
 def smollm2_folder(cache=None) -> Path:
@@ -199,7 +264,21 @@ def default_pair(small_layers: int | None = None, *, draft=None, dtype=torch.flo
     moving the weights to shared memory again. Callers that mutate the models (training) should
     leave ``reuse`` off; in-place changes made through ``tensor.data`` or to a config are not
     seen.
+
+    ``dtype`` is a torch dtype or a name (``"bfloat16"``; ``"auto"`` is the converted folder's
+    float32); ``device`` a device string, checked first (`tokenrouter_sdk.placement.resolve_device`).
+
+    Raises:
+        ValueError: both ``small_layers`` and ``draft`` (one small model: pick one); an unknown dtype.
+        DeviceError: the device cannot be used here.
     """
+    from .placement import AUTO, resolve_device, resolve_dtype
+    if small_layers is not None and draft is not None:
+        raise ValueError("default_pair: give small_layers (the plain truncation) or draft (a self-draft file), "
+                         "not both")
+    dtype = resolve_dtype(dtype)
+    dtype = torch.float32 if dtype in (None, AUTO) else dtype
+    device = resolve_device(device)
     key = _pair_key(small_layers, draft, dtype, device) if reuse else None
     if key is not None:
         with _REUSE_LOCK:

@@ -6,7 +6,10 @@ It applies every hook of the policy surface (`tokenrouter_sdk.policy`) the plain
 decoding after ``Handoff(greedy=True)`` until the next handoff, the source's logits handed to
 the target's next step (``Needs(handoff_logits=True)``, discarding handoffs), a token a policy
 sets with ``set_token``, `Resample` (a new draw from the same logits, routed again) and the
-prompt's hidden states at the first step (``Needs(prompt_hidden=True)``)."""
+prompt's hidden states at the first step (``Needs(prompt_hidden=True)``). With ``forced`` tokens
+(teacher forcing, `Router.score`) each output position writes its given token on the model the
+policy routes it to; every committed token's log-probability under the model that wrote it is
+recorded (``logprobs``), and `reference_logprobs` recomputes those of any output from scratch."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def _last(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, params: SamplingParams,
                        *, eos_ids: tuple[int, ...] = (), rid: int = 0, tokenizer=None, key=None,
-                       vocab_limit: int | None = None) -> dict:
+                       vocab_limit: int | None = None, forced=()) -> dict:
     """Generate one request the slow, obviously-correct way.
 
     Args:
@@ -47,10 +50,14 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
             that is the first of its kind in its call, `prompt_key`).
         vocab_limit: logits beyond it are cut before sampling (default: the smallest vocabulary
             of the models and the tokenizer, as the engine does).
+        forced: output tokens given in advance: position i writes ``forced[i]`` instead of a
+            draw (a `Resample` there keeps it), and no stop rule but the length ends the
+            request inside them.
 
     Returns:
         dict with ``token_ids``, ``token_models``, ``hops``, ``discarded``, ``finish_reason``,
-        ``logits`` (the last-position logits of every step, for tolerance checks).
+        ``logits`` (the last-position logits of every step, for tolerance checks) and
+        ``logprobs`` (per committed token its log-probability under the model that wrote it).
 
     Raises:
         ValueError: the policy returned an unknown model.
@@ -63,6 +70,8 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     max_ctx = min(int(getattr(m.config, "max_position_embeddings", 1 << 30)) for m in models.values())
     gens = {n: make_generator(params.seed, i, next(models[n].parameters()).device) for i, n in enumerate(names)}
     state: dict = {}
+    forced = list(forced)
+    lps: list[float] = []
     out: list[int] = []
     who: list[str] = []
     hops = discarded = 0
@@ -76,6 +85,9 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     def commit(tok) -> str | None:
         out.append(tok)
         who.append(owner)
+        lps.append(float(torch.log_softmax(logits.double(), -1)[tok]))
+        if len(out) <= len(forced):
+            return "length" if len(out) >= params.max_new_tokens or len(prompt_ids) + len(out) >= max_ctx else None
         if tok in params.stop_token_ids:
             return "stop"
         if tok in eos_ids and not params.ignore_eos:
@@ -92,6 +104,9 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
         all_logits.append(logits)
         p = GREEDY if greedy else params
         tok = int(sample(logits[None], [p], [gens[owner]])[0])
+        given = len(out) < len(forced)
+        if given:
+            tok = forced[len(out)]
         step_peer, peer = peer, None
         if span is not None:
             span -= 1
@@ -111,7 +126,9 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
                            needs=policy.needs, policy=repr(policy), peer_logits=[step_peer],
                            prompt_hidden=[prompt_h])
             dec = policy.route_batch(sb)[0]
-            tok = int(sb.tokens[0])
+            tok = forced[len(out)] if given else int(sb.tokens[0])
+            if given and isinstance(dec, Resample):
+                dec = owner
             if not isinstance(dec, Resample):
                 break
             resamples += 1
@@ -144,4 +161,31 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
         greedy = bool(h.greedy)
         policy.receive(h, view())
     return {"token_ids": out, "token_models": who, "hops": hops, "discarded": discarded,
-            "finish_reason": reason, "logits": all_logits}
+            "finish_reason": reason, "logits": all_logits, "logprobs": lps}
+
+
+@torch.inference_mode()
+def reference_logprobs(models: dict, prompt_ids: list[int], token_ids: list[int], token_models: list[str], *,
+                       top: int = 0, vocab_limit: int | None = None) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per output token, ``(its log-probability, the top alternatives [(token, logprob), ...])``
+    under the model that wrote it, recomputed from scratch: model ``token_models[i]`` runs the
+    whole prompt + ``token_ids[:i]`` (no KV cache) and scores ``token_ids[i]`` from its
+    last-position distribution over the first ``vocab_limit`` tokens (default: the smallest
+    vocabulary of the models), in float64.
+
+    Raises:
+        ValueError: ``token_ids`` and ``token_models`` differ in length.
+    """
+    if len(token_ids) != len(token_models):
+        raise ValueError(f"{len(token_ids)} tokens but {len(token_models)} writers")
+    limit = vocab_limit or min(m.get_output_embeddings().weight.shape[0] for m in models.values())
+    out = []
+    for i, (tok, who) in enumerate(zip(token_ids, token_models)):
+        logits = _last(models[who], list(prompt_ids) + list(token_ids[:i]))[0][:limit]
+        lp = torch.log_softmax(logits.double(), -1)
+        alts = []
+        if top:
+            vals, ids = torch.topk(lp, top)
+            alts = list(zip(ids.tolist(), vals.tolist()))
+        out.append((float(lp[tok]), alts))
+    return out

@@ -29,6 +29,14 @@ class SamplingParams:
             end-of-sequence ids (the tokenizer's EOS and every model's
             ``generation_config.eos_token_id``) stop a request without being listed here.
         ignore_eos: keep generating past the end-of-sequence ids (``stop_token_ids`` still stop).
+        logprobs: None (default): no log-probabilities. ``k >= 0``: for every committed token its
+            log-probability under the model that wrote it (natural log, from that model's
+            distribution over the shared vocabulary before temperature, top-k and top-p), and
+            with ``k > 0`` the ``k`` most likely tokens of that distribution
+            (`RequestOutput.logprobs`, `RequestOutput.top_logprobs`).
+        n: samples per prompt (each its own request, with its own key; sample ``j`` of a seeded
+            request draws with ``seed + j``). ``generate`` returns the ``n`` samples of prompt
+            ``i`` at positions ``i * n`` to ``i * n + n - 1``.
 
     Raises:
         ValueError: from :meth:`validate`, naming the bad field and the accepted range.
@@ -42,6 +50,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -63,6 +73,11 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 0):
+            raise ValueError(f"logprobs must be None (off) or an int >= 0 (top alternatives per token), got {lp!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1 (samples per prompt), got {self.n!r}")
         return self
 
     @property
@@ -90,6 +105,11 @@ class RequestInput:
         prompt: the prompt as the user gave it (kept in the output).
         key: the user's key for seeded policy randomness (None: derived from the prompt).
         error: bad input found by the caller: the request ends ``failed`` with it, unrun.
+        forced: output tokens given in advance (teacher forcing): output position i writes
+            ``forced[i]`` instead of a sampled token, on whichever model the policy routes it to
+            (its log-probability is that model's); no stop rule ends the request inside them.
+            Sampling continues after them up to ``max_new_tokens`` (which counts them).
+        sample: which of the ``n`` samples of its prompt this is.
     """
 
     prompt_ids: list[int] | None
@@ -97,6 +117,8 @@ class RequestInput:
     prompt: Any = None
     key: int | str | None = None
     error: str | None = None
+    forced: list[int] | None = None
+    sample: int = 0
 
 
 @dataclass
@@ -110,6 +132,7 @@ class RequestConfig:
         policy_key: which registered policy routes this request.
         eos_ids: token ids that end the request (unless ``params.ignore_eos``).
         key: the request's key for seeded policy randomness (see `RequestView.key`).
+        forced: output tokens given in advance (see `RequestInput.forced`).
     """
 
     rid: int
@@ -118,6 +141,7 @@ class RequestConfig:
     policy_key: int
     eos_ids: tuple[int, ...] = ()
     key: int | str = 0
+    forced: tuple[int, ...] = ()
 
 
 @dataclass
@@ -135,8 +159,9 @@ class RequestView:
         models: all model names, smallest first.
         key: a key for per-request randomness that does not depend on how many requests the
             Router served: the user's key for the request (``generate(keys=...)``), else a
-            stable hash of the prompt tokens and of how many identical prompts came before it
-            in the same call. The same call twice, or a prompt alone and in a batch, gives the
+            stable hash of the prompt tokens (followed by the forced output tokens of a scored
+            request, `Router.score`) and of how many identical ones came before it in the same
+            call. The same call twice, or a prompt alone and in a batch, gives the
             same key. Seeded policies draw from ``(seed, key)``.
     """
 
@@ -177,6 +202,12 @@ class RequestOutput:
             peer wrote that position instead. For views only (``RunResult.show``).
         ttft_s: seconds from admission to the first committed token (None if none).
         latency_s: seconds from admission to the end.
+        key: the request's key (`RequestView.key`): the user's, else derived from the prompt.
+        sample: which of the ``n`` samples of its prompt this is (0 with ``n=1``).
+        logprobs: with ``SamplingParams.logprobs`` set, per committed token its log-probability
+            under the model that wrote it (``token_models[i]``), shape [n]; else None.
+        top_logprobs: with ``logprobs=k > 0``, per committed token the k most likely tokens of
+            the writer's distribution as ``{token_id: logprob}`` (most likely first); else None.
     """
 
     rid: int
@@ -194,6 +225,10 @@ class RequestOutput:
     discarded_log: list[tuple[int, int, str]] = field(default_factory=list)
     ttft_s: float | None = None
     latency_s: float | None = None
+    key: int | str | None = None
+    sample: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def ok(self) -> bool:

@@ -127,11 +127,12 @@ class RunResult(list):
         figure with plotly.js inlined (no network needed to open it).
 
         Args:
-            path: also write the page there (UTF-8).
+            path: write the page there (UTF-8).
             title: the page title.
 
         Returns:
-            the page as a string.
+            the `Path` written when ``path`` is given (so a notebook cell ending in
+            ``outs.to_html("run.html")`` shows the path, not the page); else the page as a string.
         """
         fig = self.timeline()
         s = self.state().stats()
@@ -143,7 +144,9 @@ class RunResult(list):
         page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
                 f"<body>{body}</body></html>")
         if path is not None:
-            Path(path).write_text(page, encoding="utf-8")
+            path = Path(path)
+            path.write_text(page, encoding="utf-8")
+            return path
         return page
 
     def summary(self) -> str:

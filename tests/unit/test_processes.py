@@ -117,7 +117,9 @@ def _kv_settled(router, timeout=10.0):
 def test_kv_stats_through_processes_show_every_block_returned(routers, pair):
     r = routers["async"]
     before = r.kv_stats()
-    assert set(before) == {"small", "large"} and all(s.num_blocks == 512 and s.block_size == 16 for s in before.values())
+    want = {m: z.tokens // 16 for m, z in r.kv_sizing.items()}  # the children's pools are the planned size
+    assert set(before) == {"small", "large"} and all(s.num_blocks == want[m] and s.block_size == 16
+                                                     for m, s in before.items())
     _check(r, pair, RandomRouting(p=0.3, seed=5), mixed_prompts(8, seed=11))
     after = _kv_settled(r)
     for name, s in after.items():

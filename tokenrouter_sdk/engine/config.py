@@ -27,8 +27,13 @@ class EngineConfig:
             checked per call.
         retain_kv: False frees a request's KV on every handoff, so a return re-prefills its
             whole context (what serving each model separately costs; a baseline).
-        max_kv_tokens: KV pool capacity per model, tokens (None: 8192 for torch models,
-            4,194,304 for the sim backend).
+        max_kv_tokens: KV pool capacity per model, tokens. None: torch models size their pools
+            from the memory left after the weights (``kv_memory_fraction``, `tokenrouter_sdk.kv_sizing`);
+            the sim backend holds 4,194,304.
+        kv_memory_fraction: the share of the memory left on a device once every model's weights
+            are on it that the KV pools of the models there take, planned jointly (each gets the
+            same number of tokens). None: 0.8 on an accelerator, 0.25 of the available RAM
+            (at most 65,536 tokens per model) on the CPU. Not with ``max_kv_tokens``.
         block_size: tokens per KV block.
         max_batch_tokens: tokens fed per step at most, per model (a longer single prompt
             still runs alone).
@@ -65,6 +70,7 @@ class EngineConfig:
     thresholds: Mapping[str, int] | str | None = None
     retain_kv: bool = True
     max_kv_tokens: int | None = None
+    kv_memory_fraction: float | None = None
     block_size: int = 16
     max_batch_tokens: int = 4096
     max_batch_size: int = 256
@@ -77,10 +83,19 @@ class EngineConfig:
     prefill_peers: bool = False
 
     def __post_init__(self):
+        if self.max_kv_tokens is not None and self.kv_memory_fraction is not None:
+            raise ValueError("give max_kv_tokens (tokens per model) or kv_memory_fraction (a share of the memory "
+                             "left after the weights), not both")
+        f = self.kv_memory_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"kv_memory_fraction must be a number in (0, 1], got {f!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown schedule mode {self.mode!r}; choose one of {MODES}")
         if isinstance(self.thresholds, str) and self.thresholds != "auto":
             raise ValueError(f"thresholds must be a dict of B_i per model or 'auto', got {self.thresholds!r}")
+        if self.thresholds and self.mode != "delayed":
+            raise ValueError(f"thresholds apply to mode='delayed' (delayed batching), but mode is {self.mode!r}: "
+                             f"drop thresholds or set mode='delayed'")
         if self.backend not in ("torch", "sim"):
             raise ValueError(f"unknown backend {self.backend!r}; choose 'torch' or 'sim'")
         if self.kv_admission not in KV_ADMISSION:

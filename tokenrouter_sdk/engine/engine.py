@@ -47,7 +47,11 @@ class RequestHandle:
     def __init__(self, config: RequestConfig, prompt, entry: str, call: "Call", index: int, tokenizer,
                  stop_ids: frozenset):
         self.config, self.entry, self.owner, self.call = config, entry, entry, call
-        self.output = RequestOutput(rid=config.rid, prompt=prompt, index=index)
+        self.output = RequestOutput(rid=config.rid, prompt=prompt, index=index, key=config.key)
+        if config.params.logprobs is not None:
+            self.output.logprobs = []
+            if config.params.logprobs:
+                self.output.top_logprobs = []
         self.t_submit = 0.0
         self.t_admit: float | None = None
         self.t_first: float | None = None
@@ -313,14 +317,15 @@ class Engine:
         for i, req in enumerate(requests):
             ids = list(req.prompt_ids or [])
             rkey = req.key
-            if rkey is None:
-                occ = seen[tuple(ids)]
-                seen[tuple(ids)] += 1
-                rkey = prompt_key(ids, occ)
+            if rkey is None:  # from the tokens given: the prompt, and the forced output of a scored request
+                given = tuple(ids) + tuple(req.forced or ())
+                occ = seen[given]
+                seen[given] += 1
+                rkey = prompt_key(list(given), occ)
             with self._lock:
                 rid = self._next_rid
                 self._next_rid += 1
-            cfg = RequestConfig(rid, ids, req.params, key, self.eos_ids, rkey)
+            cfg = RequestConfig(rid, ids, req.params, key, self.eos_ids, rkey, tuple(req.forced or ()))
             error, entry, state = req.error, self.models[0], {}
             if error is None:
                 try:
@@ -346,6 +351,7 @@ class Engine:
             p = req.params
             stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
             h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids)
+            h.output.sample = req.sample
             h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
             tokens = min(len(ids) + p.max_new_tokens, self.max_context)
             h.need = {m: -(-tokens // bs) for m, (_, bs) in self.capacity.items()}
@@ -535,6 +541,10 @@ class Engine:
                 h.t_first = ev.t
             out.token_ids.extend(ev.tokens)
             out.token_models.extend([ev.model] * len(ev.tokens))
+            if out.logprobs is not None and ev.logprobs is not None:
+                out.logprobs.extend(lp for lp, _ in ev.logprobs)
+                if out.top_logprobs is not None:
+                    out.top_logprobs.extend(dict(top) for _, top in ev.logprobs)
             piece = h._add_text(ev.tokens, ev.last)
             if h.call.listener is not None:
                 h.call.listener("tokens", h, (ev, piece))

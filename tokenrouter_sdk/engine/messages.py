@@ -154,13 +154,16 @@ class Admitted:
 @dataclass
 class Committed:
     """Tokens committed to a request's output by ``model`` at time ``t`` (seconds); ``last``:
-    the request ends with them (its `Finished` follows)."""
+    the request ends with them (its `Finished` follows). ``logprobs`` (requests with
+    ``SamplingParams.logprobs`` set): per token ``(logprob, ((token_id, logprob), ...))``, its
+    log-probability under ``model`` and the top alternatives, most likely first."""
 
     rid: int
     model: str
     tokens: list[int]
     t: float
     last: bool = False
+    logprobs: list | None = None
 
 
 @dataclass

@@ -397,7 +397,18 @@ class SubServer:
         idx = list(idx)
         rows = logits if len(idx) == len(batch) else logits[torch.tensor(idx, dtype=torch.long)]
         params = [GREEDY if batch[i].greedy else batch[i].config.params for i in idx]
-        return sample(rows, params, [batch[i].generator for i in idx]).tolist()
+        tokens = sample(rows, params, [batch[i].generator for i in idx]).tolist()
+        return self._force(batch, tokens, idx)
+
+    @staticmethod
+    def _force(batch: list[Seq], tokens: list[int], idx) -> list[int]:
+        """``tokens`` (one per row of ``idx``) with the given token of every request still inside
+        its forced output (`RequestConfig.forced`: teacher forcing) in place of the drawn one."""
+        for j, i in enumerate(idx):
+            forced, pos = batch[i].config.forced, batch[i].n_committed
+            if pos < len(forced):
+                tokens[j] = forced[pos]
+        return tokens
 
     def _resample(self, batch, tokens: list[int], logits, hidden, prompt_hidden, decisions: list) -> None:
         """Apply `Resample` decisions: discard the token, draw the position again from the same
@@ -409,6 +420,9 @@ class SubServer:
                 if not isinstance(d, Resample):
                     continue
                 s = batch[i]
+                if s.n_committed < len(s.config.forced):  # a given token: nothing to draw again
+                    decisions[i] = self.name
+                    continue
                 s.resamples += 1
                 if s.resamples > limit:
                     decisions[i] = RequestFailed(
@@ -485,6 +499,9 @@ class SubServer:
             if sb._tokens_owned:
                 for k, i in enumerate(rows_i):
                     tokens[i] = int(sb.tokens[k])
+                forced = self._force(batch, [tokens[i] for i in rows_i], rows_i)
+                for k, i in enumerate(rows_i):
+                    tokens[i] = forced[k]
             for k, j in enumerate(js):
                 out[j] = res[k] if isinstance(res[k], RequestFailed) else self._target(batch[idx[j]], res[k], pol)
         return out
@@ -501,14 +518,15 @@ class SubServer:
                              f"{self.models}" + (" or a bool" if len(self.models) == 2 else "") + " or Resample()")
 
     def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
+        lp = None if s.config.params.logprobs is None else self._logprobs(logits[row], tok, s.config.params.logprobs)
         if s.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
             s.span -= 1
-            if self._commit(s, tok) or target == self.name:
+            if self._commit(s, tok, lp) or target == self.name:
                 return
             self._handoff(s, target, Handoff(keep_sampled=True), committed=True)
             return
         if target == self.name:
-            self._commit(s, tok)
+            self._commit(s, tok, lp)
             return
         pol = self.policies[s.config.policy_key]
         try:
@@ -516,7 +534,7 @@ class SubServer:
         except Exception as e:  # noqa: BLE001
             raise RequestFailed(*self._policy_error(s, "send", e)) from e
         if h.keep_sampled:
-            if self._commit(s, tok):
+            if self._commit(s, tok, lp):
                 return
         else:
             s.discarded += 1
@@ -525,15 +543,30 @@ class SubServer:
             peer = logits[row].detach().cpu()  # only here: a torch op lets peer threads run
         self._handoff(s, target, h, committed=h.keep_sampled, token=None if h.keep_sampled else tok, peer_logits=peer)
 
-    def _commit(self, s: Seq, tok: int) -> bool:
-        """Commit ``tok``; return True if the request finished."""
+    @staticmethod
+    def _logprobs(row: torch.Tensor, tok: int, k: int) -> tuple:
+        """``(log-probability of tok, ((token, logprob), ...) of the k most likely)`` under the
+        logits ``row`` [V] (natural log; float64 logits stay float64)."""
+        lp = torch.log_softmax(row if row.dtype == torch.float64 else row.float(), -1)
+        top = ()
+        if k:
+            vals, ids = torch.topk(lp, min(k, lp.numel()))
+            top = tuple(zip(ids.tolist(), vals.tolist()))
+        return float(lp[tok]), top
+
+    def _commit(self, s: Seq, tok: int, lp: tuple | None = None) -> bool:
+        """Commit ``tok`` (``lp``: its log-probabilities, see `_logprobs`); return True if the
+        request finished. Inside a forced output only the length ends it."""
         s.tokens.append(tok)
         s.seen[self.name] = len(s.tokens)
         s.n_committed += 1
         s.hops_since_commit = s.resamples = 0
         p = s.config.params
         reason, why = None, None
-        if tok in p.stop_token_ids:
+        if s.n_committed <= len(s.config.forced):
+            if s.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
+                reason = "length"
+        elif tok in p.stop_token_ids:
             reason, why = "stop", tok
         elif tok in s.config.eos_ids and not p.ignore_eos:
             reason = "eos"
@@ -541,7 +574,7 @@ class SubServer:
             reason = "stop"
         elif s.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
             reason = "length"
-        self.emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None))
+        self.emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp]))
         if reason:
             self._finish(s, reason, None, stop_reason=why)
             return True

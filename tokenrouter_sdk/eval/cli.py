@@ -1,5 +1,12 @@
 """``tokenrouter eval``: a quality sweep from the command line (also ``evals/quality/hop_rate_sweep.py``).
 
+The swept policy is a registry spec (``--policy rstitch:tau_back=0.02``, a learned head
+``--policy r2r:head=heads/r2r_head.pt``, or the ``--policy-file`` class), ``--param`` names the
+swept argument (default: the policy's threshold, see ``SWEPT``) and ``--values`` its values
+(default: ``DEFAULT_VALUES`` for the training-free policies; for the others one point at the
+policy's own value, e.g. a learned head's calibrated threshold). The pair is the packaged one or
+``--model NAME=SOURCE`` with ``--device`` and ``--dtype``.
+
 Imports nothing heavy at module level, so ``tokenrouter --help`` stays fast.
 """
 
@@ -7,6 +14,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from ..cli_common import add_model_arguments, add_policy_arguments, describe_pair, fail, model_specs, per_model
+from ..cli_common import policy_registry
+
+# registry name -> the argument a sweep varies
+SWEPT = {"rstitch": "tau", "random": "p", "random_query": "p", "r2r_entropy": "threshold",
+         "r2r_aleatoric": "threshold", "glimprouter": "theta", "citer": "tau", "r2r": "tau", "co_llm": "eta",
+         "query_router": "threshold"}
+DEFAULT_VALUES = {"rstitch": [0.02, 0.05, 0.1, 0.2, 0.4], "random": [0.02, 0.05, 0.1, 0.2, 0.4],
+                  "random_query": [0.02, 0.05, 0.1, 0.2, 0.4], "r2r_entropy": [0.02, 0.05, 0.1, 0.2, 0.4]}
 
 
 def _floats(s: str) -> list[float]:
@@ -19,10 +36,13 @@ def _floats(s: str) -> list[float]:
 def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.ArgumentParser:
     """The ``eval`` options (shared by the subcommand and ``evals/quality/hop_rate_sweep.py``);
     ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, the output folder)."""
-    p.add_argument("--policy", default="rstitch", help="rstitch (tau), random (p), random_query (p), r2r_entropy "
-                                                       "(threshold); default rstitch")
-    p.add_argument("--values", type=_floats, default=[0.02, 0.05, 0.1, 0.2, 0.4],
-                   help="comma-separated values of the swept parameter (default 0.02,0.05,0.1,0.2,0.4)")
+    add_policy_arguments(p, default="rstitch", what="the swept policy")
+    p.add_argument("--param", default=None,
+                   help="the swept argument of the policy (default: its threshold: " +
+                        ", ".join(f"{k} {v}" for k, v in SWEPT.items()) + ")")
+    p.add_argument("--values", type=_floats, default=None,
+                   help="comma-separated values of the swept argument (default 0.02,0.05,0.1,0.2,0.4 for rstitch, "
+                        "random, random_query, r2r_entropy; else one point at the policy's own value)")
     p.add_argument("--dataset", default="gsm8k", help="gsm8k, math500, aime24, amc23 (shipped with the package), "
                                                       "commonsenseqa, or a JSONL path")
     p.add_argument("--limit", type=int, default=64, help="questions (default 64)")
@@ -34,10 +54,9 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     p.add_argument("--no-references", action="store_true", help="skip large-only, small-only and the random references")
     p.add_argument("--references", default=None,
                    help="comma-separated subset of large_only,small_only,random,random_query")
-    p.add_argument("--small-layers", type=int, default=None,
-                   help="small = plain truncation to this many layers of the large model (default: the packaged "
-                        "self-draft, the pair of Router.default() and the tutorials)")
-    p.add_argument("--mode", default="async", help="schedule mode: async, delayed, sync, model_sync")
+    add_model_arguments(p)
+    p.add_argument("--mode", default="async", choices=["async", "delayed", "sync", "model_sync"],
+                   help="schedule mode (default async)")
     if out:
         p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
     p.add_argument("--no-progress", action="store_true")
@@ -51,20 +70,81 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def sweep(args, prog: str = "tokenrouter eval"):
+    """``(factory value -> policy, swept argument, values)`` from ``--policy``, ``--policy-file``,
+    ``--param`` and ``--values``.
+
+    Raises:
+        SystemExit: an unknown policy or argument, no known swept argument without ``--param``,
+            or the swept argument fixed in the spec as well as given by ``--values``.
+    """
+    from ..policies.registry import PolicySpecError, parse_spec
+    registry, own = policy_registry(args, prog)
+    spec = args.policy if args.policy != "rstitch" or own is None else own
+    try:
+        name, fixed = parse_spec(spec)
+        entry = registry.get(name)
+    except PolicySpecError as e:
+        raise fail(prog, f"--policy: {e}") from None
+    param = args.param or SWEPT.get(entry.name)
+    if param is None:
+        raise fail(prog, f"--param: policy '{entry.name}' has no known swept argument; name one of "
+                         f"{list(entry.params)}")
+    if param not in entry.params:
+        raise fail(prog, f"--param: policy '{entry.name}' has no argument {param!r}; its arguments: "
+                         f"{list(entry.params)}")
+    values = args.values
+    if param in fixed and values is not None:
+        raise fail(prog, f"--policy fixes {param}={fixed[param]} and --values sweeps it: give one of them")
+
+    def factory(v, _name=entry.name, _fixed=dict(fixed), _param=param):
+        try:
+            v = int(v) if isinstance(v, float) and v.is_integer() else v  # 1.0 fits an int argument too
+            return registry.build({"name": _name, **_fixed, _param: v})
+        except PolicySpecError as e:
+            raise fail(prog, f"--policy: {e}") from None
+    if values is None:
+        values = DEFAULT_VALUES.get(entry.name) if param not in fixed and not args.param else None
+        if values is None:  # one point: the policy as given (a learned head at its calibrated threshold)
+            try:
+                pol = registry.build({"name": entry.name, **fixed})
+            except PolicySpecError as e:
+                raise fail(prog, f"--policy: {e}") from None
+            value = getattr(pol, param, None)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise fail(prog, f"--values: policy '{entry.name}' has no number {param} of its own "
+                                 f"({value!r}); give --values")
+            values = [value]
+    return factory, param, list(values)
+
+
 def cmd_eval(args) -> int:
-    """Run the sweep on the packaged CPU pair, print the table, write the files."""
+    """Run the sweep on the pair the flags name, print the table, write the files."""
     from transformers.utils import logging as hf_logging
 
-    from ..models import describe_default_pair
     from . import evaluate_policy
+    prog = "tokenrouter eval"
     hf_logging.disable_progress_bar()
-    print(describe_default_pair(args.small_layers), flush=True)
+    factory, param, values = sweep(args, prog)
+    specs = model_specs(args, prog)
+    if specs is None:
+        per_model(args.device, None, "--device", prog)
+        per_model(args.dtype, None, "--dtype", prog)
+        target, kwargs = "default", {"small_layers": args.small_layers, "mode": args.mode, "device": args.device,
+                                     "dtype": args.dtype}
+    else:
+        target, kwargs = specs, {"mode": args.mode}
+    print(describe_pair(args), flush=True)
     refs = False if args.no_references else (args.references.split(",") if args.references else True)
-    res = evaluate_policy("default", args.policy, args.values, dataset=args.dataset, limit=args.limit,
-                          seed=None if args.seed < 0 else args.seed, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, concurrency=args.concurrency, references=refs,
-                          out_dir=args.out, progress=not args.no_progress,
-                          router_kwargs={"small_layers": args.small_layers, "mode": args.mode})
+    from ..models import ModelLoadError
+    from ..placement import DeviceError
+    try:
+        res = evaluate_policy(target, factory, values, param=param, dataset=args.dataset, limit=args.limit,
+                              seed=None if args.seed < 0 else args.seed, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, concurrency=args.concurrency, references=refs,
+                              out_dir=args.out, progress=not args.no_progress, router_kwargs=kwargs)
+    except (DeviceError, ModelLoadError) as e:
+        raise fail(prog, f"{type(e).__name__}: {e}") from None
     print(res.table())
     resumed = sum(r["resumed"] for r in res.records)
     print(f"\n{len(res.records)} points ({resumed} resumed from {args.out}/points), "

@@ -3,6 +3,7 @@
     tokenrouter serve                                  # the packaged pair, R-Stitch, a free port
     tokenrouter serve --policy random:p=0.3 --port 8000
     tokenrouter serve --model small=path/to/small --model large=path/to/large --policy rstitch:tau=0.05
+    tokenrouter serve --model small=Qwen/Qwen3-0.6B --model large=Qwen/Qwen3-8B --device small=cuda:0,large=cuda:1
     tokenrouter serve --policy-file my_policy.py:MyPolicy --mode delayed --thresholds small=8,large=4
 
 This module imports neither FastAPI nor torch until the command runs.
@@ -12,20 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-
-
-def _models(items: list[str] | None) -> dict[str, str] | None:
-    if not items:
-        return None
-    out: dict[str, str] = {}
-    for item in items:
-        name, eq, path = item.partition("=")
-        if not eq or not name.strip() or not path.strip():
-            raise SystemExit(f"tokenrouter serve: --model takes NAME=PATH (smallest first), got {item!r}")
-        if name in out:
-            raise SystemExit(f"tokenrouter serve: model name {name!r} given twice")
-        out[name.strip()] = path.strip()
-    return out
 
 
 def _thresholds(text: str | None):
@@ -55,42 +42,34 @@ def build(args):
         from .server import bind, url_of
     except ImportError as e:
         raise SystemExit(f"tokenrouter serve needs the serve extra: pip install 'tokenrouter-sdk[serve]' ({e})")
-    from ..policies.registry import PolicySpecError, builtin_registry, load_policy_class
-    from ..router import Router
+    from ..cli_common import build_policy, build_router, policy_registry
 
-    registry = builtin_registry()
-    policy_label = args.policy
-    try:
-        if args.policy_file:
-            cls = load_policy_class(args.policy_file)
-            registry.add(cls.__name__, cls)
-            if args.policy == DEFAULT_POLICY:  # the operator's class is the default unless --policy names another
-                policy_label = cls.__name__
-        policy = registry.build(policy_label)
-    except PolicySpecError as e:
-        raise SystemExit(f"tokenrouter serve: --policy: {e}")
+    prog = "tokenrouter serve"
+    registry, own = policy_registry(args, prog)
+    policy_label = args.policy or own or DEFAULT_POLICY  # the operator's class is the default unless --policy names another
+    policy = build_policy(registry, policy_label, prog)
+    if args.thresholds is not None and args.mode != "delayed":
+        raise SystemExit(f"{prog}: --thresholds apply to --mode delayed (delayed batching), not --mode {args.mode}")
     settings = {"mode": args.mode}
     if args.thresholds is not None:
         settings["thresholds"] = _thresholds(args.thresholds)
     if args.max_kv_tokens:
         settings["max_kv_tokens"] = args.max_kv_tokens
+    if args.kv_memory_fraction is not None:
+        settings["kv_memory_fraction"] = args.kv_memory_fraction
     if args.max_concurrency:
         settings["max_concurrency"] = args.max_concurrency
     if args.transport != "auto":
         settings["processes"] = args.transport == "process"
-    models = _models(args.model)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
         raise SystemExit(f"tokenrouter serve: {e}")
     try:
-        if models is None:
-            router = Router.default(policy, **settings)
-        else:
-            router = Router(models, policy, **settings)
-    except (ValueError, TypeError, OSError) as e:
+        router = build_router(args, prog, policy, **settings)
+    except BaseException:
         sock.close()
-        raise SystemExit(f"tokenrouter serve: {e}")
+        raise
     app = create_app(router, policy=policy, policy_label=policy_label, registry=registry, model_id=args.served_model_name,
                      max_body_bytes=int(args.max_body_mb * 1024 * 1024))
     return router, app, sock, url_of(sock)
@@ -117,16 +96,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a Router over HTTP (OpenAI-compatible; needs the serve extra)",
                        description="Serve token-level routing over HTTP: POST /v1/completions, /v1/chat/completions "
                                    "(stream: true for server-sent events), GET /v1/models, /health, /metrics.")
-    s.add_argument("--model", action="append", metavar="NAME=PATH",
-                   help="a model (folder, GGUF file or hub id), smallest first; repeat for each (default: the packaged "
-                        "pair, small = the SmolLM2-135M self-draft, large = SmolLM2-135M-Instruct)")
-    s.add_argument("--policy", default=DEFAULT_POLICY, metavar="NAME[:k=v,...]",
-                   help="the default policy, from the built-in registry: rstitch, random, large_only, small_only, single, "
-                        "r2r_entropy, r2r_aleatoric, glimprouter, ensemble, random_query, citer/r2r/co_llm/query_router "
-                        "(with head=PATH); e.g. rstitch:tau=0.05 or random:p=0.3,seed=1 (default rstitch)")
-    s.add_argument("--policy-file", metavar="MODULE.py:CLASS",
-                   help="your own Policy subclass (constructed without arguments unless --policy CLASS:k=v,...); it "
-                        "becomes the default policy and clients may name it too")
+    from ..cli_common import add_model_arguments, add_policy_arguments
+    add_model_arguments(s)
+    add_policy_arguments(s, default=None, what=f"the default policy of requests (default {DEFAULT_POLICY}; clients may "
+                                               f"name any registry policy, and the --policy-file class)")
     s.add_argument("--mode", default="async", choices=["async", "delayed", "sync", "model_sync"],
                    help="schedule mode (default async)")
     s.add_argument("--thresholds", default=None, help="delayed batching thresholds: auto or NAME=INT,... ")
@@ -134,7 +107,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=0, help="TCP port (default 0: a free one, printed)")
     s.add_argument("--served-model-name", default="tokenrouter",
                    help="the model id clients send for routed generation (default tokenrouter)")
-    s.add_argument("--max-kv-tokens", type=int, default=None, help="KV pool per model, tokens (default 8192)")
+    s.add_argument("--max-kv-tokens", type=int, default=None,
+                   help="KV pool per model, tokens (default: sized by --kv-memory-fraction)")
+    s.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="share of the memory left after the weights that the KV pools of a device take (default 0.8 "
+                        "on a GPU; on the CPU 0.25 of the available RAM, at most 65,536 tokens per model)")
     s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
     s.add_argument("--transport", choices=["auto", "process", "thread"], default="auto",
                    help="sub-servers in processes or threads (default: processes for two torch models)")

@@ -46,12 +46,15 @@ class Generation:
         self.router, self.prep, self.stream = router, prep, stream
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.open = len(prep.prompts)
         try:
-            self.call = router.submit(prep.prompts, sampling=prep.params, policy=prep.policy, chat=False,
-                                      listener=self._listener)
+            reqs = router.requests(prep.prompts, sampling=prep.params, chat=False)
+            if prep.forced is not None:  # echo + logprobs: the prompt's tokens after the first are scored
+                for k, r in enumerate(reqs):
+                    r.forced = prep.forced[k // prep.n]
+            self.call = router.submit_inputs(reqs, prep.policy, listener=self._listener)
         except RuntimeError as e:  # EngineDeadError, a closed Router
             raise APIError(503, f"the engine cannot serve requests: {e}", None, "engine_unavailable") from None
+        self.open = len(self.call)
         self.watcher = asyncio.ensure_future(wait_disconnect(receive))
 
     def _listener(self, kind: str, h, payload) -> None:

@@ -1,5 +1,6 @@
 """The request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI's fields, plus
-the extensions ``top_k``, ``policy``, ``ignore_eos`` and ``stop_token_ids``), validated with
+the extensions ``top_k``, ``policy``, ``ignore_eos``, ``stop_token_ids`` and vLLM's
+``chat_template_kwargs`` and ``return_tokens_as_token_ids``), validated with
 pydantic. Unknown fields are ignored, as OpenAI does; a field of the wrong type is a 400 naming
 it. Range checks (max_tokens against the context, temperature, top_p, ...) live in
 `tokenrouter_sdk.serve.prepare`, where the context is known."""
@@ -41,6 +42,8 @@ class _Common(BaseModel):
     policy: str | dict[str, Any] | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_tokens_as_token_ids: bool | None = False
 
 
 class CompletionRequest(_Common):

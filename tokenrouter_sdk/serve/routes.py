@@ -42,7 +42,7 @@ async def _generate(request: Request, cls) -> Response:
             except Disconnected:
                 return Response(status_code=CLIENT_CLOSED)
             raise_for_failure(gen.handles)
-            return JSONResponse(completion(gen.handles, prep, list(st.router.models)))
+            return JSONResponse(completion(gen.handles, prep, list(st.router.models), st.router.tokenizer))
         try:
             first = await gen.next_events()  # headers go out with the first token, or an error instead
         except Disconnected:
@@ -64,9 +64,10 @@ async def _events(st: ServeState, gen: Generation, prep: Prepared, items: list):
     """The SSE body: text chunks as tokens are committed (events already waiting are merged),
     a last chunk per choice with its finish reason, usage and routing, then ``[DONE]``. A
     request that fails after the first token ends the stream with an OpenAI error event."""
-    models = list(st.router.models)
+    models, tok = list(st.router.models), st.router.tokenizer
     writer = ChunkWriter(prep)
     pending: dict[int, list[str]] = {}
+    scored: dict[int, list] = {}  # per choice, (token, logprob, top) of the tokens not sent yet
     try:
         while True:
             texts: dict[int, list[str]] = {}
@@ -75,6 +76,9 @@ async def _events(st: ServeState, gen: Generation, prep: Prepared, items: list):
                 if kind == "tokens":
                     ev, piece = payload
                     pending.setdefault(idx, []).extend([ev.model] * len(ev.tokens))
+                    if ev.logprobs is not None:
+                        scored.setdefault(idx, []).extend((t, lp, dict(top)) for t, (lp, top) in
+                                                          zip(ev.tokens, ev.logprobs))
                     texts.setdefault(idx, []).append(piece)
                 else:
                     texts.setdefault(idx, []).append(payload)
@@ -84,13 +88,14 @@ async def _events(st: ServeState, gen: Generation, prep: Prepared, items: list):
                 if idx in ended:
                     continue
                 if text:
-                    yield writer.chunk(idx, text, pending.pop(idx, []))
+                    yield writer.chunk(idx, text, pending.pop(idx, []), logprobs=writer.logprobs(tok, scored.pop(idx, [])))
             for idx in ended:
                 h = gen.handles[idx]
                 text = "".join(texts.get(idx, []))
                 if not h.output.ok:
                     if text:
-                        yield writer.chunk(idx, text, pending.pop(idx, []))
+                        yield writer.chunk(idx, text, pending.pop(idx, []),
+                                           logprobs=writer.logprobs(tok, scored.pop(idx, [])))
                     gen.abort("another prompt of the request failed")
                     try:
                         raise_for_failure([h])
@@ -101,8 +106,10 @@ async def _events(st: ServeState, gen: Generation, prep: Prepared, items: list):
                 pending.pop(idx, None)
                 info = (extension(gen.handles, models, prep.policy_label) if len(gen.handles) == 1 else
                         {"policy": prep.policy_label, "models": models, "index": idx} | routing(h, models))
+                lps = writer.logprobs(tok, scored.pop(idx, []))
                 yield writer.chunk(idx, text, [], FINISH.get(h.output.finish_reason, h.output.finish_reason),
-                                   {"usage": usage([h]), "tokenrouter": info})
+                                   {"usage": usage([h], prep), "tokenrouter": info},
+                                   logprobs=lps if lps is None or lps.get("content", lps.get("tokens")) else None)
             if gen.finished:
                 break
             items = await gen.next_events()
@@ -203,7 +210,7 @@ async def tokenize(request: Request):
         if not messages or not all(isinstance(m, dict) for m in messages):
             raise bad_request("messages", "'messages' must be a non-empty list of {'role', 'content'} objects")
         try:
-            ids = router.encode(list(messages))
+            ids = router.encode(list(messages), chat_template_kwargs=data.get("chat_template_kwargs"))
         except Exception as e:  # noqa: BLE001 - the chat template refused them
             raise bad_request("messages", f"messages could not be rendered with the chat template: {e}") from None
     else:

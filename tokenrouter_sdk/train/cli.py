@@ -1,9 +1,12 @@
-"""``tokenrouter train {r2r,citer,co_llm,query}``: train a router head on the packaged CPU pair
-(`Router.default`, the self-draft pair unless ``--small-layers``) from GSM8K test questions without
+"""``tokenrouter train {r2r,citer,co_llm,query}``: train a router head on a pair (the packaged CPU
+pair, `Router.default`, the self-draft pair unless ``--small-layers``; or your own with ``--model
+small=SOURCE --model large=SOURCE``, ``--device``, ``--dtype``) from GSM8K test questions without
 the 128 held-out ones, give it a default threshold that sends ``--large-fraction`` of the tokens
-to the large model (calibrated in the engine on ``--calibrate`` training prompts), and save it
-(and its JSON record) under ``--out``, or with ``--package`` where the policies look for their
-default head (``tokenrouter_sdk/assets/smollm2_<kind>_head.pt``, float16).
+to the large model (default 0.7, what the packaged heads use: at 0.25 the docs' table shows the
+heads no better than random routing; calibrated in the engine on ``--calibrate`` training
+prompts, in the policy ``--policy`` names, e.g. ``co_llm:compose=true``), and save it (and its
+JSON record) under ``--out``, or with ``--package`` where the policies look for their default head
+(``tokenrouter_sdk/assets/smollm2_<kind>_head.pt``, float16).
 
 The packaged heads were made with (``$C`` = ``--offset 556 --limit 300 --max-new-tokens 96
 --concurrency 64 --cache .cache/train_responses --threads 1 --large-fraction 0.7 --package``)::
@@ -19,11 +22,16 @@ from __future__ import annotations
 import json
 
 KINDS = ("r2r", "citer", "co_llm", "query")
+POLICY_OF = {"r2r": "r2r", "citer": "citer", "co_llm": "co_llm", "query": "query_router"}  # kind -> registry name
+THRESHOLD_OF = {"r2r": "tau", "citer": "tau", "co_llm": "eta", "query": "threshold"}
+DEFAULT_LARGE_FRACTION = 0.7  # the packaged heads' (docs/train.md: at 0.25 they are no better than random)
 
 
 def add_parser(sub) -> None:
     """Add the ``train`` subcommand to an argparse subparsers object."""
-    t = sub.add_parser("train", help="train a router head (r2r, citer, co_llm, query) on the packaged CPU pair")
+    from ..cli_common import add_model_arguments
+    t = sub.add_parser("train", help="train a router head (r2r, citer, co_llm, query) on the packaged CPU pair or "
+                                     "your own (--model small=... --model large=...)")
     t.add_argument("kind", choices=KINDS)
     t.add_argument("--data", help="JSONL with id, question, answer, meta.solution (default: the GSM8K test set shipped "
                                   "with the package; the 128 held-out questions gsm8k-test-0000..0127 are always "
@@ -51,15 +59,18 @@ def add_parser(sub) -> None:
                         "co_llm; default: none)")
     t.add_argument("--concurrency", type=int, default=16, help="generation batch, requests in flight (default 16)")
     t.add_argument("--epochs", type=int, default=None, help="training epochs (default: the pipeline's)")
-    t.add_argument("--large-fraction", type=float, default=0.25,
+    t.add_argument("--large-fraction", type=float, default=DEFAULT_LARGE_FRACTION,
                    help="the default threshold sends this share of the committed tokens (query: of the prompts) to "
-                        "the large model (default 0.25)")
+                        f"the large model (default {DEFAULT_LARGE_FRACTION}, the packaged heads'; below about half "
+                        "large the heads of the packaged pair are no better than random routing, docs/train.md)")
+    t.add_argument("--policy", default=None, metavar="SPEC",
+                   help="the policy the head is calibrated in: the kind's registry name (r2r, citer, co_llm) with "
+                        "fixed arguments, e.g. co_llm:compose=true (the head and its threshold come from training; "
+                        "not for query, whose threshold its pipeline picks)")
     t.add_argument("--calibrate", type=int, default=16,
                    help="training prompts the default threshold is calibrated on, in the engine (default 16)")
     t.add_argument("--calibrate-tokens", type=int, default=128, help="tokens per calibration answer (default 128)")
-    t.add_argument("--small-layers", type=int, default=None,
-                   help="small = plain truncation to this many layers (default: the packaged self-draft, "
-                        "Router.default()'s pair)")
+    add_model_arguments(t)
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=run)
@@ -85,29 +96,59 @@ def pipeline_kwargs(args) -> dict:
     return kw
 
 
+def policy_kwargs(args, prog: str = "tokenrouter train") -> dict:
+    """The fixed arguments of ``--policy`` for calibration (typed by the registry).
+
+    Raises:
+        SystemExit: a spec naming another kind's policy, the head or the threshold, an unknown
+            argument, or any spec with ``query``.
+    """
+    if args.policy is None:
+        return {}
+    from ..policies.registry import PolicySpecError, builtin_registry
+    if args.kind == "query":
+        raise SystemExit(f"{prog}: --policy: the query head's threshold is chosen by its pipeline, not calibrated in a "
+                         f"policy; --policy does not apply to query")
+    try:
+        entry, kwargs = builtin_registry().resolve(args.policy)
+    except PolicySpecError as e:
+        raise SystemExit(f"{prog}: --policy: {e}") from None
+    if entry.name != POLICY_OF[args.kind]:
+        raise SystemExit(f"{prog}: --policy names '{entry.name}', but a {args.kind} head runs in "
+                         f"'{POLICY_OF[args.kind]}'")
+    fixed = sorted({"head", THRESHOLD_OF[args.kind]} & set(kwargs))
+    if fixed:
+        raise SystemExit(f"{prog}: --policy: {fixed} come from training (the head and its calibrated threshold); "
+                         f"give the policy's other arguments only")
+    return kwargs
+
+
 def run(args) -> int:
     """Run one pipeline from parsed arguments, calibrate the default threshold and write the head;
     prints the head path, threshold and metrics."""
     import torch
 
-    from tokenrouter_sdk import Router
     from tokenrouter_sdk import train as T
-    from tokenrouter_sdk.models import describe_default_pair
+
+    from ..cli_common import build_router, describe_pair
 
     from .data import load_examples
     from tokenrouter_sdk.policies.r2r import EMBEDDING_SOURCE
 
     from .package import finalize, packaged_path
-    if args.package and (args.small_layers is not None or args.data is not None):
+    prog = "tokenrouter train"
+    if args.package and (args.small_layers is not None or args.data is not None or args.model):
         raise SystemExit("tokenrouter train: --package writes the default head of Router.default()'s pair on GSM8K; "
-                         "drop --small-layers/--data or use --out")
+                         "drop --small-layers/--data/--model or use --out")
+    if not 0 < args.large_fraction < 1:
+        raise SystemExit(f"{prog}: --large-fraction must be in (0, 1), got {args.large_fraction}")
+    extra_policy = policy_kwargs(args, prog)
     if args.threads:
         torch.set_num_threads(args.threads)
     kw = pipeline_kwargs(args)
     fn = {"r2r": T.train_r2r, "citer": T.train_citer, "co_llm": T.train_co_llm, "query": T.train_query}[args.kind]
-    print(describe_default_pair(args.small_layers), flush=True)
-    extra = {} if args.small_layers is None else {"small_layers": args.small_layers}
-    with Router.default(processes=False, **extra) as router:
+    print(describe_pair(args), flush=True)
+    with build_router(args, prog, processes=False) as router:
         res = fn(router, **kw)      # the trained head (float32) stays in --out
         calib = load_examples(args.data, args.calibrate, offset=args.offset)
         dest = packaged_path(args.kind).parent if args.package else None
@@ -116,7 +157,8 @@ def run(args) -> int:
                                      max_new_tokens=args.calibrate_tokens, dest=dest, name=name,
                                      dtype=torch.float16 if args.package else None,
                                      embedding=router.models[list(router.models)[0]],
-                                     config=({"embedding_source": EMBEDDING_SOURCE} if args.kind == "r2r" else None))
+                                     config=({"embedding_source": EMBEDDING_SOURCE} if args.kind == "r2r" else None),
+                                     policy_kwargs=extra_policy)
     print(f"head      {head}\nrecord    {record}\nthreshold {thr:.6g} (default; large fraction target "
           f"{args.large_fraction})")
     print(json.dumps({k: v for k, v in res.metrics.items()}, indent=1, default=str))

@@ -33,20 +33,22 @@ SCORES = {"citer": ("tau", "confidence", False), "r2r": ("tau", "prob", True),
           "co_llm": ("eta", "deferral_prob", True), "query": ("threshold", None, False)}
 
 
-def make_policy(kind: str, head, threshold: float, embedding=None):
+def make_policy(kind: str, head, threshold: float, embedding=None, extra: dict | None = None):
     """The policy of ``kind`` on ``head`` (a path or state) with its threshold set; R2R gets
-    ``embedding`` (None: the packaged head's source table)."""
+    ``embedding`` (None: the packaged head's source table); ``extra``: more constructor
+    arguments (e.g. Co-LLM's ``compose``)."""
     from tokenrouter_sdk import policies as P
     key = SCORES[kind][0]
+    extra = dict(extra or {})
     if kind == "r2r":
-        return P.R2R(head, embedding=embedding, tau=threshold)
+        return P.R2R(head, embedding=extra.pop("embedding", embedding), tau=threshold, **extra)
     cls = {"citer": P.CITER, "co_llm": P.CoLLM, "query": P.QueryRouter}[kind]
-    return cls(head, **{key: threshold})
+    return cls(head, **{key: threshold}, **extra)
 
 
 def calibrate_threshold(router, kind: str, head, prompts: list[str], target: float, *, start: float,
                         max_new_tokens: int = 128, rounds: int = 4, tol: float = 0.015, concurrency: int = 16,
-                        embedding=None) -> tuple[float, list[dict]]:
+                        embedding=None, policy_kwargs: dict | None = None) -> tuple[float, list[dict]]:
     """The threshold at which the ``kind`` policy on ``head`` realises a large fraction of about
     ``target`` on ``prompts`` (greedy, ``max_new_tokens`` tokens each), see the module docstring.
 
@@ -55,6 +57,7 @@ def calibrate_threshold(router, kind: str, head, prompts: list[str], target: flo
         kind: ``"citer"``, ``"r2r"`` or ``"co_llm"``.
         start: the first threshold tried.
         rounds: at most this many generation runs; tol: stop when |realised - target| <= tol.
+        policy_kwargs: more arguments of the policy the head runs in (`make_policy`'s ``extra``).
 
     Returns:
         ``(threshold, rounds)``: the threshold whose run came closest to ``target``, and per run
@@ -67,7 +70,7 @@ def calibrate_threshold(router, kind: str, head, prompts: list[str], target: flo
     if kind not in ("citer", "r2r", "co_llm"):
         raise ValueError(f"calibrate_threshold: kind must be citer, r2r or co_llm, got {kind!r}")
     _, method, above = SCORES[kind]
-    return calibrate_defer(router, lambda v: make_policy(kind, head, v, embedding),
+    return calibrate_defer(router, lambda v: make_policy(kind, head, v, embedding, policy_kwargs),
                            lambda pol, batch: getattr(pol, method)(batch), prompts, target, start=start, above=above,
                            max_new_tokens=max_new_tokens, rounds=rounds, tol=tol, concurrency=concurrency)
 
@@ -148,7 +151,8 @@ def command_line() -> str:
 
 def finalize(res, router, *, target: float, calib_prompts: list, max_new_tokens: int = 128, dest=None,
              name: str | None = None, dtype=None, command: str | None = None, concurrency: int = 16,
-             embedding=None, rounds: int = 4, config: dict | None = None) -> tuple[Path, Path, float]:
+             embedding=None, rounds: int = 4, config: dict | None = None,
+             policy_kwargs: dict | None = None) -> tuple[Path, Path, float]:
     """Give a trained head (`TrainResult`) its default threshold and write it for use.
 
     Token-level heads: `calibrate_threshold` on ``calib_prompts`` (`Example` or str) for
@@ -160,6 +164,8 @@ def finalize(res, router, *, target: float, calib_prompts: list, max_new_tokens:
     plus ``command``, ``seed``, ``stored_dtype`` and ``default_threshold`` (value, target,
     calibration prompt ids, rounds). ``config`` adds keys to the head's config (R2R:
     ``embedding_source``, the model whose token table the head reads when none is given).
+    ``policy_kwargs``: more arguments of the policy the head is calibrated in (recorded as
+    ``default_threshold.policy_kwargs``).
 
     Returns:
         ``(head path, JSON path, threshold)``.
@@ -191,13 +197,14 @@ def finalize(res, router, *, target: float, calib_prompts: list, max_new_tokens:
     else:
         thr, hist = calibrate_threshold(router, kind, head_path, prompts, target, start=res.threshold,
                                         max_new_tokens=max_new_tokens, concurrency=concurrency,
-                                        embedding=embedding, rounds=rounds)
+                                        embedding=embedding, rounds=rounds, policy_kwargs=policy_kwargs)
         dt = {"value": thr, "target_large_fraction": target, "unit": "share of committed tokens written by the large "
               "model", "rule": "calibrated in the engine (greedy) on the calibration prompts: the quantile of the "
               "head's scores on the small model's steps, then the interpolation between the two runs bracketing the "
               "target, repeated until the realised large fraction is within 0.015 (at most 4 runs)",
               "calibration_ids": ids, "max_new_tokens": max_new_tokens, "rounds": hist,
-              "realised_large_fraction": next(h["large_fraction"] for h in hist if h["threshold"] == thr)}
+              "realised_large_fraction": next(h["large_fraction"] for h in hist if h["threshold"] == thr),
+              "policy_kwargs": {k: str(v) for k, v in (policy_kwargs or {}).items()}}
     meta["default_threshold"] = dt
     meta = plain(meta)
     save_head(head_path, kind, sd, plain(cfg | {"threshold": thr}), meta)

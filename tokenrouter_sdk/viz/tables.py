@@ -51,7 +51,15 @@ class KVStats(dict):
     """What `Router.kv_stats` returns: model -> `tokenrouter_sdk.engine.messages.Stats` (a
     ``dict``), shown as a table: per model whether its sub-server is alive, KV blocks used / free
     / usable, tokens per block, requests it owns and holds pending, and the blocks each group
-    holds."""
+    holds. ``sizing``: per model, how its pool was sized (`tokenrouter_sdk.kv_sizing.KVSizing`),
+    shown under the table."""
+
+    def __init__(self, stats=(), sizing: dict | None = None):
+        super().__init__(stats)
+        self.sizing = dict(sizing or {})
+
+    def sizing_lines(self) -> list[str]:
+        return [f"{m}: {z.describe()}" for m, z in self.sizing.items()]
 
     def rows(self) -> list[list]:
         return [[m, s.alive, s.num_blocks - s.free_blocks, s.free_blocks, s.num_blocks, s.block_size, s.owned,
@@ -62,10 +70,15 @@ class KVStats(dict):
         return text_table(KV_COLUMNS, self.rows())
 
     def __repr__(self) -> str:
-        return f"KV pools (blocks of tokens; owned/pending: requests)\n{self.table()}"
+        sizing = "".join(f"\n{line}" for line in self.sizing_lines())
+        return f"KV pools (blocks of tokens; owned/pending: requests)\n{self.table()}" + (
+            f"\npool sizes:{sizing}" if sizing else "")
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(repr(self))
 
     def _repr_html_(self) -> str:
-        return html_table(KV_COLUMNS, self.rows(), caption="KV pools (blocks of tokens; owned/pending: requests)")
+        import html
+        table = html_table(KV_COLUMNS, self.rows(), caption="KV pools (blocks of tokens; owned/pending: requests)")
+        lines = "".join(f"<li>{html.escape(line)}</li>" for line in self.sizing_lines())
+        return table + (f"<p>pool sizes:</p><ul>{lines}</ul>" if lines else "")

@@ -1,0 +1,212 @@
+"""The flags every model-running command shares (``eval``, ``bench``, ``train``, ``serve``): which
+models (``--model NAME=SOURCE``, or the packaged pair with ``--small-layers``), where and in what
+precision (``--device``, ``--dtype``: one for all, or ``NAME=VALUE,...`` per model), and the policy
+(``--policy SPEC`` from the registry, ``--policy-file FILE.py:CLASS``). Each flag takes effect or
+the command stops with a message naming the flag.
+
+Imports nothing heavy at module level, so ``tokenrouter --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+REGISTRY_HELP = ("a registry spec NAME[:k=v,...]: rstitch, random, large_only, small_only, single, r2r_entropy, "
+                 "r2r_aleatoric, glimprouter, ensemble, random_query, citer/r2r/co_llm/query_router (learned heads: "
+                 "head=PATH), e.g. rstitch:tau=0.3,tau_back=0.02 or r2r:head=heads/r2r_head.pt")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True) -> argparse.ArgumentParser:
+    """``--model``, ``--device``, ``--dtype`` (and ``--small-layers`` for the packaged pair)."""
+    g = p.add_argument_group("models")
+    g.add_argument("--model", action="append", metavar="NAME=SOURCE",
+                   help="a model: a folder (with config.json), a .gguf file or a hub id, smallest first; repeat for "
+                        "each (default: the packaged pair, small = the SmolLM2-135M self-draft, large = "
+                        "SmolLM2-135M-Instruct)")
+    g.add_argument("--device", metavar="DEVICE|NAME=DEVICE,...",
+                   help="where the models run: cpu, cuda, cuda:1, ... for all, or per model, e.g. "
+                        "small=cuda:0,large=cuda:1 (default cpu)")
+    g.add_argument("--dtype", metavar="DTYPE|NAME=DTYPE,...",
+                   help="precision: auto (the checkpoint's own), bfloat16, float16, float32, for all or per model "
+                        "(default: auto for --model sources, float32 for the packaged pair)")
+    if small_layers:
+        g.add_argument("--small-layers", type=int, default=None,
+                       help="packaged pair only: small = plain truncation of the large model to this many layers "
+                            "(default: the packaged self-draft)")
+    return p
+
+
+def add_policy_arguments(p: argparse.ArgumentParser, *, default: str | None = "rstitch", what: str = "the policy",
+                         repeat: bool = False) -> argparse.ArgumentParser:
+    """``--policy SPEC`` (repeatable with ``repeat``) and ``--policy-file FILE.py:CLASS``."""
+    p.add_argument("--policy", action="append" if repeat else "store", default=None if repeat else default,
+                   metavar="SPEC", help=f"{what}: {REGISTRY_HELP}" + (f" (default {default})" if default else ""))
+    p.add_argument("--policy-file", metavar="FILE.py:CLASS",
+                   help="your own Policy subclass; registered under its class name (use it in --policy as CLASS or "
+                        "CLASS:k=v,...; it is the policy when --policy is not given)")
+    return p
+
+
+def fail(prog: str, msg: str) -> SystemExit:
+    return SystemExit(f"{prog}: {msg}")
+
+
+def parse_models(args, prog: str) -> dict[str, str] | None:
+    """``--model`` items as ``{name: source}`` in order, or None (the packaged pair).
+
+    Raises:
+        SystemExit: an item that is not NAME=SOURCE, a name given twice, or ``--small-layers``
+            with ``--model``.
+    """
+    items = getattr(args, "model", None)
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, src = item.partition("=")
+        if not eq or not name.strip() or not src.strip():
+            raise fail(prog, f"--model takes NAME=SOURCE (smallest first), got {item!r}")
+        if name.strip() in out:
+            raise fail(prog, f"--model: model name {name.strip()!r} given twice")
+        out[name.strip()] = src.strip()
+    if getattr(args, "small_layers", None) is not None:
+        raise fail(prog, "--small-layers shapes the packaged pair's small model; it does not apply with --model")
+    return out
+
+
+def per_model(text: str | None, names: list[str] | None, flag: str, prog: str):
+    """``--device``/``--dtype`` text as one value, or a dict name -> value for ``NAME=VALUE,...``.
+
+    Raises:
+        SystemExit: per-model values for the packaged pair, or naming a model not given.
+    """
+    if text is None or "=" not in text:
+        return text
+    out = {}
+    for item in text.split(","):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip() or not value.strip():
+            raise fail(prog, f"{flag} takes one value or NAME=VALUE,... (e.g. small=cuda:0,large=cuda:1), got {text!r}")
+        out[name.strip()] = value.strip()
+    if names is None:
+        raise fail(prog, f"{flag} per model needs --model: the packaged pair shares its first layers, so it takes one "
+                         f"{flag[2:]}")
+    bad = sorted(set(out) - set(names))
+    if bad:
+        raise fail(prog, f"{flag} names {bad}, which are not models of --model ({names})")
+    return out
+
+
+def model_specs(args, prog: str) -> dict | None:
+    """``{name: ModelSpec}`` from ``--model``, ``--device`` and ``--dtype``, or None (the packaged
+    pair)."""
+    from .placement import ModelSpec
+    models = parse_models(args, prog)
+    if models is None:
+        return None
+    dev = per_model(getattr(args, "device", None), list(models), "--device", prog)
+    dt = per_model(getattr(args, "dtype", None), list(models), "--dtype", prog)
+    pick = lambda v, n: v.get(n) if isinstance(v, dict) else v  # noqa: E731
+    return {n: ModelSpec(src, pick(dev, n), pick(dt, n)) for n, src in models.items()}
+
+
+def _errors():
+    from .models import ModelLoadError, TokenizerMismatchError
+    from .placement import DeviceError
+    return (DeviceError, ModelLoadError, TokenizerMismatchError, ValueError, TypeError, OSError)
+
+
+def build_router(args, prog: str, policy=None, **settings):
+    """The `Router` the flags name: the packaged pair (``Router.default`` with ``--device``,
+    ``--dtype``, ``--small-layers``) or the ``--model`` sources, each on its device and dtype.
+
+    Raises:
+        SystemExit: a bad flag or a model that cannot load (names it and why).
+    """
+    from .router import Router
+    specs = model_specs(args, prog)
+    try:
+        if specs is None:
+            per_model(getattr(args, "device", None), None, "--device", prog)
+            per_model(getattr(args, "dtype", None), None, "--dtype", prog)
+            return Router.default(policy, small_layers=getattr(args, "small_layers", None),
+                                  device=getattr(args, "device", None), dtype=getattr(args, "dtype", None), **settings)
+        return Router(specs, policy, **settings)
+    except _errors() as e:
+        raise fail(prog, f"{type(e).__name__}: {e}") from None
+
+
+def load_models(args, prog: str):
+    """``(models, tokenizer)``: the loaded models the flags name (name -> model, smallest first)
+    and their shared tokenizer, for commands that build several Routers on them (``bench``).
+
+    Raises:
+        SystemExit: as `build_router`.
+    """
+    from .models import check_same_tokenizer, default_pair, load_model
+    specs = model_specs(args, prog)
+    try:
+        if specs is None:
+            per_model(getattr(args, "device", None), None, "--device", prog)
+            per_model(getattr(args, "dtype", None), None, "--dtype", prog)
+            large, small, tok = default_pair(small_layers=getattr(args, "small_layers", None),
+                                             device=getattr(args, "device", None) or "cpu",
+                                             dtype=getattr(args, "dtype", None))
+            return {"small": small, "large": large}, tok
+        models, toks = {}, {}
+        for name, spec in specs.items():
+            dev, dt = spec.placed()
+            models[name], toks[name] = load_model(spec.source, device=dev, dtype=dt)
+        first = next(iter(toks))
+        for name in toks:
+            check_same_tokenizer(toks[first], first, toks[name], name)
+        return models, toks[first]
+    except _errors() as e:
+        raise fail(prog, f"{type(e).__name__}: {e}") from None
+
+
+def describe_pair(args) -> str:
+    """The one ``pair: ...`` line the commands print: the packaged pair's description, or each
+    ``--model`` source with its device and dtype."""
+    models = getattr(args, "model", None)
+    if not models:
+        from .models import describe_default_pair
+        return describe_default_pair(getattr(args, "small_layers", None))
+    parts = [item.replace("=", " = ", 1) for item in models]
+    place = ", ".join(f"{flag} {v}" for flag, v in (("device", getattr(args, "device", None)),
+                                                  ("dtype", getattr(args, "dtype", None))) if v)
+    return "pair: " + ", ".join(parts) + (f" ({place})" if place else "")
+
+
+def policy_registry(args, prog: str):
+    """``(registry, default name)``: the built-in registry plus the ``--policy-file`` class
+    (registered under its class name, which is then the default), and the name to use when
+    ``--policy`` is not given (None: the command's own default).
+
+    Raises:
+        SystemExit: a ``--policy-file`` that does not load (names the error).
+    """
+    from .policies.registry import PolicySpecError, builtin_registry, load_policy_class
+    registry = builtin_registry()
+    target = getattr(args, "policy_file", None)
+    if not target:
+        return registry, None
+    try:
+        cls = load_policy_class(target)
+    except PolicySpecError as e:
+        raise fail(prog, f"--policy-file: {e}") from None
+    registry.add(cls.__name__, cls)
+    return registry, cls.__name__
+
+
+def build_policy(registry, spec, prog: str):
+    """The policy of a spec (a registry name with arguments).
+
+    Raises:
+        SystemExit: an unknown name or a bad argument (names them and what is accepted).
+    """
+    from .policies.registry import PolicySpecError
+    try:
+        return registry.build(spec)
+    except PolicySpecError as e:
+        raise fail(prog, f"--policy: {e}") from None
