@@ -74,6 +74,21 @@ from .runner import dead_letter
 from .wire import _PROTO, _PolicyBytes, _child_spec, dump_spec, dumps, loads, send_spec, policy_sources
 
 # ---- the parent ----------------------------------------------------------------------------
+def _release_pool(spec: dict) -> None:
+    """Free this process's KV pool of a pickled spec (the child allocates its own of the same
+    shape) before the child starts allocating: on a GPU whose pools are sized to the memory left,
+    the parent's copy must be gone first (its CUDA cache too)."""
+    pool = getattr(spec.get("runner"), "pool", None)
+    if pool is None or getattr(pool, "k", None) is None or not hasattr(pool, "release"):
+        return
+    cuda = pool.k.device.type == "cuda"
+    pool.release()
+    if cuda:
+        import torch
+        torch.cuda.empty_cache()
+
+
+
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "exit code unknown"
@@ -298,6 +313,7 @@ class ProcessTransport:
                                    f"({type(e).__name__}: {e}); Router(..., processes=False) runs "
                                    f"sub-servers in threads") from e
         self._t_pickle[name] = (t0, time.perf_counter())
+        _release_pool(spec)
         return out
 
     def alive(self, model: str) -> bool:
