@@ -113,6 +113,9 @@ def cmd_demo(args) -> int:
         prompts, shown, source, kind = demo_inputs(args.prompt, args.data, args.num)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"tokenrouter demo: {e}")
+    if args.seed is not None and args.temperature == 0:
+        sys.exit("tokenrouter demo: --seed seeds sampling, which --temperature 0 (greedy) does not do: give "
+                 "--temperature > 0 or drop --seed")
     color = sys.stdout.isatty() and not args.no_color
     print(describe_default_pair(args.small_layers))
     t0 = time.perf_counter()
@@ -192,6 +195,12 @@ def cmd_bench(args) -> int:
     for pol in policies:  # every spec is checked before anything loads
         if not (pol.startswith("random") and pol[len("random"):].isdigit()):
             build_policy(registry, pol, prog)
+    if args.thresholds != "auto" and "delayed" not in args.modes:
+        raise fail(prog, f"--thresholds apply to the delayed cells, and --modes {' '.join(args.modes)} has none")
+    if args.random_pair is None and args.prompt_tokens is not None:
+        raise fail(prog, "--prompt-tokens sets the prompts of --random-pair; the other pairs take --data")
+    if args.random_pair is not None and args.data is not None:
+        raise fail(prog, "--random-pair runs token-id prompts (--prompt-tokens); --data does not apply")
     kw: dict = {}
     if args.backend == "sim":
         from .backends.sim_runner import LatencyModel
@@ -223,7 +232,7 @@ def cmd_bench(args) -> int:
         except (DeviceError, ValueError) as e:
             raise fail(prog, f"{type(e).__name__}: {e}") from None
         tok = id_tokenizer()
-        prompts = random_prompts(64, args.prompt_tokens, seed=0)
+        prompts = random_prompts(64, args.prompt_tokens or 128, seed=0)
     else:
         print(describe_pair(args))
         models, tok = load_models(args, prog)
@@ -273,7 +282,7 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, out: bool = True) -> argp
     b.add_argument("--random-pair", metavar="SMALL,LARGE",
                    help="random-weight models built from configs, e.g. qwen3-0.6b,qwen3-8b (token-id prompts; "
                         "--device default cuda, --dtype default bfloat16)")
-    b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length with --random-pair (default 128)")
+    b.add_argument("--prompt-tokens", type=int, default=None, help="prompt length with --random-pair (default 128)")
     b.add_argument("--max-kv-tokens", type=int, default=None,
                    help="KV pool per model, tokens (default: large enough that KV never limits a cell)")
     b.add_argument("--transport", choices=["auto", "process", "thread"], default="auto",

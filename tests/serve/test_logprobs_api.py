@@ -132,7 +132,7 @@ def test_lm_eval_multiple_choice_in_process_and_over_http(served, tmp_path, monk
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     router, url = served
-    tasks = TaskManager(include_path=str(write_choice_task(tmp_path / "task")))
+    tasks = TaskManager(include_path=str(write_choice_task(tmp_path / "task")), include_defaults=False)
     common = dict(tasks=["choice4"], task_manager=tasks, log_samples=True)
     lm = TokenRouterLM(router=router)
     local = lm_eval.simple_evaluate(model=lm, **common)

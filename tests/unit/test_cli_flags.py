@@ -160,6 +160,11 @@ def test_bench_runs_your_pair_and_policies(folders, tmp_path):
         cmd_bench(build_parser().parse_args(["bench", "--backend", "sim", "--device", "cpu"]))
     with pytest.raises(SystemExit, match="unknown policy"):
         cmd_bench(build_parser().parse_args(["bench", "--policy", "fastest"]))
+    for argv, msg in ((["--modes", "async", "--thresholds", "small=2"], "delayed cells"),
+                      (["--prompt-tokens", "64"], "--random-pair"),
+                      (["--random-pair", "qwen3-0.6b,qwen3-8b", "--data", "gsm8k"], "--data does not apply")):
+        with pytest.raises(SystemExit, match=msg):
+            cmd_bench(build_parser().parse_args(["bench", *argv]))
 
 
 # -- train ---------------------------------------------------------------------------------------
@@ -189,9 +194,14 @@ def test_train_flags_reach_the_router_and_the_calibration(folders, monkeypatch):
     assert seen["finalize"]["target"] == 0.7  # the packaged heads' large fraction is the default
     assert seen["finalize"]["policy_kwargs"] == {"large": "large"}
     for argv, msg in ((["--policy", "co_llm"], "runs in 'r2r'"), (["--policy", "r2r:tau=0.2"], "come from training"),
-                      (["--package", *model_flags(folders)], "--package"), (["--large-fraction", "1.5"], r"\(0, 1\)")):
+                      (["--package", *model_flags(folders)], "--package"), (["--large-fraction", "1.5"], r"\(0, 1\)"),
+                      (["--rollouts", "2"], "--rollouts does not apply to r2r")):
         with pytest.raises(SystemExit, match=msg):
             run(build_parser().parse_args(["train", "r2r", *argv]))
+    for kind, argv, msg in (("citer", ["--max-new-tokens", "64"], "gold solutions"),
+                            ("query", ["--calibrate", "4"], "--calibrate does not apply to query")):
+        with pytest.raises(SystemExit, match=msg):
+            run(build_parser().parse_args(["train", kind, *argv]))
 
 
 # -- the lm-eval model ---------------------------------------------------------------------------

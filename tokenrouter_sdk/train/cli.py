@@ -25,6 +25,12 @@ KINDS = ("r2r", "citer", "co_llm", "query")
 POLICY_OF = {"r2r": "r2r", "citer": "citer", "co_llm": "co_llm", "query": "query_router"}  # kind -> registry name
 THRESHOLD_OF = {"r2r": "tau", "citer": "tau", "co_llm": "eta", "query": "threshold"}
 DEFAULT_LARGE_FRACTION = 0.7  # the packaged heads' (docs/train.md: at 0.25 they are no better than random)
+# flags that only some pipelines read: dest -> (the kinds, its default)
+KIND_FLAGS = {"branches": (("r2r",), 8), "branch_tokens": (("r2r",), 32), "unverified": (("r2r",), "drop"),
+              "rollouts": (("citer",), 4), "reference": (("citer", "co_llm", "query"), "gold"),
+              "cache": (("r2r", "citer", "co_llm"), None), "concurrency": (("r2r", "citer", "co_llm"), 16),
+              "calibrate": (("r2r", "citer", "co_llm"), 16), "calibrate_tokens": (("r2r", "citer", "co_llm"), 128),
+              "max_new_tokens": (("r2r", "query", "citer", "co_llm"), 96)}
 
 
 def add_parser(sub) -> None:
@@ -44,20 +50,22 @@ def add_parser(sub) -> None:
     t.add_argument("--package", action="store_true",
                    help="also write the head (float16) and its record where the package looks for the default head "
                         "(tokenrouter_sdk/assets/smollm2_<kind>_head.*); the float32 head stays in --out")
-    t.add_argument("--max-new-tokens", type=int, default=96,
+    t.add_argument("--max-new-tokens", type=int, default=None,
                    help="response / answer length, tokens (r2r, query; citer and co_llm with --reference large)")
-    t.add_argument("--branches", type=int, default=8, help="r2r: verified differing positions per response")
-    t.add_argument("--branch-tokens", type=int, default=32, help="r2r: bound of each branch continuation, tokens")
-    t.add_argument("--unverified", choices=("drop", "divergent"), default="drop",
+    t.add_argument("--branches", type=int, default=None, help="r2r: verified differing positions per response (8)")
+    t.add_argument("--branch-tokens", type=int, default=None,
+                   help="r2r: bound of each branch continuation, tokens (32)")
+    t.add_argument("--unverified", choices=("drop", "divergent"), default=None,
                    help="r2r: differing positions beyond --branches are dropped (default) or kept as divergent")
-    t.add_argument("--rollouts", type=int, default=4, help="citer: rollouts per example")
-    t.add_argument("--reference", choices=("gold", "large"), default="gold",
+    t.add_argument("--rollouts", type=int, default=None, help="citer: rollouts per example (4)")
+    t.add_argument("--reference", choices=("gold", "large"), default=None,
                    help="query: label = the small answer is correct (gold) or agrees with the large model's (large); "
                         "citer, co_llm: teacher-force the gold solutions or the large model's greedy responses")
     t.add_argument("--cache", default=None,
                    help="folder where the large model's responses are kept and reused across pipelines (r2r, citer, "
                         "co_llm; default: none)")
-    t.add_argument("--concurrency", type=int, default=16, help="generation batch, requests in flight (default 16)")
+    t.add_argument("--concurrency", type=int, default=None,
+                   help="r2r, citer, co_llm: generation batch, requests in flight (default 16)")
     t.add_argument("--epochs", type=int, default=None, help="training epochs (default: the pipeline's)")
     t.add_argument("--large-fraction", type=float, default=DEFAULT_LARGE_FRACTION,
                    help="the default threshold sends this share of the committed tokens (query: of the prompts) to "
@@ -67,17 +75,45 @@ def add_parser(sub) -> None:
                    help="the policy the head is calibrated in: the kind's registry name (r2r, citer, co_llm) with "
                         "fixed arguments, e.g. co_llm:compose=true (the head and its threshold come from training; "
                         "not for query, whose threshold its pipeline picks)")
-    t.add_argument("--calibrate", type=int, default=16,
-                   help="training prompts the default threshold is calibrated on, in the engine (default 16)")
-    t.add_argument("--calibrate-tokens", type=int, default=128, help="tokens per calibration answer (default 128)")
+    t.add_argument("--calibrate", type=int, default=None,
+                   help="r2r, citer, co_llm: training prompts the default threshold is calibrated on, in the engine "
+                        "(default 16)")
+    t.add_argument("--calibrate-tokens", type=int, default=None,
+                   help="r2r, citer, co_llm: tokens per calibration answer (default 128)")
     add_model_arguments(t)
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=run)
 
 
+def resolve_kind_flags(args, prog: str = "tokenrouter train") -> None:
+    """Fill the kind-specific flags left out with their defaults (`KIND_FLAGS`), in place.
+
+    Raises:
+        SystemExit: a flag given for a kind whose pipeline does not read it (names both), e.g.
+            ``--branches`` with ``citer``, or ``--max-new-tokens`` with citer/co_llm on gold
+            solutions.
+    """
+    for dest, (kinds, default) in KIND_FLAGS.items():
+        value = getattr(args, dest, None)
+        used = args.kind in kinds
+        if dest == "max_new_tokens" and args.kind in ("citer", "co_llm"):
+            used = (args.reference or "gold") == "large"
+        if value is not None and not used:
+            flag = "--" + dest.replace("_", "-")
+            why = "teacher-forces the gold solutions (give --reference large)" if dest == "max_new_tokens" else \
+                f"does not use it (it applies to {', '.join(kinds)})"
+            raise SystemExit(f"{prog}: {flag} does not apply to {args.kind}: its pipeline {why}")
+        if value is None:
+            setattr(args, dest, default)
+    args.kind_flags_resolved = True
+
+
 def pipeline_kwargs(args) -> dict:
-    """The keyword arguments of ``train_<kind>`` that the parsed options give."""
+    """The keyword arguments of ``train_<kind>`` that the parsed options give (kind-specific
+    flags left out get their defaults, `resolve_kind_flags`)."""
+    if not getattr(args, "kind_flags_resolved", False):
+        resolve_kind_flags(args)
     kw = {"data": args.data, "limit": args.limit, "offset": args.offset, "out": args.out, "seed": args.seed}
     if args.epochs is not None:
         kw["epochs"] = args.epochs
@@ -143,6 +179,8 @@ def run(args) -> int:
     if not 0 < args.large_fraction < 1:
         raise SystemExit(f"{prog}: --large-fraction must be in (0, 1), got {args.large_fraction}")
     extra_policy = policy_kwargs(args, prog)
+    if not getattr(args, "kind_flags_resolved", False):
+        resolve_kind_flags(args, prog)
     if args.threads:
         torch.set_num_threads(args.threads)
     kw = pipeline_kwargs(args)
