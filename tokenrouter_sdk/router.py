@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 from .engine.config import EngineConfig
 from .engine.engine import Call, Engine, RequestHandle
+from .engine.policy_calls import check_policy
 from .engine.runner import Runner
 from .metrics import Metrics
 from .policy import Policy
@@ -79,7 +80,8 @@ class Router:
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).
         ValueError: no model, or a bad setting (names it).
-        TypeError: an unknown keyword (lists the settings).
+        TypeError: an unknown keyword (lists the settings), or ``policy`` not a `Policy`
+            instance (e.g. the class: pass ``MyPolicy()``).
     """
 
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
@@ -90,6 +92,8 @@ class Router:
         config = (config or EngineConfig()).replace(**settings) if settings else (config or EngineConfig())
         if not models:
             raise ValueError("Router needs at least one model, e.g. Router({'small': m1, 'large': m2}, policy)")
+        if policy is not None:
+            check_policy(policy)  # before any model loads: policy=MyPolicy (the class) fails at once
         self.config = config
         transport = None
         eos_ids: list[int] = []

@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Sequence
 from ..policy import Policy
 from ..request import RequestConfig, RequestInput, RequestOutput, RequestView, prompt_key
 from . import messages as M
+from . import policy_calls as PC
 from .config import EngineConfig, valid_thresholds
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .transport import ThreadTransport
@@ -296,6 +297,12 @@ class Engine:
             RuntimeError: the engine is closed.
             EngineDeadError: a sub-server is dead (names it and why).
             ValueError: ``concurrency < 1``.
+            TypeError: ``policy`` is not a `Policy` instance (e.g. the class itself) or its
+                ``needs`` is not a `Needs` (`tokenrouter_sdk.engine.policy_calls.check_policy`).
+
+        A policy hook (``entry``, ``may_use`` here; ``route``, ``send``, ``receive`` on the
+        sub-servers) that raises or returns a value it may not fails only its request, with an
+        error naming the policy, the hook, the value and what is accepted.
         """
         if self._closed:
             raise RuntimeError("this Router is closed; create a new one")
@@ -306,6 +313,8 @@ class Engine:
                                   f"requests: close it and build a new Router")
         if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
             raise ValueError(f"concurrency must be None or an int >= 1, got {concurrency!r}")
+        PC.check_policy(policy)
+        pname = PC.policy_text(policy)
         key = self._register(policy)
         call = Call(self, concurrency, key, listener)
         seen: collections.Counter = collections.Counter()
@@ -324,25 +333,24 @@ class Engine:
             error, entry, state = req.error, self.models[0], {}
             if error is None:
                 try:
-                    e = policy.entry(RequestView(rid, cfg.prompt_ids, [], "", state, 0, tuple(self.models), rkey),
-                                     self.models)
-                    if e is not None:
-                        if e not in self.models:
-                            raise ValueError(f"returned {e!r}; expected one of {self.models}")
-                        entry = e
+                    e = PC.entry_model(policy.entry(RequestView(rid, cfg.prompt_ids, [], "", state, 0,
+                                                                tuple(self.models), rkey), self.models), self.models)
+                    entry = e if e is not None else entry
+                except PC.PolicyReturnError as ex:
+                    error = f"policy {pname}.entry {ex} (request {rid})"
                 except Exception as ex:  # noqa: BLE001
-                    error = f"policy {policy!r}.entry failed: {type(ex).__name__}: {ex}"
+                    error = f"policy {pname}.entry raised {type(ex).__name__}: {ex} (request {rid})"
             peers: tuple[str, ...] = ()
             if error is None and self.config.prefill_peers:
                 try:
-                    use = policy.may_use(RequestView(rid, cfg.prompt_ids, [], entry, state, 0, tuple(self.models),
-                                                     rkey), self.models)
-                    bad = [m for m in use if m not in self.models]
-                    if bad:
-                        raise ValueError(f"returned unknown models {bad}; expected names of {self.models}")
+                    use = PC.may_use_models(policy.may_use(RequestView(rid, cfg.prompt_ids, [], entry, state, 0,
+                                                                       tuple(self.models), rkey), self.models),
+                                            self.models)
                     peers = tuple(m for m in self.models if m in use and m != entry)
+                except PC.PolicyReturnError as ex:
+                    error = f"policy {pname}.may_use {ex} (request {rid})"
                 except Exception as ex:  # noqa: BLE001
-                    error = f"policy {policy!r}.may_use failed: {type(ex).__name__}: {ex}"
+                    error = f"policy {pname}.may_use raised {type(ex).__name__}: {ex} (request {rid})"
             p = req.params
             stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
             h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids)

@@ -26,6 +26,7 @@ import torch
 from ..policy import Handoff, Policy, Resample, StepBatch
 from ..request import RequestView, SamplingParams
 from . import messages as M
+from . import policy_calls as PC
 from .config import MODES, EngineConfig
 from .runner import SeqInput
 from .sampler import make_generator, sample
@@ -39,7 +40,8 @@ __all__ = ["SubServer", "RequestFailed", "MODES"]
 
 def _policy_frame(filename: str) -> bool:
     """Whether a traceback frame is the policy's own code (not the SDK around it; the built-in
-    policies count as the policy's)."""
+    policies count as the policy's). The generated ``__init__`` of a dataclass (file
+    ``<string>``, e.g. `Handoff` checking its fields) is left out by the caller."""
     f = filename.replace("\\", "/")
     return "tokenrouter_sdk/" not in f or "tokenrouter_sdk/policies/" in f
 
@@ -217,7 +219,11 @@ class SubServer:
         try:
             if pol is None:
                 raise RuntimeError("the request's policy is no longer registered")
-            pol.receive(Handoff(msg.keep_sampled, msg.span, msg.greedy), self._view(seq))
+            PC.receive_result(pol.receive(Handoff(msg.keep_sampled, msg.span, msg.greedy), self._view(seq)))
+        except PC.PolicyReturnError as e:
+            self.sched.seqs[seq.rid] = seq
+            self._finish(seq, "failed", self._return_error(seq, "receive", e))
+            return
         except Exception as e:  # noqa: BLE001 - a policy error fails this request only
             self.sched.seqs[seq.rid] = seq
             self._finish(seq, "failed", *self._policy_error(seq, "receive", e))
@@ -386,6 +392,12 @@ class SubServer:
                     self._apply(s, tok, dec, logits, i)
                 except RequestFailed as e:
                     self._finish(s, "failed", *e.args)
+                except Exception as e:  # noqa: BLE001 - never let one request stop the sub-server
+                    if s.rid in self.sched.seqs:
+                        self._finish(s, "failed", f"internal error while applying the decision {dec!r} of policy "
+                                     f"{self._pname(s)} to request {s.rid} on model '{self.name}': "
+                                     f"{type(e).__name__}: {e}",
+                                     "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         pool, owned = self.sched.pool, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
         self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
@@ -412,7 +424,7 @@ class SubServer:
                 s.resamples += 1
                 if s.resamples > limit:
                     decisions[i] = RequestFailed(
-                        f"policy {self.policies[s.config.policy_key]!r} resampled output position {s.n_committed} "
+                        f"policy {self._pname(s)} resampled output position {s.n_committed} "
                         f"of request {s.rid} {s.resamples} times in a row on model '{self.name}'; let a draw "
                         f"stand (return the model) after at most {limit}")
                     continue
@@ -434,14 +446,26 @@ class SubServer:
     def _policy_error(self, s: Seq, fn: str, e: Exception) -> tuple[str, str]:
         """(message, formatted traceback) of policy method ``fn`` raising ``e`` for ``s``: the
         message names the policy, its source file and line, the model and the position."""
-        pol = self.policies.get(s.config.policy_key)
         frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ else []
-        own = [f for f in frames if _policy_frame(f.filename)]
+        own = [f for f in frames if _policy_frame(f.filename) and not (f.filename == "<string>" and f.name == "__init__")]
         where = (own or frames or [None])[-1]
         loc = f" at {where.filename}:{where.lineno}" if where else ""
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        return (f"policy {pol!r}.{fn} raised {type(e).__name__}: {e}{loc} on model '{self.name}' "
+        try:
+            text = str(e)
+        except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+            text = "<unprintable>"
+        return (f"policy {self._pname(s)}.{fn} raised {type(e).__name__}: {text}{loc} on model '{self.name}' "
                 f"at output position {s.n_committed} of request {s.rid}", tb)
+
+    def _pname(self, s: Seq) -> str:
+        """How errors name the policy of ``s`` (its repr; never raises)."""
+        return PC.policy_text(self.policies.get(s.config.policy_key))
+
+    def _return_error(self, s: Seq, fn: str, e: Exception) -> str:
+        """The message of policy method ``fn`` returning a value it may not (`PolicyReturnError`)."""
+        return (f"policy {self._pname(s)}.{fn} {e} (on model '{self.name}' at output position {s.n_committed} "
+                f"of request {s.rid})")
 
     def _route(self, batch, tokens: list[int], logits, hidden, prompt_hidden, idx) -> list:
         """Policy decisions for the requests of ``batch`` at rows ``idx``: a model name, a
@@ -463,42 +487,40 @@ class SubServer:
                 for j in js:
                     out[j] = RequestFailed(f"request {batch[idx[j]].rid}: its policy is no longer registered")
                 continue
-
-            def make_batch():
-                rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
-                return StepBatch(self.name, self.models, torch.tensor([tokens[i] for i in rows_i]), logits, hidden,
-                                 [self._view(batch[i]) for i in rows_i], self.tokenizer, needs=pol.needs, rows=rows,
-                                 policy=repr(pol), peer_logits=[batch[i].peer_logits for i in rows_i],
-                                 prompt_hidden=[prompt_hidden[i] for i in rows_i])
-            sb = make_batch()
-            try:
-                res = list(pol.route_batch(sb))
-                if len(res) != len(js):
-                    raise ValueError(f"route_batch returned {len(res)} decisions for {len(js)} requests")
-            except Exception:  # noqa: BLE001 - isolate the failing request(s)
-                res, sb = [], make_batch()  # tokens as sampled again
-                for k in range(len(js)):
-                    try:
-                        res.append(pol.route(sb[k]))
-                    except Exception as e:  # noqa: BLE001
-                        res.append(RequestFailed(*self._policy_error(batch[rows_i[k]], "route", e)))
+            rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
+            sb = StepBatch(self.name, self.models, torch.tensor([tokens[i] for i in rows_i]), logits, hidden,
+                           [self._view(batch[i]) for i in rows_i], self.tokenizer, needs=pol.needs, rows=rows,
+                           policy=PC.policy_text(pol), peer_logits=[batch[i].peer_logits for i in rows_i],
+                           prompt_hidden=[prompt_hidden[i] for i in rows_i])
+            fn = "route" if type(pol).route_batch is Policy.route_batch else "route_batch"  # the default calls route
+            try:  # once: never re-run for a request because another one failed (state changes apply once)
+                res = PC.route_batch_decisions(pol.route_batch(sb), len(js))
+            except PC.PolicyReturnError as e:
+                res = [RequestFailed(self._return_error(batch[i], "route_batch", e)
+                                     + f"; the {len(js)} requests of this batch fail with it") for i in rows_i]
+            except Exception as e:  # noqa: BLE001 - one vectorised decision: every request of it fails
+                res = []
+                for i in rows_i:
+                    msg, tb = self._policy_error(batch[i], "route_batch", e)
+                    res.append(RequestFailed(msg + f"; the {len(js)} requests of this batch fail with it (route_batch "
+                                             f"is not run again request by request; to fail one request alone, put "
+                                             f"the exception in its place in the returned list, or raise in route "
+                                             f"with the default route_batch)", tb))
             if sb._tokens_owned:
                 for k, i in enumerate(rows_i):
                     tokens[i] = int(sb.tokens[k])
             for k, j in enumerate(js):
-                out[j] = res[k] if isinstance(res[k], RequestFailed) else self._target(batch[idx[j]], res[k], pol)
+                s, d = batch[idx[j]], res[k]
+                if isinstance(d, RequestFailed):
+                    out[j] = d
+                elif isinstance(d, BaseException):
+                    out[j] = RequestFailed(*self._policy_error(s, fn, d))
+                else:
+                    try:
+                        out[j] = PC.route_decision(d, self.models, self.name)
+                    except PC.PolicyReturnError as e:
+                        out[j] = RequestFailed(self._return_error(s, fn, e))
         return out
-
-    def _target(self, s: Seq, dec, pol) -> str | Resample | RequestFailed:
-        if isinstance(dec, bool) and len(self.models) == 2:
-            return self.models[1 - self.index] if dec else self.name
-        if isinstance(dec, str) and dec in self.models:
-            return dec
-        if isinstance(dec, Resample):
-            return dec
-        return RequestFailed(f"policy {pol!r}.route returned {dec!r} on model '{self.name}' at output "
-                             f"position {s.n_committed} of request {s.rid}; expected one of "
-                             f"{self.models}" + (" or a bool" if len(self.models) == 2 else "") + " or Resample()")
 
     def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
         if s.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
@@ -512,7 +534,9 @@ class SubServer:
             return
         pol = self.policies[s.config.policy_key]
         try:
-            h = pol.send(self._view(s), target) or Handoff()
+            h = PC.handoff(pol.send(self._view(s), target))
+        except PC.PolicyReturnError as e:
+            raise RequestFailed(self._return_error(s, "send", e)) from e
         except Exception as e:  # noqa: BLE001
             raise RequestFailed(*self._policy_error(s, "send", e)) from e
         if h.keep_sampled:
@@ -569,11 +593,9 @@ class SubServer:
         s.hops_since_commit = 0 if committed else s.hops_since_commit + 1
         if s.hops_since_commit > self.config.max_hops_without_commit:
             raise RequestFailed(
-                f"policy {self.policies[s.config.policy_key]!r} handed request {s.rid} off "
+                f"policy {self._pname(s)} handed request {s.rid} off "
                 f"{s.hops_since_commit} times in a row without committing a token (ping-pong between "
                 f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay")
-        if h.span is not None and h.span < 1:
-            raise RequestFailed(f"Handoff.span must be >= 1 or None, got {h.span}")
         t_seen = s.seen.get(target, 0)
         seen = dict(s.seen)
         seen[target] = len(s.tokens)
