@@ -20,7 +20,11 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     """The ``eval`` options (shared by the subcommand and ``evals/quality/hop_rate_sweep.py``);
     ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, the output folder)."""
     p.add_argument("--policy", default="rstitch", help="rstitch (tau), random (p), random_query (p), r2r_entropy "
-                                                       "(threshold); default rstitch")
+                                                       "(threshold), or with the packaged heads r2r (tau), citer "
+                                                       "(tau), co_llm (eta), query (threshold); default rstitch")
+    p.add_argument("--include-head-questions", action="store_true",
+                   help="score a learned policy also on the questions its head was trained, validated or "
+                        "calibrated on (default: they are left out, and the output says how many)")
     p.add_argument("--values", type=_floats, default=[0.02, 0.05, 0.1, 0.2, 0.4],
                    help="comma-separated values of the swept parameter (default 0.02,0.05,0.1,0.2,0.4)")
     p.add_argument("--dataset", default="gsm8k", help="gsm8k, math500, aime24, amc23 (shipped with the package), "
@@ -64,7 +68,8 @@ def cmd_eval(args) -> int:
                           seed=None if args.seed < 0 else args.seed, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, concurrency=args.concurrency, references=refs,
                           out_dir=args.out, progress=not args.no_progress,
-                          router_kwargs={"small_layers": args.small_layers, "mode": args.mode})
+                          router_kwargs={"small_layers": args.small_layers, "mode": args.mode},
+                          exclude_head_questions=not args.include_head_questions)
     print(res.table())
     resumed = sum(r["resumed"] for r in res.records)
     print(f"\n{len(res.records)} points ({resumed} resumed from {args.out}/points), "
