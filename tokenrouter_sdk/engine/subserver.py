@@ -27,7 +27,7 @@ from ..policy import Handoff, Policy, Resample, StepBatch
 from ..request import RequestView, SamplingParams
 from . import messages as M
 from .config import MODES, EngineConfig
-from .runner import SeqInput
+from .runner import RunnerDied, SeqInput
 from .sampler import make_generator, sample
 from .scheduler import Scheduler, Seq
 
@@ -335,6 +335,8 @@ class SubServer:
         try:
             logits, hidden, fed = self._run(inputs)
             return batch, logits, hidden, fed
+        except RunnerDied:
+            raise
         except Exception as e:  # noqa: BLE001
             if len(batch) == 1:
                 self._fail_forward(batch[0], e)
@@ -343,6 +345,8 @@ class SubServer:
         for s, inp in zip(batch, inputs):
             try:
                 lg, hd, fd = self._run([inp])
+            except RunnerDied:
+                raise
             except Exception as e:  # noqa: BLE001
                 self._fail_forward(s, e)
                 continue
