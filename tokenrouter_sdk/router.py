@@ -75,7 +75,7 @@ class Router:
             ``"model_sync"``), ``thresholds`` (dict or ``"auto"``), ``retain_kv``,
             ``max_kv_tokens`` (tokens per model), ``block_size``, ``max_batch_tokens``,
             ``max_batch_size``, ``max_concurrency``, ``kv_admission``, ``backend`` (``"torch"`` or
-            ``"sim"``), ``processes``, ``cuda_graphs``, ``prefill_peers``. See `EngineConfig` for each.
+            ``"sim"``), ``processes``, ``cuda_graphs``, ``prefill_peers``, ``prefix_cache``. See `EngineConfig` for each.
 
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).
@@ -400,7 +400,7 @@ class Router:
                           f"{failed[0].error} (each output's .error and .traceback say why)", RuntimeWarning,
                           stacklevel=3)
         if call.kv_limited and warn:
-            need = max(h.need[m] * self.engine.capacity[m][1] for h in call for m in self.engine.models)
+            need = max((h.need[m] + len(h.shared[m])) * self.engine.capacity[m][1] for h in call for m in self.engine.models)
             cap = min(n * bs for n, bs in self.engine.capacity.values())
             warnings.warn(f"KV admission held requests back: at most {call.kv_limited} ran at once, because each "
                           f"request reserves its prompt + max_new_tokens (up to {need} tokens) of KV on every model "

@@ -26,6 +26,7 @@ from . import messages as M
 from . import policy_calls as PC
 from .config import EngineConfig, valid_thresholds
 from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .prefix_cache import chain_keys
 from .transport import ThreadTransport
 
 RECENT_EVENTS = 4096  # events kept engine-wide for the planner's history and Router-wide views
@@ -54,7 +55,8 @@ class RequestHandle:
         self.t_first: float | None = None
         self.t_end: float | None = None
         self.done = threading.Event()
-        self.need: dict[str, int] = {}  # KV blocks reserved per model while admitted
+        self.need: dict[str, int] = {}  # KV blocks reserved per model while admitted (its own)
+        self.shared: dict[str, list] = {}  # per model, prefix-cache keys of its prompt blocks others may share
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(config.params.stop) if config.params.stop else None
         self.stop_ids = stop_ids  # ids that end the request: their text is not part of it
@@ -233,7 +235,8 @@ class Engine:
         self._lock = threading.RLock()
         self._calls: list[Call] = []  # calls with requests not ended, in submission order
         self._inflight = 0
-        self._reserved = {m: 0 for m in self.models}
+        self._reserved = {m: 0 for m in self.models}  # blocks of requests' own, per model
+        self._shared = {m: collections.Counter() for m in self.models}  # prompt blocks in flight, once each
         self._next_rid = 0
         self._policies: dict[int, list] = {}  # key -> [policy, calls using it]
         self._next_key = 0
@@ -355,8 +358,7 @@ class Engine:
             stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
             h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids)
             h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
-            tokens = min(len(ids) + p.max_new_tokens, self.max_context)
-            h.need = {m: -(-tokens // bs) for m, (_, bs) in self.capacity.items()}
+            h.need, h.shared = self._kv_need(ids, p.max_new_tokens)
             handles.append(h)
         call.handles = handles
         with self.transport.hold(), self._lock:
@@ -378,10 +380,25 @@ class Engine:
         self._record(h.call, ev)
         self._end(h, "failed", error, self.clock())
 
+    def _kv_need(self, ids: list[int], max_new_tokens: int) -> tuple[dict[str, int], dict[str, list]]:
+        """KV blocks a request reserves on each model: (blocks of its own, prefix-cache keys of
+        the prompt blocks it may share). With the prefix cache, a prompt's full blocks before its
+        last position are reserved once for all requests in flight that hold them (a request
+        reuses them as soon as the first has filled them); the rest is the request's own."""
+        tokens = min(len(ids) + max_new_tokens, self.max_context)
+        need, shared = {}, {}
+        for m, (_, bs) in self.capacity.items():
+            n_shared = max(0, min(len(ids) - 1, tokens) // bs) if self.config.prefix_cache else 0
+            need[m] = -(-tokens // bs) - n_shared
+            shared[m] = chain_keys(ids, bs, n_shared) if n_shared else []
+        return need, shared
+
     def _fits(self, h: RequestHandle) -> bool:
         if self._inflight == 0 or self.config.kv_admission == "optimistic":
             return True
-        return all(self._reserved[m] + h.need[m] <= self.capacity[m][0] for m in self.models)
+        return all(self._reserved[m] + len(self._shared[m]) + h.need[m]
+                   + sum(1 for k in h.shared[m] if k not in self._shared[m]) <= self.capacity[m][0]
+                   for m in self.models)
 
     def _admit_more(self) -> None:
         admitted = False
@@ -411,6 +428,7 @@ class Engine:
         h.call.inflight += 1
         for m in self.models:
             self._reserved[m] += h.need[m]
+            self._shared[m].update(h.shared[m])
         self._record(h.call, M.Admitted(h.rid, h.entry, h.t_admit))
         if self.config.mode == "delayed":
             self._broadcast_inflight()
@@ -586,6 +604,11 @@ class Engine:
             call.inflight -= 1
             for m in self.models:
                 self._reserved[m] -= h.need[m]
+                shared = self._shared[m]
+                for k in h.shared[m]:
+                    shared[k] -= 1
+                    if shared[k] <= 0:
+                        del shared[k]
             if self.config.mode == "delayed":
                 self._broadcast_inflight()
         self.handles.pop(h.rid, None)

@@ -28,7 +28,7 @@ from ..request import RequestView, SamplingParams
 from . import messages as M
 from . import policy_calls as PC
 from .config import MODES, EngineConfig
-from .runner import SeqInput
+from .runner import RunnerDied, SeqInput
 from .sampler import make_generator, sample
 from .scheduler import Scheduler, Seq
 
@@ -74,7 +74,8 @@ class SubServer:
         self.name, self.models, self.index = name, list(models), list(models).index(name)
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.send, self.emit = send, emit
-        self.sched = Scheduler(runner.pool, config.max_batch_tokens, config.max_batch_size)
+        self.sched = Scheduler(runner.pool, config.max_batch_tokens, config.max_batch_size,
+                               prefix_cache=config.prefix_cache)
         self.inbox: queue.Queue = queue.Queue()
         self.policies: dict[int, Policy] = {}
         self.aborted: collections.OrderedDict[int, tuple[str, str | None]] = collections.OrderedDict()
@@ -95,6 +96,8 @@ class SubServer:
             seen = dict.fromkeys([*msg.peers, self.name], len(cfg.prompt_ids))
             seq = Seq(cfg, list(cfg.prompt_ids), seen=seen, state=msg.state,
                       generator=make_generator(cfg.params.seed, self.index, self.runner.device))
+            pol = self.policies.get(cfg.policy_key)
+            seq.reuse = not (pol is not None and getattr(pol.needs, "prompt_hidden", False))
             if cfg.rid in self.aborted:
                 self._end_aborted(seq)
             else:
@@ -129,7 +132,10 @@ class SubServer:
         run = sum(len(s.table) for s in owned.values())
         pend = sum(len(s.table) for r, s in seqs.items() if r not in owned)
         return M.Stats(self.name, token, pool.num_free, pool.num_blocks, pool.block_size, len(owned),
-                       len(seqs) - len(owned), run, pend)
+                       len(seqs) - len(owned), run, pend, cached_blocks=pool.cached_blocks,
+                       idle_cached_blocks=pool.idle_cached_blocks,
+                       prefix_hit_tokens=self.sched.total_hit_tokens, prefix_query_tokens=self.sched.total_query_tokens,
+                       prefix_cache=pool.cache is not None)
 
     def _prefill(self, msg: M.Prefill) -> None:
         """Admission prefill of a peer: feed the prompt in a coming step, then keep it pending.
@@ -196,7 +202,7 @@ class SubServer:
         seq.prefill_only = False
         seq.tokens.extend(msg.suffix)
         if seq.kv_len >= len(seq.tokens):  # peer discarded and bounced back: recompute the last position
-            seq.kv_len = len(seq.tokens) - 1
+            self.sched.rewind(seq, len(seq.tokens) - 1)
         seq.seen, seq.n_committed, seq.hops = dict(msg.seen), msg.n_committed, msg.hops
         seq.hops_since_commit, seq.discarded, seq.state = msg.hops_since_commit, msg.discarded, msg.state
         seq.span, seq.return_to = msg.span, msg.return_to
@@ -335,6 +341,8 @@ class SubServer:
         try:
             logits, hidden, fed = self._run(inputs)
             return batch, logits, hidden, fed
+        except RunnerDied:
+            raise
         except Exception as e:  # noqa: BLE001
             if len(batch) == 1:
                 self._fail_forward(batch[0], e)
@@ -343,6 +351,8 @@ class SubServer:
         for s, inp in zip(batch, inputs):
             try:
                 lg, hd, fd = self._run([inp])
+            except RunnerDied:
+                raise
             except Exception as e:  # noqa: BLE001
                 self._fail_forward(s, e)
                 continue
@@ -367,6 +377,7 @@ class SubServer:
         if batch:
             for s in batch:
                 s.kv_len = len(s.tokens)
+            self.sched.cache_blocks(batch)
             keep = [i for i, s in enumerate(batch) if not s.prefill_only]
             for s in batch:
                 if s.prefill_only:  # prompt now in KV: wait for the first handoff
@@ -402,7 +413,8 @@ class SubServer:
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
         self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
                              len(fed), sum(fed.values()), fed, preempted, round,
-                             pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending))
+                             pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending,
+                             self.sched.hit_tokens, self.sched.query_tokens, pool.cached_blocks))
 
     def _sample(self, batch: list[Seq], logits: torch.Tensor, idx) -> list[int]:
         """A token per request of ``batch`` at rows ``idx`` (greedy after ``Handoff(greedy=True)``)."""
@@ -610,9 +622,8 @@ class SubServer:
         s.span = s.return_to = None
         s.greedy, s.resamples = False, 0
         self.sched.set_pending(s)
-        if not self.retain_kv:  # baseline: forget the KV, the return re-prefills everything
-            self.sched.pool.free(s.table)
-            s.kv_len = 0
+        if not self.retain_kv:  # baseline: forget the KV, the return re-prefills (what the prefix cache lacks)
+            self.sched.drop_kv(s)
         self._post(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None, tb: str | None = None, stop_reason=None) -> None:

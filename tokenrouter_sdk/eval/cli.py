@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
                    help="small = plain truncation to this many layers of the large model (default: the packaged "
                         "self-draft, the pair of Router.default() and the tutorials)")
     p.add_argument("--mode", default="async", help="schedule mode: async, delayed, sync, model_sync")
+    from ..cli import add_prefix_cache_flag
+    add_prefix_cache_flag(p)
     if out:
         p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
     p.add_argument("--no-progress", action="store_true")
@@ -68,11 +70,16 @@ def cmd_eval(args) -> int:
                           seed=None if args.seed < 0 else args.seed, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, concurrency=args.concurrency, references=refs,
                           out_dir=args.out, progress=not args.no_progress,
-                          router_kwargs={"small_layers": args.small_layers, "mode": args.mode},
+                          router_kwargs={"small_layers": args.small_layers, "mode": args.mode,
+                                         "prefix_cache": not args.no_prefix_cache},
                           exclude_head_questions=not args.include_head_questions)
     print(res.table())
     resumed = sum(r["resumed"] for r in res.records)
-    print(f"\n{len(res.records)} points ({resumed} resumed from {args.out}/points), "
+    ran = [r for r in res.records if not r["resumed"]]
+    print(f"\nprompt tokens: {sum(r.get('prompt_tokens', 0) for r in ran)} over the points run, of which "
+          f"{sum(r.get('prefix_hit_tokens', 0) for r in ran)} reused from the prefix cache and "
+          f"{sum(r.get('prompt_tokens_fed', 0) for r in ran)} prefilled")
+    print(f"{len(res.records)} points ({resumed} resumed from {args.out}/points), "
           f"{res.config['elapsed_s']:.0f} s; wrote {args.out}/results.csv, results.json, plot.html")
     return 0
 

@@ -52,7 +52,7 @@ def describe_router(router) -> dict:
     eng = router.engine
     return {"models": {n: describe_model(m) for n, m in router.models.items()},
             "tokenizer": type(router.tokenizer).__name__ + ":" + str(getattr(router.tokenizer, "name_or_path", "")),
-            "mode": eng.config.mode, "retain_kv": eng.config.retain_kv,
+            "mode": eng.config.mode, "retain_kv": eng.config.retain_kv, "prefix_cache": eng.config.prefix_cache,
             "thresholds": _jsonable(dict(eng.thresholds or {})), "max_batch_tokens": eng.config.max_batch_tokens,
             "transport": type(eng.transport).__name__}
 

@@ -28,7 +28,10 @@ class EvalResult:
             ``answered``, ``hop_rate`` (handoffs / committed token), ``large_fraction``,
             ``throughput_tok_s`` (committed tokens / s), ``mean_latency_s`` (s),
             ``tokens_per_answer`` (tokens), ``committed_tokens``, ``wall_s``, ``hops``,
-            ``failed``, ``matched_to``, ``config_hash``, ``resumed``.
+            ``failed``, ``matched_to``, ``config_hash``, ``resumed``, ``prompt_tokens`` (tokens
+            the requests brought to each model they arrived at, summed over models),
+            ``prefix_hit_tokens`` (of which taken from the prefix cache), ``prompt_tokens_fed``
+            (prefilled).
         config: the full configuration (models, engine, dataset + ids, sampling, concurrency,
             library versions, policy per point).
         answers: label -> per-question dicts (``id``, ``text``, ``pred``, ``correct``,

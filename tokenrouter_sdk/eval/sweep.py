@@ -152,7 +152,10 @@ class _Runner:
                "mean_latency_s": m.mean_latency_s, "tokens_per_answer": m.committed_tokens / n if n else 0.0,
                "committed_tokens": m.committed_tokens, "wall_s": m.wall_s, "hops": m.hops,
                "discarded_tokens": m.discarded_tokens, "failed": m.failed, "matched_to": matched_to,
+               "prompt_tokens": sum(x.prefix_query_tokens for x in m.per_model.values()),
+               "prefix_hit_tokens": sum(x.prefix_hit_tokens for x in m.per_model.values()),
                "config_hash": h, "resumed": False}
+        rec["prompt_tokens_fed"] = rec["prompt_tokens"] - rec["prefix_hit_tokens"]
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
