@@ -2,7 +2,8 @@
 
 One run measures, on one set of prompts, every combination of policy x schedule mode x
 concurrency x output length that is asked for, plus the baselines (``retain_kv=False``,
-large-only, small-only), and reports committed-token throughput, mean latency, per-user speed,
+large-only, small-only; the ``retain_kv=False`` baseline also runs without the prefix cache, so a
+return re-prefills everything), and reports committed-token throughput, mean latency, per-user speed,
 realized hop rate and large fraction, with ratios to ``sync`` and to ``retain_kv=False`` in the
 same cell. All figures come from `Router.metrics` (committed tokens only).
 
@@ -145,7 +146,8 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
             else:
                 while max_routers is not None and routers and len(routers) >= max_routers:
                     routers.pop(next(iter(routers))).close()
-                routers[key] = Router(models, tokenizer=tokenizer, mode=mode, retain_kv=retain, **router_kw)
+                kw = router_kw if retain else {**router_kw, "prefix_cache": False}  # the baseline re-prefills all
+                routers[key] = Router(models, tokenizer=tokenizer, mode=mode, retain_kv=retain, **kw)
                 if warmup_tokens > 0:
                     top = max(c[3] for c in cells)
                     warm = [prompts[i % len(prompts)] for i in range(2 * top)]

@@ -11,12 +11,14 @@ Where rows come from (the first that exists wins; `load` names the one used in `
 
 1. an explicit JSONL ``path``, or ``<data_dir>/<file>`` (``data_dir`` argument, else the folder
    in ``$TOKENROUTER_DATA``): a local folder may always be passed explicitly;
-2. the file shipped in ``tokenrouter_sdk/data/`` (GSM8K test, MATH-500, AIME 2024, AMC 2023; MIT;
-   gzip, its sha256 checked on every read);
+2. the file shipped in ``tokenrouter_sdk/data/`` (GSM8K test and train, MATH-500, AIME 2024,
+   AMC 2023; MIT; gzip, its sha256 checked on every read);
 3. the hub copy already in the `datasets` cache, read offline (no network).
 
 No folder outside the package is searched unless it is named (1), so every clone reads the same
-questions. CommonsenseQA is not shipped (no licence is stated for its file): it loads from 1 or 3.
+questions. ``gsm8k`` is GSM8K's test split (what evaluations score); ``gsm8k_train`` its train split
+(7,473 questions, ids ``gsm8k-train-0000`` ..), the default of training (`tokenrouter_sdk.train`), so
+that training and evaluation never share a question by accident. CommonsenseQA is not shipped (no licence is stated for its file): it loads from 1 or 3.
 
 ```python
 from tokenrouter_sdk.benchmarks import load, load_prompts
@@ -81,6 +83,9 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
     "gsm8k": BenchmarkSpec("gsm8k", "gsm8k_test.jsonl", "math", GSM8K_TEMPLATE,
                            "31a83d6aa716809a11e017ae9c667b5db7d0cc68c21ab11f8b73444c8a6bf5d3", 1319,
                            ("openai/gsm8k", "main", "test")),
+    "gsm8k_train": BenchmarkSpec("gsm8k_train", "gsm8k_train.jsonl", "math", GSM8K_TEMPLATE,
+                                 "a7938272ceef0dc84175e722a99bf3d2b3014dba67cd270dd3ab25106806eae3", 7473,
+                                 ("openai/gsm8k", "main", "train")),
     "math500": BenchmarkSpec("math500", "math500_test.jsonl", "math", MATH_TEMPLATE,
                              "5cd442a9fa433d74dbe690c52c532959f28a6fd819fbfd42c16a446b1e60789b", 500,
                              ("HuggingFaceH4/MATH-500", None, "test")),
@@ -93,7 +98,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
     "commonsenseqa": BenchmarkSpec("commonsenseqa", "commonsenseqa_validation.jsonl", "choice", CHOICE_TEMPLATE,
                                    hub=("tau/commonsense_qa", None, "validation")),
 }
-ALIASES = {"gsm8k_test": "gsm8k", "math-500": "math500", "math_500": "math500", "aime": "aime24",
+ALIASES = {"gsm8k_test": "gsm8k", "gsm8k-test": "gsm8k", "gsm8k-train": "gsm8k_train", "math-500": "math500", "math_500": "math500", "aime": "aime24",
            "aime2024": "aime24", "amc": "amc23", "amc2023": "amc23", "csqa": "commonsenseqa",
            "commonsense_qa": "commonsenseqa"}
 
@@ -160,7 +165,7 @@ class BenchmarkData:
 
 def _parse_jsonl(text: str, source: str, name: str, limit: int | None) -> list[dict]:
     rows = []
-    for n, line in enumerate(text.splitlines()):
+    for n, line in enumerate(text.split("\n")):  # JSON Lines: "\n" ends a row (a question may hold U+2028)
         if not line.strip():
             continue
         try:
@@ -240,10 +245,10 @@ def _from_datasets_cache(spec: BenchmarkSpec) -> list[dict]:
         a = row.get("answer", row.get("answerKey", ""))
         meta = {"index": i}
         rid = row.get("id", row.get("unique_id"))
-        if spec.name == "gsm8k":
+        if spec.name in ("gsm8k", "gsm8k_train"):
             meta |= {"solution": str(a), "answer_raw": str(a).split("####")[-1].strip()}
             a = meta["answer_raw"].replace(",", "")
-            rid = f"gsm8k-test-{i:04d}"
+            rid = f"gsm8k-{split}-{i:04d}"
         if spec.name == "commonsenseqa":
             ch = row["choices"]
             q += "\nAnswer Choices: " + " ".join(f"({lab}) {t}" for lab, t in zip(ch["label"], ch["text"]))

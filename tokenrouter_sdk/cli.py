@@ -120,7 +120,8 @@ def cmd_demo(args) -> int:
     print(describe_default_pair(args.small_layers))
     t0 = time.perf_counter()
     policy = RStitch(tau=args.tau, tau_back=args.tau_back)
-    router = Router.default(policy=policy, small_layers=args.small_layers, prefill_peers=not args.no_prefill_peers)
+    router = Router.default(policy=policy, small_layers=args.small_layers, prefill_peers=not args.no_prefill_peers,
+                            prefix_cache=not args.no_prefix_cache)
     with router:
         models = list(router.models)
         print(f"models : {', '.join(models)} (loaded in {time.perf_counter() - t0:.1f} s)")
@@ -247,6 +248,8 @@ def cmd_bench(args) -> int:
             kw["processes"] = args.transport == "process"
         if args.cuda_graphs:
             kw["cuda_graphs"] = True
+    if args.no_prefix_cache:
+        kw["prefix_cache"] = False
     print(environment())
     deadline = time.monotonic() + 60 * args.time_budget_min if args.time_budget_min else None
     log = CsvLog(args.out + ".csv")
@@ -295,9 +298,16 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, out: bool = True) -> argp
                    help="Routers open at once (default: all; 1 for large pairs on a small GPU)")
     b.add_argument("--cuda-graphs", action="store_true",
                    help="serve decode steps from captured CUDA graphs (torch backend on a GPU)")
+    add_prefix_cache_flag(b)
     if out:
         b.add_argument("--out", default="bench", help="output prefix for .csv and .html")
     return b
+
+
+def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
+    """``--no-prefix-cache`` (every command that builds a Router): ``args.no_prefix_cache``."""
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn the prefix cache off (every request feeds all its tokens; to measure what it saves)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
     d.add_argument("--no-color", action="store_true", help="markers instead of colours")
+    add_prefix_cache_flag(d)
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="committed-token throughput: policies x modes x concurrency, side by side")
     add_bench_arguments(b)

@@ -29,6 +29,12 @@ class ModelMetrics:
         kv_blocks_peak: most KV blocks in use after a step; kv_blocks_mean: their mean.
         kv_pending_blocks_peak: most blocks held by requests pending on this model (handed
             off, KV kept), after a step.
+        prefix_hit_tokens: tokens taken from the prefix cache instead of being fed;
+            prefix_query_tokens: tokens requests brought when they arrived with no KV here (the
+            prompt, or prompt + output so far on a first visit; counted with the cache off too),
+            so ``prefix_query_tokens - prefix_hit_tokens`` were prefilled; prefix_hit_rate: their
+            ratio (0.0 without arrivals).
+        kv_cached_blocks: blocks in the prefix cache after the last step.
     """
 
     steps: int = 0
@@ -42,6 +48,10 @@ class ModelMetrics:
     kv_blocks_peak: int = 0
     kv_blocks_mean: float = 0.0
     kv_pending_blocks_peak: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_rate: float = 0.0
+    kv_cached_blocks: int = 0
 
 
 @dataclass
@@ -90,7 +100,7 @@ class Metrics:
         for name, m in self.per_model.items():
             lines.append(f"[{name}] steps={m.steps} busy={m.busy_fraction:.2f} fwd_frac={m.forward_fraction:.2f} "
                          f"step={m.mean_step_s * 1e3:.1f}ms committed={m.committed_tokens} fed={m.tokens_fed} "
-                         f"batch_hist={dict(sorted(m.batch_size_hist.items()))}")
+                         f"prefix_hit={m.prefix_hit_rate:.2f} batch_hist={dict(sorted(m.batch_size_hist.items()))}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -107,9 +117,9 @@ class Metrics:
         if not self.per_model:
             return run
         cols = ("model", "steps", "busy_fraction", "forward_fraction", "mean_step_ms", "tokens_fed",
-                "committed_tokens", "preemptions", "batch sizes (size×steps)")
+                "committed_tokens", "preemptions", "prefix_hit_rate", "batch sizes (size×steps)")
         rows = [(n, m.steps, m.busy_fraction, m.forward_fraction, m.mean_step_s * 1e3, m.tokens_fed,
-                 m.committed_tokens, m.preemptions,
+                 m.committed_tokens, m.preemptions, m.prefix_hit_rate,
                  ", ".join(f"{b}×{c}" for b, c in sorted(m.batch_size_hist.items()))) for n, m in self.per_model.items()]
         return run + html_table(cols, rows, caption="per model")
 
@@ -183,6 +193,11 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
             batch_size_hist=dict(Counter(s.batch_size for s in ss)), preemptions=sum(s.preempted for s in ss),
             kv_blocks_peak=max((s.kv_used_blocks for s in ss), default=0),
             kv_blocks_mean=statistics.fmean(s.kv_used_blocks for s in ss) if ss else 0.0,
-            kv_pending_blocks_peak=max((s.kv_pending_blocks for s in ss), default=0))
+            kv_pending_blocks_peak=max((s.kv_pending_blocks for s in ss), default=0),
+            prefix_hit_tokens=sum(s.cache_hit_tokens for s in ss),
+            prefix_query_tokens=sum(s.cache_query_tokens for s in ss),
+            kv_cached_blocks=ss[-1].kv_cached_blocks if ss else 0)
+        pm = m.per_model[name]
+        pm.prefix_hit_rate = pm.prefix_hit_tokens / pm.prefix_query_tokens if pm.prefix_query_tokens else 0.0
         m.preemptions += m.per_model[name].preemptions
     return m

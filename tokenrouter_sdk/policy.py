@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -94,6 +95,30 @@ class Handoff:
     keep_sampled: bool = False
     span: int | None = None
     greedy: bool = False
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> "Handoff":
+        """Check the fields (after construction, and again where the engine receives the
+        handoff: they may be changed after it was built); an integral ``span`` becomes an int.
+
+        Raises:
+            TypeError: ``keep_sampled`` or ``greedy`` not a bool, ``span`` not None or an int.
+            ValueError: ``span < 1``.
+        """
+        for name in ("keep_sampled", "greedy"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise TypeError(f"Handoff.{name} must be a bool, got {v!r} ({type(v).__name__})")
+        if self.span is not None:
+            if isinstance(self.span, bool) or not isinstance(self.span, numbers.Integral):
+                raise TypeError(f"Handoff.span must be None or an int >= 1 (tokens the target writes before the "
+                                f"request returns), got {self.span!r} ({type(self.span).__name__})")
+            if self.span < 1:
+                raise ValueError(f"Handoff.span must be >= 1 or None, got {int(self.span)}")
+            self.span = int(self.span)
+        return self
 
     @classmethod
     def default(cls, req: "RequestView | None" = None, target: str | None = None, *,
@@ -396,15 +421,20 @@ class Policy:
             the default loops over ``route``. Learned routers override this.
         send(req, target) -> Handoff: on a handoff, whether the sampled token is kept and
             how many tokens the target writes. Default: discard, target's route decides.
-        receive(handoff, req): hook on the target before it runs the request (e.g. to
-            set per-request state). Default: accept.
+        receive(handoff, req) -> None: hook on the target before it runs the request (e.g.
+            to set per-request state).
         entry(req) -> str | None: the model that prefills the request (query-level routing);
             None = the first (smallest) model.
         may_use(req, models) -> list[str]: the models the request may visit (default: all).
             With ``EngineConfig.prefill_peers`` each of them prefills the prompt at admission.
 
-    Errors: a policy that raises, or returns an unknown model, fails that request only,
-    with an error naming the policy, the model and the position; other requests go on.
+    Errors: a hook that raises, or returns a value it may not (a wrong type, an unknown
+    model, a `Handoff` with a bad field), fails that request only, with an error naming the
+    policy, the hook, the value, what is accepted, the model and the position; other requests
+    go on (the accepted values of each hook: `tokenrouter_sdk.engine.policy_calls`). A
+    `route_batch` that raises fails every request of its batch. Each request's decision is
+    computed once per step (``route`` is never re-run for a request because a batch-mate
+    failed).
     """
 
     needs: Needs = Needs()  # per-step data this policy reads (see `Needs`)
@@ -427,8 +457,21 @@ class Policy:
     def route(self, step: Step) -> str | bool:
         return step.model
 
-    def route_batch(self, batch: StepBatch) -> list[str | bool]:
-        return [self.route(batch[i]) for i in range(len(batch))]
+    def route_batch(self, batch: StepBatch) -> list:
+        """One decision per request of ``batch`` (a list of ``len(batch)``). The default calls
+        `route` once per request; where `route` raises, the exception takes that request's place
+        in the list, so that request alone fails and the others' decisions (and the ``state``
+        changes their `route` made) stand. An override may do the same: an exception instance
+        in the list fails only its request, while a ``route_batch`` that raises fails every
+        request of the batch (it is not run again request by request: the state changes it made
+        would apply twice)."""
+        out: list = []
+        for i in range(len(batch)):
+            try:
+                out.append(self.route(batch[i]))
+            except Exception as e:  # noqa: BLE001 - fails this request only (the caller reports it)
+                out.append(e)
+        return out
 
     def send(self, req: "RequestView", target: str) -> Handoff:
         return Handoff(keep_sampled=False)

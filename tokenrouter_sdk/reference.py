@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from .engine import policy_calls as PC
 from .engine.sampler import make_generator, sample
-from .policy import Handoff, Policy, Resample, StepBatch
+from .policy import Policy, Resample, StepBatch
 from .request import RequestView, SamplingParams, prompt_key
 
 GREEDY = SamplingParams()
@@ -77,7 +78,8 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     hops = discarded = 0
     span, return_to = None, None
     all_logits = []
-    owner = policy.entry(RequestView(rid, list(prompt_ids), [], "", state, 0, tuple(names), key), names) or names[0]
+    owner = PC.entry_model(policy.entry(RequestView(rid, list(prompt_ids), [], "", state, 0, tuple(names), key),
+                                        names), names) or names[0]
 
     def view():
         return RequestView(rid, list(prompt_ids), list(out), owner, state, hops, tuple(names), key)
@@ -125,7 +127,9 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
             sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()], tokenizer,
                            needs=policy.needs, policy=repr(policy), peer_logits=[step_peer],
                            prompt_hidden=[prompt_h])
-            dec = policy.route_batch(sb)[0]
+            dec = PC.route_batch_decisions(policy.route_batch(sb), 1)[0]
+            if isinstance(dec, BaseException):
+                raise dec
             tok = forced[len(out)] if given else int(sb.tokens[0])
             if given and isinstance(dec, Resample):
                 dec = owner
@@ -136,16 +140,13 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
                 raise RuntimeError(f"policy resampled {resamples} times in a row")
             discarded += 1
             tok = int(sample(logits[None], [p], [gens[owner]])[0])
-        if isinstance(dec, bool) and len(names) == 2:
-            dec = names[1 - names.index(owner)] if dec else owner
-        if dec not in names:
-            raise ValueError(f"policy returned unknown model {dec!r}")
+        dec = PC.route_decision(dec, names, owner)
         if dec == owner:
             reason = commit(tok)
             if reason:
                 break
             continue
-        h = policy.send(view(), dec) or Handoff()
+        h = PC.handoff(policy.send(view(), dec))
         if h.keep_sampled:
             reason = commit(tok)
             if reason:
@@ -159,7 +160,7 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
         owner = dec
         hops += 1
         greedy = bool(h.greedy)
-        policy.receive(h, view())
+        PC.receive_result(policy.receive(h, view()))
     return {"token_ids": out, "token_models": who, "hops": hops, "discarded": discarded,
             "finish_reason": reason, "logits": all_logits, "logprobs": lps}
 

@@ -26,6 +26,7 @@ import torch
 
 from .engine.config import EngineConfig
 from .engine.engine import Call, Engine, RequestHandle
+from .engine.policy_calls import check_policy
 from .engine.runner import Runner
 from .metrics import Metrics
 from .policy import Policy
@@ -89,7 +90,7 @@ class Router:
             default sizing: a share of the memory left after the weights, see
             `tokenrouter_sdk.kv_sizing`), ``block_size``, ``max_batch_tokens``,
             ``max_batch_size``, ``max_concurrency``, ``kv_admission``, ``backend`` (``"torch"`` or
-            ``"sim"``), ``processes``, ``cuda_graphs``, ``prefill_peers``. See `EngineConfig` for each.
+            ``"sim"``), ``processes``, ``cuda_graphs``, ``prefill_peers``, ``prefix_cache``. See `EngineConfig` for each.
 
     Attributes:
         kv_sizing: per model, how its KV pool was sized (`tokenrouter_sdk.kv_sizing.KVSizing`;
@@ -102,7 +103,8 @@ class Router:
         ModelLoadError: a source that cannot be loaded.
         ValueError: no model, or a bad setting (names it), or a setting that cannot apply (a
             device or dtype for a model loaded elsewhere, ``device`` with ``backend="sim"``).
-        TypeError: an unknown keyword (lists the settings).
+        TypeError: an unknown keyword (lists the settings), or ``policy`` not a `Policy`
+            instance (e.g. the class: pass ``MyPolicy()``).
     """
 
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
@@ -113,6 +115,8 @@ class Router:
         config = (config or EngineConfig()).replace(**settings) if settings else (config or EngineConfig())
         if not models:
             raise ValueError("Router needs at least one model, e.g. Router({'small': m1, 'large': m2}, policy)")
+        if policy is not None:
+            check_policy(policy)  # before any model loads: policy=MyPolicy (the class) fails at once
         self.config = config
         transport = None
         eos_ids: list[int] = []
@@ -612,7 +616,7 @@ class Router:
                           f"{failed[0].error} (each output's .error and .traceback say why)", RuntimeWarning,
                           stacklevel=stacklevel)
         if call.kv_limited and warn:
-            need = max(h.need[m] * self.engine.capacity[m][1] for h in call for m in self.engine.models)
+            need = max((h.need[m] + len(h.shared[m])) * self.engine.capacity[m][1] for h in call for m in self.engine.models)
             cap = min(n * bs for n, bs in self.engine.capacity.values())
             warnings.warn(f"KV admission held requests back: at most {call.kv_limited} ran at once, because each "
                           f"request reserves its prompt + max_new_tokens (up to {need} tokens) of KV on every model "

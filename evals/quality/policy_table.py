@@ -1,10 +1,13 @@
 """Every built-in routing policy on the packaged CPU pair at a matched large fraction, with
 `RandomRouting` at the same large fraction beside each; the bar of the packaged heads.
 
-Prompts: the first ``--num`` held-out GSM8K questions (``gsm8k-test-0000`` ..; never trained on),
-or with ``--offset K`` questions K.. (refused where a packaged head was trained or validated on
-one), in the GSM8K template of `tokenrouter_sdk.benchmarks`, chat-templated, greedy, at most
-``--max-new-tokens`` tokens each, ``--concurrency`` requests at a time, one `Router.default()`.
+Prompts: the first ``--num`` held-out GSM8K test questions (``gsm8k-test-0000`` ..; never trained
+on), or with ``--offset K`` the first ``--num`` from question K on that no packaged head was
+trained, validated or calibrated on (their records' ids, `tokenrouter_sdk.eval.head_data`; the
+output says how many were left out, ``--include-trained`` keeps them), in the GSM8K template of
+`tokenrouter_sdk.benchmarks`, chat-templated, greedy, at most ``--max-new-tokens`` tokens each,
+``--concurrency`` requests at a time, one `Router.default()`. Every row is measured on the same
+questions (their ids are in the output's ``meta``).
 Rows:
 - ``LargeOnly`` (the reference answers) and ``SmallOnly``;
 - the learned policies with no arguments (``CITER()``, ``R2R()``, ``CoLLM()``, ``QueryRouter()``):
@@ -12,7 +15,8 @@ Rows:
   fraction, the query head 0.25 of the prompts);
 - the training-free ones (``RStitch``, ``R2REntropy``, ``R2RAleatoric``, ``GlimpRouter``,
   ``TokenEnsemble``) at the threshold that realises about ``--target`` large fraction on
-  ``--calibrate`` training questions (``gsm8k-test-0128`` ..; one-token deferral rules by score
+  ``--calibrate`` GSM8K test questions past the held-out ones (``gsm8k-test-0128`` .., as the
+  recorded tables were made; never scored); one-token deferral rules by score
   quantiles as in `tokenrouter_sdk.train.package.calibrate_defer`, the others by bisection, in a
   threaded Router); `TokenEnsemble` gets weights (1 - target, target);
 - beside each, ``RandomRouting(p)`` with p = the realised large fraction (rerun with p corrected
@@ -54,6 +58,7 @@ import evalkit  # noqa: E402
 from tokenrouter_sdk import Router  # noqa: E402
 from tokenrouter_sdk.eval.answers import answers_agree, extract_answer, is_correct
 from tokenrouter_sdk.eval.config import library_versions, wilson_interval
+from tokenrouter_sdk.eval.head_data import record_ids
 from tokenrouter_sdk.policies import (CITER, R2R, CoLLM, GlimpRouter, LargeOnly, QueryRouter, R2RAleatoric,
                                       R2REntropy, RandomQueryRouting, RandomRouting, RStitch, SmallOnly,
                                       TokenEnsemble)
@@ -187,13 +192,28 @@ def matched_random(router, name, f: float, prompts, args, cache) -> dict:
 
 
 def trained_ids() -> set[str]:
-    """Every question id a packaged head was trained or validated on (from their JSON records)."""
+    """Every question id a packaged head was trained, validated or calibrated on (their JSON records)."""
     ids = set()
     for _, kind in LEARNED.values():
-        record = json.loads(packaged_head_path(kind).with_suffix(".json").read_text())
-        ids |= set(record["data"].get("train_ids", [])) | set(record["data"].get("val_ids", []))
-        ids |= set(record.get("default_threshold", {}).get("calibration_ids", []))
+        ids |= record_ids(json.loads(packaged_head_path(kind).with_suffix(".json").read_text()))
     return ids
+
+
+def pick_questions(offset: int, num: int, include_trained: bool) -> tuple[list, list[str]]:
+    """The first ``num`` GSM8K test questions from ``offset`` on, less those a packaged head saw
+    (unless ``include_trained``) -> (examples, ids left out on the way)."""
+    seen = set() if include_trained else trained_ids()
+    out, skipped = [], []
+    for e in load_examples("gsm8k", exclude_heldout=False)[offset:]:
+        if len(out) == num:
+            break
+        if e.id in seen:
+            skipped.append(e.id)
+        else:
+            out.append(e)
+    if len(out) < num:
+        raise SystemExit(f"only {len(out)} GSM8K test questions from {offset} on are left (asked for {num})")
+    return out, skipped
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -213,7 +233,10 @@ def write(rows: list[dict], meta: dict, out: Path) -> None:
             w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     ci = lambda r, p="": f"{r[p + 'agreement']:.3f} [{r[p + 'agree_lo']:.2f}, {r[p + 'agree_hi']:.2f}]"  # noqa: E731
-    lines = [f"Packaged CPU pair, {meta['n']} held-out GSM8K questions ({meta['ids']}), greedy, "
+    ids = meta["ids"] if isinstance(meta["ids"], str) else f"{meta['ids'][0]}..{meta['ids'][-1][-4:]}"
+    left = meta.get("excluded", {}).get("n", 0)
+    ids += f", leaving out {left} a packaged head was trained, validated or calibrated on" if left else ""
+    lines = [f"Packaged CPU pair, {meta['n']} held-out GSM8K test questions ({ids}), greedy, "
              f"{meta['max_new_tokens']} tokens, concurrency {meta['concurrency']}; agreement = final answer "
              f"equal to LargeOnly's (Wilson 95%); diff = policy - RandomRouting at the same large fraction "
              f"(paired bootstrap 95%; McNemar p).", "",
@@ -276,7 +299,10 @@ def main() -> None:
     ap.add_argument("--num", type=int, default=128, help=f"held-out questions (at most {HELDOUT})")
     ap.add_argument("--offset", type=int, default=0,
                     help="start at GSM8K test question OFFSET instead of the reserved held-out ones (0); "
-                         "refused where a question is in a packaged head's training or validation ids")
+                         "questions a packaged head was trained, validated or calibrated on are left out "
+                         "(the output says how many)")
+    ap.add_argument("--include-trained", action="store_true",
+                    help="keep the questions a packaged head was trained, validated or calibrated on")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--target", type=float, default=0.25, help="large fraction of the training-free rows")
@@ -300,14 +326,10 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     if args.offset == 0 and not 1 <= args.num <= HELDOUT:
         raise SystemExit(f"--num must be in 1..{HELDOUT} (the held-out questions)")
-    examples = load_examples(limit=args.offset + args.num, exclude_heldout=False)[args.offset:]
-    assert [e.id for e in examples] == [f"gsm8k-test-{i:04d}" for i in range(args.offset, args.offset + args.num)]
-    if args.offset:
-        seen = trained_ids()
-        clash = sorted(e.id for e in examples if e.id in seen)
-        if clash:
-            raise SystemExit(f"--offset {args.offset}: {len(clash)} of these questions trained a packaged head "
-                             f"(first {clash[0]}); pick an offset past them")
+    examples, skipped = pick_questions(args.offset, args.num, args.include_trained)
+    print(f"questions: {len(examples)} GSM8K test questions from gsm8k-test-{args.offset:04d} on; left out "
+          f"{len(skipped)} a packaged head was trained, validated or calibrated on"
+          + (" (--include-trained: none left out)" if args.include_trained else ""), flush=True)
     prompts = [e.prompt for e in examples]
     cache = Path(args.cache) / (f"offset{args.offset}" if args.offset else "")
     cache.mkdir(parents=True, exist_ok=True)
@@ -319,10 +341,17 @@ def main() -> None:
         if calib_file.exists():
             cal = json.loads(calib_file.read_text())
         else:
-            calib = [e.prompt for e in load_examples(limit=args.calibrate)]
+            calib = [e.prompt for e in load_examples("gsm8k", limit=args.calibrate)]
             cal = calibrate_free(calib, args.target, args.max_new_tokens, args.calibrate_rounds)
             calib_file.write_text(json.dumps(cal, indent=1))
-    rows, meta = [], {"n": args.num, "ids": f"{examples[0].id}..{examples[-1].id[-4:]}", "max_new_tokens": args.max_new_tokens,
+    ids = [e.id for e in examples]
+    contiguous = ids == [f"gsm8k-test-{i:04d}" for i in range(int(ids[0][-4:]), int(ids[0][-4:]) + len(ids))]
+    rows, meta = [], {"n": args.num, "ids": f"{ids[0]}..{ids[-1][-4:]}" if contiguous else ids,
+                      "excluded": {"n": len(skipped), "ids": skipped,
+                                   "rule": "GSM8K test questions a packaged head was trained, validated or "
+                                           "calibrated on (their records) are left out" if not args.include_trained
+                                           else "none left out (--include-trained)"},
+                      "max_new_tokens": args.max_new_tokens,
                       "concurrency": args.concurrency, "target": args.target, "versions": library_versions(),
                       "heads": {k: {"path": str(packaged_head_path(kind)), "sha256_16": sha(packaged_head_path(kind))}
                                 for k, (_, kind) in LEARNED.items()},

@@ -1,7 +1,7 @@
 """Trained R2R and CITER heads on the packaged CPU pair (`Router.default()`): how well they pick
 the tokens that need the large model, against random routing at the same large fraction.
 
-1. Train both heads on GSM8K test questions after the 128 held-out ones (``--train`` questions,
+1. Train both heads on GSM8K train questions (the default of `tokenrouter_sdk.train`; ``--train`` questions,
    responses / gold / rollouts of at most ``--max-new-tokens`` tokens); the validation questions
    (a quarter of them, by question) give the held-out labels: recall and precision of the
    router at its recall-0.95 threshold, and AUC.
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     output = evalkit.Output(args, __file__, evalkit.cells_tag(n=args.train, t=args.max_new_tokens))
     out, t0, report = output.path(""), time.perf_counter(), {}
     M, C = args.max_new_tokens, args.concurrency
-    heldout = load_examples(limit=HELDOUT, exclude_heldout=False)
+    heldout = load_examples("gsm8k", limit=HELDOUT, exclude_heldout=False)  # GSM8K test: never trained on
     assert [e.id for e in heldout] == [f"gsm8k-test-{i:04d}" for i in range(HELDOUT)]
     with Router.default(processes=False, small_layers=args.small_layers) as router:
         r2r = train_r2r(router, limit=args.train, out=out, max_new_tokens=M, branch_tokens=24,

@@ -40,3 +40,26 @@ def test_builtin_policy_runs_with_default_arguments(router, cls):
     if learned:
         assert 0 < m.large_fraction < 1          # the packaged head sends some tokens, not all, to the large model
     assert all(s.alive for s in router.kv_stats().values())
+
+
+def test_a_sweep_of_a_packaged_head_scores_none_of_its_training_questions(router):
+    import json
+
+    from tokenrouter_sdk.eval import evaluate_policy
+    from tokenrouter_sdk.eval.head_data import record_ids
+    from tokenrouter_sdk.policies.heads import packaged_head_path
+
+    record = json.loads(packaged_head_path("r2r").with_suffix(".json").read_text())
+    seen = record_ids(record)
+    assert len(seen) == 300 and "gsm8k-test-0556" in seen     # what the packaged R2R head trained on
+    tau = policies.R2R().tau
+    with pytest.warns(UserWarning, match=r"left out 2 of the 4 questions drawn from gsm8k \(300 in the whole"):
+        res = evaluate_policy(router, "r2r", [tau], limit=4, seed=0, max_new_tokens=4, concurrency=4,
+                              references=["large_only"], progress=False)
+    assert res.excluded["in_draw"] == 2 and res.excluded["heads"] == {"R2R": 300}
+    scored = {a["id"] for ans in res.answers.values() for a in ans}
+    assert len(scored) == 4 and not scored & seen
+    assert all(a["error"] is None for ans in res.answers.values() for a in ans)
+    res = evaluate_policy(router, "r2r", [tau], limit=4, seed=0, max_new_tokens=4, concurrency=4,
+                          references=False, progress=False, exclude_head_questions=False)
+    assert res.config["head_overlap"]["n"] == 2

@@ -63,3 +63,25 @@ def test_router_default_quickstart():
     assert all(len(o.token_models) == len(o.token_ids) for o in outs)
     assert {"small", "large"} <= {x for o in outs for x in o.token_models}
     assert m.throughput_tok_s > 0 and m.hop_rate > 0
+
+
+def test_prefix_cache_keeps_outputs_on_the_packaged_pair():
+    """A shared system prompt on the packaged pair (processes, R-Stitch handing off both ways): the
+    same tokens with the cache as without it, over two calls; the second call reuses the first's
+    prompts on both models."""
+    system = ("You are a careful assistant. Think step by step, check each step, and end with the "
+              "final answer on its own line. ") * 3
+    prompts = [system + q for q in PROMPTS]
+    runs = {}
+    for cache in (False, True):
+        with Router.default(policy=RStitch(tau=0.3, tau_back=0.02), prefix_cache=cache) as r:
+            first = r.generate(prompts, chat=False, max_new_tokens=24, ignore_eos=True, concurrency=2)
+            second = r.generate(prompts, chat=False, max_new_tokens=24, ignore_eos=True)
+            runs[cache] = (first, second, r.kv_stats())
+    (a1, a2, _), (b1, b2, st) = runs[False], runs[True]
+    for x, y in zip(list(a1) + list(a2), list(b1) + list(b2)):
+        assert (x.token_ids, x.token_models) == (y.token_ids, y.token_models)
+    assert sum(o.hops for o in b1) > 0
+    m1, m2 = b1.metrics().per_model, b2.metrics().per_model
+    assert m1["large"].prefix_hit_tokens > 0 and m2["small"].prefix_hit_rate > 0.8
+    assert st["small"].cached_blocks > 0 and st["large"].hit_rate > 0

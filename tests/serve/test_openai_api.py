@@ -222,3 +222,24 @@ def test_router_serve_inside_a_running_loop_and_close():
     assert servers() == n0
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_multi_turn_chats_reuse_the_previous_turns(tiny, client):
+    """Each turn's prompt holds the previous turns: they come from the prefix cache, which
+    /metrics reports per model."""
+    router, url = tiny
+    messages = [{"role": "user", "content": "Tell me a story about a fox."}]
+    hits, prompts = [], []
+    for turn in range(4):
+        resp = client.chat.completions.create(model="tokenrouter", messages=messages, max_tokens=16, temperature=0.0)
+        prompts.append(resp.usage.prompt_tokens)
+        m = metrics(url)
+        hits.append(sum(v for (name, labels), v in m.items() if name == "tokenrouter_prefix_cache_hit_tokens_total"))
+        messages += [{"role": "assistant", "content": resp.choices[0].message.content},
+                     {"role": "user", "content": f"And then, part {turn + 2}?"}]
+    for k in range(1, 4):  # most of turn k-1's prompt is reused by turn k (on the entry model at least)
+        assert hits[k] - hits[k - 1] >= 0.5 * prompts[k - 1], (k, hits, prompts)
+    rates = {labels: v for (name, labels), v in metrics(url).items() if name == "tokenrouter_prefix_cache_hit_rate"}
+    assert set(rates) == {(("model", "small"),), (("model", "large"),)} and max(rates.values()) > 0.2
+    cached = [v for (name, _), v in metrics(url).items() if name == "tokenrouter_kv_cached_blocks"]
+    assert len(cached) == 2 and max(cached) > 0

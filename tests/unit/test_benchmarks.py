@@ -31,6 +31,22 @@ def fresh_clone(tmp_path, monkeypatch):
     return empty
 
 
+def test_packaged_gsm8k_train_file_matches_its_sha256_and_has_7473_rows(fresh_clone):
+    spec = B.BENCHMARKS["gsm8k_train"]
+    raw = gzip.decompress(spec.packaged.read_bytes())
+    assert hashlib.sha256(raw).hexdigest() == spec.sha256 == \
+        "a7938272ceef0dc84175e722a99bf3d2b3014dba67cd270dd3ab25106806eae3"
+    rows = [json.loads(line) for line in raw.decode("utf-8").split("\n") if line]
+    assert len(rows) == spec.rows == 7473 and len(B.load("gsm8k_train")) == 7473
+    assert [r["id"] for r in rows] == [f"gsm8k-train-{i:04d}" for i in range(7473)]
+    assert all(r["answer"] == r["meta"]["answer_raw"].replace(",", "") and "####" in r["meta"]["solution"]
+               for r in rows)
+    assert rows[0]["answer"] == "72" and rows[0]["question"].startswith("Natalia sold clips to 48 of her friends")
+    test = {r["question"] for r in B.load("gsm8k").rows}
+    assert not test & {r["question"] for r in rows}  # no question of the test split
+    assert B.load("gsm8k-train").source == str(spec.packaged)
+
+
 def test_packaged_gsm8k_file_matches_its_sha256_and_has_1319_rows():
     spec = B.BENCHMARKS["gsm8k"]
     assert spec.packaged is not None and spec.packaged.is_file()
@@ -72,7 +88,7 @@ def test_fresh_clone_demo_bench_eval_and_training_get_the_same_first_8_questions
     args = build_parser().parse_args(["bench"])
     bench = B.load_prompts(args.data or "gsm8k", 8)                        # tokenrouter bench (its first 8)
     ev = load_benchmark("gsm8k", limit=8)                                  # tokenrouter_sdk.eval
-    tr = load_examples(limit=8, exclude_heldout=False)                     # tokenrouter_sdk.train
+    tr = load_examples("gsm8k", limit=8, exclude_heldout=False)            # tokenrouter_sdk.train on the test split
     assert str(B.BENCHMARKS["gsm8k"].packaged) in source and ev.source == str(B.BENCHMARKS["gsm8k"].packaged)
     assert ev.ids == [e.id for e in tr] == FIRST8_IDS
     assert ev.answers == [e.answer for e in tr] == FIRST8_ANSWERS
@@ -88,9 +104,9 @@ def test_training_holds_out_the_first_128_gsm8k_questions(fresh_clone):
     from tokenrouter_sdk.train.data import HELDOUT, HELDOUT_IDS, load_examples
 
     assert HELDOUT == 128 and HELDOUT_IDS == {f"gsm8k-test-{i:04d}" for i in range(128)}
-    assert [e.id for e in load_examples(limit=2)] == ["gsm8k-test-0128", "gsm8k-test-0129"]
-    assert len(load_examples()) == 1319 - 128
-    held = load_examples(limit=HELDOUT, exclude_heldout=False)
+    assert [e.id for e in load_examples("gsm8k", limit=2)] == ["gsm8k-test-0128", "gsm8k-test-0129"]
+    assert len(load_examples("gsm8k")) == 1319 - 128
+    held = load_examples("gsm8k", limit=HELDOUT, exclude_heldout=False)
     assert [e.id for e in held] == sorted(HELDOUT_IDS)
 
 
@@ -144,7 +160,7 @@ def test_datasets_cache_is_read_offline_and_mapped(monkeypatch, fresh_clone):
 
 
 def test_errors_name_the_problem_and_the_fix(tmp_path, monkeypatch, fresh_clone):
-    with pytest.raises(ValueError, match=r"unknown benchmark 'gsm9k': use one of gsm8k, math500, aime24, amc23, "
+    with pytest.raises(ValueError, match=r"unknown benchmark 'gsm9k': use one of gsm8k, gsm8k_train, math500, aime24, amc23, "
                                          r"commonsenseqa"):
         B.load("gsm9k")
     with pytest.raises(FileNotFoundError) as e:

@@ -8,7 +8,7 @@ import pytest
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.eval import EvalResult, evaluate_policy, extract_answer, load_benchmark
 from tokenrouter_sdk.eval.plots import pareto_frontier
-from tokenrouter_sdk.policies import LargeOnly, RStitch, SmallOnly
+from tokenrouter_sdk.policies import LargeOnly, QueryRouter, RStitch, SmallOnly
 
 SAMPLING = dict(max_new_tokens=24, concurrency=4, progress=False)
 VALUES = [0.75, 0.8, 0.9]
@@ -157,3 +157,66 @@ def test_cli_parser_has_eval():
     assert a.values == [0.02, 0.05] and a.limit == 16 and a.policy == "rstitch" and a.fn.__name__ == "cmd_eval"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "--values", "a,b"])
+
+
+def _query_head_with_record(tmp_path, train_ids, val_ids=(), calibration_ids=()):
+    """A query head for the tiny pair (hidden size 64) whose record lists these question ids."""
+    from tokenrouter_sdk.policies.query_level import save_query_head
+    path = tmp_path / "q.pt"
+    meta = {"data": {"source": "tiny", "train_ids": list(train_ids), "val_ids": list(val_ids)},
+            "default_threshold": {"value": 0.5, "calibration_ids": list(calibration_ids)}}
+    save_query_head(QueryRouter.random_head(64, seed=3), path, meta=meta)
+    return path
+
+
+def test_a_learned_head_is_not_scored_on_its_training_questions(pair, tok, bench, tmp_path):
+    b, _ = bench
+    head = _query_head_with_record(tmp_path, ["t1"], ["t2"], ["t1"])
+    with Router(pair, tokenizer=tok) as r:
+        with pytest.warns(UserWarning, match=r"left out 2 of the 3 questions drawn .*QueryRouter's \(2 ids\) head"):
+            res = evaluate_policy(r, lambda v: QueryRouter(head, threshold=v), [0.5], dataset=b.source, limit=3,
+                                  seed=None, references=["large_only"], **SAMPLING)
+        assert res.excluded["in_draw"] == 2 and res.excluded["ids"] == ["t1", "t2"]
+        assert res.excluded["heads"] == {"QueryRouter": 2} and res.excluded["in_benchmark"] == 2
+        for label, ans in res.answers.items():   # the next question in file order took their places
+            assert [a["id"] for a in ans] == ["t0", "t3"], label
+        assert res.config["dataset"]["ids"] == ["t0", "t3"]
+        assert any("leaving out 2 of the 3 first drawn" in line for line in res.notes()) and "leaving out" in res.table()
+        # a loaded Benchmark: the questions are dropped (nothing to take their places)
+        with pytest.warns(UserWarning, match="left out 2 of the 4"):
+            res = evaluate_policy(r, lambda v: QueryRouter(head, threshold=v), [0.5], dataset=b, references=False,
+                                  **SAMPLING)
+        assert [a["id"] for a in res.answers["QueryRouter(threshold=0.5)"]] == ["t0", "t3"]
+        # the explicit opt-out scores them, and says so
+        res = evaluate_policy(r, lambda v: QueryRouter(head, threshold=v), [0.5], dataset=b, references=False,
+                              exclude_head_questions=False, **SAMPLING)
+        assert len(res.answers["QueryRouter(threshold=0.5)"]) == 4 and "excluded" not in res.config
+        assert res.config["head_overlap"]["ids"] == ["t1", "t2"] and "were used to make" in res.table()
+        # no head, nothing left out
+        res = evaluate_policy(r, RStitch, [0.9], dataset=b, param="tau", references=False, **SAMPLING)
+        assert res.excluded is None and len(res.answers["RStitch(tau=0.9)"]) == 4
+
+
+def test_a_reference_off_its_target_is_flagged():
+    from tokenrouter_sdk.eval.config import binomial_range
+    from tokenrouter_sdk.eval.result import EvalResult
+    from tokenrouter_sdk.eval.sweep import _check_matched
+
+    assert binomial_range(4, 0.266) == (0.0, 0.75)
+    lo, hi = binomial_range(1000, 0.3)
+    assert 0.27 < lo < 0.3 < hi < 0.33
+    ans = [{"tokens": 10, "large_tokens": 10}] * 4
+    rec = {"label": "RandomQueryRouting(p=0.266)", "kind": "random_query", "matched_to": "R(x=1)",
+           "large_fraction": 1.0, "committed_tokens": 40}
+    with pytest.warns(UserWarning, match=r"RandomQueryRouting\(p=0.266\) realised .* 1 on 4 questions, outside the "
+                                         r"95% sampling range \[0, 0.75\] of its target 0.266"):
+        _check_matched(rec, ans, 0.266)
+    assert rec["matches_target"] is False and rec["target_range"] == [0.0, 0.75]
+    assert any("does not match R(x=1)" in line for line in EvalResult([rec]).notes())
+    ok = dict(rec, label="RandomQueryRouting(p=0.5)")
+    _check_matched(ok, [{"tokens": 10, "large_tokens": 10}, {"tokens": 10, "large_tokens": 0}] * 2, 0.5)
+    assert ok["matches_target"] is True and ok["realised"] == 0.5
+    tok_level = {"label": "RandomRouting(p=0.3)", "kind": "random", "matched_to": "R(x=1)", "large_fraction": 0.5,
+                 "committed_tokens": 1000}
+    with pytest.warns(UserWarning, match="a large fraction of 0.5 on 1000 committed tokens"):
+        _check_matched(tok_level, [], 0.3)

@@ -55,9 +55,11 @@ def test_mode_ordering_in_simulation():
 
 def test_retain_kv_false_costs_reprefill_in_simulation():
     _, keep = run("async", 8, p=0.3, new=128)
-    _, drop = run("async", 8, p=0.3, new=128, retain_kv=False)
+    _, drop = run("async", 8, p=0.3, new=128, retain_kv=False, prefix_cache=False)
     assert drop.per_model["small"].tokens_fed > 3 * keep.per_model["small"].tokens_fed
     assert drop.throughput_tok_s < keep.throughput_tok_s
+    _, cached = run("async", 8, p=0.3, new=128, retain_kv=False)  # a return finds its blocks in the prefix cache
+    assert keep.per_model["small"].tokens_fed < cached.per_model["small"].tokens_fed < drop.per_model["small"].tokens_fed
 
 
 def test_throughput_grows_with_concurrency():

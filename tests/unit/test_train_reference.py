@@ -118,11 +118,56 @@ def test_co_llm_reference_large_uses_the_large_answer(pair, tmp_path):
 
 
 def test_load_examples_offset_starts_at_that_row():
-    exs = load_examples(None, 3, offset=556)
+    exs = load_examples("gsm8k", 3, offset=556)
     assert [e.id for e in exs] == ["gsm8k-test-0556", "gsm8k-test-0557", "gsm8k-test-0558"]
-    assert load_examples(None, 1, offset=0)[0].id == "gsm8k-test-0128"    # held-out ones still skipped
+    assert load_examples("gsm8k", 1, offset=0)[0].id == "gsm8k-test-0128"    # held-out ones still skipped
+    assert [e.id for e in load_examples(None, 2, offset=556)] == ["gsm8k-train-0556", "gsm8k-train-0557"]
     with pytest.raises(ValueError, match="offset must be >= 0"):
         load_examples(None, 1, offset=-1)
+
+
+def test_training_defaults_to_the_gsm8k_train_split(monkeypatch, tmp_path):
+    """`load_examples`, the pipelines and ``tokenrouter train`` (training and calibration) read
+    GSM8K train by default: no question of the test split, which evaluations score."""
+    from tokenrouter_sdk import Router
+    from tokenrouter_sdk import train as T
+    from tokenrouter_sdk.cli import build_parser
+    from tokenrouter_sdk.train import cli as train_cli
+    from tokenrouter_sdk.train import package
+
+    exs = load_examples(limit=3)
+    assert [e.id for e in exs] == ["gsm8k-train-0000", "gsm8k-train-0001", "gsm8k-train-0002"]
+    assert exs[0].answer == "72" and exs[0].solution.endswith("The answer is 72.")
+    assert T.DEFAULT_DATA == "gsm8k_train"
+    seen = {}
+
+    class FakeRouter:
+        models = {"small": object(), "large": object()}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    def fake_train(router, **kw):
+        seen["train"] = [e.id for e in load_examples(kw["data"], kw["limit"], offset=kw["offset"])]
+        return type("Res", (), {"metrics": {}})()
+
+    def fake_finalize(res, router, *, calib_prompts, **kw):
+        seen["calibrate"] = [e.id for e in calib_prompts]
+        return tmp_path / "h.pt", tmp_path / "h.json", 0.5
+
+    monkeypatch.setattr(Router, "default", classmethod(lambda cls, **kw: FakeRouter()))
+    monkeypatch.setattr(T, "train_query", fake_train, raising=False)
+    monkeypatch.setattr(package, "finalize", fake_finalize)
+    args = build_parser().parse_args(["train", "query", "--limit", "4", "--calibrate", "2", "--out", str(tmp_path)])
+    assert args.data is None and train_cli.run(args) == 0
+    assert seen["train"] == [f"gsm8k-train-{i:04d}" for i in range(4)]
+    assert seen["calibrate"] == ["gsm8k-train-0000", "gsm8k-train-0001"]
+    args = build_parser().parse_args(["train", "query", "--data", "gsm8k", "--limit", "2", "--out", str(tmp_path)])
+    train_cli.run(args)
+    assert seen["train"] == ["gsm8k-test-0128", "gsm8k-test-0129"]  # the test split only when asked for
 
 
 def test_cli_options_reach_the_pipelines():

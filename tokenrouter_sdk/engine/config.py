@@ -61,6 +61,12 @@ class EngineConfig:
             the tokens written since (an extend) instead of the prompt and the whole answer so
             far. Costs one prompt prefill per extra model even when no handoff comes. Outputs
             are the same either way.
+        prefix_cache: each model keeps full KV blocks of committed tokens indexed by content
+            and reuses them for every request whose tokens start the same (shared prompts,
+            sweeps over the same questions, multi-turn chats), across calls; see
+            `tokenrouter_sdk.engine.prefix_cache`. False: every request feeds all its tokens
+            (to measure what the cache saves). With ``retain_kv=False`` a return re-prefills
+            only what the cache no longer holds; turn both off for the full re-prefill baseline.
 
     Raises:
         ValueError: from construction, naming the bad field and what it accepts.
@@ -81,6 +87,7 @@ class EngineConfig:
     processes: bool | dict | None = None
     cuda_graphs: bool = False
     prefill_peers: bool = False
+    prefix_cache: bool = True
 
     def __post_init__(self):
         if self.max_kv_tokens is not None and self.kv_memory_fraction is not None:

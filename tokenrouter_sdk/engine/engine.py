@@ -23,8 +23,10 @@ from typing import Callable, Iterator, Sequence
 from ..policy import Policy
 from ..request import RequestConfig, RequestInput, RequestOutput, RequestView, prompt_key
 from . import messages as M
+from . import policy_calls as PC
 from .config import EngineConfig, valid_thresholds
 from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .prefix_cache import chain_keys
 from .transport import ThreadTransport
 
 RECENT_EVENTS = 4096  # events kept engine-wide for the planner's history and Router-wide views
@@ -57,7 +59,8 @@ class RequestHandle:
         self.t_first: float | None = None
         self.t_end: float | None = None
         self.done = threading.Event()
-        self.need: dict[str, int] = {}  # KV blocks reserved per model while admitted
+        self.need: dict[str, int] = {}  # KV blocks reserved per model while admitted (its own)
+        self.shared: dict[str, list] = {}  # per model, prefix-cache keys of its prompt blocks others may share
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(config.params.stop) if config.params.stop else None
         self.stop_ids = stop_ids  # ids that end the request: their text is not part of it
@@ -236,7 +239,8 @@ class Engine:
         self._lock = threading.RLock()
         self._calls: list[Call] = []  # calls with requests not ended, in submission order
         self._inflight = 0
-        self._reserved = {m: 0 for m in self.models}
+        self._reserved = {m: 0 for m in self.models}  # blocks of requests' own, per model
+        self._shared = {m: collections.Counter() for m in self.models}  # prompt blocks in flight, once each
         self._next_rid = 0
         self._policies: dict[int, list] = {}  # key -> [policy, calls using it]
         self._next_key = 0
@@ -300,6 +304,12 @@ class Engine:
             RuntimeError: the engine is closed.
             EngineDeadError: a sub-server is dead (names it and why).
             ValueError: ``concurrency < 1``.
+            TypeError: ``policy`` is not a `Policy` instance (e.g. the class itself) or its
+                ``needs`` is not a `Needs` (`tokenrouter_sdk.engine.policy_calls.check_policy`).
+
+        A policy hook (``entry``, ``may_use`` here; ``route``, ``send``, ``receive`` on the
+        sub-servers) that raises or returns a value it may not fails only its request, with an
+        error naming the policy, the hook, the value and what is accepted.
         """
         if self._closed:
             raise RuntimeError("this Router is closed; create a new one")
@@ -310,6 +320,8 @@ class Engine:
                                   f"requests: close it and build a new Router")
         if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
             raise ValueError(f"concurrency must be None or an int >= 1, got {concurrency!r}")
+        PC.check_policy(policy)
+        pname = PC.policy_text(policy)
         key = self._register(policy)
         call = Call(self, concurrency, key, listener)
         seen: collections.Counter = collections.Counter()
@@ -329,32 +341,30 @@ class Engine:
             error, entry, state = req.error, self.models[0], {}
             if error is None:
                 try:
-                    e = policy.entry(RequestView(rid, cfg.prompt_ids, [], "", state, 0, tuple(self.models), rkey),
-                                     self.models)
-                    if e is not None:
-                        if e not in self.models:
-                            raise ValueError(f"returned {e!r}; expected one of {self.models}")
-                        entry = e
+                    e = PC.entry_model(policy.entry(RequestView(rid, cfg.prompt_ids, [], "", state, 0,
+                                                                tuple(self.models), rkey), self.models), self.models)
+                    entry = e if e is not None else entry
+                except PC.PolicyReturnError as ex:
+                    error = f"policy {pname}.entry {ex} (request {rid})"
                 except Exception as ex:  # noqa: BLE001
-                    error = f"policy {policy!r}.entry failed: {type(ex).__name__}: {ex}"
+                    error = f"policy {pname}.entry raised {type(ex).__name__}: {ex} (request {rid})"
             peers: tuple[str, ...] = ()
             if error is None and self.config.prefill_peers:
                 try:
-                    use = policy.may_use(RequestView(rid, cfg.prompt_ids, [], entry, state, 0, tuple(self.models),
-                                                     rkey), self.models)
-                    bad = [m for m in use if m not in self.models]
-                    if bad:
-                        raise ValueError(f"returned unknown models {bad}; expected names of {self.models}")
+                    use = PC.may_use_models(policy.may_use(RequestView(rid, cfg.prompt_ids, [], entry, state, 0,
+                                                                       tuple(self.models), rkey), self.models),
+                                            self.models)
                     peers = tuple(m for m in self.models if m in use and m != entry)
+                except PC.PolicyReturnError as ex:
+                    error = f"policy {pname}.may_use {ex} (request {rid})"
                 except Exception as ex:  # noqa: BLE001
-                    error = f"policy {policy!r}.may_use failed: {type(ex).__name__}: {ex}"
+                    error = f"policy {pname}.may_use raised {type(ex).__name__}: {ex} (request {rid})"
             p = req.params
             stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
             h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids)
             h.output.sample = req.sample
             h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
-            tokens = min(len(ids) + p.max_new_tokens, self.max_context)
-            h.need = {m: -(-tokens // bs) for m, (_, bs) in self.capacity.items()}
+            h.need, h.shared = self._kv_need(ids, p.max_new_tokens)
             handles.append(h)
         call.handles = handles
         with self.transport.hold(), self._lock:
@@ -376,10 +386,25 @@ class Engine:
         self._record(h.call, ev)
         self._end(h, "failed", error, self.clock())
 
+    def _kv_need(self, ids: list[int], max_new_tokens: int) -> tuple[dict[str, int], dict[str, list]]:
+        """KV blocks a request reserves on each model: (blocks of its own, prefix-cache keys of
+        the prompt blocks it may share). With the prefix cache, a prompt's full blocks before its
+        last position are reserved once for all requests in flight that hold them (a request
+        reuses them as soon as the first has filled them); the rest is the request's own."""
+        tokens = min(len(ids) + max_new_tokens, self.max_context)
+        need, shared = {}, {}
+        for m, (_, bs) in self.capacity.items():
+            n_shared = max(0, min(len(ids) - 1, tokens) // bs) if self.config.prefix_cache else 0
+            need[m] = -(-tokens // bs) - n_shared
+            shared[m] = chain_keys(ids, bs, n_shared) if n_shared else []
+        return need, shared
+
     def _fits(self, h: RequestHandle) -> bool:
         if self._inflight == 0 or self.config.kv_admission == "optimistic":
             return True
-        return all(self._reserved[m] + h.need[m] <= self.capacity[m][0] for m in self.models)
+        return all(self._reserved[m] + len(self._shared[m]) + h.need[m]
+                   + sum(1 for k in h.shared[m] if k not in self._shared[m]) <= self.capacity[m][0]
+                   for m in self.models)
 
     def _admit_more(self) -> None:
         admitted = False
@@ -409,6 +434,7 @@ class Engine:
         h.call.inflight += 1
         for m in self.models:
             self._reserved[m] += h.need[m]
+            self._shared[m].update(h.shared[m])
         self._record(h.call, M.Admitted(h.rid, h.entry, h.t_admit))
         if self.config.mode == "delayed":
             self._broadcast_inflight()
@@ -588,6 +614,11 @@ class Engine:
             call.inflight -= 1
             for m in self.models:
                 self._reserved[m] -= h.need[m]
+                shared = self._shared[m]
+                for k in h.shared[m]:
+                    shared[k] -= 1
+                    if shared[k] <= 0:
+                        del shared[k]
             if self.config.mode == "delayed":
                 self._broadcast_inflight()
         self.handles.pop(h.rid, None)

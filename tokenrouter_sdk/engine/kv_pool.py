@@ -4,6 +4,11 @@ Layout: ``k[layer]`` and ``v[layer]`` have shape [num_blocks * block_size, kv_he
 (a flat slot view); slot ``b * block_size + o`` is offset o of block b. A request's block
 table is a list of block ids; token position p of the request lives in slot
 ``table[p // block_size] * block_size + p % block_size``.
+
+Blocks are reference-counted: a block is in the tables of ``refs[b]`` requests. With the prefix
+cache on (`KVPool.enable_prefix_cache`), full blocks of committed tokens are indexed by their
+content (`tokenrouter_sdk.engine.prefix_cache`), shared read-only by every request whose tokens
+start with the same blocks, and kept when no request holds them until their space is needed.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import math
 import mmap
 
 import torch
+
+from .prefix_cache import PrefixCache, chain_keys
 
 
 class KVPoolFull(RuntimeError):
@@ -41,6 +48,7 @@ class KVPool:
 
     Attributes:
         scratch_slot: a slot no request ever owns, or None without scratch blocks.
+        cache: the `PrefixCache`, or None while the prefix cache is off.
 
     Memory: 2 * num_layers * (num_blocks + scratch_blocks) * block_size * kv_heads * head_dim
     * dtype bytes.
@@ -57,10 +65,33 @@ class KVPool:
         self.k = _zeros(shape, dtype, device)
         self.v = _zeros(shape, dtype, device)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.refs = [0] * num_blocks
+        self.cache: PrefixCache | None = None
+
+    def enable_prefix_cache(self) -> None:
+        """Index full blocks by content from now on (idempotent)."""
+        if self.cache is None:
+            self.cache = PrefixCache()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a request can get now: free ones plus cached ones no request holds."""
+        return len(self._free) + (self.cache.idle if self.cache is not None else 0)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks in the prefix cache's index (held by requests or idle)."""
+        return len(self.cache) if self.cache is not None else 0
+
+    @property
+    def idle_cached_blocks(self) -> int:
+        """Cached blocks no request holds (evicted first when space is needed; part of num_free)."""
+        return self.cache.idle if self.cache is not None else 0
+
+    def _take(self) -> int:
+        b = self._free.pop() if self._free else self.cache.evict()
+        self.refs[b] = 1
+        return b
 
     @property
     def capacity_tokens(self) -> int:
@@ -78,19 +109,63 @@ class KVPool:
         need = self.blocks_for(n_tokens) - len(table)
         if need <= 0:
             return
-        if need > len(self._free):
-            raise KVPoolFull(f"need {need} blocks, {len(self._free)} free")
-        table.extend(self._free.pop() for _ in range(need))
+        if need > self.num_free:
+            raise KVPoolFull(f"need {need} blocks, {self.num_free} free")
+        table.extend(self._take() for _ in range(need))
 
     def free(self, table: list[int]) -> None:
-        """Return every block of ``table`` to the pool and empty it."""
-        self._free.extend(reversed(table))
-        table.clear()
+        """Drop ``table``'s reference to each of its blocks and empty it. A block no request holds
+        any more is free again, or, if cached, idle in the cache (the table's last blocks first
+        in line for eviction: a longer prefix goes before the shorter ones it extends)."""
+        self.drop(table, 0)
+
+    def drop(self, table: list[int], keep: int) -> None:
+        """Drop the blocks of ``table`` after its first ``keep`` (see `free`), in place."""
+        for b in reversed(table[keep:]):
+            self.refs[b] -= 1
+            if self.refs[b] > 0:
+                continue
+            if self.cache is not None and self.cache.holds(b):
+                self.cache.park(b)
+            else:
+                self._free.append(b)
+        del table[keep:]
+
+    def match(self, tokens, keys: list[bytes], max_blocks: int, start: int = 0) -> list[int]:
+        """The longest run of cached blocks that holds ``tokens`` from block ``start`` on (the
+        caller holds blocks ``0..start-1`` of the same tokens), up to block ``max_blocks``
+        (excluded), each now referenced once more. ``keys`` is the request's list of chain keys
+        (extended in place as far as needed)."""
+        cache, bs, out = self.cache, self.block_size, []
+        if cache is None:
+            return out
+        for i in range(start, max_blocks):
+            chain_keys(tokens, bs, i + 1, keys)
+            b = cache.find(keys[i], tokens[i * bs:(i + 1) * bs])
+            if b is None:
+                break
+            if self.refs[b] == 0:
+                cache.unpark(b)
+            self.refs[b] += 1
+            out.append(b)
+        return out
+
+    def register(self, table: list[int], tokens, keys: list[bytes], start: int, end: int) -> None:
+        """Cache blocks ``start..end-1`` of ``table``, which now hold KV of ``tokens`` (full
+        blocks of committed tokens); ``keys`` as in `match`. A block whose content is already
+        cached in another block stays private."""
+        if self.cache is None:
+            return
+        bs = self.block_size
+        chain_keys(tokens, bs, end, keys)
+        for i in range(start, end):
+            self.cache.add(keys[i], table[i], tokens[i * bs:(i + 1) * bs])
 
     def release(self) -> None:
         """Drop the KV tensors (the pool is unusable afterwards); called on close."""
         self.k = self.v = None
         self._free = []
+        self.cache = None
 
     def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot ids of positions [start, end) of a request, shape [end - start] (int64)."""

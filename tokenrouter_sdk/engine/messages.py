@@ -218,8 +218,13 @@ class StepDone:
         preempted: KV evictions made to schedule this step.
         round: the gated-mode round it answered, or None.
         kv_used_blocks: blocks of this model's pool in use after the step.
-        kv_pending_blocks: of which held by requests pending here (handed off, KV kept).
+        kv_pending_blocks: block references held by requests pending here (handed off, KV kept).
         queued: requests this model owned that were not in the step.
+        cache_hit_tokens: tokens this step's requests took from the prefix cache instead of
+            feeding them; cache_query_tokens: tokens its requests brought when they arrived with
+            no KV here (new, first visit, admission prefill, preempted; counted with the cache
+            off too), so ``cache_query_tokens - cache_hit_tokens`` were prefilled.
+        kv_cached_blocks: blocks in the prefix cache after the step (held or idle).
     """
 
     model: str
@@ -234,6 +239,9 @@ class StepDone:
     kv_used_blocks: int = 0
     queued: int = 0
     kv_pending_blocks: int = 0
+    cache_hit_tokens: int = 0
+    cache_query_tokens: int = 0
+    kv_cached_blocks: int = 0
 
     @property
     def t(self) -> float:
@@ -262,10 +270,16 @@ class Stats:
     """Answer to `StatsQuery` ``token``: ``model``'s KV pool and the requests it holds.
 
     Attributes:
-        free_blocks, num_blocks: blocks free / usable in the pool; block_size: tokens per block.
+        free_blocks, num_blocks: blocks free / usable in the pool (free includes the idle
+            cached blocks: they are evicted when space is needed); block_size: tokens per block.
         owned: requests ready to step here (waiting or running); pending: handed off, KV kept.
-        running_blocks: blocks held by owned requests; pending_blocks: by pending ones.
+        running_blocks: block references held by owned requests; pending_blocks: by pending
+            ones (a block shared through the prefix cache counts once per request holding it).
         alive: False when the sub-server is dead (the counts are then zero); error: why.
+        prefix_cache: whether the prefix cache is on; cached_blocks: blocks in it (held by
+            requests or idle); idle_cached_blocks: of which no request holds.
+        prefix_hit_tokens, prefix_query_tokens: since the sub-server started, tokens taken from
+            the prefix cache and tokens requests brought on arrival (``hit_rate`` is their ratio).
     """
 
     model: str
@@ -279,10 +293,20 @@ class Stats:
     pending_blocks: int = 0
     alive: bool = True
     error: str | None = None
+    prefix_cache: bool = False
+    cached_blocks: int = 0
+    idle_cached_blocks: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
 
     @property
     def used_blocks(self) -> int:
         return self.num_blocks - self.free_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hit rate: tokens reused / tokens looked up (0.0 before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
 EVENTS = (Admitted, Committed, Hopped, Resampled, Finished, StepDone)

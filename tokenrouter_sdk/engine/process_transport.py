@@ -31,10 +31,13 @@ interpreter). The child does not re-import the parent's ``__main__`` script, so 
 no ``if __name__ == "__main__"`` guard. Each child gets one end of a Unix socket pair; the
 per-model spec (runner with its model, tokenizer, scheduler settings) goes over it (`wire`),
 pickled with cloudpickle (so classes defined in ``__main__`` or a notebook cell travel by
-value) plus torch's multiprocessing reductions, which move CPU tensor storage into shared
-memory (once per storage) and pass its file descriptor: model weights (and the zero-copy
-truncated small model, which shares modules with the large one) are mapped once, not copied
-per process. The KV pool is not shared: the child allocates its own of the same shape and this
+value) plus torch's multiprocessing reductions, after `wire.pack_shared` moved the weights into
+a few shared-memory segments (once; a later Router over the same models reuses them): each
+segment travels as one file descriptor, so model weights (and the zero-copy truncated small
+model, which shares modules with the large one) are mapped once, not copied per process, and a
+model pair costs a handful of descriptors, not one per weight tensor. When even those do not fit
+under the soft limit of open files, `fd_limit.ensure_room` raises it within the hard limit
+(logged) or fails with an error naming ``ulimit -n`` and the numbers. The KV pool is not shared: the child allocates its own of the same shape and this
 process's copy is released, so nothing here can write into a sub-server's KV. The child keeps
 its end of the pair open while it lives: the hub sees the other end turn readable when it ends
 (however it ends, whoever started it).
@@ -67,11 +70,17 @@ import time
 import traceback
 from typing import Callable
 
+from . import fd_limit
 from . import messages as M
 from . import process_start
 from .process_child import _child_main
 from .runner import dead_letter
-from .wire import _PROTO, _PolicyBytes, _child_spec, dump_spec, dumps, loads, send_spec, policy_sources
+from .wire import (_PROTO, _PolicyBytes, _child_spec, dump_spec, dumps, loads, pack_shared, policy_sources,
+                   send_spec)
+
+FDS_PER_MODEL = 8  # descriptors a sub-server process costs this process at most: spec channel, sentinel,
+#                    hub connections, its weights' shared-memory segments (usually one)
+FDS_PER_HUB = 16  # the hub: zmq context and socket, wake pipe
 
 # ---- the parent ----------------------------------------------------------------------------
 def _release_pool(spec: dict) -> None:
@@ -172,6 +181,7 @@ class ProcessTransport:
         self._closing = False
         self._closed = False
         self._started = False
+        self.shared: dict = {}  # what `start` moved into shared memory (`wire.pack_shared`)
         self._hold_lock = threading.Lock()
         self._holding = 0
         self._held: dict[str, list[tuple[str, bytes]]] = {}
@@ -223,10 +233,21 @@ class ProcessTransport:
             ValueError: ``start_method`` is not available on this platform.
             Exception: a spec cannot be pickled (the type of the pickling error, naming the
                 model); every process is ended first.
+            OSError (EMFILE): too few open files are allowed even after raising the soft limit
+                to the hard one (the message names ``ulimit -n`` and the numbers).
         """
         import zmq
         if self._started:
             raise RuntimeError("ProcessTransport.start was called twice")
+        what = f"the sub-server processes of {len(specs)} model(s)"
+        fd_limit.ensure_room(FDS_PER_MODEL * len(specs) + FDS_PER_HUB, what)
+        try:  # the weights into a few shared-memory segments: a handful of descriptors per model
+            self.shared = pack_shared([_child_spec(spec).get("runner") for spec in specs.values()])
+        except Exception as e:  # noqa: BLE001 - packing is an optimisation: per-storage sharing still works
+            err = fd_limit.too_many_files(e, what)
+            if err is not e:
+                raise err from e
+            self.shared = {"error": f"{type(e).__name__}: {e}"}
         self.start_method = self.start_method or process_start.default_start_method(specs)
         mp = process_start.get_context(self.start_method, specs)
         self._started = True
@@ -259,7 +280,7 @@ class ProcessTransport:
                     send_spec(chan, data, fds)
                 chan.settimeout(None)
                 del data, fds
-        except BaseException:
+        except BaseException as e:
             self._closing = self._closed = True
             if self._hub is not None:
                 self._wake()
@@ -271,6 +292,9 @@ class ProcessTransport:
             self._close_chans()
             os.close(self._wake_r)
             os.close(self._wake_w)
+            err = fd_limit.too_many_files(e, what)
+            if err is not e:
+                raise err from e
             raise
         for spec in specs.values():  # each child has its own KV pool: free this process's copy
             pool = getattr(spec.get("runner"), "pool", None)

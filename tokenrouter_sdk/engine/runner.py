@@ -13,6 +13,11 @@ import torch
 from .kv_pool import KVPool
 
 
+class RunnerDied(RuntimeError):
+    """A runner can serve no step any more (e.g. a tensor-parallel rank died): its sub-server
+    stops and reports its model dead, instead of failing request after request."""
+
+
 @dataclass
 class SeqInput:
     """One request's part of a step: feed ``tokens`` at positions [start, start + len(tokens)),

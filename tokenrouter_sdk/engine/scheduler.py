@@ -10,6 +10,13 @@ requests not in the batch (newest first); each such eviction is a counted preemp
 request is recomputed from token 0 when it next runs. A request that has outgrown the whole pool
 can never run again: `Scheduler.schedule` lists it in ``unfit`` (the sub-server fails it with an
 error naming the pool size), so no request waits forever for blocks.
+
+With the prefix cache on, a request with no KV on this model (new, first visit after a handoff,
+admission prefill, or preempted) first takes the longest run of cached blocks that holds its
+tokens (`KVPool.match`) and feeds only the rest; the full blocks a step completes are cached
+after the step (`Scheduler.cache_blocks`). A request whose next block another request of the
+same step is computing waits one step and then shares it (SGLang defers such requests the same
+way), so two requests never compute one prefix side by side.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 
 from ..request import RequestConfig
 from .kv_pool import KVPool, KVPoolFull
+from .prefix_cache import chain_keys
 
 
 @dataclass
@@ -37,6 +45,13 @@ class Seq:
         prefill_only: prefilled at admission for a later handoff (``EngineConfig.prefill_peers``):
             a step feeds it but never samples or routes it; it then waits pending.
         resamples: `Resample` decisions in a row at the current position.
+        keys: prefix-cache chain keys of the full blocks of ``tokens`` known so far.
+        n_cached: leading blocks of ``table`` that hold final content and are shared through
+            the prefix cache (matched, or cached after the step that filled them); the request
+            never writes into them.
+        reuse: whether a lookup in the prefix cache may stand in for feeding its tokens (False
+            when a policy reads every prompt position's hidden state).
+        arrived: its tokens on arrival here (with no KV) were counted in ``query_tokens``.
     """
 
     config: RequestConfig
@@ -57,6 +72,10 @@ class Seq:
     peer_logits: torch.Tensor | None = None
     prefill_only: bool = False
     resamples: int = 0
+    keys: list = field(default_factory=list)
+    n_cached: int = 0
+    reuse: bool = True
+    arrived: bool = False
 
     @property
     def rid(self) -> int:
@@ -74,11 +93,24 @@ class Scheduler:
         pool: the model's KV pool.
         max_batch_tokens: tokens fed per step at most (a longer single prompt still runs alone).
         max_batch_size: requests per step at most.
+        prefix_cache: share full blocks of equal prefixes through the pool's prefix cache.
+
+    Attributes:
+        hit_tokens, query_tokens: tokens reused from the prefix cache by the last `schedule`,
+            and the tokens its requests brought on arrival with no KV here (new, first visit,
+            admission prefill, preempted), counted with the cache off too.
+        total_hit_tokens, total_query_tokens: the same, summed since the scheduler started.
     """
 
-    def __init__(self, pool: KVPool, max_batch_tokens: int = 4096, max_batch_size: int = 256):
+    def __init__(self, pool: KVPool, max_batch_tokens: int = 4096, max_batch_size: int = 256,
+                 prefix_cache: bool = False):
         self.pool = pool
+        if prefix_cache:
+            pool.enable_prefix_cache()
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
+        self.hit_tokens = self.query_tokens = 0
+        self.total_hit_tokens = self.total_query_tokens = 0
+        self._computing: set[bytes] = set()  # keys of blocks the batch being scheduled fills
         self.seqs: dict[int, Seq] = {}
         self.owned: dict[int, Seq] = {}  # insertion order = FIFO
         self.preemptions = 0
@@ -102,12 +134,77 @@ class Scheduler:
             self.pool.free(seq.table)
         return seq
 
-    def _evict(self, seq: Seq) -> None:
+    def drop_kv(self, seq: Seq) -> None:
+        """Free ``seq``'s KV here (it is recomputed, or found in the prefix cache, when it next runs)."""
         self.pool.free(seq.table)
-        seq.kv_len = 0
+        seq.kv_len = seq.n_cached = 0
+        seq.arrived = False
+
+    def rewind(self, seq: Seq, n: int) -> None:
+        """Keep only the first ``n`` tokens of ``seq`` in KV, so the next step feeds from there. A
+        shared (cached) block is never written: the request drops it and every block after it
+        and recomputes from that block's start."""
+        bs = self.pool.block_size
+        if n < seq.n_cached * bs:
+            self.pool.drop(seq.table, n // bs)
+            seq.n_cached = n // bs
+            n = seq.n_cached * bs
+        seq.kv_len = min(seq.kv_len, n)
+
+    def _evict(self, seq: Seq) -> None:
+        self.drop_kv(seq)
         if seq.status == "running":
             seq.status = "waiting"
         self.preemptions += 1
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def _reuse(self, seq: Seq) -> bool:
+        """Extend ``seq``'s KV with cached blocks when all it holds is shared (a request with no
+        KV here starts its lookup). False: its next block is being filled by a request of this
+        batch; it waits a step to share it."""
+        pool = self.pool
+        if not seq.arrived and seq.kv_len == 0:
+            seq.arrived = True
+            self.query_tokens += len(seq.tokens)
+            self.total_query_tokens += len(seq.tokens)
+        if pool.cache is None or not seq.reuse or seq.kv_len != len(seq.table) * pool.block_size \
+                or seq.n_cached != len(seq.table):
+            return True
+        limit = (len(seq.tokens) - 1) // pool.block_size  # the last position is always fed: its block stays private
+        start = seq.n_cached
+        if start >= limit:
+            return True
+        got = pool.match(seq.tokens, seq.keys, limit, start)
+        self.hit_tokens += len(got) * pool.block_size
+        self.total_hit_tokens += len(got) * pool.block_size
+        seq.table.extend(got)
+        seq.n_cached += len(got)
+        seq.kv_len = seq.n_cached * pool.block_size
+        nxt = seq.n_cached
+        return not (nxt < limit and nxt < len(seq.keys) and seq.keys[nxt] in self._computing)
+
+    def _claim(self, seq: Seq) -> None:
+        """Note the full blocks this step fills for ``seq`` (requests after it in the batch that
+        need them wait a step)."""
+        if self.pool.cache is None:
+            return
+        full = len(seq.tokens) // self.pool.block_size
+        if full > seq.n_cached:
+            chain_keys(seq.tokens, self.pool.block_size, full, seq.keys)
+            self._computing.update(seq.keys[seq.n_cached:full])
+
+    def cache_blocks(self, batch: list[Seq]) -> None:
+        """After a successful step: cache the blocks it filled (each request's full blocks of
+        tokens now in KV)."""
+        pool = self.pool
+        self._computing.clear()
+        if pool.cache is None:
+            return
+        for seq in batch:
+            full = seq.kv_len // pool.block_size
+            if full > seq.n_cached:
+                pool.register(seq.table, seq.tokens, seq.keys, seq.n_cached, full)
+                seq.n_cached = full
 
     # -- scheduling -----------------------------------------------------------------------
     def too_big(self, seq: Seq) -> bool:
@@ -135,11 +232,15 @@ class Scheduler:
         in_batch: set[int] = set()
         budget = self.max_batch_tokens
         self.unfit = []
+        self.hit_tokens = self.query_tokens = 0
+        self._computing.clear()
         for seq in list(self.owned.values()):
             if len(batch) >= self.max_batch_size:
                 break
             if self.too_big(seq):
                 self.unfit.append(seq)
+                continue
+            if not self._reuse(seq):
                 continue
             need = len(seq.tokens) - seq.kv_len
             if batch and need > budget:
@@ -148,6 +249,7 @@ class Scheduler:
                 if not batch:  # nothing here holds a block it could give: waiting would never end
                     self.unfit.append(seq)
                 continue
+            self._claim(seq)
             seq.status = "running"
             batch.append(seq)
             in_batch.add(seq.rid)

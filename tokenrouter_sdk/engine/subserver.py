@@ -26,8 +26,9 @@ import torch
 from ..policy import Handoff, Policy, Resample, StepBatch
 from ..request import RequestView, SamplingParams
 from . import messages as M
+from . import policy_calls as PC
 from .config import MODES, EngineConfig
-from .runner import SeqInput
+from .runner import RunnerDied, SeqInput
 from .sampler import make_generator, sample
 from .scheduler import Scheduler, Seq
 
@@ -39,7 +40,8 @@ __all__ = ["SubServer", "RequestFailed", "MODES"]
 
 def _policy_frame(filename: str) -> bool:
     """Whether a traceback frame is the policy's own code (not the SDK around it; the built-in
-    policies count as the policy's)."""
+    policies count as the policy's). The generated ``__init__`` of a dataclass (file
+    ``<string>``, e.g. `Handoff` checking its fields) is left out by the caller."""
     f = filename.replace("\\", "/")
     return "tokenrouter_sdk/" not in f or "tokenrouter_sdk/policies/" in f
 
@@ -72,7 +74,8 @@ class SubServer:
         self.name, self.models, self.index = name, list(models), list(models).index(name)
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.send, self.emit = send, emit
-        self.sched = Scheduler(runner.pool, config.max_batch_tokens, config.max_batch_size)
+        self.sched = Scheduler(runner.pool, config.max_batch_tokens, config.max_batch_size,
+                               prefix_cache=config.prefix_cache)
         self.inbox: queue.Queue = queue.Queue()
         self.policies: dict[int, Policy] = {}
         self.aborted: collections.OrderedDict[int, tuple[str, str | None]] = collections.OrderedDict()
@@ -93,6 +96,8 @@ class SubServer:
             seen = dict.fromkeys([*msg.peers, self.name], len(cfg.prompt_ids))
             seq = Seq(cfg, list(cfg.prompt_ids), seen=seen, state=msg.state,
                       generator=make_generator(cfg.params.seed, self.index, self.runner.device))
+            pol = self.policies.get(cfg.policy_key)
+            seq.reuse = not (pol is not None and getattr(pol.needs, "prompt_hidden", False))
             if cfg.rid in self.aborted:
                 self._end_aborted(seq)
             else:
@@ -127,7 +132,10 @@ class SubServer:
         run = sum(len(s.table) for s in owned.values())
         pend = sum(len(s.table) for r, s in seqs.items() if r not in owned)
         return M.Stats(self.name, token, pool.num_free, pool.num_blocks, pool.block_size, len(owned),
-                       len(seqs) - len(owned), run, pend)
+                       len(seqs) - len(owned), run, pend, cached_blocks=pool.cached_blocks,
+                       idle_cached_blocks=pool.idle_cached_blocks,
+                       prefix_hit_tokens=self.sched.total_hit_tokens, prefix_query_tokens=self.sched.total_query_tokens,
+                       prefix_cache=pool.cache is not None)
 
     def _prefill(self, msg: M.Prefill) -> None:
         """Admission prefill of a peer: feed the prompt in a coming step, then keep it pending.
@@ -194,7 +202,7 @@ class SubServer:
         seq.prefill_only = False
         seq.tokens.extend(msg.suffix)
         if seq.kv_len >= len(seq.tokens):  # peer discarded and bounced back: recompute the last position
-            seq.kv_len = len(seq.tokens) - 1
+            self.sched.rewind(seq, len(seq.tokens) - 1)
         seq.seen, seq.n_committed, seq.hops = dict(msg.seen), msg.n_committed, msg.hops
         seq.hops_since_commit, seq.discarded, seq.state = msg.hops_since_commit, msg.discarded, msg.state
         seq.span, seq.return_to = msg.span, msg.return_to
@@ -217,7 +225,11 @@ class SubServer:
         try:
             if pol is None:
                 raise RuntimeError("the request's policy is no longer registered")
-            pol.receive(Handoff(msg.keep_sampled, msg.span, msg.greedy), self._view(seq))
+            PC.receive_result(pol.receive(Handoff(msg.keep_sampled, msg.span, msg.greedy), self._view(seq)))
+        except PC.PolicyReturnError as e:
+            self.sched.seqs[seq.rid] = seq
+            self._finish(seq, "failed", self._return_error(seq, "receive", e))
+            return
         except Exception as e:  # noqa: BLE001 - a policy error fails this request only
             self.sched.seqs[seq.rid] = seq
             self._finish(seq, "failed", *self._policy_error(seq, "receive", e))
@@ -329,6 +341,8 @@ class SubServer:
         try:
             logits, hidden, fed = self._run(inputs)
             return batch, logits, hidden, fed
+        except RunnerDied:
+            raise
         except Exception as e:  # noqa: BLE001
             if len(batch) == 1:
                 self._fail_forward(batch[0], e)
@@ -337,6 +351,8 @@ class SubServer:
         for s, inp in zip(batch, inputs):
             try:
                 lg, hd, fd = self._run([inp])
+            except RunnerDied:
+                raise
             except Exception as e:  # noqa: BLE001
                 self._fail_forward(s, e)
                 continue
@@ -361,6 +377,7 @@ class SubServer:
         if batch:
             for s in batch:
                 s.kv_len = len(s.tokens)
+            self.sched.cache_blocks(batch)
             keep = [i for i, s in enumerate(batch) if not s.prefill_only]
             for s in batch:
                 if s.prefill_only:  # prompt now in KV: wait for the first handoff
@@ -386,11 +403,18 @@ class SubServer:
                     self._apply(s, tok, dec, logits, i)
                 except RequestFailed as e:
                     self._finish(s, "failed", *e.args)
+                except Exception as e:  # noqa: BLE001 - never let one request stop the sub-server
+                    if s.rid in self.sched.seqs:
+                        self._finish(s, "failed", f"internal error while applying the decision {dec!r} of policy "
+                                     f"{self._pname(s)} to request {s.rid} on model '{self.name}': "
+                                     f"{type(e).__name__}: {e}",
+                                     "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         pool, owned = self.sched.pool, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
         self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
                              len(fed), sum(fed.values()), fed, preempted, round,
-                             pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending))
+                             pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending,
+                             self.sched.hit_tokens, self.sched.query_tokens, pool.cached_blocks))
 
     def _sample(self, batch: list[Seq], logits: torch.Tensor, idx) -> list[int]:
         """A token per request of ``batch`` at rows ``idx`` (greedy after ``Handoff(greedy=True)``)."""
@@ -426,7 +450,7 @@ class SubServer:
                 s.resamples += 1
                 if s.resamples > limit:
                     decisions[i] = RequestFailed(
-                        f"policy {self.policies[s.config.policy_key]!r} resampled output position {s.n_committed} "
+                        f"policy {self._pname(s)} resampled output position {s.n_committed} "
                         f"of request {s.rid} {s.resamples} times in a row on model '{self.name}'; let a draw "
                         f"stand (return the model) after at most {limit}")
                     continue
@@ -448,14 +472,26 @@ class SubServer:
     def _policy_error(self, s: Seq, fn: str, e: Exception) -> tuple[str, str]:
         """(message, formatted traceback) of policy method ``fn`` raising ``e`` for ``s``: the
         message names the policy, its source file and line, the model and the position."""
-        pol = self.policies.get(s.config.policy_key)
         frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ else []
-        own = [f for f in frames if _policy_frame(f.filename)]
+        own = [f for f in frames if _policy_frame(f.filename) and not (f.filename == "<string>" and f.name == "__init__")]
         where = (own or frames or [None])[-1]
         loc = f" at {where.filename}:{where.lineno}" if where else ""
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        return (f"policy {pol!r}.{fn} raised {type(e).__name__}: {e}{loc} on model '{self.name}' "
+        try:
+            text = str(e)
+        except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+            text = "<unprintable>"
+        return (f"policy {self._pname(s)}.{fn} raised {type(e).__name__}: {text}{loc} on model '{self.name}' "
                 f"at output position {s.n_committed} of request {s.rid}", tb)
+
+    def _pname(self, s: Seq) -> str:
+        """How errors name the policy of ``s`` (its repr; never raises)."""
+        return PC.policy_text(self.policies.get(s.config.policy_key))
+
+    def _return_error(self, s: Seq, fn: str, e: Exception) -> str:
+        """The message of policy method ``fn`` returning a value it may not (`PolicyReturnError`)."""
+        return (f"policy {self._pname(s)}.{fn} {e} (on model '{self.name}' at output position {s.n_committed} "
+                f"of request {s.rid})")
 
     def _route(self, batch, tokens: list[int], logits, hidden, prompt_hidden, idx) -> list:
         """Policy decisions for the requests of ``batch`` at rows ``idx``: a model name, a
@@ -477,25 +513,25 @@ class SubServer:
                 for j in js:
                     out[j] = RequestFailed(f"request {batch[idx[j]].rid}: its policy is no longer registered")
                 continue
-
-            def make_batch():
-                rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
-                return StepBatch(self.name, self.models, torch.tensor([tokens[i] for i in rows_i]), logits, hidden,
-                                 [self._view(batch[i]) for i in rows_i], self.tokenizer, needs=pol.needs, rows=rows,
-                                 policy=repr(pol), peer_logits=[batch[i].peer_logits for i in rows_i],
-                                 prompt_hidden=[prompt_hidden[i] for i in rows_i])
-            sb = make_batch()
-            try:
-                res = list(pol.route_batch(sb))
-                if len(res) != len(js):
-                    raise ValueError(f"route_batch returned {len(res)} decisions for {len(js)} requests")
-            except Exception:  # noqa: BLE001 - isolate the failing request(s)
-                res, sb = [], make_batch()  # tokens as sampled again
-                for k in range(len(js)):
-                    try:
-                        res.append(pol.route(sb[k]))
-                    except Exception as e:  # noqa: BLE001
-                        res.append(RequestFailed(*self._policy_error(batch[rows_i[k]], "route", e)))
+            rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
+            sb = StepBatch(self.name, self.models, torch.tensor([tokens[i] for i in rows_i]), logits, hidden,
+                           [self._view(batch[i]) for i in rows_i], self.tokenizer, needs=pol.needs, rows=rows,
+                           policy=PC.policy_text(pol), peer_logits=[batch[i].peer_logits for i in rows_i],
+                           prompt_hidden=[prompt_hidden[i] for i in rows_i])
+            fn = "route" if type(pol).route_batch is Policy.route_batch else "route_batch"  # the default calls route
+            try:  # once: never re-run for a request because another one failed (state changes apply once)
+                res = PC.route_batch_decisions(pol.route_batch(sb), len(js))
+            except PC.PolicyReturnError as e:
+                res = [RequestFailed(self._return_error(batch[i], "route_batch", e)
+                                     + f"; the {len(js)} requests of this batch fail with it") for i in rows_i]
+            except Exception as e:  # noqa: BLE001 - one vectorised decision: every request of it fails
+                res = []
+                for i in rows_i:
+                    msg, tb = self._policy_error(batch[i], "route_batch", e)
+                    res.append(RequestFailed(msg + f"; the {len(js)} requests of this batch fail with it (route_batch "
+                                             f"is not run again request by request; to fail one request alone, put "
+                                             f"the exception in its place in the returned list, or raise in route "
+                                             f"with the default route_batch)", tb))
             if sb._tokens_owned:
                 for k, i in enumerate(rows_i):
                     tokens[i] = int(sb.tokens[k])
@@ -503,19 +539,17 @@ class SubServer:
                 for k, i in enumerate(rows_i):
                     tokens[i] = forced[k]
             for k, j in enumerate(js):
-                out[j] = res[k] if isinstance(res[k], RequestFailed) else self._target(batch[idx[j]], res[k], pol)
+                s, d = batch[idx[j]], res[k]
+                if isinstance(d, RequestFailed):
+                    out[j] = d
+                elif isinstance(d, BaseException):
+                    out[j] = RequestFailed(*self._policy_error(s, fn, d))
+                else:
+                    try:
+                        out[j] = PC.route_decision(d, self.models, self.name)
+                    except PC.PolicyReturnError as e:
+                        out[j] = RequestFailed(self._return_error(s, fn, e))
         return out
-
-    def _target(self, s: Seq, dec, pol) -> str | Resample | RequestFailed:
-        if isinstance(dec, bool) and len(self.models) == 2:
-            return self.models[1 - self.index] if dec else self.name
-        if isinstance(dec, str) and dec in self.models:
-            return dec
-        if isinstance(dec, Resample):
-            return dec
-        return RequestFailed(f"policy {pol!r}.route returned {dec!r} on model '{self.name}' at output "
-                             f"position {s.n_committed} of request {s.rid}; expected one of "
-                             f"{self.models}" + (" or a bool" if len(self.models) == 2 else "") + " or Resample()")
 
     def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
         lp = None if s.config.params.logprobs is None else self._logprobs(logits[row], tok, s.config.params.logprobs)
@@ -530,7 +564,9 @@ class SubServer:
             return
         pol = self.policies[s.config.policy_key]
         try:
-            h = pol.send(self._view(s), target) or Handoff()
+            h = PC.handoff(pol.send(self._view(s), target))
+        except PC.PolicyReturnError as e:
+            raise RequestFailed(self._return_error(s, "send", e)) from e
         except Exception as e:  # noqa: BLE001
             raise RequestFailed(*self._policy_error(s, "send", e)) from e
         if h.keep_sampled:
@@ -602,11 +638,9 @@ class SubServer:
         s.hops_since_commit = 0 if committed else s.hops_since_commit + 1
         if s.hops_since_commit > self.config.max_hops_without_commit:
             raise RequestFailed(
-                f"policy {self.policies[s.config.policy_key]!r} handed request {s.rid} off "
+                f"policy {self._pname(s)} handed request {s.rid} off "
                 f"{s.hops_since_commit} times in a row without committing a token (ping-pong between "
                 f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay")
-        if h.span is not None and h.span < 1:
-            raise RequestFailed(f"Handoff.span must be >= 1 or None, got {h.span}")
         t_seen = s.seen.get(target, 0)
         seen = dict(s.seen)
         seen[target] = len(s.tokens)
@@ -621,9 +655,8 @@ class SubServer:
         s.span = s.return_to = None
         s.greedy, s.resamples = False, 0
         self.sched.set_pending(s)
-        if not self.retain_kv:  # baseline: forget the KV, the return re-prefills everything
-            self.sched.pool.free(s.table)
-            s.kv_len = 0
+        if not self.retain_kv:  # baseline: forget the KV, the return re-prefills (what the prefix cache lacks)
+            self.sched.drop_kv(s)
         self._post(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None, tb: str | None = None, stop_reason=None) -> None:

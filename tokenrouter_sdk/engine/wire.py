@@ -5,12 +5,17 @@ Per-step messages and events are small dataclasses sent with plain pickle; `Regi
 notebook cell reaches the sub-server processes.
 
 The start-up spec (runner with its model, tokenizer, settings) is pickled by `dump_spec` with
-cloudpickle plus torch's multiprocessing reductions: every CPU tensor storage is moved to shared
-memory (once; later pickles of the same storage reuse it) and travels as a file descriptor, so
-model weights are mapped by every process, not copied. The descriptors and the bytes go over a
-Unix socket pair (`send_spec` / `recv_spec`, SCM_RIGHTS in chunks), not through the process
-launcher: multiprocessing's forkserver passes at most 256 descriptors with a new process, fewer
-than a 30-layer model has storages. The KV pool is re-allocated in the child (`_FreshPool`).
+cloudpickle plus torch's multiprocessing reductions, so model weights are mapped by every
+process, not copied. First `pack_shared` moves the CPU tensors the specs hold into a few
+shared-memory segments (storages side by side, at most `SEGMENT_BYTES` each; a larger storage
+gets a segment of its own) and points each tensor at its place there; then every tensor travels
+as a view of its segment, and a segment as one file descriptor. A model therefore costs a
+handful of descriptors in every process (one per segment), not one per weight tensor (about 300
+for a 30-layer model: three model pairs would pass the common limit of 1,024 open files).
+Segments are made once: tensors already in shared memory (a second Router over the same models)
+are left where they are. The descriptors and the bytes go over a Unix socket pair (`send_spec` /
+`recv_spec`, SCM_RIGHTS in chunks), not through the process launcher. The KV pool is
+re-allocated in the child (`_FreshPool`).
 """
 
 from __future__ import annotations
@@ -152,19 +157,118 @@ class _LoadError:
         self.text = text
 
 
+SEGMENT_BYTES = 1 << 30  # bytes of one shared-memory segment of `pack_shared` (a larger storage gets its own)
+_ALIGN = 64  # bytes: each storage starts at a multiple of this in its segment
+_PACK_LOCK = threading.Lock()
+
+
+class _TensorFinder:
+    """A pickling pass that only collects the tensors an object holds (whatever `dump_spec` would
+    pickle: module parameters and buffers, tensors in plain attributes) without copying them."""
+
+    def __init__(self):
+        import cloudpickle
+        import torch
+        found: list = []
+
+        class Finder(cloudpickle.CloudPickler):
+            def reducer_override(self, obj):
+                if isinstance(obj, torch.Tensor):
+                    found.append(obj)
+                    return int, ()
+                return super().reducer_override(obj)
+
+        self.pickler, self.found = Finder, found
+
+    def __call__(self, obj) -> list:
+        class _Null(io.RawIOBase):
+            def writable(self):
+                return True
+
+            def write(self, b):
+                return len(b)
+
+        self.pickler(_Null(), protocol=_PROTO).dump(obj)
+        return self.found
+
+
+def pack_shared(obj, segment_bytes: int = SEGMENT_BYTES) -> dict:
+    """Move the CPU tensors ``obj`` holds that are not in shared memory yet into a few shared-memory
+    segments, storages side by side, and point each tensor at its place (``tensor.data =`` a view
+    of its segment: parameters stay the same objects, models keep working, views keep sharing).
+    Tensors sharing a storage (tied weights, views, the layers a truncated model shares with its
+    source) keep sharing it. Each original storage is freed once nothing else refers to it, so the
+    weights are not held twice (at most one segment more while packing).
+
+    Args:
+        obj: anything picklable, e.g. a dict of sub-server specs (runners with their models).
+        segment_bytes: bytes per segment at most (a storage larger than this gets its own).
+
+    Returns:
+        ``{"segments": new segments, "storages": storages moved, "bytes": bytes moved}``.
+    """
+    with _PACK_LOCK:  # two Routers starting at once over the same models: one packs, the other sees it shared
+        return _pack(obj, segment_bytes)
+
+
+def _pack(obj, segment_bytes: int) -> dict:
+    import torch
+    groups: dict[int, tuple] = {}
+    for t in _TensorFinder()(obj):
+        if t.device.type != "cpu" or t.is_sparse or t.layout != torch.strided:
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.is_shared():
+            continue
+        key = st.data_ptr()
+        if key not in groups:
+            groups[key] = (st, [])
+        if not any(x is t for x in groups[key][1]):
+            groups[key][1].append(t)
+    if not groups:
+        return {"segments": 0, "storages": 0, "bytes": 0}
+    plan, used = [], segment_bytes  # (segment index, offset, storage, tensors)
+    sizes: list[int] = []
+    for st, ts in groups.values():
+        n = st.nbytes()
+        if n > segment_bytes or used + n > segment_bytes or not sizes:
+            sizes.append(0)
+            used = 0
+        plan.append((len(sizes) - 1, used, st, ts))
+        used += -(-n // _ALIGN) * _ALIGN
+        sizes[-1] = used
+    segments = [torch.UntypedStorage._new_shared(n) for n in sizes]
+    moved = 0
+    with torch.no_grad():
+        for k, off, st, ts in plan:
+            seg, n = segments[k], st.nbytes()
+            dst = torch.empty(0, dtype=torch.uint8).set_(seg, off, (n,), (1,))
+            dst.copy_(torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)))
+            for t in ts:
+                size = t.element_size()
+                t.data = torch.empty(0, dtype=t.dtype).set_(seg, (off + t.storage_offset() * size) // size,
+                                                             t.size(), t.stride())
+            moved += n
+    return {"segments": len(segments), "storages": len(plan), "bytes": moved}
+
+
 class _FdCollector:
     """Takes the place of multiprocessing's spawning ``Popen`` while `dump_spec` pickles: torch's
     storage reduction hands it each shared-memory file descriptor through
     ``multiprocessing.reduction.DupFd`` (``DupFd(duplicate_for_child(fd))``), and the pickle
-    holds an `_FdSlot` with the descriptor's position in ``fds``. The descriptors stay owned by
-    their storages (open while the spec is referenced)."""
+    holds an `_FdSlot` with the descriptor's position in ``fds`` (a descriptor met again, e.g. a
+    segment of `pack_shared` holding many tensors, keeps its first position: it travels once).
+    The descriptors stay owned by their storages (open while the spec is referenced)."""
 
     def __init__(self):
         self.fds: list[int] = []
+        self._index: dict[int, int] = {}
 
     def duplicate_for_child(self, fd: int) -> int:
-        self.fds.append(fd)
-        return len(self.fds) - 1
+        if fd not in self._index:
+            self._index[fd] = len(self.fds)
+            self.fds.append(fd)
+        return self._index[fd]
 
     @staticmethod
     def DupFd(index: int) -> "_FdSlot":  # noqa: N802 - the name multiprocessing.reduction calls
@@ -176,14 +280,14 @@ _received = threading.local()  # the descriptors `load_spec` is unpickling again
 
 class _FdSlot:
     """A file descriptor in a pickled spec: its position among the descriptors sent with it.
-    ``detach()`` (called once by torch's ``rebuild_storage_fd``, which closes it) hands over the
-    received descriptor."""
+    ``detach()`` (called by torch's ``rebuild_storage_fd``, which closes what it gets) hands over
+    a duplicate of the received descriptor; `load_spec` closes the received ones."""
 
     def __init__(self, index: int):
         self.index = index
 
     def detach(self) -> int:
-        return _received.fds.pop(self.index)
+        return os.dup(_received.fds[self.index])
 
 
 def _torch_cloudpickler():

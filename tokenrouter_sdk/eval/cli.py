@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     p.add_argument("--values", type=_floats, default=None,
                    help="comma-separated values of the swept argument (default 0.02,0.05,0.1,0.2,0.4 for rstitch, "
                         "random, random_query, r2r_entropy; else one point at the policy's own value)")
+    p.add_argument("--include-head-questions", action="store_true",
+                   help="score a learned policy also on the questions its head was trained, validated or "
+                        "calibrated on (default: they are left out, and the output says how many)")
     p.add_argument("--dataset", default="gsm8k", help="gsm8k, math500, aime24, amc23 (shipped with the package), "
                                                       "commonsenseqa, or a JSONL path")
     p.add_argument("--limit", type=int, default=64, help="questions (default 64)")
@@ -57,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     add_model_arguments(p)
     p.add_argument("--mode", default="async", choices=["async", "delayed", "sync", "model_sync"],
                    help="schedule mode (default async)")
+    from ..cli import add_prefix_cache_flag
+    add_prefix_cache_flag(p)
     if out:
         p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
     p.add_argument("--no-progress", action="store_true")
@@ -83,7 +88,7 @@ def sweep(args, prog: str = "tokenrouter eval"):
     spec = args.policy if args.policy != "rstitch" or own is None else own
     try:
         name, fixed = parse_spec(spec)
-        entry = registry.get(name)
+        entry = registry.get({"query": "query_router"}.get(name.strip().lower(), name))
     except PolicySpecError as e:
         raise fail(prog, f"--policy: {e}") from None
     param = args.param or SWEPT.get(entry.name)
@@ -134,6 +139,7 @@ def cmd_eval(args) -> int:
                                      "dtype": args.dtype}
     else:
         target, kwargs = specs, {"mode": args.mode}
+    kwargs["prefix_cache"] = not args.no_prefix_cache
     print(describe_pair(args), flush=True)
     refs = False if args.no_references else (args.references.split(",") if args.references else True)
     from ..models import ModelLoadError
@@ -142,12 +148,17 @@ def cmd_eval(args) -> int:
         res = evaluate_policy(target, factory, values, param=param, dataset=args.dataset, limit=args.limit,
                               seed=None if args.seed < 0 else args.seed, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, concurrency=args.concurrency, references=refs,
-                              out_dir=args.out, progress=not args.no_progress, router_kwargs=kwargs)
+                              out_dir=args.out, progress=not args.no_progress, router_kwargs=kwargs,
+                              exclude_head_questions=not args.include_head_questions)
     except (DeviceError, ModelLoadError) as e:
         raise fail(prog, f"{type(e).__name__}: {e}") from None
     print(res.table())
     resumed = sum(r["resumed"] for r in res.records)
-    print(f"\n{len(res.records)} points ({resumed} resumed from {args.out}/points), "
+    ran = [r for r in res.records if not r["resumed"]]
+    print(f"\nprompt tokens: {sum(r.get('prompt_tokens', 0) for r in ran)} over the points run, of which "
+          f"{sum(r.get('prefix_hit_tokens', 0) for r in ran)} reused from the prefix cache and "
+          f"{sum(r.get('prompt_tokens_fed', 0) for r in ran)} prefilled")
+    print(f"{len(res.records)} points ({resumed} resumed from {args.out}/points), "
           f"{res.config['elapsed_s']:.0f} s; wrote {args.out}/results.csv, results.json, plot.html")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 
 
@@ -51,7 +52,7 @@ def describe_router(router) -> dict:
     eng = router.engine
     return {"models": {n: describe_model(m) for n, m in router.models.items()},
             "tokenizer": type(router.tokenizer).__name__ + ":" + str(getattr(router.tokenizer, "name_or_path", "")),
-            "mode": eng.config.mode, "retain_kv": eng.config.retain_kv,
+            "mode": eng.config.mode, "retain_kv": eng.config.retain_kv, "prefix_cache": eng.config.prefix_cache,
             "thresholds": _jsonable(dict(eng.thresholds or {})), "max_batch_tokens": eng.config.max_batch_tokens,
             "transport": type(eng.transport).__name__}
 
@@ -89,3 +90,25 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     center = (p + z2 / (2 * n)) / den
     half = z * ((p * (1 - p) / n + z2 / (4 * n * n)) ** 0.5) / den
     return max(0.0, center - half), min(1.0, center + half)
+
+
+def binomial_range(n: int, p: float, level: float = 0.95) -> tuple[float, float]:
+    """The central ``level`` range of k/n for k ~ Binomial(n, p): (lo, hi) with
+    P(k/n < lo) <= (1 - level)/2 and P(k/n > hi) <= (1 - level)/2 (exact, from the binomial
+    CDF). The share a random reference draws with probability p on n independent draws falls
+    outside it with probability at most 1 - level. (0, 1) when n == 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    if p <= 0 or p >= 1:
+        return (float(p >= 1),) * 2
+    tail = (1 - level) / 2
+    log_p, log_q = math.log(p), math.log1p(-p)
+    acc, lo, hi = 0.0, None, n
+    for k in range(n + 1):
+        acc += math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * log_p + (n - k) * log_q)
+        if lo is None and acc > tail:
+            lo = k
+        if acc >= 1 - tail:
+            hi = k
+            break
+    return (lo or 0) / n, hi / n

@@ -72,8 +72,11 @@ class Benchmark:
 
     def describe(self) -> dict:
         """JSON-able description (recorded in sweep results)."""
-        return {"name": self.name, "kind": self.kind, "source": self.source, "n": len(self),
-                "limit": self.limit, "seed": self.seed, "ids": self.ids, "template": self.template}
+        out = {"name": self.name, "kind": self.kind, "source": self.source, "n": len(self),
+               "limit": self.limit, "seed": self.seed, "ids": self.ids, "template": self.template}
+        if "excluded" in self.extra:
+            out["excluded"] = self.extra["excluded"]
+        return out
 
 
 @contextlib.contextmanager
@@ -90,7 +93,8 @@ def _quiet_progress():
 
 
 def load_benchmark(name_or_path: str | os.PathLike = "gsm8k", limit: int | None = None, seed: int | None = None,
-                   split: str | None = None, template: str | None = None, kind: str | None = None) -> Benchmark:
+                   split: str | None = None, template: str | None = None, kind: str | None = None,
+                   exclude=None) -> Benchmark:
     """Load a benchmark subset with its prompts.
 
     Args:
@@ -104,6 +108,12 @@ def load_benchmark(name_or_path: str | os.PathLike = "gsm8k", limit: int | None 
         template: prompt template with ``{question}`` (default: the benchmark's, from
             `tokenrouter_sdk.benchmarks`).
         kind: ``"math"`` or ``"choice"`` to override the answer checker.
+        exclude: question ids left out before ``limit`` is taken (e.g. those a learned head was
+            trained on): the order (file or seeded shuffle) is the same as without them, and the
+            next questions in it take their places, so the subset still holds ``limit``
+            questions. How many were left out is in ``.extra["excluded"]``: ``n`` (of the whole
+            benchmark), ``in_draw`` (of the ``limit`` questions drawn without exclusion) and
+            ``ids`` (those).
 
     Returns:
         a `Benchmark` (``.prompts``, ``.answers``, ``.ids``, ``.rows``, ``.to_pandas()``).
@@ -119,7 +129,8 @@ def load_benchmark(name_or_path: str | os.PathLike = "gsm8k", limit: int | None 
         raise ValueError(f"template must contain '{{question}}', got {template!r}")
     if kind is not None and kind not in ("math", "choice"):
         raise ValueError(f"kind must be 'math' or 'choice', got {kind!r}")
-    data = load_rows(name_or_path, None if seed is not None else limit)
+    exclude = {str(i) for i in exclude} if exclude else set()
+    data = load_rows(name_or_path, None if seed is not None or exclude else limit)
     spec = data.spec
     if split is not None and spec.hub is not None and split != spec.hub[2]:
         raise ValueError(f"benchmark {spec.name!r} holds only its {spec.hub[2]!r} split, got split={split!r}")
@@ -133,7 +144,17 @@ def load_benchmark(name_or_path: str | os.PathLike = "gsm8k", limit: int | None 
         ds = datasets.Dataset.from_list(data.rows)
         if seed is not None:
             ds = ds.shuffle(seed=seed)
-            if limit is not None:
-                ds = ds.select(range(min(limit, len(ds))))
+        extra = {}
+        if exclude:
+            order = [str(x) for x in ds["id"]]
+            drawn = order[:limit] if limit is not None else order
+            hit = [i for i in drawn if i in exclude]
+            extra["excluded"] = {"n": sum(i in exclude for i in order), "in_draw": len(hit), "draw": len(drawn),
+                                 "ids": hit}
+            ds = ds.select([k for k, i in enumerate(order) if i not in exclude])
+            if not len(ds):
+                raise ValueError(f"{data.source}: every question is excluded ({len(order)} of them)")
+        if limit is not None and len(ds) > limit:
+            ds = ds.select(range(limit))
         ds = ds.map(lambda r: {"prompt": tpl.format(question=r["question"])})
-    return Benchmark(spec.name, kind or spec.kind, ds, data.source, tpl, limit, seed)
+    return Benchmark(spec.name, kind or spec.kind, ds, data.source, tpl, limit, seed, extra)

@@ -28,7 +28,10 @@ class EvalResult:
             ``answered``, ``hop_rate`` (handoffs / committed token), ``large_fraction``,
             ``throughput_tok_s`` (committed tokens / s), ``mean_latency_s`` (s),
             ``tokens_per_answer`` (tokens), ``committed_tokens``, ``wall_s``, ``hops``,
-            ``failed``, ``matched_to``, ``config_hash``, ``resumed``.
+            ``failed``, ``matched_to``, ``config_hash``, ``resumed``, ``prompt_tokens`` (tokens
+            the requests brought to each model they arrived at, summed over models),
+            ``prefix_hit_tokens`` (of which taken from the prefix cache), ``prompt_tokens_fed``
+            (prefilled).
         config: the full configuration (models, engine, dataset + ids, sampling, concurrency,
             library versions, policy per point).
         answers: label -> per-question dicts (``id``, ``text``, ``pred``, ``correct``,
@@ -56,11 +59,40 @@ class EvalResult:
 
     def table(self) -> str:
         """Plain-text table: point, accuracy with 95% CI, agreement with large-only, hop rate,
-        large fraction, throughput (tokens/s), mean latency (s), tokens per answer."""
+        large fraction, throughput (tokens/s), mean latency (s), tokens per answer; then the
+        `notes`."""
         rows = self._table_rows()
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        text = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                          for row in rows)
+        return "\n".join([text, *self.notes()])
+
+    @property
+    def excluded(self) -> dict | None:
+        """The questions left out because a swept policy's learned head saw them (``heads``:
+        head -> ids its record lists; ``in_draw`` of the ``draw`` questions drawn;
+        ``in_benchmark``; ``ids``), or None when none was left out."""
+        return self.config.get("excluded")
+
+    def notes(self) -> list[str]:
+        """Lines on what was measured: questions left out for the heads' training data (or scored
+        although a head saw them) and references that did not realise their target."""
+        out, ds = [], self.config.get("dataset", {})
+        ex, ov = self.config.get("excluded"), self.config.get("head_overlap")
+        if ex:
+            heads = ", ".join(f"{k} ({v} ids)" for k, v in ex["heads"].items())
+            out.append(f"questions: {ds.get('n', '?')} of {ds.get('name', 'the benchmark')}, leaving out "
+                       f"{ex['in_draw']} of the {ex['draw']} first drawn that the learned heads were trained, "
+                       f"validated or calibrated on ({heads})")
+        if ov:
+            out.append(f"questions: {ov['n']} of the {ds.get('n', '?')} scored were used to make the learned heads "
+                       f"(exclude_head_questions=False)")
+        for r in self.records:
+            if r.get("matches_target") is False:
+                lo, hi = r["target_range"]
+                out.append(f"reference {r['label']} realised {r['realised']:.3g}, outside the 95% range "
+                           f"[{lo:.3g}, {hi:.3g}] of its target {r['target']:g}: it does not match {r['matched_to']}")
+        return out
 
     def plot(self, x: str = "throughput", y: str = "accuracy"):
         """plotly Figure of ``y`` (``"accuracy"`` or ``"agreement"``) against ``x``

@@ -9,6 +9,19 @@ section 5 and RouteLLM arXiv 2406.18665 section 5):
   swept point (RandomRouting's large fraction equals p, see `tokenrouter_sdk.bench`);
 - ``random_query``: `RandomQueryRouting` (query level) with the same p (share of requests
   answered by the large model).
+A matched reference whose realised share falls outside the central 95% sampling range of its
+target (`config.binomial_range`: over committed tokens for ``random``, over questions for
+``random_query``) no longer matches the point it stands beside (e.g. ``RandomQueryRouting(p=0.27)``
+on 4 questions answering all 4 with the large model): its record says so (``target``,
+``target_range``, ``matches_target``) and a warning names it.
+
+Training questions: a swept policy with a learned head (`CITER`, `R2R`, `CoLLM`, `QueryRouter`)
+is not scored on the questions its head's record says it was trained, validated or calibrated
+on (`head_data`): they are left out of the draw before ``limit`` is taken (the next questions
+in the same order take their places), the result's ``config["excluded"]`` and a warning say how
+many; ``exclude_head_questions=False`` scores them anyway (``config["head_overlap"]`` then
+counts them).
+
 Resumable: with ``out_dir``, each finished point is written to ``out_dir/points/`` at once, and
 a restarted run loads the points whose configuration hash matches instead of running them.
 """
@@ -18,17 +31,21 @@ from __future__ import annotations
 import json
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .answers import answers_agree, answers_equal, extract_answer, extract_choice
-from .config import config_hash, describe_policy, describe_router, library_versions, wilson_interval
+from .config import binomial_range, config_hash, describe_policy, describe_router, library_versions, wilson_interval
 from .datasets import Benchmark, load_benchmark
+from .head_data import excluded_ids
 from .result import EvalResult
 
 # name -> (policy class name in tokenrouter_sdk.policies, swept parameter)
 POLICIES = {"rstitch": ("RStitch", "tau"), "random": ("RandomRouting", "p"),
-            "random_query": ("RandomQueryRouting", "p"), "r2r_entropy": ("R2REntropy", "threshold")}
+            "random_query": ("RandomQueryRouting", "p"), "r2r_entropy": ("R2REntropy", "threshold"),
+            "r2r": ("R2R", "tau"), "citer": ("CITER", "tau"), "co_llm": ("CoLLM", "eta"),
+            "query": ("QueryRouter", "threshold")}  # the last four: learned heads (the packaged ones by default)
 REFERENCES = ("large_only", "small_only", "random", "random_query")
 
 
@@ -135,7 +152,10 @@ class _Runner:
                "mean_latency_s": m.mean_latency_s, "tokens_per_answer": m.committed_tokens / n if n else 0.0,
                "committed_tokens": m.committed_tokens, "wall_s": m.wall_s, "hops": m.hops,
                "discarded_tokens": m.discarded_tokens, "failed": m.failed, "matched_to": matched_to,
+               "prompt_tokens": sum(x.prefix_query_tokens for x in m.per_model.values()),
+               "prefix_hit_tokens": sum(x.prefix_hit_tokens for x in m.per_model.values()),
                "config_hash": h, "resumed": False}
+        rec["prompt_tokens_fed"] = rec["prompt_tokens"] - rec["prefix_hit_tokens"]
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -159,12 +179,43 @@ class _Runner:
         return rec
 
 
+def _check_matched(rec: dict, ans: list[dict], target: float) -> None:
+    """Record whether a matched reference realised its target (within the central 95% sampling
+    range of its draws) and warn when it did not."""
+    if rec["kind"] == "random_query":
+        n = len(ans)
+        share = sum(a["tokens"] > 0 and a["large_tokens"] == a["tokens"] for a in ans) / n if n else 0.0
+        what, unit = "a share of questions answered by the large model of", "questions"
+    else:
+        n, share = rec["committed_tokens"], rec["large_fraction"]
+        what, unit = "a large fraction of", "committed tokens"
+    lo, hi = binomial_range(n, target)
+    rec.update(target=target, realised=share, target_range=[lo, hi], matches_target=lo <= share <= hi)
+    if not rec["matches_target"]:
+        warnings.warn(f"reference {rec['label']} realised {what} {share:.3g} on {n} {unit}, outside the 95% "
+                      f"sampling range [{lo:.3g}, {hi:.3g}] of its target {target:g} (the large fraction of "
+                      f"{rec['matched_to']}): it no longer matches that point; use more questions (limit=) to "
+                      f"compare at this fraction", UserWarning, stacklevel=3)
+
+
+def _without(bench: Benchmark, ids: set[str]) -> Benchmark:
+    """A loaded benchmark less the questions in ``ids`` (nothing takes their places)."""
+    keep = [k for k, i in enumerate(bench.ids) if i not in ids]
+    hit = [i for i in bench.ids if i in ids]
+    extra = dict(bench.extra, excluded={"n": len(hit), "in_draw": len(hit), "draw": len(bench), "ids": hit})
+    if not keep:
+        raise ValueError(f"every question of the given benchmark ({len(bench)}) was used to make the policy's head; "
+                         f"pass exclude_head_questions=False to score them anyway")
+    return Benchmark(bench.name, bench.kind, bench.rows.select(keep), bench.source, bench.template, bench.limit,
+                     bench.seed, extra)
+
+
 def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = (0.02, 0.05, 0.1, 0.2, 0.4), *,
                     dataset: str | Benchmark = "gsm8k", limit: int | None = 64, seed: int | None = 0,
                     max_new_tokens: int = 256, temperature: float = 0.0, sampling_seed: int | None = 0,
                     concurrency: int | None = 16, references: bool | Iterable[str] = True, out_dir=None,
                     param: str | None = None, tokenizer=None, router_kwargs: dict | None = None,
-                    progress: bool = True) -> EvalResult:
+                    progress: bool = True, exclude_head_questions: bool = True) -> EvalResult:
     """Sweep a policy over ``values`` on a benchmark; quality next to hop rate and throughput.
 
     Args:
@@ -173,7 +224,9 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
             built here is closed at the end.
         policy_factory: value -> `Policy` (a callable), a Policy class (called with the value,
             as ``param=value`` when ``param`` is given), or a built-in name: ``"rstitch"`` (tau),
-            ``"random"`` (p), ``"random_query"`` (p), ``"r2r_entropy"`` (threshold).
+            ``"random"`` (p), ``"random_query"`` (p), ``"r2r_entropy"`` (threshold), and with
+            their packaged heads ``"r2r"`` (tau), ``"citer"`` (tau), ``"co_llm"`` (eta),
+            ``"query"`` (threshold).
         values: the swept parameter values, one operating point each.
         dataset: a benchmark name or JSONL path (see `load_benchmark`) or a loaded `Benchmark`.
         limit, seed: the subset (``seed`` None: the first ``limit`` questions).
@@ -188,6 +241,10 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
         tokenizer: the shared tokenizer when ``router_or_models`` is a dict of model objects.
         router_kwargs: `Router` keyword arguments when the Router is built here.
         progress: a tqdm progress bar over operating points.
+        exclude_head_questions: leave out the questions the swept policies' learned heads were
+            trained, validated or calibrated on (their records' ids; module docstring), before
+            ``limit`` is taken (with a loaded `Benchmark`: just dropped). ``config["excluded"]``
+            says how many; a warning too. False scores them (``config["head_overlap"]``).
 
     Returns:
         an `EvalResult` (records in run order: large_only, small_only, the swept values, then the
@@ -204,7 +261,28 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
     if refs - set(REFERENCES):
         raise ValueError(f"unknown references {sorted(refs - set(REFERENCES))}; choose from {list(REFERENCES)}")
     factory, pname = _factory(policy_factory, param)
-    bench = dataset if isinstance(dataset, Benchmark) else load_benchmark(dataset, limit=limit, seed=seed)
+    first = factory(values[0])  # its head's record decides the questions (the others are built as they run)
+    head_ids, per_head = excluded_ids([first])
+    drop = head_ids if exclude_head_questions else set()
+    if isinstance(dataset, Benchmark):
+        bench = _without(dataset, drop) if drop else dataset
+    else:
+        bench = load_benchmark(dataset, limit=limit, seed=seed, exclude=drop)
+    excluded = overlap = None
+    if drop:
+        info = bench.extra["excluded"]
+        excluded = {"heads": per_head, "in_draw": info["in_draw"], "draw": info["draw"], "in_benchmark": info["n"],
+                    "ids": info["ids"], "rule": "questions the heads' records list as trained, validated or "
+                                                "calibrated on are left out before the limit is taken"}
+        if info["n"]:
+            heads = " and ".join(f"{k}'s ({v} ids)" for k, v in per_head.items())
+            warnings.warn(f"evaluate_policy: left out {info['in_draw']} of the {info['draw']} questions drawn from "
+                          f"{bench.name} ({info['n']} in the whole benchmark) that {heads} head was trained, "
+                          f"validated or calibrated on" + ("; the next questions in the same order took their "
+                                                            "places" if not isinstance(dataset, Benchmark) else "")
+                          + ". exclude_head_questions=False scores them anyway", UserWarning, stacklevel=2)
+    elif head_ids:
+        overlap = sorted(set(bench.ids) & head_ids)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": sampling_seed}
     from ..policies import LargeOnly, RandomQueryRouting, RandomRouting, SmallOnly
     router, owned = _open_router(router_or_models, tokenizer, dict(router_kwargs or {}))
@@ -223,8 +301,13 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
         if "small_only" in refs:
             run.run("small_only", "small_only", SmallOnly(), None, None)
         swept = []
-        for v in values:
-            pol = factory(v)
+        for j, v in enumerate(values):
+            pol = first if j == 0 else factory(v)
+            seen = excluded_ids([pol])[0] & set(bench.ids) if j and exclude_head_questions else set()
+            if seen:
+                warnings.warn(f"evaluate_policy: the policy for {pname}={v:g} has a learned head of its own "
+                              f"that saw {len(seen)} of the questions scored (the questions were chosen by the "
+                              f"first value's head); sweep one head per call", UserWarning, stacklevel=2)
             if pname == "value" and param is None:  # name the parameter after the attribute holding v
                 pname = next((k for k, a in vars(pol).items() if not k.startswith("_")
                               and isinstance(a, (int, float)) and not isinstance(a, bool) and a == v), "value")
@@ -236,10 +319,17 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
         src = {round(r["large_fraction"], 3): r["label"] for r in reversed(swept)}
         for f in fracs:
             if "random" in refs:
-                run.run(f"RandomRouting(p={f:g})", "random", RandomRouting(p=f, seed=0), "p", f, src[f])
+                label = f"RandomRouting(p={f:g})"
+                _check_matched(run.run(label, "random", RandomRouting(p=f, seed=0), "p", f, src[f]),
+                               run.answers[label], f)
             if "random_query" in refs:
-                run.run(f"RandomQueryRouting(p={f:g})", "random_query", RandomQueryRouting(p=f, seed=0), "p", f, src[f])
-        config = dict(common, policies=run.policies, swept={"param": pname, "values": values},
+                label = f"RandomQueryRouting(p={f:g})"
+                _check_matched(run.run(label, "random_query", RandomQueryRouting(p=f, seed=0), "p", f, src[f]),
+                               run.answers[label], f)
+        extra = {"excluded": excluded} if excluded else {}
+        if overlap is not None:
+            extra["head_overlap"] = {"n": len(overlap), "ids": overlap, "heads": per_head}
+        config = dict(common, **extra, policies=run.policies, swept={"param": pname, "values": values},
                       references=sorted(refs), versions=library_versions(),
                       elapsed_s=time.perf_counter() - t0, finished=time.strftime("%Y-%m-%d %H:%M:%S"))
     finally:

@@ -36,7 +36,7 @@ from torch import nn
 
 from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step, StepBatch, request_draw
 
-from .heads import check_hidden, packaged_head_path, resolve_head, save_head
+from .heads import HeadRecord, check_hidden, packaged_head_path, resolve_head, save_head
 
 
 class QueryHead(nn.Module):
@@ -69,17 +69,18 @@ def load_query_head(head) -> QueryHead:
     return _query_head(head)[0]
 
 
-def _query_head(head) -> tuple[QueryHead, dict]:
-    """(head, its file's config) from a path, None (the packaged head) or a `QueryHead`."""
+def _query_head(head) -> tuple[QueryHead, dict, dict]:
+    """(head, its file's config, its file's meta) from a path, None (the packaged head) or a
+    `QueryHead`."""
     if isinstance(head, QueryHead):
-        return head, {}
-    sd, config, _ = resolve_head(head, "query")
+        return head, {}, {}
+    sd, config, meta = resolve_head(head, "query")
     q = QueryHead(**{k: config[k] for k in ("hidden_size", "hidden_dim") if k in config})
     q.load_state_dict(sd)
-    return q.eval().requires_grad_(False), config
+    return q.eval().requires_grad_(False), config, meta
 
 
-class QueryRouter(Policy):
+class QueryRouter(HeadRecord, Policy):
     """Args:
         head: a head file (see the module docstring) or a `QueryHead`; None (default) = the head
             packaged for `Router.default`'s pair (hidden size 576; another pair fails at its first
@@ -109,7 +110,7 @@ class QueryRouter(Policy):
                  small: str | None = None, large: str | None = None, pooling: str = "last"):
         if pooling not in self.POOLINGS:
             raise ValueError(f"QueryRouter: pooling must be one of {self.POOLINGS}, got {pooling!r}")
-        self._head, config = _query_head(head)
+        self._head, config, self._head_meta = _query_head(head)
         self.head = ("<in memory>" if isinstance(head, QueryHead) else
                      str(packaged_head_path("query")) if head is None else str(head))
         if threshold is None:

@@ -61,6 +61,8 @@ def build(args):
         settings["max_concurrency"] = args.max_concurrency
     if args.transport != "auto":
         settings["processes"] = args.transport == "process"
+    if args.no_prefix_cache:
+        settings["prefix_cache"] = False
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
@@ -117,6 +119,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="sub-servers in processes or threads (default: processes for two torch models)")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default 4 MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    from ..cli import add_prefix_cache_flag
+    add_prefix_cache_flag(s)
     s.set_defaults(fn=cmd_serve)
     return s
 

@@ -63,6 +63,12 @@ class ServerMetrics:
                              ["model"], registry=reg)
         self.kv_used = Gauge(p + "kv_used_blocks", "KV blocks in use per model", ["model"], registry=reg)
         self.kv_total = Gauge(p + "kv_blocks", "Usable KV blocks per model", ["model"], registry=reg)
+        self.kv_cached = Gauge(p + "kv_cached_blocks", "KV blocks in the prefix cache per model (held or idle)",
+                               ["model"], registry=reg)
+        self.prefix_hit = Counter(p + "prefix_cache_hit_tokens", "Tokens taken from the prefix cache instead of "
+                                  "prefilled, per model", ["model"], registry=reg)
+        self.prefix_query = Counter(p + "prefix_cache_query_tokens", "Tokens requests brought when they arrived "
+                                    "at a model with no KV there (hit rate = hit / query)", ["model"], registry=reg)
         self.step = Histogram(p + "step_seconds", "Step time per model, seconds", ["model"], buckets=STEP_BUCKETS,
                               registry=reg)
         self.forward = Histogram(p + "forward_seconds", "Model forward time per step, seconds", ["model"],
@@ -85,8 +91,14 @@ class ServerMetrics:
         self._admit_t: dict[int, float] = {}
         self._last_step: dict[str, float] = {}  # model -> time.monotonic() of its last StepDone
         self._by_model = {m: (self.committed.labels(m), self.step.labels(m), self.forward.labels(m),
-                              self.batch.labels(m), self.kv_used.labels(m), self.queued.labels(m))
+                              self.batch.labels(m), self.kv_used.labels(m), self.queued.labels(m),
+                              self.kv_cached.labels(m), self.prefix_hit.labels(m), self.prefix_query.labels(m))
                           for m in self.models}
+        self._prefix = {m: [0, 0] for m in self.models}  # model -> [hit tokens, query tokens]
+        hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix-cache hit rate per model since start: tokens reused / "
+                         "tokens brought on arrival", ["model"], registry=reg)
+        for m in self.models:
+            hit_rate.labels(m).set_function(lambda m=m: self.prefix_hit_rate(m))
         for m, (blocks, _) in engine.capacity.items():
             self.kv_total.labels(m).set(blocks)
             self.kv_used.labels(m).set(0)
@@ -116,6 +128,14 @@ class ServerMetrics:
                 row[3].observe(ev.batch_size)
                 row[4].set(ev.kv_used_blocks)
                 row[5].set(ev.queued)
+                row[6].set(ev.kv_cached_blocks)
+                if ev.cache_query_tokens or ev.cache_hit_tokens:
+                    row[7].inc(ev.cache_hit_tokens)
+                    row[8].inc(ev.cache_query_tokens)
+                    with self._lock:
+                        acc = self._prefix[ev.model]
+                        acc[0] += ev.cache_hit_tokens
+                        acc[1] += ev.cache_query_tokens
         elif isinstance(ev, M.Hopped):
             self.hops.inc()
             if not ev.kept:
@@ -143,6 +163,12 @@ class ServerMetrics:
         now = time.monotonic()
         return {m: now - t for m, t in dict(self._last_step).items()}
 
+    def prefix_hit_rate(self, model: str) -> float:
+        """Tokens ``model`` took from its prefix cache / tokens requests brought to it, since start."""
+        with self._lock:
+            hit, query = self._prefix.get(model, (0, 0))
+        return hit / query if query else 0.0
+
     def hop_rate(self) -> float:
         return self.totals()["hop_rate"]
 
@@ -160,6 +186,7 @@ class ServerMetrics:
         for m, s in stats.items():
             if s.alive:
                 self.kv_used.labels(m).set(s.num_blocks - s.free_blocks)
+                self.kv_cached.labels(m).set(s.cached_blocks)
                 self.owned.labels(m).set(s.owned)
                 self.pending.labels(m).set(s.pending)
 

@@ -4,7 +4,8 @@ self-draft small model of the packaged pair is trained by `tokenrouter_sdk.train
 (``tokenrouter distill``).
 
 Each takes a `Router` (or ``{"small": m, "large": M}`` plus ``tokenizer``) and training prompts
-(default: GSM8K test questions without the 128 held-out evaluation ones), shows tqdm progress
+(default: GSM8K train questions, shipped with the package, so that no evaluation question is
+trained on; ``data="gsm8k"`` reads GSM8K test without its 128 held-out questions), shows tqdm progress
 bars, saves the head with `tokenrouter_sdk.policies.heads.save_head` (the file its policy reads)
 plus a JSON record (data ids, model pair, hyperparameters, metrics) next to it, and returns a
 `TrainResult`. `calibrate_threshold` and `finalize` (``package``) give a trained head its
@@ -17,7 +18,7 @@ until a function is called.
 from __future__ import annotations
 
 __all__ = ["train_r2r", "train_citer", "train_co_llm", "train_query", "TrainResult", "load_examples",
-           "Example", "HELDOUT_IDS", "calibrate_threshold", "finalize"]
+           "Example", "HELDOUT_IDS", "DEFAULT_DATA", "calibrate_threshold", "finalize"]
 
 
 def __getattr__(name):
@@ -39,7 +40,7 @@ def __getattr__(name):
     if name in ("calibrate_threshold", "finalize"):
         from . import package
         return getattr(package, name)
-    if name in ("load_examples", "Example", "HELDOUT_IDS"):
+    if name in ("load_examples", "Example", "HELDOUT_IDS", "DEFAULT_DATA"):
         from . import data
         return getattr(data, name)
     raise AttributeError(f"module 'tokenrouter_sdk.train' has no attribute {name!r}")

@@ -161,7 +161,7 @@ def train_citer(router_or_models, prompts=None, *, tokenizer=None, data=None, li
         ValueError: an example without a gold solution (``reference="gold"``), an unknown
             ``reference``, or no label-0 position in validation.
     """
-    from .data import load_examples
+    from .data import DEFAULT_DATA, load_examples
     examples = as_examples(prompts) if prompts is not None else load_examples(data, limit, offset=offset)
     train, val = split(examples, val_fraction, seed)
     hyper = {k: v for k, v in locals().items() if k in (
@@ -176,7 +176,7 @@ def train_citer(router_or_models, prompts=None, *, tokenizer=None, data=None, li
         d = label_citer(pair, train + val, rollout_tokens=rollout_tokens, max_rollouts=max_rollouts,
                         max_gold_tokens=max_gold_tokens, check=check, seed=seed, concurrency=concurrency,
                         reference=reference, max_new_tokens=max_new_tokens, cache=cache, progress=progress)
-        meta = base_meta("citer", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
+        meta = base_meta("citer", pair, train, val, (data or DEFAULT_DATA) if prompts is None else None, hyper)
     t_label = time.perf_counter() - t0
     from tokenrouter_sdk.policies.citer import ConfidenceHead
     tr, va = d.select(set(range(len(train)))), d.select(set(range(len(train), len(examples))))

@@ -1,20 +1,25 @@
 """``tokenrouter train {r2r,citer,co_llm,query}``: train a router head on a pair (the packaged CPU
 pair, `Router.default`, the self-draft pair unless ``--small-layers``; or your own with ``--model
-small=SOURCE --model large=SOURCE``, ``--device``, ``--dtype``) from GSM8K test questions without
-the 128 held-out ones, give it a default threshold that sends ``--large-fraction`` of the tokens
-to the large model (default 0.7, what the packaged heads use: at 0.25 the docs' table shows the
-heads no better than random routing; calibrated in the engine on ``--calibrate`` training
-prompts, in the policy ``--policy`` names, e.g. ``co_llm:compose=true``), and save it (and its
-JSON record) under ``--out``, or with ``--package`` where the policies look for their default head
-(``tokenrouter_sdk/assets/smollm2_<kind>_head.pt``, float16).
+small=SOURCE --model large=SOURCE``, ``--device``, ``--dtype``) from GSM8K *train* questions
+(shipped with the package; ``--data gsm8k`` takes GSM8K test without its 128 held-out questions),
+give it a default threshold that sends ``--large-fraction`` of the tokens to the large model
+(default 0.7, what the packaged heads use: at 0.25 the docs' table shows the heads no better
+than random routing; calibrated in the engine on ``--calibrate`` training prompts, in the policy
+``--policy`` names, e.g. ``co_llm:compose=true``), and save it (and its JSON record: the ids it
+trained, validated and was calibrated on) under ``--out``, or with ``--package`` where the
+policies look for their default head (``tokenrouter_sdk/assets/smollm2_<kind>_head.pt``,
+float16).
 
-The packaged heads were made with (``$C`` = ``--offset 556 --limit 300 --max-new-tokens 96
---concurrency 64 --cache .cache/train_responses --threads 1 --large-fraction 0.7 --package``)::
+The packaged heads were trained on GSM8K *test* questions (before the train split shipped; their
+records list the ids, and evaluations leave those questions out), with (``$C`` = ``--data gsm8k
+--offset 556 --limit 300 --max-new-tokens 96 --concurrency 64 --cache .cache/train_responses
+--threads 1 --large-fraction 0.7 --package``; their recorded commands predate ``--data gsm8k``,
+the default then)::
 
     tokenrouter train r2r $C --branches 2 --branch-tokens 24 --unverified divergent
     tokenrouter train citer $C --reference large --rollouts 2
     tokenrouter train co_llm $C --reference large --epochs 0
-    tokenrouter train query --limit 128 --max-new-tokens 96 --reference large --threads 1 --package
+    tokenrouter train query --data gsm8k --limit 128 --max-new-tokens 96 --reference large --threads 1 --package
 """
 
 from __future__ import annotations
@@ -39,13 +44,12 @@ def add_parser(sub) -> None:
     t = sub.add_parser("train", help="train a router head (r2r, citer, co_llm, query) on the packaged CPU pair or "
                                      "your own (--model small=... --model large=...)")
     t.add_argument("kind", choices=KINDS)
-    t.add_argument("--data", help="JSONL with id, question, answer, meta.solution (default: the GSM8K test set shipped "
-                                  "with the package; the 128 held-out questions gsm8k-test-0000..0127 are always "
-                                  "excluded)")
+    t.add_argument("--data", help="a benchmark name or a JSONL with id, question, answer, meta.solution (default: "
+                                  "gsm8k_train, GSM8K's train split shipped with the package; gsm8k = GSM8K test, "
+                                  "whose 128 held-out questions gsm8k-test-0000..0127 are always excluded)")
     t.add_argument("--limit", type=int, default=64, help="training questions (default 64)")
     t.add_argument("--offset", type=int, default=0,
-                   help="skip the dataset's first N rows (GSM8K: start at gsm8k-test-<N>), to keep training questions "
-                        "apart from evaluation ones (default 0)")
+                   help="skip the dataset's first N rows (GSM8K train: start at gsm8k-train-<N>) (default 0)")
     t.add_argument("--out", default="heads", help="output folder (default heads/)")
     t.add_argument("--package", action="store_true",
                    help="also write the head (float16) and its record where the package looks for the default head "
@@ -159,6 +163,13 @@ def policy_kwargs(args, prog: str = "tokenrouter train") -> dict:
     return kwargs
 
 
+def _gsm8k(data: str) -> bool:
+    """Whether ``--data`` names a shipped GSM8K split (train or test)."""
+    from tokenrouter_sdk.benchmarks import ALIASES
+    key = ALIASES.get(str(data).lower(), str(data).lower())
+    return key in ("gsm8k", "gsm8k_train")
+
+
 def run(args) -> int:
     """Run one pipeline from parsed arguments, calibrate the default threshold and write the head;
     prints the head path, threshold and metrics."""
@@ -168,14 +179,14 @@ def run(args) -> int:
 
     from ..cli_common import build_router, describe_pair
 
-    from .data import load_examples
+    from .data import DEFAULT_DATA, load_examples
     from tokenrouter_sdk.policies.r2r import EMBEDDING_SOURCE
 
     from .package import finalize, packaged_path
     prog = "tokenrouter train"
-    if args.package and (args.small_layers is not None or args.data is not None or args.model):
-        raise SystemExit("tokenrouter train: --package writes the default head of Router.default()'s pair on GSM8K; "
-                         "drop --small-layers/--data/--model or use --out")
+    if args.package and (args.small_layers is not None or args.model or (args.data is not None and not _gsm8k(args.data))):
+        raise SystemExit("tokenrouter train: --package writes the default head of Router.default()'s pair on GSM8K "
+                         "(--data gsm8k_train, the default, or gsm8k); drop --small-layers/--model/--data or use --out")
     if not 0 < args.large_fraction < 1:
         raise SystemExit(f"{prog}: --large-fraction must be in (0, 1), got {args.large_fraction}")
     extra_policy = policy_kwargs(args, prog)
@@ -186,6 +197,8 @@ def run(args) -> int:
     kw = pipeline_kwargs(args)
     fn = {"r2r": T.train_r2r, "citer": T.train_citer, "co_llm": T.train_co_llm, "query": T.train_query}[args.kind]
     print(describe_pair(args), flush=True)
+    print(f"data: {args.data or DEFAULT_DATA} (questions from row {args.offset}; the record lists the ids trained, "
+          f"validated and calibrated on)", flush=True)
     with build_router(args, prog, processes=False) as router:
         res = fn(router, **kw)      # the trained head (float32) stays in --out
         calib = load_examples(args.data, args.calibrate, offset=args.offset)

@@ -108,7 +108,7 @@ def train_co_llm(router_or_models, prompts=None, *, tokenizer=None, data=None, l
         small-only / large-only NLL, AUC and precision/recall of pi > eta for "greedy tokens
         differ", deferral rate). ``history`` holds both stages (``init`` and ``marginal``).
     """
-    from .data import load_examples
+    from .data import DEFAULT_DATA, load_examples
     examples = as_examples(prompts) if prompts is not None else load_examples(data, limit, offset=offset)
     train, val = split(examples, val_fraction, seed)
     hyper = {k: v for k, v in locals().items() if k in (
@@ -120,7 +120,7 @@ def train_co_llm(router_or_models, prompts=None, *, tokenizer=None, data=None, l
     with Pair(router_or_models, tokenizer) as pair:
         f = features_co_llm(pair, train + val, max_gold_tokens=max_gold_tokens, reference=reference,
                             max_new_tokens=max_new_tokens, concurrency=concurrency, cache=cache, progress=progress)
-        meta = base_meta("co_llm", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
+        meta = base_meta("co_llm", pair, train, val, (data or DEFAULT_DATA) if prompts is None else None, hyper)
     t_label = time.perf_counter() - t0
     from tokenrouter_sdk.policies.co_llm import DeferralHead
     is_tr = f["example"] < len(train)

@@ -1,14 +1,18 @@
 """Training data for the router pipelines: GSM8K-style JSONL examples, the held-out split, gold
 chain-of-thought responses and the answer check.
 
-Questions and their prompt template come from `tokenrouter_sdk.benchmarks` (the GSM8K test set
-shipped with the package, in the same template as evaluation and the demo).
+Questions and their prompt template come from `tokenrouter_sdk.benchmarks`. The default is
+GSM8K's train split shipped with the package (`DEFAULT_DATA` = ``"gsm8k_train"``, 7,473
+questions, ids ``gsm8k-train-0000`` ..), in the same template as evaluation and the demo, so
+that a head never trains on a question the evaluations score (GSM8K test, ``"gsm8k"``).
 
-Split (fixed, stated in every run's ``meta``): the first 128 GSM8K test questions
-(ids ``gsm8k-test-0000`` .. ``gsm8k-test-0127``) are reserved for evaluation
-(``evals/quality/policy_table.py``) and never used for training; training takes the questions after them.
-Within the training questions a seeded split by question (never by token) gives validation
-questions for thresholds and early stopping.
+Held out (fixed, stated in every run's ``meta``): when training reads GSM8K *test* (``data=
+"gsm8k"``, as the packaged heads did), its first 128 questions (ids ``gsm8k-test-0000`` ..
+``gsm8k-test-0127``) are reserved for evaluation (``evals/quality/policy_table.py``) and never
+used for training. Within the training questions a seeded split by question (never by token)
+gives validation questions for thresholds and early stopping. An evaluation of a policy with a
+learned head leaves out the questions its record says it trained or validated on
+(`tokenrouter_sdk.eval.evaluate_policy`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 
 from tokenrouter_sdk import benchmarks
 
+DEFAULT_DATA = "gsm8k_train"  # the benchmark training reads by default (`tokenrouter_sdk.benchmarks`)
 HELDOUT = 128
 HELDOUT_IDS = frozenset(f"gsm8k-test-{i:04d}" for i in range(HELDOUT))
 _CALC = re.compile(r"<<[^<>]*>>")
@@ -58,17 +63,20 @@ def gold_response(solution: str, answer: str) -> str:
 
 def load_examples(path=None, limit: int | None = None, *, exclude_heldout: bool = True,
                   template: str | None = None, offset: int = 0) -> list[Example]:
-    """Training examples from GSM8K test (shipped with the package) or a JSONL file with
-    ``{id, question, answer, meta: {solution}}`` rows, read by `tokenrouter_sdk.benchmarks.load`.
+    """Training examples from GSM8K train (shipped with the package), another benchmark by name, or
+    a JSONL file with ``{id, question, answer, meta: {solution}}`` rows, read by
+    `tokenrouter_sdk.benchmarks.load`.
 
     Args:
-        path: a JSONL file; None = the GSM8K test set (`tokenrouter_sdk.benchmarks`).
+        path: a JSONL file or a benchmark name (``"gsm8k"`` is GSM8K test, what the packaged
+            heads trained on); None = `DEFAULT_DATA`, GSM8K train.
         limit: keep at most this many examples (after the held-out ones are dropped).
-        exclude_heldout: drop ids in `HELDOUT_IDS` (the 128 evaluation questions).
+        exclude_heldout: drop ids in `HELDOUT_IDS` (the 128 evaluation questions of GSM8K test;
+            no train question has such an id).
         template: prompt template with ``{question}`` (default: the benchmark's template, the
             GSM8K one for GSM8K).
-        offset: skip the dataset's first ``offset`` rows (``offset=556`` starts GSM8K at
-            ``gsm8k-test-0556``), so that training questions can be kept apart from evaluation ones.
+        offset: skip the dataset's first ``offset`` rows (``offset=556`` with ``path="gsm8k"``
+            starts at ``gsm8k-test-0556``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist (names it and how to pass one).
@@ -79,7 +87,7 @@ def load_examples(path=None, limit: int | None = None, *, exclude_heldout: bool 
         raise ValueError(f"offset must be >= 0, got {offset}")
     if template is not None and "{question}" not in template:
         raise ValueError(f"template must contain '{{question}}', got {template!r}")
-    data = benchmarks.load("gsm8k" if path is None else path)
+    data = benchmarks.load(DEFAULT_DATA if path is None else path)
     tpl = template or data.spec.template
     out = []
     for row in data.rows[offset:]:

@@ -71,7 +71,7 @@ def train_query(router_or_models, prompts=None, *, tokenizer=None, data=None, li
         raise ValueError(f"train_query: reference must be 'gold' or 'large', got {reference!r}")
     from tqdm.auto import tqdm
 
-    from .data import load_examples
+    from .data import DEFAULT_DATA, load_examples
     examples = as_examples(prompts) if prompts is not None else load_examples(data, limit, offset=offset)
     train, val = split(examples, val_fraction, seed)
     hyper = {k: v for k, v in locals().items() if k in (
@@ -95,7 +95,7 @@ def train_query(router_or_models, prompts=None, *, tokenizer=None, data=None, li
                               for o, r in zip(outs, ref)])
         h = torch.stack([forward_features(pair.small, p)[0][-1]
                          for p in tqdm(ids, desc="query: prompt states", disable=not progress)])
-        meta = base_meta("query", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
+        meta = base_meta("query", pair, train, val, (data or DEFAULT_DATA) if prompts is None else None, hyper)
     t_label = time.perf_counter() - t0
     n_tr = len(train)
     if y.sum() in (0, len(y)):

@@ -231,7 +231,8 @@ def train_r2r(router_or_models, prompts=None, *, tokenizer=None, data=None, limi
         router_or_models: a `Router` (first model small, last large) or ``{"small": m, "large": M}``
             with ``tokenizer``.
         prompts: training prompts (strings, dicts or `Example`); None = ``load_examples(data, limit)``
-            (GSM8K test without the 128 held-out questions); ``offset`` skips the dataset's
+            (``data`` None: GSM8K train, shipped with the package; ``data="gsm8k"``: GSM8K test
+            without its 128 held-out questions, what the packaged heads used); ``offset`` skips the dataset's
             first rows (`load_examples`).
         out, name: the head goes to ``<out>/<name>.pt`` and its record to ``<out>/<name>.json``
             (name default ``r2r_head``).
@@ -253,7 +254,7 @@ def train_r2r(router_or_models, prompts=None, *, tokenizer=None, data=None, limi
         ValueError: no divergent label in the validation questions (use more prompts, larger
             ``max_branches`` or another verifier), or an unknown ``unverified``.
     """
-    from .data import load_examples
+    from .data import DEFAULT_DATA, load_examples
     examples = as_examples(prompts) if prompts is not None else load_examples(data, limit, offset=offset)
     train, val = split(examples, val_fraction, seed)
     hyper = {k: v for k, v in locals().items() if k in (
@@ -267,7 +268,7 @@ def train_r2r(router_or_models, prompts=None, *, tokenizer=None, data=None, limi
                       unverified=unverified, cache=cache, progress=progress)
         t_label = time.perf_counter() - t0
         table = pair.small.get_input_embeddings().weight.detach()
-        meta = base_meta("r2r", pair, train, val, (data or "gsm8k") if prompts is None else None, hyper)
+        meta = base_meta("r2r", pair, train, val, (data or DEFAULT_DATA) if prompts is None else None, hyper)
     tr, va = d.select(set(range(len(train)))), d.select(set(range(len(train), len(examples))))
     emb = lambda x: table[x.token].float()  # noqa: E731
     net = build_router_net(d.hidden.shape[1], table.shape[1], d.topk.shape[1], hidden_dims, seed=seed)

@@ -7,7 +7,7 @@ arrive, from threads or, in process mode, from the pyzmq hub thread: the same ev
 way) and the handles' growing outputs, and redraws. Generation never waits for the view.
 
 In a notebook (an IPython kernel with ipywidgets and plotly): a stats line (committed tokens/s,
-hop rate, large fraction), the answers as they are written with tokens coloured by model (a
+hop rate, large fraction, prefix-cache hit rate), the answers as they are written with tokens coloured by model (a
 checkbox shows the discarded tokens; pure CSS, it works while the kernel is busy), and the
 timeline: per-request ownership / pending and per-model batch size and queue length, redrawn as
 plotly JSON in an ``Output`` widget (nothing heavy travels: no plotly.js in the widget state).
@@ -180,7 +180,8 @@ class LiveView:
             s = self.state.stats(now)
             self.bar.n = s["finished"]
             self.bar.set_postfix_str(f"{s['tok_s']:.1f} tok/s, hop rate {s['hop_rate']:.3f}, "
-                                     f"large {s['large_fraction']:.2f}", refresh=True)
+                                     f"large {s['large_fraction']:.2f}, prefix hit {s['prefix_hit_rate']:.2f}",
+                                     refresh=True)
             if final:
                 self.bar.close()
                 print(self.summary(), file=self.out or sys.stdout)
@@ -198,7 +199,8 @@ class LiveView:
         s = self.state.stats(now)
         return (f"<b>{s['finished']}/{s['requests']}</b> requests · <b>{s['tok_s']:.1f}</b> "
                 f"committed tok/s · hop rate <b>{s['hop_rate']:.3f}</b> · large fraction "
-                f"<b>{s['large_fraction']:.2f}</b> · {s['discarded']} discarded · {s['elapsed_s']:.1f} s")
+                f"<b>{s['large_fraction']:.2f}</b> · prefix-cache hit rate <b>{s['prefix_hit_rate']:.2f}</b> · "
+                f"{s['discarded']} discarded · {s['elapsed_s']:.1f} s")
 
     def _plot_bundle(self, now=None) -> dict:
         from .figures import timeline_spec
@@ -237,7 +239,8 @@ class LiveView:
         s = self.state.stats()
         lines = [f"{s['finished']}/{s['requests']} requests · {s['committed']} committed tokens in "
                  f"{s['elapsed_s']:.2f} s ({s['tok_s']:.1f} tok/s) · hop rate {s['hop_rate']:.3f} · "
-                 f"large fraction {s['large_fraction']:.2f} · {s['discarded']} discarded"]
+                 f"large fraction {s['large_fraction']:.2f} · prefix hit {s['prefix_hit_rate']:.2f} · "
+                 f"{s['discarded']} discarded"]
         for m in self.state.models:
             ser = self.state.series[m]
             mean_b = sum(ser.batch) / len(ser.batch) if ser.batch else 0.0

@@ -44,15 +44,17 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence], align: str | No
 
 
 KV_COLUMNS = ("model", "alive", "used_blocks", "free_blocks", "num_blocks", "block_size", "owned", "pending",
-              "running_blocks", "pending_blocks", "error")
+              "running_blocks", "pending_blocks", "cached_blocks", "idle_cached", "prefix_hit_rate", "error")
 
 
 class KVStats(dict):
     """What `Router.kv_stats` returns: model -> `tokenrouter_sdk.engine.messages.Stats` (a
     ``dict``), shown as a table: per model whether its sub-server is alive, KV blocks used / free
-    / usable, tokens per block, requests it owns and holds pending, and the blocks each group
-    holds. ``sizing``: per model, how its pool was sized (`tokenrouter_sdk.kv_sizing.KVSizing`),
-    shown under the table."""
+    (idle cached blocks count as free) / usable, tokens per block, requests it owns and holds
+    pending, the block references each group holds, the prefix cache's blocks (all, and those
+    no request holds) and its hit rate since the sub-server started (tokens reused / looked up;
+    "off" when the cache is off). ``sizing``: per model, how its pool was sized
+    (`tokenrouter_sdk.kv_sizing.KVSizing`), shown under the table."""
 
     def __init__(self, stats=(), sizing: dict | None = None):
         super().__init__(stats)
@@ -63,7 +65,8 @@ class KVStats(dict):
 
     def rows(self) -> list[list]:
         return [[m, s.alive, s.num_blocks - s.free_blocks, s.free_blocks, s.num_blocks, s.block_size, s.owned,
-                 s.pending, s.running_blocks, s.pending_blocks, s.error] for m, s in self.items()]
+                 s.pending, s.running_blocks, s.pending_blocks, s.cached_blocks, s.idle_cached_blocks,
+                 round(s.hit_rate, 3) if s.prefix_cache else "off", s.error] for m, s in self.items()]
 
     def table(self) -> str:
         """The table as plain text."""

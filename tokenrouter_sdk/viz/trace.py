@@ -89,6 +89,8 @@ class TraceState:
         self.t0: float | None = None
         self.t_last: float | None = None
         self.events = 0
+        self.prefix_hit = 0  # tokens taken from the prefix caches in this run's steps
+        self.prefix_query = 0  # tokens requests brought on arrival at a model
 
     # -- feeding ------------------------------------------------------------------------------
     def feed(self, events) -> None:
@@ -147,6 +149,8 @@ class TraceState:
         ser.batch.append(s.batch_size)
         ser.queue.append(max(0, owned - s.batch_size))
         ser.busy_s += s.t_end - s.t_start
+        self.prefix_hit += s.cache_hit_tokens
+        self.prefix_query += s.cache_query_tokens
         self._touch(s.t_end)
 
     # -- reading ------------------------------------------------------------------------------
@@ -162,15 +166,17 @@ class TraceState:
         """The stats line: ``tok_s`` (committed tokens/s since the first admission), ``hop_rate``
         (hops per committed token), ``large_fraction`` (committed tokens by the last model /
         all), ``committed`` (tokens), ``hops``, ``discarded`` (tokens), ``finished`` and
-        ``requests`` (counts), ``elapsed_s`` (s). ``now``: the clock for a running view (default:
-        the last event's time)."""
+        ``requests`` (counts), ``elapsed_s`` (s), ``prefix_hit_rate`` (tokens taken from the
+        prefix caches / tokens requests brought on arrival at a model, over all models).
+        ``now``: the clock for a running view (default: the last event's time)."""
         n = self.committed
         t1 = now if now is not None else self.t_last
         el = (t1 - self.t0) if (self.t0 is not None and t1 is not None) else 0.0
         return dict(tok_s=n / el if el > 0 else 0.0, hop_rate=self.hops / n if n else 0.0,
                     large_fraction=self.tokens_by_model[self.models[-1]] / n if n else 0.0,
                     committed=n, hops=self.hops, discarded=self.discarded, finished=self.finished,
-                    requests=len(self.tracks), elapsed_s=el)
+                    requests=len(self.tracks), elapsed_s=el,
+                    prefix_hit_rate=self.prefix_hit / self.prefix_query if self.prefix_query else 0.0)
 
     def bars(self, now: float | None = None) -> dict:
         """Timeline bars relative to ``t0``: ``{("own", model) | ("pending", model): (ys, bases,
