@@ -129,7 +129,7 @@ def build_router(args, prog: str, policy=None, **settings):
         if specs is None:
             per_model(getattr(args, "device", None), None, "--device", prog)
             per_model(getattr(args, "dtype", None), None, "--dtype", prog)
-            return Router.default(policy, small_layers=getattr(args, "small_layers", None),
+            return Router.default(policy=policy, small_layers=getattr(args, "small_layers", None),
                                   device=getattr(args, "device", None), dtype=getattr(args, "dtype", None), **settings)
         return Router(specs, policy, **settings)
     except _errors() as e:

@@ -199,7 +199,7 @@ def test_train_flags_reach_the_router_and_the_calibration(folders, monkeypatch):
         with pytest.raises(SystemExit, match=msg):
             run(build_parser().parse_args(["train", "r2r", *argv]))
     for kind, argv, msg in (("citer", ["--max-new-tokens", "64"], "gold solutions"),
-                            ("query", ["--calibrate", "4"], "--calibrate does not apply to query")):
+                            ("query", ["--calibrate-tokens", "64"], "--calibrate-tokens does not apply to query")):
         with pytest.raises(SystemExit, match=msg):
             run(build_parser().parse_args(["train", kind, *argv]))
 

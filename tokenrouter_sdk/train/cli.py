@@ -34,7 +34,7 @@ DEFAULT_LARGE_FRACTION = 0.7  # the packaged heads' (docs/train.md: at 0.25 they
 KIND_FLAGS = {"branches": (("r2r",), 8), "branch_tokens": (("r2r",), 32), "unverified": (("r2r",), "drop"),
               "rollouts": (("citer",), 4), "reference": (("citer", "co_llm", "query"), "gold"),
               "cache": (("r2r", "citer", "co_llm"), None), "concurrency": (("r2r", "citer", "co_llm"), 16),
-              "calibrate": (("r2r", "citer", "co_llm"), 16), "calibrate_tokens": (("r2r", "citer", "co_llm"), 128),
+              "calibrate": (KINDS, 16), "calibrate_tokens": (("r2r", "citer", "co_llm"), 128),
               "max_new_tokens": (("r2r", "query", "citer", "co_llm"), 96)}
 
 
@@ -80,8 +80,8 @@ def add_parser(sub) -> None:
                         "fixed arguments, e.g. co_llm:compose=true (the head and its threshold come from training; "
                         "not for query, whose threshold its pipeline picks)")
     t.add_argument("--calibrate", type=int, default=None,
-                   help="r2r, citer, co_llm: training prompts the default threshold is calibrated on, in the engine "
-                        "(default 16)")
+                   help="training prompts the default threshold is calibrated on, in the engine (query: recorded "
+                        "only, its pipeline picks the threshold; default 16)")
     t.add_argument("--calibrate-tokens", type=int, default=None,
                    help="r2r, citer, co_llm: tokens per calibration answer (default 128)")
     add_model_arguments(t)
