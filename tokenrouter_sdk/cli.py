@@ -325,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tokenrouter`` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[argv.index(args.cmd) + 1:]  # the subcommand's own arguments (a sharded eval relaunches them)
     return args.fn(args)
 
 
