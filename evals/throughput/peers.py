@@ -156,8 +156,11 @@ def run_system(system: str, base: dict, python: str, timeout: float) -> dict:
         sp, op = Path(d) / "spec.json", Path(d) / "out.json"
         sp.write_text(json.dumps(spec))
         t = time.perf_counter()
-        p = subprocess.run([python, str(HERE), "--worker", str(sp), str(op)], capture_output=True, text=True,
-                           timeout=timeout)
+        try:
+            p = subprocess.run([python, str(HERE), "--worker", str(sp), str(op)], capture_output=True, text=True,
+                               timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s", "process_s": time.perf_counter() - t}
         if p.returncode != 0 or not op.exists():
             tail = (p.stderr or p.stdout)[-2000:]
             return {"error": f"exit {p.returncode}: {tail}", "process_s": time.perf_counter() - t}
