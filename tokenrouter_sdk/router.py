@@ -75,7 +75,8 @@ class Router:
             ``"model_sync"``), ``thresholds`` (dict or ``"auto"``), ``retain_kv``,
             ``max_kv_tokens`` (tokens per model), ``block_size``, ``max_batch_tokens``,
             ``max_batch_size``, ``max_concurrency``, ``kv_admission``, ``backend`` (``"torch"`` or
-            ``"sim"``), ``processes``, ``cuda_graphs``, ``prefill_peers``, ``prefix_cache``. See `EngineConfig` for each.
+            ``"sim"``), ``processes``, ``cuda_graphs``, ``compile``, ``prefill_peers``, ``prefix_cache``. See
+            `EngineConfig` for each.
 
     Raises:
         TokenizerMismatchError: two models do not share a vocabulary (names both).
@@ -156,7 +157,7 @@ class Router:
                                  toks.get(name, self.tokenizer), name)
         for name, m in loaded.items():
             runners[name] = TorchRunner(m, max_kv_tokens=config.max_kv_tokens or 8192, block_size=config.block_size,
-                                        cuda_graphs=config.cuda_graphs)
+                                        cuda_graphs=config.cuda_graphs, compile=config.compile)
             gen_eos = getattr(getattr(m, "generation_config", None), "eos_token_id", None)
             eos += list(gen_eos) if isinstance(gen_eos, (list, tuple)) else ([gen_eos] if gen_eos is not None else [])
         if config.cuda_graphs and any(getattr(r, "device", None) is not None and r.device.type != "cuda"
