@@ -1,7 +1,8 @@
 """Run the suite tier by tier, fastest first, and report the unit tier as soon as it ends.
 
 Tiers are the folders under tests/: ``unit`` (tiny models, seconds each), then ``integration``
-(the real SmolLM2 pair), ``notebooks``, ``docs`` and ``browser``. `TierReport` sorts the collected
+(the real SmolLM2 pair), ``ray`` (a simulated Ray cluster; skipped without Ray), ``notebooks``,
+``docs`` and ``browser``. `TierReport` sorts the collected
 items by tier (stable: the order inside a tier is unchanged) and, when the last unit item
 finishes, prints one line, e.g. ``unit tier: 412 passed, 0 failed in 95.2 s``, before the slow
 tiers start. A run without unit items prints nothing. tests/conftest.py registers it in ``pytest_configure``.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "integration", "notebooks", "docs", "browser")
+TIERS = ("unit", "integration", "ray", "notebooks", "docs", "browser")
 
 
 def tier_of(path: Path, root: Path) -> str:

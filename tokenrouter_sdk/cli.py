@@ -121,7 +121,8 @@ def cmd_demo(args) -> int:
     t0 = time.perf_counter()
     policy = RStitch(tau=args.tau, tau_back=args.tau_back)
     router = Router.default(policy=policy, small_layers=args.small_layers, prefill_peers=not args.no_prefill_peers,
-                            prefix_cache=not args.no_prefix_cache)
+                            prefix_cache=not args.no_prefix_cache,
+                            compile={"off": False, "wait": "wait", "background": "background"}[args.compile])
     with router:
         models = list(router.models)
         print(f"models : {', '.join(models)} (loaded in {time.perf_counter() - t0:.1f} s)")
@@ -338,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
     d.add_argument("--no-color", action="store_true", help="markers instead of colours")
     add_prefix_cache_flag(d)
+    d.add_argument("--compile", choices=["off", "wait", "background"], default="off",
+                   help="compiled steps (EngineConfig.compile): off (eager), wait (the warm-up call waits for the "
+                        "compile: every timed step compiled) or background (default off)")
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="committed-token throughput: policies x modes x concurrency, side by side")
     add_bench_arguments(b)
@@ -356,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tokenrouter`` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[argv.index(args.cmd) + 1:]  # the subcommand's own arguments (a sharded eval relaunches them)
     return args.fn(args)
 
 

@@ -90,7 +90,8 @@ class Router:
             default sizing: a share of the memory left after the weights, see
             `tokenrouter_sdk.kv_sizing`), ``block_size``, ``max_batch_tokens``,
             ``max_batch_size``, ``max_concurrency``, ``kv_admission``, ``backend`` (``"torch"`` or
-            ``"sim"``), ``processes``, ``cuda_graphs``, ``prefill_peers``, ``prefix_cache``. See `EngineConfig` for each.
+            ``"sim"``), ``processes``, ``cuda_graphs``, ``compile``, ``prefill_peers``, ``prefix_cache``. See
+            `EngineConfig` for each.
 
     Attributes:
         kv_sizing: per model, how its KV pool was sized (`tokenrouter_sdk.kv_sizing.KVSizing`;
@@ -224,7 +225,7 @@ class Router:
                       fraction=config.kv_memory_fraction) if loaded else {}
         for name, m in loaded.items():
             runners[name] = TorchRunner(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
-                                        cuda_graphs=config.cuda_graphs)
+                                        cuda_graphs=config.cuda_graphs, compile=config.compile)
             gen_eos = getattr(getattr(m, "generation_config", None), "eos_token_id", None)
             eos += list(gen_eos) if isinstance(gen_eos, (list, tuple)) else ([gen_eos] if gen_eos is not None else [])
         self.kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,

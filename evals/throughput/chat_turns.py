@@ -12,6 +12,9 @@ the last turn's TTFT within 1.5x of the first turn's with the cache.
 
 Run:
     .venv/bin/python evals/throughput/chat_turns.py --out evals/results/throughput
+
+Writes ``<out>/chat_turns_turns<T>_t<N>.json`` and ``.csv`` (per turn the median TTFT with and
+without the cache, every conversation's times, the hit rates).
 """
 
 from __future__ import annotations

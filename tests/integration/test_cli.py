@@ -79,3 +79,20 @@ def test_demo_subprocess():
     assert rows["small-only"][3] == "0%" and rows["small-only"][4] == "0.000"
     assert "=== step accounting" in out and "routed      [small] steps=" in out, out
     assert "large-only answer=" in out, out
+
+
+@pytest.mark.timeout(600)
+def test_eval_shards_launched_locally_and_merged(tmp_path):
+    """``tokenrouter eval --shards 2``: two local processes, each with its own Router of the
+    packaged pair, then the merge (that a merge equals the unsharded sweep is checked on tiny
+    models in tests/unit/test_eval_shards.py)."""
+    import json
+    out = tmp_path / "sharded"
+    r = subprocess.run([sys.executable, "-m", "tokenrouter_sdk.cli", "eval", "--values", "0.3", "--limit", "2",
+                        "--max-new-tokens", "6", "--references", "large_only", "--no-progress", "--concurrency", "2",
+                        "--shards", "2", "--out", str(out)], capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 points from 2 shards merged" in r.stdout
+    recs = json.loads((out / "results.json").read_text())["records"]
+    assert [x["label"] for x in recs] == ["large_only", "RStitch(tau=0.3)"] and recs[1]["agreement"] is not None
+    assert sorted(p.name for p in (out / "shards").glob("*.json")) == ["shard-1-of-2.json", "shard-2-of-2.json"]

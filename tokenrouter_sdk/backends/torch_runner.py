@@ -16,7 +16,9 @@ the model still works for ordinary, unpadded use.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -77,14 +79,25 @@ def _attend(q, k, v, mask, scale):
 
 
 def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                    tr_batch: ForwardBatch | None = None, **kwargs):
+                    tr_batch: ForwardBatch | None = None, tr_op: bool = False, **kwargs):
     """Attention over the paged KV pool. query [1, H, T, D], key/value [1, Hkv, T, D];
-    returns ([1, T, H, D], None) as transformers expects."""
+    returns ([1, T, H, D], None) as transformers expects. ``tr_batch``: the step's metadata (eager
+    steps); ``tr_op``: a compiled step, whose metadata the custom op
+    ``tokenrouter::paged_attention`` reads (`tokenrouter_sdk.backends.compiled_step`)."""
+    if tr_op:
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.tokenrouter.paged_attention(query, key, value, module.layer_idx, scale), None
     if tr_batch is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    fb, layer = tr_batch, module.layer_idx
+    return attend_paged(tr_batch, module.layer_idx, query, key, value, scaling), None
+
+
+def attend_paged(fb: ForwardBatch, layer: int, query, key, value, scaling) -> torch.Tensor:
+    """Write the step's new K/V of ``layer`` into the pool slots of ``fb`` and attend every
+    request to its cached prefix. query [1, H, T, D], key/value [1, Hkv, T, D]; returns
+    [1, T, H, D]."""
     kc, vc = fb.pool.k[layer], fb.pool.v[layer]
     kc.index_copy_(0, fb.slot_mapping, key[0].transpose(0, 1))
     vc.index_copy_(0, fb.slot_mapping, value[0].transpose(0, 1))
@@ -108,7 +121,7 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         else:  # extend: query i sees keys j <= start + i
             o = _attend(qi, ki, vi, mask, scaling)
         out[qs:qs + ql] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _configure_sdpa(device: torch.device) -> None:
@@ -145,6 +158,29 @@ def use_paged_attention(model) -> None:
             cfg._attn_implementation = ATTN_NAME
 
 
+_SCRATCH_NEED = 4  # scratch slots a compiled runner uses: 3 for the compile's warm-up, 1 for padding
+
+
+def _compile_mode(compile) -> str | None:
+    if compile in (False, None, "off"):
+        return None
+    if compile is True or compile == "background":
+        return "background"
+    if compile == "wait":
+        return "wait"
+    raise ValueError(f"compile must be False, True, 'background' or 'wait', got {compile!r}")
+
+
+class _PadSeq:
+    """A one-token padding request at position 0 whose K/V live in one scratch slot."""
+
+    all_hidden = False
+
+    def __init__(self, slot: int):
+        self.tokens, self.start, self.table = [0], 0, []
+        self.slots = torch.tensor([slot])
+
+
 class TorchRunner:
     """Runs one model's packed forward over a ragged batch.
 
@@ -161,6 +197,15 @@ class TorchRunner:
             capture (for testing). If a capture raises, decode steps fall back to eager with a
             `RuntimeWarning` and ``graphs.error`` says why.
         max_graph_batch: largest batch served from a graph, requests.
+        compile: serve steps from the model forward compiled by ``torch.compile`` (inductor,
+            weights frozen and prepacked; attention stays the same eager paged attention, as a
+            custom op: `tokenrouter_sdk.backends.compiled_step`). ``False`` (eager steps),
+            ``True`` or ``"background"``: compile in a background thread at the first step and
+            serve eager steps until it is ready (no step waits for the compile), ``"wait"``: the
+            first step waits for the compile (every step compiled; what the tests use). If the
+            compile raises, steps stay eager with a `RuntimeWarning` and ``compile_error`` says
+            why. One compiled forward per model object and process, shared by its runners.
+            With ``cuda_graphs`` the graph path keeps decode and short-extend steps.
 
     On CUDA the first forward turns the cuDNN SDPA backend off for the process (see
     `_configure_sdpa`; ``torch.backends.cuda.enable_cudnn_sdp(True)`` turns it back on).
@@ -170,10 +215,14 @@ class TorchRunner:
         graphs: the `DecodeGraphs`, or None without ``cuda_graphs`` (built on first use, in the
             process that runs the sub-server: graphs do not travel between processes).
         last_forward_s: seconds spent in the last model forward (for overhead metrics).
+        last_compiled: whether the last step ran the compiled forward.
+        compile_s: seconds the compile took (the first compiled call in this process), or None.
+        compile_error: why the compiled forward is off, or None.
     """
 
     def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16, cuda_graphs: bool = False,
-                 max_graph_batch: int = 64):
+                 max_graph_batch: int = 64, compile: bool | str = False):
+        self.compile = _compile_mode(compile)
         self.model = model
         use_paged_attention(model)
         cfg = model.config
@@ -183,14 +232,21 @@ class TorchRunner:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        scratch = (1 if block_size >= 2 else 2) if cuda_graphs else 0
+        if self.compile:  # the compile's warm-up batch (3 tokens) and a padding token
+            scratch = max(scratch, -(-_SCRATCH_NEED // block_size))
         self.pool = KVPool(cfg.num_hidden_layers, kv_heads, head_dim, -(-max_kv_tokens // block_size),
-                           block_size, dtype=self.dtype, device=self.device,
-                           scratch_blocks=(1 if block_size >= 2 else 2) if cuda_graphs else 0)
+                           block_size, dtype=self.dtype, device=self.device, scratch_blocks=scratch)
         self.cuda_graphs, self.max_graph_batch = bool(cuda_graphs), max_graph_batch
         self._graphs = None
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.lm_head = model.get_output_embeddings()
         self.last_forward_s = 0.0
+        self.last_compiled = False
+        self.compile_error: str | None = None
+        self._compiled = None  # the CompiledForward once usable (per process)
+        self._compile_thread: threading.Thread | None = None
+        self._compile_started = False
 
     @property
     def graphs(self):
@@ -208,16 +264,75 @@ class TorchRunner:
         afterwards): a closed Router's models are freed at once, not at the next garbage
         collection of the engine's reference cycles."""
         self._graphs = None
+        self._compiled = None
         self.pool.release()
         self.model = self.decoder = self.lm_head = None
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_graphs"] = None  # CUDA graphs belong to the process that captured them
+        state["_compiled"] = state["_compile_thread"] = None  # so does compiled code
+        state["_compile_started"] = False
         return state
 
-    def _batch(self, seqs: list[SeqInput]) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # -- compiled steps ---------------------------------------------------------------------
+    @property
+    def compile_s(self) -> float | None:
+        return self._compiled.compile_s if self._compiled is not None else None
+
+    def _start_compile(self) -> None:
+        """Begin the compile (once): in a background thread, or here for ``compile="wait"``."""
+        self._compile_started = True
+        from .compiled_step import compiled_forward
+        cf = compiled_forward(self.model, self.decoder, self.lm_head)
+        if cf.ready.is_set():  # compiled by another runner of this model in this process
+            self._compiled = cf
+            return
+        if self.compile == "wait":
+            self._warm_up(cf)
+            return
+        self._compile_thread = threading.Thread(target=self._warm_up, args=(cf,), daemon=True,
+                                                name="tokenrouter-compile")
+        self._compile_thread.start()
+
+    @torch.inference_mode()  # as the steps run: inference tensors (dynamo guards on it)
+    def _warm_up(self, cf) -> None:
+        pool = self.pool
+        if pool is None or pool.k is None:
+            return
+        s = pool.scratch_slot
+        dev = self.device
+        # two prefills (2 tokens and 1) in scratch slots: T=3 and B=2, so that dynamo relates no sizes
+        segs = [(0, 2, torch.tensor([s, s + 1], device=dev), None), (2, 1, torch.tensor([s + 2], device=dev), None)]
+        fb = ForwardBatch(pool, torch.tensor([s, s + 1, s + 2], device=dev), None, None, None, segs)
+        batch = (fb, torch.zeros(1, 3, dtype=torch.long, device=dev), torch.tensor([[0, 1, 0]], device=dev),
+                 torch.tensor([1, 2], device=dev))
+        if cf.warm_up(batch):
+            self._compiled = cf
+        else:
+            self.compile_error = cf.error
+            warnings.warn(f"torch.compile of the model forward failed, steps stay eager: {cf.error}",
+                          RuntimeWarning, stacklevel=2)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Start the compile if it has not started, wait for it (at most ``timeout`` seconds) and
+        return whether compiled steps are on. False at once without ``compile``."""
+        if not self.compile:
+            return False
+        if not self._compile_started:
+            self._start_compile()
+        if self._compile_thread is not None:
+            self._compile_thread.join(timeout)
+        return self._compiled is not None
+
+    def _batch(self, seqs: list[SeqInput], pad: bool = False) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor]:
+        """The step's `ForwardBatch`, token ids [1, T], positions [1, T] and each request's last
+        packed index [B]. ``pad``: a batch of one request gets a second, one-token request that
+        writes and reads only a scratch slot (compiled steps need T, B >= 2; its row is dropped)."""
         pool, dev = self.pool, self.device
+        if pad and len(seqs) == 1:
+            seqs = [*seqs, _PadSeq(pool.scratch_slot + _SCRATCH_NEED - 1)]
         ids, pos, slots, last = [], [], [], []
         dec_q, dec_kv, dec_len, segs = [], [], [], []
         t = 0
@@ -225,7 +340,7 @@ class TorchRunner:
             n, end = len(s.tokens), s.start + len(s.tokens)
             ids.extend(s.tokens)
             pos.extend(range(s.start, end))
-            all_slots = pool.slots(s.table, 0, end)
+            all_slots = s.slots if isinstance(s, _PadSeq) else pool.slots(s.table, 0, end)
             slots.append(all_slots[s.start:])
             if n == 1:
                 dec_q.append(t)
@@ -276,12 +391,21 @@ class TorchRunner:
         if self.cuda_graphs and not want_all:
             out = self.graphs.run(seqs)
             if out is not None:
+                self.last_compiled = False
                 return out
-        fb, ids, pos, last = self._batch(seqs)
+        if self.compile and not self._compile_started:
+            self._start_compile()
+        cf = self._compiled
+        fb, ids, pos, last = self._batch(seqs, pad=cf is not None)
         t0 = time.perf_counter()
-        out = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb)
-        hidden = out.last_hidden_state[0, last]
-        logits = self.lm_head(hidden)
+        if cf is not None:
+            logits, hidden, h = cf(fb, ids, pos, last)
+            logits, hidden = logits[:len(seqs)], hidden[:len(seqs)]
+        else:
+            h = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb).last_hidden_state
+            hidden = h[0, last]
+            logits = self.lm_head(hidden)
+        self.last_compiled = cf is not None
         if self.device.type == "cuda":  # this stream only: a device-wide sync breaks a peer thread's graph capture
             torch.cuda.current_stream(self.device).synchronize()
         self.last_forward_s = time.perf_counter() - t0
@@ -290,6 +414,6 @@ class TorchRunner:
         fed, start = [], 0
         for s in seqs:
             n = len(s.tokens)
-            fed.append(out.last_hidden_state[0, start:start + n] if s.all_hidden else None)
+            fed.append(h[0, start:start + n] if s.all_hidden else None)
             start += n
         return logits, hidden, fed

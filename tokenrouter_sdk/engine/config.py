@@ -55,6 +55,11 @@ class EngineConfig:
             and passes its items to `ProcessTransport` (``threads``, ``address``).
         cuda_graphs: serve decode and short-extend steps from captured CUDA graphs (torch
             backend on a GPU).
+        compile: serve torch models' steps from the forward compiled by ``torch.compile``
+            (`TorchRunner` ``compile``): ``False`` (eager), ``True``/``"background"`` (compiled
+            in a background thread of each sub-server at its first step; eager steps until
+            then), ``"wait"`` (the first step waits for the compile). Logits equal eager within
+            floating-point reassociation; measured gain and compile cost in `docs/benchmarks.md`.
         prefill_peers: at admission, every model the request's policy may use
             (`Policy.may_use`, default all) besides its entry model prefills the prompt too, in
             its next step, and keeps it in KV: the first handoff to such a model then feeds only
@@ -86,6 +91,7 @@ class EngineConfig:
     backend: str = "torch"
     processes: bool | dict | None = None
     cuda_graphs: bool = False
+    compile: bool | str = False
     prefill_peers: bool = False
     prefix_cache: bool = True
 
@@ -105,6 +111,8 @@ class EngineConfig:
                              f"drop thresholds or set mode='delayed'")
         if self.backend not in ("torch", "sim"):
             raise ValueError(f"unknown backend {self.backend!r}; choose 'torch' or 'sim'")
+        if self.compile not in (False, True, "background", "wait"):
+            raise ValueError(f"compile must be False, True, 'background' or 'wait', got {self.compile!r}")
         if self.kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission must be one of {KV_ADMISSION}, got {self.kv_admission!r}")
         for name in ("block_size", "max_batch_tokens", "max_batch_size", "max_hops_without_commit"):

@@ -15,7 +15,7 @@ from .answers import answers_agree, extract_answer, extract_choice, extract_math
 from .datasets import BENCHMARKS, Benchmark, load_benchmark
 from .metrics import load_metric, metric_path
 from .result import EvalResult
-from .sweep import evaluate_policy
+from .sweep import evaluate_policy, merge_sweep
 
-__all__ = ["evaluate_policy", "load_benchmark", "EvalResult", "Benchmark", "BENCHMARKS", "load_metric",
+__all__ = ["evaluate_policy", "merge_sweep", "load_benchmark", "EvalResult", "Benchmark", "BENCHMARKS", "load_metric",
            "metric_path", "extract_answer", "extract_math_answer", "extract_choice", "is_correct", "answers_agree"]

@@ -65,6 +65,17 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     if out:
         p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
     p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("sweeps over several workers (docs/distributed.md)")
+    g.add_argument("--shard", metavar="I/N", help="run only the I-th of N shares of the points into --out "
+                   "(then --merge); each shard builds its own Router")
+    g.add_argument("--shards", type=int, metavar="N", help="launch all N shards (--launcher) and merge them")
+    g.add_argument("--launcher", choices=["local", "ray"], default="local",
+                   help="--shards as processes of this machine (default) or Ray tasks")
+    g.add_argument("--ray-address", default=None, help="Ray cluster address for --launcher ray (default: start "
+                                                       "or join the local one)")
+    g.add_argument("--shard-cpus", type=float, default=1, help="CPUs per shard (torch threads locally; Ray num_cpus)")
+    g.add_argument("--shard-gpus", type=float, default=0, help="GPUs per shard (Ray num_gpus)")
+    g.add_argument("--merge", action="store_true", help="merge the finished shards in --out (runs no model)")
     return p
 
 
@@ -123,13 +134,58 @@ def sweep(args, prog: str = "tokenrouter eval"):
     return factory, param, list(values)
 
 
+def _shard_launch_argv(args) -> list[str]:
+    """The command line of one shard: this command's arguments less the launcher's own."""
+    argv, skip = [], {"--shards", "--launcher", "--ray-address", "--shard-cpus", "--shard-gpus", "--out"}
+    raw = getattr(args, "argv", None)
+    if raw is None:
+        raise SystemExit("tokenrouter eval --shards: the command line is unknown (run it as `tokenrouter eval ...`)")
+    k = 0
+    while k < len(raw):
+        a = raw[k]
+        name = a.split("=", 1)[0]
+        if name in skip:
+            k += 1 if "=" in a else 2
+            continue
+        if name in ("--merge", "--no-progress"):
+            k += 1
+            continue
+        argv.append(a)
+        k += 1
+    return argv
+
+
 def cmd_eval(args) -> int:
-    """Run the sweep on the pair the flags name, print the table, write the files."""
+    """Run the sweep on the pair the flags name (or one shard of it, or all shards, or the merge),
+    print the table, write the files."""
     from transformers.utils import logging as hf_logging
 
     from . import evaluate_policy
+    from .sweep import merge_sweep
     prog = "tokenrouter eval"
     hf_logging.disable_progress_bar()
+    if args.shard and (args.shards or args.merge):
+        raise SystemExit("tokenrouter eval: --shard runs one shard; --shards N launches all of them and --merge "
+                         "merges finished ones: give one of them")
+    if args.shards or args.merge:
+        if args.shards:
+            from .shards import run_local, run_ray
+            if args.shards < 1:
+                raise SystemExit(f"tokenrouter eval: --shards must be >= 1, got {args.shards}")
+            argv = _shard_launch_argv(args)
+            if args.launcher == "ray":
+                run_ray(argv, args.shards, args.out, address=args.ray_address, num_cpus=args.shard_cpus,
+                        num_gpus=args.shard_gpus)
+            else:
+                run_local(argv, args.shards, args.out, threads=max(1, int(args.shard_cpus)))
+        try:
+            res = merge_sweep(args.out)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"tokenrouter eval: {e}")
+        print(res.table())
+        print(f"\n{len(res.records)} points from {res.config['shards']} shards merged; wrote {args.out}/results.csv, "
+              f"results.json, plot.html")
+        return 0
     factory, param, values = sweep(args, prog)
     specs = model_specs(args, prog)
     if specs is None:
@@ -149,7 +205,7 @@ def cmd_eval(args) -> int:
                               seed=None if args.seed < 0 else args.seed, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, concurrency=args.concurrency, references=refs,
                               out_dir=args.out, progress=not args.no_progress, router_kwargs=kwargs,
-                              exclude_head_questions=not args.include_head_questions)
+                              exclude_head_questions=not args.include_head_questions, shard=args.shard)
     except (DeviceError, ModelLoadError) as e:
         raise fail(prog, f"{type(e).__name__}: {e}") from None
     print(res.table())
@@ -158,6 +214,10 @@ def cmd_eval(args) -> int:
     print(f"\nprompt tokens: {sum(r.get('prompt_tokens', 0) for r in ran)} over the points run, of which "
           f"{sum(r.get('prefix_hit_tokens', 0) for r in ran)} reused from the prefix cache and "
           f"{sum(r.get('prompt_tokens_fed', 0) for r in ran)} prefilled")
+    if args.shard:
+        print(f"shard {args.shard}: {len(res.records)} points ({resumed} resumed) into {args.out}/points; merge the "
+              f"finished shards with: tokenrouter eval --merge --out {args.out}")
+        return 0
     print(f"{len(res.records)} points ({resumed} resumed from {args.out}/points), "
           f"{res.config['elapsed_s']:.0f} s; wrote {args.out}/results.csv, results.json, plot.html")
     return 0
@@ -166,7 +226,9 @@ def cmd_eval(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run ``tokenrouter eval`` with ``argv`` (default: ``sys.argv[1:]``)."""
     p = add_arguments(argparse.ArgumentParser(prog="tokenrouter eval", description=__doc__))
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    args.argv = argv
     return cmd_eval(args)
 
 

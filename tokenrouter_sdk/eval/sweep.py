@@ -24,6 +24,11 @@ counts them).
 
 Resumable: with ``out_dir``, each finished point is written to ``out_dir/points/`` at once, and
 a restarted run loads the points whose configuration hash matches instead of running them.
+
+Sharded: ``shard="i/N"`` runs the i-th share of the points (each shard its own Router, process,
+job or Ray task: `tokenrouter_sdk.eval.shards`) and writes a manifest to ``out_dir/shards/``;
+`merge_sweep` computes what needs all points (agreement with large-only, the references' target
+checks, the Pareto front and plot) and gives the same records as the unsharded sweep.
 """
 
 from __future__ import annotations
@@ -115,15 +120,14 @@ class _Runner:
         self.router, self.bench, self.common, self.sampling = router, bench, common, sampling
         self.concurrency, self.bar = concurrency, bar
         self.points_dir = Path(out_dir) / "points" if out_dir is not None else None
-        self.records, self.answers, self.policies = [], {}, {}
-        self.large_preds: list | None = None
+        self.records, self.answers, self.policies, self.files = [], {}, {}, {}
         self.gold = bench.answers if bench.kind == "math" else [extract_choice(a) or a for a in bench.answers]
 
     def run(self, label: str, kind: str, policy, param: str | None, value, matched_to: str | None = None) -> dict:
         desc = describe_policy(policy)
         h = config_hash(self.common, desc, kind)
         self.policies[label] = desc
-        path = self.points_dir / f"{_slug(label)}-{h}.json" if self.points_dir else None
+        path = self._path(label, h)
         if path is not None and path.is_file():
             saved = json.loads(path.read_text(encoding="utf-8"))
             if saved.get("config_hash") == h:
@@ -165,18 +169,34 @@ class _Runner:
         return self._add(label, kind, rec, ans)
 
     def _add(self, label: str, kind: str, rec: dict, ans: list[dict]) -> dict:
-        if kind == "large_only":
-            self.large_preds = [a["pred"] for a in ans]
-        if self.large_preds is not None:
-            agree = [answers_agree(a["pred"], b, self.bench.kind) for a, b in zip(ans, self.large_preds)]
-            for a, g in zip(ans, agree):
-                a["agrees"] = g
-            rec["agreement"] = sum(agree) / len(agree) if agree else None
         self.records.append(rec)
         self.answers[label] = ans
+        self.files[label] = self._path(label, rec["config_hash"])
         if self.bar is not None:
             self.bar.update(1)
         return rec
+
+    def _path(self, label: str, h: str) -> Path | None:
+        return self.points_dir / f"{_slug(label)}-{h}.json" if self.points_dir else None
+
+
+def _agreement(records: list[dict], answers: dict, kind: str) -> None:
+    """Each record's ``agreement`` (and each answer's ``agrees``) with the large-only point's
+    answers, in place; None without a large-only point."""
+    large = next((r for r in records if r["kind"] == "large_only"), None)
+    if large is None:
+        return
+    preds = [a["pred"] for a in answers[large["label"]]]
+    for rec in records:
+        ans = answers[rec["label"]]
+        agree = [answers_agree(a["pred"], b, kind) for a, b in zip(ans, preds)]
+        for a, g in zip(ans, agree):
+            a["agrees"] = g
+        rec["agreement"] = sum(agree) / len(agree) if agree else None
+
+
+def _reference_labels(f: float) -> dict[str, str]:
+    return {"random": f"RandomRouting(p={f:g})", "random_query": f"RandomQueryRouting(p={f:g})"}
 
 
 def _check_matched(rec: dict, ans: list[dict], target: float) -> None:
@@ -215,7 +235,7 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
                     max_new_tokens: int = 256, temperature: float = 0.0, sampling_seed: int | None = 0,
                     concurrency: int | None = 16, references: bool | Iterable[str] = True, out_dir=None,
                     param: str | None = None, tokenizer=None, router_kwargs: dict | None = None,
-                    progress: bool = True, exclude_head_questions: bool = True) -> EvalResult:
+                    progress: bool = True, exclude_head_questions: bool = True, shard=None) -> EvalResult:
     """Sweep a policy over ``values`` on a benchmark; quality next to hop rate and throughput.
 
     Args:
@@ -245,13 +265,20 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
             trained, validated or calibrated on (their records' ids; module docstring), before
             ``limit`` is taken (with a loaded `Benchmark`: just dropped). ``config["excluded"]``
             says how many; a warning too. False scores them (``config["head_overlap"]``).
+        shard: run only a share of the points, for sweeps spread over workers: ``"i/N"`` (1-based)
+            or ``(i, N)`` (0-based). Points are dealt round robin (large_only, small_only, then the
+            swept values in order); a shard runs the matched references of its own swept points.
+            Needs ``out_dir`` (the same folder for all shards, on a shared file system or copied
+            together); `merge_sweep` then gives the whole sweep. Returns the shard's own points
+            (agreement only where it ran large_only).
 
     Returns:
         an `EvalResult` (records in run order: large_only, small_only, the swept values, then the
         matched references).
 
     Raises:
-        ValueError: no values, unknown reference names or policy, bad dataset arguments.
+        ValueError: no values, unknown reference names or policy, bad dataset arguments, a bad
+            ``shard`` or a shard without ``out_dir``.
         TypeError: an unusable ``router_or_models`` or ``policy_factory``.
     """
     values = list(values)
@@ -284,24 +311,31 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
     elif head_ids:
         overlap = sorted(set(bench.ids) & head_ids)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": sampling_seed}
+    index, n_shards = _shard(shard, out_dir)
     from ..policies import LargeOnly, RandomQueryRouting, RandomRouting, SmallOnly
     router, owned = _open_router(router_or_models, tokenizer, dict(router_kwargs or {}))
     bar = None
     try:
         common = {"router": describe_router(router), "dataset": bench.describe(), "sampling": sampling,
                   "concurrency": concurrency}
+        fixed = [k for k in ("large_only", "small_only") if k in refs]
+        units = fixed + [("sweep", j) for j in range(len(values))]  # shard i runs the units u with u % n == i
+        mine = [u for k, u in enumerate(units) if k % n_shards == index]
         if progress:
             from tqdm.auto import tqdm
-            n_est = len(values) * (1 + ("random" in refs) + ("random_query" in refs))
-            bar = tqdm(total=n_est + ("large_only" in refs) + ("small_only" in refs), desc="operating points")
+            n_swept = sum(1 for u in mine if isinstance(u, tuple))
+            bar = tqdm(total=len(mine) + n_swept * (("random" in refs) + ("random_query" in refs)),
+                       desc="operating points" + (f" (shard {index + 1}/{n_shards})" if n_shards > 1 else ""))
         run = _Runner(router, bench, common, sampling, concurrency, out_dir, bar)
         t0 = time.perf_counter()
-        if "large_only" in refs:
+        if "large_only" in mine:
             run.run("large_only", "large_only", LargeOnly(), None, None)
-        if "small_only" in refs:
+        if "small_only" in mine:
             run.run("small_only", "small_only", SmallOnly(), None, None)
-        swept = []
+        swept = {}
         for j, v in enumerate(values):
+            if ("sweep", j) not in mine:
+                continue
             pol = first if j == 0 else factory(v)
             seen = excluded_ids([pol])[0] & set(bench.ids) if j and exclude_head_questions else set()
             if seen:
@@ -311,21 +345,18 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
             if pname == "value" and param is None:  # name the parameter after the attribute holding v
                 pname = next((k for k, a in vars(pol).items() if not k.startswith("_")
                               and isinstance(a, (int, float)) and not isinstance(a, bool) and a == v), "value")
-            swept.append(run.run(f"{type(pol).__name__}({pname}={v:g})", "sweep", pol, pname, v))
-        fracs = _matched(r["large_fraction"] for r in swept)
+            swept[j] = run.run(f"{type(pol).__name__}({pname}={v:g})", "sweep", pol, pname, v)
         if bar is not None:
-            bar.total = len(run.records) + len(fracs) * (("random" in refs) + ("random_query" in refs))
+            bar.total = len(run.records) + len(_matched(r["large_fraction"] for r in swept.values())) * (
+                ("random" in refs) + ("random_query" in refs))
             bar.refresh()
-        src = {round(r["large_fraction"], 3): r["label"] for r in reversed(swept)}
-        for f in fracs:
+        src = {round(swept[j]["large_fraction"], 3): swept[j]["label"] for j in sorted(swept, reverse=True)}
+        for f in _matched(swept[j]["large_fraction"] for j in sorted(swept)):
+            labels = _reference_labels(f)
             if "random" in refs:
-                label = f"RandomRouting(p={f:g})"
-                _check_matched(run.run(label, "random", RandomRouting(p=f, seed=0), "p", f, src[f]),
-                               run.answers[label], f)
+                run.run(labels["random"], "random", RandomRouting(p=f, seed=0), "p", f, src[f])
             if "random_query" in refs:
-                label = f"RandomQueryRouting(p={f:g})"
-                _check_matched(run.run(label, "random_query", RandomQueryRouting(p=f, seed=0), "p", f, src[f]),
-                               run.answers[label], f)
+                run.run(labels["random_query"], "random_query", RandomQueryRouting(p=f, seed=0), "p", f, src[f])
         extra = {"excluded": excluded} if excluded else {}
         if overlap is not None:
             extra["head_overlap"] = {"n": len(overlap), "ids": overlap, "heads": per_head}
@@ -337,7 +368,106 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] = 
             bar.close()
         if owned:
             router.close()
-    res = EvalResult(run.records, config, run.answers)
+    if n_shards == 1:
+        return _assemble(run.records, run.answers, config, bench.kind, out_dir)
+    sweep_id = config_hash(common, {"values": values, "references": sorted(refs)}, "shards")
+    manifest = {"shard": index, "shards": n_shards, "sweep": sweep_id, "kind": bench.kind, "config": config,
+                "swept": {str(j): r["label"] for j, r in swept.items()},
+                "points": {label: p.relative_to(out_dir).as_posix() for label, p in run.files.items()}}
+    folder = Path(out_dir) / SHARDS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"shard-{index + 1}-of-{n_shards}.json").write_text(json.dumps(manifest, default=str), encoding="utf-8")
+    _agreement(run.records, run.answers, bench.kind)
+    return EvalResult(run.records, dict(config, shard=[index + 1, n_shards]), run.answers)
+
+
+SHARDS_DIR = "shards"
+
+
+def _shard(shard, out_dir) -> tuple[int, int]:
+    """``(i, n)``, 0-based, of a ``shard`` given as ``"i/n"`` (1-based, as the CLI's ``--shard``)
+    or ``(i, n)`` (0-based); ``(0, 1)`` for None.
+
+    Raises:
+        ValueError: a malformed shard, or a shard without ``out_dir``.
+    """
+    if shard is None:
+        return 0, 1
+    if isinstance(shard, str):
+        a, _, b = shard.partition("/")
+        try:
+            i, n = int(a) - 1, int(b)
+        except ValueError:
+            raise ValueError(f"shard must be 'i/N' with 1 <= i <= N, e.g. '1/4', got {shard!r}") from None
+    else:
+        i, n = shard
+    if not (isinstance(i, int) and isinstance(n, int) and n >= 1 and 0 <= i < n):
+        raise ValueError(f"shard must be 'i/N' with 1 <= i <= N (or (i, N) with 0 <= i < N), got {shard!r}")
+    if n > 1 and out_dir is None:
+        raise ValueError("a shard writes its points for the merge: give out_dir (the same folder for every shard)")
+    return i, n
+
+
+def _assemble(records: list[dict], answers: dict, config: dict, kind: str, out_dir) -> EvalResult:
+    """The result of a whole sweep from its points in run order: agreement with large-only and
+    the matched references checked against their targets; saved to ``out_dir``."""
+    _agreement(records, answers, kind)
+    for rec in records:
+        if rec["kind"] in ("random", "random_query"):
+            _check_matched(rec, answers[rec["label"]], rec["value"])
+    res = EvalResult(records, config, answers)
     if out_dir is not None:
         res.save(out_dir)
     return res
+
+
+def merge_sweep(out_dir) -> EvalResult:
+    """Merge the shards of one sweep (each run by ``evaluate_policy(..., shard=...)`` or
+    ``tokenrouter eval --shard i/N`` into ``out_dir``) into the result the unsharded sweep gives:
+    the same records in the same order (timings and prefix-cache counts are each shard's own;
+    ``config["elapsed_s"]`` is their sum), agreement with large-only and the references' target
+    checks computed over all points. Saves it to ``out_dir`` (results.csv/json, plot.html).
+
+    Raises:
+        FileNotFoundError: no shard manifests in ``out_dir``, a shard not finished or a point
+            file missing (names it).
+        ValueError: shards of different sweeps in one folder.
+    """
+    folder = Path(out_dir) / SHARDS_DIR
+    manifests = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("shard-*-of-*.json"))]
+    if not manifests:
+        raise FileNotFoundError(f"no shard manifests in {folder}: run each shard with --shard i/N --out {out_dir}")
+    n, sweep = manifests[0]["shards"], manifests[0]["sweep"]
+    if any(m["shards"] != n or m["sweep"] != sweep for m in manifests):
+        raise ValueError(f"{folder} holds shards of different sweeps (other models, data, sampling, values or "
+                         f"shard count); give each sweep its own --out folder")
+    missing = sorted(set(range(1, n + 1)) - {m["shard"] + 1 for m in manifests})
+    if missing:
+        raise FileNotFoundError(f"shard(s) {missing} of {n} have not finished in {out_dir} (run them with "
+                                f"--shard i/{n})")
+    recs, answers, policies = {}, {}, {}
+    for m in manifests:
+        policies.update(m["config"].get("policies", {}))
+        for label, rel in m["points"].items():
+            path = Path(out_dir) / rel
+            if not path.is_file():
+                raise FileNotFoundError(f"point {label!r} of shard {m['shard'] + 1} is missing: {path}")
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            recs[label], answers[label] = saved["record"], saved["answers"]
+    first = manifests[0]["config"]
+    refs = first["references"]
+    swept_labels = {int(j): label for m in manifests for j, label in m["swept"].items()}
+    swept = [swept_labels[j] for j in sorted(swept_labels)]
+    order = [k for k in ("large_only", "small_only") if k in refs] + swept
+    for f in _matched(recs[label]["large_fraction"] for label in swept):
+        order += [_reference_labels(f)[k] for k in ("random", "random_query") if k in refs]
+    src = {round(recs[label]["large_fraction"], 3): label for label in reversed(swept)}
+    records = [recs[label] for label in order]
+    for rec in records:  # the point a reference stands beside, as one run over all points names it
+        if rec["kind"] in ("random", "random_query"):
+            rec["matched_to"] = src[round(rec["value"], 3)]
+    config = {k: v for k, v in first.items() if k not in ("elapsed_s", "finished", "policies")}
+    config.update(policies={label: policies[label] for label in order if label in policies},
+                  elapsed_s=sum(m["config"]["elapsed_s"] for m in manifests), shards=n,
+                  finished=max(m["config"]["finished"] for m in manifests))
+    return _assemble(records, {label: answers[label] for label in order}, config, manifests[0]["kind"], out_dir)

@@ -1,0 +1,140 @@
+"""A decode step against the memory-bandwidth bound, eager and compiled, for both models of the
+packaged pair (SmolLM2-135M-Instruct and its self-draft: 12 shared layers + 2).
+
+What it measures, in one process:
+  bandwidth   a copy of a 1 GiB float32 tensor into another (torch ``copy_``, all threads):
+              read bandwidth = bytes read per second (the copy also writes as many); best and
+              median of ``--copies``.
+  bound       weights bytes / read bandwidth: a decode step reads every weight once (the tied
+              embedding once, through the LM head), so it cannot take less.
+  step        the `TorchRunner` forward of a batch of B decodes (context ``--context`` tokens
+              each), eager (``compile=False``) and compiled (``compile="wait"``) runners of the
+              same model, steps interleaved (eager, compiled, eager, ...); median and min of
+              ``--steps``. The compiled runner's compile time is printed (cold or warm: inductor's
+              disk cache).
+The table: per model and batch, eager ms, compiled ms, their ratio, each over the bound, and
+small:large step ratio.
+
+Run (timing: under `flock /tmp/bench.lock`, the machine is shared):
+    flock /tmp/bench.lock .venv/bin/python evals/throughput/step_bound.py --batch 1 8 --out evals/results/throughput
+    ... --dtype bfloat16     # bf16 weights and KV (this CPU has avx512_bf16/AMX)
+
+Writes ``<out>/step_bound_<dtype>_b<batches>.json`` and ``.csv``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
+
+
+def copy_bandwidth(n: int) -> dict:
+    import torch
+    x = torch.ones(1 << 28)  # 1 GiB of float32
+    y = torch.empty_like(x)
+    y.copy_(x)
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        y.copy_(x)
+        ts.append(time.perf_counter() - t)
+    b = x.numel() * 4
+    return {"read_gb_s_best": b / min(ts) / 1e9, "read_gb_s_median": b / statistics.median(ts) / 1e9}
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def main(argv=None) -> int:
+    ap = evalkit.parser(__file__, __doc__)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default 1 8)")
+    ap.add_argument("--context", type=int, default=200, help="context of each request, tokens (default 200)")
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per runner and batch (default 15)")
+    ap.add_argument("--copies", type=int, default=10, help="timed copies for the bandwidth (default 10)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from tokenrouter_sdk.backends.torch_runner import TorchRunner
+    from tokenrouter_sdk.engine.runner import SeqInput
+    from tokenrouter_sdk.models import default_pair
+
+    print(evalkit.environment(), flush=True)
+    large, small, _ = default_pair(dtype=getattr(torch, a.dtype))
+    rows, bw = [], copy_bandwidth(a.copies)
+    print(f"copy: read {bw['read_gb_s_best']:.1f} GB/s best, {bw['read_gb_s_median']:.1f} median", flush=True)
+    steps: dict = {}
+    for name, model in (("large", large), ("small", small)):
+        wb = weight_bytes(model)
+        bound_ms = wb / (bw["read_gb_s_best"] * 1e9) * 1e3
+        need = max(a.batch) * (-(-(a.context + a.steps * 2 + 8) // 16) * 16)
+        eager = TorchRunner(model, max_kv_tokens=need + 64)
+        comp = TorchRunner(model, max_kv_tokens=need + 64, compile="wait")
+        t0 = time.perf_counter()
+        comp.wait_compiled()
+        compile_s = time.perf_counter() - t0
+        print(f"{name}: {wb / 1e6:.0f} MB of weights, bound {bound_ms:.1f} ms; compile {compile_s:.1f} s "
+              f"({comp.compile_error or 'ok'})", flush=True)
+        for b in a.batch:
+            tabs = {}
+            for r in (eager, comp):
+                tabs[id(r)] = []
+                for i in range(b):
+                    t: list[int] = []
+                    r.pool.ensure(t, a.context + a.steps * 2 + 8)
+                    tabs[id(r)].append(t)
+                r.forward([SeqInput([5 + i] * a.context, 0, t) for i, t in enumerate(tabs[id(r)])])
+            te, tc = [], []
+            for s in range(a.steps + 2):
+                for r, acc in ((eager, te), (comp, tc)):
+                    feed = [SeqInput([7 + i], a.context + s, t) for i, t in enumerate(tabs[id(r)])]
+                    t0 = time.perf_counter()
+                    r.forward(feed)
+                    if s >= 2:
+                        acc.append(time.perf_counter() - t0)
+            for r in (eager, comp):
+                for t in tabs[id(r)]:
+                    r.pool.free(t)
+            row = {"model": name, "batch": b, "dtype": a.dtype, "weights_mb": round(wb / 1e6, 1),
+                   "bound_ms": round(bound_ms, 2), "eager_ms": round(statistics.median(te) * 1e3, 2),
+                   "compiled_ms": round(statistics.median(tc) * 1e3, 2), "eager_min_ms": round(min(te) * 1e3, 2),
+                   "compiled_min_ms": round(min(tc) * 1e3, 2), "compile_s": round(compile_s, 1)}
+            row["speedup"] = round(row["eager_ms"] / row["compiled_ms"], 3)
+            row["eager_over_bound"] = round(row["eager_ms"] / bound_ms, 2)
+            row["compiled_over_bound"] = round(row["compiled_ms"] / bound_ms, 2)
+            steps[(name, b)] = row
+            rows.append(row)
+            print(f"  B={b}: eager {row['eager_ms']:.1f} ms (min {row['eager_min_ms']:.1f}), compiled "
+                  f"{row['compiled_ms']:.1f} ms (min {row['compiled_min_ms']:.1f}), x{row['speedup']:.2f}; "
+                  f"over bound {row['eager_over_bound']:.2f} / {row['compiled_over_bound']:.2f}", flush=True)
+        eager.release()
+        comp.release()
+    for b in a.batch:
+        s, lg = steps[("small", b)], steps[("large", b)]
+        for row in (s, lg):
+            row["small_large_eager"] = round(s["eager_ms"] / lg["eager_ms"], 3)
+            row["small_large_compiled"] = round(s["compiled_ms"] / lg["compiled_ms"], 3)
+        print(f"small:large step at B={b}: eager {s['small_large_eager']:.2f}, compiled {s['small_large_compiled']:.2f}")
+    print(evalkit.table(rows, [("model", "model", ""), ("batch", "B", "d"), ("bound_ms", "bound ms", ".1f"),
+                               ("eager_ms", "eager ms", ".1f"), ("compiled_ms", "compiled ms", ".1f"),
+                               ("speedup", "x", ".2f"), ("eager_over_bound", "eager/bound", ".2f"),
+                               ("compiled_over_bound", "compiled/bound", ".2f")]))
+    out = evalkit.Output(a, __file__, evalkit.cells_tag(a.dtype, b=a.batch))
+    out.write(rows, bandwidth=bw, command=" ".join([sys.executable, *sys.argv]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
