@@ -187,7 +187,7 @@ def cmd_info(args) -> int:
 def cmd_bench(args) -> int:
     """The side-by-side throughput benchmark (see `tokenrouter_sdk.bench`)."""
     from .bench import CsvLog, environment, format_table, run_bench, write_html
-    from .cli_common import build_policy, describe_pair, fail, load_models, per_model, policy_registry
+    from .cli_common import build_policy, describe_pair, fail, load_models, per_model, policy_registry, tp_of
     prog = "tokenrouter bench"
     ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
     registry, own = policy_registry(args, prog)
@@ -251,6 +251,9 @@ def cmd_bench(args) -> int:
             kw["cuda_graphs"] = True
     if args.no_prefix_cache:
         kw["prefix_cache"] = False
+    tp = tp_of(args, list(models), prog)
+    if tp:
+        kw["tp"] = tp
     print(environment())
     deadline = time.monotonic() + 60 * args.time_budget_min if args.time_budget_min else None
     log = CsvLog(args.out + ".csv")

@@ -29,6 +29,10 @@ def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True
     g.add_argument("--dtype", metavar="DTYPE|NAME=DTYPE,...",
                    help="precision: auto (the checkpoint's own), bfloat16, float16, float32, for all or per model "
                         "(default: auto for --model sources, float32 for the packaged pair)")
+    g.add_argument("--tp", metavar="NAME=RANKS,...",
+                   help="tensor-parallel ranks per model, e.g. large=2 (the model runs as that many processes, "
+                        "collectives by torch.distributed: gloo on the CPU, NCCL on CUDA with rank r on cuda:r); its "
+                        "heads and KV heads must divide by it; the packaged pair's large model takes large=3")
     if small_layers:
         g.add_argument("--small-layers", type=int, default=None,
                        help="packaged pair only: small = plain truncation of the large model to this many layers "
@@ -97,6 +101,27 @@ def per_model(text: str | None, names: list[str] | None, flag: str, prog: str):
     return out
 
 
+def tp_of(args, names: list[str], prog: str) -> dict[str, int] | None:
+    """``--tp NAME=RANKS,...`` as ``{name: ranks}`` (None when not given).
+
+    Raises:
+        SystemExit: not NAME=RANKS with RANKS a positive int, or naming a model not there.
+    """
+    text = getattr(args, "tp", None)
+    if text is None:
+        return None
+    out = {}
+    for item in text.split(","):
+        name, eq, value = item.partition("=")
+        if not eq or not value.strip().isdigit() or int(value) < 1:
+            raise fail(prog, f"--tp takes NAME=RANKS,... with RANKS a positive int (e.g. large=2), got {text!r}")
+        out[name.strip()] = int(value)
+    bad = sorted(set(out) - set(names))
+    if bad:
+        raise fail(prog, f"--tp names {bad}, which are not models here ({names})")
+    return out
+
+
 def model_specs(args, prog: str) -> dict | None:
     """``{name: ModelSpec}`` from ``--model``, ``--device`` and ``--dtype``, or None (the packaged
     pair)."""
@@ -106,8 +131,9 @@ def model_specs(args, prog: str) -> dict | None:
         return None
     dev = per_model(getattr(args, "device", None), list(models), "--device", prog)
     dt = per_model(getattr(args, "dtype", None), list(models), "--dtype", prog)
+    tp = tp_of(args, list(models), prog) or {}
     pick = lambda v, n: v.get(n) if isinstance(v, dict) else v  # noqa: E731
-    return {n: ModelSpec(src, pick(dev, n), pick(dt, n)) for n, src in models.items()}
+    return {n: ModelSpec(src, pick(dev, n), pick(dt, n), tp=tp.get(n)) for n, src in models.items()}
 
 
 def _errors():
@@ -129,8 +155,10 @@ def build_router(args, prog: str, policy=None, **settings):
         if specs is None:
             per_model(getattr(args, "device", None), None, "--device", prog)
             per_model(getattr(args, "dtype", None), None, "--dtype", prog)
+            tp = tp_of(args, ["small", "large"], prog)
             return Router.default(policy=policy, small_layers=getattr(args, "small_layers", None),
-                                  device=getattr(args, "device", None), dtype=getattr(args, "dtype", None), **settings)
+                                  device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
+                                  **({"tp": tp} if tp else {}), **settings)
         return Router(specs, policy, **settings)
     except _errors() as e:
         raise fail(prog, f"{type(e).__name__}: {e}") from None

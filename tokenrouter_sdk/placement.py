@@ -111,12 +111,20 @@ class ModelSpec:
             for GGUF files, which are dequantized), a name (``"bfloat16"``) or a torch dtype;
             None: the Router's ``dtype`` (``"auto"`` by default).
         gguf_file: the GGUF file's name inside a folder holding several.
+        tp: tensor-parallel ranks of this model (`tokenrouter_sdk.backends.tensor_parallel`): its
+            sub-server's runner is rank 0 of ``tp`` processes, each holding ``1/tp`` of the
+            attention heads, KV heads and MLP width (all must divide by ``tp``); on CUDA rank r
+            uses ``cuda:r``. None: the Router's ``tp`` for this model (1 by default).
+
+    ``source`` may also be a loaded model (a ``transformers`` causal LM, or ``(model, tokenizer)``)
+    to give it a ``tp``: ``ModelSpec(model, tp=2)``.
     """
 
     source: Any
     device: Any = None
     dtype: Any = None
     gguf_file: str | None = None
+    tp: int | None = None
 
     @classmethod
     def of(cls, value) -> "ModelSpec | None":
@@ -133,12 +141,17 @@ class ModelSpec:
             return cls(value)
         if isinstance(value, Mapping):
             keys = set(value)
-            unknown = sorted(keys - {"source", "device", "dtype", "gguf_file"})
+            unknown = sorted(keys - {"source", "device", "dtype", "gguf_file", "tp"})
             if "source" not in keys or unknown:
                 raise TypeError(f"a model given as a dict takes 'source' (folder, GGUF file or hub id) and optionally "
-                                f"'device', 'dtype', 'gguf_file'; got keys {sorted(keys)}")
+                                f"'device', 'dtype', 'gguf_file', 'tp'; got keys {sorted(keys)}")
             return cls(**value)
         return None
+
+    @property
+    def loaded(self) -> bool:
+        """Whether ``source`` is a model object (or ``(model, tokenizer)``), not a place to load from."""
+        return isinstance(self.source, (torch.nn.Module, tuple))
 
     def placed(self, device=None, dtype=None) -> tuple[torch.device, torch.dtype | str]:
         """``(device, dtype)`` this model loads with: its own, else the given defaults, else

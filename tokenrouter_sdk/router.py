@@ -84,6 +84,12 @@ class Router:
             (``"bfloat16"``, ``"float16"``, ``"float32"``) or a torch dtype, or a dict name ->
             dtype; a `ModelSpec`'s own dtype wins. A dtype given for a loaded model in another
             dtype raises.
+        tp: tensor-parallel ranks, one for all or a dict name -> ranks (e.g. ``{"large": 2}``); a
+            `ModelSpec`'s own ``tp`` wins. A model with ``tp > 1`` runs as ``tp`` processes
+            (`tokenrouter_sdk.backends.tensor_parallel.TensorParallelRunner`: rank 0 in its
+            sub-server, steps shipped to the others, collectives by torch.distributed: gloo on
+            the CPU, NCCL on CUDA with rank r on ``cuda:r``). Its heads, KV heads and MLP width
+            must divide by ``tp``. Not with ``compile`` or ``cuda_graphs`` yet.
         **settings: `EngineConfig` fields: ``mode`` (``"async"``, ``"delayed"``, ``"sync"``,
             ``"model_sync"``), ``thresholds`` (dict or ``"auto"``; ``delayed`` only),
             ``retain_kv``, ``max_kv_tokens`` (tokens per model), ``kv_memory_fraction`` (the
@@ -109,7 +115,7 @@ class Router:
     """
 
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
-                 config: EngineConfig | None = None, dtype=None, device=None, **settings):
+                 config: EngineConfig | None = None, dtype=None, device=None, tp=None, **settings):
         unknown = sorted(set(settings) - _SETTINGS)
         if unknown:
             raise TypeError(f"Router got unknown keyword(s) {unknown}; engine settings are {sorted(_SETTINGS)}")
@@ -129,8 +135,8 @@ class Router:
             if config.processes:
                 raise ValueError("backend='sim' runs in simulated time in one thread: processes=True is not "
                                  "available with it")
-            if device is not None or dtype is not None or config.kv_memory_fraction is not None:
-                raise ValueError("backend='sim' runs latency models: device, dtype and kv_memory_fraction do not "
+            if device is not None or dtype is not None or tp is not None or config.kv_memory_fraction is not None:
+                raise ValueError("backend='sim' runs latency models: device, dtype, tp and kv_memory_fraction do not "
                                  "apply (max_kv_tokens sets its pools)")
             self.tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
             vocab = len(self.tokenizer)
@@ -144,7 +150,7 @@ class Router:
                               for n, r in runners.items()}
             transport = SimTransport()
         else:
-            runners, eos_ids = self._build_runners(models, tokenizer, config, dtype, device)
+            runners, eos_ids = self._build_runners(models, tokenizer, config, dtype, device, tp)
             processes = config.processes
             if processes is None:
                 env = os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower()
@@ -154,6 +160,8 @@ class Router:
             if isinstance(processes, dict) or processes:
                 from .engine.process_transport import ProcessTransport
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
+            else:  # sub-servers in threads: rank 0 of a tensor-parallel model runs in this process
+                self._start_ranks(runners)
         self.policy = policy if policy is not None else Policy()
         self.engine = Engine(runners, self.tokenizer, config, transport=transport, eos_ids=eos_ids)
         self.max_context = self.engine.max_context
@@ -177,20 +185,45 @@ class Router:
             return {n: value.get(n) for n in names}
         return {n: value for n in names}
 
-    def _build_runners(self, models: dict, tokenizer, config: EngineConfig, dtype, device):
+    @staticmethod
+    def _start_ranks(runners: dict) -> None:
+        """Start the ranks of the tensor-parallel runners (rank 0 here); on a failure, stop the
+        ones already started and raise."""
+        from .backends.tensor_parallel import TensorParallelRunner
+        tps = [r for r in runners.values() if isinstance(r, TensorParallelRunner)]
+        try:
+            for r in tps:
+                r.start()
+        except BaseException:
+            for r in tps:
+                r.release()
+            raise
+
+    def _build_runners(self, models: dict, tokenizer, config: EngineConfig, dtype, device, tp=None):
         from .backends.torch_runner import TorchRunner
         from .kv_sizing import KVSizing, plan
         from .models import check_same_tokenizer, load_model
         from .placement import AUTO, ModelSpec, resolve_device, resolve_dtype
         names = list(models)
         devices, dtypes = self._per_model(device, names, "device"), self._per_model(dtype, names, "dtype")
-        loaded, toks, runners, eos = {}, {}, {}, []
+        tps = self._per_model(tp, names, "tp")
+        loaded, toks, runners, eos, folders = {}, {}, {}, [], {}
         for name, m in models.items():
             spec = ModelSpec.of(m)
+            if spec is not None and spec.tp is not None:
+                tps[name] = spec.tp
+            if spec is not None and spec.loaded:
+                if spec.device is not None or spec.dtype is not None:
+                    raise ValueError(f"model '{name}': ModelSpec of a loaded model takes no device or dtype (it "
+                                     f"stays where it is); give its source to load it elsewhere")
+                m, spec = spec.source, None
             if spec is not None:
                 dev, dt = spec.placed(devices[name], dtypes[name])
                 m, toks[name] = load_model(spec.source, device=dev, dtype=dt, gguf_file=spec.gguf_file)
                 loaded[name] = m
+                src = os.path.expanduser(str(spec.source))
+                if spec.gguf_file is None and os.path.isfile(os.path.join(src, "config.json")):
+                    folders[name] = src  # the ranks of a tensor-parallel model load it from here
                 continue
             if isinstance(m, tuple):  # (model, its tokenizer)
                 m, toks[name] = m
@@ -208,6 +241,9 @@ class Router:
                 raise ValueError(f"dtype={dtypes[name]!r} was given, but model '{name}' is loaded in {have}: convert "
                                  f"it first (model.to({want})) or give its source so the Router loads it in {want}")
             if isinstance(m, Runner):
+                if tps[name] not in (None, 1):
+                    raise ValueError(f"model '{name}' is a runner object: tp={tps[name]} cannot apply to it (give "
+                                     f"the model or its source)")
                 runners[name] = m
                 eos += list(getattr(m, "eos_token_ids", ()) or ())
             else:
@@ -224,8 +260,12 @@ class Router:
         sizing = plan(loaded, block_size=config.block_size, max_kv_tokens=config.max_kv_tokens,
                       fraction=config.kv_memory_fraction) if loaded else {}
         for name, m in loaded.items():
-            runners[name] = TorchRunner(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
-                                        cuda_graphs=config.cuda_graphs, compile=config.compile)
+            ranks = self._check_tp(name, tps[name], config)
+            if ranks > 1:
+                runners[name] = self._tp_runner(m, folders.get(name), ranks, sizing[name].tokens, config)
+            else:
+                runners[name] = TorchRunner(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
+                                            cuda_graphs=config.cuda_graphs, compile=config.compile)
             gen_eos = getattr(getattr(m, "generation_config", None), "eos_token_id", None)
             eos += list(gen_eos) if isinstance(gen_eos, (list, tuple)) else ([gen_eos] if gen_eos is not None else [])
         self.kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
@@ -238,6 +278,32 @@ class Router:
                           UserWarning, stacklevel=3)
         self.models = {n: loaded.get(n, runners.get(n)) for n in models}
         return {n: runners[n] for n in models}, [int(i) for i in eos]
+
+    @staticmethod
+    def _check_tp(name: str, tp, config: EngineConfig) -> int:
+        """``tp`` of model ``name`` as an int >= 1.
+
+        Raises:
+            ValueError: not a positive int; with ``compile`` or ``cuda_graphs``.
+        """
+        if tp is None:
+            return 1
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp of model '{name}' must be a positive int (tensor-parallel ranks), got {tp!r}")
+        if tp > 1 and (config.compile or config.cuda_graphs):
+            raise ValueError(f"model '{name}' has tp={tp}: compile and cuda_graphs do not apply to a "
+                             f"tensor-parallel model yet; leave them off")
+        return tp
+
+    def _tp_runner(self, model, folder, tp: int, kv_tokens: int, config: EngineConfig):
+        """The `TensorParallelRunner` of ``model`` (its ranks load ``folder`` when the model came
+        from one, else the model object itself), not started yet."""
+        from .backends.tensor_parallel import ModelRecipe, TensorParallelRunner
+        p = next(model.parameters())
+        dtype = str(p.dtype).removeprefix("torch.")
+        recipe = ModelRecipe(folder if folder is not None else model, dtype=dtype,
+                             device="cuda" if p.device.type == "cuda" else p.device.type)
+        return TensorParallelRunner(recipe, tp, max_kv_tokens=kv_tokens, block_size=config.block_size)
 
     @classmethod
     def default(cls, policy: Policy | None = None, *, small_layers: int | None = None, draft=None, dtype=None,

@@ -11,6 +11,7 @@ Systems (each repeat runs every system in a fresh process, in turn, so load nois
   ours-eager     Router({"large": large}, LargeOnly(), compile=False), router.generate(ids, ...)
   ours-compiled  the same with compile="wait" (`TorchRunner`'s compiled steps; the warm-up call
                  waits for the compile, so every measured step is compiled)
+  ours-nocache   ours-eager with prefix_cache=False (the prefix row with the cache off)
   hf             model.generate on the left-padded batch (sdpa attention, do_sample=False,
                  min_new_tokens = max_new_tokens)
   vllm           vllm.LLM(model=<same folder>, dtype=<same>).generate(TokensPrompt(ids), greedy,
@@ -44,7 +45,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1]))  # evals/: evalkit
 
 WORKLOADS = {"decode": (8, 128), "long": (2, 1024), "prefix": (16, 16)}  # name -> (requests, new tokens)
-SYSTEMS = ("ours-eager", "ours-compiled", "hf", "vllm")
+SYSTEMS = ("ours-eager", "ours-compiled", "ours-nocache", "hf", "vllm")
 
 
 # -- workers: one process each; only the standard library is imported at module level ----------
@@ -63,7 +64,7 @@ def worker_ours(spec: dict) -> dict:
 
     large, tok = load_model(spec["model"], dtype=getattr(torch, spec["dtype"]))
     router = Router({"large": large}, LargeOnly(), tokenizer=tok, processes=False, compile=spec["compile"],
-                    max_kv_tokens=spec["max_kv_tokens"])
+                    max_kv_tokens=spec["max_kv_tokens"], prefix_cache=spec.get("prefix_cache", True))
     res = {}
     try:
         warm, _ = _timed(lambda: router.generate(spec["warmup"], max_new_tokens=8, ignore_eos=True))
@@ -151,7 +152,8 @@ def build_workloads(tok, n_prefix_shots: int = 8) -> dict:
 
 def run_system(system: str, base: dict, python: str, timeout: float) -> dict:
     kind = "ours" if system.startswith("ours") else system
-    spec = dict(base, kind=kind, compile="wait" if system == "ours-compiled" else False)
+    spec = dict(base, kind=kind, compile="wait" if system == "ours-compiled" else False,
+                prefix_cache=system != "ours-nocache")
     with tempfile.TemporaryDirectory() as d:
         sp, op = Path(d) / "spec.json", Path(d) / "out.json"
         sp.write_text(json.dumps(spec))

@@ -77,12 +77,31 @@ def test_serve_flags_take_effect(folders, tmp_path):
         router.close()
 
 
+def test_tp_flag_makes_the_model_tensor_parallel_loaded_from_its_folder(folders):
+    pytest.importorskip("fastapi")
+    from tokenrouter_sdk.backends.tensor_parallel import TensorParallelRunner
+    from tokenrouter_sdk.serve.cli import build
+    router, app, sock, _ = build(serve_args([*model_flags(folders), "--tp", "large=2", "--max-kv-tokens", "512"]))
+    try:
+        runner = router.engine.runners["large"]
+        assert isinstance(runner, TensorParallelRunner) and runner.tp == 2
+        assert runner.recipe.source == folders[1]  # the ranks load the folder, not a pickled model
+        assert not isinstance(router.engine.runners["small"], TensorParallelRunner)
+        out = router.generate([[5, 6, 7]], max_new_tokens=4, ignore_eos=True)[0]
+        assert out.error is None and len(out.token_ids) == 4
+    finally:
+        sock.close()
+        router.close()
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--mode", "async", "--thresholds", "small=2"], "--thresholds apply to --mode delayed"),
     (["--device", "small=cpu"], "per model needs --model"),
     (["--small-layers", "4", "--model", "small=x", "--model", "large=y"], "--small-layers"),
     (["--model", "small=a", "--model", "large=b", "--device", "huge=cpu"], "not models of --model"),
     (["--policy", "rstitch:speed=1"], "has no argument 'speed'"),
+    (["--tp", "large=two"], "--tp takes NAME=RANKS"),
+    (["--tp", "huge=2"], "--tp names"),
 ])
 def test_serve_bad_flags_stop_naming_them(argv, msg):
     pytest.importorskip("fastapi")

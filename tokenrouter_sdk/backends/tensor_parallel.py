@@ -137,6 +137,23 @@ class ModelRecipe:
     dtype: str = "float32"
     device: str = "cpu"
 
+    def config(self):
+        """The model's transformers config (read from the folder, or the object's own)."""
+        if isinstance(self.source, (str, os.PathLike)):
+            from transformers import AutoConfig
+            return AutoConfig.from_pretrained(str(self.source))
+        return self.source.config
+
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype the ranks hold the weights in (``"auto"``: the checkpoint's own)."""
+        if not isinstance(self.source, (str, os.PathLike)):
+            return next(self.source.parameters()).dtype
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        cfg = self.config()
+        dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+        return getattr(torch, dt) if isinstance(dt, str) else dt
+
     def payload(self) -> bytes:
         """What travels to the ranks (a folder path, or the pickled model)."""
         buf = io.BytesIO()
@@ -168,13 +185,17 @@ def _group(store_host: str, store_port: int, rank: int, tp: int, device: str, ti
     return store, dist.ProcessGroupGloo(prefix, rank, tp, timedelta(seconds=timeout_s))
 
 
-def _follower_main(payload: bytes, rank: int, tp: int, store_port: int, address: str, runner_kw: dict,
-                   threads: int, timeout_s: float) -> None:
-    """Rank ``rank`` >= 1: load, shard, then run every step rank 0 ships until told to stop or
-    rank 0's process ends."""
+def _follower_main() -> None:
+    """Rank >= 1 (a process started by `TensorParallelRunner.start`): read its set-up from stdin
+    (one pickle), load, shard, then run every step rank 0 ships until told to stop or stdin
+    closes (rank 0's process ended)."""
+    import sys
+
     import zmq
 
     from .torch_runner import TorchRunner
+    stdin = sys.stdin.buffer
+    payload, rank, tp, store_port, address, runner_kw, threads, timeout_s = pickle.load(stdin)
     torch.set_num_threads(max(1, threads))
     model = _load(payload, rank)
     store, group = _group("127.0.0.1", store_port, rank, tp, runner_kw.get("device", "cpu"), timeout_s)
@@ -183,20 +204,20 @@ def _follower_main(payload: bytes, rank: int, tp: int, store_port: int, address:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.connect(address)
-    parent = multiprocessing.parent_process()
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    poller.register(stdin.fileno(), zmq.POLLIN)  # readable only at EOF: rank 0 is gone
     store.set(f"ready{rank}", b"1")
     try:
         while True:
-            if not poller.poll(500):
-                if parent is not None and not parent.is_alive():
+            ready = dict(poller.poll())
+            if sock in ready:
+                kind, inputs = pickle.loads(sock.recv())
+                if kind == "stop":
                     return
-                continue
-            kind, inputs = pickle.loads(sock.recv())
-            if kind == "stop":
+                runner.forward(inputs)
+            elif stdin.fileno() in ready and not os.read(stdin.fileno(), 1):
                 return
-            runner.forward(inputs)
     finally:
         sock.close(linger=0)
         ctx.term()
@@ -204,7 +225,15 @@ def _follower_main(payload: bytes, rank: int, tp: int, store_port: int, address:
 
 
 class TensorParallelRunner:
-    """A `Runner` over ``tp`` ranks: this process is rank 0 (see the module docstring).
+    """A `Runner` over ``tp`` ranks: the process that calls `start` is rank 0 (see the module
+    docstring).
+
+    Built in one process and started in another: the constructor reads the model's shape (vocab,
+    context, KV heads) and makes a KV pool of the local heads (what the engine sizes admission
+    by), and travels by pickle until `start`; `start` (called by `prepare_process` in a
+    sub-server process, or by the Router for sub-servers in threads) starts ranks 1..tp-1 as
+    processes of its own (``python -c``, their set-up over a pipe whose end is also their
+    signal that rank 0 is gone), shards rank 0's model and builds its `TorchRunner`.
 
     Args:
         recipe: the `ModelRecipe` every rank loads.
@@ -212,75 +241,123 @@ class TensorParallelRunner:
         max_kv_tokens, block_size: the KV pool of every rank (each holds its local KV heads).
         threads: torch threads per follower rank.
         timeout_s: seconds a collective or the start-up waits for a rank before it fails.
+        start: start the ranks now (default False: at `start` / `prepare_process`).
 
     Raises:
-        TensorParallelError: the model's heads do not divide by ``tp``.
-        RuntimeError: a rank did not start within ``timeout_s`` (names it).
+        TensorParallelError: the model's heads do not divide by ``tp`` (names both numbers).
+        RuntimeError: a rank did not start within ``timeout_s`` (names it and its exit code).
 
     Attributes:
         ship_s: seconds spent shipping the last step's inputs to the other ranks.
     """
 
     def __init__(self, recipe: ModelRecipe, tp: int, *, max_kv_tokens: int = 8192, block_size: int = 16,
-                 threads: int = 1, timeout_s: float = 120.0):
+                 threads: int = 1, timeout_s: float = 120.0, start: bool = False):
+        from ..engine.kv_pool import KVPool
+        if tp < 2:
+            raise TensorParallelError(f"TensorParallelRunner needs tp >= 2, got {tp} (tp = 1: use TorchRunner)")
+        self.recipe, self.tp, self.timeout_s, self.threads = recipe, tp, timeout_s, threads
+        self.max_kv_tokens, self.block_size = max_kv_tokens, block_size
+        cfg = recipe.config()
+        check_divisible(cfg, tp)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // tp
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(cfg.vocab_size)
+        self.dtype = recipe.torch_dtype()
+        self.device = torch.device("cuda", 0) if recipe.device == "cuda" else torch.device(recipe.device)
+        self.pool = KVPool(cfg.num_hidden_layers, kv_heads, head_dim, -(-max_kv_tokens // block_size), block_size,
+                           dtype=self.dtype, device="cpu" if recipe.device == "cuda" else recipe.device)
+        self.local = None
+        self.last_forward_s = 0.0
+        self.ship_s = 0.0
+        self._procs: list = []
+        self._socks: list = []
+        self._ctx = None
+        self._dir = ""
+        if start:
+            self.start()
+
+    def __getstate__(self):
+        if self.local is not None:
+            raise TypeError("a started TensorParallelRunner cannot be pickled (its ranks belong to this process); "
+                            "send it before start()")
+        return dict(self.__dict__)
+
+    @property
+    def started(self) -> bool:
+        """Whether the ranks run (rank 0 in this process)."""
+        return self.local is not None
+
+    def prepare_process(self) -> None:
+        """Set-up in the process that runs the sub-server: start the ranks."""
+        self.start()
+
+    def start(self) -> None:
+        """Start ranks 1..tp-1, shard this rank's model, build its runner (idempotent).
+
+        Raises:
+            RuntimeError: a rank did not start within ``timeout_s`` (names it).
+        """
+        import subprocess
+        import sys
         import tempfile
 
         import torch.distributed as dist
         import zmq
 
         from .torch_runner import TorchRunner
-        if tp < 2:
-            raise TensorParallelError(f"TensorParallelRunner needs tp >= 2, got {tp} (tp = 1: use TorchRunner)")
-        self.tp, self.timeout_s = tp, timeout_s
+        if self.local is not None:
+            return
+        tp, timeout_s, recipe = self.tp, self.timeout_s, self.recipe
         payload = recipe.payload()
         model = _load(payload, 0)
-        check_divisible(model.config, tp)
         self._store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=timedelta(seconds=timeout_s),
                                     wait_for_workers=False)
         self._dir = tempfile.mkdtemp(prefix="tokenrouter-tp-")
-        address = f"ipc://{self._dir}/steps"
         self._ctx = zmq.Context()
-        self._socks = []
-        mp = multiprocessing.get_context("spawn")
-        self._procs = []
-        runner_kw = {"max_kv_tokens": max_kv_tokens, "block_size": block_size, "device": recipe.device}
-        for r in range(1, tp):
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            addr = f"{address}-{r}"
-            sock.bind(addr)
-            self._socks.append(sock)
-            p = mp.Process(target=_follower_main, name=f"tokenrouter-tp-rank{r}", daemon=True,
-                           args=(payload, r, tp, self._store.port, addr, runner_kw, threads, timeout_s))
-            p.start()
-            self._procs.append(p)
-        prefix = dist.PrefixStore("tokenrouter-tp", self._store)
-        self.group = (dist.ProcessGroupNCCL(prefix, 0, tp) if recipe.device == "cuda"
-                      else dist.ProcessGroupGloo(prefix, 0, tp, timedelta(seconds=timeout_s)))
-        shard_model(model, 0, tp, self.group)
-        deadline = time.monotonic() + timeout_s
-        for r, p in enumerate(self._procs, start=1):
-            while True:
-                try:
-                    self._store.wait([f"ready{r}"], timedelta(seconds=1))
-                    break
-                except Exception:  # noqa: BLE001 - not ready yet
-                    if not p.is_alive() or time.monotonic() > deadline:
-                        self.release()
-                        raise RuntimeError(f"tensor-parallel rank {r} did not start within {timeout_s} s "
-                                           f"(exit code {p.exitcode})") from None
-        self.local = TorchRunner(model, max_kv_tokens=max_kv_tokens, block_size=block_size)
+        runner_kw = {"max_kv_tokens": self.max_kv_tokens, "block_size": self.block_size, "device": recipe.device}
+        code = "from tokenrouter_sdk.backends.tensor_parallel import _follower_main; _follower_main()"
+        try:
+            for r in range(1, tp):
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                addr = f"ipc://{self._dir}/steps-{r}"
+                sock.bind(addr)
+                self._socks.append(sock)
+                p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, close_fds=True)
+                self._procs.append(p)
+                pickle.dump((payload, r, tp, self._store.port, addr, runner_kw, self.threads, timeout_s), p.stdin,
+                            protocol=pickle.HIGHEST_PROTOCOL)
+                p.stdin.flush()  # stdin stays open: its end tells the rank that this process is gone
+            prefix = dist.PrefixStore("tokenrouter-tp", self._store)
+            self.group = (dist.ProcessGroupNCCL(prefix, 0, tp) if recipe.device == "cuda"
+                          else dist.ProcessGroupGloo(prefix, 0, tp, timedelta(seconds=timeout_s)))
+            shard_model(model, 0, tp, self.group)
+            deadline = time.monotonic() + timeout_s
+            for r, p in enumerate(self._procs, start=1):
+                while True:
+                    try:
+                        self._store.wait([f"ready{r}"], timedelta(seconds=1))
+                        break
+                    except Exception:  # noqa: BLE001 - not ready yet
+                        if p.poll() is not None or time.monotonic() > deadline:
+                            raise RuntimeError(f"tensor-parallel rank {r} of {tp} did not start within {timeout_s} s "
+                                               f"(exit code {p.poll()})") from None
+        except BaseException:
+            self.release()
+            raise
+        self.pool.release()
+        self.local = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size)
         self.pool = self.local.pool
-        self.vocab_size, self.max_context = self.local.vocab_size, self.local.max_context
         self.device = self.local.device
-        self.last_forward_s = 0.0
-        self.ship_s = 0.0
 
-    def _check_ranks(self) -> None:
-        dead = [(r, p.exitcode) for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
-        if dead:
-            raise RunnerDied(f"tensor-parallel rank(s) {[r for r, _ in dead]} of {self.tp} died (exit codes "
-                             f"{[c for _, c in dead]})")
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..tp-1 (empty before `start`)."""
+        return [p.pid for p in self._procs]
+
+    def _dead(self) -> list[tuple[int, int | None]]:
+        return [(r, p.poll()) for r, p in enumerate(self._procs, start=1) if p.poll() is not None]
 
     def forward(self, seqs: list[SeqInput]):
         """Ship ``seqs`` to the other ranks, run rank 0's shard; see `TorchRunner.forward`.
@@ -288,7 +365,12 @@ class TensorParallelRunner:
         Raises:
             RunnerDied: a rank is gone (before the step, or a collective failed because of it).
         """
-        self._check_ranks()
+        if self.local is None:
+            self.start()
+        dead = self._dead()
+        if dead:
+            raise RunnerDied(f"tensor-parallel rank(s) {[r for r, _ in dead]} of {self.tp} died (exit codes "
+                             f"{[c for _, c in dead]})")
         t0 = time.perf_counter()
         data = pickle.dumps(("step", list(seqs)), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._socks:
@@ -297,7 +379,10 @@ class TensorParallelRunner:
         try:
             out = self.local.forward(seqs)
         except RuntimeError as e:
-            dead = [r for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
+            deadline = time.monotonic() + 1.0  # a rank whose socket closed is reaped a moment later
+            while not self._dead() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            dead = [r for r, _ in self._dead()]
             if dead or "gloo" in str(e).lower() or "nccl" in str(e).lower():
                 raise RunnerDied(f"tensor-parallel rank(s) {dead or '?'} of {self.tp} failed during a step: {e}") from e
             raise
@@ -307,22 +392,28 @@ class TensorParallelRunner:
     def release(self) -> None:
         """Stop the other ranks and free this rank's model and pool."""
         import shutil
-        for sock in getattr(self, "_socks", []):
+        for sock in self._socks:
             try:
                 sock.send(pickle.dumps(("stop", None)), flags=1)  # zmq.NOBLOCK
             except Exception:  # noqa: BLE001 - a rank already gone
                 pass
             sock.close(linger=0)
         self._socks = []
-        for p in getattr(self, "_procs", []):
-            p.join(5.0)
-            if p.is_alive():
+        for p in self._procs:
+            try:
+                p.wait(5.0)
+            except Exception:  # noqa: BLE001 - still running: end it
                 p.kill()
-                p.join(2.0)
+                p.wait(2.0)
+            if p.stdin is not None:
+                p.stdin.close()
         self._procs = []
-        if getattr(self, "_ctx", None) is not None:
+        if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        if getattr(self, "local", None) is not None:
+        if self.local is not None:
             self.local.release()
-        shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
+        elif self.pool is not None:
+            self.pool.release()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli_common import add_model_arguments, add_policy_arguments, describe_pair, fail, model_specs, per_model
+from ..cli_common import add_model_arguments, add_policy_arguments, describe_pair, fail, model_specs, per_model, tp_of
 from ..cli_common import policy_registry
 
 # registry name -> the argument a sweep varies
@@ -193,6 +193,9 @@ def cmd_eval(args) -> int:
         per_model(args.dtype, None, "--dtype", prog)
         target, kwargs = "default", {"small_layers": args.small_layers, "mode": args.mode, "device": args.device,
                                      "dtype": args.dtype}
+        tp = tp_of(args, ["small", "large"], prog)
+        if tp:
+            kwargs["tp"] = tp
     else:
         target, kwargs = specs, {"mode": args.mode}
     kwargs["prefix_cache"] = not args.no_prefix_cache
