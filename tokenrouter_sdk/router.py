@@ -90,6 +90,12 @@ class Router:
             sub-server, steps shipped to the others, collectives by torch.distributed: gloo on
             the CPU, NCCL on CUDA with rank r on ``cuda:r``). Its heads, KV heads and MLP width
             must divide by ``tp``. Not with ``compile`` or ``cuda_graphs`` yet.
+        cluster: ``"ray"``: host each sub-server in a Ray actor, on any node of the Ray cluster
+            this process is connected to (or a local one), placed by one placement group per
+            Router (`tokenrouter_sdk.engine.ray_transport.RayTransport`; ``pip install
+            'tokenrouter-sdk[ray]'``); or a dict of its options: ``address`` (the Ray cluster),
+            ``resources`` (per model, e.g. ``{"large": {"GPU": 2}}``), ``strategy``
+            (``"PACK"``, ``"SPREAD"``, ...), ``threads``. None (default): this machine.
         **settings: `EngineConfig` fields: ``mode`` (``"async"``, ``"delayed"``, ``"sync"``,
             ``"model_sync"``), ``thresholds`` (dict or ``"auto"``; ``delayed`` only),
             ``retain_kv``, ``max_kv_tokens`` (tokens per model), ``kv_memory_fraction`` (the
@@ -115,7 +121,7 @@ class Router:
     """
 
     def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
-                 config: EngineConfig | None = None, dtype=None, device=None, tp=None, **settings):
+                 config: EngineConfig | None = None, dtype=None, device=None, tp=None, cluster=None, **settings):
         unknown = sorted(set(settings) - _SETTINGS)
         if unknown:
             raise TypeError(f"Router got unknown keyword(s) {unknown}; engine settings are {sorted(_SETTINGS)}")
@@ -132,9 +138,9 @@ class Router:
             from .engine.sim_transport import SimTransport
             from .kv_sizing import KVSizing
             from .models import tiny_tokenizer
-            if config.processes:
-                raise ValueError("backend='sim' runs in simulated time in one thread: processes=True is not "
-                                 "available with it")
+            if config.processes or cluster is not None:
+                raise ValueError("backend='sim' runs in simulated time in one thread: processes=True and cluster "
+                                 "are not available with it")
             if device is not None or dtype is not None or tp is not None or config.kv_memory_fraction is not None:
                 raise ValueError("backend='sim' runs latency models: device, dtype, tp and kv_memory_fraction do not "
                                  "apply (max_kv_tokens sets its pools)")
@@ -152,12 +158,22 @@ class Router:
         else:
             runners, eos_ids = self._build_runners(models, tokenizer, config, dtype, device, tp)
             processes = config.processes
-            if processes is None:
+            if cluster is not None:
+                if cluster != "ray" and not isinstance(cluster, Mapping):
+                    raise ValueError(f"cluster must be 'ray' or a dict of RayTransport options, got {cluster!r}")
+                if processes is False:
+                    raise ValueError("cluster='ray' runs sub-servers in Ray actors: processes=False cannot apply")
+                from .engine.ray_transport import RayTransport
+                transport = RayTransport(**(dict(cluster) if isinstance(cluster, Mapping) else {}))
+                processes = None
+            elif processes is None:
                 env = os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower()
                 torch_models = sum(not isinstance(m, Runner) for m in models.values())
                 processes = {"0": False, "false": False, "no": False, "off": False,
                              "1": True, "true": True, "yes": True, "on": True}.get(env, torch_models >= 2)
-            if isinstance(processes, dict) or processes:
+            if transport is not None:
+                pass
+            elif isinstance(processes, dict) or processes:
                 from .engine.process_transport import ProcessTransport
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
             else:  # sub-servers in threads: rank 0 of a tensor-parallel model runs in this process

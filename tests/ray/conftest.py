@@ -10,9 +10,10 @@ import tempfile
 
 import pytest
 
-ray = pytest.importorskip("ray")
-
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+_OLD_ENV = {k: os.environ.get(k) for k in LOOPBACK_ENV}
+os.environ.update(LOOPBACK_ENV)  # before Ray is imported: it reads them then (else it binds the host's interface)
+ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="session")
@@ -22,11 +23,12 @@ def cluster():
     from ray.cluster_utils import Cluster
     tmp = tempfile.mkdtemp(prefix="tokenrouter-ray-")
     env = dict(LOOPBACK_ENV, RAY_TMPDIR=tmp)
-    old = {k: os.environ.get(k) for k in env}
+    old = dict(_OLD_ENV, RAY_TMPDIR=os.environ.get("RAY_TMPDIR"))
     os.environ.update(env)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
                                                      "include_dashboard": False})
     c.add_node(num_cpus=2, resources={"node_b": 1})
+    assert c.address.startswith("127.0.0.1:"), c.address  # loopback only
     ray.init(address=c.address, log_to_driver=False)
     try:
         yield c

@@ -38,11 +38,30 @@ def _child_main(name: str, address: str, threads: int, channel) -> None:
 
     t_main = time.perf_counter()
     preloaded = _IMPORTED_IN != os.getpid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it closes us
 
+    def receive():
+        data, fds = recv_spec(channel)
+        return data, fds
+
+    code = serve(name, address, threads, receive, load_spec, t_main=t_main, preloaded=preloaded)
+    # skip the interpreter's teardown of torch and transformers (seconds, nothing to save)
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    os._exit(code)
+
+
+def serve(name: str, address: str, threads: int, receive, load, *, t_main: float, preloaded: bool = False,
+          watch_parent: bool = True) -> int:
+    """Run model ``name``'s sub-server until `Shutdown`: get its spec (``receive()`` -> data,
+    ``load(*data)`` -> the spec dict or a `_LoadError`), connect to the hub at ``address``, build
+    the `SubServer` and step it. Returns the exit code (0: shut down, 1: crashed, reported to
+    the hub as ``err``). ``watch_parent``: also stop when the parent process ends (for a
+    process started by `ProcessTransport`; a Ray actor ends with its owner instead)."""
     import torch
     import zmq
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it closes us
     torch.set_num_threads(max(1, int(threads)))
     ctx = zmq.Context()
     out = ctx.socket(zmq.DEALER)
@@ -69,10 +88,10 @@ def _child_main(name: str, address: str, threads: int, channel) -> None:
     rx = None
     spec = None
     try:
-        data, fds = recv_spec(channel)
+        got = receive()
         t_received = time.perf_counter()
-        spec = load_spec(data, fds)
-        del data
+        spec = load(*got)
+        del got
         t_loaded = time.perf_counter()
         if isinstance(spec, _LoadError):
             raise RuntimeError(spec.text)
@@ -92,7 +111,7 @@ def _child_main(name: str, address: str, threads: int, channel) -> None:
         boot = {"pid": os.getpid(), "preloaded": preloaded, "main": t_main, "received": t_received,
                 "loaded": t_loaded, "built": time.perf_counter()}
         rx = threading.Thread(target=_child_receive,
-                              args=(ctx, address, name, ss.inbox, stop, fatal, orphaned, json.dumps(boot).encode()),
+                              args=(ctx, address, name, ss.inbox, stop, fatal, orphaned, boot, watch_parent),
                               name=f"tokenrouter-{name}-rx", daemon=True)
         rx.start()
         ss.run()
@@ -112,17 +131,14 @@ def _child_main(name: str, address: str, threads: int, channel) -> None:
             rx.join(5.0)
         out.close(linger=0 if orphaned.is_set() else 2000)  # flush the last events, unless nobody listens
         ctx.term()
-    # skip the interpreter's teardown of torch and transformers (seconds, nothing to save)
-    for f in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            f.flush()
-    os._exit(code)
+    return code
 
 
 def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, fatal: list,
-                   orphaned: threading.Event, boot: bytes = b"") -> None:
-    """Receiver thread of a child: says ``hi`` (with ``boot``, JSON start-up times), then hub
-    messages -> ``inbox``; Shutdown also when the parent dies."""
+                   orphaned: threading.Event, boot: dict | None = None, watch_parent: bool = True) -> None:
+    """Receiver thread of a child: says ``hi`` (with ``boot``, start-up times, and ``now``, this
+    process's clock as it sends, as JSON), then hub messages -> ``inbox``; Shutdown also when
+    the parent dies (``watch_parent``)."""
     import multiprocessing
 
     import zmq
@@ -130,10 +146,10 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, f
     sock.setsockopt(zmq.IDENTITY, b"i:" + name.encode())
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(address)
-    sock.send_multipart([b"hi", b"", boot])
+    sock.send_multipart([b"hi", b"", json.dumps(dict(boot or {}, now=time.perf_counter())).encode()])
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    parent = multiprocessing.parent_process()
+    parent = multiprocessing.parent_process() if watch_parent else None
     if parent is not None:
         poller.register(parent.sentinel, zmq.POLLIN)
     try:

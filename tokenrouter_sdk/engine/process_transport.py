@@ -250,16 +250,7 @@ class ProcessTransport:
             self.shared = {"error": f"{type(e).__name__}: {e}"}
         self.start_method = self.start_method or process_start.default_start_method(specs)
         mp = process_start.get_context(self.start_method, specs)
-        self._started = True
-        self._on_event = on_event
-        self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        for opt, val in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.LINGER, 0)):
-            self._router.setsockopt(opt, val)
-        self.address = self._bind(self._router, self.address_spec)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._open_hub(on_event)
         n = len(specs)
         threads = self.child_threads = self.threads or max(1, _cpus() // max(1, n))
         try:
@@ -270,8 +261,7 @@ class ProcessTransport:
             with process_start.no_main_reimport():
                 for name in specs:
                     self._launch(mp, name, threads)
-            self._hub = threading.Thread(target=self._hub_loop, name="tokenrouter-hub", daemon=True)
-            self._hub.start()
+            self._start_hub()
             for name, spec in specs.items():
                 data, fds = pickled.pop(name) if name in pickled else self._pickle(name, spec)
                 chan = self._chans[name]
@@ -310,6 +300,25 @@ class ProcessTransport:
             self.close()
             raise RuntimeError(f"sub-server processes could not start (each must connect within "
                                f"{self.start_timeout} s): {why}")
+
+    def _open_hub(self, on_event: Callable[[object], None]) -> None:
+        """Bind the hub's ROUTER socket (`address`) and make its wake-up pipe."""
+        import zmq
+        self._started = True
+        self._on_event = on_event
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        for opt, val in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.LINGER, 0)):
+            self._router.setsockopt(opt, val)
+        self.address = self._bind(self._router, self.address_spec)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def _start_hub(self) -> None:
+        """Start the hub thread (once every process of `procs` is there to watch)."""
+        self._hub = threading.Thread(target=self._hub_loop, name="tokenrouter-hub", daemon=True)
+        self._hub.start()
 
     def _launch(self, mp, name: str, threads: int) -> None:
         """Start ``name``'s process with one end of a new spec channel."""

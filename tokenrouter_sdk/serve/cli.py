@@ -63,6 +63,11 @@ def build(args):
         settings["processes"] = args.transport == "process"
     if args.no_prefix_cache:
         settings["prefix_cache"] = False
+    if args.ray_address:
+        if args.transport == "thread":
+            raise SystemExit(f"{prog}: --ray-address runs the sub-servers in Ray actors; --transport thread cannot apply")
+        settings.pop("processes", None)
+        settings["cluster"] = {"address": args.ray_address, "strategy": args.ray_strategy}
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
@@ -117,6 +122,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
     s.add_argument("--transport", choices=["auto", "process", "thread"], default="auto",
                    help="sub-servers in processes or threads (default: processes for two torch models)")
+    s.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="host the sub-servers in Ray actors on this Ray cluster (auto, ray://HOST:10001 or a GCS "
+                        "address; pip install 'tokenrouter-sdk[ray]')")
+    s.add_argument("--ray-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                   help="placement of the sub-servers on the Ray cluster (default PACK)")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default 4 MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     from ..cli import add_prefix_cache_flag
