@@ -695,7 +695,7 @@ class Engine:
         request and has no message waiting."""
         with self._lock:
             busy = bool(self.handles)
-        return not busy and all(not ss.sched.seqs and ss.inbox.empty() for name, ss in self.subservers.items()
+        return not busy and all(not ss.sched.seqs and not self.transport.pending(name) for name, ss in self.subservers.items()
                                 if name not in self._dead)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:

@@ -11,6 +11,11 @@ ask the policy where each request goes (it may set the token written, or `Resamp
 draw from the same distribution, routed again), then commit (and check the stop rules) or hand
 off (the request stays pending here, KV kept). Requests prefilled at admission for a later
 handoff (`Prefill`, ``EngineConfig.prefill_peers``) are fed and then wait pending, unrouted.
+
+A sub-server is a step machine and knows no transport: feed it messages (`SubServer.handle`),
+call `SubServer.step`, and read the `StepResult` it returns (the events for the engine in
+order, then the messages for peers). `serve` is the loop the thread and process transports run
+around it; the sim transport drives the same two calls in simulated time.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ from .config import MODES, EngineConfig
 from .runner import RunnerDied, SeqInput
 from .sampler import make_generator, sample
 from .scheduler import Scheduler, Seq
+from .step_result import StepResult, UnknownMessage
 
 ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
 GREEDY = SamplingParams()  # how a request samples after a Handoff(greedy=True)
 
-__all__ = ["SubServer", "RequestFailed", "MODES"]
+__all__ = ["SubServer", "StepResult", "UnknownMessage", "RequestFailed", "MODES", "serve"]
 
 
 def _policy_frame(filename: str) -> bool:
@@ -59,24 +65,21 @@ class SubServer:
         runner: the model's `tokenrouter_sdk.engine.runner.Runner` (holds the KV pool).
         tokenizer: the shared tokenizer (stop strings; ``step.tokenizer`` for policies).
         config: the `EngineConfig` (mode, retain_kv, batch limits, ...).
-        send: ``send(model_name, msg)`` delivers a message to a peer sub-server.
-        emit: ``emit(event)`` delivers an event to the engine.
         thresholds: delayed batching thresholds B_i per model (``delayed`` mode).
         vocab_limit: token ids at or above it are never sampled (the shared tokenizer's size:
             a model's extra logits rows, e.g. Qwen's padding to 151,936, are cut off).
         clock: seconds; ``time.perf_counter`` (or a simulated clock for the sim backend).
+
+    Not thread-safe: one thread calls `handle`, `take` and `step`.
     """
 
     def __init__(self, name: str, models: list[str], runner, tokenizer, config: EngineConfig,
-                 send: Callable[[str, object], None], emit: Callable[[object], None],
                  thresholds: dict[str, int] | None = None, vocab_limit: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.name, self.models, self.index = name, list(models), list(models).index(name)
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
-        self.send, self.emit = send, emit
         self.sched = Scheduler(runner.pool, config.max_batch_tokens, config.max_batch_size,
                                prefix_cache=config.prefix_cache)
-        self.inbox: queue.Queue = queue.Queue()
         self.policies: dict[int, Policy] = {}
         self.aborted: collections.OrderedDict[int, tuple[str, str | None]] = collections.OrderedDict()
         self._running = True
@@ -85,46 +88,84 @@ class SubServer:
         self.vocab_limit = int(vocab_limit or runner.vocab_size)
         self.inflight = 0
         self._go: list[int] = []
-        self._deferred: list | None = None  # Finished events held until the step's StepDone
-        self._held: list | None = None  # messages to peers held until the step's StepDone
+        self._out = StepResult()  # what handling and stepping produced since the last take/step
+        self._late: list | None = None  # inside a step: its Finished events, placed after its StepDone
         self.clock = clock
+        self._handlers = {
+            M.Admit: self._admit, M.Prefill: self._prefill, M.HandoffMsg: self._receive,
+            M.Release: self._release, M.Abort: self._abort, M.RegisterPolicy: self._register,
+            M.UnregisterPolicy: self._unregister, M.Shutdown: self._shutdown, M.Go: self._go_msg,
+            M.SetInflight: self._set_inflight, M.SetThresholds: self._set_thresholds,
+            M.StatsQuery: self._stats_query,
+        }
+
+    @property
+    def running(self) -> bool:
+        """False once a `Shutdown` was handled."""
+        return self._running
+
+    def _emit(self, event) -> None:
+        self._out.events.append(event)
+
+    def _send(self, model: str, msg) -> None:
+        self._out.messages.append((model, msg))
+
+    def take(self) -> StepResult:
+        """What the messages handled since the last `take` or `step` produced (events, then
+        messages for peers), without stepping."""
+        res, self._out = self._out, StepResult()
+        return res
 
     # -- message handling -----------------------------------------------------------------
     def handle(self, msg) -> None:
-        if isinstance(msg, M.Admit):
-            cfg = msg.config
-            seen = dict.fromkeys([*msg.peers, self.name], len(cfg.prompt_ids))
-            seq = Seq(cfg, list(cfg.prompt_ids), seen=seen, state=msg.state,
-                      generator=make_generator(cfg.params.seed, self.index, self.runner.device))
-            pol = self.policies.get(cfg.policy_key)
-            seq.reuse = not (pol is not None and getattr(pol.needs, "prompt_hidden", False))
-            if cfg.rid in self.aborted:
-                self._end_aborted(seq)
-            else:
-                self._own(seq)
-        elif isinstance(msg, M.Prefill):
-            self._prefill(msg)
-        elif isinstance(msg, M.HandoffMsg):
-            self._receive(msg)
-        elif isinstance(msg, M.Release):
-            self.sched.remove(msg.rid)
-            self.aborted.pop(msg.rid, None)  # it ended: no handoff of it can follow
-        elif isinstance(msg, M.Abort):
-            self._abort(msg)
-        elif isinstance(msg, M.RegisterPolicy):
-            self.policies[msg.key] = msg.policy
-        elif isinstance(msg, M.UnregisterPolicy):
-            self.policies.pop(msg.key, None)
-        elif isinstance(msg, M.Shutdown):
-            self._running = False
-        elif isinstance(msg, M.Go):
-            self._go.append(msg.round)
-        elif isinstance(msg, M.SetInflight):
-            self.inflight = msg.n
-        elif isinstance(msg, M.SetThresholds):
-            self.thresholds = dict(msg.thresholds)
-        elif isinstance(msg, M.StatsQuery):
-            self.emit(self.stats(msg.token))
+        """Apply one message from the engine or a peer; what it produces (e.g. the `Finished`
+        of a request aborted meanwhile, a `Stats` answer) is in the next `take` or `step`.
+
+        Raises:
+            UnknownMessage: ``msg`` is not a message a sub-server knows (names its type).
+        """
+        fn = self._handlers.get(type(msg))
+        if fn is None:
+            raise UnknownMessage(f"sub-server '{self.name}' got a message of unknown type "
+                                 f"{type(msg).__module__}.{type(msg).__qualname__}: {msg!r:.200}")
+        fn(msg)
+
+    def _admit(self, msg: M.Admit) -> None:
+        cfg = msg.config
+        seen = dict.fromkeys([*msg.peers, self.name], len(cfg.prompt_ids))
+        seq = Seq(cfg, list(cfg.prompt_ids), seen=seen, state=msg.state,
+                  generator=make_generator(cfg.params.seed, self.index, self.runner.device))
+        pol = self.policies.get(cfg.policy_key)
+        seq.reuse = not (pol is not None and getattr(pol.needs, "prompt_hidden", False))
+        if cfg.rid in self.aborted:
+            self._end_aborted(seq)
+        else:
+            self._own(seq)
+
+    def _release(self, msg: M.Release) -> None:
+        self.sched.remove(msg.rid)
+        self.aborted.pop(msg.rid, None)  # it ended: no handoff of it can follow
+
+    def _register(self, msg: M.RegisterPolicy) -> None:
+        self.policies[msg.key] = msg.policy
+
+    def _unregister(self, msg: M.UnregisterPolicy) -> None:
+        self.policies.pop(msg.key, None)
+
+    def _shutdown(self, msg: M.Shutdown) -> None:
+        self._running = False
+
+    def _go_msg(self, msg: M.Go) -> None:
+        self._go.append(msg.round)
+
+    def _set_inflight(self, msg: M.SetInflight) -> None:
+        self.inflight = msg.n
+
+    def _set_thresholds(self, msg: M.SetThresholds) -> None:
+        self.thresholds = dict(msg.thresholds)
+
+    def _stats_query(self, msg: M.StatsQuery) -> None:
+        self._emit(self.stats(msg.token))
 
     def stats(self, token: int = 0) -> M.Stats:
         """This sub-server's KV pool and request counts, as a `Stats` event."""
@@ -191,10 +232,10 @@ class SubServer:
             if msg.config is None:  # our KV of it was freed by an abort meanwhile
                 if msg.rid in self.aborted:
                     reason, error = self.aborted.pop(msg.rid)
-                    self.emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
+                    self._emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
                     for m, n in msg.seen.items():
                         if m != self.name and n > 0:
-                            self._post(m, M.Release(msg.rid))
+                            self._send(m, M.Release(msg.rid))
                 return
             known = msg.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
             seq = Seq(msg.config, list(msg.config.prompt_ids[:known]),
@@ -249,72 +290,48 @@ class SubServer:
             return True
         return ready >= self.thresholds.get(self.name, 1)
 
-    def _can_step(self) -> bool:
+    def can_step(self) -> bool:
+        """Whether `step` would run a step now (the mode's rule: a `Go` in gated modes, the
+        delayed batching rule in ``delayed``, any owned request otherwise)."""
+        if not self._running:
+            return False
         if self.mode in ("sync", "model_sync"):
             return bool(self._go)
         if self.mode == "delayed":
             return self.delayed_ok()
         return bool(self.sched.owned)
 
-    def run(self) -> None:
-        """Serve until `Shutdown`: drain messages, schedule, step. Blocks when it cannot step."""
-        while self._running:
-            try:
-                msg = self.inbox.get(block=not self._can_step())
-                self.handle(msg)
-                while True:
-                    self.handle(self.inbox.get_nowait())
-            except queue.Empty:
-                pass
-            if self._running:
-                self.try_step()
+    def step(self) -> StepResult:
+        """Run at most one step (when `can_step`): schedule a batch, forward, sample, route,
+        commit or hand off. Returns everything produced since the last `take` or `step`: the
+        events in order (a step's per-request events, its `StepDone`, then the `Finished` of the
+        requests it ended; a gated round with nothing to run gives `Idle`) and the messages for
+        peers (handoffs, releases). ``ran`` says whether a forward ran.
 
-    def try_step(self) -> bool:
-        """Run one step if the mode allows it now; return True if a forward ran."""
-        if not self._can_step():
-            return False
+        Raises:
+            RunnerDied: the runner can serve no more steps (the sub-server must stop).
+        """
+        if self.can_step():
+            self._out.ran = self._step_once()
+        return self.take()
+
+    def _step_once(self) -> bool:
         rnd = self._go.pop(0) if self.mode in ("sync", "model_sync") else None
         pre = self.sched.preemptions
         batch = self.sched.schedule()
         for seq in self.sched.unfit:
             self._finish(seq, "failed", self._kv_error(seq))
         if batch:
+            self._late = []
             try:
-                self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
+                self._step(batch, self.sched.preemptions - pre, rnd)
             finally:
-                self._flush()
+                late, self._late = self._late, None
+                self._out.events.extend(late)
             return True
         if rnd is not None:
-            self.emit(M.Idle(self.name, rnd))
+            self._emit(M.Idle(self.name, rnd))
         return False
-
-    def step(self, batch: list[Seq], preempted: int = 0, round: int | None = None) -> None:
-        """One forward over ``batch``, then sample, route and commit/hand off each request."""
-        self._deferred = []
-        self._held = [] if self.mode in ("async", "delayed") else None  # gated: no peer steps before Go
-        try:
-            self._step(batch, preempted, round)
-        finally:
-            deferred, self._deferred = self._deferred, None
-            for ev in deferred:
-                self.emit(ev)
-
-    def _flush(self) -> None:
-        """Send the peer messages a step held (after `step` returned: a process transport then
-        forwards them at once, behind the step's `StepDone`)."""
-        held, self._held = self._held or [], None
-        for model, msg in held:
-            self.send(model, msg)
-
-    def _post(self, model: str, msg) -> None:
-        """Send ``msg`` to peer ``model``; during a step of an ungated mode, once the step's
-        `StepDone` is out, so that in every transport the trace records a step before any step of
-        a peer that reacts to it (gated modes send at once: a peer steps only on the engine's
-        next `Go`, which follows this step's `StepDone`, and the message must be there by then)."""
-        if self._held is not None:
-            self._held.append((model, msg))
-        else:
-            self.send(model, msg)
 
     def _wants_prompt_hidden(self, s: Seq) -> bool:
         """Whether this step must keep every prompt position's hidden state of ``s``: its first
@@ -411,7 +428,7 @@ class SubServer:
                                      "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         pool, owned = self.sched.pool, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
-        self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
+        self._emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
                              len(fed), sum(fed.values()), fed, preempted, round,
                              pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending,
                              self.sched.hit_tokens, self.sched.query_tokens, pool.cached_blocks))
@@ -455,7 +472,7 @@ class SubServer:
                         f"stand (return the model) after at most {limit}")
                     continue
                 s.discarded += 1
-                self.emit(M.Resampled(s.rid, self.name, tokens[i], s.n_committed, self.clock()))
+                self._emit(M.Resampled(s.rid, self.name, tokens[i], s.n_committed, self.clock()))
                 redo.append(i)
             if not redo:
                 return
@@ -610,7 +627,7 @@ class SubServer:
             reason = "stop"
         elif s.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
             reason = "length"
-        self.emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp]))
+        self._emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp]))
         if reason:
             self._finish(s, reason, None, stop_reason=why)
             return True
@@ -644,7 +661,7 @@ class SubServer:
         t_seen = s.seen.get(target, 0)
         seen = dict(s.seen)
         seen[target] = len(s.tokens)
-        self.emit(M.Hopped(s.rid, self.name, target, committed, self.clock(), token))
+        self._emit(M.Hopped(s.rid, self.name, target, committed, self.clock(), token))
         msg = M.HandoffMsg(
             rid=s.rid, src=self.name, suffix=s.tokens[t_seen:], seen=seen, n_committed=s.n_committed,
             hops=s.hops, hops_since_commit=s.hops_since_commit, discarded=s.discarded, state=s.state,
@@ -657,15 +674,40 @@ class SubServer:
         self.sched.set_pending(s)
         if not self.retain_kv:  # baseline: forget the KV, the return re-prefills (what the prefix cache lacks)
             self.sched.drop_kv(s)
-        self._post(target, msg)
+        self._send(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None, tb: str | None = None, stop_reason=None) -> None:
         ev = M.Finished(s.rid, self.name, reason, error, self.clock(), stop_reason, tb)
-        if self._deferred is not None:
-            self._deferred.append(ev)  # so a request's last step is in the trace before it ends
+        if self._late is not None:
+            self._late.append(ev)  # so a request's last step is in the trace before it ends
         else:
-            self.emit(ev)
+            self._emit(ev)
         for m, n in s.seen.items():
             if m != self.name and n > 0:
-                self._post(m, M.Release(s.rid))
+                self._send(m, M.Release(s.rid))
         self.sched.remove(s.rid)
+
+
+def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], None]) -> None:
+    """Serve ``ss`` until `Shutdown`: handle every message waiting in ``inbox`` (block when it
+    cannot step), hand what handling produced to ``deliver``, run one step and hand its
+    `StepResult` to ``deliver`` (only non-empty results are delivered). The thread transport
+    and the sub-server process run this loop; ``deliver`` must keep the order of `StepResult`
+    (events before the messages they caused reach a peer's reaction).
+
+    Raises:
+        RunnerDied, or whatever a step raises outside a request: the caller reports the model dead.
+    """
+    while ss.running:
+        try:
+            ss.handle(inbox.get(block=not ss.can_step()))
+            while True:
+                ss.handle(inbox.get_nowait())
+        except queue.Empty:
+            pass
+        res = ss.take()
+        if res:
+            deliver(res)
+        res = ss.step()
+        if res:
+            deliver(res)

@@ -20,6 +20,7 @@ re-allocated in the child (`_FreshPool`).
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
@@ -48,6 +49,43 @@ def dumps(msg) -> bytes:
 
 def loads(data: bytes):
     return pickle.loads(data)
+
+
+class Frame(enum.Enum):
+    """The first frame of every multipart message a sub-server process sends the hub.
+
+    Members:
+        HELLO: ``[HELLO, boot JSON]``, once, when the process has built its sub-server.
+        RESULT: ``[RESULT, n events, event..., (peer model, message)...]``: one `StepResult`
+            (`encode_result`); the hub forwards the messages as bytes, then hands the events on.
+        ERROR: ``[ERROR, text]``: why the process is about to end.
+    """
+
+    HELLO = b"hi"
+    RESULT = b"rs"
+    ERROR = b"er"
+
+
+FRAMES = {f.value: f for f in Frame}
+
+
+def encode_result(res) -> list[bytes]:
+    """The frames of a `StepResult` (see `Frame.RESULT`)."""
+    frames = [Frame.RESULT.value, str(len(res.events)).encode()]
+    frames.extend(dumps(ev) for ev in res.events)
+    for model, msg in res.messages:
+        frames.append(model.encode())
+        frames.append(dumps(msg))
+    return frames
+
+
+def split_result(frames: list[bytes]) -> tuple[list[bytes], list[tuple[str, bytes]]]:
+    """The encoded events and ``(peer model, encoded message)`` pairs of `encode_result`'s
+    frames (less the kind frame)."""
+    n = int(frames[0])
+    events = frames[1:1 + n]
+    rest = frames[1 + n:]
+    return events, [(rest[i].decode(), rest[i + 1]) for i in range(0, len(rest), 2)]
 
 
 DYNAMIC = "<dynamic-code>"  # the file name cloudpickle gives code it pickles by value
