@@ -27,6 +27,7 @@ from . import policy_calls as PC
 from .config import EngineConfig, valid_thresholds
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .prefix_cache import chain_keys
+from .step_result import UnknownMessage
 from .transport import ThreadTransport
 
 RECENT_EVENTS = 4096  # events kept engine-wide for the planner's history and Router-wide views
@@ -249,6 +250,11 @@ class Engine:
         self._closed = False
         self._stats: dict[int, dict] = {}
         self._stats_cv = threading.Condition(self._lock)
+        self._event_handlers = {
+            M.StepDone: self._on_step_done, M.Idle: self._on_idle, M.Stats: self._on_stats,
+            M.ModelDied: self._on_died, M.Committed: self._on_committed, M.Hopped: self._on_hopped,
+            M.Resampled: self._on_resampled, M.Finished: self._on_finished,
+        }
         self._next_token = 0
         self._round, self._awaiting, self._rr = 0, set(), 0
         self._done_waiters: dict[int, list[Callable[[], None]]] = {}
@@ -257,7 +263,7 @@ class Engine:
         specs = {name: dict(name=name, models=self.models, runner=r, tokenizer=tokenizer, config=self.config,
                             thresholds=self.thresholds, vocab_limit=self.vocab_limit)
                  for name, r in runners.items()}
-        self.transport.start(specs, self._handle_event)
+        self.transport.start(specs, self.handle_event)
         self.subservers = getattr(self.transport, "subservers", {})  # in-process transports only
 
     # -- policies ---------------------------------------------------------------------------
@@ -531,71 +537,100 @@ class Engine:
         for fn in self._observers:
             fn(ev)
 
-    def _handle_event(self, ev) -> None:
+    def handle_event(self, ev) -> None:
+        """Apply one event from a sub-server (the transports call this; takes the engine lock).
+
+        Raises:
+            UnknownMessage: ``ev`` is not an event the engine knows (names its type).
+        """
         with self._lock:
             self._on_event(ev)
 
     def _on_event(self, ev) -> None:
-        if isinstance(ev, M.StepDone):
-            self.recent.append(ev)
-            for call in self._calls:
-                if call.inflight:
-                    call.events.append(ev)
-            for fn in self._observers:
-                fn(ev)
-            self._round_done(ev.model, ev.round)
-            return
-        if isinstance(ev, M.Idle):
-            self._round_done(ev.model, ev.round)
-            return
-        if isinstance(ev, M.Stats):
-            box = self._stats.get(ev.token)
-            if box is not None:
-                box[ev.model] = ev
-                self._stats_cv.notify_all()
-            return
-        if isinstance(ev, M.ModelDied):
-            self._model_died(ev.model, ev.error)
-            return
+        """Dispatch by type; the caller holds ``_lock``."""
+        fn = self._event_handlers.get(type(ev))
+        if fn is None:
+            raise UnknownMessage(f"the engine got an event of unknown type {type(ev).__module__}."
+                                 f"{type(ev).__qualname__}: {ev!r:.200}")
+        fn(ev)
+
+    def _on_step_done(self, ev: M.StepDone) -> None:
+        self.recent.append(ev)
+        for call in self._calls:
+            if call.inflight:
+                call.events.append(ev)
+        for fn in self._observers:
+            fn(ev)
+        self._round_done(ev.model, ev.round)
+
+    def _on_idle(self, ev: M.Idle) -> None:
+        self._round_done(ev.model, ev.round)
+
+    def _on_stats(self, ev: M.Stats) -> None:
+        box = self._stats.get(ev.token)
+        if box is not None:
+            box[ev.model] = ev
+            self._stats_cv.notify_all()
+
+    def _on_died(self, ev: M.ModelDied) -> None:
+        self._model_died(ev.model, ev.error)
+
+    def _live_handle(self, ev) -> RequestHandle | None:
         h = self.handles.get(ev.rid)
-        if h is None or h.done.is_set():
+        return None if h is None or h.done.is_set() else h
+
+    def _on_committed(self, ev: M.Committed) -> None:
+        h = self._live_handle(ev)
+        if h is None:
             return
         out = h.output
-        if isinstance(ev, M.Committed):
-            self._record(h.call, ev)
-            if h.t_first is None:
-                h.t_first = ev.t
-            out.token_ids.extend(ev.tokens)
-            out.token_models.extend([ev.model] * len(ev.tokens))
-            if out.logprobs is not None and ev.logprobs is not None:
-                out.logprobs.extend(lp for lp, _ in ev.logprobs)
-                if out.top_logprobs is not None:
-                    out.top_logprobs.extend(dict(top) for _, top in ev.logprobs)
-            piece = h._add_text(ev.tokens, ev.last)
-            if h.call.listener is not None:
-                h.call.listener("tokens", h, (ev, piece))
-        elif isinstance(ev, M.Hopped):
-            self._record(h.call, ev)
-            h.owner = ev.dst
-            if ev.dst in self._dead:
-                self._end(h, "failed", f"model '{ev.dst}' is dead ({self._dead[ev.dst]}): the request was routed "
-                          f"to it", ev.t)
-                self._release_live(h.rid)
-                return
-            out.hops += 1
-            out.discarded += 0 if ev.kept else 1
-            if not ev.kept and ev.token is not None:
-                out.discarded_log.append((len(out.token_ids), ev.token, ev.src))
-            if h.call.listener is not None:
-                h.call.listener("hop", h, ev)
-        elif isinstance(ev, M.Resampled):
-            self._record(h.call, ev)
-            out.discarded += 1
-            out.discarded_log.append((len(out.token_ids), ev.token, ev.model))
-        elif isinstance(ev, M.Finished):
-            self._end(h, ev.reason, ev.error, ev.t, ev.stop_reason, ev.traceback)
-            if ev.model in self._dead:  # answered for a dead model: free what the live ones hold
-                self._release_live(h.rid)
+        self._record(h.call, ev)
+        if h.t_first is None:
+            h.t_first = ev.t
+        out.token_ids.extend(ev.tokens)
+        out.token_models.extend([ev.model] * len(ev.tokens))
+        if out.logprobs is not None and ev.logprobs is not None:
+            out.logprobs.extend(lp for lp, _ in ev.logprobs)
+            if out.top_logprobs is not None:
+                out.top_logprobs.extend(dict(top) for _, top in ev.logprobs)
+        piece = h._add_text(ev.tokens, ev.last)
+        if h.call.listener is not None:
+            h.call.listener("tokens", h, (ev, piece))
+
+    def _on_hopped(self, ev: M.Hopped) -> None:
+        h = self._live_handle(ev)
+        if h is None:
+            return
+        out = h.output
+        self._record(h.call, ev)
+        h.owner = ev.dst
+        if ev.dst in self._dead:
+            self._end(h, "failed", f"model '{ev.dst}' is dead ({self._dead[ev.dst]}): the request was routed "
+                      f"to it", ev.t)
+            self._release_live(h.rid)
+            return
+        out.hops += 1
+        out.discarded += 0 if ev.kept else 1
+        if not ev.kept and ev.token is not None:
+            out.discarded_log.append((len(out.token_ids), ev.token, ev.src))
+        if h.call.listener is not None:
+            h.call.listener("hop", h, ev)
+
+    def _on_resampled(self, ev: M.Resampled) -> None:
+        h = self._live_handle(ev)
+        if h is None:
+            return
+        self._record(h.call, ev)
+        h.output.discarded += 1
+        h.output.discarded_log.append((len(h.output.token_ids), ev.token, ev.model))
+
+    def _on_finished(self, ev: M.Finished) -> None:
+        h = self._live_handle(ev)
+        if h is None:
+            return
+        self._end(h, ev.reason, ev.error, ev.t, ev.stop_reason, ev.traceback)
+        if ev.model in self._dead:  # answered for a dead model: free what the live ones hold
+            self._release_live(h.rid)
 
     def _end(self, h: RequestHandle, reason: str, error: str | None, t: float, stop_reason=None,
              tb: str | None = None) -> None:
@@ -655,7 +690,7 @@ class Engine:
             return
         for m in self.models:
             if m not in self._dead and not self.transport.alive(m):
-                self._handle_event(M.ModelDied(m, f"sub-server '{m}' is not running", self.clock()))
+                self.handle_event(M.ModelDied(m, f"sub-server '{m}' is not running", self.clock()))
 
     def _model_died(self, model: str, error: str) -> None:
         if model in self._dead or self._closed:

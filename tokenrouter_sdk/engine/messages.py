@@ -163,7 +163,7 @@ class Committed:
     tokens: list[int]
     t: float
     last: bool = False
-    logprobs: list | None = None
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclass

@@ -21,7 +21,8 @@ import traceback
 
 from . import messages as M
 from .subserver import SubServer, serve
-from .wire import Frame, _LoadError, _PolicyBytes, encode_result, load_spec, loads, recv_spec
+from .codec import Frame, PolicyBlob, decode, encode_result
+from .wire import _LoadError, load_policy, load_spec, recv_spec
 
 _IMPORTED_IN = os.getpid()  # another pid in a sub-server: this module came with a fork server's fork
 
@@ -141,13 +142,13 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, f
                     msgs, last = [], False
                     for frame in frames:  # one batch from the hub: it reaches the inbox at once
                         try:
-                            msg = loads(frame)
+                            msg = decode(frame)
                         except Exception as e:  # noqa: BLE001 - cannot go on without it: stop, say why
                             fatal.append(f"sub-server '{name}' could not load a message from the engine: "
                                          f"{type(e).__name__}: {e}")
                             msg = M.Shutdown()
-                        if isinstance(msg, _PolicyBytes):
-                            msg = msg.load(name)
+                        if isinstance(msg, PolicyBlob):
+                            msg = load_policy(msg, name)
                         msgs.append(msg)
                         if isinstance(msg, M.Shutdown):
                             last = True

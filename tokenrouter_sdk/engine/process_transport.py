@@ -42,9 +42,10 @@ process's copy is released, so nothing here can write into a sub-server's KV. Th
 its end of the pair open while it lives: the hub sees the other end turn readable when it ends
 (however it ends, whoever started it).
 
-Serialisation: per-step messages and events are small dataclasses sent with plain pickle;
-`RegisterPolicy` (and anything plain pickle refuses) goes with cloudpickle, so a `Policy`
-class defined in a notebook cell works in the sub-server processes. A policy is pickled again
+Serialisation: per-step messages and events travel with the typed codec of `codec` (a tag,
+then the fields as msgpack, checked against the dataclass's annotations); a policy travels
+cloudpickled in a `codec.PolicyBlob`, so a `Policy` class defined in a notebook cell works in
+the sub-server processes. A policy is pickled again
 for every call that uses it and sent when its bytes changed, so an object edited between calls
 reaches the processes as it is. Sender and receiver run the
 same interpreter, never stored.
@@ -59,7 +60,6 @@ import collections
 import contextlib
 import json
 import os
-import pickle
 import select
 import shutil
 import signal
@@ -75,8 +75,8 @@ from . import messages as M
 from . import process_start
 from .process_child import _child_main
 from .runner import dead_letter
-from .wire import (_PROTO, FRAMES, Frame, _PolicyBytes, _child_spec, dump_spec, dumps, loads, pack_shared,
-                   policy_sources, send_spec, split_result)
+from .codec import FRAMES, Frame, decode, encode, split_result
+from .wire import _child_spec, dump_spec, pack_shared, policy_blob, send_spec
 
 FDS_PER_MODEL = 8  # descriptors a sub-server process costs this process at most: spec channel, sentinel,
 #                    hub connections, its weights' shared-memory segments (usually one)
@@ -214,9 +214,9 @@ class ProcessTransport:
         elif isinstance(msg, M.UnregisterPolicy):
             with self._proc_lock:
                 self._policy_cache.pop((model, msg.key), None)
-            data = dumps(msg)
+            data = encode(msg)
         else:
-            data = dumps(msg)
+            data = encode(msg)
         self._out.append((model, data))
         if threading.current_thread() is not self._hub:
             self._wake()
@@ -410,21 +410,20 @@ class ProcessTransport:
         with self._proc_lock:
             last = self._last_policy
         if last is not None and last[0] is msg:
-            body = last[1]
+            blob = last[1]
         else:
             try:
-                import cloudpickle
-                body = cloudpickle.dumps(msg.policy, _PROTO)
+                blob = policy_blob(msg.key, msg.policy)
             except Exception as e:  # noqa: BLE001
                 raise TypeError(f"policy {msg.policy!r} cannot be sent to the sub-server processes "
                                 f"({type(e).__name__}: {e}); make it picklable (cloudpickle) or run the "
                                 f"sub-servers in threads with Router(..., processes=False)") from e
         with self._proc_lock:
-            self._last_policy = (msg, body)
-            if self._policy_cache.get((model, msg.key)) == body:
+            self._last_policy = (msg, blob)
+            if self._policy_cache.get((model, msg.key)) == blob.data:
                 return None
-            self._policy_cache[(model, msg.key)] = body
-        return pickle.dumps(_PolicyBytes(msg.key, body, repr(msg.policy), policy_sources(msg.policy)), _PROTO)
+            self._policy_cache[(model, msg.key)] = blob.data
+        return encode(blob)
 
     def _bind(self, sock, spec: str) -> str:
         if spec == "ipc":
@@ -520,7 +519,7 @@ class ProcessTransport:
         why = self._dead_why.get(dest, f"sub-server process '{dest}' is not running")
         for data in datas:
             try:
-                msg = loads(data)
+                msg = decode(data)
             except Exception:  # noqa: BLE001 - e.g. a policy envelope: nothing to answer
                 continue
             ev = dead_letter(dest, msg, why, time.perf_counter())
@@ -556,7 +555,7 @@ class ProcessTransport:
         for dest, datas in batches.items():
             self._deliver(dest, datas)
         for data in events:
-            self._emit(loads(data))
+            self._emit(decode(data))
 
     def _recv_router(self) -> bool:
         """Handle every message waiting on the ROUTER; True if any."""

@@ -16,6 +16,7 @@ import contextlib
 import heapq
 import itertools
 import threading
+import traceback
 from typing import Callable
 
 
@@ -100,7 +101,10 @@ class SimTransport:
                        if self._heap and self._heap[0][0] <= self.now]
             for _, _, dest, msg in due:
                 if dest is None:
-                    self._on_event(msg)
+                    try:
+                        self._on_event(msg)
+                    except Exception:  # noqa: BLE001 - never let an engine error stop the simulation
+                        traceback.print_exc()
                 else:
                     self.subservers[dest].handle(msg)
             ran = False

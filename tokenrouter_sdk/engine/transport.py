@@ -15,6 +15,7 @@ import contextlib
 import queue
 import threading
 import time
+import traceback
 from typing import Callable
 
 from . import messages as M
@@ -86,7 +87,10 @@ class ThreadTransport:
                 return
             with self._order:  # the result this event came with is delivered whole
                 pass
-            self._on_event(ev)
+            try:
+                self._on_event(ev)
+            except Exception:  # noqa: BLE001 - never let an engine error stop the delivery of events
+                traceback.print_exc()
 
     def _serve(self, ss) -> None:
         from .subserver import serve
