@@ -49,7 +49,7 @@ def test_a_handoff_is_a_message_of_the_result_and_the_peer_takes_it_without_a_tr
     assert [type(e) for e in res.events] == [M.Committed, M.Hopped, M.StepDone]
     assert [(dest, type(m)) for dest, m in res.messages] == [("large", M.HandoffMsg)]
     msg = res.messages[0][1]
-    assert msg.suffix == [5, 6, 102, 103] and msg.seen == {"small": 4, "large": 4}
+    assert msg.suffix == [5, 6, 102, 103] and msg.request.seen == {"small": 4, "large": 4}
     assert small.sched.seqs[1].status == "pending"  # KV kept while the peer writes
     large.handle(msg)
     res = large.step()  # large writes position 2, the last: the request ends there

@@ -30,8 +30,9 @@ STATE = {"window": (1, 2), "p": Point(3), "scores": [0.5]}
 SAMPLES = {
     M.Admit: M.Admit(CFG, 1.5, STATE, ("large",)),
     M.Prefill: M.Prefill(CFG, "small"),
-    M.HandoffMsg: M.HandoffMsg(3, "small", [7, 8], {"small": 5, "large": 5}, 2, 3, 1, 1, STATE, 1, "small", False,
-                               CFG, True, torch.tensor([0.25, -1.0], dtype=torch.float64)),
+    M.HandoffMsg: M.HandoffMsg(3, "small", [7, 8], M.RequestState({"small": 5, "large": 5}, 2, 3, 1, 1, STATE, 1,
+                                                                  "small", True, torch.tensor([0.25, -1.0], dtype=torch.float64)),
+                               False, CFG),
     M.Release: M.Release(3),
     M.Abort: M.Abort(3, "failed", None),
     M.RegisterPolicy: M.RegisterPolicy(4, Alternate()),
@@ -65,7 +66,11 @@ def test_every_message_round_trips(cls):
     assert type(back) is cls
     for f in dataclasses.fields(cls):
         a, b = getattr(msg, f.name), getattr(back, f.name)
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, M.RequestState):
+            assert torch.equal(a.peer_logits, b.peer_logits) and b.peer_logits.dtype == a.peer_logits.dtype
+            a, b = dataclasses.replace(a, peer_logits=None), dataclasses.replace(b, peer_logits=None)
+            assert b == a and type(b.state["window"]) is tuple
+        elif isinstance(a, torch.Tensor):
             assert b.dtype == a.dtype and torch.equal(a, b)
         elif f.name == "policy":
             assert type(b) is type(a)

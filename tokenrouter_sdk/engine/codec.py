@@ -71,7 +71,7 @@ MESSAGES: tuple[type, ...] = (
 
 OPAQUE: dict[type, frozenset[str]] = {
     M.Admit: frozenset({"state"}),
-    M.HandoffMsg: frozenset({"state", "peer_logits"}),
+    M.RequestState: frozenset({"state", "peer_logits"}),
     M.RegisterPolicy: frozenset({"policy"}),
 }
 """Per type, the fields of user data that travel pickled (any Python value)."""
@@ -97,22 +97,72 @@ def _opaque_load(data: bytes):
     return pickle.loads(data)
 
 
-class _Schema:
-    """How one message type travels: its tag, field names, which are opaque, and the typed
-    decoder of its field array."""
+NESTED: tuple[type, ...] = (M.RequestState,)
+"""Dataclasses inside messages that travel field by field (with their own opaque fields)."""
 
-    def __init__(self, tag: int, cls: type):
-        self.tag, self.cls = tag, cls
+_PLAIN, _OPAQUE, _NESTED = 0, 1, 2
+
+
+class _Schema:
+    """How one dataclass travels: its field names, how each travels (plain, opaque, nested)
+    and the msgspec type of its field array."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
         hints = typing.get_type_hints(cls)
         self.fields = [f.name for f in dataclasses.fields(cls)]
-        self.opaque = [name in OPAQUE.get(cls, ()) for name in self.fields]
-        types = tuple(bytes if op else hints[name] for name, op in zip(self.fields, self.opaque))
-        self.decoder = msgspec.msgpack.Decoder(tuple[types] if types else tuple[()])
-        self.prefix = bytes([tag])
+        self.kinds, self.nested, types = [], [], []
+        for name in self.fields:
+            t = hints[name]
+            nested = _nested_type(t)
+            self.nested.append(nested)
+            if name in OPAQUE.get(cls, ()):
+                self.kinds.append(_OPAQUE)
+                types.append(bytes)
+            elif nested is not None:
+                self.kinds.append(_NESTED)
+                wire = _SCHEMA_OF[nested].wire_type
+                types.append(wire if t is nested else typing.Optional[wire])
+            else:
+                self.kinds.append(_PLAIN)
+                types.append(t)
+        self.wire_type = tuple[tuple(types)] if types else tuple[()]
+
+    def to_wire(self, msg) -> list:
+        values = [getattr(msg, name) for name in self.fields]
+        for i, kind in enumerate(self.kinds):
+            if kind == _OPAQUE:
+                values[i] = _opaque_dump(values[i])
+            elif kind == _NESTED and values[i] is not None:
+                values[i] = _SCHEMA_OF[type(values[i])].to_wire(values[i])
+        return values
+
+    def from_wire(self, values):
+        values = list(values)
+        for i, kind in enumerate(self.kinds):
+            if kind == _OPAQUE:
+                values[i] = _opaque_load(values[i])
+            elif kind == _NESTED and values[i] is not None:
+                values[i] = _SCHEMA_OF[self.nested[i]].from_wire(values[i])
+        return self.cls(*values)
 
 
-_SCHEMAS = [_Schema(i, cls) for i, cls in enumerate(MESSAGES)]
-_BY_TYPE = {s.cls: s for s in _SCHEMAS}
+def _nested_type(t) -> type | None:
+    """The `NESTED` type ``t`` is (or is optional of), else None."""
+    if t in NESTED:
+        return t
+    args = typing.get_args(t)
+    hit = [a for a in args if a in NESTED]
+    return hit[0] if hit and set(args) <= {hit[0], type(None)} else None
+
+
+_SCHEMA_OF: dict[type, _Schema] = {}
+for _cls in NESTED:
+    _SCHEMA_OF[_cls] = _Schema(_cls)
+for _cls in MESSAGES:
+    _SCHEMA_OF[_cls] = _Schema(_cls)
+_TAG = {cls: bytes([i]) for i, cls in enumerate(MESSAGES)}
+_DECODERS = [msgspec.msgpack.Decoder(_SCHEMA_OF[cls].wire_type) for cls in MESSAGES]
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -123,19 +173,16 @@ def encode(msg) -> bytes:
         UnknownMessage: ``msg``'s type is not in `MESSAGES`.
         TypeError: a field holds a value its schema cannot carry (names the message and field).
     """
-    schema = _BY_TYPE.get(type(msg))
-    if schema is None:
+    tag = _TAG.get(type(msg))
+    if tag is None:
         raise UnknownMessage(f"cannot send a message of unknown type {type(msg).__module__}."
                              f"{type(msg).__qualname__}; known: {', '.join(c.__name__ for c in MESSAGES)}")
-    values = [getattr(msg, name) for name in schema.fields]
-    for i, op in enumerate(schema.opaque):
-        if op:
-            values[i] = _opaque_dump(values[i])
+    schema = _SCHEMA_OF[type(msg)]
+    values = schema.to_wire(msg)
     try:
-        return schema.prefix + _ENCODER.encode(values)
+        return tag + _ENCODER.encode(values)
     except (TypeError, OverflowError) as e:
-        bad = next((n for n, v, op in zip(schema.fields, values, schema.opaque)
-                    if not op and not _encodable(v)), "?")
+        bad = next((n for n, v in zip(schema.fields, values) if not _encodable(v)), "?")
         raise TypeError(f"{type(msg).__name__}.{bad} cannot be sent to a sub-server process: {e}") from e
 
 
@@ -154,15 +201,11 @@ def decode(data: bytes):
         UnknownMessage: the tag names no type of `MESSAGES` (a peer of another version).
         msgspec.ValidationError: a field does not match its type (names the field's position).
     """
-    if not data or data[0] >= len(_SCHEMAS):
+    if not data or data[0] >= len(MESSAGES):
         raise UnknownMessage(f"message with unknown tag {data[:1]!r} ({len(data)} bytes); "
                              f"sender and receiver must run the same tokenrouter_sdk")
-    schema = _SCHEMAS[data[0]]
-    values = list(schema.decoder.decode(memoryview(data)[1:]))
-    for i, op in enumerate(schema.opaque):
-        if op:
-            values[i] = _opaque_load(values[i])
-    return schema.cls(*values)
+    cls = MESSAGES[data[0]]
+    return _SCHEMA_OF[cls].from_wire(_DECODERS[data[0]].decode(memoryview(data)[1:]))
 
 
 def encode_result(res) -> list[bytes]:

@@ -21,6 +21,7 @@ around it; the sim transport drives the same two calls in simulated time.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import time
 import traceback
@@ -35,7 +36,7 @@ from . import policy_calls as PC
 from .config import MODES, EngineConfig
 from .runner import RunnerDied, SeqInput
 from .sampler import make_generator, sample
-from .scheduler import Scheduler, Seq
+from .scheduler import RequestState, Scheduler, Seq
 from .step_result import StepResult, UnknownMessage
 
 ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
@@ -133,7 +134,7 @@ class SubServer:
     def _admit(self, msg: M.Admit) -> None:
         cfg = msg.config
         seen = dict.fromkeys([*msg.peers, self.name], len(cfg.prompt_ids))
-        seq = Seq(cfg, list(cfg.prompt_ids), seen=seen, state=msg.state,
+        seq = Seq(cfg, list(cfg.prompt_ids), RequestState(seen=seen, state=msg.state),
                   generator=make_generator(cfg.params.seed, self.index, self.runner.device))
         pol = self.policies.get(cfg.policy_key)
         seq.reuse = not (pol is not None and getattr(pol.needs, "prompt_hidden", False))
@@ -186,7 +187,7 @@ class SubServer:
         if cfg.rid in self.aborted or cfg.rid in self.sched.seqs:
             return
         n = len(cfg.prompt_ids)
-        seq = Seq(cfg, list(cfg.prompt_ids), seen={msg.entry: n, self.name: n}, prefill_only=True,
+        seq = Seq(cfg, list(cfg.prompt_ids), RequestState(seen={msg.entry: n, self.name: n}), prefill_only=True,
                   generator=make_generator(cfg.params.seed, self.index, self.runner.device))
         if not self.sched.too_big(seq):
             self.sched.add_owned(seq)
@@ -233,28 +234,25 @@ class SubServer:
                 if msg.rid in self.aborted:
                     reason, error = self.aborted.pop(msg.rid)
                     self._emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
-                    for m, n in msg.seen.items():
+                    for m, n in msg.request.seen.items():
                         if m != self.name and n > 0:
                             self._send(m, M.Release(msg.rid))
                 return
-            known = msg.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
+            known = msg.request.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
             seq = Seq(msg.config, list(msg.config.prompt_ids[:known]),
                       generator=make_generator(msg.config.params.seed, self.index, self.runner.device))
         seq.prefill_only = False
         seq.tokens.extend(msg.suffix)
         if seq.kv_len >= len(seq.tokens):  # peer discarded and bounced back: recompute the last position
             self.sched.rewind(seq, len(seq.tokens) - 1)
-        seq.seen, seq.n_committed, seq.hops = dict(msg.seen), msg.n_committed, msg.hops
-        seq.hops_since_commit, seq.discarded, seq.state = msg.hops_since_commit, msg.discarded, msg.state
-        seq.span, seq.return_to = msg.span, msg.return_to
-        seq.greedy, seq.peer_logits, seq.resamples = msg.greedy, msg.peer_logits, 0
+        seq.rs, seq.resamples = msg.request, 0
         if msg.rid in self.aborted:
             self._end_aborted(seq)
             return
-        if len(seq.tokens) != msg.seen[self.name]:
+        if len(seq.tokens) != msg.request.seen[self.name]:
             self.sched.seqs[seq.rid] = seq
             self._finish(seq, "failed", f"internal error: model '{self.name}' holds {len(seq.tokens)} "
-                         f"tokens of request {seq.rid}, the handoff says {msg.seen[self.name]}")
+                         f"tokens of request {seq.rid}, the handoff says {msg.request.seen[self.name]}")
             return
         bad = [t for t in msg.suffix if not 0 <= t < self.runner.vocab_size]
         if bad:
@@ -266,7 +264,7 @@ class SubServer:
         try:
             if pol is None:
                 raise RuntimeError("the request's policy is no longer registered")
-            PC.receive_result(pol.receive(Handoff(msg.keep_sampled, msg.span, msg.greedy), self._view(seq)))
+            PC.receive_result(pol.receive(Handoff(msg.keep_sampled, seq.rs.span, seq.rs.greedy), self._view(seq)))
         except PC.PolicyReturnError as e:
             self.sched.seqs[seq.rid] = seq
             self._finish(seq, "failed", self._return_error(seq, "receive", e))
@@ -336,7 +334,7 @@ class SubServer:
     def _wants_prompt_hidden(self, s: Seq) -> bool:
         """Whether this step must keep every prompt position's hidden state of ``s``: its first
         step (on its entry model, from position 0) under a policy with ``Needs(prompt_hidden)``."""
-        if s.prefill_only or s.hops or s.n_committed or s.kv_len:
+        if s.prefill_only or s.rs.hops or s.rs.n_committed or s.kv_len:
             return False
         pol = self.policies.get(s.config.policy_key)
         return pol is not None and getattr(pol.needs, "prompt_hidden", False)
@@ -411,7 +409,7 @@ class SubServer:
             decisions = self._route(batch, tokens, logits, hidden, prompt_hidden, range(len(batch)))
             self._resample(batch, tokens, logits, hidden, prompt_hidden, decisions)
             for s in batch:
-                s.peer_logits = None  # read by this step's route only
+                s.rs.peer_logits = None  # read by this step's route only
             for i, (s, tok, dec) in enumerate(zip(batch, tokens, decisions)):
                 if isinstance(dec, RequestFailed):
                     self._finish(s, "failed", *dec.args)
@@ -437,7 +435,7 @@ class SubServer:
         """A token per request of ``batch`` at rows ``idx`` (greedy after ``Handoff(greedy=True)``)."""
         idx = list(idx)
         rows = logits if len(idx) == len(batch) else logits[torch.tensor(idx, dtype=torch.long)]
-        params = [GREEDY if batch[i].greedy else batch[i].config.params for i in idx]
+        params = [GREEDY if batch[i].rs.greedy else batch[i].config.params for i in idx]
         tokens = sample(rows, params, [batch[i].generator for i in idx]).tolist()
         return self._force(batch, tokens, idx)
 
@@ -446,7 +444,7 @@ class SubServer:
         """``tokens`` (one per row of ``idx``) with the given token of every request still inside
         its forced output (`RequestConfig.forced`: teacher forcing) in place of the drawn one."""
         for j, i in enumerate(idx):
-            forced, pos = batch[i].config.forced, batch[i].n_committed
+            forced, pos = batch[i].config.forced, batch[i].rs.n_committed
             if pos < len(forced):
                 tokens[j] = forced[pos]
         return tokens
@@ -461,18 +459,18 @@ class SubServer:
                 if not isinstance(d, Resample):
                     continue
                 s = batch[i]
-                if s.n_committed < len(s.config.forced):  # a given token: nothing to draw again
+                if s.rs.n_committed < len(s.config.forced):  # a given token: nothing to draw again
                     decisions[i] = self.name
                     continue
                 s.resamples += 1
                 if s.resamples > limit:
                     decisions[i] = RequestFailed(
-                        f"policy {self._pname(s)} resampled output position {s.n_committed} "
+                        f"policy {self._pname(s)} resampled output position {s.rs.n_committed} "
                         f"of request {s.rid} {s.resamples} times in a row on model '{self.name}'; let a draw "
                         f"stand (return the model) after at most {limit}")
                     continue
-                s.discarded += 1
-                self._emit(M.Resampled(s.rid, self.name, tokens[i], s.n_committed, self.clock()))
+                s.rs.discarded += 1
+                self._emit(M.Resampled(s.rid, self.name, tokens[i], s.rs.n_committed, self.clock()))
                 redo.append(i)
             if not redo:
                 return
@@ -483,7 +481,7 @@ class SubServer:
 
     # -- routing --------------------------------------------------------------------------
     def _view(self, s: Seq) -> RequestView:
-        return RequestView(s.rid, s.config.prompt_ids, s.output_ids, self.name, s.state, s.hops, tuple(self.models),
+        return RequestView(s.rid, s.config.prompt_ids, s.output_ids, self.name, s.rs.state, s.rs.hops, tuple(self.models),
                            s.config.key)
 
     def _policy_error(self, s: Seq, fn: str, e: Exception) -> tuple[str, str]:
@@ -499,7 +497,7 @@ class SubServer:
         except Exception:  # noqa: BLE001 - an exception whose __str__ raises
             text = "<unprintable>"
         return (f"policy {self._pname(s)}.{fn} raised {type(e).__name__}: {text}{loc} on model '{self.name}' "
-                f"at output position {s.n_committed} of request {s.rid}", tb)
+                f"at output position {s.rs.n_committed} of request {s.rid}", tb)
 
     def _pname(self, s: Seq) -> str:
         """How errors name the policy of ``s`` (its repr; never raises)."""
@@ -507,7 +505,7 @@ class SubServer:
 
     def _return_error(self, s: Seq, fn: str, e: Exception) -> str:
         """The message of policy method ``fn`` returning a value it may not (`PolicyReturnError`)."""
-        return (f"policy {self._pname(s)}.{fn} {e} (on model '{self.name}' at output position {s.n_committed} "
+        return (f"policy {self._pname(s)}.{fn} {e} (on model '{self.name}' at output position {s.rs.n_committed} "
                 f"of request {s.rid})")
 
     def _route(self, batch, tokens: list[int], logits, hidden, prompt_hidden, idx) -> list:
@@ -519,8 +517,8 @@ class SubServer:
         groups: dict[int, list[int]] = {}
         for j, i in enumerate(idx):
             s = batch[i]
-            if s.span is not None:
-                out[j] = s.return_to if s.span <= 1 else self.name
+            if s.rs.span is not None:
+                out[j] = s.rs.return_to if s.rs.span <= 1 else self.name
             else:
                 groups.setdefault(s.config.policy_key, []).append(j)
         for key, js in groups.items():
@@ -533,7 +531,7 @@ class SubServer:
             rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
             sb = StepBatch(self.name, self.models, torch.tensor([tokens[i] for i in rows_i]), logits, hidden,
                            [self._view(batch[i]) for i in rows_i], self.tokenizer, needs=pol.needs, rows=rows,
-                           policy=PC.policy_text(pol), peer_logits=[batch[i].peer_logits for i in rows_i],
+                           policy=PC.policy_text(pol), peer_logits=[batch[i].rs.peer_logits for i in rows_i],
                            prompt_hidden=[prompt_hidden[i] for i in rows_i])
             fn = "route" if type(pol).route_batch is Policy.route_batch else "route_batch"  # the default calls route
             try:  # once: never re-run for a request because another one failed (state changes apply once)
@@ -570,8 +568,8 @@ class SubServer:
 
     def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
         lp = None if s.config.params.logprobs is None else self._logprobs(logits[row], tok, s.config.params.logprobs)
-        if s.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
-            s.span -= 1
+        if s.rs.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
+            s.rs.span -= 1
             if self._commit(s, tok, lp) or target == self.name:
                 return
             self._handoff(s, target, Handoff(keep_sampled=True), committed=True)
@@ -590,7 +588,7 @@ class SubServer:
             if self._commit(s, tok, lp):
                 return
         else:
-            s.discarded += 1
+            s.rs.discarded += 1
         peer = None
         if not h.keep_sampled and getattr(pol.needs, "handoff_logits", False):
             peer = logits[row].detach().cpu()  # only here: a torch op lets peer threads run
@@ -611,13 +609,13 @@ class SubServer:
         """Commit ``tok`` (``lp``: its log-probabilities, see `_logprobs`); return True if the
         request finished. Inside a forced output only the length ends it."""
         s.tokens.append(tok)
-        s.seen[self.name] = len(s.tokens)
-        s.n_committed += 1
-        s.hops_since_commit = s.resamples = 0
+        s.rs.seen[self.name] = len(s.tokens)
+        s.rs.n_committed += 1
+        s.rs.hops_since_commit = s.resamples = 0
         p = s.config.params
         reason, why = None, None
-        if s.n_committed <= len(s.config.forced):
-            if s.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
+        if s.rs.n_committed <= len(s.config.forced):
+            if s.rs.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
                 reason = "length"
         elif tok in p.stop_token_ids:
             reason, why = "stop", tok
@@ -625,7 +623,7 @@ class SubServer:
             reason = "eos"
         elif p.stop and (why := self._hit_stop(s)) is not None:
             reason = "stop"
-        elif s.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
+        elif s.rs.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
             reason = "length"
         self._emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp]))
         if reason:
@@ -651,26 +649,23 @@ class SubServer:
 
     def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool, token: int | None = None,
                  peer_logits: torch.Tensor | None = None) -> None:
-        s.hops += 1
-        s.hops_since_commit = 0 if committed else s.hops_since_commit + 1
-        if s.hops_since_commit > self.config.max_hops_without_commit:
+        s.rs.hops += 1
+        s.rs.hops_since_commit = 0 if committed else s.rs.hops_since_commit + 1
+        if s.rs.hops_since_commit > self.config.max_hops_without_commit:
             raise RequestFailed(
                 f"policy {self._pname(s)} handed request {s.rid} off "
-                f"{s.hops_since_commit} times in a row without committing a token (ping-pong between "
+                f"{s.rs.hops_since_commit} times in a row without committing a token (ping-pong between "
                 f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay")
-        t_seen = s.seen.get(target, 0)
-        seen = dict(s.seen)
+        t_seen = s.rs.seen.get(target, 0)
+        seen = dict(s.rs.seen)
         seen[target] = len(s.tokens)
         self._emit(M.Hopped(s.rid, self.name, target, committed, self.clock(), token))
-        msg = M.HandoffMsg(
-            rid=s.rid, src=self.name, suffix=s.tokens[t_seen:], seen=seen, n_committed=s.n_committed,
-            hops=s.hops, hops_since_commit=s.hops_since_commit, discarded=s.discarded, state=s.state,
-            span=h.span, return_to=self.name if h.span is not None else None,
-            keep_sampled=h.keep_sampled, greedy=bool(h.greedy), peer_logits=peer_logits,
-            config=s.config if t_seen <= len(s.config.prompt_ids) else None)
-        s.seen = seen
-        s.span = s.return_to = None
-        s.greedy, s.resamples = False, 0
+        travels = dataclasses.replace(s.rs, seen=seen, span=h.span, return_to=self.name if h.span is not None else None,
+                                      greedy=bool(h.greedy), peer_logits=peer_logits)
+        msg = M.HandoffMsg(s.rid, self.name, s.tokens[t_seen:], travels, h.keep_sampled,
+                           config=s.config if t_seen <= len(s.config.prompt_ids) else None)
+        s.rs = dataclasses.replace(s.rs, seen=dict(seen), span=None, return_to=None, greedy=False, peer_logits=None)
+        s.resamples = 0
         self.sched.set_pending(s)
         if not self.retain_kv:  # baseline: forget the KV, the return re-prefills (what the prefix cache lacks)
             self.sched.drop_kv(s)
@@ -682,7 +677,7 @@ class SubServer:
             self._late.append(ev)  # so a request's last step is in the trace before it ends
         else:
             self._emit(ev)
-        for m, n in s.seen.items():
+        for m, n in s.rs.seen.items():
             if m != self.name and n > 0:
                 self._send(m, M.Release(s.rid))
         self.sched.remove(s.rid)
