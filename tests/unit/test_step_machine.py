@@ -93,3 +93,15 @@ def test_an_unknown_message_is_an_error_naming_its_type():
     ss = make("small", lambda pos: 100 + pos)
     with pytest.raises(UnknownMessage, match="small.*unknown type.*Bogus"):
         ss.handle(Bogus())
+
+
+def test_no_module_outside_the_engine_reads_a_private_name_of_it():
+    import re
+    from pathlib import Path
+
+    import tokenrouter_sdk
+    root = Path(tokenrouter_sdk.__file__).parent
+    private = re.compile(r"\b(engine|transport|subservers\[[^]]+\]|ss|call|handle)\._[a-z]\w*")
+    hits = [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in root.rglob("*.py") if "engine" not in p.parts
+            for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
+    assert hits == []

@@ -120,5 +120,5 @@ def test_the_engine_refuses_an_unknown_event(pair, tok):
     class Bogus:
         pass
     with Router(pair, Alternate(), tokenizer=tok, processes=False) as r:
-        with pytest.raises(UnknownMessage, match="engine.*unknown type.*Bogus"):
+        with pytest.raises(UnknownMessage, match="the engine got .*unknown type.*Bogus"):
             r.engine.handle_event(Bogus())

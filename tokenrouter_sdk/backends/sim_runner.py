@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.kv_pool import KVPool
+from ..engine.runner import ForwardOut
 
 
 @dataclass
@@ -83,7 +84,7 @@ class SimRunner:
         self.pool = KVPool(1, 1, 1, -(-max_kv_tokens // block_size), block_size)
         self.last_forward_s = 0.0
 
-    def forward(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seqs) -> ForwardOut:
         keys = torch.tensor([(s.tokens[-1] * 1_000_003 + (s.start + len(s.tokens)) * 7919 + self.seed) % (2**31)
                              for s in seqs], dtype=torch.float32)
         # cheap deterministic logits: a scrambled function of (key, vocab index)
@@ -91,4 +92,4 @@ class SimRunner:
         logits = torch.sin(keys[:, None] * 0.618 + v[None, :] * 12.9898) * 4.0
         dt = self.latency.seconds(len(seqs), sum(len(s.tokens) for s in seqs))
         self.last_forward_s = dt  # simulated seconds: the sim transport's step length
-        return logits, torch.zeros(len(seqs), 1)
+        return ForwardOut(logits, torch.zeros(len(seqs), 1))

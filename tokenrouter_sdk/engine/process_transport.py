@@ -172,6 +172,7 @@ class ProcessTransport:
         self._on_event: Callable[[object], None] | None = None
         self._ready: set[str] = set()
         self._dead: set[str] = set()
+        self.subservers: dict = {}  # none in this process
         self._dead_why: dict[str, str] = {}
         self._errors: dict[str, str] = {}
         self._buffer: dict[str, list[bytes]] = collections.defaultdict(list)
@@ -223,7 +224,7 @@ class ProcessTransport:
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
         """Bind the hub, start one process per spec (its `SubServer` keyword arguments, less
-        send/emit/clock), start the hub thread, send each process its spec and wait until every
+        clock), start the hub thread, send each process its spec and wait until every
         process has connected (``start_timeout``).
 
         Raises:
@@ -349,6 +350,10 @@ class ProcessTransport:
         if self._hub is not None and self._hub.is_alive():
             return True
         return self._running(model)
+
+    def pending(self, model: str) -> bool:
+        """False: no sub-server lives in this process (`subservers` is empty)."""
+        return False
 
     def pids(self) -> dict[str, int]:
         """Process id of each sub-server."""

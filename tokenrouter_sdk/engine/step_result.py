@@ -19,6 +19,19 @@ class UnknownMessage(TypeError):
     """A sub-server or the engine received a message of a type it does not handle."""
 
 
+def dispatch(handlers: dict, msg, receiver: str) -> None:
+    """Call ``handlers[type(msg)](msg)``.
+
+    Raises:
+        UnknownMessage: no handler for ``type(msg)`` (names ``receiver`` and the type).
+    """
+    fn = handlers.get(type(msg))
+    if fn is None:
+        raise UnknownMessage(f"{receiver} got a message of unknown type {type(msg).__module__}."
+                             f"{type(msg).__qualname__}: {msg!r:.200}")
+    fn(msg)
+
+
 @dataclass
 class StepResult:
     """One step's output.

@@ -33,16 +33,16 @@ from ..policy import Handoff, Policy, Resample, StepBatch
 from ..request import RequestView, SamplingParams
 from . import messages as M
 from . import policy_calls as PC
-from .config import MODES, EngineConfig
-from .runner import RunnerDied, SeqInput
+from .config import MODES, EngineConfig, Mode
+from .runner import ForwardOut, RunnerDied, SeqInput
 from .sampler import make_generator, sample
 from .scheduler import RequestState, Scheduler, Seq
-from .step_result import StepResult, UnknownMessage
+from .step_result import StepResult, UnknownMessage, dispatch
 
 ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
 GREEDY = SamplingParams()  # how a request samples after a Handoff(greedy=True)
 
-__all__ = ["SubServer", "StepResult", "UnknownMessage", "RequestFailed", "MODES", "serve"]
+__all__ = ["SubServer", "StepResult", "UnknownMessage", "RequestFailed", "MODES", "Mode", "serve"]
 
 
 def _policy_frame(filename: str) -> bool:
@@ -92,6 +92,8 @@ class SubServer:
         self._out = StepResult()  # what handling and stepping produced since the last take/step
         self._late: list | None = None  # inside a step: its Finished events, placed after its StepDone
         self.clock = clock
+        self._may_step = ((lambda: bool(self._go)) if self.mode.gated else self.delayed_ok
+                          if self.mode.batches_delayed else (lambda: bool(self.sched.owned)))
         self._handlers = {
             M.Admit: self._admit, M.Prefill: self._prefill, M.HandoffMsg: self._receive,
             M.Release: self._release, M.Abort: self._abort, M.RegisterPolicy: self._register,
@@ -125,11 +127,7 @@ class SubServer:
         Raises:
             UnknownMessage: ``msg`` is not a message a sub-server knows (names its type).
         """
-        fn = self._handlers.get(type(msg))
-        if fn is None:
-            raise UnknownMessage(f"sub-server '{self.name}' got a message of unknown type "
-                                 f"{type(msg).__module__}.{type(msg).__qualname__}: {msg!r:.200}")
-        fn(msg)
+        dispatch(self._handlers, msg, f"sub-server '{self.name}'")
 
     def _admit(self, msg: M.Admit) -> None:
         cfg = msg.config
@@ -289,15 +287,9 @@ class SubServer:
         return ready >= self.thresholds.get(self.name, 1)
 
     def can_step(self) -> bool:
-        """Whether `step` would run a step now (the mode's rule: a `Go` in gated modes, the
-        delayed batching rule in ``delayed``, any owned request otherwise)."""
-        if not self._running:
-            return False
-        if self.mode in ("sync", "model_sync"):
-            return bool(self._go)
-        if self.mode == "delayed":
-            return self.delayed_ok()
-        return bool(self.sched.owned)
+        """Whether `step` would run a step now (the mode's rule, chosen once: a `Go` in gated
+        modes, the delayed batching rule in ``delayed``, any owned request otherwise)."""
+        return self._running and self._may_step()
 
     def step(self) -> StepResult:
         """Run at most one step (when `can_step`): schedule a batch, forward, sample, route,
@@ -314,7 +306,7 @@ class SubServer:
         return self.take()
 
     def _step_once(self) -> bool:
-        rnd = self._go.pop(0) if self.mode in ("sync", "model_sync") else None
+        rnd = self._go.pop(0) if self.mode.gated else None
         pre = self.sched.preemptions
         batch = self.sched.schedule()
         for seq in self.sched.unfit:
@@ -343,8 +335,11 @@ class SubServer:
         """One runner forward: (logits [B, V], hidden [B, H], per input the hidden states of every
         fed position [n, H] where it asked (``all_hidden``), else None)."""
         out = self.runner.forward(inputs)
-        fed = list(out[2]) if len(out) > 2 else [None] * len(inputs)
-        return out[0], out[1], fed
+        if not isinstance(out, ForwardOut):
+            raise TypeError(f"{type(self.runner).__name__}.forward returned {type(out).__name__}; a Runner.forward "
+                            f"returns tokenrouter_sdk.engine.runner.ForwardOut(logits, hidden, fed_hidden)")
+        fed = list(out.fed_hidden) if out.fed_hidden is not None else [None] * len(inputs)
+        return out.logits, out.hidden, fed
 
     def _forward(self, batch: list[Seq]) -> tuple[list[Seq], torch.Tensor | None, torch.Tensor | None, list]:
         """The forward; when it raises, each request is run alone so that only the ones whose own
