@@ -15,6 +15,7 @@ import torch
 
 from tokenrouter_sdk import Handoff, Policy, SamplingParams
 from tokenrouter_sdk.engine.kv_pool import KVPool
+from tokenrouter_sdk.engine.runner import ForwardOut
 from tokenrouter_sdk.reference import reference_generate
 
 
@@ -86,7 +87,7 @@ class ScriptedRunner:
             if self.pad_peak is not None:
                 logits[i, self.pad_from:] = self.pad_peak
         self.last_forward_s = time.perf_counter() - t0
-        return logits, torch.zeros(len(seqs), 4)
+        return ForwardOut(logits, torch.zeros(len(seqs), 4))
 
     def release(self):
         self.pool.release()

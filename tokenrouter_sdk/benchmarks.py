@@ -128,8 +128,34 @@ def spec_for_path(path: str | os.PathLike) -> BenchmarkSpec:
     return BenchmarkSpec(p.stem.removesuffix(".jsonl"), p.name, "math", MATH_TEMPLATE)
 
 
+class BenchmarkRows:
+    """The columns of a benchmark's rows (``id``, ``question``, ``answer``) as lists, for a class
+    whose ``rows`` holds them and whose `column` reads one."""
+
+    rows: object
+
+    def column(self, name: str) -> list:
+        """The values of column ``name``, in row order."""
+        raise NotImplementedError
+
+    @property
+    def ids(self) -> list[str]:
+        return [str(x) for x in self.column("id")]
+
+    @property
+    def questions(self) -> list[str]:
+        return list(self.column("question"))
+
+    @property
+    def answers(self) -> list[str]:
+        return [str(x) for x in self.column("answer")]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 @dataclass
-class BenchmarkData:
+class BenchmarkData(BenchmarkRows):
     """Rows of one benchmark.
 
     Attributes:
@@ -142,25 +168,13 @@ class BenchmarkData:
     rows: list[dict] = field(default_factory=list)
     source: str = ""
 
-    @property
-    def ids(self) -> list[str]:
-        return [r["id"] for r in self.rows]
-
-    @property
-    def questions(self) -> list[str]:
-        return [r["question"] for r in self.rows]
-
-    @property
-    def answers(self) -> list[str]:
-        return [r["answer"] for r in self.rows]
+    def column(self, name: str) -> list:
+        return [r[name] for r in self.rows]
 
     @property
     def prompts(self) -> list[str]:
         """User-message text per question, from the spec's template."""
         return [self.spec.prompt(r["question"]) for r in self.rows]
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
 
 def _parse_jsonl(text: str, source: str, name: str, limit: int | None) -> list[dict]:

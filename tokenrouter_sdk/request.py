@@ -121,6 +121,14 @@ class RequestInput:
     sample: int = 0
 
 
+def token_ids(value) -> list[int]:
+    """A token id setting as a list of ints: an id, a list or tuple of ids, or None (none); how
+    ``eos_token_id`` of a tokenizer or a generation config is read (either form occurs)."""
+    if value is None:
+        return []
+    return [int(i) for i in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
 @dataclass
 class RequestConfig:
     """The immutable part of a request, sent to a sub-server on its first visit.

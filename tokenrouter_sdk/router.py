@@ -30,7 +30,7 @@ from .engine.policy_calls import check_policy
 from .engine.runner import Runner
 from .metrics import Metrics
 from .policy import Policy
-from .request import RequestInput, RequestOutput, SamplingParams
+from .request import RequestInput, RequestOutput, SamplingParams, token_ids
 
 _SETTINGS = {f.name for f in dataclasses.fields(EngineConfig)}
 _TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
@@ -282,8 +282,7 @@ class Router:
             else:
                 runners[name] = TorchRunner(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
                                             cuda_graphs=config.cuda_graphs, compile=config.compile)
-            gen_eos = getattr(getattr(m, "generation_config", None), "eos_token_id", None)
-            eos += list(gen_eos) if isinstance(gen_eos, (list, tuple)) else ([gen_eos] if gen_eos is not None else [])
+            eos += token_ids(getattr(getattr(m, "generation_config", None), "eos_token_id", None))
         self.kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
                                                        "runner") for n in names}
         if config.cuda_graphs and any(getattr(r, "device", None) is not None and r.device.type != "cuda"
@@ -529,7 +528,7 @@ class Router:
         n = len(reqs) if concurrency is None else min(len(reqs), concurrency)
         if self.config.max_concurrency is not None:
             n = min(n, self.config.max_concurrency)
-        if self.config.auto_thresholds and self.config.mode == "delayed" and reqs:
+        if self.config.auto_thresholds and self.config.mode.batches_delayed and reqs:
             self._plan(pol, n)
         self.engine.check_thresholds(max(n, 1))
         call = self.engine.submit(reqs, pol, concurrency=concurrency, listener=listener)
@@ -699,7 +698,7 @@ class Router:
                           f"{failed[0].error} (each output's .error and .traceback say why)", RuntimeWarning,
                           stacklevel=stacklevel)
         if call.kv_limited and warn:
-            need = max((h.need[m] + len(h.shared[m])) * self.engine.capacity[m][1] for h in call for m in self.engine.models)
+            need = max(h.reserved_blocks(m) * self.engine.capacity[m][1] for h in call for m in self.engine.models)
             cap = min(n * bs for n, bs in self.engine.capacity.values())
             warnings.warn(f"KV admission held requests back: at most {call.kv_limited} ran at once, because each "
                           f"request reserves its prompt + max_new_tokens (up to {need} tokens) of KV on every model "
@@ -848,8 +847,7 @@ class Router:
         call = getattr(self._local, "call", None)
         if call is None:
             return []
-        with self.engine._lock:
-            return list(call.events)
+        return call.events_since(0)
 
     def kv_stats(self, timeout: float = 10.0) -> dict:
         """Per model, its KV pool and requests now (a `tokenrouter_sdk.viz.tables.KVStats`: a

@@ -7,9 +7,10 @@ top-K and the hidden state of every request at every step, as a learned router d
 alternately on one Router (the packaged pair, sub-servers in processes), so the machine's drift
 hits both. Per model it reports the median step time, the median time of a step outside the model
 forward (batch building, sampling, the policy, events) and committed tokens/s. Message size: the
-pickled bytes of a `HandoffMsg` (what travels per hop between sub-server processes) with an empty
-policy state, with a generator in the state (what a seeded policy used to ship) and with a full
-next-token distribution in the state (Co-LLM's composed decoding), and of a `StepDone`.
+encoded bytes (`engine.codec`) of a `HandoffMsg` (what travels per hop between sub-server
+processes) with an empty policy state, with a generator in the state (what a seeded policy used
+to ship) and with a full next-token distribution in the state (Co-LLM's composed decoding), of a
+`StepDone` of 8 requests and of a one-token `Committed` (one per request per step).
 
 Run:
     .venv/bin/python evals/throughput/needs_cost.py --concurrency 8 --tokens 64 --rounds 2
@@ -25,23 +26,25 @@ import evalkit  # noqa: E402
 
 
 def message_sizes(vocab: int) -> dict:
-    """Pickled bytes of the per-hop and per-step messages (protocol 5, as the process transport)."""
-    import pickle
+    """Bytes on the wire of the per-hop and per-step messages, as the process transport encodes
+    them (`tokenrouter_sdk.engine.codec.encode`)."""
     import random
 
     import torch
 
+    from tokenrouter_sdk.engine import codec
     from tokenrouter_sdk.engine import messages as M
 
     def handoff(state):
-        return len(pickle.dumps(M.HandoffMsg(7, "small", [101, 102], {"small": 140, "large": 140}, 12, 3, 0, 1,
-                                             state, 1, "small", False, None), pickle.HIGHEST_PROTOCOL))
+        rs = M.RequestState({"small": 140, "large": 140}, 12, 3, 0, 1, state, 1, "small")
+        return len(codec.encode(M.HandoffMsg(7, "small", [101, 102], rs, False, None)))
     rng = random.Random("42:7")
     rng.random()
     return {"handoff_empty_state": handoff({}), "handoff_generator_state": handoff({"rng": rng}),
             "handoff_distribution_state": handoff({"p": torch.softmax(torch.randn(vocab), -1)}),
-            "step_done_batch8": len(pickle.dumps(M.StepDone("small", 1.0, 1.1, 0.09, 8, 8, {i: 1 for i in range(8)},
-                                                            0, None, 100, 3, 20), pickle.HIGHEST_PROTOCOL))}
+            "step_done_batch8": len(codec.encode(M.StepDone("small", 1.0, 1.1, 0.09, 8, 8, {i: 1 for i in range(8)},
+                                                            0, None, 100, 3, 20))),
+            "committed_one_token": len(codec.encode(M.Committed(7, "small", [101], 1.05)))}
 
 
 def main() -> None:

@@ -37,8 +37,8 @@ def test_compiled_logits_equal_eager_on_the_packaged_model(pair_and_tok):
             comp.pool.ensure(t, 64)
         starts = [0, 0]
         for feed in (prompts, [[11], [12]], [[13, 14, 15], [16]]):  # prefill, decode, extend + decode
-            le, _ = eager.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, te)])
-            lc, _ = comp.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tc)])
+            le, _, _ = eager.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, te)])
+            lc, _, _ = comp.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tc)])
             assert comp.last_compiled
             torch.testing.assert_close(lc, le, **FP32)
             assert (lc.argmax(-1) == le.argmax(-1)).all()

@@ -57,9 +57,9 @@ def test_compiled_steps_equal_eager_steps(pair):
                              for _ in range(3)]
         starts = [0] * b
         for feed in feeds:
-            le, he = eager.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, te)])
+            le, he, _ = eager.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, te)])
             t0 = time.perf_counter()
-            lc, hc = comp.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tc)])
+            lc, hc, _ = comp.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tc)])
             assert time.perf_counter() - t0 < 5, "a compiled step recompiled"
             assert comp.last_compiled and lc.shape == le.shape == (b, eager.vocab_size)
             torch.testing.assert_close(lc, le, rtol=0, atol=ATOL)

@@ -70,8 +70,8 @@ def test_nan_in_the_padding_slot_never_reaches_a_request(qwen3):
         fixed.pool.k[:, w] = float("nan")
         fixed.pool.v[:, w] = float("nan")
         feed = [SeqInput([7], len(p) + step, t) for p, t in zip(prompts, te)]
-        le, _ = eager.forward(feed)
-        lf, _ = fixed.forward([SeqInput([7], len(p) + step, t) for p, t in zip(prompts, tf)])  # B=3 -> bucket 4
+        le, _, _ = eager.forward(feed)
+        lf, _, _ = fixed.forward([SeqInput([7], len(p) + step, t) for p, t in zip(prompts, tf)])  # B=3 -> bucket 4
         assert torch.isfinite(lf).all()
         torch.testing.assert_close(lf, le, rtol=0, atol=1e-10)
     r = fixed.graphs.read_slot
@@ -97,8 +97,8 @@ def test_fixed_shape_steps_equal_eager_forward(qwen3):
         lens = [len(p) for p in prompts]
         for step in range(4):
             feed = [[rng.randrange(1, 250) for _ in range(rng.choice([1, 1, 2, 7, 20]))] for _ in range(b)]
-            le, he = eager.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, te)])
-            lf, hf = fixed.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, tf)])
+            le, he, _ = eager.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, te)])
+            lf, hf, _ = fixed.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, tf)])
             assert lf.shape == le.shape == (b, eager.vocab_size) and hf.shape == he.shape
             torch.testing.assert_close(lf, le, rtol=0, atol=1e-10)
             torch.testing.assert_close(hf, he, rtol=0, atol=1e-10)
@@ -137,8 +137,8 @@ def test_capture_failure_falls_back_to_eager(qwen3, monkeypatch):
     with pytest.warns(RuntimeWarning, match="stream is capturing"):
         t = _prefill(r, [prompt])[0]  # a 5-token prefill fits a bucket: the first capture
     tr = _prefill(ref, [prompt])[0]
-    lg, _ = r.forward([SeqInput([3], 5, t)])
-    le, _ = ref.forward([SeqInput([3], 5, tr)])
+    lg, _, _ = r.forward([SeqInput([3], 5, t)])
+    le, _, _ = ref.forward([SeqInput([3], 5, tr)])
     torch.testing.assert_close(lg, le, rtol=0, atol=1e-10)
     assert "stream is capturing" in g.error and g.disabled and g.replays == 0
     r.forward([SeqInput([5], 6, t)])  # later steps: no second warning, still eager
@@ -221,8 +221,8 @@ def test_cuda_capture_and_replay_equal_eager():
         lens = [len(p) for p in prompts]
         for _ in range(4):
             feed = [[rng.randrange(1, 250) for _ in range(rng.choice([1, 1, 3, 12]))] for _ in range(b)]
-            le, _ = eager.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, te)])
-            lf, _ = fixed.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, tf)])
+            le, _, _ = eager.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, te)])
+            lf, _, _ = fixed.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, tf)])
             torch.testing.assert_close(lf, le, rtol=1e-4, atol=1e-4)
             lens = [n + len(f) for n, f in zip(lens, feed)]
     g = fixed.graphs

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ..engine.kv_pool import KVPool
+from ..engine.runner import ForwardOut
 
 
 @dataclass
@@ -83,15 +83,13 @@ class SimRunner:
         self.vocab_size, self.max_context, self.seed = vocab_size, max_context, seed
         self.pool = KVPool(1, 1, 1, -(-max_kv_tokens // block_size), block_size)
         self.last_forward_s = 0.0
-        self.advance: Callable[[float], None] = lambda dt: None  # set by SimTransport
 
-    def forward(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seqs) -> ForwardOut:
         keys = torch.tensor([(s.tokens[-1] * 1_000_003 + (s.start + len(s.tokens)) * 7919 + self.seed) % (2**31)
                              for s in seqs], dtype=torch.float32)
         # cheap deterministic logits: a scrambled function of (key, vocab index)
         v = torch.arange(self.vocab_size, dtype=torch.float32)
         logits = torch.sin(keys[:, None] * 0.618 + v[None, :] * 12.9898) * 4.0
         dt = self.latency.seconds(len(seqs), sum(len(s.tokens) for s in seqs))
-        self.last_forward_s = dt
-        self.advance(dt)
-        return logits, torch.zeros(len(seqs), 1)
+        self.last_forward_s = dt  # simulated seconds: the sim transport's step length
+        return ForwardOut(logits, torch.zeros(len(seqs), 1))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.kv_pool import KVPool
-from ..engine.runner import SeqInput
+from ..engine.runner import ForwardOut, SeqInput
 
 ATTN_NAME = "tokenrouter_paged"
 
@@ -367,7 +367,7 @@ class TorchRunner:
                 torch.tensor(last, device=dev))
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seqs: list[SeqInput]) -> ForwardOut:
         """One forward over the batch.
 
         Args:
@@ -377,7 +377,7 @@ class TorchRunner:
                 grown to cover ``start + len(tokens)``.
 
         Returns:
-            logits: last-position logits per request, shape [B, V].
+            a `ForwardOut`: logits: last-position logits per request, shape [B, V].
             hidden: last-layer hidden states (after the final norm) at those positions, [B, H].
             fed_hidden: only when an input has ``all_hidden``: per input, the last-layer hidden
                 states of every fed position, [len(tokens), H], or None where not asked.
@@ -392,7 +392,7 @@ class TorchRunner:
             out = self.graphs.run(seqs)
             if out is not None:
                 self.last_compiled = False
-                return out
+                return ForwardOut(*out)
         if self.compile and not self._compile_started:
             self._start_compile()
         cf = self._compiled
@@ -410,10 +410,10 @@ class TorchRunner:
             torch.cuda.current_stream(self.device).synchronize()
         self.last_forward_s = time.perf_counter() - t0
         if not want_all:
-            return logits, hidden
+            return ForwardOut(logits, hidden)
         fed, start = [], 0
         for s in seqs:
             n = len(s.tokens)
             fed.append(h[0, start:start + n] if s.all_hidden else None)
             start += n
-        return logits, hidden, fed
+        return ForwardOut(logits, hidden, fed)

@@ -3,10 +3,55 @@ SubServer. Per-call settings (concurrency, policy, sampling) travel with a submi
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-MODES = ("async", "delayed", "sync", "model_sync")
+
+class Mode(str, enum.Enum):
+    """A schedule mode (`EngineConfig.mode`); equal to its name as a string (``Mode.SYNC ==
+    "sync"``). What a mode changes is read here once, by the sub-server (when it may step) and
+    the engine (rounds, in-flight counts): add a mode by adding a member and its answers below.
+
+    Members:
+        ASYNC: each model steps whenever it has a ready request.
+        DELAYED: async, but model i launches only when B_i requests are ready (delayed
+            batching, TokenRouter paper §4; a tail rule keeps it from deadlocking).
+        SYNC: a global step barrier: every live model steps once per round (`Go`).
+        MODEL_SYNC: one model steps per round, round robin.
+    """
+
+    ASYNC = "async"
+    DELAYED = "delayed"
+    SYNC = "sync"
+    MODEL_SYNC = "model_sync"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def gated(self) -> bool:
+        """Models step only on the engine's `Go` of a round (and answer `StepDone` or `Idle`)."""
+        return self in (Mode.SYNC, Mode.MODEL_SYNC)
+
+    @property
+    def batches_delayed(self) -> bool:
+        """A model launches at its threshold B_i; the engine keeps every sub-server told how many
+        requests are in flight (the tail rule) and thresholds apply."""
+        return self is Mode.DELAYED
+
+    def round_targets(self, live: list[str], turn: int) -> list[str]:
+        """Gated modes: the models the round numbered ``turn`` (0, 1, ...) of the round-robin
+        starts: every live one (sync) or one in turn (model_sync)."""
+        if self is Mode.SYNC:
+            return list(live)
+        return [live[turn % len(live)]] if live else []
+
+
+MODES = tuple(m.value for m in Mode)
 KV_ADMISSION = ("reserve", "optimistic")
 
 
@@ -104,9 +149,10 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be a number in (0, 1], got {f!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown schedule mode {self.mode!r}; choose one of {MODES}")
+        object.__setattr__(self, "mode", Mode(self.mode))
         if isinstance(self.thresholds, str) and self.thresholds != "auto":
             raise ValueError(f"thresholds must be a dict of B_i per model or 'auto', got {self.thresholds!r}")
-        if self.thresholds and self.mode != "delayed":
+        if self.thresholds and not self.mode.batches_delayed:
             raise ValueError(f"thresholds apply to mode='delayed' (delayed batching), but mode is {self.mode!r}: "
                              f"drop thresholds or set mode='delayed'")
         if self.backend not in ("torch", "sim"):

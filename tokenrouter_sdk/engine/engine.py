@@ -14,19 +14,20 @@ Everything the Router, the planner, the views and a server need goes through thi
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from ..policy import Policy
-from ..request import RequestConfig, RequestInput, RequestOutput, RequestView, prompt_key
+from ..request import RequestConfig, RequestInput, RequestView, prompt_key, token_ids
 from . import messages as M
 from . import policy_calls as PC
 from .config import EngineConfig, valid_thresholds
-from .detokenizer import IncrementalDetokenizer, StopMatcher
-from .prefix_cache import chain_keys
+from .call import Call
+from .request_handle import RequestHandle
+from .admission import KVReservation
+from .step_result import dispatch
 from .transport import ThreadTransport
 
 RECENT_EVENTS = 4096  # events kept engine-wide for the planner's history and Router-wide views
@@ -34,173 +35,6 @@ RECENT_EVENTS = 4096  # events kept engine-wide for the planner's history and Ro
 
 class EngineDeadError(RuntimeError):
     """A sub-server is dead: the engine cannot serve new requests (names the model and why)."""
-
-
-class RequestHandle:
-    """One submitted request: its growing output and text, and its end.
-
-    Attributes:
-        output: the `RequestOutput` (grows as tokens are committed; final once ``done``).
-        done: set when the request ended (finished, aborted or failed).
-        entry: the model it enters on; owner: the model writing it now.
-        call: the `Call` it belongs to.
-    """
-
-    def __init__(self, config: RequestConfig, prompt, entry: str, call: "Call", index: int, tokenizer,
-                 stop_ids: frozenset):
-        self.config, self.entry, self.owner, self.call = config, entry, entry, call
-        self.output = RequestOutput(rid=config.rid, prompt=prompt, index=index, key=config.key)
-        if config.params.logprobs is not None:
-            self.output.logprobs = []
-            if config.params.logprobs:
-                self.output.top_logprobs = []
-        self.t_submit = 0.0
-        self.t_admit: float | None = None
-        self.t_first: float | None = None
-        self.t_end: float | None = None
-        self.done = threading.Event()
-        self.need: dict[str, int] = {}  # KV blocks reserved per model while admitted (its own)
-        self.shared: dict[str, list] = {}  # per model, prefix-cache keys of its prompt blocks others may share
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stops = StopMatcher(config.params.stop) if config.params.stop else None
-        self.stop_ids = stop_ids  # ids that end the request: their text is not part of it
-        self.released = 0  # characters of text given to streams
-        self.final_text: str | None = None
-        self.state: dict = {}  # the policy state entry() started
-        self.error: str | None = None  # bad input found before admission
-        self.peers: tuple[str, ...] = ()  # models that prefill the prompt at admission (prefill_peers)
-
-    @property
-    def rid(self) -> int:
-        return self.config.rid
-
-    def abort(self, reason: str = "aborted by the user") -> None:
-        """Abort this request (see `Engine.abort`)."""
-        self.call.engine.abort(self.rid, reason)
-
-    # -- text -------------------------------------------------------------------------------
-    def _add_text(self, tokens: list[int], last: bool) -> str:
-        """Feed committed tokens to the detokenizer; return the text that became safe to stream:
-        stable, before any stop string, and not possibly the start of one. With ``last`` (the
-        request ends with these tokens) everything up to the final text's end."""
-        if self.detok is None:
-            return ""
-        ids = [t for t in tokens if t not in self.stop_ids]
-        if self.call.listener is None:  # nobody streams: decode once at the end
-            self.detok.extend(ids)
-            return self._take(len(self._finalize())) if last else ""
-        if ids:
-            self.detok.add(ids)
-        if last:
-            return self._take(len(self._finalize()))
-        text = self.detok.text
-        limit = len(text)
-        if self.stops is not None:
-            hit = self.stops.find(text)
-            limit = hit[0] if hit else len(text) - self.stops.held(text)
-        return self._take(limit)
-
-    def _take(self, limit: int) -> str:
-        text = self.final_text if self.final_text is not None else self.detok.text
-        if limit <= self.released:
-            return ""
-        piece = text[self.released:limit]
-        self.released = limit
-        return piece
-
-    def _finalize(self) -> str:
-        """The final text: every token decoded (special tokens skipped), cut before the first
-        stop string."""
-        if self.final_text is None:
-            if self.detok is None:
-                self.final_text = ""
-            else:
-                self.detok.flush()
-                text = self.detok.text
-                hit = self.stops.find(text) if self.stops is not None else None
-                self.final_text = text[:hit[0]] if hit else text
-        return self.final_text
-
-
-class Call:
-    """One submission: its requests (handles, in prompt order), its events and its end.
-
-    A `Call` is a sequence of `RequestHandle`s (``call[i]``, ``len(call)``, iteration).
-
-    Attributes:
-        events: the call's trace: `Admitted`, `Committed`, `Hopped`, `Finished` of its
-            requests and the `StepDone` of every step while it ran, in arrival order.
-        limit: requests of this call in flight at most (None: no limit of its own).
-        done: set when every request ended.
-    """
-
-    def __init__(self, engine: "Engine", limit: int | None, policy_key: int,
-                 listener: Callable[[str, RequestHandle, object], None] | None):
-        self.engine, self.limit, self.policy_key, self.listener = engine, limit, policy_key, listener
-        self.handles: list[RequestHandle] = []
-        self.events: list = []
-        self.queue: collections.deque[RequestHandle] = collections.deque()
-        self.inflight = 0
-        self.open = 0  # requests not ended yet
-        self.done = threading.Event()
-        self.kv_limited = 0  # most requests in flight when KV reservation held the next one back (0: never)
-
-    def __len__(self) -> int:
-        return len(self.handles)
-
-    def __getitem__(self, i):
-        return self.handles[i]
-
-    def __iter__(self) -> Iterator[RequestHandle]:
-        return iter(self.handles)
-
-    @property
-    def outputs(self) -> list[RequestOutput]:
-        return [h.output for h in self.handles]
-
-    def wait(self, timeout: float | None = None, poll_s: float = 0.25) -> None:
-        """Block until every request ended.
-
-        Raises:
-            TimeoutError: ``timeout`` seconds passed first (the requests keep running; call
-                `abort` to end them).
-            EngineDeadError: never; a dead sub-server fails the requests it held instead.
-        """
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        while not self.done.wait(poll_s):
-            if deadline is not None and time.perf_counter() > deadline:
-                left = sum(1 for h in self.handles if not h.done.is_set())
-                raise TimeoutError(f"{left} of {len(self.handles)} requests did not finish within {timeout} s")
-            self.engine.check_alive()
-
-    async def wait_async(self) -> None:
-        """``await`` form of `wait` (resolves on the running loop; no thread is blocked)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def wake():
-            if not fut.done():
-                fut.set_result(None)
-        self.engine._on_done(self, lambda: loop.call_soon_threadsafe(wake))
-        while True:
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), 1.0)
-                return
-            except asyncio.TimeoutError:
-                self.engine.check_alive()
-
-    def abort(self, reason: str = "aborted by the user") -> None:
-        """Abort every request of the call that has not ended."""
-        for h in self.handles:
-            if not h.done.is_set():
-                self.engine.abort(h.rid, reason)
-
-    def metrics(self):
-        """`tokenrouter_sdk.metrics.Metrics` of this call (O(its events))."""
-        from ..metrics import compute_metrics
-        with self.engine._lock:
-            events = list(self.events)
-        return compute_metrics(events, {h.rid for h in self.handles}, self.engine.models)
 
 
 class Engine:
@@ -226,8 +60,7 @@ class Engine:
         self.models = list(runners)
         self.runners = dict(runners)
         self.tokenizer = tokenizer
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        tok_eos = list(tok_eos) if isinstance(tok_eos, (list, tuple)) else ([tok_eos] if tok_eos is not None else [])
+        tok_eos = token_ids(getattr(tokenizer, "eos_token_id", None))
         self.eos_ids = tuple(dict.fromkeys(int(i) for i in [*tok_eos, *eos_ids]))
         vocabs = [int(r.vocab_size) for r in self.runners.values()]
         self.vocab_limit = min(vocabs + ([len(tokenizer)] if tokenizer is not None else []))
@@ -239,8 +72,7 @@ class Engine:
         self._lock = threading.RLock()
         self._calls: list[Call] = []  # calls with requests not ended, in submission order
         self._inflight = 0
-        self._reserved = {m: 0 for m in self.models}  # blocks of requests' own, per model
-        self._shared = {m: collections.Counter() for m in self.models}  # prompt blocks in flight, once each
+        self.kv = KVReservation(self.capacity, self.max_context, self.config.prefix_cache)  # under _lock
         self._next_rid = 0
         self._policies: dict[int, list] = {}  # key -> [policy, calls using it]
         self._next_key = 0
@@ -249,6 +81,11 @@ class Engine:
         self._closed = False
         self._stats: dict[int, dict] = {}
         self._stats_cv = threading.Condition(self._lock)
+        self._event_handlers = {
+            M.StepDone: self._on_step_done, M.Idle: self._on_idle, M.Stats: self._on_stats,
+            M.ModelDied: self._on_died, M.Committed: self._on_committed, M.Hopped: self._on_hopped,
+            M.Resampled: self._on_resampled, M.Finished: self._on_finished,
+        }
         self._next_token = 0
         self._round, self._awaiting, self._rr = 0, set(), 0
         self._done_waiters: dict[int, list[Callable[[], None]]] = {}
@@ -257,8 +94,8 @@ class Engine:
         specs = {name: dict(name=name, models=self.models, runner=r, tokenizer=tokenizer, config=self.config,
                             thresholds=self.thresholds, vocab_limit=self.vocab_limit)
                  for name, r in runners.items()}
-        self.transport.start(specs, self._handle_event)
-        self.subservers = getattr(self.transport, "subservers", {})  # in-process transports only
+        self.transport.start(specs, self.handle_event)
+        self.subservers = self.transport.subservers  # in-process transports only (else empty)
 
     # -- policies ---------------------------------------------------------------------------
     def _register(self, policy: Policy) -> int:
@@ -364,7 +201,7 @@ class Engine:
             h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids)
             h.output.sample = req.sample
             h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
-            h.need, h.shared = self._kv_need(ids, p.max_new_tokens)
+            h.need, h.shared = self.kv.need(ids, p.max_new_tokens)
             handles.append(h)
         call.handles = handles
         with self.transport.hold(), self._lock:
@@ -386,25 +223,10 @@ class Engine:
         self._record(h.call, ev)
         self._end(h, "failed", error, self.clock())
 
-    def _kv_need(self, ids: list[int], max_new_tokens: int) -> tuple[dict[str, int], dict[str, list]]:
-        """KV blocks a request reserves on each model: (blocks of its own, prefix-cache keys of
-        the prompt blocks it may share). With the prefix cache, a prompt's full blocks before its
-        last position are reserved once for all requests in flight that hold them (a request
-        reuses them as soon as the first has filled them); the rest is the request's own."""
-        tokens = min(len(ids) + max_new_tokens, self.max_context)
-        need, shared = {}, {}
-        for m, (_, bs) in self.capacity.items():
-            n_shared = max(0, min(len(ids) - 1, tokens) // bs) if self.config.prefix_cache else 0
-            need[m] = -(-tokens // bs) - n_shared
-            shared[m] = chain_keys(ids, bs, n_shared) if n_shared else []
-        return need, shared
-
     def _fits(self, h: RequestHandle) -> bool:
         if self._inflight == 0 or self.config.kv_admission == "optimistic":
             return True
-        return all(self._reserved[m] + len(self._shared[m]) + h.need[m]
-                   + sum(1 for k in h.shared[m] if k not in self._shared[m]) <= self.capacity[m][0]
-                   for m in self.models)
+        return self.kv.fits(h.need, h.shared)
 
     def _admit_more(self) -> None:
         admitted = False
@@ -432,11 +254,9 @@ class Engine:
         h.t_admit = self.clock()
         self._inflight += 1
         h.call.inflight += 1
-        for m in self.models:
-            self._reserved[m] += h.need[m]
-            self._shared[m].update(h.shared[m])
+        self.kv.reserve(h.need, h.shared)
         self._record(h.call, M.Admitted(h.rid, h.entry, h.t_admit))
-        if self.config.mode == "delayed":
+        if self.config.mode.batches_delayed:
             self._broadcast_inflight()
         peers = tuple(m for m in h.peers if m not in self._dead)
         for m in peers:  # before the Admit: the entry's first handoff can only come after it
@@ -459,7 +279,7 @@ class Engine:
     def check_thresholds(self, n: int) -> None:
         """Raise ValueError unless sum_i (B_i - 1) < n (TokenRouter paper, appendix: with fewer
         requests in flight, every model can wait below its threshold forever)."""
-        if self.config.mode != "delayed":
+        if not self.config.mode.batches_delayed:
             return
         slack = sum(b - 1 for b in self.thresholds.values())
         if slack >= n:
@@ -473,15 +293,11 @@ class Engine:
 
     def _kick(self) -> None:
         """Gated modes: start the next round if none is running and work is in flight."""
-        if self.config.mode not in ("sync", "model_sync") or self._awaiting or self._inflight == 0 or self._closed:
+        if not self.config.mode.gated or self._awaiting or self._inflight == 0 or self._closed:
             return
         self._round += 1
-        live = [m for m in self.models if m not in self._dead]
-        if self.config.mode == "sync":
-            targets = live
-        else:
-            targets = [live[self._rr % len(live)]] if live else []
-            self._rr += 1
+        targets = self.config.mode.round_targets([m for m in self.models if m not in self._dead], self._rr)
+        self._rr += 1
         self._awaiting = set(targets)
         for name in targets:
             self.transport.send(name, M.Go(self._round))
@@ -531,71 +347,96 @@ class Engine:
         for fn in self._observers:
             fn(ev)
 
-    def _handle_event(self, ev) -> None:
+    def handle_event(self, ev) -> None:
+        """Apply one event from a sub-server (the transports call this; takes the engine lock).
+
+        Raises:
+            UnknownMessage: ``ev`` is not an event the engine knows (names its type).
+        """
         with self._lock:
             self._on_event(ev)
 
     def _on_event(self, ev) -> None:
-        if isinstance(ev, M.StepDone):
-            self.recent.append(ev)
-            for call in self._calls:
-                if call.inflight:
-                    call.events.append(ev)
-            for fn in self._observers:
-                fn(ev)
-            self._round_done(ev.model, ev.round)
-            return
-        if isinstance(ev, M.Idle):
-            self._round_done(ev.model, ev.round)
-            return
-        if isinstance(ev, M.Stats):
-            box = self._stats.get(ev.token)
-            if box is not None:
-                box[ev.model] = ev
-                self._stats_cv.notify_all()
-            return
-        if isinstance(ev, M.ModelDied):
-            self._model_died(ev.model, ev.error)
-            return
+        """Dispatch by type; the caller holds ``_lock``."""
+        dispatch(self._event_handlers, ev, "the engine")
+
+    def _on_step_done(self, ev: M.StepDone) -> None:
+        self.recent.append(ev)
+        for call in self._calls:
+            if call.inflight:
+                call.events.append(ev)
+        for fn in self._observers:
+            fn(ev)
+        self._round_done(ev.model, ev.round)
+
+    def _on_idle(self, ev: M.Idle) -> None:
+        self._round_done(ev.model, ev.round)
+
+    def _on_stats(self, ev: M.Stats) -> None:
+        box = self._stats.get(ev.token)
+        if box is not None:
+            box[ev.model] = ev
+            self._stats_cv.notify_all()
+
+    def _on_died(self, ev: M.ModelDied) -> None:
+        self._model_died(ev.model, ev.error)
+
+    def _live_handle(self, ev) -> RequestHandle | None:
         h = self.handles.get(ev.rid)
-        if h is None or h.done.is_set():
+        return None if h is None or h.done.is_set() else h
+
+    def _on_committed(self, ev: M.Committed) -> None:
+        h = self._live_handle(ev)
+        if h is None:
             return
         out = h.output
-        if isinstance(ev, M.Committed):
-            self._record(h.call, ev)
-            if h.t_first is None:
-                h.t_first = ev.t
-            out.token_ids.extend(ev.tokens)
-            out.token_models.extend([ev.model] * len(ev.tokens))
-            if out.logprobs is not None and ev.logprobs is not None:
-                out.logprobs.extend(lp for lp, _ in ev.logprobs)
-                if out.top_logprobs is not None:
-                    out.top_logprobs.extend(dict(top) for _, top in ev.logprobs)
-            piece = h._add_text(ev.tokens, ev.last)
-            if h.call.listener is not None:
-                h.call.listener("tokens", h, (ev, piece))
-        elif isinstance(ev, M.Hopped):
-            self._record(h.call, ev)
-            h.owner = ev.dst
-            if ev.dst in self._dead:
-                self._end(h, "failed", f"model '{ev.dst}' is dead ({self._dead[ev.dst]}): the request was routed "
-                          f"to it", ev.t)
-                self._release_live(h.rid)
-                return
-            out.hops += 1
-            out.discarded += 0 if ev.kept else 1
-            if not ev.kept and ev.token is not None:
-                out.discarded_log.append((len(out.token_ids), ev.token, ev.src))
-            if h.call.listener is not None:
-                h.call.listener("hop", h, ev)
-        elif isinstance(ev, M.Resampled):
-            self._record(h.call, ev)
-            out.discarded += 1
-            out.discarded_log.append((len(out.token_ids), ev.token, ev.model))
-        elif isinstance(ev, M.Finished):
-            self._end(h, ev.reason, ev.error, ev.t, ev.stop_reason, ev.traceback)
-            if ev.model in self._dead:  # answered for a dead model: free what the live ones hold
-                self._release_live(h.rid)
+        self._record(h.call, ev)
+        if h.t_first is None:
+            h.t_first = ev.t
+        out.token_ids.extend(ev.tokens)
+        out.token_models.extend([ev.model] * len(ev.tokens))
+        if out.logprobs is not None and ev.logprobs is not None:
+            out.logprobs.extend(lp for lp, _ in ev.logprobs)
+            if out.top_logprobs is not None:
+                out.top_logprobs.extend(dict(top) for _, top in ev.logprobs)
+        piece = h._add_text(ev.tokens, ev.last)
+        if h.call.listener is not None:
+            h.call.listener("tokens", h, (ev, piece))
+
+    def _on_hopped(self, ev: M.Hopped) -> None:
+        h = self._live_handle(ev)
+        if h is None:
+            return
+        out = h.output
+        self._record(h.call, ev)
+        h.owner = ev.dst
+        if ev.dst in self._dead:
+            self._end(h, "failed", f"model '{ev.dst}' is dead ({self._dead[ev.dst]}): the request was routed "
+                      f"to it", ev.t)
+            self._release_live(h.rid)
+            return
+        out.hops += 1
+        out.discarded += 0 if ev.kept else 1
+        if not ev.kept and ev.token is not None:
+            out.discarded_log.append((len(out.token_ids), ev.token, ev.src))
+        if h.call.listener is not None:
+            h.call.listener("hop", h, ev)
+
+    def _on_resampled(self, ev: M.Resampled) -> None:
+        h = self._live_handle(ev)
+        if h is None:
+            return
+        self._record(h.call, ev)
+        h.output.discarded += 1
+        h.output.discarded_log.append((len(h.output.token_ids), ev.token, ev.model))
+
+    def _on_finished(self, ev: M.Finished) -> None:
+        h = self._live_handle(ev)
+        if h is None:
+            return
+        self._end(h, ev.reason, ev.error, ev.t, ev.stop_reason, ev.traceback)
+        if ev.model in self._dead:  # answered for a dead model: free what the live ones hold
+            self._release_live(h.rid)
 
     def _end(self, h: RequestHandle, reason: str, error: str | None, t: float, stop_reason=None,
              tb: str | None = None) -> None:
@@ -612,14 +453,8 @@ class Engine:
         if h.t_admit is not None:
             self._inflight -= 1
             call.inflight -= 1
-            for m in self.models:
-                self._reserved[m] -= h.need[m]
-                shared = self._shared[m]
-                for k in h.shared[m]:
-                    shared[k] -= 1
-                    if shared[k] <= 0:
-                        del shared[k]
-            if self.config.mode == "delayed":
+            self.kv.release(h.need, h.shared)
+            if self.config.mode.batches_delayed:
                 self._broadcast_inflight()
         self.handles.pop(h.rid, None)
         piece = h._take(len(out.text))
@@ -655,7 +490,7 @@ class Engine:
             return
         for m in self.models:
             if m not in self._dead and not self.transport.alive(m):
-                self._handle_event(M.ModelDied(m, f"sub-server '{m}' is not running", self.clock()))
+                self.handle_event(M.ModelDied(m, f"sub-server '{m}' is not running", self.clock()))
 
     def _model_died(self, model: str, error: str) -> None:
         if model in self._dead or self._closed:
@@ -686,6 +521,33 @@ class Engine:
         return dict(self._dead)
 
     # -- state ------------------------------------------------------------------------------
+    def consistent(self):
+        """Context manager: while inside, no event is applied (the engine lock), so several reads
+        of calls, handles and outputs agree with each other. Keep it short: the engine waits."""
+        return self._lock
+
+    def kv_reserved(self) -> dict[str, int]:
+        """Per model, KV blocks the requests in flight hold back (``kv_admission="reserve"``; see
+        `tokenrouter_sdk.engine.admission`)."""
+        with self._lock:
+            return self.kv.reserved_blocks()
+
+    def recent_events(self) -> list:
+        """A snapshot of the last `RECENT_EVENTS` events engine-wide (oldest first)."""
+        with self._lock:
+            return list(self.recent)
+
+    def requests(self) -> list[RequestHandle]:
+        """A snapshot of the requests not ended yet (queued or in flight)."""
+        with self._lock:
+            return list(self.handles.values())
+
+    def request_counts(self) -> dict[str, int]:
+        """``{"in_flight": admitted and not ended, "waiting": submitted and not admitted}``."""
+        with self._lock:
+            admitted = sum(1 for h in self.handles.values() if h.t_admit is not None)
+            return {"in_flight": admitted, "waiting": len(self.handles) - admitted}
+
     def active_calls(self) -> list[Call]:
         with self._lock:
             return list(self._calls)
@@ -695,7 +557,7 @@ class Engine:
         request and has no message waiting."""
         with self._lock:
             busy = bool(self.handles)
-        return not busy and all(not ss.sched.seqs and ss.inbox.empty() for name, ss in self.subservers.items()
+        return not busy and all(not ss.sched.seqs and not self.transport.pending(name) for name, ss in self.subservers.items()
                                 if name not in self._dead)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:

@@ -37,6 +37,38 @@ class Prefill:
 
 
 @dataclass
+class RequestState:
+    """What travels with a request from model to model: the one place to add such a field (the
+    scheduler's `Seq` holds it as ``rs``; a `HandoffMsg` carries it as ``request``; the codec
+    sends it field by field, the policy state and the logits pickled).
+
+    Attributes:
+        seen: per model, how many tokens of prompt + committed it has seen.
+        n_committed: committed output tokens so far.
+        hops, hops_since_commit: handoffs so far, and since the last committed token.
+        discarded: sampled tokens dropped (discarding handoffs and resamples).
+        state: the policy's per-request state (`RequestView.state`).
+        span, return_to: forced span (tokens the model holding the request writes before control
+            returns to ``return_to``), or None.
+        greedy: decode greedily until the next handoff (`Handoff.greedy`).
+        peer_logits: the handing-off model's logits [V] of the position the receiver writes next
+            (a discarding handoff of a policy with ``Needs(handoff_logits=True)``), read by the
+            receiver's next step only, else None.
+    """
+
+    seen: dict[str, int] = field(default_factory=dict)
+    n_committed: int = 0
+    hops: int = 0
+    hops_since_commit: int = 0
+    discarded: int = 0
+    state: dict = field(default_factory=dict)
+    span: int | None = None
+    return_to: str | None = None
+    greedy: bool = False
+    peer_logits: object = None  # torch.Tensor [V] or None
+
+
+@dataclass
 class HandoffMsg:
     """The request now belongs to the receiving model.
 
@@ -44,35 +76,18 @@ class HandoffMsg:
         rid: request id.
         src: the model that handed off.
         suffix: tokens of prompt + committed the target has not seen, shape [s].
-        seen: per model, how many tokens of prompt + committed it has seen (after the
-            target applies ``suffix``, ``seen[target] == len(prompt + committed)``).
-        n_committed: committed output tokens so far.
-        hops, hops_since_commit, discarded: counters.
-        state: the policy's per-request state.
-        span, return_to: forced span (tokens the target writes before control returns to
-            ``return_to``), or None.
+        request: its `RequestState` (after the target applies ``suffix``,
+            ``request.seen[target] == len(prompt + committed)``).
         keep_sampled: whether the source committed its sampled token.
         config: the request config, sent only on the target's first visit.
-        greedy: the target decodes greedily until it hands off again (`Handoff.greedy`).
-        peer_logits: the source's logits [V] of the position the target now writes (a
-            discarding handoff of a policy with ``Needs(handoff_logits=True)``), else None.
     """
 
     rid: int
     src: str
     suffix: list[int]
-    seen: dict[str, int]
-    n_committed: int
-    hops: int
-    hops_since_commit: int
-    discarded: int
-    state: dict
-    span: int | None
-    return_to: str | None
+    request: RequestState
     keep_sampled: bool
     config: RequestConfig | None = None
-    greedy: bool = False
-    peer_logits: object = None  # torch.Tensor [V] or None
 
 
 @dataclass
@@ -163,7 +178,7 @@ class Committed:
     tokens: list[int]
     t: float
     last: bool = False
-    logprobs: list | None = None
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """The sub-server process: its entry point (`_child_main`) and its receiver thread.
 
-Receives its spec over the spec channel (`wire.recv_spec`), runs a `SubServer` on it; a
-receiver thread turns hub messages into the sub-server's inbox (one hub batch at once), and
-stops it when the parent process dies. The first message to the hub (``hi``) carries the
-process's start-up times (`ProcessTransport.boot`).
+Receives its spec over the spec channel (`wire.recv_spec`), builds a `SubServer` from it
+(`build_subserver`) and serves it (`subserver.serve`): each `StepResult` goes to the hub as one
+``Frame.RESULT`` (`wire.encode_result`). A receiver thread turns hub messages into the inbox
+(one hub batch at once), and stops the sub-server when the parent process dies. The first
+frame to the hub (``Frame.HELLO``) carries the process's start-up times (`ProcessTransport.boot`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import signal
 import threading
@@ -18,7 +20,9 @@ import time
 import traceback
 
 from . import messages as M
-from .wire import _LoadError, _PolicyBytes, dumps, load_spec, loads, recv_spec
+from .subserver import SubServer, serve
+from .codec import Frame, PolicyBlob, decode, encode_result
+from .wire import _LoadError, load_policy, load_spec, recv_spec
 
 _IMPORTED_IN = os.getpid()  # another pid in a sub-server: this module came with a fork server's fork
 
@@ -28,6 +32,15 @@ def _prepare_runner(runner) -> None:
     prepare = getattr(runner, "prepare_process", None)
     if prepare is not None:
         prepare()
+
+
+def build_subserver(spec: dict) -> SubServer:
+    """The `SubServer` of a received spec (its keyword arguments, as `ProcessTransport.start`
+    sends them), after the runner's per-process setup; its clock is ``time.perf_counter``. A
+    host of sub-servers other than this module's process (e.g. a Ray actor that got the spec
+    by another route) builds it the same way and serves it with `subserver.serve`."""
+    _prepare_runner(spec["runner"])
+    return SubServer(**spec, clock=time.perf_counter)
 
 
 def _child_main(name: str, address: str, threads: int, channel) -> None:
@@ -44,7 +57,7 @@ def _child_main(name: str, address: str, threads: int, channel) -> None:
         data, fds = recv_spec(channel)
         return data, fds
 
-    code = serve(name, address, threads, receive, load_spec, t_main=t_main, preloaded=preloaded)
+    code = run_subserver(name, address, threads, receive, load_spec, t_main=t_main, preloaded=preloaded)
     # skip the interpreter's teardown of torch and transformers (seconds, nothing to save)
     for f in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -52,12 +65,12 @@ def _child_main(name: str, address: str, threads: int, channel) -> None:
     os._exit(code)
 
 
-def serve(name: str, address: str, threads: int, receive, load, *, t_main: float, preloaded: bool = False,
-          watch_parent: bool = True) -> int:
+def run_subserver(name: str, address: str, threads: int, receive, load, *, t_main: float, preloaded: bool = False,
+                  watch_parent: bool = True) -> int:
     """Run model ``name``'s sub-server until `Shutdown`: get its spec (``receive()`` -> data,
     ``load(*data)`` -> the spec dict or a `_LoadError`), connect to the hub at ``address``, build
-    the `SubServer` and step it. Returns the exit code (0: shut down, 1: crashed, reported to
-    the hub as ``err``). ``watch_parent``: also stop when the parent process ends (for a
+    the `SubServer` (`build_subserver`) and serve it (`subserver.serve`). Returns the exit code
+    (0: shut down, 1: crashed, reported to the hub as ``Frame.ERROR``). ``watch_parent``: also stop when the parent process ends (for a
     process started by `ProcessTransport`; a Ray actor ends with its owner instead)."""
     import torch
     import zmq
@@ -70,23 +83,16 @@ def serve(name: str, address: str, threads: int, receive, load, *, t_main: float
     out.connect(address)
     out_lock = threading.Lock()  # the main thread is the only sender; the lock keeps any second sender safe
 
-    in_step = [False]
-
-    def send(model: str, msg) -> None:
-        data = dumps(msg)
-        with out_lock:  # "ts": sent during a step, released by the hub with that step's StepDone
-            out.send_multipart([b"ts" if in_step[0] else b"to", model.encode(), data])
-
-    def emit(event) -> None:
-        data = dumps(event)
+    def deliver(res) -> None:
         with out_lock:
-            out.send_multipart([b"ev", b"", data])
+            out.send_multipart(encode_result(res))
 
     stop, orphaned = threading.Event(), threading.Event()
     fatal: list[str] = []
     code = 0
     rx = None
     spec = None
+    inbox: queue.Queue = queue.Queue()
     try:
         got = receive()
         t_received = time.perf_counter()
@@ -95,26 +101,14 @@ def serve(name: str, address: str, threads: int, receive, load, *, t_main: float
         t_loaded = time.perf_counter()
         if isinstance(spec, _LoadError):
             raise RuntimeError(spec.text)
-        from .subserver import SubServer
-        _prepare_runner(spec["runner"])
-        ss = SubServer(**spec, send=send, emit=emit, clock=time.perf_counter)
-        step = ss.step
-
-        def marked_step(*args, **kwargs):
-            in_step[0] = True
-            try:
-                return step(*args, **kwargs)
-            finally:
-                in_step[0] = False
-
-        ss.step = marked_step
+        ss = build_subserver(spec)
         boot = {"pid": os.getpid(), "preloaded": preloaded, "main": t_main, "received": t_received,
                 "loaded": t_loaded, "built": time.perf_counter()}
         rx = threading.Thread(target=_child_receive,
-                              args=(ctx, address, name, ss.inbox, stop, fatal, orphaned, boot, watch_parent),
+                              args=(ctx, address, name, inbox, stop, fatal, orphaned, boot, watch_parent),
                               name=f"tokenrouter-{name}-rx", daemon=True)
         rx.start()
-        ss.run()
+        serve(ss, inbox, deliver)
         if fatal:
             raise RuntimeError(fatal[0])
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the requests
@@ -123,7 +117,7 @@ def serve(name: str, address: str, threads: int, receive, load, *, t_main: float
         if isinstance(spec, _LoadError) or fatal:
             text = str(e)
         with contextlib.suppress(Exception), out_lock:
-            out.send_multipart([b"err", b"", text.encode(errors="replace")])
+            out.send_multipart([Frame.ERROR.value, text.encode(errors="replace")])
         traceback.print_exc()
     finally:
         stop.set()
@@ -146,7 +140,7 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, f
     sock.setsockopt(zmq.IDENTITY, b"i:" + name.encode())
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(address)
-    sock.send_multipart([b"hi", b"", json.dumps(dict(boot or {}, now=time.perf_counter())).encode()])
+    sock.send_multipart([Frame.HELLO.value, json.dumps(dict(boot or {}, now=time.perf_counter())).encode()])
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     parent = multiprocessing.parent_process() if watch_parent else None
@@ -164,13 +158,13 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, f
                     msgs, last = [], False
                     for frame in frames:  # one batch from the hub: it reaches the inbox at once
                         try:
-                            msg = loads(frame)
+                            msg = decode(frame)
                         except Exception as e:  # noqa: BLE001 - cannot go on without it: stop, say why
                             fatal.append(f"sub-server '{name}' could not load a message from the engine: "
                                          f"{type(e).__name__}: {e}")
                             msg = M.Shutdown()
-                        if isinstance(msg, _PolicyBytes):
-                            msg = msg.load(name)
+                        if isinstance(msg, PolicyBlob):
+                            msg = load_policy(msg, name)
                         msgs.append(msg)
                         if isinstance(msg, M.Shutdown):
                             last = True

@@ -8,21 +8,21 @@ Layout::
 
     parent process                                  one child process per model (fork server)
       engine --send(model, msg)--> out queue          receiver thread: DEALER "i:<model>"
-                                      |                   -> SubServer.inbox
-      hub thread: ROUTER (ipc:// or tcp://) <-------> main thread: SubServer.run()
-        - engine -> child messages (in send order)        send/emit: DEALER "o:<model>"
-        - child -> child messages, forwarded as bytes
-        - child -> engine events -> on_event(event)
+                                      |                   -> inbox
+      hub thread: ROUTER (ipc:// or tcp://) <-------> main thread: serve(SubServer, inbox, deliver)
+        - engine -> child messages (in send order)        deliver(StepResult): DEALER "o:<model>",
+        - child StepResult (one Frame.RESULT):              one Frame.RESULT per result
+            its messages forwarded to the peers as bytes, then its events -> on_event(event)
         - child death (process sentinel) -> ModelDied(model, why); what was sent to the dead
           child and carries a request (Admit, HandoffMsg) -> that request's Finished(failed)
 
 Ordering: every message passes through the hub thread, so messages from one sender to one
-destination stay in order. What a sub-server sends its peers during a step (handoffs,
-releases) is held by the hub until that step's ``StepDone`` arrives, then forwarded just before
-the engine sees the ``StepDone``: the trace records a step before any step that reacts to it,
-and a handoff reaches the peer before any ``Go`` the engine sends in reply (gated modes). What
-the engine sends inside `hold` (one `Router.submit`) reaches each sub-server as one batch that
-it handles whole before it next schedules.
+destination stay in order. A sub-server's step result arrives whole; the hub forwards its
+messages to the peers, then hands its events to the engine, before it reads anything else: the
+trace records a step before any step that reacts to it, and a handoff reaches the peer before
+any `Go` the engine sends in reply (gated modes). What the engine sends inside `hold` (one
+`Router.submit`) reaches each sub-server as one batch that it handles whole before it next
+schedules.
 
 Start-up: one process per model comes from `process_start` (by default forked from
 multiprocessing's fork server, which imported torch and transformers once per interpreter: tens
@@ -42,9 +42,10 @@ process's copy is released, so nothing here can write into a sub-server's KV. Th
 its end of the pair open while it lives: the hub sees the other end turn readable when it ends
 (however it ends, whoever started it).
 
-Serialisation: per-step messages and events are small dataclasses sent with plain pickle;
-`RegisterPolicy` (and anything plain pickle refuses) goes with cloudpickle, so a `Policy`
-class defined in a notebook cell works in the sub-server processes. A policy is pickled again
+Serialisation: per-step messages and events travel with the typed codec of `codec` (a tag,
+then the fields as msgpack, checked against the dataclass's annotations); a policy travels
+cloudpickled in a `codec.PolicyBlob`, so a `Policy` class defined in a notebook cell works in
+the sub-server processes. A policy is pickled again
 for every call that uses it and sent when its bytes changed, so an object edited between calls
 reaches the processes as it is. Sender and receiver run the
 same interpreter, never stored.
@@ -59,7 +60,6 @@ import collections
 import contextlib
 import json
 import os
-import pickle
 import select
 import shutil
 import signal
@@ -75,8 +75,8 @@ from . import messages as M
 from . import process_start
 from .process_child import _child_main
 from .runner import dead_letter
-from .wire import (_PROTO, _PolicyBytes, _child_spec, dump_spec, dumps, loads, pack_shared, policy_sources,
-                   send_spec)
+from .codec import FRAMES, Frame, decode, encode, split_result
+from .wire import _child_spec, dump_spec, pack_shared, policy_blob, send_spec
 
 FDS_PER_MODEL = 8  # descriptors a sub-server process costs this process at most: spec channel, sentinel,
 #                    hub connections, its weights' shared-memory segments (usually one)
@@ -172,6 +172,7 @@ class ProcessTransport:
         self._on_event: Callable[[object], None] | None = None
         self._ready: set[str] = set()
         self._dead: set[str] = set()
+        self.subservers: dict = {}  # none in this process
         self._dead_why: dict[str, str] = {}
         self._errors: dict[str, str] = {}
         self._buffer: dict[str, list[bytes]] = collections.defaultdict(list)
@@ -184,7 +185,6 @@ class ProcessTransport:
         self.shared: dict = {}  # what `start` moved into shared memory (`wire.pack_shared`)
         self._hold_lock = threading.Lock()
         self._holding = 0
-        self._held: dict[str, list[tuple[str, bytes]]] = {}
 
     # -- the transport interface ----------------------------------------------------------
     def clock_for(self, model: str) -> Callable[[], float]:
@@ -215,16 +215,16 @@ class ProcessTransport:
         elif isinstance(msg, M.UnregisterPolicy):
             with self._proc_lock:
                 self._policy_cache.pop((model, msg.key), None)
-            data = dumps(msg)
+            data = encode(msg)
         else:
-            data = dumps(msg)
+            data = encode(msg)
         self._out.append((model, data))
         if threading.current_thread() is not self._hub:
             self._wake()
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
         """Bind the hub, start one process per spec (its `SubServer` keyword arguments, less
-        send/emit/clock), start the hub thread, send each process its spec and wait until every
+        clock), start the hub thread, send each process its spec and wait until every
         process has connected (``start_timeout``).
 
         Raises:
@@ -360,6 +360,10 @@ class ProcessTransport:
             return True
         return self._running(model)
 
+    def pending(self, model: str) -> bool:
+        """False: no sub-server lives in this process (`subservers` is empty)."""
+        return False
+
     def pids(self) -> dict[str, int]:
         """Process id of each sub-server."""
         return {name: p.pid for name, p in self.procs.items()}
@@ -420,21 +424,20 @@ class ProcessTransport:
         with self._proc_lock:
             last = self._last_policy
         if last is not None and last[0] is msg:
-            body = last[1]
+            blob = last[1]
         else:
             try:
-                import cloudpickle
-                body = cloudpickle.dumps(msg.policy, _PROTO)
+                blob = policy_blob(msg.key, msg.policy)
             except Exception as e:  # noqa: BLE001
                 raise TypeError(f"policy {msg.policy!r} cannot be sent to the sub-server processes "
                                 f"({type(e).__name__}: {e}); make it picklable (cloudpickle) or run the "
                                 f"sub-servers in threads with Router(..., processes=False)") from e
         with self._proc_lock:
-            self._last_policy = (msg, body)
-            if self._policy_cache.get((model, msg.key)) == body:
+            self._last_policy = (msg, blob)
+            if self._policy_cache.get((model, msg.key)) == blob.data:
                 return None
-            self._policy_cache[(model, msg.key)] = body
-        return pickle.dumps(_PolicyBytes(msg.key, body, repr(msg.policy), policy_sources(msg.policy)), _PROTO)
+            self._policy_cache[(model, msg.key)] = blob.data
+        return encode(blob)
 
     def _bind(self, sock, spec: str) -> str:
         if spec == "ipc":
@@ -530,7 +533,7 @@ class ProcessTransport:
         why = self._dead_why.get(dest, f"sub-server process '{dest}' is not running")
         for data in datas:
             try:
-                msg = loads(data)
+                msg = decode(data)
             except Exception:  # noqa: BLE001 - e.g. a policy envelope: nothing to answer
                 continue
             ev = dead_letter(dest, msg, why, time.perf_counter())
@@ -548,21 +551,25 @@ class ProcessTransport:
         for dest, datas in batches.items():
             self._deliver(dest, datas)
 
-    def _release_held(self, src: str) -> None:
-        """Forward what ``src`` sent its peers during the step whose StepDone just arrived: the
-        engine records that step before any peer can react to it (a causal trace), and the
-        handoffs reach the peers before any `Go` the engine sends in reply."""
-        batches: dict[str, list[bytes]] = {}
-        for dest, data in self._held.pop(src, []):
-            batches.setdefault(dest, []).append(data)
-        for dest, datas in batches.items():
-            self._deliver(dest, datas)
-
     def _emit(self, event) -> None:
         try:
             self._on_event(event)
         except Exception:  # noqa: BLE001 - never let an engine error kill the hub
             traceback.print_exc()
+
+    def _on_result(self, frames: list[bytes]) -> None:
+        """One `StepResult` of a sub-server: its messages go to the peers first (as bytes, one
+        batch per peer), then its events to the engine. The hub handles one frame at a time, so
+        no peer's reaction to the messages is handled before these events, and the engine's
+        reply to them (a gated mode's `Go`) reaches a peer after the handoffs."""
+        events, messages = split_result(frames)
+        batches: dict[str, list[bytes]] = {}
+        for dest, data in messages:
+            batches.setdefault(dest, []).append(data)
+        for dest, datas in batches.items():
+            self._deliver(dest, datas)
+        for data in events:
+            self._emit(decode(data))
 
     def _recv_router(self) -> bool:
         """Handle every message waiting on the ROUTER; True if any."""
@@ -570,28 +577,24 @@ class ProcessTransport:
         got = False
         while True:
             try:
-                ident, kind, dest, data = self._router.recv_multipart(zmq.NOBLOCK)
+                ident, kind, *frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return got
             got = True
             self._drain_out()
             src = ident.decode()[2:]
-            if kind == b"to":
-                self._deliver(dest.decode(), [data])
-            elif kind == b"ts":
-                self._held.setdefault(src, []).append((dest.decode(), data))
-            elif kind == b"ev":
-                ev = loads(data)
-                if isinstance(ev, M.StepDone):
-                    self._release_held(src)
-                self._emit(ev)
+            frame = FRAMES.get(kind)
+            if frame is Frame.RESULT:
+                self._on_result(frames)
                 self._drain_out()
-            elif kind == b"hi":
-                self._record_boot(src, data)
+            elif frame is Frame.HELLO:
+                self._record_boot(src, frames[0])
                 self._ready.add(src)
                 self._deliver(src, self._buffer.pop(src, []))
-            elif kind == b"err":
-                self._errors[src] = data.decode(errors="replace")
+            elif frame is Frame.ERROR:
+                self._errors[src] = frames[0].decode(errors="replace")
+            else:
+                self._errors.setdefault(src, f"sub-server process '{src}' sent an unknown frame kind {kind!r}")
 
     def _record_boot(self, name: str, data: bytes) -> None:
         now = time.perf_counter()
@@ -619,7 +622,6 @@ class ProcessTransport:
             p.join(1.0)
             code = p.exitcode
         held = self._buffer.pop(name, [])
-        self._held.pop(name, None)
         err = self._errors.get(name)
         text = f"sub-server process '{name}' died ({_exit_text(code)})" + (f": {err}" if err else "")
         self._dead_why[name] = text

@@ -1,7 +1,7 @@
 """Sub-servers hosted by Ray actors, on any node of a Ray cluster (``Router(..., cluster="ray")``).
 
 Ray places, starts, watches and stops the sub-servers; the data path stays ours: each actor runs
-the same sub-server loop as a local process (`process_child.serve`) and connects to this
+the same sub-server loop as a local process (`process_child.run_subserver`) and connects to this
 process's pyzmq hub over TCP, so handoffs and events take the route they take on one machine
 (`ProcessTransport` is the hub; this class only replaces how processes start, get their spec,
 are watched and end).
@@ -58,7 +58,7 @@ class SubServerActor:
         its exit code."""
         import pickle
 
-        from .process_child import serve
+        from .process_child import run_subserver
         from .wire import _LoadError
 
         def load(data):
@@ -67,7 +67,7 @@ class SubServerActor:
             except BaseException as e:  # noqa: BLE001 - reported through the hub
                 return _LoadError(f"could not load the sub-server spec in the Ray actor: {type(e).__name__}: {e}")
 
-        return serve(name, address, threads, lambda: (payload,), load, t_main=time.perf_counter(),
+        return run_subserver(name, address, threads, lambda: (payload,), load, t_main=time.perf_counter(),
                      watch_parent=False)
 
 

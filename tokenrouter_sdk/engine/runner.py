@@ -6,7 +6,7 @@ depends only on these protocols, never on a backend module."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Protocol, runtime_checkable
+from typing import Callable, ContextManager, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -31,6 +31,22 @@ class SeqInput:
     all_hidden: bool = False
 
 
+class ForwardOut(NamedTuple):
+    """What `Runner.forward` returns.
+
+    Attributes:
+        logits: last-position logits per input, [B, V].
+        hidden: last-layer hidden states at those positions, [B, H].
+        fed_hidden: when an input asked (``SeqInput.all_hidden``): per input, the hidden states
+            of every fed position [len(tokens), H], or None where not asked; None when no input
+            asked (or the runner cannot: a policy reading `Step.prompt_hidden` then gets an error).
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    fed_hidden: list | None = None
+
+
 @runtime_checkable
 class Runner(Protocol):
     """One model's forward over a ragged batch, with a private paged KV pool.
@@ -49,12 +65,10 @@ class Runner(Protocol):
     device: torch.device
     last_forward_s: float
 
-    def forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed every request's tokens; return the last-position logits [B, V] and the
-        last-layer hidden states [B, H] of each request. A runner that supports ``all_hidden``
-        returns a third item when an input asks for it: per input, the hidden states of every
-        fed position [len(tokens), H], or None where not asked (a runner without support
-        returns two items, and a policy reading `Step.prompt_hidden` then gets an error)."""
+    def forward(self, seqs: list[SeqInput]) -> ForwardOut:
+        """Feed every request's tokens; return a `ForwardOut`: the last-position logits [B, V],
+        the last-layer hidden states [B, H] of each request and, where asked
+        (``SeqInput.all_hidden``), the hidden states of every fed position."""
         ...
 
 
@@ -63,7 +77,10 @@ class Transport(Protocol):
     """Starts the sub-servers and carries messages between them and the engine.
 
     ``start(specs, on_event)`` builds one `SubServer` per spec (its keyword arguments, less
-    send/emit/clock) and delivers every event to ``on_event``; ``send(model, msg)`` delivers a
+    clock) and delivers every event to ``on_event``, each `StepResult` whole in the order
+    `tokenrouter_sdk.engine.step_result` states; ``subservers`` holds the sub-servers that
+    live in this process by model (empty when they live elsewhere), and ``pending(model)``
+    says whether messages wait for one of them; ``send(model, msg)`` delivers a
     message to a sub-server (in order per sender); ``hold()`` is a batch submission (delivered
     whole); ``clock()`` is the time; ``alive(model)`` whether it serves; ``close()`` stops all.
     A message to a dead sub-server that carries a request (`Admit`, `HandoffMsg`) is answered

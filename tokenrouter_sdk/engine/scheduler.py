@@ -27,21 +27,23 @@ import torch
 
 from ..request import RequestConfig
 from .kv_pool import KVPool, KVPoolFull
+from .messages import RequestState
 from .prefix_cache import chain_keys
 
 
 @dataclass
 class Seq:
-    """One request's state on one model.
+    """One request on one model: its travelling `RequestState` and what stays here (KV, cache keys).
 
     Attributes:
+        config: the request's immutable part.
         tokens: prompt + committed tokens this model knows, shape [n].
+        rs: its `RequestState`: what travels with it to the next model (seen counts, committed
+            count, hop counters, policy state, forced span, greedy, peer logits).
         kv_len: how many of them are in this model's KV (invariant: KV holds tokens[:kv_len]).
         table: block table in this model's pool.
-        seen: per model, how many tokens of prompt + committed it has seen.
-        greedy: decode greedily until the next handoff (`Handoff.greedy`).
-        peer_logits: the handing-off model's logits [V] for the next position, until the next
-            step here (``Needs(handoff_logits=True)``).
+        status: waiting | running | pending.
+        generator: its sampling generator on this model.
         prefill_only: prefilled at admission for a later handoff (``EngineConfig.prefill_peers``):
             a step feeds it but never samples or routes it; it then waits pending.
         resamples: `Resample` decisions in a row at the current position.
@@ -56,20 +58,11 @@ class Seq:
 
     config: RequestConfig
     tokens: list[int]
+    rs: RequestState = field(default_factory=RequestState)
     kv_len: int = 0
     table: list[int] = field(default_factory=list)
     status: str = "waiting"
-    seen: dict[str, int] = field(default_factory=dict)
-    n_committed: int = 0
-    hops: int = 0
-    hops_since_commit: int = 0
-    discarded: int = 0
-    state: dict = field(default_factory=dict)
-    span: int | None = None
-    return_to: str | None = None
     generator: torch.Generator | None = None
-    greedy: bool = False
-    peer_logits: torch.Tensor | None = None
     prefill_only: bool = False
     resamples: int = 0
     keys: list = field(default_factory=list)

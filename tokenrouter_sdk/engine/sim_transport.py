@@ -1,11 +1,13 @@
 """`SimTransport`: the real sub-servers and the engine's event handler in one background thread,
-in simulated time (seconds from 0), for runners that report their step time through an
-``advance(dt)`` hook (`tokenrouter_sdk.backends.sim_runner.SimRunner`).
+in simulated time (seconds from 0). Any `Runner` works: a step lasts the runner's
+``last_forward_s`` (`tokenrouter_sdk.backends.sim_runner.SimRunner` reports a latency model's
+seconds there), read through the `Runner` protocol by a wrapper (`_TimedRunner`).
 
 Simulation rule (a conservative discrete-event simulation): a sub-server that can step at
 simulated time t starts a step; its forward returns at once but the model is busy until
-t + latency(batch); every message and event it produces in that step is delivered at
-t + latency. Messages from the engine are delivered at the current time.
+t + latency(batch); the step's `StepResult` (events, then messages) is delivered at
+t + latency. Messages from the engine, and what handling them produces, are delivered at the
+current time.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import heapq
 import itertools
 import threading
+import traceback
 from typing import Callable
 
 
@@ -59,25 +62,33 @@ class SimTransport:
             heapq.heappush(self._heap, (self._t(), next(self._seq), model, msg))
             self._cv.notify()
 
-    def emit(self, event) -> None:
+    def _deliver(self, res, t: float) -> None:
         with self._cv:
-            heapq.heappush(self._heap, (self._t(), next(self._seq), None, event))
+            for ev in res.events:
+                heapq.heappush(self._heap, (t, next(self._seq), None, ev))
+            for model, msg in res.messages:
+                heapq.heappush(self._heap, (t, next(self._seq), model, msg))
+
+    def pending(self, model: str) -> bool:
+        """Whether messages for ``model`` wait to be delivered."""
+        with self._cv:
+            return any(dest == model for _, _, dest, _ in self._heap)
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
         from .subserver import SubServer
-        self.subservers = {name: SubServer(**spec, send=self.send, emit=self.emit, clock=self.clock_for(name))
-                           for name, spec in specs.items()}
-        self._on_event = on_event
-        for name, ss in self.subservers.items():
+        self.subservers = {}
+        for name, spec in specs.items():
+            spec = dict(spec, runner=_TimedRunner(spec["runner"], self._forwarded(name)))
+            self.subservers[name] = SubServer(**spec, clock=self.clock_for(name))
             self._busy[name] = 0.0
-            ss.runner.advance = self._advancer(name)
+        self._on_event = on_event
         self._thread = threading.Thread(target=self._loop, name="tokenrouter-sim", daemon=True)
         self._thread.start()
 
-    def _advancer(self, name: str):
-        def advance(dt: float) -> None:
+    def _forwarded(self, name: str) -> Callable[[float], None]:
+        def done(dt: float) -> None:
             self._local[name] = self.now + dt
-        return advance
+        return done
 
     def _loop(self) -> None:
         while True:
@@ -90,19 +101,27 @@ class SimTransport:
                        if self._heap and self._heap[0][0] <= self.now]
             for _, _, dest, msg in due:
                 if dest is None:
-                    self._on_event(msg)
+                    try:
+                        self._on_event(msg)
+                    except Exception:  # noqa: BLE001 - never let an engine error stop the simulation
+                        traceback.print_exc()
                 else:
                     self.subservers[dest].handle(msg)
             ran = False
             for name, ss in self.subservers.items():
+                res = ss.take()
+                if res:
+                    self._deliver(res, self.now)
                 if self._busy[name] <= self.now:
                     self._stepping, self._local[name] = name, self.now
                     try:
-                        if ss.try_step():
-                            self._busy[name] = self._local[name]
-                            ran = True
+                        res = ss.step()
                     finally:
                         self._stepping = None
+                    self._deliver(res, self._local[name])
+                    if res.ran:
+                        self._busy[name] = self._local[name]
+                        ran = True
             if due or ran:
                 continue
             with self._cv:
@@ -123,3 +142,23 @@ class SimTransport:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+class _TimedRunner:
+    """A `Runner` seen through the protocol: ``forward`` runs the runner's, then reports its
+    ``last_forward_s`` to ``done`` (the simulated step's length); every other attribute is the
+    runner's."""
+
+    def __init__(self, runner, done: Callable[[float], None]):
+        self.__dict__["_runner"], self.__dict__["_done"] = runner, done
+
+    def forward(self, seqs):
+        out = self._runner.forward(seqs)
+        self._done(float(self._runner.last_forward_s))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def __setattr__(self, name, value):  # e.g. a test wrapping ``forward``: the runner's, still timed here
+        setattr(self._runner, name, value)

@@ -11,11 +11,17 @@ ask the policy where each request goes (it may set the token written, or `Resamp
 draw from the same distribution, routed again), then commit (and check the stop rules) or hand
 off (the request stays pending here, KV kept). Requests prefilled at admission for a later
 handoff (`Prefill`, ``EngineConfig.prefill_peers``) are fed and then wait pending, unrouted.
+
+A sub-server is a step machine and knows no transport: feed it messages (`SubServer.handle`),
+call `SubServer.step`, and read the `StepResult` it returns (the events for the engine in
+order, then the messages for peers). `serve` is the loop the thread and process transports run
+around it; the sim transport drives the same two calls in simulated time.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import time
 import traceback
@@ -27,15 +33,16 @@ from ..policy import Handoff, Policy, Resample, StepBatch
 from ..request import RequestView, SamplingParams
 from . import messages as M
 from . import policy_calls as PC
-from .config import MODES, EngineConfig
-from .runner import RunnerDied, SeqInput
+from .config import MODES, EngineConfig, Mode
+from .runner import ForwardOut, RunnerDied, SeqInput
 from .sampler import make_generator, sample
-from .scheduler import Scheduler, Seq
+from .scheduler import RequestState, Scheduler, Seq
+from .step_result import StepResult, UnknownMessage, dispatch
 
 ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
 GREEDY = SamplingParams()  # how a request samples after a Handoff(greedy=True)
 
-__all__ = ["SubServer", "RequestFailed", "MODES"]
+__all__ = ["SubServer", "StepResult", "UnknownMessage", "RequestFailed", "MODES", "Mode", "serve"]
 
 
 def _policy_frame(filename: str) -> bool:
@@ -59,24 +66,21 @@ class SubServer:
         runner: the model's `tokenrouter_sdk.engine.runner.Runner` (holds the KV pool).
         tokenizer: the shared tokenizer (stop strings; ``step.tokenizer`` for policies).
         config: the `EngineConfig` (mode, retain_kv, batch limits, ...).
-        send: ``send(model_name, msg)`` delivers a message to a peer sub-server.
-        emit: ``emit(event)`` delivers an event to the engine.
         thresholds: delayed batching thresholds B_i per model (``delayed`` mode).
         vocab_limit: token ids at or above it are never sampled (the shared tokenizer's size:
             a model's extra logits rows, e.g. Qwen's padding to 151,936, are cut off).
         clock: seconds; ``time.perf_counter`` (or a simulated clock for the sim backend).
+
+    Not thread-safe: one thread calls `handle`, `take` and `step`.
     """
 
     def __init__(self, name: str, models: list[str], runner, tokenizer, config: EngineConfig,
-                 send: Callable[[str, object], None], emit: Callable[[object], None],
                  thresholds: dict[str, int] | None = None, vocab_limit: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.name, self.models, self.index = name, list(models), list(models).index(name)
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
-        self.send, self.emit = send, emit
         self.sched = Scheduler(runner.pool, config.max_batch_tokens, config.max_batch_size,
                                prefix_cache=config.prefix_cache)
-        self.inbox: queue.Queue = queue.Queue()
         self.policies: dict[int, Policy] = {}
         self.aborted: collections.OrderedDict[int, tuple[str, str | None]] = collections.OrderedDict()
         self._running = True
@@ -85,46 +89,82 @@ class SubServer:
         self.vocab_limit = int(vocab_limit or runner.vocab_size)
         self.inflight = 0
         self._go: list[int] = []
-        self._deferred: list | None = None  # Finished events held until the step's StepDone
-        self._held: list | None = None  # messages to peers held until the step's StepDone
+        self._out = StepResult()  # what handling and stepping produced since the last take/step
+        self._late: list | None = None  # inside a step: its Finished events, placed after its StepDone
         self.clock = clock
+        self._may_step = ((lambda: bool(self._go)) if self.mode.gated else self.delayed_ok
+                          if self.mode.batches_delayed else (lambda: bool(self.sched.owned)))
+        self._handlers = {
+            M.Admit: self._admit, M.Prefill: self._prefill, M.HandoffMsg: self._receive,
+            M.Release: self._release, M.Abort: self._abort, M.RegisterPolicy: self._register,
+            M.UnregisterPolicy: self._unregister, M.Shutdown: self._shutdown, M.Go: self._go_msg,
+            M.SetInflight: self._set_inflight, M.SetThresholds: self._set_thresholds,
+            M.StatsQuery: self._stats_query,
+        }
+
+    @property
+    def running(self) -> bool:
+        """False once a `Shutdown` was handled."""
+        return self._running
+
+    def _emit(self, event) -> None:
+        self._out.events.append(event)
+
+    def _send(self, model: str, msg) -> None:
+        self._out.messages.append((model, msg))
+
+    def take(self) -> StepResult:
+        """What the messages handled since the last `take` or `step` produced (events, then
+        messages for peers), without stepping."""
+        res, self._out = self._out, StepResult()
+        return res
 
     # -- message handling -----------------------------------------------------------------
     def handle(self, msg) -> None:
-        if isinstance(msg, M.Admit):
-            cfg = msg.config
-            seen = dict.fromkeys([*msg.peers, self.name], len(cfg.prompt_ids))
-            seq = Seq(cfg, list(cfg.prompt_ids), seen=seen, state=msg.state,
-                      generator=make_generator(cfg.params.seed, self.index, self.runner.device))
-            pol = self.policies.get(cfg.policy_key)
-            seq.reuse = not (pol is not None and getattr(pol.needs, "prompt_hidden", False))
-            if cfg.rid in self.aborted:
-                self._end_aborted(seq)
-            else:
-                self._own(seq)
-        elif isinstance(msg, M.Prefill):
-            self._prefill(msg)
-        elif isinstance(msg, M.HandoffMsg):
-            self._receive(msg)
-        elif isinstance(msg, M.Release):
-            self.sched.remove(msg.rid)
-            self.aborted.pop(msg.rid, None)  # it ended: no handoff of it can follow
-        elif isinstance(msg, M.Abort):
-            self._abort(msg)
-        elif isinstance(msg, M.RegisterPolicy):
-            self.policies[msg.key] = msg.policy
-        elif isinstance(msg, M.UnregisterPolicy):
-            self.policies.pop(msg.key, None)
-        elif isinstance(msg, M.Shutdown):
-            self._running = False
-        elif isinstance(msg, M.Go):
-            self._go.append(msg.round)
-        elif isinstance(msg, M.SetInflight):
-            self.inflight = msg.n
-        elif isinstance(msg, M.SetThresholds):
-            self.thresholds = dict(msg.thresholds)
-        elif isinstance(msg, M.StatsQuery):
-            self.emit(self.stats(msg.token))
+        """Apply one message from the engine or a peer; what it produces (e.g. the `Finished`
+        of a request aborted meanwhile, a `Stats` answer) is in the next `take` or `step`.
+
+        Raises:
+            UnknownMessage: ``msg`` is not a message a sub-server knows (names its type).
+        """
+        dispatch(self._handlers, msg, f"sub-server '{self.name}'")
+
+    def _admit(self, msg: M.Admit) -> None:
+        cfg = msg.config
+        seen = dict.fromkeys([*msg.peers, self.name], len(cfg.prompt_ids))
+        seq = Seq(cfg, list(cfg.prompt_ids), RequestState(seen=seen, state=msg.state),
+                  generator=make_generator(cfg.params.seed, self.index, self.runner.device))
+        pol = self.policies.get(cfg.policy_key)
+        seq.reuse = not (pol is not None and getattr(pol.needs, "prompt_hidden", False))
+        if cfg.rid in self.aborted:
+            self._end_aborted(seq)
+        else:
+            self._own(seq)
+
+    def _release(self, msg: M.Release) -> None:
+        self.sched.remove(msg.rid)
+        self.aborted.pop(msg.rid, None)  # it ended: no handoff of it can follow
+
+    def _register(self, msg: M.RegisterPolicy) -> None:
+        self.policies[msg.key] = msg.policy
+
+    def _unregister(self, msg: M.UnregisterPolicy) -> None:
+        self.policies.pop(msg.key, None)
+
+    def _shutdown(self, msg: M.Shutdown) -> None:
+        self._running = False
+
+    def _go_msg(self, msg: M.Go) -> None:
+        self._go.append(msg.round)
+
+    def _set_inflight(self, msg: M.SetInflight) -> None:
+        self.inflight = msg.n
+
+    def _set_thresholds(self, msg: M.SetThresholds) -> None:
+        self.thresholds = dict(msg.thresholds)
+
+    def _stats_query(self, msg: M.StatsQuery) -> None:
+        self._emit(self.stats(msg.token))
 
     def stats(self, token: int = 0) -> M.Stats:
         """This sub-server's KV pool and request counts, as a `Stats` event."""
@@ -145,7 +185,7 @@ class SubServer:
         if cfg.rid in self.aborted or cfg.rid in self.sched.seqs:
             return
         n = len(cfg.prompt_ids)
-        seq = Seq(cfg, list(cfg.prompt_ids), seen={msg.entry: n, self.name: n}, prefill_only=True,
+        seq = Seq(cfg, list(cfg.prompt_ids), RequestState(seen={msg.entry: n, self.name: n}), prefill_only=True,
                   generator=make_generator(cfg.params.seed, self.index, self.runner.device))
         if not self.sched.too_big(seq):
             self.sched.add_owned(seq)
@@ -191,29 +231,26 @@ class SubServer:
             if msg.config is None:  # our KV of it was freed by an abort meanwhile
                 if msg.rid in self.aborted:
                     reason, error = self.aborted.pop(msg.rid)
-                    self.emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
-                    for m, n in msg.seen.items():
+                    self._emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
+                    for m, n in msg.request.seen.items():
                         if m != self.name and n > 0:
-                            self._post(m, M.Release(msg.rid))
+                            self._send(m, M.Release(msg.rid))
                 return
-            known = msg.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
+            known = msg.request.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
             seq = Seq(msg.config, list(msg.config.prompt_ids[:known]),
                       generator=make_generator(msg.config.params.seed, self.index, self.runner.device))
         seq.prefill_only = False
         seq.tokens.extend(msg.suffix)
         if seq.kv_len >= len(seq.tokens):  # peer discarded and bounced back: recompute the last position
             self.sched.rewind(seq, len(seq.tokens) - 1)
-        seq.seen, seq.n_committed, seq.hops = dict(msg.seen), msg.n_committed, msg.hops
-        seq.hops_since_commit, seq.discarded, seq.state = msg.hops_since_commit, msg.discarded, msg.state
-        seq.span, seq.return_to = msg.span, msg.return_to
-        seq.greedy, seq.peer_logits, seq.resamples = msg.greedy, msg.peer_logits, 0
+        seq.rs, seq.resamples = msg.request, 0
         if msg.rid in self.aborted:
             self._end_aborted(seq)
             return
-        if len(seq.tokens) != msg.seen[self.name]:
+        if len(seq.tokens) != msg.request.seen[self.name]:
             self.sched.seqs[seq.rid] = seq
             self._finish(seq, "failed", f"internal error: model '{self.name}' holds {len(seq.tokens)} "
-                         f"tokens of request {seq.rid}, the handoff says {msg.seen[self.name]}")
+                         f"tokens of request {seq.rid}, the handoff says {msg.request.seen[self.name]}")
             return
         bad = [t for t in msg.suffix if not 0 <= t < self.runner.vocab_size]
         if bad:
@@ -225,7 +262,7 @@ class SubServer:
         try:
             if pol is None:
                 raise RuntimeError("the request's policy is no longer registered")
-            PC.receive_result(pol.receive(Handoff(msg.keep_sampled, msg.span, msg.greedy), self._view(seq)))
+            PC.receive_result(pol.receive(Handoff(msg.keep_sampled, seq.rs.span, seq.rs.greedy), self._view(seq)))
         except PC.PolicyReturnError as e:
             self.sched.seqs[seq.rid] = seq
             self._finish(seq, "failed", self._return_error(seq, "receive", e))
@@ -249,77 +286,47 @@ class SubServer:
             return True
         return ready >= self.thresholds.get(self.name, 1)
 
-    def _can_step(self) -> bool:
-        if self.mode in ("sync", "model_sync"):
-            return bool(self._go)
-        if self.mode == "delayed":
-            return self.delayed_ok()
-        return bool(self.sched.owned)
+    def can_step(self) -> bool:
+        """Whether `step` would run a step now (the mode's rule, chosen once: a `Go` in gated
+        modes, the delayed batching rule in ``delayed``, any owned request otherwise)."""
+        return self._running and self._may_step()
 
-    def run(self) -> None:
-        """Serve until `Shutdown`: drain messages, schedule, step. Blocks when it cannot step."""
-        while self._running:
-            try:
-                msg = self.inbox.get(block=not self._can_step())
-                self.handle(msg)
-                while True:
-                    self.handle(self.inbox.get_nowait())
-            except queue.Empty:
-                pass
-            if self._running:
-                self.try_step()
+    def step(self) -> StepResult:
+        """Run at most one step (when `can_step`): schedule a batch, forward, sample, route,
+        commit or hand off. Returns everything produced since the last `take` or `step`: the
+        events in order (a step's per-request events, its `StepDone`, then the `Finished` of the
+        requests it ended; a gated round with nothing to run gives `Idle`) and the messages for
+        peers (handoffs, releases). ``ran`` says whether a forward ran.
 
-    def try_step(self) -> bool:
-        """Run one step if the mode allows it now; return True if a forward ran."""
-        if not self._can_step():
-            return False
-        rnd = self._go.pop(0) if self.mode in ("sync", "model_sync") else None
+        Raises:
+            RunnerDied: the runner can serve no more steps (the sub-server must stop).
+        """
+        if self.can_step():
+            self._out.ran = self._step_once()
+        return self.take()
+
+    def _step_once(self) -> bool:
+        rnd = self._go.pop(0) if self.mode.gated else None
         pre = self.sched.preemptions
         batch = self.sched.schedule()
         for seq in self.sched.unfit:
             self._finish(seq, "failed", self._kv_error(seq))
         if batch:
+            self._late = []
             try:
-                self.step(batch, preempted=self.sched.preemptions - pre, round=rnd)
+                self._step(batch, self.sched.preemptions - pre, rnd)
             finally:
-                self._flush()
+                late, self._late = self._late, None
+                self._out.events.extend(late)
             return True
         if rnd is not None:
-            self.emit(M.Idle(self.name, rnd))
+            self._emit(M.Idle(self.name, rnd))
         return False
-
-    def step(self, batch: list[Seq], preempted: int = 0, round: int | None = None) -> None:
-        """One forward over ``batch``, then sample, route and commit/hand off each request."""
-        self._deferred = []
-        self._held = [] if self.mode in ("async", "delayed") else None  # gated: no peer steps before Go
-        try:
-            self._step(batch, preempted, round)
-        finally:
-            deferred, self._deferred = self._deferred, None
-            for ev in deferred:
-                self.emit(ev)
-
-    def _flush(self) -> None:
-        """Send the peer messages a step held (after `step` returned: a process transport then
-        forwards them at once, behind the step's `StepDone`)."""
-        held, self._held = self._held or [], None
-        for model, msg in held:
-            self.send(model, msg)
-
-    def _post(self, model: str, msg) -> None:
-        """Send ``msg`` to peer ``model``; during a step of an ungated mode, once the step's
-        `StepDone` is out, so that in every transport the trace records a step before any step of
-        a peer that reacts to it (gated modes send at once: a peer steps only on the engine's
-        next `Go`, which follows this step's `StepDone`, and the message must be there by then)."""
-        if self._held is not None:
-            self._held.append((model, msg))
-        else:
-            self.send(model, msg)
 
     def _wants_prompt_hidden(self, s: Seq) -> bool:
         """Whether this step must keep every prompt position's hidden state of ``s``: its first
         step (on its entry model, from position 0) under a policy with ``Needs(prompt_hidden)``."""
-        if s.prefill_only or s.hops or s.n_committed or s.kv_len:
+        if s.prefill_only or s.rs.hops or s.rs.n_committed or s.kv_len:
             return False
         pol = self.policies.get(s.config.policy_key)
         return pol is not None and getattr(pol.needs, "prompt_hidden", False)
@@ -328,8 +335,11 @@ class SubServer:
         """One runner forward: (logits [B, V], hidden [B, H], per input the hidden states of every
         fed position [n, H] where it asked (``all_hidden``), else None)."""
         out = self.runner.forward(inputs)
-        fed = list(out[2]) if len(out) > 2 else [None] * len(inputs)
-        return out[0], out[1], fed
+        if not isinstance(out, ForwardOut):
+            raise TypeError(f"{type(self.runner).__name__}.forward returned {type(out).__name__}; a Runner.forward "
+                            f"returns tokenrouter_sdk.engine.runner.ForwardOut(logits, hidden, fed_hidden)")
+        fed = list(out.fed_hidden) if out.fed_hidden is not None else [None] * len(inputs)
+        return out.logits, out.hidden, fed
 
     def _forward(self, batch: list[Seq]) -> tuple[list[Seq], torch.Tensor | None, torch.Tensor | None, list]:
         """The forward; when it raises, each request is run alone so that only the ones whose own
@@ -394,7 +404,7 @@ class SubServer:
             decisions = self._route(batch, tokens, logits, hidden, prompt_hidden, range(len(batch)))
             self._resample(batch, tokens, logits, hidden, prompt_hidden, decisions)
             for s in batch:
-                s.peer_logits = None  # read by this step's route only
+                s.rs.peer_logits = None  # read by this step's route only
             for i, (s, tok, dec) in enumerate(zip(batch, tokens, decisions)):
                 if isinstance(dec, RequestFailed):
                     self._finish(s, "failed", *dec.args)
@@ -411,7 +421,7 @@ class SubServer:
                                      "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         pool, owned = self.sched.pool, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
-        self.emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
+        self._emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
                              len(fed), sum(fed.values()), fed, preempted, round,
                              pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending,
                              self.sched.hit_tokens, self.sched.query_tokens, pool.cached_blocks))
@@ -420,7 +430,7 @@ class SubServer:
         """A token per request of ``batch`` at rows ``idx`` (greedy after ``Handoff(greedy=True)``)."""
         idx = list(idx)
         rows = logits if len(idx) == len(batch) else logits[torch.tensor(idx, dtype=torch.long)]
-        params = [GREEDY if batch[i].greedy else batch[i].config.params for i in idx]
+        params = [GREEDY if batch[i].rs.greedy else batch[i].config.params for i in idx]
         tokens = sample(rows, params, [batch[i].generator for i in idx]).tolist()
         return self._force(batch, tokens, idx)
 
@@ -429,7 +439,7 @@ class SubServer:
         """``tokens`` (one per row of ``idx``) with the given token of every request still inside
         its forced output (`RequestConfig.forced`: teacher forcing) in place of the drawn one."""
         for j, i in enumerate(idx):
-            forced, pos = batch[i].config.forced, batch[i].n_committed
+            forced, pos = batch[i].config.forced, batch[i].rs.n_committed
             if pos < len(forced):
                 tokens[j] = forced[pos]
         return tokens
@@ -444,18 +454,18 @@ class SubServer:
                 if not isinstance(d, Resample):
                     continue
                 s = batch[i]
-                if s.n_committed < len(s.config.forced):  # a given token: nothing to draw again
+                if s.rs.n_committed < len(s.config.forced):  # a given token: nothing to draw again
                     decisions[i] = self.name
                     continue
                 s.resamples += 1
                 if s.resamples > limit:
                     decisions[i] = RequestFailed(
-                        f"policy {self._pname(s)} resampled output position {s.n_committed} "
+                        f"policy {self._pname(s)} resampled output position {s.rs.n_committed} "
                         f"of request {s.rid} {s.resamples} times in a row on model '{self.name}'; let a draw "
                         f"stand (return the model) after at most {limit}")
                     continue
-                s.discarded += 1
-                self.emit(M.Resampled(s.rid, self.name, tokens[i], s.n_committed, self.clock()))
+                s.rs.discarded += 1
+                self._emit(M.Resampled(s.rid, self.name, tokens[i], s.rs.n_committed, self.clock()))
                 redo.append(i)
             if not redo:
                 return
@@ -466,7 +476,7 @@ class SubServer:
 
     # -- routing --------------------------------------------------------------------------
     def _view(self, s: Seq) -> RequestView:
-        return RequestView(s.rid, s.config.prompt_ids, s.output_ids, self.name, s.state, s.hops, tuple(self.models),
+        return RequestView(s.rid, s.config.prompt_ids, s.output_ids, self.name, s.rs.state, s.rs.hops, tuple(self.models),
                            s.config.key)
 
     def _policy_error(self, s: Seq, fn: str, e: Exception) -> tuple[str, str]:
@@ -482,7 +492,7 @@ class SubServer:
         except Exception:  # noqa: BLE001 - an exception whose __str__ raises
             text = "<unprintable>"
         return (f"policy {self._pname(s)}.{fn} raised {type(e).__name__}: {text}{loc} on model '{self.name}' "
-                f"at output position {s.n_committed} of request {s.rid}", tb)
+                f"at output position {s.rs.n_committed} of request {s.rid}", tb)
 
     def _pname(self, s: Seq) -> str:
         """How errors name the policy of ``s`` (its repr; never raises)."""
@@ -490,7 +500,7 @@ class SubServer:
 
     def _return_error(self, s: Seq, fn: str, e: Exception) -> str:
         """The message of policy method ``fn`` returning a value it may not (`PolicyReturnError`)."""
-        return (f"policy {self._pname(s)}.{fn} {e} (on model '{self.name}' at output position {s.n_committed} "
+        return (f"policy {self._pname(s)}.{fn} {e} (on model '{self.name}' at output position {s.rs.n_committed} "
                 f"of request {s.rid})")
 
     def _route(self, batch, tokens: list[int], logits, hidden, prompt_hidden, idx) -> list:
@@ -502,8 +512,8 @@ class SubServer:
         groups: dict[int, list[int]] = {}
         for j, i in enumerate(idx):
             s = batch[i]
-            if s.span is not None:
-                out[j] = s.return_to if s.span <= 1 else self.name
+            if s.rs.span is not None:
+                out[j] = s.rs.return_to if s.rs.span <= 1 else self.name
             else:
                 groups.setdefault(s.config.policy_key, []).append(j)
         for key, js in groups.items():
@@ -516,7 +526,7 @@ class SubServer:
             rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
             sb = StepBatch(self.name, self.models, torch.tensor([tokens[i] for i in rows_i]), logits, hidden,
                            [self._view(batch[i]) for i in rows_i], self.tokenizer, needs=pol.needs, rows=rows,
-                           policy=PC.policy_text(pol), peer_logits=[batch[i].peer_logits for i in rows_i],
+                           policy=PC.policy_text(pol), peer_logits=[batch[i].rs.peer_logits for i in rows_i],
                            prompt_hidden=[prompt_hidden[i] for i in rows_i])
             fn = "route" if type(pol).route_batch is Policy.route_batch else "route_batch"  # the default calls route
             try:  # once: never re-run for a request because another one failed (state changes apply once)
@@ -553,8 +563,8 @@ class SubServer:
 
     def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
         lp = None if s.config.params.logprobs is None else self._logprobs(logits[row], tok, s.config.params.logprobs)
-        if s.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
-            s.span -= 1
+        if s.rs.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
+            s.rs.span -= 1
             if self._commit(s, tok, lp) or target == self.name:
                 return
             self._handoff(s, target, Handoff(keep_sampled=True), committed=True)
@@ -573,7 +583,7 @@ class SubServer:
             if self._commit(s, tok, lp):
                 return
         else:
-            s.discarded += 1
+            s.rs.discarded += 1
         peer = None
         if not h.keep_sampled and getattr(pol.needs, "handoff_logits", False):
             peer = logits[row].detach().cpu()  # only here: a torch op lets peer threads run
@@ -594,13 +604,13 @@ class SubServer:
         """Commit ``tok`` (``lp``: its log-probabilities, see `_logprobs`); return True if the
         request finished. Inside a forced output only the length ends it."""
         s.tokens.append(tok)
-        s.seen[self.name] = len(s.tokens)
-        s.n_committed += 1
-        s.hops_since_commit = s.resamples = 0
+        s.rs.seen[self.name] = len(s.tokens)
+        s.rs.n_committed += 1
+        s.rs.hops_since_commit = s.resamples = 0
         p = s.config.params
         reason, why = None, None
-        if s.n_committed <= len(s.config.forced):
-            if s.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
+        if s.rs.n_committed <= len(s.config.forced):
+            if s.rs.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
                 reason = "length"
         elif tok in p.stop_token_ids:
             reason, why = "stop", tok
@@ -608,9 +618,9 @@ class SubServer:
             reason = "eos"
         elif p.stop and (why := self._hit_stop(s)) is not None:
             reason = "stop"
-        elif s.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
+        elif s.rs.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
             reason = "length"
-        self.emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp]))
+        self._emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp]))
         if reason:
             self._finish(s, reason, None, stop_reason=why)
             return True
@@ -634,38 +644,60 @@ class SubServer:
 
     def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool, token: int | None = None,
                  peer_logits: torch.Tensor | None = None) -> None:
-        s.hops += 1
-        s.hops_since_commit = 0 if committed else s.hops_since_commit + 1
-        if s.hops_since_commit > self.config.max_hops_without_commit:
+        s.rs.hops += 1
+        s.rs.hops_since_commit = 0 if committed else s.rs.hops_since_commit + 1
+        if s.rs.hops_since_commit > self.config.max_hops_without_commit:
             raise RequestFailed(
                 f"policy {self._pname(s)} handed request {s.rid} off "
-                f"{s.hops_since_commit} times in a row without committing a token (ping-pong between "
+                f"{s.rs.hops_since_commit} times in a row without committing a token (ping-pong between "
                 f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay")
-        t_seen = s.seen.get(target, 0)
-        seen = dict(s.seen)
+        t_seen = s.rs.seen.get(target, 0)
+        seen = dict(s.rs.seen)
         seen[target] = len(s.tokens)
-        self.emit(M.Hopped(s.rid, self.name, target, committed, self.clock(), token))
-        msg = M.HandoffMsg(
-            rid=s.rid, src=self.name, suffix=s.tokens[t_seen:], seen=seen, n_committed=s.n_committed,
-            hops=s.hops, hops_since_commit=s.hops_since_commit, discarded=s.discarded, state=s.state,
-            span=h.span, return_to=self.name if h.span is not None else None,
-            keep_sampled=h.keep_sampled, greedy=bool(h.greedy), peer_logits=peer_logits,
-            config=s.config if t_seen <= len(s.config.prompt_ids) else None)
-        s.seen = seen
-        s.span = s.return_to = None
-        s.greedy, s.resamples = False, 0
+        self._emit(M.Hopped(s.rid, self.name, target, committed, self.clock(), token))
+        travels = dataclasses.replace(s.rs, seen=seen, span=h.span, return_to=self.name if h.span is not None else None,
+                                      greedy=bool(h.greedy), peer_logits=peer_logits)
+        msg = M.HandoffMsg(s.rid, self.name, s.tokens[t_seen:], travels, h.keep_sampled,
+                           config=s.config if t_seen <= len(s.config.prompt_ids) else None)
+        s.rs = dataclasses.replace(s.rs, seen=dict(seen), span=None, return_to=None, greedy=False, peer_logits=None)
+        s.resamples = 0
         self.sched.set_pending(s)
         if not self.retain_kv:  # baseline: forget the KV, the return re-prefills (what the prefix cache lacks)
             self.sched.drop_kv(s)
-        self._post(target, msg)
+        self._send(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None, tb: str | None = None, stop_reason=None) -> None:
         ev = M.Finished(s.rid, self.name, reason, error, self.clock(), stop_reason, tb)
-        if self._deferred is not None:
-            self._deferred.append(ev)  # so a request's last step is in the trace before it ends
+        if self._late is not None:
+            self._late.append(ev)  # so a request's last step is in the trace before it ends
         else:
-            self.emit(ev)
-        for m, n in s.seen.items():
+            self._emit(ev)
+        for m, n in s.rs.seen.items():
             if m != self.name and n > 0:
-                self._post(m, M.Release(s.rid))
+                self._send(m, M.Release(s.rid))
         self.sched.remove(s.rid)
+
+
+def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], None]) -> None:
+    """Serve ``ss`` until `Shutdown`: handle every message waiting in ``inbox`` (block when it
+    cannot step), hand what handling produced to ``deliver``, run one step and hand its
+    `StepResult` to ``deliver`` (only non-empty results are delivered). The thread transport
+    and the sub-server process run this loop; ``deliver`` must keep the order of `StepResult`
+    (events before the messages they caused reach a peer's reaction).
+
+    Raises:
+        RunnerDied, or whatever a step raises outside a request: the caller reports the model dead.
+    """
+    while ss.running:
+        try:
+            ss.handle(inbox.get(block=not ss.can_step()))
+            while True:
+                ss.handle(inbox.get_nowait())
+        except queue.Empty:
+            pass
+        res = ss.take()
+        if res:
+            deliver(res)
+        res = ss.step()
+        if res:
+            deliver(res)

@@ -15,6 +15,7 @@ import contextlib
 import queue
 import threading
 import time
+import traceback
 from typing import Callable
 
 from . import messages as M
@@ -22,15 +23,25 @@ from .runner import dead_letter
 
 
 class ThreadTransport:
-    """Sub-servers in threads of this process; one collector thread hands events to the engine."""
+    """Sub-servers in threads of this process; one collector thread hands events to the engine.
+
+    Each sub-server thread runs `tokenrouter_sdk.engine.subserver.serve` and delivers each
+    `StepResult` under ``_order``: its events go to the engine's queue, then its messages to
+    the peers' inboxes. The collector takes ``_order`` (and lets it go) before it hands an
+    event on, so the result's messages are in the peers' inboxes before the engine reacts to
+    its events (a gated mode's next `Go` finds the handoff there), and a peer's reaction to
+    them is queued after them.
+    """
 
     clock = staticmethod(time.perf_counter)
 
     def __init__(self):
         self.subservers: dict = {}
+        self.inboxes: dict[str, queue.Queue] = {}
         self.events: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._dead: dict[str, str] = {}
+        self._order = threading.Lock()
 
     def clock_for(self, model: str) -> Callable[[], float]:
         return time.perf_counter
@@ -40,23 +51,27 @@ class ThreadTransport:
         """A batch submission (a no-op here; the sim transport freezes time during it)."""
         yield
 
-    def emit(self, event) -> None:
-        self.events.put(event)
-
     def send(self, model: str, msg) -> None:
         if model in self._dead:
             ev = dead_letter(model, msg, self._dead[model], self.clock())
             if ev is not None:
                 self.events.put(ev)
             return
-        self.subservers[model].inbox.put(msg)
+        self.inboxes[model].put(msg)
+
+    def _deliver(self, res) -> None:
+        with self._order:
+            for ev in res.events:
+                self.events.put(ev)
+            for model, msg in res.messages:
+                self.send(model, msg)
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
-        """Build a `SubServer` from each spec (its keyword arguments, less send/emit/clock)
-        and serve it in a thread."""
+        """Build a `SubServer` from each spec (its keyword arguments, less clock) and serve it
+        in a thread."""
         from .subserver import SubServer
-        self.subservers = {name: SubServer(**spec, send=self.send, emit=self.emit, clock=self.clock_for(name))
-                           for name, spec in specs.items()}
+        self.subservers = {name: SubServer(**spec, clock=self.clock_for(name)) for name, spec in specs.items()}
+        self.inboxes = {name: queue.Queue() for name in specs}
         self._on_event = on_event
         for name, ss in self.subservers.items():
             t = threading.Thread(target=self._serve, args=(ss,), name=f"tokenrouter-{name}", daemon=True)
@@ -70,23 +85,35 @@ class ThreadTransport:
             ev = self.events.get()
             if ev is None:
                 return
-            self._on_event(ev)
+            with self._order:  # the result this event came with is delivered whole
+                pass
+            try:
+                self._on_event(ev)
+            except Exception:  # noqa: BLE001 - never let an engine error stop the delivery of events
+                traceback.print_exc()
 
     def _serve(self, ss) -> None:
+        from .subserver import serve
+        inbox = self.inboxes[ss.name]
         try:
-            ss.run()
+            serve(ss, inbox, self._deliver)
         except BaseException as e:  # noqa: BLE001 - report, the engine fails its requests
             why = f"sub-server '{ss.name}' crashed: {type(e).__name__}: {e}"
             self._dead[ss.name] = why
             self.events.put(M.ModelDied(ss.name, why, self.clock()))
             while True:  # answer what was sent to it meanwhile
                 try:
-                    msg = ss.inbox.get_nowait()
+                    msg = inbox.get_nowait()
                 except queue.Empty:
                     break
                 ev = dead_letter(ss.name, msg, why, self.clock())
                 if ev is not None:
                     self.events.put(ev)
+
+    def pending(self, model: str) -> bool:
+        """Whether messages wait in ``model``'s inbox."""
+        q = self.inboxes.get(model)
+        return q is not None and not q.empty()
 
     def alive(self, model: str) -> bool:
         return any(t.is_alive() and t.name == f"tokenrouter-{model}" for t in self._threads)

@@ -1,8 +1,8 @@
 """What travels between the engine and sub-server processes (`ProcessTransport`).
 
-Per-step messages and events are small dataclasses sent with plain pickle; `RegisterPolicy`
-(and anything plain pickle refuses) goes with cloudpickle, so a `Policy` class defined in a
-notebook cell reaches the sub-server processes.
+Per-step messages and events travel with the typed codec of `codec`; a policy travels
+cloudpickled in a `codec.PolicyBlob` (`policy_blob` / `load_policy`), so a `Policy` class
+defined in a notebook cell reaches the sub-server processes.
 
 The start-up spec (runner with its model, tokenizer, settings) is pickled by `dump_spec` with
 cloudpickle plus torch's multiprocessing reductions, so model weights are mapped by every
@@ -30,25 +30,10 @@ import traceback
 from collections import ChainMap
 
 from ..policy import Policy
+from .codec import PolicyBlob
 from .messages import RegisterPolicy
 
 _PROTO = pickle.HIGHEST_PROTOCOL
-
-def dumps(msg) -> bytes:
-    """Bytes of one message: plain pickle, cloudpickle for policies and whatever pickle refuses
-    (e.g. policy state holding an object of a class defined in ``__main__``)."""
-    if not isinstance(msg, RegisterPolicy):
-        try:
-            return pickle.dumps(msg, _PROTO)
-        except Exception:  # noqa: BLE001 - fall back to pickling by value
-            pass
-    import cloudpickle
-    return cloudpickle.dumps(msg, _PROTO)
-
-
-def loads(data: bytes):
-    return pickle.loads(data)
-
 
 DYNAMIC = "<dynamic-code>"  # the file name cloudpickle gives code it pickles by value
 
@@ -98,33 +83,39 @@ def restore_sources(policy, sources: dict) -> None:
             fn, lines = hit
             f.__code__ = _rename_code(f.__code__, fn)
             if lines is not None:
-                linecache.cache.setdefault(fn, lines)
+                linecache.cache.setdefault(fn, tuple(lines))
 
 
-class _PolicyBytes:
-    """`RegisterPolicy` on the wire: the policy cloudpickled inside a plain-pickled envelope,
-    so a policy the child cannot load fails only the requests that use it; ``sources`` says
-    where its code lives (`policy_sources`)."""
+def policy_blob(key: int, policy) -> PolicyBlob:
+    """``policy`` for the wire: cloudpickled (so a class defined in ``__main__`` or a notebook
+    cell travels by value), with its repr and where its code lives (`policy_sources`).
 
-    def __init__(self, key: int, data: bytes, text: str, sources: dict | None = None):
-        self.key, self.data, self.text, self.sources = key, data, text, sources or {}
+    Raises:
+        Exception: whatever cloudpickle raises for an object it cannot pickle.
+    """
+    import cloudpickle
+    return PolicyBlob(key, cloudpickle.dumps(policy, _PROTO), repr(policy), policy_sources(policy))
 
-    def load(self, where: str) -> RegisterPolicy:
-        try:
-            policy = pickle.loads(self.data)
-        except Exception as e:  # noqa: BLE001
-            hint = ""
-            if isinstance(e, (ImportError, AttributeError)):
-                hint = ("; its module cannot be imported there: install it, or call "
-                        "cloudpickle.register_pickle_by_value(module) before a Router first uses the policy")
-            return RegisterPolicy(self.key, _UnloadablePolicy(
-                self.text, f"policy {self.text} could not be loaded in the sub-server process of model "
-                           f"'{where}': {type(e).__name__}: {e}{hint}"))
-        try:
-            restore_sources(policy, self.sources)
-        except Exception:  # noqa: BLE001 - names in tracebacks only; the policy works without them
-            pass
-        return RegisterPolicy(self.key, policy)
+
+def load_policy(blob: PolicyBlob, where: str) -> RegisterPolicy:
+    """The `RegisterPolicy` of a received `PolicyBlob`; a policy that cannot be loaded here
+    (process of model ``where``) becomes one whose every call raises the load error, so only
+    the requests that use it fail."""
+    try:
+        policy = pickle.loads(blob.data)
+    except Exception as e:  # noqa: BLE001
+        hint = ""
+        if isinstance(e, (ImportError, AttributeError)):
+            hint = ("; its module cannot be imported there: install it, or call "
+                    "cloudpickle.register_pickle_by_value(module) before a Router first uses the policy")
+        return RegisterPolicy(blob.key, _UnloadablePolicy(
+            blob.text, f"policy {blob.text} could not be loaded in the sub-server process of model "
+                       f"'{where}': {type(e).__name__}: {e}{hint}"))
+    try:
+        restore_sources(policy, blob.sources or {})
+    except Exception:  # noqa: BLE001 - names in tracebacks only; the policy works without them
+        pass
+    return RegisterPolicy(blob.key, policy)
 
 
 class _UnloadablePolicy(Policy):

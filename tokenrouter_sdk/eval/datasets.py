@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from tokenrouter_sdk.benchmarks import (ALIASES, BENCHMARKS, CHOICE_TEMPLATE, GSM8K_TEMPLATE, MATH_TEMPLATE,
-                                        BenchmarkSpec)
+                                        BenchmarkRows, BenchmarkSpec)
 from tokenrouter_sdk.benchmarks import load as load_rows
 
 __all__ = ["Benchmark", "load_benchmark", "BENCHMARKS", "ALIASES", "BenchmarkSpec", "GSM8K_TEMPLATE",
@@ -22,7 +22,7 @@ __all__ = ["Benchmark", "load_benchmark", "BENCHMARKS", "ALIASES", "BenchmarkSpe
 
 
 @dataclass
-class Benchmark:
+class Benchmark(BenchmarkRows):
     """A loaded benchmark subset.
 
     Attributes:
@@ -44,25 +44,13 @@ class Benchmark:
     seed: int | None = None
     extra: dict = field(default_factory=dict)
 
-    @property
-    def ids(self) -> list[str]:
-        return [str(x) for x in self.rows["id"]]
+    def column(self, name: str) -> list:
+        return list(self.rows[name])
 
     @property
     def prompts(self) -> list[str]:
         """User-message text per question (the router adds the chat template)."""
-        return list(self.rows["prompt"])
-
-    @property
-    def answers(self) -> list[str]:
-        return [str(x) for x in self.rows["answer"]]
-
-    @property
-    def questions(self) -> list[str]:
-        return list(self.rows["question"])
-
-    def __len__(self) -> int:
-        return len(self.rows)
+        return self.column("prompt")
 
     def __getitem__(self, i: int) -> dict:
         return self.rows[i]

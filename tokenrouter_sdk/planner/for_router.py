@@ -101,8 +101,7 @@ def plan_router(router, policy, n: int, *, trace: list | None = None, prompts: S
         q = {small: p, large: 1.0}
         kw.setdefault("keep", {small: 0.0, large: 1.0})
         kw.setdefault("extra_tokens", {small: 0.0, large: (1 - p) / p if p > 0 else 0.0})
-        with router.engine._lock:
-            recent = [ev for ev in list(router.engine.recent)[-HISTORY_EVENTS:] if isinstance(ev, StepDone)]
+        recent = [ev for ev in router.engine.recent_events()[-HISTORY_EVENTS:] if isinstance(ev, StepDone)]
         return plan_thresholds(_with_overhead(router, lat, names, recent, min_steps=20), q, n, **kw)
     if trace is None:
         trace = pilot_trace(router, policy, n, prompts, pilot_tokens)
@@ -122,7 +121,7 @@ def pilot_trace(router, policy, n: int, prompts: Sequence | None = None, pilot_t
     plist = [plist[i % len(plist)] for i in range(max(n, 4))]
     reqs = router.requests(plist, sampling=SamplingParams(max_new_tokens=pilot_tokens, ignore_eos=True))
     old = dict(eng.thresholds)
-    delayed = eng.config.mode == "delayed"
+    delayed = eng.config.mode.batches_delayed
     if delayed:
         eng.set_thresholds({m: 1 for m in eng.models})
     try:

@@ -59,7 +59,7 @@ def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 1
             pool.ensure(tab, n + len(toks))
             inputs.append(SeqInput(list(toks), n, tab))
         t0 = time.perf_counter()
-        logits, _ = runner.forward(inputs)
+        logits = runner.forward(inputs).logits
         dt = time.perf_counter() - t0
         nxt = logits.argmax(-1).tolist()
         for i, toks in enumerate(feed):

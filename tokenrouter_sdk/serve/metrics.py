@@ -82,9 +82,9 @@ class ServerMetrics:
               registry=reg).set_function(self.large_fraction)
         engine = router.engine
         Gauge(p + "requests_in_flight", "Requests admitted and not ended", registry=reg).set_function(
-            lambda: sum(1 for h in list(engine.handles.values()) if h.t_admit is not None))
+            lambda: engine.request_counts()["in_flight"])
         Gauge(p + "requests_waiting", "Requests submitted and not admitted yet", registry=reg).set_function(
-            lambda: sum(1 for h in list(engine.handles.values()) if h.t_admit is None))
+            lambda: engine.request_counts()["waiting"])
         self._lock = threading.Lock()
         self._tokens = {m: 0 for m in self.models}
         self._hops = 0

@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, forward_features,
-                     reference_texts, threshold_below_for_recall, threshold_for_rate, write_run)
+from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, reference_texts,
+                     teacher_forced, threshold_below_for_recall, threshold_for_rate, write_run)
 from .data import Example, as_examples, is_correct, split
 
 
@@ -68,7 +68,6 @@ def label_citer(pair: Pair, examples: list[Example], *, rollout_tokens: int = 96
     Raises:
         ValueError: an unknown ``reference``, a gold example without a solution, or no row.
     """
-    from tqdm.auto import tqdm
     refs = reference_texts(pair, examples, reference, max_new_tokens=max_new_tokens, concurrency=concurrency,
                            cache=cache, progress=progress)
     if reference == "large":
@@ -82,23 +81,18 @@ def label_citer(pair: Pair, examples: list[Example], *, rollout_tokens: int = 96
 
     rng = random.Random(seed)
     rows, jobs = [], []   # rows: [ex, t, h, label, reason]; jobs: (row, prompt ids, gold prefix + token)
-    for i, ex in enumerate(tqdm(examples, desc="CITER: teacher forcing", disable=not progress)):
-        p, g = pair.encode(ex.prompt), refs[i][:max_gold_tokens]
-        if not g:
-            continue
-        hs, ls = forward_features(pair.small, p + g)
-        _, ll = forward_features(pair.large, p + g)
-        P = len(p)
-        s_pred, l_pred = ls[P - 1:P - 1 + len(g)].argmax(-1), ll[P - 1:P - 1 + len(g)].argmax(-1)
+    for i, p, g, hs, ls, ll in teacher_forced(pair, examples, refs, max_gold_tokens, "CITER: teacher forcing",
+                                              progress):
+        s_pred, l_pred = ls.argmax(-1), ll.argmax(-1)
         hard = [t for t in range(len(g)) if int(s_pred[t]) != g[t] and int(l_pred[t]) != g[t]]
         roll = set(rng.sample(hard, min(max_rollouts, len(hard))))
         for t in range(len(g)):
             if int(s_pred[t]) == g[t]:
-                rows.append([i, t, hs[P - 1 + t], 1.0, 0])
+                rows.append([i, t, hs[t], 1.0, 0])
             elif int(l_pred[t]) == g[t]:
-                rows.append([i, t, hs[P - 1 + t], 0.0, 1])
+                rows.append([i, t, hs[t], 0.0, 1])
             elif t in roll:
-                rows.append([i, t, hs[P - 1 + t], 0.0, 2])
+                rows.append([i, t, hs[t], 0.0, 2])
                 jobs.append((len(rows) - 1, p + g[:t] + [int(s_pred[t])], g[:t] + [int(s_pred[t])]))
     limit = pair.router.max_context - 1
     gen = [j for j in jobs if len(j[1]) < limit]

@@ -31,8 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, forward_features,
-                     reference_texts, threshold_youden, write_run)
+from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, reference_texts,
+                     teacher_forced, threshold_youden, write_run)
 from .data import Example, as_examples, split
 
 
@@ -42,20 +42,14 @@ def features_co_llm(pair: Pair, examples: list[Example], *, max_gold_tokens: int
     ``reference="large"``, see `reference_texts`): ``hidden`` [N, H], ``lp_small``/``lp_large``
     (log-probs of the reference token, [N]), ``small_greedy``/``large_greedy``/``gold`` (the
     reference token) ids [N], ``example`` [N]."""
-    from tqdm.auto import tqdm
     refs = reference_texts(pair, examples, reference, max_new_tokens=max_new_tokens, concurrency=concurrency,
                            cache=cache, progress=progress)
     cols = {k: [] for k in ("hidden", "lp_small", "lp_large", "small_greedy", "large_greedy", "gold", "example")}
-    for i, ex in enumerate(tqdm(examples, desc="Co-LLM: teacher forcing", disable=not progress)):
-        p, g = pair.encode(ex.prompt), refs[i][:max_gold_tokens]
-        if not g:
-            continue
-        hs, ls = forward_features(pair.small, p + g)
-        _, ll = forward_features(pair.large, p + g)
-        P, gt = len(p), torch.tensor(g)
-        sl = slice(P - 1, P - 1 + len(g))
-        lps, lpl = torch.log_softmax(ls[sl], -1), torch.log_softmax(ll[sl], -1)
-        cols["hidden"].append(hs[sl])
+    for i, _, g, hs, ls, ll in teacher_forced(pair, examples, refs, max_gold_tokens, "Co-LLM: teacher forcing",
+                                              progress):
+        gt = torch.tensor(g)
+        lps, lpl = torch.log_softmax(ls, -1), torch.log_softmax(ll, -1)
+        cols["hidden"].append(hs)
         cols["lp_small"].append(lps.gather(1, gt[:, None])[:, 0])
         cols["lp_large"].append(lpl.gather(1, gt[:, None])[:, 0])
         cols["small_greedy"].append(lps.argmax(-1))

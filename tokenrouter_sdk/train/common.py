@@ -171,6 +171,23 @@ def forward_features(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 # -- training ------------------------------------------------------------------------------------
+
+def teacher_forced(pair, examples: list, refs: list[list[int]], max_gold_tokens: int, desc: str,
+                   progress: bool = False):
+    """Teacher forcing of both models on each example's reference continuation: yields, per
+    example with a non-empty reference, ``(index, prompt ids, reference ids g, small hidden
+    [len(g), H], small logits [len(g), V], large logits [len(g), V])``; row t is the position
+    that predicts ``g[t]`` (references cut to ``max_gold_tokens``)."""
+    from tqdm.auto import tqdm
+    for i, ex in enumerate(tqdm(examples, desc=desc, disable=not progress)):
+        p, g = pair.encode(ex.prompt), refs[i][:max_gold_tokens]
+        if not g:
+            continue
+        hs, ls = forward_features(pair.small, p + g)
+        _, ll = forward_features(pair.large, p + g)
+        rows = slice(len(p) - 1, len(p) - 1 + len(g))
+        yield i, p, g, hs[rows], ls[rows], ll[rows]
+
 def fit_bce(net: nn.Module, inputs: tuple[torch.Tensor, ...], y: torch.Tensor, *, val: tuple | None = None,
             epochs: int = 30, lr: float = 1e-3, weight_decay: float = 5e-4, batch_size: int = 256,
             pos_weight: float | None = None, patience: int = 10, seed: int = 0,

@@ -168,8 +168,8 @@ class LiveView:
         if self.call is None:
             return
         t = time.perf_counter()
-        with self.engine._lock:
-            new = self.call.events[self._pos:]
+        with self.engine.consistent():
+            new = self.call.events_since(self._pos)
             self._pos += len(new)
             snap = {h.rid: (list(h.output.token_ids), list(h.output.token_models), list(h.output.discarded_log),
                             h.output.finish_reason, h.output.hops) for h in self.handles}

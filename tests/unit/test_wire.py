@@ -1,0 +1,124 @@
+"""The typed wire: every message and event round-trips through the codec; an unknown one is an
+explicit error, in the codec, the sub-server and the engine."""
+
+import dataclasses
+
+import msgspec
+import pytest
+import torch
+
+from tokenrouter_sdk.engine import codec
+from tokenrouter_sdk.engine import messages as M
+from tokenrouter_sdk.engine.step_result import StepResult, UnknownMessage
+from tokenrouter_sdk.engine.wire import load_policy, policy_blob
+from tokenrouter_sdk.request import RequestConfig, SamplingParams
+from tests.helpers import Alternate
+
+
+class Point:  # user data in a policy state, of a class the codec knows nothing of
+    def __init__(self, x):
+        self.x = x
+
+    def __eq__(self, other):
+        return isinstance(other, Point) and other.x == self.x
+
+
+CFG = RequestConfig(3, [5, 6, 7], SamplingParams(max_new_tokens=9, temperature=0.7, top_k=4, seed=11, stop=("\n",),
+                                                 stop_token_ids=(2,), logprobs=3, n=2), 4, (0, 1), "q-2", (8, 9))
+STATE = {"window": (1, 2), "p": Point(3), "scores": [0.5]}
+
+SAMPLES = {
+    M.Admit: M.Admit(CFG, 1.5, STATE, ("large",)),
+    M.Prefill: M.Prefill(CFG, "small"),
+    M.HandoffMsg: M.HandoffMsg(3, "small", [7, 8], M.RequestState({"small": 5, "large": 5}, 2, 3, 1, 1, STATE, 1,
+                                                                  "small", True, torch.tensor([0.25, -1.0], dtype=torch.float64)),
+                               False, CFG),
+    M.Release: M.Release(3),
+    M.Abort: M.Abort(3, "failed", None),
+    M.RegisterPolicy: M.RegisterPolicy(4, Alternate()),
+    M.UnregisterPolicy: M.UnregisterPolicy(4),
+    M.Shutdown: M.Shutdown(),
+    M.Go: M.Go(7),
+    M.SetThresholds: M.SetThresholds({"small": 2, "large": 1}),
+    M.SetInflight: M.SetInflight(5),
+    M.StatsQuery: M.StatsQuery(2),
+    M.Admitted: M.Admitted(3, "small", 0.5),
+    M.Committed: M.Committed(3, "large", [9], 2.0, True, [(-0.5, ((9, -0.5), (4, -1.25)))]),
+    M.Hopped: M.Hopped(3, "small", "large", False, 2.5, 41),
+    M.Resampled: M.Resampled(3, "small", 12, 4, 3.0),
+    M.Finished: M.Finished(3, "large", "stop", None, 3.5, "\n", "Traceback ..."),
+    M.StepDone: M.StepDone("small", 1.0, 2.0, 0.75, 2, 9, {3: 4, 8: 5}, 1, 6, 10, 2, 3, 16, 32, 4),
+    M.Idle: M.Idle("large", 7),
+    M.ModelDied: M.ModelDied("large", "exit code -9", 4.0),
+    M.Stats: M.Stats("small", 2, 10, 20, 16, 1, 2, 3, 4, True, None, True, 5, 1, 64, 128),
+    codec.PolicyBlob: codec.PolicyBlob(4, b"\x80\x05.", "Alternate()", {"f": ("<cell 3>", None)}),
+}
+
+
+def test_every_message_type_has_a_sample():
+    assert set(SAMPLES) == set(codec.MESSAGES)
+
+
+@pytest.mark.parametrize("cls", codec.MESSAGES, ids=lambda c: c.__name__)
+def test_every_message_round_trips(cls):
+    msg = SAMPLES[cls]
+    back = codec.decode(codec.encode(msg))
+    assert type(back) is cls
+    for f in dataclasses.fields(cls):
+        a, b = getattr(msg, f.name), getattr(back, f.name)
+        if isinstance(a, M.RequestState):
+            assert torch.equal(a.peer_logits, b.peer_logits) and b.peer_logits.dtype == a.peer_logits.dtype
+            a, b = dataclasses.replace(a, peer_logits=None), dataclasses.replace(b, peer_logits=None)
+            assert b == a and type(b.state["window"]) is tuple
+        elif isinstance(a, torch.Tensor):
+            assert b.dtype == a.dtype and torch.equal(a, b)
+        elif f.name == "policy":
+            assert type(b) is type(a)
+        else:
+            assert b == a and type(b) is type(a), f.name
+
+
+def test_a_step_result_round_trips_as_frames():
+    res = StepResult([SAMPLES[M.Committed], SAMPLES[M.StepDone]], [("large", SAMPLES[M.HandoffMsg]),
+                                                                   ("large", M.Release(3))])
+    frames = codec.encode_result(res)
+    assert codec.FRAMES[frames[0]] is codec.Frame.RESULT
+    events, messages = codec.split_result(frames[1:])
+    assert [codec.decode(e) for e in events] == res.events
+    assert [d for d, _ in messages] == ["large", "large"] and codec.decode(messages[1][1]) == M.Release(3)
+
+
+def test_a_field_of_the_wrong_type_is_refused_by_name():
+    bad = codec.encode(M.Go(1))[:1] + msgspec.msgpack.encode(["one"])
+    with pytest.raises(msgspec.ValidationError, match="int"):
+        codec.decode(bad)
+    with pytest.raises(TypeError, match=r"Go\.round"):
+        codec.encode(M.Go(object()))
+
+
+def test_an_unknown_message_is_an_explicit_error_in_the_codec():
+    class Bogus:
+        pass
+    with pytest.raises(UnknownMessage, match="unknown type.*Bogus"):
+        codec.encode(Bogus())
+    with pytest.raises(UnknownMessage, match="unknown tag"):
+        codec.decode(bytes([250]) + b"\x90")
+
+
+def test_a_policy_travels_as_a_blob_and_loads_back():
+    blob = codec.decode(codec.encode(policy_blob(4, Alternate())))
+    reg = load_policy(blob, "small")
+    assert reg.key == 4 and type(reg.policy) is Alternate
+    broken = load_policy(codec.PolicyBlob(4, b"not a pickle", "Mine()"), "small")
+    with pytest.raises(RuntimeError, match="Mine\\(\\) could not be loaded .* model 'small'"):
+        broken.policy.route(None)
+
+
+def test_the_engine_refuses_an_unknown_event(pair, tok):
+    from tokenrouter_sdk import Router
+
+    class Bogus:
+        pass
+    with Router(pair, Alternate(), tokenizer=tok, processes=False) as r:
+        with pytest.raises(UnknownMessage, match="the engine got .*unknown type.*Bogus"):
+            r.engine.handle_event(Bogus())
