@@ -230,3 +230,16 @@ def thinking_tokenizer():
     tok = tiny_tokenizer()
     tok.chat_template = THINKING_TEMPLATE
     return tok
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True

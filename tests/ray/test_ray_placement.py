@@ -33,6 +33,14 @@ def _ours_left(actors: dict, before_pgs: set) -> tuple[list, list]:
     return alive, pgs
 
 
+def _assert_nothing_left(actors: dict, before_pgs: set, timeout: float = 20.0) -> None:
+    assert len(actors) == 2
+    deadline = time.monotonic() + timeout
+    while _ours_left(actors, before_pgs) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _ours_left(actors, before_pgs) == ([], [])
+
+
 def test_small_on_a_large_on_b_equals_the_reference(cluster, pair, tok):
     before = set(ray.util.placement_group_table())
     nodes = {n["Resources"].get("node_a") and "a" or n["Resources"].get("node_b") and "b": n["NodeID"]
@@ -49,11 +57,7 @@ def test_small_on_a_large_on_b_equals_the_reference(cluster, pair, tok):
     finally:
         actors = dict(r.engine.transport.actors)
         r.close()
-    assert len(actors) == 2
-    deadline = time.monotonic() + 20
-    while _ours_left(actors, before) != ([], []) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _ours_left(actors, before) == ([], [])
+    _assert_nothing_left(actors, before)
 
 
 class SlowRandom(RandomRouting):
@@ -85,8 +89,4 @@ def test_a_killed_node_fails_what_it_held_and_nothing_hangs(cluster, pair, tok):
     finally:
         actors = dict(r.engine.transport.actors)
         r.close()
-    assert len(actors) == 2
-    deadline = time.monotonic() + 20
-    while _ours_left(actors, before) != ([], []) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _ours_left(actors, before) == ([], [])
+    _assert_nothing_left(actors, before)

@@ -19,28 +19,16 @@ from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
 
-from ..helpers import DiscardTwoBack, assert_matches_reference, mixed_prompts
+from ..helpers import DiscardTwoBack, assert_matches_reference, mixed_prompts, process_gone
 
 N_NEW = 16
 pytestmark = pytest.mark.timeout(240)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def _wait_gone(pids, timeout=15.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(_gone(p) for p in pids):
+        if all(process_gone(p) for p in pids):
             return True
         time.sleep(0.1)
     return False

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fnmatch
 import io
-import multiprocessing
 import os
 import pickle
 import time

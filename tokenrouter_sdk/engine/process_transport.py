@@ -98,6 +98,14 @@ def _release_pool(spec: dict) -> None:
 
 
 
+def _release_pools(specs: dict) -> None:
+    """Free this process's KV pools of ``specs``: each sub-server elsewhere has its own."""
+    for spec in specs.values():
+        pool = getattr(spec.get("runner"), "pool", None)
+        if pool is not None and hasattr(pool, "release"):
+            pool.release()
+
+
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "exit code unknown"
@@ -236,7 +244,6 @@ class ProcessTransport:
             OSError (EMFILE): too few open files are allowed even after raising the soft limit
                 to the hard one (the message names ``ulimit -n`` and the numbers).
         """
-        import zmq
         if self._started:
             raise RuntimeError("ProcessTransport.start was called twice")
         what = f"the sub-server processes of {len(specs)} model(s)"
@@ -286,10 +293,7 @@ class ProcessTransport:
             if err is not e:
                 raise err from e
             raise
-        for spec in specs.values():  # each child has its own KV pool: free this process's copy
-            pool = getattr(spec.get("runner"), "pool", None)
-            if pool is not None and hasattr(pool, "release"):
-                pool.release()
+        _release_pools(specs)
         if self.start_timeout is not None and not self.wait_ready(self.start_timeout):
             with self._proc_lock:
                 codes = {m: p.exitcode for m, p in self.procs.items()}

@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Callable
 
-from .process_transport import ProcessTransport
+from .process_transport import ProcessTransport, _release_pools
 from .wire import _child_spec
 
 CLOCK_SKEW_S = 0.05  # a clock this far from the hub's is another host's: its event times are moved
@@ -224,10 +224,7 @@ class RayTransport(ProcessTransport):
             self._closing = True
             self.close()
             raise
-        for spec in specs.values():  # each actor has its own KV pool: free this process's copy
-            pool = getattr(spec.get("runner"), "pool", None)
-            if pool is not None and hasattr(pool, "release"):
-                pool.release()
+        _release_pools(specs)  # each actor has its own KV pool
         if self.start_timeout is not None and not self.wait_ready(self.start_timeout):
             why = "; ".join(f"'{m}': " + ("died" if m in self._dead else "still starting")
                             + (f": {self._errors[m]}" if m in self._errors else "")
