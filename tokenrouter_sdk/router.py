@@ -171,12 +171,10 @@ class Router:
                 torch_models = sum(not isinstance(m, Runner) for m in models.values())
                 processes = {"0": False, "false": False, "no": False, "off": False,
                              "1": True, "true": True, "yes": True, "on": True}.get(env, torch_models >= 2)
-            if transport is not None:
-                pass
-            elif isinstance(processes, dict) or processes:
+            if transport is None and (isinstance(processes, dict) or processes):
                 from .engine.process_transport import ProcessTransport
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
-            else:  # sub-servers in threads: rank 0 of a tensor-parallel model runs in this process
+            elif transport is None:  # sub-servers in threads: rank 0 of a tensor-parallel model runs here
                 self._start_ranks(runners)
         self.policy = policy if policy is not None else Policy()
         self.engine = Engine(runners, self.tokenizer, config, transport=transport, eos_ids=eos_ids)

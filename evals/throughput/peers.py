@@ -15,7 +15,9 @@ Systems (each repeat runs every system in a fresh process, in turn, so load nois
   hf             model.generate on the left-padded batch (sdpa attention, do_sample=False,
                  min_new_tokens = max_new_tokens)
   vllm           vllm.LLM(model=<same folder>, dtype=<same>).generate(TokensPrompt(ids), greedy,
-                 ignore_eos); only with --vllm-python (a venv made by evals/throughput/vllm_venv.sh)
+                 ignore_eos); only with --vllm-python (a venv made by evals/throughput/vllm_venv.sh);
+                 its worker computes on every core this process may use (`vllm_cpu_env`), as
+                 ours does, not on vLLM's default of all cores but one
 Each process first runs a short warm-up generate (compiles, allocates), then each workload once;
 tokens/s = generated tokens / wall time of that workload's generate call. The table shows the
 median over repeats per system and workload and each system's ratio to the reference system
@@ -104,8 +106,18 @@ def worker_hf(spec: dict) -> dict:
     return res
 
 
+def vllm_cpu_env(cores: list[int]) -> dict:
+    """Environment for vLLM's CPU backend to compute on ``cores``, the cores the engine's torch
+    threads use. By default (``VLLM_CPU_OMP_THREADS_BIND=auto``) it binds its worker to all but
+    one core and keeps that one for its engine process: on a 2-core machine, one compute thread
+    against our two. Values already set in the environment win."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
 def worker_vllm(spec: dict) -> dict:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.update(vllm_cpu_env(sorted(os.sched_getaffinity(0))))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -116,7 +128,8 @@ def worker_vllm(spec: dict) -> dict:
         outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    res = {"warmup_s": _timed(lambda: gen(spec["warmup"], 8))[0]}
+    res = {"warmup_s": _timed(lambda: gen(spec["warmup"], 8))[0],
+           "env": {k: os.environ[k] for k in vllm_cpu_env([])}}
     for name, w in spec["workloads"].items():
         wall, toks = _timed(lambda: gen(w["ids"], w["new"]))
         res[name] = {"wall_s": wall, "tokens": sum(map(len, toks)), "first": toks[0][:8]}
@@ -154,6 +167,10 @@ def run_system(system: str, base: dict, python: str, timeout: float) -> dict:
     kind = "ours" if system.startswith("ours") else system
     spec = dict(base, kind=kind, compile="wait" if system == "ours-compiled" else False,
                 prefix_cache=system != "ours-nocache")
+    if system == "ours-nocache":  # the cache changes nothing without shared prefixes
+        spec["workloads"] = {k: v for k, v in base["workloads"].items() if k == "prefix"}
+        if not spec["workloads"]:
+            return {"error": "runs the prefix workload only"}
     with tempfile.TemporaryDirectory() as d:
         sp, op = Path(d) / "spec.json", Path(d) / "out.json"
         sp.write_text(json.dumps(spec))
@@ -211,28 +228,29 @@ def main(argv=None) -> int:
             if "error" in res:
                 print(f"rep {r} {s}: FAILED {res['error'][-500:]}", flush=True)
                 continue
-            print(f"rep {r} {s}: " + ", ".join(f"{k} {res[k]['tokens'] / res[k]['wall_s']:.1f} tok/s" for k in wl)
+            print(f"rep {r} {s}: " + ", ".join(f"{k} {res[k]['tokens'] / res[k]['wall_s']:.1f} tok/s" for k in wl
+                                               if k in res)
                   + f" (warm-up {res['warmup_s']:.1f} s, process {res['process_s']:.0f} s, "
                   f"load {os.getloadavg()[0]:.1f})", flush=True)
     ok = {s: [x for x in runs[s] if "error" not in x] for s in systems}
     ref = a.ref or ("vllm" if ok.get("vllm") else "hf")
-    med = {s: {k: statistics.median(x[k]["tokens"] / x[k]["wall_s"] for x in ok[s]) for k in wl}
+    med = {s: {k: statistics.median(x[k]["tokens"] / x[k]["wall_s"] for x in ok[s]) for k in wl if k in ok[s][0]}
            for s in systems if ok[s]}
     rows = []
     for k in wl:
         row = {"workload": k, "requests": len(wl[k]["ids"]), "new_tokens": wl[k]["new"]}
         for s in med:
-            row[f"{s}_tok_s"] = round(med[s][k], 2)
+            row[f"{s}_tok_s"] = round(med[s][k], 2) if k in med[s] else None
         for s in med:
             if ref in med and s != ref:
-                row[f"{s}/{ref}"] = round(med[s][k] / med[ref][k], 3)
+                row[f"{s}/{ref}"] = round(med[s][k] / med[ref][k], 3) if k in med[s] and k in med[ref] else None
         rows.append(row)
     cols = [("workload", "workload", "")] + [(f"{s}_tok_s", f"{s} tok/s", ".1f") for s in med] + \
         [(f"{s}/{ref}", f"{s}/{ref}", ".2f") for s in med if ref in med and s != ref]
     print(f"\nmedians of {a.repeats} interleaved repeats, {a.dtype}; ratios to {ref}")
     print(evalkit.table(rows, cols))
-    first = {s: {k: ok[s][0][k]["first"] for k in wl} for s in med}
-    agree = {k: len({tuple(first[s][k]) for s in first}) == 1 for k in wl}
+    first = {s: {k: ok[s][0][k]["first"] for k in wl if k in ok[s][0]} for s in med}
+    agree = {k: len({tuple(first[s][k]) for s in first if k in first[s]}) == 1 for k in wl}
     print("first 8 tokens of request 0 agree across systems: " + ", ".join(f"{k} {v}" for k, v in agree.items()))
     out = evalkit.Output(a, __file__, evalkit.cells_tag(a.dtype, r=a.repeats))
     out.write(rows, command=" ".join([sys.executable, *sys.argv]), reference=ref, runs=runs, first_tokens=first,

@@ -44,6 +44,8 @@ class ForwardBatch:
         dec_qlen: queries per decode request, Q (1 in eager steps; a fixed-shape step
             (`DecodeGraphs`) feeds every request Q padded tokens: then dec_q has shape [Bd * Q],
             request-major, and dec_mask [Bd, 1, Q, Lmax]).
+        dec_shared: leading key positions that every decode request reads from the same pool
+            slots (prefix-cache blocks their tables share), a multiple of the block size.
     """
 
     pool: KVPool
@@ -53,6 +55,7 @@ class ForwardBatch:
     dec_mask: torch.Tensor | None
     segs: list
     dec_qlen: int = 1
+    dec_shared: int = 0
 
 
 def _sdpa(q, k, v, mask, is_causal, scale):
@@ -107,10 +110,13 @@ def attend_paged(fb: ForwardBatch, layer: int, query, key, value, scaling) -> to
         bd, lmax = fb.dec_kv.shape
         nq, (h, _, d) = fb.dec_qlen, q.shape
         qd = q[:, fb.dec_q].view(h, bd, nq, d).transpose(0, 1)        # [Bd, H, Q, D]
-        flat = fb.dec_kv.view(-1)
-        kd = kc.index_select(0, flat).view(bd, lmax, *kc.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
-        vd = vc.index_select(0, flat).view(bd, lmax, *vc.shape[1:]).transpose(1, 2)
-        od = _attend(qd, kd, vd, fb.dec_mask, scaling)                 # [Bd, H, Q, D]
+        if (bd - 1) * fb.dec_shared >= CASCADE_MIN_SAVED and nq == 1 and kc.device.type == "cpu":
+            od = _attend_cascade(fb, kc, vc, qd, scaling)
+        else:
+            flat = fb.dec_kv.view(-1)
+            kd = kc.index_select(0, flat).view(bd, lmax, *kc.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = vc.index_select(0, flat).view(bd, lmax, *vc.shape[1:]).transpose(1, 2)
+            od = _attend(qd, kd, vd, fb.dec_mask, scaling)             # [Bd, H, Q, D]
         out[fb.dec_q] = od.transpose(1, 2).reshape(bd * nq, h, d)
     for qs, ql, slots, mask in fb.segs:
         qi = q[:, qs:qs + ql].unsqueeze(0)                             # [1, H, ql, D]
@@ -122,6 +128,55 @@ def attend_paged(fb: ForwardBatch, layer: int, query, key, value, scaling) -> to
             o = _attend(qi, ki, vi, mask, scaling)
         out[qs:qs + ql] = o[0].transpose(0, 1)
     return out.unsqueeze(0)
+
+
+# Shared key reads a decode step must save, (requests - 1) x shared positions, before it attends
+# the shared keys once for all (`_attend_cascade`): its unfused arithmetic costs about twice one
+# padded SDPA call, so it pays only when the saved copies are many (30 layers of SmolLM2-135M's
+# shapes on 2 CPU cores, `evals/investigations/paged_gather_cost.py`: 2 requests x 1,200 keys,
+# 32 shared, 29 against 92 ms; 4 x 800, 736 shared, 84 against 39 ms; 16 x 800, 276 against 72).
+CASCADE_MIN_SAVED = 2048
+
+
+def _softmax_parts(scores: torch.Tensor, values: torch.Tensor):
+    """Unnormalised attention over one key range: (max score [.., 1], sum of exp [.., 1],
+    exp-weighted values [.., D]). A row whose keys are all masked (-inf) gives zeros."""
+    m = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).min)
+    p = torch.exp(scores - m)
+    return m, p.sum(-1, keepdim=True), torch.matmul(p, values)
+
+
+def _attend_cascade(fb: ForwardBatch, kc: torch.Tensor, vc: torch.Tensor, qd: torch.Tensor, scaling) -> torch.Tensor:
+    """Decode attention in two parts merged by their log-sum-exp (cascade attention, as FlashInfer
+    and vLLM do for shared prefixes): every query against the ``fb.dec_shared`` keys all decode
+    requests share, read once, then each request against its own keys. A batch of 16 requests
+    behind one 735-token prefix then reads the prefix's K/V once per layer instead of 16 times.
+    qd [Bd, H, 1, D]; returns [Bd, H, 1, D], equal to `_attend` over the whole rows within
+    rounding."""
+    bd, lmax = fb.dec_kv.shape
+    _, h, _, d = qd.shape
+    hkv = kc.shape[1]
+    g, ls = h // hkv, fb.dec_shared
+    scale = float(scaling) if scaling is not None else d ** -0.5
+    q = qd.reshape(bd, hkv, g, d)  # query head j*g + i reads KV head j
+    shared = fb.dec_kv[0, :ls]
+    ks, vs = kc.index_select(0, shared), vc.index_select(0, shared)  # [Ls, Hkv, D]
+    qs = q.permute(1, 0, 2, 3).reshape(hkv, bd * g, d)
+    m1, l1, o1 = _softmax_parts(torch.matmul(qs, ks.permute(1, 2, 0)) * scale, vs.transpose(0, 1))
+    m1, l1, o1 = (x.view(hkv, bd, g, x.shape[-1]).transpose(0, 1) for x in (m1, l1, o1))  # [Bd, Hkv, g, .]
+    lr = lmax - ls
+    if lr == 0:
+        return (o1 / l1).reshape(bd, h, 1, d)
+    rest = fb.dec_kv[:, ls:].reshape(-1)
+    kr = kc.index_select(0, rest).view(bd, lr, hkv, d).permute(0, 2, 3, 1)  # [Bd, Hkv, D, Lr]
+    vr = vc.index_select(0, rest).view(bd, lr, hkv, d).transpose(1, 2)      # [Bd, Hkv, Lr, D]
+    s2 = torch.matmul(q, kr) * scale                                        # [Bd, Hkv, g, Lr]
+    if fb.dec_mask is not None:
+        s2 = s2.masked_fill(~fb.dec_mask[..., ls:], float("-inf"))
+    m2, l2, o2 = _softmax_parts(s2, vr)
+    m = torch.maximum(m1, m2)
+    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    return ((o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)).reshape(bd, h, 1, d)
 
 
 def _configure_sdpa(device: torch.device) -> None:
@@ -334,7 +389,7 @@ class TorchRunner:
         if pad and len(seqs) == 1:
             seqs = [*seqs, _PadSeq(pool.scratch_slot + _SCRATCH_NEED - 1)]
         ids, pos, slots, last = [], [], [], []
-        dec_q, dec_kv, dec_len, segs = [], [], [], []
+        dec_q, dec_kv, dec_len, dec_tables, segs = [], [], [], [], []
         t = 0
         for s in seqs:
             n, end = len(s.tokens), s.start + len(s.tokens)
@@ -346,6 +401,7 @@ class TorchRunner:
                 dec_q.append(t)
                 dec_kv.append(all_slots)
                 dec_len.append(end)
+                dec_tables.append(s.table)
             else:
                 mask = None
                 if s.start > 0:  # extend: query i sees keys j <= start + i
@@ -354,6 +410,11 @@ class TorchRunner:
             t += n
             last.append(t - 1)
         dq = dkv = dmask = None
+        shared = 0
+        if len(dec_tables) > 1:  # leading blocks every decode request's table shares (its last is its own)
+            first, lim = dec_tables[0], min(map(len, dec_tables)) - 1
+            while shared < lim and all(tb[shared] == first[shared] for tb in dec_tables[1:]):
+                shared += 1
         if dec_q:
             lmax = max(dec_len)
             dkv = torch.zeros(len(dec_q), lmax, dtype=torch.long)
@@ -362,7 +423,7 @@ class TorchRunner:
             if min(dec_len) != lmax:
                 dmask = (torch.arange(lmax)[None, :] < torch.tensor(dec_len)[:, None])[:, None, None, :].to(dev)
             dq, dkv = torch.tensor(dec_q, device=dev), dkv.to(dev)
-        fb = ForwardBatch(pool, torch.cat(slots).to(dev), dq, dkv, dmask, segs)
+        fb = ForwardBatch(pool, torch.cat(slots).to(dev), dq, dkv, dmask, segs, dec_shared=shared * pool.block_size)
         return (fb, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
                 torch.tensor(last, device=dev))
 

@@ -100,11 +100,10 @@ class _ActorProcess:
                                       f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
         finally:
             self._ended.set()
-            for fd in (self._w,):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            try:
+                os.close(self._w)
+            except OSError:
+                pass
             self._peer.close()
 
     def join(self, timeout: float | None = None) -> None:

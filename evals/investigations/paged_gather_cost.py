@@ -1,0 +1,97 @@
+"""What a decode step's attention over the paged KV pool costs on this CPU, per step of 30 layers
+(SmolLM2-135M's shapes: 3 KV heads, 9 query heads, head size 64, 16-token blocks), for batches of
+decode requests that may share leading blocks (the prefix cache gives requests behind one
+prompt prefix the same blocks):
+
+  gather    each layer gathers every request's keys and values (``index_select``), then one
+            padded SDPA call (`attend_paged` below the threshold)
+  cascade   the shared keys once for all requests, each request's own keys apart, merged by the
+            log-sum-exp (`_attend_cascade`; `attend_paged` uses it when (requests - 1) x shared
+            keys >= `CASCADE_MIN_SAVED`)
+
+Pool content is random; only time is measured (median of ``--repeats`` steps, after one warm-up).
+
+Run:
+    flock /tmp/bench.lock .venv/bin/python evals/investigations/paged_gather_cost.py --out evals/results/throughput
+
+Writes ``<out>/paged_gather_cost.json`` and ``.csv`` (one row per case: ms per step per path).
+"""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
+
+CASES = [(8, 250, 32), (2, 1200, 32), (2, 1200, 736), (4, 800, 736), (8, 800, 736), (16, 800, 736)]  # requests, keys, shared
+
+
+def main(argv=None) -> int:
+    p = evalkit.parser(__file__, __doc__)
+    p.add_argument("--repeats", type=int, default=15, help="timed steps per case and path (default 15)")
+    p.add_argument("--blocks", type=int, default=1024, help="pool blocks (default 1024 = 16,384 tokens)")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from tokenrouter_sdk.backends import torch_runner as tr
+
+    bs, hkv, h, d, layers = 16, 3, 9, 64, 30
+    g = torch.Generator().manual_seed(0)
+
+    class Pool:
+        block_size = bs
+        k = [torch.randn(args.blocks * bs, hkv, d, generator=g) for _ in range(layers)]
+        v = [torch.randn(args.blocks * bs, hkv, d, generator=g) for _ in range(layers)]
+
+    def batch(b, keys, shared):
+        perm = torch.randperm(args.blocks, generator=g).tolist()
+        own = -(-keys // bs) - shared // bs
+        kv = torch.zeros(b, keys, dtype=torch.long)
+        pos = torch.arange(keys)
+        for i in range(b):
+            table = torch.tensor(perm[:shared // bs] + perm[shared // bs + i * own:shared // bs + (i + 1) * own])
+            kv[i] = table[pos // bs] * bs + pos % bs
+        return tr.ForwardBatch(Pool, kv[:, -1].clone(), torch.arange(b), kv, None, [], dec_shared=shared)
+
+    def timed(fn):
+        fn()
+        ts = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e3
+
+    rows = []
+    for b, keys, shared in CASES:
+        fb = batch(b, keys, shared)
+        q = torch.randn(1, h, b, d, generator=g)
+        qd = q[0].view(h, b, 1, d).transpose(0, 1)
+
+        def gather():
+            for layer in range(layers):
+                kd = Pool.k[layer].index_select(0, fb.dec_kv.view(-1)).view(b, keys, hkv, d).transpose(1, 2)
+                vd = Pool.v[layer].index_select(0, fb.dec_kv.view(-1)).view(b, keys, hkv, d).transpose(1, 2)
+                tr._attend(qd, kd, vd, None, 0.125)
+
+        def cascade():
+            for layer in range(layers):
+                tr._attend_cascade(fb, Pool.k[layer], Pool.v[layer], qd, 0.125)
+
+        row = {"requests": b, "keys": keys, "shared": shared, "gather_ms": timed(gather),
+               "cascade_ms": timed(cascade), "cascade_on": (b - 1) * shared >= tr.CASCADE_MIN_SAVED}
+        rows.append(row)
+        print(f"{b} x {keys} keys, {shared} shared: gather {row['gather_ms']:.1f} ms, "
+              f"cascade {row['cascade_ms']:.1f} ms", flush=True)
+    print(evalkit.table(rows, [("requests", "requests", "d"), ("keys", "keys", "d"), ("shared", "shared", "d"),
+                               ("gather_ms", "gather ms", ".1f"), ("cascade_ms", "cascade ms", ".1f"),
+                               ("cascade_on", "cascade used", "")]))
+    evalkit.Output(args, __file__).write(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
