@@ -122,7 +122,8 @@ def cmd_demo(args) -> int:
     policy = RStitch(tau=args.tau, tau_back=args.tau_back)
     router = Router.default(policy=policy, small_layers=args.small_layers, prefill_peers=not args.no_prefill_peers,
                             prefix_cache=not args.no_prefix_cache,
-                            compile={"off": False, "wait": "wait", "background": "background"}[args.compile])
+                            compile={"off": False, "wait": "wait", "background": "background"}[args.compile],
+                            model_impl=args.model_impl)
     with router:
         models = list(router.models)
         print(f"models : {', '.join(models)} (loaded in {time.perf_counter() - t0:.1f} s)")
@@ -254,6 +255,8 @@ def cmd_bench(args) -> int:
     tp = tp_of(args, list(models), prog)
     if tp:
         kw["tp"] = tp
+    if args.model_impl and args.backend != "sim":
+        kw["model_impl"] = args.model_impl
     print(environment())
     deadline = time.monotonic() + 60 * args.time_budget_min if args.time_budget_min else None
     log = CsvLog(args.out + ".csv")
@@ -345,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--compile", choices=["off", "wait", "background"], default="off",
                    help="compiled steps (EngineConfig.compile): off (eager), wait (the warm-up call waits for the "
                         "compile: every timed step compiled) or background (default off)")
+    d.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
+                   help="the models' forward (EngineConfig.model_impl): auto (default: native, merged and prepacked "
+                        "projections), native, or transformers (the transformers forward, to compare)")
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="committed-token throughput: policies x modes x concurrency, side by side")
     add_bench_arguments(b)

@@ -17,7 +17,8 @@ REGISTRY_HELP = ("a registry spec NAME[:k=v,...]: rstitch, random, large_only, s
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True) -> argparse.ArgumentParser:
-    """``--model``, ``--device``, ``--dtype`` (and ``--small-layers`` for the packaged pair)."""
+    """``--model``, ``--device``, ``--dtype``, ``--tp``, ``--model-impl`` (and ``--small-layers`` for
+    the packaged pair)."""
     g = p.add_argument_group("models")
     g.add_argument("--model", action="append", metavar="NAME=SOURCE",
                    help="a model: a folder (with config.json), a .gguf file or a hub id, smallest first; repeat for "
@@ -33,6 +34,10 @@ def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True
                    help="tensor-parallel ranks per model, e.g. large=2 (the model runs as that many processes, "
                         "collectives by torch.distributed: gloo on the CPU, NCCL on CUDA with rank r on cuda:r); its "
                         "heads and KV heads must divide by it; the packaged pair's large model takes large=3")
+    g.add_argument("--model-impl", choices=["auto", "native", "transformers"], default=None,
+                   help="the forward of torch models (EngineConfig.model_impl): auto (default: the native forward "
+                        "for Llama, Mistral, Qwen2 and Qwen3, with merged and, on a CPU, prepacked projections; "
+                        "transformers' for others), native, or transformers")
     if small_layers:
         g.add_argument("--small-layers", type=int, default=None,
                        help="packaged pair only: small = plain truncation of the large model to this many layers "
@@ -151,6 +156,8 @@ def build_router(args, prog: str, policy=None, **settings):
     """
     from .router import Router
     specs = model_specs(args, prog)
+    if getattr(args, "model_impl", None):
+        settings.setdefault("model_impl", args.model_impl)
     try:
         if specs is None:
             per_model(getattr(args, "device", None), None, "--device", prog)

@@ -72,9 +72,24 @@ def test_serve_flags_take_effect(folders, tmp_path):
     try:
         assert type(app.state.tr.policy).__name__ == "EveryOther" and app.state.tr.policy_label == "EveryOther"
         assert router.engine.runners["small"].pool.capacity_tokens == 512
+        assert {r.impl for r in router.engine.runners.values()} == {"native"}  # the default
     finally:
         sock.close()
         router.close()
+
+
+def test_model_impl_flag_reaches_every_runner(folders):
+    pytest.importorskip("fastapi")
+    from tokenrouter_sdk.serve.cli import build
+    router, app, sock, _ = build(serve_args([*model_flags(folders), "--model-impl", "transformers",
+                                             "--max-kv-tokens", "512"]))
+    try:
+        assert {r.impl for r in router.engine.runners.values()} == {"transformers"}
+    finally:
+        sock.close()
+        router.close()
+    with pytest.raises(SystemExit):
+        serve_args([*model_flags(folders), "--model-impl", "vllm"])
 
 
 def test_tp_flag_makes_the_model_tensor_parallel_loaded_from_its_folder(folders):

@@ -199,7 +199,8 @@ def _follower_main() -> None:
     model = _load(payload, rank)
     store, group = _group("127.0.0.1", store_port, rank, tp, runner_kw.get("device", "cpu"), timeout_s)
     shard_model(model, rank, tp, group)
-    runner = TorchRunner(model, max_kv_tokens=runner_kw["max_kv_tokens"], block_size=runner_kw["block_size"])
+    runner = TorchRunner(model, max_kv_tokens=runner_kw["max_kv_tokens"], block_size=runner_kw["block_size"],
+                         model_impl=runner_kw.get("model_impl", "auto"))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.connect(address)
@@ -241,6 +242,8 @@ class TensorParallelRunner:
         threads: torch threads per follower rank.
         timeout_s: seconds a collective or the start-up waits for a rank before it fails.
         start: start the ranks now (default False: at `start` / `prepare_process`).
+        model_impl: every rank's `TorchRunner` ``model_impl`` (the native forward calls the
+            row-wise linears as modules, so their all-reduce hooks run).
 
     Raises:
         TensorParallelError: the model's heads do not divide by ``tp`` (names both numbers).
@@ -251,12 +254,12 @@ class TensorParallelRunner:
     """
 
     def __init__(self, recipe: ModelRecipe, tp: int, *, max_kv_tokens: int = 8192, block_size: int = 16,
-                 threads: int = 1, timeout_s: float = 120.0, start: bool = False):
+                 threads: int = 1, timeout_s: float = 120.0, start: bool = False, model_impl: str = "auto"):
         from ..engine.kv_pool import KVPool
         if tp < 2:
             raise TensorParallelError(f"TensorParallelRunner needs tp >= 2, got {tp} (tp = 1: use TorchRunner)")
         self.recipe, self.tp, self.timeout_s, self.threads = recipe, tp, timeout_s, threads
-        self.max_kv_tokens, self.block_size = max_kv_tokens, block_size
+        self.max_kv_tokens, self.block_size, self.model_impl = max_kv_tokens, block_size, model_impl
         cfg = recipe.config()
         check_divisible(cfg, tp)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -315,7 +318,8 @@ class TensorParallelRunner:
                                     wait_for_workers=False)
         self._dir = tempfile.mkdtemp(prefix="tokenrouter-tp-")
         self._ctx = zmq.Context()
-        runner_kw = {"max_kv_tokens": self.max_kv_tokens, "block_size": self.block_size, "device": recipe.device}
+        runner_kw = {"max_kv_tokens": self.max_kv_tokens, "block_size": self.block_size, "device": recipe.device,
+                     "model_impl": self.model_impl}
         code = "from tokenrouter_sdk.backends.tensor_parallel import _follower_main; _follower_main()"
         try:
             for r in range(1, tp):
@@ -347,7 +351,8 @@ class TensorParallelRunner:
             self.release()
             raise
         self.pool.release()
-        self.local = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size)
+        self.local = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
+                                 model_impl=self.model_impl)
         self.pool = self.local.pool
         self.device = self.local.device
 

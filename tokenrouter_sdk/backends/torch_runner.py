@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from ..engine.kv_pool import KVPool
 from ..engine.runner import ForwardOut, SeqInput
+from ..engine.config import MODEL_IMPLS
+from .native_forward import NativeForward, native_support
 
 ATTN_NAME = "tokenrouter_paged"
 
@@ -98,25 +100,38 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 
 
 def attend_paged(fb: ForwardBatch, layer: int, query, key, value, scaling) -> torch.Tensor:
+    """`attend_tokens` in transformers' layout: query [1, H, T, D], key/value [1, Hkv, T, D];
+    returns [1, T, H, D]."""
+    return attend_tokens(fb, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                         scaling).unsqueeze(0)
+
+
+def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scaling) -> torch.Tensor:
     """Write the step's new K/V of ``layer`` into the pool slots of ``fb`` and attend every
-    request to its cached prefix. query [1, H, T, D], key/value [1, Hkv, T, D]; returns
-    [1, T, H, D]."""
+    request to its cached prefix. q [T, H, D], k/v [T, Hkv, D] (any strides); returns a new
+    [T, H, D] tensor."""
     kc, vc = fb.pool.k[layer], fb.pool.v[layer]
-    kc.index_copy_(0, fb.slot_mapping, key[0].transpose(0, 1))
-    vc.index_copy_(0, fb.slot_mapping, value[0].transpose(0, 1))
-    q = query[0]                                        # [H, T, D]
-    out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]
+    kc.index_copy_(0, fb.slot_mapping, k)
+    vc.index_copy_(0, fb.slot_mapping, v)
+    t, h, d = q.shape
+    only_decodes = not fb.segs and fb.dec_qlen == 1 and fb.dec_q is not None and fb.dec_q.shape[0] == t
+    q = q.transpose(0, 1)                                               # [H, T, D]
+    out = None if only_decodes else q.new_empty(t, h, d)               # [T, H, D]
     if fb.dec_q is not None:
         bd, lmax = fb.dec_kv.shape
-        nq, (h, _, d) = fb.dec_qlen, q.shape
-        qd = q[:, fb.dec_q].view(h, bd, nq, d).transpose(0, 1)        # [Bd, H, Q, D]
+        nq = fb.dec_qlen
+        # decode token i is packed token fb.dec_q[i]; in a step of decodes only, token i itself
+        qd = q.unsqueeze(2).transpose(0, 1) if only_decodes else q[:, fb.dec_q].view(h, bd, nq, d).transpose(0, 1)
         if (bd - 1) * fb.dec_shared >= CASCADE_MIN_SAVED and nq == 1 and kc.device.type == "cpu":
-            od = _attend_cascade(fb, kc, vc, qd, scaling)
+            od = _attend_cascade(fb, kc, vc, qd, scaling)              # [Bd, H, Q, D]
         else:
             flat = fb.dec_kv.view(-1)
             kd = kc.index_select(0, flat).view(bd, lmax, *kc.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
             vd = vc.index_select(0, flat).view(bd, lmax, *vc.shape[1:]).transpose(1, 2)
             od = _attend(qd, kd, vd, fb.dec_mask, scaling)             # [Bd, H, Q, D]
+        if only_decodes:
+            return od.transpose(1, 2).reshape(t, h, d)
         out[fb.dec_q] = od.transpose(1, 2).reshape(bd * nq, h, d)
     for qs, ql, slots, mask in fb.segs:
         qi = q[:, qs:qs + ql].unsqueeze(0)                             # [1, H, ql, D]
@@ -127,7 +142,7 @@ def attend_paged(fb: ForwardBatch, layer: int, query, key, value, scaling) -> to
         else:  # extend: query i sees keys j <= start + i
             o = _attend(qi, ki, vi, mask, scaling)
         out[qs:qs + ql] = o[0].transpose(0, 1)
-    return out.unsqueeze(0)
+    return out
 
 
 # Shared key reads a decode step must save, (requests - 1) x shared positions, before it attends
@@ -261,6 +276,13 @@ class TorchRunner:
             compile raises, steps stay eager with a `RuntimeWarning` and ``compile_error`` says
             why. One compiled forward per model object and process, shared by its runners.
             With ``cuda_graphs`` the graph path keeps decode and short-extend steps.
+        model_impl: which forward runs eager steps. ``"auto"`` (default): the native forward
+            (`tokenrouter_sdk.backends.native_forward`: merged and, on a CPU, prepacked projections;
+            logits equal the transformers forward's on float64, within float rounding otherwise)
+            for the Llama, Mistral, Qwen2 and Qwen3 families, transformers' forward for every
+            other model; ``"native"``: the native forward or a `ValueError` saying why the model
+            has none; ``"transformers"``: the model's own transformers forward (no packed copy of
+            the weights). Compiled and CUDA-graph steps run the transformers forward.
 
     On CUDA the first forward turns the cuDNN SDPA backend off for the process (see
     `_configure_sdpa`; ``torch.backends.cuda.enable_cudnn_sdp(True)`` turns it back on).
@@ -270,15 +292,29 @@ class TorchRunner:
         graphs: the `DecodeGraphs`, or None without ``cuda_graphs`` (built on first use, in the
             process that runs the sub-server: graphs do not travel between processes).
         last_forward_s: seconds spent in the last model forward (for overhead metrics).
+        impl: the forward eager steps run, ``"native"`` or ``"transformers"``; ``native_reason``:
+            why not native (None when native).
+        last_impl: the forward the last step ran: ``"native"``, ``"transformers"`` (also a native
+            runner's step while forward hooks the native forward would bypass are registered on
+            the model's modules), ``"compiled"`` or ``"cuda_graphs"``.
         last_compiled: whether the last step ran the compiled forward.
         compile_s: seconds the compile took (the first compiled call in this process), or None.
         compile_error: why the compiled forward is off, or None.
     """
 
     def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16, cuda_graphs: bool = False,
-                 max_graph_batch: int = 64, compile: bool | str = False):
+                 max_graph_batch: int = 64, compile: bool | str = False, model_impl: str = "auto"):
         self.compile = _compile_mode(compile)
         self.model = model
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+        self.native_reason = native_support(model) if model_impl != "transformers" else "model_impl='transformers'"
+        if model_impl == "native" and self.native_reason is not None:
+            raise ValueError(f"model_impl='native': no native forward for {type(model).__name__}: {self.native_reason}; "
+                             f"use model_impl='auto' or 'transformers'")
+        self.impl = "native" if self.native_reason is None else "transformers"
+        self._native = None  # the NativeForward, built in the process that runs the steps
+        self._step_impl = self.last_impl = self.impl
         use_paged_attention(model)
         cfg = model.config
         p = next(model.parameters())
@@ -320,6 +356,7 @@ class TorchRunner:
         collection of the engine's reference cycles."""
         self._graphs = None
         self._compiled = None
+        self._native = None
         self.pool.release()
         self.model = self.decoder = self.lm_head = None
 
@@ -327,6 +364,7 @@ class TorchRunner:
         state = dict(self.__dict__)
         state["_graphs"] = None  # CUDA graphs belong to the process that captured them
         state["_compiled"] = state["_compile_thread"] = None  # so does compiled code
+        state["_native"] = None  # and packed weights
         state["_compile_started"] = False
         return state
 
@@ -427,6 +465,15 @@ class TorchRunner:
         return (fb, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
                 torch.tensor(last, device=dev))
 
+    def _native_ready(self) -> bool:
+        """Build the native forward in this process (once), bring it up to date with the model,
+        and say whether it computes this step (not when hooks it would bypass are registered)."""
+        if self._native is None:
+            self._native = NativeForward(self.model, attend_tokens)
+        ok = self._native.prepare()
+        self._step_impl = "native" if ok else "transformers"
+        return ok
+
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> ForwardOut:
         """One forward over the batch.
@@ -452,7 +499,7 @@ class TorchRunner:
         if self.cuda_graphs and not want_all:
             out = self.graphs.run(seqs)
             if out is not None:
-                self.last_compiled = False
+                self.last_compiled, self.last_impl = False, "cuda_graphs"
                 return ForwardOut(*out)
         if self.compile and not self._compile_started:
             self._start_compile()
@@ -462,11 +509,15 @@ class TorchRunner:
         if cf is not None:
             logits, hidden, h = cf(fb, ids, pos, last)
             logits, hidden = logits[:len(seqs)], hidden[:len(seqs)]
+        elif self.impl == "native" and self._native_ready():
+            logits, hidden, h = self._native(fb, ids[0], pos[0], last, want_all)
+            h = h[None] if h is not None else None
         else:
             h = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb).last_hidden_state
             hidden = h[0, last]
             logits = self.lm_head(hidden)
         self.last_compiled = cf is not None
+        self.last_impl = "compiled" if cf is not None else self._step_impl
         if self.device.type == "cuda":  # this stream only: a device-wide sync breaks a peer thread's graph capture
             torch.cuda.current_stream(self.device).synchronize()
         self.last_forward_s = time.perf_counter() - t0

@@ -53,6 +53,7 @@ class Mode(str, enum.Enum):
 
 MODES = tuple(m.value for m in Mode)
 KV_ADMISSION = ("reserve", "optimistic")
+MODEL_IMPLS = ("auto", "native", "transformers")  # EngineConfig.model_impl
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,12 @@ class EngineConfig:
             in a background thread of each sub-server at its first step; eager steps until
             then), ``"wait"`` (the first step waits for the compile). Logits equal eager within
             floating-point reassociation; measured gain and compile cost in `docs/benchmarks.md`.
+        model_impl: which forward eager steps of torch models run: ``"auto"`` (default: the
+            native forward for the Llama, Mistral, Qwen2 and Qwen3 families, with merged and, on a
+            CPU, prepacked projections; transformers' forward for every other model),
+            ``"native"`` (a model without one raises, saying why) or ``"transformers"`` (the
+            model's own forward; no packed copy of its weights). See `TorchRunner` and
+            `tokenrouter_sdk.backends.native_forward`.
         prefill_peers: at admission, every model the request's policy may use
             (`Policy.may_use`, default all) besides its entry model prefills the prompt too, in
             its next step, and keeps it in KV: the first handoff to such a model then feeds only
@@ -137,6 +144,7 @@ class EngineConfig:
     processes: bool | dict | None = None
     cuda_graphs: bool = False
     compile: bool | str = False
+    model_impl: str = "auto"
     prefill_peers: bool = False
     prefix_cache: bool = True
 
@@ -159,6 +167,8 @@ class EngineConfig:
             raise ValueError(f"unknown backend {self.backend!r}; choose 'torch' or 'sim'")
         if self.compile not in (False, True, "background", "wait"):
             raise ValueError(f"compile must be False, True, 'background' or 'wait', got {self.compile!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission must be one of {KV_ADMISSION}, got {self.kv_admission!r}")
         for name in ("block_size", "max_batch_tokens", "max_batch_size", "max_hops_without_commit"):

@@ -1,0 +1,187 @@
+"""The native forward: the decoder of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) run
+directly over a step's packed tokens and the paged KV pool, without the transformers forward.
+
+It reads the model's own modules and weights and computes what their forward computes, in the
+same order and dtype (so on float64 models its logits equal the transformers forward's exactly),
+with less work per step:
+- q/k/v and gate/up run as one GEMM each over merged weights, prepacked for oneDNN on a CPU
+  where that measured faster (`tokenrouter_sdk.backends.projection`); the residual adds after
+  o_proj and down_proj are fused into their GEMMs there;
+- the rotary cos/sin are computed once per step, not once per layer, and applied in three ops;
+- no attention masks, cache objects or keyword plumbing: one attention call per layer into the
+  paged attention (`tokenrouter_sdk.backends.torch_runner.attend_tokens`).
+vLLM, SGLang and nano-vllm run their own model implementations for the same reasons (merged
+QKV and gate-up linears, fused residual adds); transformers remains the fallback here for every
+other architecture (`native_support` says why a model is not taken).
+
+Measured on this project's 2-core CPU, SmolLM2-135M float32, one decode step
+(`evals/throughput/step_bound.py`): see `docs/benchmarks.md`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .projection import Watch, projection
+
+# model_type -> (decoder layer class, RMSNorm class): architectures whose layers compute
+# x + attn(norm(x)), then x + mlp(norm(x)), with SiLU-gated MLPs and rotate-half rotary embeddings
+FAMILIES = {
+    "llama": ("LlamaDecoderLayer", "LlamaRMSNorm"),
+    "mistral": ("MistralDecoderLayer", "MistralRMSNorm"),
+    "qwen2": ("Qwen2DecoderLayer", "Qwen2RMSNorm"),
+    "qwen3": ("Qwen3DecoderLayer", "Qwen3RMSNorm"),
+}
+
+
+def native_support(model) -> str | None:
+    """None when `NativeForward` computes ``model``'s forward; else why not (a sentence)."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in FAMILIES:
+        return f"model type {kind!r} has no native forward (those with one: {sorted(FAMILIES)})"
+    layer_cls, norm_cls = FAMILIES[kind]
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if dec is None or not hasattr(dec, "layers") or not hasattr(dec, "rotary_emb"):
+        return f"{type(model).__name__} has no decoder with layers and a rotary embedding"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (the native forward computes SiLU-gated MLPs)"
+    if type(dec.embed_tokens).__name__ != "Embedding" or type(dec.norm).__name__ != norm_cls:
+        return f"{type(model).__name__}'s embedding or final norm is not the {kind} one"
+    for i, layer in enumerate(dec.layers):
+        if type(layer).__name__ != layer_cls:
+            return f"layer {i} is a {type(layer).__name__}, not a {layer_cls}"
+        attn = layer.self_attn
+        if getattr(attn, "layer_idx", i) != i:
+            return f"layer {i}'s attention has layer_idx {attn.layer_idx}"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm,
+                     *(getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n))):
+            if type(norm).__name__ != norm_cls:
+                return f"layer {i} has a {type(norm).__name__} where {norm_cls} was expected"
+        if type(layer.mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            return f"layer {i}'s MLP activation is {type(layer.mlp.act_fn).__name__}, not SiLU"
+    return None
+
+
+def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """``norm(x)`` of a Llama-family RMSNorm, in its own arithmetic: float32 statistics, the
+    normalised input cast back to its dtype, then scaled by the weight. x [..., H]. Float32 inputs
+    take torch's fused kernel of the same formula."""
+    w = norm.weight
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, norm.variance_epsilon)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return w * h.to(x.dtype)
+
+
+class NativeForward:
+    """The forward of a Llama-family ``model`` over one step (see the module docstring).
+
+    Args:
+        model: a causal LM that `native_support` accepts, attention already switched to the paged
+            one (its layers' ``layer_idx`` index the KV pool).
+        attend: the paged attention: ``attend(fb, layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D],
+            scale) -> [T, H, D]``.
+        pack: prepack projection weights where it pays (`tokenrouter_sdk.backends.projection`).
+
+    Raises:
+        ValueError: ``model`` is not supported (`native_support`'s reason).
+    """
+
+    def __init__(self, model, attend, *, pack: bool = True):
+        why = native_support(model)
+        if why is not None:
+            raise ValueError(f"no native forward for {type(model).__name__}: {why}; use model_impl='transformers'")
+        self.model, self.attend, self.pack = model, attend, pack
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self._plan: list | None = None
+        self._head = None
+        self._watched = Watch()
+        self._modules: list = []
+        self._linears: set[int] = set()
+        self._hooked: list = []
+
+    def _build(self) -> None:
+        """Projections of every layer and of the LM head (shared with every other NativeForward
+        over the same modules in this process), and what they were built from: the weights and
+        the modules in place (`_valid` checks them before every step)."""
+        dec, model = self.decoder, self.model
+
+        def proj(owner, *names):
+            return projection(owner, names, pack=self.pack)
+
+        self._plan = [(proj(ly.self_attn, "q_proj", "k_proj", "v_proj"), proj(ly.self_attn, "o_proj"),
+                       proj(ly.mlp, "gate_proj", "up_proj"), proj(ly.mlp, "down_proj")) for ly in dec.layers]
+        out = model.get_output_embeddings()
+        name = next((n for n, mod in model.named_children() if mod is out), None)
+        if name is None:
+            raise ValueError(f"{type(model).__name__}'s output embedding is not a direct child module")
+        self._head = proj(model, name)
+        projs = [*(q for ps in self._plan for q in ps), self._head]
+        self._modules = [*dec.modules(), out]
+        # the modules read, where they hang: a replaced one (a wrapper, a new layer list) rebuilds
+        places = [(model, name, out), (dec, "layers", dec.layers)] + [
+            (parent, child, mod) for parent in dec.modules() for child, mod in parent.named_children()]
+        self._watched = Watch((o, a, m, None) for o, a, m in places)
+        for p in projs:
+            self._watched.extend(p.watch())
+        self._linears = {id(m) for p in projs for m in p.mods}
+        self._hooked = {i for i in self._hooked_modules() if i in self._linears}
+
+    def _hooked_modules(self) -> set[int]:
+        return {id(m) for m in self._modules if m._forward_hooks or m._forward_pre_hooks}
+
+    def _valid(self) -> bool:
+        """Whether no module was replaced and no projection weight changed (replaced, converted
+        or written in place) since `_build`."""
+        return self._plan is not None and len(self._plan) == len(self.decoder.layers) and self._watched.unchanged()
+
+    def prepare(self) -> bool:
+        """Bring the projections up to date with the model (rebuilt when it changed) and say
+        whether this forward computes the next step as the model's own would: False when a
+        module whose forward it does not call has forward hooks, or a global module hook is
+        registered (activation capture, steering or patching on layers, attention, MLPs, norms:
+        such steps must run the transformers forward). Hooks on the projections' linears run
+        here: those linears are then called as modules."""
+        hooked = self._hooked_modules() if self._plan is not None else set()
+        if not self._valid() or (hooked & self._linears) != self._hooked:
+            self._build()
+            hooked = self._hooked_modules()
+        g = torch.nn.modules.module
+        if g._global_forward_hooks or g._global_forward_pre_hooks:
+            return False
+        return not (hooked - self._linears)
+
+    @torch.inference_mode()
+    def __call__(self, fb, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, want_all: bool = False):
+        """One step: ids [T] token ids, pos [T] positions, last [B] each request's last packed
+        index, ``fb`` the step's `ForwardBatch`. Returns (logits [B, V], hidden [B, H], the final
+        hidden states of every fed position [T, H] when ``want_all``, else None). Call `prepare`
+        first."""
+        dec = self.decoder
+        x = F.embedding(ids, dec.embed_tokens.weight)                    # [T, H]
+        cos, sin = dec.rotary_emb(x[None], pos[None])                    # [1, T, D] each
+        half = cos.shape[-1] // 2
+        cos = cos[0, :, None]                                            # [T, 1, D]
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)[:, None]  # rotate_half's signs folded in
+
+        def rope(t):  # t * cos + rotate_half(t) * sin, where rotate_half(t) = roll(t, half) with signs
+            return t * cos + torch.roll(t, half, -1) * sin
+
+        n = x.shape[0]
+        for layer, (qkv, o, gate_up, down) in zip(dec.layers, self._plan):
+            attn = layer.self_attn
+            d = attn.head_dim
+            q, k, v = qkv(rms_norm(x, layer.input_layernorm))
+            q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
+            if hasattr(attn, "q_norm"):
+                q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
+            y = self.attend(fb, attn.layer_idx, rope(q), rope(k), v, attn.scaling)
+            x = o(y.reshape(n, -1), x)
+            g, u = gate_up(rms_norm(x, layer.post_attention_layernorm))
+            x = down(F.silu(g).mul_(u), x)
+        h = rms_norm(x, dec.norm)
+        hidden = h[last]
+        return self._head(hidden)[0], hidden, (h if want_all else None)

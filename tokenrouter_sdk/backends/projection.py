@@ -1,0 +1,200 @@
+"""Linear projections of the native decoder forward (`tokenrouter_sdk.backends.native_forward`):
+the linears that read one input (q/k/v, gate/up) run as one GEMM over their merged weight,
+prepacked for oneDNN on a CPU where that measured faster.
+
+Why: a decode step of a small model on a CPU is bound by how its GEMMs read the weights. At a
+few rows, the plain ``F.linear`` (MKL) of float32 weights reads them at about half the memory
+bandwidth, while oneDNN's matmul over weights reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, what inductor's ``freezing`` does and what vLLM's
+CPU backend does with its own oneDNN binding) streams them faster; bfloat16 weights go through
+oneDNN's AMX/avx512_bf16 kernels. Measured on this project's 2-core CPU, all 30 layers of
+SmolLM2-135M with merged projections (`evals/throughput/step_bound.py` measures the whole step):
+
+    rows                      1     2     4     8     16    64    128
+    float32 plain  (ms)     16.2  17.3  27.6  33.5  37.9  62.2  91.3
+    float32 packed (ms)     19.9  19.8  21.3  24.6  29.2  61.1  93.8
+    bfloat16 plain (ms)     16.8  16.4  16.2  16.3  16.4  22.2  28.7
+    bfloat16 packed (ms)    10.7  10.0   9.7   9.5  10.0  14.7  21.5
+
+So float32 uses the packed weight for 4-64 rows and the model's own weights otherwise (one or
+two rows are a GEMV that already streams at the bandwidth), and bfloat16/float16 always use it.
+
+Memory: a packed projection holds one more copy of its weights (the model keeps its own, which
+the transformers forward, training and the naive reference read).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+# rows (inclusive range) for which a packed GEMM is used, by weight dtype; None: no upper bound
+PACKED_ROWS = {torch.float32: (4, 64), torch.bfloat16: (1, None), torch.float16: (1, None)}
+
+
+def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` on ``device`` can be prepacked (CPU, oneDNN built in, a dtype
+    of `PACKED_ROWS`)."""
+    return (device.type == "cpu" and dtype in PACKED_ROWS and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _plain(mod) -> bool:
+    """An ``nn.Linear`` (the class itself, not a subclass that changes its forward) without hooks."""
+    return (type(mod) is torch.nn.Linear and not mod._forward_hooks and not mod._forward_pre_hooks
+            and getattr(mod, "weight", None) is not None)
+
+
+class Projection:
+    """Linear modules that read the same input, run as one projection.
+
+    Args:
+        mods: the modules (same ``in_features`` for ``nn.Linear``; any callable module otherwise).
+        pack: prepack the merged weight for oneDNN (when `packing_available`).
+
+    ``proj(x [M, in])`` returns one output per module, [M, out_i] (views into one tensor when
+    the merged path ran). ``proj(x, residual)`` with one module returns ``residual + x W^T + b``
+    (the add fused into the GEMM on the packed path).
+
+    A module that is not a plain ``nn.Linear`` (a subclass, a wrapper, a module with hooks such
+    as tensor parallelism's all-reduce) is always called as itself, so whatever it does runs.
+
+    Attributes:
+        sizes: output features per module.
+        packed: the oneDNN packed merged weight, or None.
+        watched: the weights it was built from (`watch`); `stale` says whether one was replaced
+            or changed in place, or a module gained or lost hooks, since (then the projection
+            must be built again).
+    """
+
+    def __init__(self, mods, *, pack: bool = True):
+        self.mods = list(mods)
+        self.plain_mods = [_plain(m) for m in self.mods]
+        self.plain = all(self.plain_mods)
+        self.sizes = [m.out_features if hasattr(m, "out_features") else None for m in self.mods]
+        self.packed = self.bias = None
+        self.rows = (0, -1)
+        self.watched = self.watch()
+        if not (self.plain and pack):
+            return
+        w0 = self.mods[0].weight
+        if not packing_available(w0.device, w0.dtype) or any(m.weight.dtype != w0.dtype for m in self.mods):
+            return
+        w = torch.cat([m.weight.detach() for m in self.mods]) if len(self.mods) > 1 else w0.detach()
+        if any(m.bias is not None for m in self.mods):
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(n)
+                                   for m, n in zip(self.mods, self.sizes)])
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+        except RuntimeError:  # a dtype or shape this oneDNN build does not take: plain GEMMs
+            self.packed = self.bias = None
+            return
+        lo, hi = PACKED_ROWS[w0.dtype]
+        self.rows = (lo, hi if hi is not None else 1 << 62)
+
+    def watch(self) -> Watch:
+        """A `Watch` of every weight and bias this projection read, as they are now."""
+        return Watch((m, a, t, tensor_state(t)) for m in self.mods for a in ("weight", "bias")
+                     if isinstance(t := getattr(m, a, None), torch.Tensor))
+
+    @property
+    def stale(self) -> bool:
+        """Whether a module's weight was replaced, moved or changed in place, or a module gained
+        or lost hooks, since this was built."""
+        return not self.watched.unchanged() or [_plain(m) for m in self.mods] != self.plain_mods
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        m = x.shape[0]
+        if self.packed is not None and self.rows[0] <= m <= self.rows[1]:
+            if residual is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return list(y.split(self.sizes, -1)) if len(self.mods) > 1 else [y]
+        if self.plain:
+            outs = [F.linear(x, mod.weight, mod.bias) for mod in self.mods]
+        else:
+            outs = [mod(x) for mod in self.mods]
+        if residual is not None:
+            return residual + outs[0]
+        return outs
+
+
+def tensor_state(t: torch.Tensor) -> tuple:
+    """What changes when a tensor's values may have: its version counter (in-place writes; 0 for
+    an inference tensor, which has none and cannot be written outside inference mode) and its
+    data pointer (``module.to(...)`` and ``param.data = ...`` keep the object, not the storage)."""
+    return (-1 if t.is_inference() else t._version, t.data_ptr())
+
+
+def _slot(owner, attr: str):
+    """The dict ``owner.attr`` is stored in (a module's parameters, buffers or submodules), or
+    None for an attribute of any other kind."""
+    for d in ("_parameters", "_modules", "_buffers"):
+        table = owner.__dict__.get(d)
+        if table is not None and attr in table:
+            return table
+    return None
+
+
+class Watch:
+    """A record of attributes (a module's submodules, a linear's weight and bias) as they were,
+    checked in one fast pass (`unchanged`): each attribute must still hold the same object and a
+    tensor its `tensor_state`. About 0.1 us per entry, so that a step can check a whole model."""
+
+    def __init__(self, entries=()):
+        self.entries: list[tuple] = []
+        for owner, attr, value, state in entries:
+            self.add(owner, attr, value, state)
+
+    def add(self, owner, attr: str, value, state=None) -> None:
+        table = _slot(owner, attr)
+        self.entries.append((table if table is not None else owner, attr, value, state, table is not None))
+
+    def extend(self, other: "Watch") -> None:
+        self.entries.extend(other.entries)
+
+    def unchanged(self) -> bool:
+        for where, attr, value, state, is_table in self.entries:
+            now = where.get(attr) if is_table else getattr(where, attr, None)
+            if now is not value:
+                return False
+            if state is not None and ((-1 if state[0] < 0 else value._version), value.data_ptr()) != state:
+                return False
+        return True
+
+
+class ProjectionCache:
+    """The `Projection`s built for one module (kept in its ``__dict__``, so that models sharing
+    layers, e.g. a self-draft and its large model, share them in a process). Never travels:
+    pickling or copying gives an empty one (packed weights belong to the process that made them)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.items: dict = {}
+
+    def __reduce__(self):
+        return (ProjectionCache, ())
+
+    def __deepcopy__(self, memo):
+        return ProjectionCache()
+
+
+CACHE_ATTR = "_tokenrouter_projections"
+_CACHE_LOCK = threading.Lock()
+
+
+def projection(owner: torch.nn.Module, names: tuple[str, ...], *, pack: bool) -> Projection:
+    """The `Projection` of ``owner``'s submodules ``names`` (built once per owner, process and
+    weights; built again when a module was replaced, a weight changed or hooks came or went)."""
+    with _CACHE_LOCK:
+        cache = owner.__dict__.get(CACHE_ATTR)
+        if cache is None:
+            cache = owner.__dict__[CACHE_ATTR] = ProjectionCache()
+    mods = [getattr(owner, n) for n in names]
+    with cache.lock:
+        p = cache.items.get((names, pack))
+        if p is None or p.stale or any(a is not b for a, b in zip(p.mods, mods)):
+            p = cache.items[(names, pack)] = Projection(mods, pack=pack)
+        return p
