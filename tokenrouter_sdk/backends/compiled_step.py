@@ -1,36 +1,38 @@
-"""Compiled steps: the model forward of `TorchRunner` compiled by ``torch.compile`` (inductor),
+"""Compiled steps: the step forward of `TorchRunner` compiled by ``torch.compile`` (inductor),
 with the paged attention left out of the graph as one opaque custom op per layer.
 
-Why: an eager step of a small model on a CPU is bound by how its GEMMs read the weights and by
-per-operator overhead: about a thousand operator calls per step for a 30-layer Llama (norms,
-rotary, SiLU and multiply, reshapes), each one a dispatch. Inductor fuses the pointwise work
-into a few C++ kernels and, with ``freezing`` (inference only), folds the weights in as constants
-and prepacks them for oneDNN, whose packed GEMM reads them faster at small batch than the eager
-``mm`` (SmolLM2-135M fp32 at batch 8 on this project's 2-core CPU: about 80 ms against 95 ms per
-decode step, `evals/throughput/peers.py` and `docs/benchmarks.md`). vLLM compiles its forward the
-same way and keeps attention out of the graph as a custom op (its ``unified_attention``) that
-reads the step's attention metadata from a forward context; this module does the same.
+Two forwards compile, whichever the runner's ``model_impl`` runs:
+- the native forward (`tokenrouter_sdk.backends.native_forward.decoder_step`): every projection
+  is the custom op ``tokenrouter::project(x, residual, index, n_out)``, which runs the eager
+  step's own projection (merged, prepacked GEMMs) from a thread-local list; inductor fuses what
+  is between them (norms, rotary, SiLU gating). No freezing: the graph holds no GEMM.
+- the transformers forward (``decoder(...)`` + the LM head), with inductor's ``freezing``: the
+  weights are folded in as constants and prepacked for oneDNN (one more copy of the weights per
+  compiled model and process).
+vLLM compiles its forward the same way and keeps attention out of the graph as a custom op (its
+``unified_attention``) that reads the step's attention metadata from a forward context.
 
-How: `CompiledForward` wraps ``decoder(...)`` + the LM head on each request's last position in
-``torch.compile`` with the token and request dimensions dynamic: one graph per model serves every batch size and token count
-(prefill, decode, extend and mixed steps), so after the first compile a step never waits for
-another (the runner pads a batch to at least 2 requests and 2 tokens so that no size is 0 or 1,
-which dynamo would specialise). The attention function (`paged_attention` with ``tr_op=True``)
-calls the custom op ``tokenrouter::paged_attention(query, key, value, layer, scale)``; the op reads
-the step's `ForwardBatch` from a thread-local slot that `CompiledForward.__call__` fills (each
-sub-server thread has its own) and runs the same eager attention as the eager step
-(`attend_paged`): compiled and eager steps differ only by the fused non-attention arithmetic.
+What it gains on a CPU (SmolLM2-135M fp32, 2 cores, `evals/throughput/step_bound.py`): for the
+transformers forward, mostly the prepacked GEMMs, which the native forward already has eagerly;
+for the native forward, the fused pointwise work, a few percent at batch 8 and a loss at batch 1
+(a compiled step pads one request to two). On CUDA a compiled forward is the path to graph
+replay. Numbers in `docs/benchmarks.md`.
 
-Compile cost (measured on the 2-core CPU, SmolLM2-135M, see `docs/benchmarks.md`): the first
-compile of a model in a process traces and compiles for about a minute or more cold; inductor's
-on-disk caches (FX graph cache, under ``TORCHINDUCTOR_CACHE_DIR``) make a later process's compile
-of the same model cheaper (no C++ compile; dynamo still traces), and in one process every runner
-of the same model object reuses the compiled callable (`compiled_forward`). `TorchRunner` runs the
-compile in a background thread by default and serves eager steps until it is ready, so no call
-waits for it.
+How: `CompiledForward` wraps the forward in ``torch.compile`` with the token and request
+dimensions dynamic: one graph per model serves every batch size and token count (prefill, decode,
+extend and mixed steps), so after the first compile a step never waits for another (the runner
+pads a batch to at least 2 requests and 2 tokens so that no size is 0 or 1, which dynamo would
+specialise). The attention calls the custom op ``tokenrouter::paged_attention(query, key, value,
+layer, scale)``; the op reads the step's `ForwardBatch` from a thread-local slot that
+`CompiledForward.__call__` fills (each sub-server thread has its own) and runs the same eager
+attention as the eager step: compiled and eager steps differ only by the fused arithmetic.
 
-Memory: freezing keeps a prepacked copy of the weights inside the compiled graph (one more copy
-of the model's weights per compiled model and process).
+Compile cost (2-core CPU, SmolLM2-135M, `docs/benchmarks.md`): about 20 s cold for the native
+forward, a minute or two for the transformers one; inductor's on-disk caches (under
+``TORCHINDUCTOR_CACHE_DIR``) make a later process's compile cheaper (dynamo still traces), and in
+one process every runner of the same model object reuses the compiled callable
+(`compiled_forward`). `TorchRunner` runs the compile in a background thread by default and serves
+eager steps until it is ready, so no call waits for it.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ _LOCAL = threading.local()  # the ForwardBatch of the step this thread runs (set
 _REG_LOCK = threading.Lock()
 _REGISTERED = False
 OP = "tokenrouter::paged_attention"
+PROJECT_OP = "tokenrouter::project"
 HOLDER_ATTR = "_tokenrouter_compiled"
 
 
 def register_op() -> None:
-    """Define the custom op ``tokenrouter::paged_attention`` once per process (thread-safe)."""
+    """Define the custom ops ``tokenrouter::paged_attention`` and ``tokenrouter::project`` once
+    per process (thread-safe)."""
     global _REGISTERED
     with _REG_LOCK:
         if _REGISTERED:
@@ -56,6 +60,9 @@ def register_op() -> None:
         if not hasattr(torch.ops.tokenrouter, "paged_attention"):
             op = torch.library.custom_op(OP, mutates_args=())(_op_impl)
             op.register_fake(_op_fake)
+        if not hasattr(torch.ops.tokenrouter, "project"):
+            op = torch.library.custom_op(PROJECT_OP, mutates_args=())(_project_impl)
+            op.register_fake(_project_fake)
         _REGISTERED = True
 
 
@@ -69,6 +76,55 @@ def _op_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer:
 
 def _op_fake(query, key, value, layer, scale):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+def _project_impl(x: torch.Tensor, residual: torch.Tensor | None, index: int, n_out: int) -> torch.Tensor:
+    projections = getattr(_LOCAL, "projections", None)
+    if projections is None:
+        raise RuntimeError("tokenrouter::project ran outside a compiled native step (no projections set)")
+    p = projections[index]
+    return p(x, residual) if residual is not None else p.merged(x)
+
+
+def _project_fake(x, residual, index, n_out):
+    return x.new_empty(x.shape[0], n_out)
+
+
+class _OpProjection:
+    """A `Projection` inside a compiled graph: the custom op ``tokenrouter::project`` on the
+    projection at ``index`` of the step's list (the same GEMM code as an eager step, opaque to
+    the compiler); outputs split as the eager projection's."""
+
+    def __init__(self, index: int, sizes: list[int]):
+        self.index, self.sizes, self.n = index, list(sizes), sum(sizes)
+
+    def __call__(self, x, residual=None):
+        if residual is not None:
+            return torch.ops.tokenrouter.project(x, residual, self.index, self.n)
+        y = torch.ops.tokenrouter.project(x, None, self.index, self.n)
+        return list(y.split(self.sizes, -1)) if len(self.sizes) > 1 else [y]
+
+
+def _op_attend(layer, q, k, v, scale):
+    """Paged attention in a compiled native step: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+    t = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    return torch.ops.tokenrouter.paged_attention(*t, layer, float(scale))[0]
+
+
+class _NativeStep(torch.nn.Module):
+    """The native forward (`tokenrouter_sdk.backends.native_forward.decoder_step`) as the compiled
+    unit: the norms, rotary embedding, SiLU gating and reshapes are fused by inductor; every
+    projection and the paged attention stay custom ops, so they run the eager step's code."""
+
+    def __init__(self, decoder, sizes: list[list[int]]):
+        super().__init__()
+        self.decoder = decoder
+        self._ops = [_OpProjection(i, s) for i, s in enumerate(sizes)]
+
+    def forward(self, ids, pos, last):
+        from .native_forward import decoder_step
+        logits, hidden, h = decoder_step(self.decoder, self._ops, _op_attend, ids[0], pos[0], last)
+        return logits, hidden, h[None]
 
 
 class _Step(torch.nn.Module):
@@ -86,25 +142,30 @@ class _Step(torch.nn.Module):
 
 
 class CompiledForward:
-    """``decoder`` + ``lm_head`` at the last positions, compiled once per model and process.
+    """One model's step forward, compiled once per model and process: the transformers forward
+    (``decoder`` + ``lm_head`` at the last positions) or, with ``sizes``, the native forward.
 
     Args:
         decoder: the model's decoder (``model.model``), attention already switched to the paged one.
-        lm_head: the output projection.
+        lm_head: the output projection (transformers forward).
         freezing: inductor's ``freezing`` (weights folded in and prepacked; inference only).
+        sizes: the native forward: each projection's output sizes, in
+            `NativeForward.projections` order (its GEMMs stay the eager ones, prepacked).
 
-    Call: ``(fb, ids [1, T], pos [1, T], last [B])`` -> (logits [B, V], hidden [B, H],
-    last_hidden_state [1, T, H]), with T, B >= 2.
+    Call: ``(fb, ids [1, T], pos [1, T], last [B], projections=None)`` -> (logits [B, V],
+    hidden [B, H], last_hidden_state [1, T, H]), with T, B >= 2; ``projections``: the native
+    forward's (`NativeForward.projections`, after `NativeForward.prepare`).
 
     Attributes:
         ready: set once a first call (`warm_up`) compiled the graph; error: why it failed, or None.
         compile_s: seconds the first call took (the compile), or None.
     """
 
-    def __init__(self, decoder, lm_head, *, freezing: bool = True):
+    def __init__(self, decoder, lm_head, *, freezing: bool = True, sizes: list[list[int]] | None = None):
         register_op()
         self.freezing = freezing
-        self.module = _Step(decoder, lm_head)
+        self.native = sizes is not None
+        self.module = _NativeStep(decoder, sizes) if self.native else _Step(decoder, lm_head)
         # dynamic=None: only the dims marked in __call__ are symbolic (dynamic=True would also make
         # every float attribute, e.g. norm epsilons, a graph input)
         self._fn = torch.compile(self.module, dynamic=None)
@@ -113,8 +174,8 @@ class CompiledForward:
         self.compile_s: float | None = None
         self._lock = threading.Lock()
 
-    def __call__(self, fb, ids, pos, last):
-        _LOCAL.batch = fb
+    def __call__(self, fb, ids, pos, last, projections=None):
+        _LOCAL.batch, _LOCAL.projections = fb, projections
         try:
             torch._dynamo.mark_dynamic(ids, 1)
             torch._dynamo.mark_dynamic(pos, 1)
@@ -124,7 +185,7 @@ class CompiledForward:
             with torch._inductor.config.patch(freezing=self.freezing), torch.inference_mode():
                 return self._fn(ids, pos, last)
         finally:
-            _LOCAL.batch = None
+            _LOCAL.batch = _LOCAL.projections = None
 
     def warm_up(self, batch) -> bool:
         """Compile by running ``batch`` (``(fb, ids, pos, last)`` writing only scratch slots) once,
@@ -145,7 +206,7 @@ class CompiledForward:
 
 
 class _Holder:
-    """Per-model store of its `CompiledForward`s (by freezing flag), kept in the model's
+    """Per-model store of its `CompiledForward`s (by kind and freezing flag), kept in the model's
     ``__dict__`` so it lives as long as the model; it never travels: pickling or copying the
     model gives an empty one (compiled code belongs to the process that compiled it)."""
 
@@ -163,15 +224,18 @@ class _Holder:
 _HOLDER_LOCK = threading.Lock()
 
 
-def compiled_forward(model, decoder, lm_head, *, freezing: bool = True) -> CompiledForward:
-    """The `CompiledForward` of ``model`` in this process: built on first use, then shared by
-    every runner of the same model object (a second Router over the same models compiles nothing)."""
+def compiled_forward(model, decoder, lm_head, *, freezing: bool = True,
+                     sizes: list[list[int]] | None = None) -> CompiledForward:
+    """The `CompiledForward` of ``model`` in this process (the native one with ``sizes``): built
+    on first use, then shared by every runner of the same model object (a second Router over the
+    same models compiles nothing)."""
     with _HOLDER_LOCK:
         holder = model.__dict__.get(HOLDER_ATTR)
         if holder is None:
             holder = model.__dict__[HOLDER_ATTR] = _Holder()
+    key = (freezing, None if sizes is None else tuple(map(tuple, sizes)))
     with holder.lock:
-        cf = holder.forwards.get(freezing)
+        cf = holder.forwards.get(key)
         if cf is None or cf.error is not None:
-            cf = holder.forwards[freezing] = CompiledForward(decoder, lm_head, freezing=freezing)
+            cf = holder.forwards[key] = CompiledForward(decoder, lm_head, freezing=freezing, sizes=sizes)
         return cf

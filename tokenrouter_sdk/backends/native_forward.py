@@ -154,34 +154,59 @@ class NativeForward:
             return False
         return not (hooked - self._linears)
 
+    @property
+    def projections(self) -> list:
+        """Every projection in the order `decoder_step` uses them: per layer q/k/v, o, gate/up,
+        down, then the LM head (after `prepare`)."""
+        return [*(p for ps in self._plan for p in ps), self._head]
+
     @torch.inference_mode()
     def __call__(self, fb, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, want_all: bool = False):
         """One step: ids [T] token ids, pos [T] positions, last [B] each request's last packed
         index, ``fb`` the step's `ForwardBatch`. Returns (logits [B, V], hidden [B, H], the final
         hidden states of every fed position [T, H] when ``want_all``, else None). Call `prepare`
         first."""
-        dec = self.decoder
-        x = F.embedding(ids, dec.embed_tokens.weight)                    # [T, H]
-        cos, sin = dec.rotary_emb(x[None], pos[None])                    # [1, T, D] each
-        half = cos.shape[-1] // 2
-        cos = cos[0, :, None]                                            # [T, 1, D]
-        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)[:, None]  # rotate_half's signs folded in
+        logits, hidden, h = decoder_step(self.decoder, self.projections,
+                                         lambda *a: self.attend(fb, *a), ids, pos, last)
+        return logits, hidden, (h if want_all else None)
 
-        def rope(t):  # t * cos + rotate_half(t) * sin, where rotate_half(t) = roll(t, half) with signs
-            return t * cos + torch.roll(t, half, -1) * sin
 
-        n = x.shape[0]
-        for layer, (qkv, o, gate_up, down) in zip(dec.layers, self._plan):
-            attn = layer.self_attn
-            d = attn.head_dim
-            q, k, v = qkv(rms_norm(x, layer.input_layernorm))
-            q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
-            if hasattr(attn, "q_norm"):
-                q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
-            y = self.attend(fb, attn.layer_idx, rope(q), rope(k), v, attn.scaling)
-            x = o(y.reshape(n, -1), x)
-            g, u = gate_up(rms_norm(x, layer.post_attention_layernorm))
-            x = down(F.silu(g).mul_(u), x)
-        h = rms_norm(x, dec.norm)
-        hidden = h[last]
-        return self._head(hidden)[0], hidden, (h if want_all else None)
+def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor):
+    """The native forward's arithmetic, shared by eager steps (`NativeForward`) and compiled
+    ones (`tokenrouter_sdk.backends.compiled_step`).
+
+    Args:
+        dec: the model's decoder (embedding, rotary embedding, layers, final norm).
+        projections: callables in `NativeForward.projections` order; ``p(x [M, in])`` returns one
+            output per merged linear, ``p(x, residual)`` returns ``residual + x W^T + b``.
+        attend: ``attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], scale) -> [T, H, D]``.
+        ids, pos: [T] token ids and positions; last: [B] each request's last packed index.
+
+    Returns:
+        (logits [B, V], hidden [B, H], final hidden states of every position [T, H]).
+    """
+    x = F.embedding(ids, dec.embed_tokens.weight)                    # [T, H]
+    cos, sin = dec.rotary_emb(x[None], pos[None])                    # [1, T, D] each
+    half = cos.shape[-1] // 2
+    cos = cos[0, :, None]                                            # [T, 1, D]
+    sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)[:, None]  # rotate_half's signs folded in
+
+    def rope(t):  # t * cos + rotate_half(t) * sin, where rotate_half(t) = roll(t, half) with signs
+        return t * cos + torch.roll(t, half, -1) * sin
+
+    n = x.shape[0]
+    for i, layer in enumerate(dec.layers):
+        qkv, o, gate_up, down = projections[4 * i:4 * i + 4]
+        a = layer.self_attn
+        d = a.head_dim
+        q, k, v = qkv(rms_norm(x, layer.input_layernorm))
+        q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
+        if hasattr(a, "q_norm"):
+            q, k = rms_norm(q, a.q_norm), rms_norm(k, a.k_norm)
+        y = attend(a.layer_idx, rope(q), rope(k), v, a.scaling)
+        x = o(y.reshape(n, -1), x)
+        g, u = gate_up(rms_norm(x, layer.post_attention_layernorm))
+        x = down(F.silu(g).mul_(u), x)
+    h = rms_norm(x, dec.norm)
+    hidden = h[last]
+    return projections[-1](hidden)[0], hidden, h

@@ -105,6 +105,14 @@ class Projection:
         or lost hooks, since this was built."""
         return not self.watched.unchanged() or [_plain(m) for m in self.mods] != self.plain_mods
 
+    def merged(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, in] through every module, outputs side by side: [M, sum(sizes)] (a new tensor)."""
+        m = x.shape[0]
+        if self.packed is not None and self.rows[0] <= m <= self.rows[1]:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        outs = self(x)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         m = x.shape[0]
         if self.packed is not None and self.rows[0] <= m <= self.rows[1]:

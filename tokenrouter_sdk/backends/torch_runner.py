@@ -377,7 +377,17 @@ class TorchRunner:
         """Begin the compile (once): in a background thread, or here for ``compile="wait"``."""
         self._compile_started = True
         from .compiled_step import compiled_forward
-        cf = compiled_forward(self.model, self.decoder, self.lm_head)
+        sizes = None
+        if self.impl == "native":
+            native = self._native_forward()
+            native.prepare()
+            sizes = [p.sizes for p in native.projections]
+            if any(n is None for s in sizes for n in s):
+                self.compile_error = ("the native forward has a projection module of unknown width (a wrapper "
+                                      "without out_features): steps stay eager")
+                warnings.warn(f"compile: {self.compile_error}", RuntimeWarning, stacklevel=3)
+                return
+        cf = compiled_forward(self.model, self.decoder, self.lm_head, freezing=sizes is None, sizes=sizes)
         if cf.ready.is_set():  # compiled by another runner of this model in this process
             self._compiled = cf
             return
@@ -399,7 +409,7 @@ class TorchRunner:
         segs = [(0, 2, torch.tensor([s, s + 1], device=dev), None), (2, 1, torch.tensor([s + 2], device=dev), None)]
         fb = ForwardBatch(pool, torch.tensor([s, s + 1, s + 2], device=dev), None, None, None, segs)
         batch = (fb, torch.zeros(1, 3, dtype=torch.long, device=dev), torch.tensor([[0, 1, 0]], device=dev),
-                 torch.tensor([1, 2], device=dev))
+                 torch.tensor([1, 2], device=dev), self._native.projections if cf.native else None)
         if cf.warm_up(batch):
             self._compiled = cf
         else:
@@ -465,12 +475,15 @@ class TorchRunner:
         return (fb, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
                 torch.tensor(last, device=dev))
 
+    def _native_forward(self) -> NativeForward:
+        if self._native is None:
+            self._native = NativeForward(self.model, attend_tokens)
+        return self._native
+
     def _native_ready(self) -> bool:
         """Build the native forward in this process (once), bring it up to date with the model,
         and say whether it computes this step (not when hooks it would bypass are registered)."""
-        if self._native is None:
-            self._native = NativeForward(self.model, attend_tokens)
-        ok = self._native.prepare()
+        ok = self._native_forward().prepare()
         self._step_impl = "native" if ok else "transformers"
         return ok
 
@@ -506,8 +519,11 @@ class TorchRunner:
         cf = self._compiled
         fb, ids, pos, last = self._batch(seqs, pad=cf is not None)
         t0 = time.perf_counter()
+        if cf is not None and cf.native and not self._native_ready():
+            cf = None  # hooks the native forward would bypass: this step runs transformers eagerly
+            fb, ids, pos, last = self._batch(seqs)
         if cf is not None:
-            logits, hidden, h = cf(fb, ids, pos, last)
+            logits, hidden, h = cf(fb, ids, pos, last, self._native.projections if cf.native else None)
             logits, hidden = logits[:len(seqs)], hidden[:len(seqs)]
         elif self.impl == "native" and self._native_ready():
             logits, hidden, h = self._native(fb, ids[0], pos[0], last, want_all)
