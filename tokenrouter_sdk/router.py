@@ -57,6 +57,20 @@ class TokenEvent:
     model: str | None
 
 
+def _processes_by_default(models: dict, runners: dict) -> bool:
+    """Whether sub-servers run in processes when ``processes`` is not given: for two or more
+    torch models (given as models, not as runner objects), and for one on the CPU. A CPU forward computes in OpenMP teams, and a team
+    started from any thread but a process's main one runs 25-45% slower once another thread of
+    the process (a notebook's main thread that ran torch) has a team of its own (libgomp shortens
+    its spin-waits when a process holds more OpenMP threads than cores: measured on this
+    project's 2-core CPU, SmolLM2-135M, 18 against 32 tokens/s one request at a time); a
+    sub-server process computes in its main thread."""
+    built = [runners[n] for n, m in models.items() if not isinstance(m, Runner)]
+    if len(built) >= 2:
+        return True
+    return len(built) == 1 and getattr(getattr(built[0], "device", None), "type", None) == "cpu"
+
+
 def _shutdown(engine: Engine) -> None:
     engine.close()
 
@@ -168,9 +182,8 @@ class Router:
                 processes = None
             elif processes is None:
                 env = os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower()
-                torch_models = sum(not isinstance(m, Runner) for m in models.values())
                 processes = {"0": False, "false": False, "no": False, "off": False,
-                             "1": True, "true": True, "yes": True, "on": True}.get(env, torch_models >= 2)
+                             "1": True, "true": True, "yes": True, "on": True}.get(env, _processes_by_default(models, runners))
             if transport is None and (isinstance(processes, dict) or processes):
                 from .engine.process_transport import ProcessTransport
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))

@@ -96,7 +96,9 @@ class EngineConfig:
             request fails (catches ping-pong policies).
         backend: ``"torch"`` (real models) or ``"sim"`` (latency models, simulated time).
         processes: each sub-server in its own process (True), in a thread of this process
-            (False), or None: processes when two or more torch models are served, unless the
+            (False), or None: processes when two or more torch models are served or one on the
+            CPU (a CPU forward in a thread other than a process's main one runs slower once
+            that process's main thread ran torch: `tokenrouter_sdk.router`), unless the
             environment variable ``TOKENROUTER_PROCESSES`` says 0 or 1. A dict means processes
             and passes its items to `ProcessTransport` (``threads``, ``address``).
         cuda_graphs: serve decode and short-extend steps from captured CUDA graphs (torch

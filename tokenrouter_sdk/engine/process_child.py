@@ -43,10 +43,11 @@ def build_subserver(spec: dict) -> SubServer:
     return SubServer(**spec, clock=time.perf_counter)
 
 
-def _child_main(name: str, address: str, threads: int, channel) -> None:
+def _child_main(name: str, address: str, threads: int, channel, cores=None) -> None:
     """Entry point of a sub-server process: receive the spec over ``channel`` (a Unix socket;
     kept open while this process lives, so the parent sees its end close when this process
-    ends), build the `SubServer`, serve until `Shutdown`."""
+    ends), build the `SubServer`, serve until `Shutdown`. ``cores``: its `CoreShare` (core
+    lending), or None for a fixed ``threads``."""
     import sys
 
     t_main = time.perf_counter()
@@ -57,7 +58,7 @@ def _child_main(name: str, address: str, threads: int, channel) -> None:
         data, fds = recv_spec(channel)
         return data, fds
 
-    code = run_subserver(name, address, threads, receive, load_spec, t_main=t_main, preloaded=preloaded)
+    code = run_subserver(name, address, threads, receive, load_spec, t_main=t_main, preloaded=preloaded, cores=cores)
     # skip the interpreter's teardown of torch and transformers (seconds, nothing to save)
     for f in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -66,12 +67,13 @@ def _child_main(name: str, address: str, threads: int, channel) -> None:
 
 
 def run_subserver(name: str, address: str, threads: int, receive, load, *, t_main: float, preloaded: bool = False,
-                  watch_parent: bool = True) -> int:
+                  watch_parent: bool = True, cores=None) -> int:
     """Run model ``name``'s sub-server until `Shutdown`: get its spec (``receive()`` -> data,
     ``load(*data)`` -> the spec dict or a `_LoadError`), connect to the hub at ``address``, build
     the `SubServer` (`build_subserver`) and serve it (`subserver.serve`). Returns the exit code
     (0: shut down, 1: crashed, reported to the hub as ``Frame.ERROR``). ``watch_parent``: also stop when the parent process ends (for a
-    process started by `ProcessTransport`; a Ray actor ends with its owner instead)."""
+    process started by `ProcessTransport`; a Ray actor ends with its owner instead). ``cores``:
+    a `tokenrouter_sdk.engine.cores.CoreShare`: the thread count follows it step by step."""
     import torch
     import zmq
 
@@ -108,7 +110,7 @@ def run_subserver(name: str, address: str, threads: int, receive, load, *, t_mai
                               args=(ctx, address, name, inbox, stop, fatal, orphaned, boot, watch_parent),
                               name=f"tokenrouter-{name}-rx", daemon=True)
         rx.start()
-        serve(ss, inbox, deliver)
+        serve(ss, inbox, deliver, cores=cores)
         if fatal:
             raise RuntimeError(fatal[0])
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the requests
@@ -121,6 +123,10 @@ def run_subserver(name: str, address: str, threads: int, receive, load, *, t_mai
         traceback.print_exc()
     finally:
         stop.set()
+        if cores is not None:
+            with contextlib.suppress(Exception):
+                cores.idle()
+                cores.close()
         if rx is not None:
             rx.join(5.0)
         out.close(linger=0 if orphaned.is_set() else 2000)  # flush the last events, unless nobody listens

@@ -73,6 +73,7 @@ from typing import Callable
 from . import fd_limit
 from . import messages as M
 from . import process_start
+from .cores import CoreShare, create_flags
 from .process_child import _child_main
 from .runner import dead_letter
 from .codec import FRAMES, Frame, decode, encode, split_result
@@ -121,8 +122,10 @@ class ProcessTransport:
     """Each sub-server in its own process; messages over pyzmq through a hub thread.
 
     Args:
-        threads: torch intra-op threads per sub-server process (default: the CPUs this process
-            may use divided by the number of models, at least 1).
+        threads: torch intra-op threads per sub-server process, fixed. Default (None): core
+            lending (`tokenrouter_sdk.engine.cores`): before each step a process takes the CPUs
+            this process may use divided by the number of models that have work at that moment,
+            so a model alone at work computes on every core.
         address: ``"ipc"`` (default: a Unix socket in a fresh temporary folder, removed on
             close), ``"tcp"`` (``tcp://127.0.0.1`` on a random free port), or a full
             ``"tcp://host:port"`` to bind (children connect to it; ``*``/``0.0.0.0`` become
@@ -174,6 +177,7 @@ class ProcessTransport:
         self._ctx = None
         self._router = None
         self._ipc_dir: str | None = None
+        self._cores_dir: str | None = None
         self._out: collections.deque = collections.deque()
         self._wake_r = self._wake_w = None
         self._hub: threading.Thread | None = None
@@ -260,6 +264,7 @@ class ProcessTransport:
         self._open_hub(on_event)
         n = len(specs)
         threads = self.child_threads = self.threads or max(1, _cpus() // max(1, n))
+        shares = self._core_shares(list(specs)) if self.threads is None and n > 1 else {}
         try:
             pickled: dict[str, tuple[bytes, list[int]]] = {}
             if self.start_method == "forkserver":  # the fork server imports while this process pickles
@@ -267,7 +272,7 @@ class ProcessTransport:
                 pickled = {name: self._pickle(name, spec) for name, spec in specs.items()}
             with process_start.no_main_reimport():
                 for name in specs:
-                    self._launch(mp, name, threads)
+                    self._launch(mp, name, threads, shares.get(name))
             self._start_hub()
             for name, spec in specs.items():
                 data, fds = pickled.pop(name) if name in pickled else self._pickle(name, spec)
@@ -324,11 +329,19 @@ class ProcessTransport:
         self._hub = threading.Thread(target=self._hub_loop, name="tokenrouter-hub", daemon=True)
         self._hub.start()
 
-    def _launch(self, mp, name: str, threads: int) -> None:
+    def _core_shares(self, names: list[str]) -> dict:
+        """Per model, its `CoreShare` of this machine's cores (core lending, see
+        `tokenrouter_sdk.engine.cores`), over a flags file in a fresh folder removed at `close`."""
+        self._cores_dir = tempfile.mkdtemp(prefix="tokenrouter-cores-")
+        path = os.path.join(self._cores_dir, "busy")
+        create_flags(path, len(names))
+        return {name: CoreShare(path, i, len(names), _cpus()) for i, name in enumerate(names)}
+
+    def _launch(self, mp, name: str, threads: int, cores: CoreShare | None = None) -> None:
         """Start ``name``'s process with one end of a new spec channel."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._chans[name] = mine
-        p = mp.Process(target=_child_main, args=(name, self._connect_address(), threads, theirs),
+        p = mp.Process(target=_child_main, args=(name, self._connect_address(), threads, theirs, cores),
                        name=f"tokenrouter-{name}", daemon=True)
         t0 = time.perf_counter()
         try:
@@ -468,6 +481,9 @@ class ProcessTransport:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
+        if self._cores_dir is not None:
+            shutil.rmtree(self._cores_dir, ignore_errors=True)
+            self._cores_dir = None
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError, TypeError):  # full pipe: the hub wakes anyway

@@ -678,19 +678,24 @@ class SubServer:
         self.sched.remove(s.rid)
 
 
-def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], None]) -> None:
+def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], None], cores=None) -> None:
     """Serve ``ss`` until `Shutdown`: handle every message waiting in ``inbox`` (block when it
     cannot step), hand what handling produced to ``deliver``, run one step and hand its
     `StepResult` to ``deliver`` (only non-empty results are delivered). The thread transport
     and the sub-server process run this loop; ``deliver`` must keep the order of `StepResult`
-    (events before the messages they caused reach a peer's reaction).
+    (events before the messages they caused reach a peer's reaction). ``cores``: a
+    `tokenrouter_sdk.engine.cores.CoreShare` marked idle before the loop waits and busy (threads
+    set to its share) before a step.
 
     Raises:
         RunnerDied, or whatever a step raises outside a request: the caller reports the model dead.
     """
     while ss.running:
         try:
-            ss.handle(inbox.get(block=not ss.can_step()))
+            wait = not ss.can_step()
+            if wait and cores is not None:
+                cores.idle()
+            ss.handle(inbox.get(block=wait))
             while True:
                 ss.handle(inbox.get_nowait())
         except queue.Empty:
@@ -698,6 +703,8 @@ def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], Non
         res = ss.take()
         if res:
             deliver(res)
+        if cores is not None and ss.can_step():
+            cores.busy()
         res = ss.step()
         if res:
             deliver(res)
