@@ -8,10 +8,13 @@ Workloads (all requests of a workload in flight at once):
            about 735 prompt tokens each), 16 new tokens each
 
 Systems (each repeat runs every system in a fresh process, in turn, so load noise hits all):
-  ours-eager     Router({"large": large}, LargeOnly(), compile=False), router.generate(ids, ...)
+  ours-eager     Router({"large": large}, LargeOnly(), compile=False), router.generate(ids, ...):
+                 the default Router (native forward, sub-server in a process)
   ours-compiled  the same with compile="wait" (`TorchRunner`'s compiled steps; the warm-up call
                  waits for the compile, so every measured step is compiled)
   ours-nocache   ours-eager with prefix_cache=False (the prefix row with the cache off)
+  ours-hf        ours-eager with model_impl="transformers" (the transformers forward: the engine
+                 before the native forward)
   hf             model.generate on the left-padded batch (sdpa attention, do_sample=False,
                  min_new_tokens = max_new_tokens)
   vllm           vllm.LLM(model=<same folder>, dtype=<same>).generate(TokensPrompt(ids), greedy,
@@ -47,7 +50,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1]))  # evals/: evalkit
 
 WORKLOADS = {"decode": (8, 128), "long": (2, 1024), "prefix": (16, 16)}  # name -> (requests, new tokens)
-SYSTEMS = ("ours-eager", "ours-compiled", "ours-nocache", "hf", "vllm")
+SYSTEMS = ("ours-eager", "ours-compiled", "ours-nocache", "ours-hf", "hf", "vllm")
 
 
 # -- workers: one process each; only the standard library is imported at module level ----------
@@ -65,13 +68,14 @@ def worker_ours(spec: dict) -> dict:
     from tokenrouter_sdk.policies import LargeOnly
 
     large, tok = load_model(spec["model"], dtype=getattr(torch, spec["dtype"]))
-    router = Router({"large": large}, LargeOnly(), tokenizer=tok, processes=False, compile=spec["compile"],
-                    max_kv_tokens=spec["max_kv_tokens"], prefix_cache=spec.get("prefix_cache", True))
+    router = Router({"large": large}, LargeOnly(), tokenizer=tok, compile=spec["compile"],
+                    max_kv_tokens=spec["max_kv_tokens"], prefix_cache=spec.get("prefix_cache", True),
+                    model_impl=spec.get("model_impl", "auto"))
     res = {}
     try:
         warm, _ = _timed(lambda: router.generate(spec["warmup"], max_new_tokens=8, ignore_eos=True))
         res["warmup_s"] = warm
-        res["compile_s"] = router.engine.runners["large"].compile_s
+        res["impl"] = router.engine.runners["large"].impl
         for name, w in spec["workloads"].items():
             wall, outs = _timed(lambda: router.generate(w["ids"], max_new_tokens=w["new"], ignore_eos=True,
                                                         concurrency=len(w["ids"])))
@@ -166,7 +170,7 @@ def build_workloads(tok, n_prefix_shots: int = 8) -> dict:
 def run_system(system: str, base: dict, python: str, timeout: float) -> dict:
     kind = "ours" if system.startswith("ours") else system
     spec = dict(base, kind=kind, compile="wait" if system == "ours-compiled" else False,
-                prefix_cache=system != "ours-nocache")
+                prefix_cache=system != "ours-nocache", model_impl="transformers" if system == "ours-hf" else "auto")
     if system == "ours-nocache":  # the cache changes nothing without shared prefixes
         spec["workloads"] = {k: v for k, v in base["workloads"].items() if k == "prefix"}
         if not spec["workloads"]:

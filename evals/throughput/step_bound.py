@@ -9,11 +9,13 @@ What it measures, in one process:
               embedding once, through the LM head), so it cannot take less.
   step        the `TorchRunner` forward of a batch of B decodes (context ``--context`` tokens
               each), eager (``compile=False``) and compiled (``compile="wait"``) runners of the
-              same model, steps interleaved (eager, compiled, eager, ...); median and min of
-              ``--steps``. The compiled runner's compile time is printed (cold or warm: inductor's
-              disk cache).
-The table: per model and batch, eager ms, compiled ms, their ratio, each over the bound, and
-small:large step ratio.
+              same model (the default native forward), and an eager runner of the transformers
+              forward (``model_impl="transformers"``: the step before the native forward), steps
+              interleaved (transformers, eager, compiled, transformers, ...); median and min of
+              ``--steps``. The compiled runner's compile time is printed (cold or warm:
+              inductor's disk cache).
+The table: per model and batch, transformers-forward ms, eager ms, compiled ms, eager's speedup
+over the transformers forward, each over the bound, and small:large step ratio.
 
 Run: (timing under `flock /tmp/bench.lock`: the machine is shared)
     flock /tmp/bench.lock .venv/bin/python evals/throughput/step_bound.py --batch 1 8 --out evals/results/throughput
@@ -80,6 +82,7 @@ def main(argv=None) -> int:
         wb = weight_bytes(model)
         bound_ms = wb / (bw["read_gb_s_best"] * 1e9) * 1e3
         need = max(a.batch) * (-(-(a.context + a.steps * 2 + 8) // 16) * 16)
+        hf = TorchRunner(model, max_kv_tokens=need + 64, model_impl="transformers")
         eager = TorchRunner(model, max_kv_tokens=need + 64)
         comp = TorchRunner(model, max_kv_tokens=need + 64, compile="wait")
         t0 = time.perf_counter()
@@ -89,47 +92,54 @@ def main(argv=None) -> int:
               f"({comp.compile_error or 'ok'})", flush=True)
         for b in a.batch:
             tabs = {}
-            for r in (eager, comp):
+            for r in (hf, eager, comp):
                 tabs[id(r)] = []
                 for i in range(b):
                     t: list[int] = []
                     r.pool.ensure(t, a.context + a.steps * 2 + 8)
                     tabs[id(r)].append(t)
                 r.forward([SeqInput([5 + i] * a.context, 0, t) for i, t in enumerate(tabs[id(r)])])
-            te, tc = [], []
+            th, te, tc = [], [], []
             for s in range(a.steps + 2):
-                for r, acc in ((eager, te), (comp, tc)):
+                for r, acc in ((hf, th), (eager, te), (comp, tc)):
                     feed = [SeqInput([7 + i], a.context + s, t) for i, t in enumerate(tabs[id(r)])]
                     t0 = time.perf_counter()
                     r.forward(feed)
                     if s >= 2:
                         acc.append(time.perf_counter() - t0)
-            for r in (eager, comp):
+            for r in (hf, eager, comp):
                 for t in tabs[id(r)]:
                     r.pool.free(t)
             row = {"model": name, "batch": b, "dtype": a.dtype, "weights_mb": round(wb / 1e6, 1),
-                   "bound_ms": round(bound_ms, 2), "eager_ms": round(statistics.median(te) * 1e3, 2),
+                   "bound_ms": round(bound_ms, 2), "transformers_ms": round(statistics.median(th) * 1e3, 2),
+                   "eager_ms": round(statistics.median(te) * 1e3, 2),
                    "compiled_ms": round(statistics.median(tc) * 1e3, 2), "eager_min_ms": round(min(te) * 1e3, 2),
                    "compiled_min_ms": round(min(tc) * 1e3, 2), "compile_s": round(compile_s, 1)}
             row["speedup"] = round(row["eager_ms"] / row["compiled_ms"], 3)
+            row["native_speedup"] = round(row["transformers_ms"] / row["eager_ms"], 3)
             row["eager_over_bound"] = round(row["eager_ms"] / bound_ms, 2)
             row["compiled_over_bound"] = round(row["compiled_ms"] / bound_ms, 2)
             steps[(name, b)] = row
             rows.append(row)
-            print(f"  B={b}: eager {row['eager_ms']:.1f} ms (min {row['eager_min_ms']:.1f}), compiled "
+            print(f"  B={b}: transformers {row['transformers_ms']:.1f} ms, eager {row['eager_ms']:.1f} ms "
+                  f"(min {row['eager_min_ms']:.1f}), compiled "
                   f"{row['compiled_ms']:.1f} ms (min {row['compiled_min_ms']:.1f}), x{row['speedup']:.2f}; "
                   f"over bound {row['eager_over_bound']:.2f} / {row['compiled_over_bound']:.2f}", flush=True)
+        hf.release()
         eager.release()
         comp.release()
     for b in a.batch:
         s, lg = steps[("small", b)], steps[("large", b)]
         for row in (s, lg):
+            row["small_large_transformers"] = round(s["transformers_ms"] / lg["transformers_ms"], 3)
             row["small_large_eager"] = round(s["eager_ms"] / lg["eager_ms"], 3)
             row["small_large_compiled"] = round(s["compiled_ms"] / lg["compiled_ms"], 3)
-        print(f"small:large step at B={b}: eager {s['small_large_eager']:.2f}, compiled {s['small_large_compiled']:.2f}")
+        print(f"small:large step at B={b}: transformers {s['small_large_transformers']:.2f}, eager "
+              f"{s['small_large_eager']:.2f}, compiled {s['small_large_compiled']:.2f}")
     print(evalkit.table(rows, [("model", "model", ""), ("batch", "B", "d"), ("bound_ms", "bound ms", ".1f"),
-                               ("eager_ms", "eager ms", ".1f"), ("compiled_ms", "compiled ms", ".1f"),
-                               ("speedup", "x", ".2f"), ("eager_over_bound", "eager/bound", ".2f"),
+                               ("transformers_ms", "transformers ms", ".1f"), ("eager_ms", "eager ms", ".1f"),
+                               ("compiled_ms", "compiled ms", ".1f"), ("native_speedup", "eager x", ".2f"),
+                               ("speedup", "compiled x", ".2f"), ("eager_over_bound", "eager/bound", ".2f"),
                                ("compiled_over_bound", "compiled/bound", ".2f")]))
     out = evalkit.Output(a, __file__, evalkit.cells_tag(a.dtype, b=a.batch))
     out.write(rows, bandwidth=bw, command=" ".join([sys.executable, *sys.argv]))
