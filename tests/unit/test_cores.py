@@ -44,16 +44,38 @@ def test_the_remainder_goes_to_the_first_busy_models(tmp_path):
     assert [s.threads for s in shares[1:]] == [3, 2]
 
 
-def test_a_peer_just_idle_still_counts_as_busy(tmp_path):
+def test_a_peer_just_idle_with_requests_still_counts_as_busy(tmp_path):
+    """A peer idle for less than settle_s that holds several requests may be back at once: it
+    still counts. One holding a single request handed it over (one request in flight: the
+    models take turns): this model takes every core at once."""
     (a, b), _ = _shares(tmp_path, 2, 2, settle_s=0.05, wait_s=0.0)
     b.busy()
     a.busy()
-    b.idle()
+    b.idle(held=5)
     a.busy()
-    assert a.threads == 1  # b went idle less than settle_s ago
+    assert a.threads == 1
     time.sleep(0.06)
     a.busy()
     assert a.threads == 2
+    b.busy()
+    a.busy()
+    assert a.threads == 1
+    b.idle(held=1)
+    a.busy()
+    assert a.threads == 2
+
+
+def test_a_waiting_peer_gets_cores_between_two_layers(tmp_path):
+    """give_back (called between layers of a step) hands the cores over at once: the waiting
+    peer does not wait for the end of the step."""
+    (a, b), got = _shares(tmp_path, 2, 2, settle_s=0.0, wait_s=2.0)
+    a.busy()
+    a.give_back()
+    assert a.threads == 2  # nobody waits: nothing to give
+    threading.Timer(0.03, a.give_back).start()
+    t0 = time.monotonic()
+    b.busy()
+    assert time.monotonic() - t0 < 1.0 and a.threads == b.threads == 1 and got[0] == [2, 1]
 
 
 def test_waiting_for_cores_ends_when_the_peer_gives_them_back_or_at_wait_s(tmp_path):

@@ -324,3 +324,13 @@ def test_routed_float32_generation_with_packed_steps_equals_reference(tok, mode)
         assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
         hops += o.hops
     assert hops >= 4
+
+
+def test_between_layers_is_called_after_every_layer_and_never_travels():
+    model = tiny_model(num_layers=3, seed=16)
+    r = TorchRunner(model, max_kv_tokens=256)
+    calls = []
+    r.between_layers = lambda: calls.append(1)
+    r.forward([SeqInput([5, 6, 7], 0, _table(r, 16))])
+    assert len(calls) == 3
+    assert pickle.loads(pickle.dumps(r)).between_layers is None

@@ -161,17 +161,19 @@ class NativeForward:
         return [*(p for ps in self._plan for p in ps), self._head]
 
     @torch.inference_mode()
-    def __call__(self, fb, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, want_all: bool = False):
+    def __call__(self, fb, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, want_all: bool = False,
+                 between=None):
         """One step: ids [T] token ids, pos [T] positions, last [B] each request's last packed
-        index, ``fb`` the step's `ForwardBatch`. Returns (logits [B, V], hidden [B, H], the final
-        hidden states of every fed position [T, H] when ``want_all``, else None). Call `prepare`
-        first."""
+        index, ``fb`` the step's `ForwardBatch`; ``between``: called between two layers. Returns
+        (logits [B, V], hidden [B, H], the final hidden states of every fed position [T, H] when
+        ``want_all``, else None). Call `prepare` first."""
         logits, hidden, h = decoder_step(self.decoder, self.projections,
-                                         lambda *a: self.attend(fb, *a), ids, pos, last)
+                                         lambda *a: self.attend(fb, *a), ids, pos, last, between)
         return logits, hidden, (h if want_all else None)
 
 
-def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor):
+def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor,
+                 between=None):
     """The native forward's arithmetic, shared by eager steps (`NativeForward`) and compiled
     ones (`tokenrouter_sdk.backends.compiled_step`).
 
@@ -181,6 +183,7 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
             output per merged linear, ``p(x, residual)`` returns ``residual + x W^T + b``.
         attend: ``attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], scale) -> [T, H, D]``.
         ids, pos: [T] token ids and positions; last: [B] each request's last packed index.
+        between: None, or called after each layer (no arguments).
 
     Returns:
         (logits [B, V], hidden [B, H], final hidden states of every position [T, H]).
@@ -207,6 +210,8 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
         x = o(y.reshape(n, -1), x)
         g, u = gate_up(rms_norm(x, layer.post_attention_layernorm))
         x = down(F.silu(g).mul_(u), x)
+        if between is not None:
+            between()
     h = rms_norm(x, dec.norm)
     hidden = h[last]
     return projections[-1](hidden)[0], hidden, h

@@ -294,6 +294,8 @@ class TorchRunner:
         last_forward_s: seconds spent in the last model forward (for overhead metrics).
         impl: the forward eager steps run, ``"native"`` or ``"transformers"``; ``native_reason``:
             why not native (None when native).
+        between_layers: None, or a callable the native forward calls between two layers of a
+            step (set in a sub-server process for core lending: `tokenrouter_sdk.engine.cores`).
         last_impl: the forward the last step ran: ``"native"``, ``"transformers"`` (also a native
             runner's step while forward hooks the native forward would bypass are registered on
             the model's modules), ``"compiled"`` or ``"cuda_graphs"``.
@@ -314,6 +316,7 @@ class TorchRunner:
                              f"use model_impl='auto' or 'transformers'")
         self.impl = "native" if self.native_reason is None else "transformers"
         self._native = None  # the NativeForward, built in the process that runs the steps
+        self.between_layers = None  # called between two layers of a native step (core lending)
         self._step_impl = self.last_impl = self.impl
         use_paged_attention(model)
         cfg = model.config
@@ -365,6 +368,7 @@ class TorchRunner:
         state["_graphs"] = None  # CUDA graphs belong to the process that captured them
         state["_compiled"] = state["_compile_thread"] = None  # so does compiled code
         state["_native"] = None  # and packed weights
+        state["between_layers"] = None
         state["_compile_started"] = False
         return state
 
@@ -526,7 +530,7 @@ class TorchRunner:
             logits, hidden, h = cf(fb, ids, pos, last, self._native.projections if cf.native else None)
             logits, hidden = logits[:len(seqs)], hidden[:len(seqs)]
         elif self.impl == "native" and self._native_ready():
-            logits, hidden, h = self._native(fb, ids[0], pos[0], last, want_all)
+            logits, hidden, h = self._native(fb, ids[0], pos[0], last, want_all, self.between_layers)
             h = h[None] if h is not None else None
         else:
             h = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb).last_hidden_state

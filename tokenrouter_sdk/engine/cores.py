@@ -12,7 +12,10 @@ against 33.6 with two; sixteen in flight, 163 against 50 tok/s.
 How: each sub-server process marks itself busy in a small shared file (one byte per model)
 before a step and idle before it waits for messages; before each step it takes ``cores //
 busy`` threads (the first ``cores % busy`` busy models one more) with ``torch.set_num_threads``.
-A change reaches a peer at its next step. One byte per process, written only by it: no lock.
+A model that finds its cores held by a peer marks that it waits for them, and the peer gives
+them back between two layers of its step (`CoreShare.give_back`, the runner's
+``between_layers``), so the wait lasts about a layer, not a step. Each process writes only its
+own entries: no lock.
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ def cpu_count() -> int:
 
 
 def create_flags(path: str, models: int) -> None:
-    """Write the shared file at ``path``: ``models`` flags (bytes, 0 = idle), then per model the
-    time it last went idle (float64, ``time.monotonic``, the same clock in every process)."""
+    """Write the shared file at ``path``: ``models`` flags (bytes, 0 = idle, else the threads
+    held), then per model the time it last went idle (float64, ``time.monotonic``, the same
+    clock in every process) and the requests it held then (float64)."""
     with open(path, "wb") as f:
         f.write(bytes(_size(models)))
 
 
 def _size(models: int) -> int:
-    return max(1, models) + 8 * max(1, models)
+    return max(1, models) + 16 * max(1, models)
 
 
 WANTS = 255  # a flag value: busy, waiting for cores (holds none yet)
@@ -70,10 +74,10 @@ class CoreShare:
         self.wait_s, self.settle_s, self.set_threads = wait_s, settle_s, set_threads
         self.threads = 0
         self._mm: mmap.mmap | None = None
-        self._since = None
+        self._since = self._held = None
 
     def __getstate__(self):
-        return dict(self.__dict__, _mm=None, _since=None, threads=0)
+        return dict(self.__dict__, _mm=None, _since=None, _held=None, threads=0)
 
     def _map(self) -> mmap.mmap:
         if self._mm is None:
@@ -81,15 +85,19 @@ class CoreShare:
                 self._mm = mmap.mmap(f.fileno(), _size(self.models))
             n = self.models
             self._since = memoryview(self._mm)[n:n + 8 * n].cast("d")
+            self._held = memoryview(self._mm)[n + 8 * n:n + 16 * n].cast("d")
         return self._mm
 
     def share(self) -> tuple[int, int]:
         """(this model's share of the cores among the busy models: ``cores // busy``, plus one
-        for the first ``cores % busy`` by index; the cores no peer holds now)."""
+        for the first ``cores % busy`` by index; the cores no peer holds now). A peer idle for
+        less than ``settle_s`` that holds more than one request counts as busy (one of them is
+        likely back within a step); one that holds a single request handed it over and waits
+        for it (at one request in flight the models take turns)."""
         flags = list(self._map()[:self.models])
         now = time.monotonic()
-        for j, b in enumerate(flags):  # a peer idle for less than settle_s may be back at once: still busy
-            if not b and j != self.index and now - self._since[j] < self.settle_s:
+        for j, b in enumerate(flags):
+            if not b and j != self.index and self._held[j] > 1 and now - self._since[j] < self.settle_s:
                 flags[j] = WANTS
         busy = 1 + sum(1 for j, b in enumerate(flags) if b and j != self.index)
         rank = sum(1 for b in flags[:self.index] if b)
@@ -118,16 +126,34 @@ class CoreShare:
             self.set_threads(want)
             self.threads = want
 
-    def idle(self) -> None:
-        """Mark this model idle (it waits for messages): its cores go to the busy peers."""
+    def give_back(self) -> None:
+        """Called between layers of a step (`TorchRunner.between_layers`): when this process
+        holds more threads than its share and a peer waits for cores, drop to the share now,
+        so the peer starts within a layer instead of after the whole step."""
+        if self.threads <= 1 or self._mm is None:
+            return
+        flags = self._mm[:self.models]
+        if WANTS not in flags:
+            return
+        want, _ = self.share()
+        if want < self.threads:
+            self._mm[self.index] = min(want, WANTS - 1)
+            self.set_threads(want)
+            self.threads = want
+
+    def idle(self, held: int = 0) -> None:
+        """Mark this model idle (it waits for messages; ``held``: the requests it holds,
+        pending): its cores go to the busy peers."""
         if self._mm is not None or os.path.exists(self.path):
             mm = self._map()
             if mm[self.index]:
                 self._since[self.index] = time.monotonic()
+                self._held[self.index] = held
                 mm[self.index] = 0
 
     def close(self) -> None:
         if self._mm is not None:
             self._since.release()
+            self._held.release()
             self._mm.close()
             self._mm = None

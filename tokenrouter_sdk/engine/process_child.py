@@ -104,6 +104,8 @@ def run_subserver(name: str, address: str, threads: int, receive, load, *, t_mai
         if isinstance(spec, _LoadError):
             raise RuntimeError(spec.text)
         ss = build_subserver(spec)
+        if cores is not None and hasattr(ss.runner, "between_layers"):
+            ss.runner.between_layers = cores.give_back
         boot = {"pid": os.getpid(), "preloaded": preloaded, "main": t_main, "received": t_received,
                 "loaded": t_loaded, "built": time.perf_counter()}
         rx = threading.Thread(target=_child_receive,

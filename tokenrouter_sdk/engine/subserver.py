@@ -694,7 +694,7 @@ def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], Non
         try:
             wait = not ss.can_step()
             if wait and cores is not None:
-                cores.idle()
+                cores.idle(len(ss.sched.seqs))
             ss.handle(inbox.get(block=wait))
             while True:
                 ss.handle(inbox.get_nowait())
