@@ -7,7 +7,8 @@ with less work per step:
 - q/k/v and gate/up run as one GEMM each over merged weights, prepacked for oneDNN on a CPU
   where that measured faster (`tokenrouter_sdk.backends.projection`); the residual adds after
   o_proj and down_proj are fused into their GEMMs there;
-- the rotary cos/sin are computed once per step, not once per layer, and applied in three ops;
+- the rotary cos/sin are computed once per step, not once per layer, and applied with one roll
+  (rotate_half's signs folded into the sine) instead of slices, a negation and a concatenation;
 - no attention masks, cache objects or keyword plumbing: one attention call per layer into the
   paged attention (`tokenrouter_sdk.backends.torch_runner.attend_tokens`).
 vLLM, SGLang and nano-vllm run their own model implementations for the same reasons (merged
@@ -101,7 +102,7 @@ class NativeForward:
         self._watched = Watch()
         self._modules: list = []
         self._linears: set[int] = set()
-        self._hooked: list = []
+        self._hooked: set[int] = set()
 
     def _build(self) -> None:
         """Projections of every layer and of the LM head (shared with every other NativeForward
