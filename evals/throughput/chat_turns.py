@@ -3,7 +3,9 @@
 Two servers on 127.0.0.1 (free ports), each a `Router.default()` of the packaged pair in this
 process (sub-servers in processes), one with ``prefix_cache=False``. A conversation of
 ``--turns`` turns: each turn sends the whole history plus a new user message (a GSM8K question,
-shipped with the package, cut to about ``--user-tokens`` tokens) and streams the reply
+shipped with the package, cut to about ``--user-tokens`` tokens; every turn of every
+conversation, the unmeasured warm-up included, has its own question, so no turn finds its new
+message already cached) and streams the reply
 (``--max-tokens`` tokens, ``ignore_eos``), so each turn adds about ``--user-tokens +
 --max-tokens`` tokens to the prompt. The two servers take turns conversation by conversation
 (``--repeats`` each, interleaved). Time to first token (TTFT) = request sent to the first
@@ -42,10 +44,10 @@ def main(argv=None) -> int:
     import httpx
 
     from tokenrouter_sdk import Router
-    from tokenrouter_sdk.benchmarks import load_prompts
+    from tokenrouter_sdk.benchmarks import load
     from tokenrouter_sdk.policies.registry import builtin_registry
 
-    questions = load_prompts("gsm8k", 64)
+    questions = load("gsm8k", (args.repeats + 1) * args.turns).questions  # bare questions, no template
     servers = {}
     for cache in (True, False):
         r = Router.default(builtin_registry().build(args.policy), prefix_cache=cache)
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     tok = servers[True][0].tokenizer
 
     def user_message(i: int) -> str:
-        ids = tok(questions[i % len(questions)], add_special_tokens=False)["input_ids"][:args.user_tokens]
+        ids = tok(questions[i], add_special_tokens=False)["input_ids"][:args.user_tokens]
         return tok.decode(ids)
 
     def converse(url: str, client: httpx.Client, conv: int) -> list[float]:
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     try:
         with httpx.Client() as client:
             for c in (True, False):  # warm-up conversation per server (unmeasured)
-                converse(servers[c][1], client, 99)
+                converse(servers[c][1], client, args.repeats)
             for rep in range(args.repeats):
                 for c in ((True, False) if rep % 2 == 0 else (False, True)):
                     runs[c].append(converse(servers[c][1], client, rep))

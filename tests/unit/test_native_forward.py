@@ -334,3 +334,16 @@ def test_between_layers_is_called_after_every_layer_and_never_travels():
     r.forward([SeqInput([5, 6, 7], 0, _table(r, 16))])
     assert len(calls) == 3
     assert pickle.loads(pickle.dumps(r)).between_layers is None
+
+
+def test_packed_rows_follow_the_measured_rule_per_vendor():
+    """float32 takes the packed GEMM for 4-64 rows on an Intel CPU (MKL's GEMV is faster at one
+    or two rows there) and at every row count elsewhere; bfloat16 always; this machine's vendor
+    decides when none is given."""
+    assert P.packed_rows(torch.float32, "GenuineIntel") == (4, 64)
+    assert P.packed_rows(torch.float32, "AuthenticAMD") == (1, 1 << 62)
+    assert P.packed_rows(torch.float32, "") == (1, 1 << 62)
+    assert P.packed_rows(torch.bfloat16, "GenuineIntel") == (1, 1 << 62)
+    assert P.packed_rows(torch.float32) == P.packed_rows(torch.float32, P.cpu_vendor())
+    with pytest.raises(KeyError):
+        P.packed_rows(torch.float64, "AuthenticAMD")

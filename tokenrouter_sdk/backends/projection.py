@@ -7,17 +7,25 @@ few rows, the plain ``F.linear`` (MKL) of float32 weights reads them at about ha
 bandwidth, while oneDNN's matmul over weights reordered once into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's ``freezing`` does and what vLLM's
 CPU backend does with its own oneDNN binding) streams them faster; bfloat16 weights go through
-oneDNN's AMX/avx512_bf16 kernels. Measured on this project's 2-core CPU, all 30 layers of
-SmolLM2-135M with merged projections (`evals/throughput/step_bound.py` measures the whole step):
+oneDNN's AMX/avx512_bf16 kernels. Measured on two 2-core CPUs, all 30 layers of SmolLM2-135M
+with merged projections, median ms of the projections alone (`evals/throughput/step_bound.py`
+measures the whole step):
 
-    rows                      1     2     4     8     16    64    128
-    float32 plain  (ms)     16.2  17.3  27.6  33.5  37.9  62.2  91.3
-    float32 packed (ms)     19.9  19.8  21.3  24.6  29.2  61.1  93.8
-    bfloat16 plain (ms)     16.8  16.4  16.2  16.3  16.4  22.2  28.7
-    bfloat16 packed (ms)    10.7  10.0   9.7   9.5  10.0  14.7  21.5
+    Intel Xeon (AMX, 480 MiB L3)  rows    1     2     4     8     16    64    128
+    float32 plain  (MKL)                16.2  17.3  27.6  33.5  37.9  62.2  91.3
+    float32 packed (oneDNN)             19.9  19.8  21.3  24.6  29.2  61.1  93.8
+    bfloat16 plain                      16.8  16.4  16.2  16.3  16.4  22.2  28.7
+    bfloat16 packed                     10.7  10.0   9.7   9.5  10.0  14.7  21.5
 
-So float32 uses the packed weight for 4-64 rows and the model's own weights otherwise (one or
-two rows are a GEMV that already streams at the bandwidth), and bfloat16/float16 always use it.
+    AMD EPYC (Zen 4, 32 MiB L3)   rows    1     2     4     8     16    64    512
+    float32 plain  (MKL)                43.9  68.9  55.4  56.2  77.0 136.3 659.5
+    float32 packed (oneDNN)             27.2  24.6  16.1  21.6  29.2  83.2 533.5
+    bfloat16 plain                      25.6  31.1  27.5  29.3  30.6  59.3     -
+    bfloat16 packed                     17.0  17.1  17.7  19.3  19.9  46.2     -
+
+MKL's float32 GEMV is fast on Intel CPUs only. So on an Intel CPU float32 uses the packed weight
+for 4-64 rows and the model's own weights otherwise (one or two rows are a GEMV that already
+streams at the bandwidth); on any other CPU float32 always uses it; bfloat16/float16 always do.
 
 Memory: a packed projection holds one more copy of its weights (the model keeps its own, which
 the transformers forward, training and the naive reference read).
@@ -31,7 +39,35 @@ import torch
 import torch.nn.functional as F
 
 # rows (inclusive range) for which a packed GEMM is used, by weight dtype; None: no upper bound
-PACKED_ROWS = {torch.float32: (4, 64), torch.bfloat16: (1, None), torch.float16: (1, None)}
+PACKED_ROWS = {torch.float32: (1, None), torch.bfloat16: (1, None), torch.float16: (1, None)}
+# the same on an Intel CPU, where MKL's float32 GEMV of one or two rows (and GEMM of many) is faster
+PACKED_ROWS_INTEL = {**PACKED_ROWS, torch.float32: (4, 64)}
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id as Linux reports it (``GenuineIntel``, ``AuthenticAMD``, ...), or
+    ``""`` where ``/proc/cpuinfo`` is absent or names none (other systems, ARM)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def packed_rows(dtype: torch.dtype, vendor: str | None = None) -> tuple[int, int]:
+    """The inclusive range of GEMM rows (tokens in a step) for which a projection of ``dtype``
+    weights uses its oneDNN-packed copy (the measurements in this module's docstring);
+    ``vendor``: `cpu_vendor` when None.
+
+    Raises:
+        KeyError: a dtype with no packed path (see `packing_available`).
+    """
+    table = PACKED_ROWS_INTEL if (cpu_vendor() if vendor is None else vendor) == "GenuineIntel" else PACKED_ROWS
+    lo, hi = table[dtype]
+    return lo, hi if hi is not None else 1 << 62
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -91,8 +127,7 @@ class Projection:
         except RuntimeError:  # a dtype or shape this oneDNN build does not take: plain GEMMs
             self.packed = self.bias = None
             return
-        lo, hi = PACKED_ROWS[w0.dtype]
-        self.rows = (lo, hi if hi is not None else 1 << 62)
+        self.rows = packed_rows(w0.dtype)
 
     def watch(self) -> Watch:
         """A `Watch` of every weight and bias this projection read, as they are now."""
