@@ -23,9 +23,10 @@ measures the whole step):
     bfloat16 plain                      25.6  31.1  27.5  29.3  30.6  59.3     -
     bfloat16 packed                     17.0  17.1  17.7  19.3  19.9  46.2     -
 
-MKL's float32 GEMV is fast on Intel CPUs only. So on an Intel CPU float32 uses the packed weight
-for 4-64 rows and the model's own weights otherwise (one or two rows are a GEMV that already
-streams at the bandwidth); on any other CPU float32 always uses it; bfloat16/float16 always do.
+MKL's float32 kernels were fast on the Intel CPU and slow at every shape on the AMD one. So on an
+Intel CPU float32 uses the packed weight for 4-64 rows and the model's own weights otherwise (one
+or two rows are a GEMV that already streams at the bandwidth); on any other CPU float32 always
+uses it; bfloat16/float16 always do.
 
 Memory: a packed projection holds one more copy of its weights (the model keeps its own, which
 the transformers forward, training and the naive reference read).
