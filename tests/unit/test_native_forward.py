@@ -347,3 +347,7 @@ def test_packed_rows_follow_the_measured_rule_per_vendor():
     assert P.packed_rows(torch.float32) == P.packed_rows(torch.float32, P.cpu_vendor())
     with pytest.raises(KeyError):
         P.packed_rows(torch.float64, "AuthenticAMD")
+    if P.packing_available(torch.device("cpu"), torch.float32):  # a model's projections follow the rule
+        _, native, _ = _float32_pair(2, seed=9)
+        native.forward([SeqInput([5, 6], 0, _table(native, 16))])
+        assert {p.rows for ps in native._native._plan for p in ps} == {P.packed_rows(torch.float32)}

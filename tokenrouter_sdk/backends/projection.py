@@ -34,6 +34,7 @@ the transformers forward, training and the naive reference read).
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -45,9 +46,11 @@ PACKED_ROWS = {torch.float32: (1, None), torch.bfloat16: (1, None), torch.float1
 PACKED_ROWS_INTEL = {**PACKED_ROWS, torch.float32: (4, 64)}
 
 
+@functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor id as Linux reports it (``GenuineIntel``, ``AuthenticAMD``, ...), or
-    ``""`` where ``/proc/cpuinfo`` is absent or names none (other systems, ARM)."""
+    ``""`` where ``/proc/cpuinfo`` is absent or names none (other systems, ARM). Read once per
+    process (a model builds a projection per layer and linear group)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
