@@ -34,6 +34,15 @@ def trio():
             "l": tiny_model(num_layers=3, seed=13)}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernel_built():
+    """Build (or load from the disk cache) the CPU paged attention kernel before any test, so that
+    every CPU step of the run attends the same way and its build thread is not mistaken for a
+    thread a test leaked."""
+    from tokenrouter_sdk.backends import cpu_kernels
+    cpu_kernels.paged_attention_op(wait=True, timeout=600)
+
+
 @pytest.fixture(autouse=True)
 def _no_thread_leak():
     before = {t for t in threading.enumerate() if t.name.startswith("tokenrouter")}

@@ -8,6 +8,8 @@ prompt prefix the same blocks):
   cascade   the shared keys once for all requests, each request's own keys apart, merged by the
             log-sum-exp (`_attend_cascade`; `attend_paged` uses it when (requests - 1) x shared
             keys >= `CASCADE_MIN_SAVED`)
+  kernel    the in-place CPU kernel (`tokenrouter_sdk.backends.cpu_kernels`, what CPU steps run by
+            default once it is built): reads each key's pool row once, no copy
 
 Pool content is random; only time is measured (median of ``--repeats`` steps, after one warm-up).
 
@@ -36,7 +38,11 @@ def main(argv=None) -> int:
 
     import torch
 
+    from tokenrouter_sdk.backends import cpu_kernels
     from tokenrouter_sdk.backends import torch_runner as tr
+    op = cpu_kernels.paged_attention_op(wait=True)
+    if op is None:
+        print(f"the CPU kernel could not be built ({cpu_kernels.error()}): its column stays empty")
 
     bs, hkv, h, d, layers = 16, 3, 9, 64, 30
     g = torch.Generator().manual_seed(0)
@@ -81,13 +87,23 @@ def main(argv=None) -> int:
             for layer in range(layers):
                 tr._attend_cascade(fb, Pool.k[layer], Pool.v[layer], qd, 0.125)
 
+        qk = q[0].transpose(0, 1).contiguous()  # [B, H, D]
+        out = torch.empty_like(qk)
+        ones, lens = torch.ones(b, dtype=torch.long), torch.full((b,), keys, dtype=torch.long)
+
+        def kernel():
+            for layer in range(layers):
+                op(out, qk, Pool.k[layer], Pool.v[layer], fb.dec_kv, torch.arange(b), ones, lens, 0.125)
+
         row = {"requests": b, "keys": keys, "shared": shared, "gather_ms": timed(gather),
-               "cascade_ms": timed(cascade), "cascade_on": (b - 1) * shared >= tr.CASCADE_MIN_SAVED}
+               "cascade_ms": timed(cascade), "kernel_ms": timed(kernel) if op is not None else None,
+               "cascade_on": (b - 1) * shared >= tr.CASCADE_MIN_SAVED}
         rows.append(row)
         print(f"{b} x {keys} keys, {shared} shared: gather {row['gather_ms']:.1f} ms, "
-              f"cascade {row['cascade_ms']:.1f} ms", flush=True)
+              f"cascade {row['cascade_ms']:.1f} ms, kernel {row['kernel_ms'] or float('nan'):.1f} ms", flush=True)
     print(evalkit.table(rows, [("requests", "requests", "d"), ("keys", "keys", "d"), ("shared", "shared", "d"),
                                ("gather_ms", "gather ms", ".1f"), ("cascade_ms", "cascade ms", ".1f"),
+                               ("kernel_ms", "kernel ms", ".1f"),
                                ("cascade_on", "cascade used", "")]))
     evalkit.Output(args, __file__).write(rows)
     return 0

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from ..engine.kv_pool import KVPool
 from ..engine.runner import ForwardOut, SeqInput
-from ..engine.config import MODEL_IMPLS
+from ..engine.config import ATTENTION_IMPLS, MODEL_IMPLS
+from . import cpu_kernels
 from .native_forward import NativeForward, native_support
 
 ATTN_NAME = "tokenrouter_paged"
@@ -48,6 +49,9 @@ class ForwardBatch:
             request-major, and dec_mask [Bd, 1, Q, Lmax]).
         dec_shared: leading key positions that every decode request reads from the same pool
             slots (prefix-cache blocks their tables share), a multiple of the block size.
+        kern: requests the in-place CPU kernel attends (`tokenrouter_sdk.backends.cpu_kernels`),
+            or None: (op, table [R, Lmax] pool slots, q_start [R], q_len [R], kv_len [R]); their
+            tokens are in neither ``dec_q`` nor ``segs``.
     """
 
     pool: KVPool
@@ -58,6 +62,7 @@ class ForwardBatch:
     segs: list
     dec_qlen: int = 1
     dec_shared: int = 0
+    kern: tuple | None = None
 
 
 def _sdpa(q, k, v, mask, is_causal, scale):
@@ -115,6 +120,8 @@ def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor
     kc.index_copy_(0, fb.slot_mapping, k)
     vc.index_copy_(0, fb.slot_mapping, v)
     t, h, d = q.shape
+    if fb.kern is not None:
+        return _attend_kernel(fb, kc, vc, q, k, v, scaling)
     only_decodes = not fb.segs and fb.dec_qlen == 1 and fb.dec_q is not None and fb.dec_q.shape[0] == t
     q = q.transpose(0, 1)                                               # [H, T, D]
     out = None if only_decodes else q.new_empty(t, h, d)               # [T, H, D]
@@ -134,16 +141,42 @@ def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor
             return od.transpose(1, 2).reshape(t, h, d)
         out[fb.dec_q] = od.transpose(1, 2).reshape(bd * nq, h, d)
     for qs, ql, slots, mask in fb.segs:
-        qi = q[:, qs:qs + ql].unsqueeze(0)                             # [1, H, ql, D]
-        ki = kc.index_select(0, slots).transpose(0, 1).unsqueeze(0)    # [1, Hkv, L, D]
-        vi = vc.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        if mask is None:  # prefill: causal from position 0
-            o = _sdpa(qi, ki, vi, None, ql > 1, scaling)                # [1, H, ql, D]
-        else:  # extend: query i sees keys j <= start + i
-            o = _attend(qi, ki, vi, mask, scaling)
-        out[qs:qs + ql] = o[0].transpose(0, 1)
+        out[qs:qs + ql] = _attend_seg(q[:, qs:qs + ql].unsqueeze(0), kc, vc, k, v, qs, ql, slots, mask, scaling)
     return out
 
+
+def _attend_seg(qi, kc, vc, k, v, qs, ql, slots, mask, scaling) -> torch.Tensor:
+    """One prefill or extend: qi [1, H, ql, D] (packed rows qs..qs+ql-1); returns [ql, H, D]. A
+    prefill from position 0 attends the step's own k/v [T, Hkv, D] rows (what it just wrote to
+    the pool); an extend gathers its cached keys from the pool."""
+    if mask is None:  # prefill: causal from position 0, its keys are the fed tokens'
+        ki = k[qs:qs + ql].transpose(0, 1).unsqueeze(0)                # [1, Hkv, ql, D]
+        vi = v[qs:qs + ql].transpose(0, 1).unsqueeze(0)
+        return _sdpa(qi, ki, vi, None, ql > 1, scaling)[0].transpose(0, 1)
+    ki = kc.index_select(0, slots).transpose(0, 1).unsqueeze(0)        # [1, Hkv, L, D]
+    vi = vc.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+    return _attend(qi, ki, vi, mask, scaling)[0].transpose(0, 1)       # extend: query i sees keys j <= start + i
+
+
+def _attend_kernel(fb: ForwardBatch, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, scaling) -> torch.Tensor:
+    """The step's attention with the in-place CPU kernel for the requests in ``fb.kern`` and SDPA
+    for the rest (prefills, long extends). q [T, H, D], k/v [T, Hkv, D]; returns [T, H, D]."""
+    op, table, q_start, q_len, kv_len = fb.kern
+    t, h, d = q.shape
+    q = q.contiguous()
+    out = q.new_empty(t, h, d)
+    scale = float(scaling) if scaling is not None else d ** -0.5
+    op(out, q, kc, vc, table, q_start, q_len, kv_len, scale)
+    for qs, ql, slots, mask in fb.segs:
+        out[qs:qs + ql] = _attend_seg(q[qs:qs + ql].transpose(0, 1).unsqueeze(0), kc, vc, k, v, qs, ql, slots,
+                                      mask, scaling)
+    return out
+
+
+# Queries of one extend the in-place kernel attends (more go to SDPA over a gathered copy, whose
+# GEMMs beat the kernel's per-query loops once a request feeds many tokens).
+KERNEL_MAX_QUERIES = 16
 
 # Shared key reads a decode step must save, (requests - 1) x shared positions, before it attends
 # the shared keys once for all (`_attend_cascade`): its unfused arithmetic costs about twice one
@@ -241,6 +274,15 @@ def _compile_mode(compile) -> str | None:
     raise ValueError(f"compile must be False, True, 'background' or 'wait', got {compile!r}")
 
 
+def _kernel_batch(op, kern: list) -> tuple:
+    """``ForwardBatch.kern`` from (q_start, q_len, kv_len, slots [kv_len]) per request."""
+    table = torch.zeros(len(kern), max(k[2] for k in kern), dtype=torch.long)
+    for i, (_, _, n, sl) in enumerate(kern):
+        table[i, :n] = sl
+    cols = torch.tensor([k[:3] for k in kern], dtype=torch.long).T.contiguous()
+    return op, table, cols[0], cols[1], cols[2]
+
+
 class _PadSeq:
     """A one-token padding request at position 0 whose K/V live in one scratch slot."""
 
@@ -283,6 +325,16 @@ class TorchRunner:
             other model; ``"native"``: the native forward or a `ValueError` saying why the model
             has none; ``"transformers"``: the model's own transformers forward (no packed copy of
             the weights). Compiled and CUDA-graph steps run the transformers forward.
+        attention: how decode and short-extend queries (at most ``KERNEL_MAX_QUERIES`` tokens)
+            attend their cached keys on a CPU with float32 or float64 weights. ``"auto"``
+            (default): the in-place paged attention kernel
+            (`tokenrouter_sdk.backends.cpu_kernels`: no per-step gather of the cache) once it is
+            built, in the background from the first construction in a process (the first build
+            takes about 10-20 s on 2 cores; later processes load it from the disk cache), and
+            gather + SDPA until then or where it cannot be built; ``"kernel"``: the first step
+            waits for the kernel and raises RuntimeError if it cannot be built; ``"gather"``:
+            never the kernel. Prefills, long extends, other dtypes and devices always gather.
+            Outputs agree within floating-point rounding (float64: about 1e-15).
 
     On CUDA the first forward turns the cuDNN SDPA backend off for the process (see
     `_configure_sdpa`; ``torch.backends.cuda.enable_cudnn_sdp(True)`` turns it back on).
@@ -305,8 +357,12 @@ class TorchRunner:
     """
 
     def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16, cuda_graphs: bool = False,
-                 max_graph_batch: int = 64, compile: bool | str = False, model_impl: str = "auto"):
+                 max_graph_batch: int = 64, compile: bool | str = False, model_impl: str = "auto",
+                 attention: str = "auto"):
         self.compile = _compile_mode(compile)
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
+        self.attention = attention
         self.model = model
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
@@ -341,6 +397,8 @@ class TorchRunner:
         self._compiled = None  # the CompiledForward once usable (per process)
         self._compile_thread: threading.Thread | None = None
         self._compile_started = False
+        if attention != "gather" and self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES:
+            cpu_kernels.start()
 
     @property
     def graphs(self):
@@ -350,8 +408,11 @@ class TorchRunner:
         return self._graphs
 
     def prepare_process(self) -> None:
-        """Set-up in a process that unpickled this runner: register the paged attention."""
+        """Set-up in a process that unpickled this runner: register the paged attention and
+        start loading the CPU kernel."""
         register_attention()
+        if self.attention != "gather" and self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES:
+            cpu_kernels.start()
 
     def release(self) -> None:
         """Free the KV pool and the captured graphs and drop the model (the runner is unusable
@@ -442,6 +503,8 @@ class TorchRunner:
             seqs = [*seqs, _PadSeq(pool.scratch_slot + _SCRATCH_NEED - 1)]
         ids, pos, slots, last = [], [], [], []
         dec_q, dec_kv, dec_len, dec_tables, segs = [], [], [], [], []
+        op = self._kernel()
+        kern = []  # (q_start, q_len, kv_len, slots) of the requests the kernel attends
         t = 0
         for s in seqs:
             n, end = len(s.tokens), s.start + len(s.tokens)
@@ -449,7 +512,9 @@ class TorchRunner:
             pos.extend(range(s.start, end))
             all_slots = s.slots if isinstance(s, _PadSeq) else pool.slots(s.table, 0, end)
             slots.append(all_slots[s.start:])
-            if n == 1:
+            if op is not None and (n == 1 or (s.start > 0 and n <= KERNEL_MAX_QUERIES)):
+                kern.append((t, n, end, all_slots))
+            elif n == 1:
                 dec_q.append(t)
                 dec_kv.append(all_slots)
                 dec_len.append(end)
@@ -475,9 +540,22 @@ class TorchRunner:
             if min(dec_len) != lmax:
                 dmask = (torch.arange(lmax)[None, :] < torch.tensor(dec_len)[:, None])[:, None, None, :].to(dev)
             dq, dkv = torch.tensor(dec_q, device=dev), dkv.to(dev)
-        fb = ForwardBatch(pool, torch.cat(slots).to(dev), dq, dkv, dmask, segs, dec_shared=shared * pool.block_size)
+        fb = ForwardBatch(pool, torch.cat(slots).to(dev), dq, dkv, dmask, segs, dec_shared=shared * pool.block_size,
+                          kern=_kernel_batch(op, kern) if kern else None)
         return (fb, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
                 torch.tensor(last, device=dev))
+
+    def _kernel(self):
+        """The in-place paged attention op for this step, or None (gather and SDPA): see the
+        ``attention`` argument."""
+        if self.attention == "gather" or self.device.type != "cpu" or self.dtype not in cpu_kernels.DTYPES:
+            return None
+        op = cpu_kernels.paged_attention_op(wait=self.attention == "kernel")
+        if op is None and self.attention == "kernel":
+            raise RuntimeError(f"attention='kernel': the CPU paged attention kernel could not be built "
+                               f"({cpu_kernels.error()}); install a C++ compiler and ninja, or use "
+                               f"attention='auto'")
+        return op
 
     def _native_forward(self) -> NativeForward:
         if self._native is None:

@@ -1,0 +1,194 @@
+"""The in-place CPU paged attention kernel (`tokenrouter_sdk.backends.cpu_kernels`): against
+attention computed from first principles over the gathered keys (decodes, extends, grouped-query
+heads, contexts split into several chunks, float32 and float64, both code paths of the dot
+product); rows it does not own stay untouched; bad inputs raise; a runner's steps equal the
+gather path's; routed generation with it equals the naive reference."""
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from tokenrouter_sdk import Router, SamplingParams
+from tokenrouter_sdk.backends import cpu_kernels
+from tokenrouter_sdk.backends import torch_runner as TR
+from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.config import EngineConfig
+from tokenrouter_sdk.engine.runner import SeqInput
+from tokenrouter_sdk.models import tiny_model, truncate
+from tokenrouter_sdk.policies import RandomRouting
+from tokenrouter_sdk.reference import reference_generate
+
+from ..helpers import mixed_prompts
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the kernel cannot be built here (steps gather)")
+
+
+@pytest.fixture(scope="module")
+def op():
+    op = cpu_kernels.paged_attention_op(wait=True, timeout=600)
+    assert op is not None, cpu_kernels.error()
+    return op
+
+
+def _reference(q, kc, vc, table, q_start, q_len, kv_len, scale):
+    """Per request and query: softmax(q k^T * scale) v over the visible keys, in float64."""
+    out = {}
+    g = q.shape[1] // kc.shape[1]
+    for r in range(table.shape[0]):
+        n, L = int(q_len[r]), int(kv_len[r])
+        k = kc[table[r, :L]].double().repeat_interleave(g, 1)   # [L, H, D]
+        v = vc[table[r, :L]].double().repeat_interleave(g, 1)
+        for t in range(n):
+            row = int(q_start[r]) + t
+            seen = L - n + t + 1
+            s = torch.einsum("hd,lhd->hl", q[row].double(), k[:seen]) * scale
+            out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1), v[:seen])
+    return out
+
+
+def _case(dtype, h, hkv, d, reqs, seed=0, slots=4096):
+    """A pool of ``slots`` slots with requests of (q_len, kv_len) in shuffled slots."""
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(slots, hkv, d, dtype=dtype, generator=g)
+    vc = torch.randn(slots, hkv, d, dtype=dtype, generator=g)
+    perm = torch.randperm(slots, generator=g)
+    lmax = max(L for _, L in reqs)
+    table = torch.zeros(len(reqs), lmax, dtype=torch.long)
+    used = 0
+    for i, (_, L) in enumerate(reqs):
+        table[i, :L] = perm[used:used + L]
+        used += L
+    q_len = torch.tensor([n for n, _ in reqs])
+    q_start = torch.cumsum(q_len, 0) - q_len + 2   # rows 0 and 1 belong to no request
+    t = int(q_start[-1] + q_len[-1]) + 1
+    q = torch.randn(t, h, d, dtype=dtype, generator=g)
+    return q, kc, vc, table, q_start, q_len, torch.tensor([L for _, L in reqs])
+
+
+@pytest.mark.parametrize("chunk", [0, 32, 100])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 24), (8, 2, 16)])
+def test_kernel_equals_attention_from_first_principles(op, dtype, tol, h, hkv, d, chunk):
+    """Decodes of 1 to 1,100 keys, extends of 2, 3 and 16 queries; ``chunk`` 0 (the kernel's own
+    choice), or 32 and 100 keys, so that contexts split into many chunks and extends' causal
+    limits fall inside and across chunk boundaries."""
+    reqs = [(1, 1), (1, 17), (1, 300), (3, 40), (1, 1100), (16, 530), (2, 2), (16, 16)]
+    q, kc, vc, table, q_start, q_len, kv_len = _case(dtype, h, hkv, d, reqs)
+    out = torch.full_like(q, 7.0)
+    scale = d ** -0.5
+    op(out, q, kc, vc, table, q_start, q_len, kv_len, scale, chunk)
+    ref = _reference(q, kc, vc, table, q_start, q_len, kv_len, scale)
+    for row, want in ref.items():
+        torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
+    owned = set(ref)
+    for row in range(q.shape[0]):
+        if row not in owned:
+            assert (out[row] == 7.0).all(), row
+
+
+@pytest.mark.parametrize("reqs", [[(1, 700), (1, 5), (4, 90)], [(16, 1000)]])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_is_the_same_on_any_thread_count(op, threads, reqs):
+    """The kernel's own chunking follows the thread count (one request: 2 chunks per thread)."""
+    q, kc, vc, table, q_start, q_len, kv_len = _case(torch.float64, 6, 2, 32, reqs)
+    ref = _reference(q, kc, vc, table, q_start, q_len, kv_len, 0.3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.zeros_like(q)
+        op(out, q, kc, vc, table, q_start, q_len, kv_len, 0.3)
+    finally:
+        torch.set_num_threads(before)
+    for row, want in ref.items():
+        torch.testing.assert_close(out[row], want, rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_rejects_what_does_not_fit(op):
+    q, kc, vc, table, q_start, q_len, kv_len = _case(torch.float32, 4, 2, 16, [(2, 10)])
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        op(out, q, kc, vc, table, q_start, q_len, torch.tensor([1]), 1.0)  # 2 queries, 1 key
+    with pytest.raises(RuntimeError, match="do not fit"):
+        op(out, q, kc, vc, table, q_start, q_len, torch.tensor([11]), 1.0)  # more keys than the table
+    with pytest.raises(RuntimeError, match="float32 and float64"):
+        op(out.bfloat16(), q.bfloat16(), kc.bfloat16(), vc.bfloat16(), table, q_start, q_len, kv_len, 1.0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(out, q, kc.double(), vc.double(), table, q_start, q_len, kv_len, 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(out, q, kc, vc, table.int(), q_start, q_len, kv_len, 1.0)
+    with pytest.raises(RuntimeError, match="chunk must be"):
+        op(out, q, kc, vc, table, q_start, q_len, kv_len, 1.0, -1)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(out, q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, table, q_start, q_len, kv_len, 1.0)
+
+
+def _feeds(rng, b, steps):
+    feeds = [[[rng.randrange(3, 250) for _ in range(rng.randint(2, 300))] for _ in range(b)]]
+    for _ in range(steps):
+        feeds.append([[rng.randrange(3, 250) for _ in range(rng.choice([1, 1, 1, 3, 16, 20]))] for _ in range(b)])
+    return feeds
+
+
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
+def test_runner_steps_with_the_kernel_equal_the_gather_steps(op, model_impl, monkeypatch):
+    """Prefill, then decodes, extends of 3 and 16 tokens (kernel) and of 20 (gather), mixed in
+    one batch: logits and hidden states within float64 rounding, and the kernel ran."""
+    calls = []
+    real = TR._attend_kernel
+    monkeypatch.setattr(TR, "_attend_kernel", lambda fb, *a: calls.append(fb.kern[3].tolist()) or real(fb, *a))
+    model = tiny_model(num_layers=3, seed=21)
+    runners = {a: TorchRunner(model, max_kv_tokens=8192, attention=a, model_impl=model_impl)
+               for a in ("kernel", "gather")}
+    rng = random.Random(3)
+    feeds = _feeds(rng, 4, 6)
+    tabs = {a: [[] for _ in range(4)] for a in runners}
+    starts = [0] * 4
+    for feed in feeds:
+        outs = {}
+        for a, r in runners.items():
+            for t, s, f in zip(tabs[a], starts, feed):
+                r.pool.ensure(t, s + len(f))
+            outs[a] = r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tabs[a])])
+        torch.testing.assert_close(outs["kernel"].logits, outs["gather"].logits, rtol=1e-11, atol=1e-11)
+        torch.testing.assert_close(outs["kernel"].hidden, outs["gather"].hidden, rtol=1e-11, atol=1e-11)
+        starts = [s + len(f) for s, f in zip(starts, feed)]
+    assert calls, "the kernel never ran"
+    assert all(n <= TR.KERNEL_MAX_QUERIES for c in calls for n in c)
+    assert any(n > 1 for c in calls for n in c), "no extend went through the kernel"
+
+
+def test_attention_choice_is_checked_and_passed_on(pair, tok):
+    with pytest.raises(ValueError, match="attention must be one of"):
+        TorchRunner(pair["large"], max_kv_tokens=64, attention="flash")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        EngineConfig(attention="flash")
+    with Router(pair, RandomRouting(p=0.3), tokenizer=tok, max_kv_tokens=512, attention="gather") as r:
+        assert {x.attention for x in r.engine.runners.values()} == {"gather"}
+        batch = r.engine.runners["large"]
+        tb = []
+        batch.pool.ensure(tb, 3)
+        fb = batch._batch([SeqInput([5], 2, tb)])[0]
+        assert fb.kern is None and fb.dec_kv is not None
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_routed_generation_with_the_kernel_equals_reference(tok, op, mode):
+    """float32 pair, 6 requests in flight, handoffs both ways (returns are extends): routed greedy
+    output equals the naive reference (transformers, one request at a time, no cache)."""
+    large = tiny_model(num_layers=4, seed=13, dtype=torch.float32, initializer_range=0.5)
+    models = {"small": truncate(large, 2), "large": large}
+    policy = RandomRouting(p=0.3, seed=4)
+    prompts = mixed_prompts(6, seed=13)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    with Router(models, policy, tokenizer=tok, max_kv_tokens=2048, mode=mode, attention="kernel",
+                processes=False) as r:
+        outs = r.generate(prompts, sampling=params, concurrency=6)
+    hops = 0
+    for o in outs:
+        ref = reference_generate(models, o.prompt, policy, params, rid=o.rid)
+        assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
+        hops += o.hops
+    assert hops >= 4

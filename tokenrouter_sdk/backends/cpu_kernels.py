@@ -1,0 +1,154 @@
+"""The engine's C++ CPU kernel (``csrc/paged_attention.cpp``): paged attention that reads keys
+and values in place from the KV pool, built with `torch.utils.cpp_extension` at first use.
+
+Why: without it a decode or extend step gathers every request's whole cached K/V into a padded
+copy in each layer (``index_select``) and runs SDPA over the copy, so it reads and writes its
+cache three times. On a CPU whose last-level cache is smaller than that copy, the gather and
+the second read cost about as much as the GEMMs at long contexts: on a 2-core AMD EPYC (32 MiB
+L3), SmolLM2-135M with 2 requests of 1,100 keys, about 18 ms of a 56 ms step. The kernel reads
+each key's pool row once (all heads at once, prefetched a few keys ahead) and splits long
+contexts into chunks merged by their log-sum-exp (split-K, as flash-decoding: Dao et al.,
+"Flash-Decoding for long-context inference", 2023), on torch's own thread pool. Numbers in
+`docs/benchmarks.md`.
+
+How: the first `paged_attention_op` call (a runner's first CPU step, or `start`) builds the
+extension in a background thread with the C++ compiler (``c++``) and ninja (the ``ninja`` wheel),
+under torch's extension
+directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); a later process
+loads the cached library in well under a second. The name of the build hashes the source, the
+flags, the torch version and the CPU's flags (it is compiled with ``-march=native``), so a
+changed source or another CPU gets its own build. Until the kernel is loaded, and wherever it
+cannot be (no compiler, another platform), `paged_attention_op` returns None and steps gather as
+before; ``error`` says why. The state is per process, as the loaded library is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+LDFLAGS = ("-fopenmp",)  # links libgomp by its soname: the process uses the copy torch loaded
+DTYPES = (torch.float32, torch.float64)
+
+
+class _Build:
+    """The kernel's build and load in this process (see the module docstring)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.done = threading.Event()
+        self.op = None
+        self.error: str | None = None
+        self.seconds: float | None = None
+
+    def start(self) -> None:
+        with self.lock:
+            if self.thread is not None:
+                return
+            self.thread = threading.Thread(target=self._run, name="tokenrouter-kernel-build", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        import time
+        t0 = time.perf_counter()
+        try:
+            if not _loaded():
+                from torch.utils import cpp_extension
+                _find_ninja()
+                cpp_extension.load(name=build_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                                   extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
+            self.op = torch.ops.tokenrouter_cpu.paged_attention
+        except Exception as e:  # no compiler or ninja, another platform: steps keep gathering
+            self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        self.seconds = time.perf_counter() - t0
+        self.done.set()
+
+
+_BUILD = _Build()
+
+
+def _find_ninja() -> None:
+    """`torch.utils.cpp_extension` runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency)
+    installs it next to the interpreter, which is not on PATH when a venv's python runs without
+    activating the venv: add that folder at the end of PATH then."""
+    import os
+    import shutil
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + ninja.BIN_DIR
+
+
+def _loaded() -> bool:
+    try:
+        torch.ops.tokenrouter_cpu.paged_attention
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor()
+
+
+def build_name() -> str:
+    """The extension's name: ``tokenrouter_cpu_`` and a hash of what the binary depends on."""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+                 _cpu_flags().encode()):
+        h.update(part)
+    return "tokenrouter_cpu_" + h.hexdigest()[:16]
+
+
+def start() -> None:
+    """Begin building or loading the kernel in a background thread (once per process)."""
+    _BUILD.start()
+
+
+def paged_attention_op(wait: bool = False, timeout: float | None = None):
+    """The op ``torch.ops.tokenrouter_cpu.paged_attention(out, q, k_pool, v_pool, table, q_start,
+    q_len, kv_len, scale, chunk=0)`` once loaded, else None (`start` is called).
+
+    The op: ``q`` and ``out`` [T, H, D] (contiguous, float32 or float64, CPU); ``k_pool`` and
+    ``v_pool`` one layer's pool [slots, Hkv, D]; ``table`` [R, Lmax] int64: request r's key
+    position l is in slot ``table[r, l]``; ``q_start``, ``q_len``, ``kv_len`` [R] int64: request
+    r's queries are rows ``q_start[r]`` to ``q_start[r] + q_len[r] - 1`` of ``q`` and its query t
+    sees keys ``l < kv_len[r] - q_len[r] + t + 1``; ``scale`` multiplies the scores; ``chunk``:
+    keys per split-K task (0: the kernel picks, two tasks per thread at least, at most 2,048
+    keys). It writes those rows of ``out`` (others untouched). Raises RuntimeError on shapes,
+    dtypes or lengths that do not fit.
+
+    Args:
+        wait: wait for the build (at most ``timeout`` seconds).
+    """
+    if not _BUILD.done.is_set():
+        _BUILD.start()
+        if not wait or not _BUILD.done.wait(timeout):
+            return None
+    return _BUILD.op
+
+
+def error() -> str | None:
+    """Why the kernel is not available in this process (None while building or once loaded)."""
+    return _BUILD.error
+
+
+def build_seconds() -> float | None:
+    """Seconds this process spent building or loading the kernel, None before it finished."""
+    return _BUILD.seconds

@@ -1,0 +1,208 @@
+// Paged attention for decode and extend queries on a CPU, reading keys and values in place
+// from the KV pool (no per-step gather of a request's cache into a padded copy).
+//
+// Pool layout (tokenrouter_sdk/engine/kv_pool.py): k and v of one layer are [slots, Hkv, D];
+// request r's key position l lives in slot table[r, l]. A request has q_len[r] queries, packed
+// at rows q_start[r] .. q_start[r] + q_len[r] - 1 of q and out ([T, H, D]); its query t sees the
+// keys l < kv_len[r] - q_len[r] + t + 1 (a decode: q_len 1, every key; an extend: causal).
+// Grouped-query attention: query head h reads KV head h / (H / Hkv), as transformers' repeat_kv.
+//
+// Split-K (flash-decoding, Dao et al. 2023): each (request, chunk of keys) is one task of
+// at::parallel_for (torch's own thread pool); a task reads each of its keys' pool rows once,
+// all heads together (a row is contiguous: Hkv * D values), with software prefetch a few keys
+// ahead, and keeps per query head the running max, the sum of exponentials and the weighted
+// values; the chunks are merged by their log-sum-exp.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPrefetchKeys = 4;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  if constexpr (sizeof(T) == 4) {
+    if (n % 16 == 0) {
+      typedef float v16 __attribute__((vector_size(64), aligned(4)));
+      typedef int v16i __attribute__((vector_size(64)));
+      v16 acc = *reinterpret_cast<const v16*>(a) * *reinterpret_cast<const v16*>(b);
+      for (int64_t d = 16; d < n; d += 16)
+        acc += *reinterpret_cast<const v16*>(a + d) * *reinterpret_cast<const v16*>(b + d);
+      acc += __builtin_shuffle(acc, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+      acc += __builtin_shuffle(acc, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+      acc += __builtin_shuffle(acc, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+      acc += __builtin_shuffle(acc, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+      return acc[0];
+    }
+  }
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+struct Shape {
+  int64_t H, Hkv, D, Lmax, Qmax, C, nc;
+};
+
+// keys per chunk: enough chunks to give every thread two tasks, at most kMaxChunk keys (so a
+// task's scores, Qmax * H * C values, stay small) and at least 32
+constexpr int64_t kMaxChunk = 2048;
+
+// One task: request r's queries against keys [l0, l1). part holds, per (query t, head h),
+// D + 2 values: max score, sum of exponentials, then the exp-weighted values.
+template <typename T>
+void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const int64_t* slots,
+                  int64_t q_len, int64_t kv_len, int64_t l0, int64_t l1, T scale, T* s, T* part) {
+  const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, P = D + 2;
+  const int64_t n = std::max<int64_t>(l1 - l0, 0);
+  // keys of this chunk that query t sees: [0, seen(t))
+  auto seen = [&](int64_t t) { return std::clamp<int64_t>(kv_len - q_len + t + 1 - l0, 0, n); };
+  for (int64_t l = 0; l < n; ++l) {
+    if (l + kPrefetchKeys < n) prefetch_row(kc + slots[l0 + l + kPrefetchKeys] * row, row);
+    const T* kr = kc + slots[l0 + l] * row;
+    for (int64_t t = 0; t < q_len; ++t) {
+      if (l >= seen(t)) continue;
+      const T* qt = q + t * H * D;
+      T* st = s + t * H * C;
+      for (int64_t h = 0; h < H; ++h) st[h * C + l] = dot(qt + h * D, kr + (h / g) * D, D) * scale;
+    }
+  }
+  for (int64_t t = 0; t < q_len; ++t) {
+    const int64_t nt = seen(t);
+    for (int64_t h = 0; h < H; ++h) {
+      T* si = s + (t * H + h) * C;
+      T* pi = part + (t * H + h) * P;
+      std::fill(pi + 2, pi + P, T(0));
+      T m = -INFINITY, z = 0;
+#pragma omp simd reduction(max : m)
+      for (int64_t l = 0; l < nt; ++l) m = std::max(m, si[l]);
+#pragma omp simd reduction(+ : z)
+      for (int64_t l = 0; l < nt; ++l) {
+        si[l] = std::exp(si[l] - m);
+        z += si[l];
+      }
+      pi[0] = m;
+      pi[1] = z;
+    }
+  }
+  for (int64_t l = 0; l < n; ++l) {
+    if (l + kPrefetchKeys < n) prefetch_row(vc + slots[l0 + l + kPrefetchKeys] * row, row);
+    const T* vr = vc + slots[l0 + l] * row;
+    for (int64_t t = 0; t < q_len; ++t) {
+      if (l >= seen(t)) continue;
+      for (int64_t h = 0; h < H; ++h) {
+        const T p = s[(t * H + h) * C + l];
+        const T* vp = vr + (h / g) * D;
+        T* acc = part + (t * H + h) * P + 2;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] += p * vp[d];
+      }
+    }
+  }
+}
+
+template <typename T>
+void attend(const Shape& sh, T* out, const T* q, const T* kc, const T* vc, const int64_t* table,
+            const int64_t* q_start, const int64_t* q_len, const int64_t* kv_len, int64_t R, T scale) {
+  const int64_t H = sh.H, D = sh.D, P = D + 2, nc = sh.nc;
+  // request r's parts: nc chunks x q_len[r] queries x H heads x P values, from offset[r]
+  std::vector<int64_t> offset(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r) offset[r + 1] = offset[r] + nc * q_len[r] * H * P;
+  std::vector<T> parts(offset[R]);
+  at::parallel_for(0, R * nc, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> s(sh.Qmax * H * sh.C);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / nc, c = task % nc, l0 = c * sh.C;
+      const int64_t l1 = std::min(kv_len[r], l0 + sh.C);
+      attend_chunk<T>(sh, q + q_start[r] * H * D, kc, vc, table + r * sh.Lmax, q_len[r], kv_len[r], l0, l1,
+                      scale, s.data(), parts.data() + offset[r] + c * q_len[r] * H * P);
+    }
+  });
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t th = 0; th < q_len[r] * H; ++th) {
+        T m = -INFINITY;
+        const int64_t stride = q_len[r] * H * P;
+        for (int64_t c = 0; c < nc; ++c) {
+          const T* p = parts.data() + offset[r] + c * stride + th * P;
+          if (p[1] > 0) m = std::max(m, p[0]);
+        }
+        T* o = out + q_start[r] * H * D + th * D;
+        std::fill(o, o + D, T(0));
+        T z = 0;
+        for (int64_t c = 0; c < nc; ++c) {
+          const T* p = parts.data() + offset[r] + c * stride + th * P;
+          if (!(p[1] > 0)) continue;
+          const T a = std::exp(p[0] - m);
+          z += a * p[1];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += a * p[2 + d];
+        }
+        const T inv = T(1) / z;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                     const at::Tensor& table, const at::Tensor& q_start, const at::Tensor& q_len,
+                     const at::Tensor& kv_len, double scale, int64_t chunk) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "k_pool and v_pool must be [slots, Hkv, D]");
+  TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0,
+              "head dims differ, or query heads are not a multiple of KV heads");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  table.is_contiguous(), "q, out, k_pool, v_pool and table must be contiguous");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "paged_attention supports float32 and float64, got ", dt);
+  TORCH_CHECK(out.scalar_type() == dt && k_pool.scalar_type() == dt && v_pool.scalar_type() == dt,
+              "q, out and the pools must share one dtype");
+  for (const auto* t : {&table, &q_start, &q_len, &kv_len})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->device().is_cpu(), "table and lengths must be int64 CPU tensors");
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_attention runs on the CPU");
+  const int64_t R = table.size(0);
+  if (R == 0) return;
+  Shape sh{q.size(1), k_pool.size(1), q.size(2), table.size(1), 1, 256, 1};
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* kl = kv_len.data_ptr<int64_t>();
+  const int64_t* qs = q_start.contiguous().data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(ql[r] >= 1 && kl[r] >= ql[r] && kl[r] <= sh.Lmax && qs[r] >= 0 && qs[r] + ql[r] <= q.size(0),
+                "request ", r, ": q_len ", ql[r], ", kv_len ", kl[r], ", q_start ", qs[r], " do not fit");
+    sh.Qmax = std::max(sh.Qmax, ql[r]);
+  }
+  const int64_t want = (2 * at::get_num_threads() + R - 1) / R;  // chunks per request
+  TORCH_CHECK(chunk >= 0, "chunk must be >= 0 (0: chosen here), got ", chunk);
+  sh.C = chunk > 0 ? chunk : std::clamp<int64_t>(((sh.Lmax + want - 1) / want + 15) / 16 * 16, 32, kMaxChunk);
+  sh.nc = (sh.Lmax + sh.C - 1) / sh.C;
+  if (dt == at::kFloat)
+    attend<float>(sh, out.data_ptr<float>(), q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                  table.data_ptr<int64_t>(), qs, ql, kl, R, static_cast<float>(scale));
+  else
+    attend<double>(sh, out.data_ptr<double>(), q.data_ptr<double>(), k_pool.data_ptr<double>(),
+                   v_pool.data_ptr<double>(), table.data_ptr<int64_t>(), qs, ql, kl, R, scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenrouter_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor q_start, "
+        "Tensor q_len, Tensor kv_len, float scale, int chunk=0) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+}
