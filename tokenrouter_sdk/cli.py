@@ -123,7 +123,7 @@ def cmd_demo(args) -> int:
     router = Router.default(policy=policy, small_layers=args.small_layers, prefill_peers=not args.no_prefill_peers,
                             prefix_cache=not args.no_prefix_cache,
                             compile={"off": False, "wait": "wait", "background": "background"}[args.compile],
-                            model_impl=args.model_impl, attention=args.attention or "auto")
+                            model_impl=args.model_impl, kernels=args.kernels or "auto")
     with router:
         models = list(router.models)
         print(f"models : {', '.join(models)} (loaded in {time.perf_counter() - t0:.1f} s)")
@@ -257,8 +257,8 @@ def cmd_bench(args) -> int:
         kw["tp"] = tp
     if args.model_impl and args.backend != "sim":
         kw["model_impl"] = args.model_impl
-    if args.attention and args.backend != "sim":
-        kw["attention"] = args.attention
+    if args.kernels and args.backend != "sim":
+        kw["kernels"] = args.kernels
     print(environment())
     deadline = time.monotonic() + 60 * args.time_budget_min if args.time_budget_min else None
     log = CsvLog(args.out + ".csv")
@@ -353,8 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
                    help="the models' forward (EngineConfig.model_impl): auto (default: native, merged and prepacked "
                         "projections), native, or transformers (the transformers forward, to compare)")
-    from .cli_common import add_attention_flag
-    add_attention_flag(d)
+    from .cli_common import add_kernels_flag
+    add_kernels_flag(d)
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="committed-token throughput: policies x modes x concurrency, side by side")
     add_bench_arguments(b)

@@ -17,7 +17,7 @@ REGISTRY_HELP = ("a registry spec NAME[:k=v,...]: rstitch, random, large_only, s
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True) -> argparse.ArgumentParser:
-    """``--model``, ``--device``, ``--dtype``, ``--tp``, ``--model-impl``, ``--attention`` (and
+    """``--model``, ``--device``, ``--dtype``, ``--tp``, ``--model-impl``, ``--kernels`` (and
     ``--small-layers`` for the packaged pair)."""
     g = p.add_argument_group("models")
     g.add_argument("--model", action="append", metavar="NAME=SOURCE",
@@ -38,7 +38,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True
                    help="the forward of torch models (EngineConfig.model_impl): auto (default: the native forward "
                         "for Llama, Mistral, Qwen2 and Qwen3, with merged and, on a CPU, prepacked projections; "
                         "transformers' for others), native, or transformers")
-    add_attention_flag(g)
+    add_kernels_flag(g)
     if small_layers:
         g.add_argument("--small-layers", type=int, default=None,
                        help="packaged pair only: small = plain truncation of the large model to this many layers "
@@ -148,12 +148,12 @@ def _errors():
     return (DeviceError, ModelLoadError, TokenizerMismatchError, ValueError, TypeError, OSError)
 
 
-def add_attention_flag(p) -> None:
-    """``--attention``: `EngineConfig.attention` (default: not set, i.e. ``auto``)."""
-    p.add_argument("--attention", choices=["auto", "kernel", "gather"], default=None,
-                   help="how torch models on a CPU attend cached keys (EngineConfig.attention): auto (default: the "
-                        "in-place paged attention kernel, built with the C++ compiler at first use, gather until "
-                        "then), kernel (wait for it; fail without a compiler) or gather (a padded copy per step)")
+def add_kernels_flag(p) -> None:
+    """``--kernels``: `EngineConfig.kernels` (default: not set, i.e. ``auto``)."""
+    p.add_argument("--kernels", choices=["auto", "wait", "off"], default=None,
+                   help="the engine's C++ CPU kernels (EngineConfig.kernels: in-place paged attention, fused norm, "
+                        "rotary and SiLU-gating ops): auto (default: built with the C++ compiler at first use, ATen "
+                        "ops until then), wait (wait for them; fail without a compiler) or off")
 
 
 def build_router(args, prog: str, policy=None, **settings):
@@ -167,8 +167,8 @@ def build_router(args, prog: str, policy=None, **settings):
     specs = model_specs(args, prog)
     if getattr(args, "model_impl", None):
         settings.setdefault("model_impl", args.model_impl)
-    if getattr(args, "attention", None):
-        settings.setdefault("attention", args.attention)
+    if getattr(args, "kernels", None):
+        settings.setdefault("kernels", args.kernels)
     try:
         if specs is None:
             per_model(getattr(args, "device", None), None, "--device", prog)

@@ -13,8 +13,9 @@ Systems (each repeat runs every system in a fresh process, in turn, so load nois
   ours-compiled  the same with compile="wait" (`TorchRunner`'s compiled steps; the warm-up call
                  waits for the compile, so every measured step is compiled)
   ours-nocache   ours-eager with prefix_cache=False (the prefix row with the cache off)
-  ours-gather    ours-eager with attention="gather" (decode attention gathers each request's cache
-                 into a padded copy every step and layer, instead of the in-place CPU kernel)
+  ours-nokernels ours-eager with kernels="off": no C++ CPU kernels (decode attention gathers each
+                 request's cache into a padded copy every step and layer; norms, rotary and
+                 SiLU gating run as ATen ops)
   ours-hf        ours-eager with model_impl="transformers" (the transformers forward: the engine
                  before the native forward)
   hf             model.generate on the left-padded batch (sdpa attention, do_sample=False,
@@ -52,7 +53,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1]))  # evals/: evalkit
 
 WORKLOADS = {"decode": (8, 128), "long": (2, 1024), "prefix": (16, 16)}  # name -> (requests, new tokens)
-SYSTEMS = ("ours-eager", "ours-compiled", "ours-nocache", "ours-gather", "ours-hf", "hf", "vllm")
+SYSTEMS = ("ours-eager", "ours-compiled", "ours-nocache", "ours-nokernels", "ours-hf", "hf", "vllm")
 
 
 # -- workers: one process each; only the standard library is imported at module level ----------
@@ -72,14 +73,14 @@ def worker_ours(spec: dict) -> dict:
     large, tok = load_model(spec["model"], dtype=getattr(torch, spec["dtype"]))
     router = Router({"large": large}, LargeOnly(), tokenizer=tok, compile=spec["compile"],
                     max_kv_tokens=spec["max_kv_tokens"], prefix_cache=spec.get("prefix_cache", True),
-                    model_impl=spec.get("model_impl", "auto"), attention=spec.get("attention", "auto"))
+                    model_impl=spec.get("model_impl", "auto"), kernels=spec.get("kernels", "auto"))
     res = {}
     try:
         warm, _ = _timed(lambda: router.generate(spec["warmup"], max_new_tokens=8, ignore_eos=True))
         res["warmup_s"] = warm
         res["impl"] = router.engine.runners["large"].impl
         from tokenrouter_sdk.backends import cpu_kernels
-        res["attention"] = spec.get("attention", "auto")
+        res["kernels"] = spec.get("kernels", "auto")
         res["kernel_built"] = cpu_kernels.paged_attention_op(wait=True, timeout=120) is not None
         for name, w in spec["workloads"].items():
             wall, outs = _timed(lambda: router.generate(w["ids"], max_new_tokens=w["new"], ignore_eos=True,
@@ -176,7 +177,7 @@ def run_system(system: str, base: dict, python: str, timeout: float) -> dict:
     kind = "ours" if system.startswith("ours") else system
     spec = dict(base, kind=kind, compile="wait" if system == "ours-compiled" else False,
                 prefix_cache=system != "ours-nocache", model_impl="transformers" if system == "ours-hf" else "auto",
-                attention="gather" if system == "ours-gather" else "auto")
+                kernels="off" if system == "ours-nokernels" else "auto")
     if system == "ours-nocache":  # the cache changes nothing without shared prefixes
         spec["workloads"] = {k: v for k, v in base["workloads"].items() if k == "prefix"}
         if not spec["workloads"]:

@@ -57,7 +57,7 @@ def test_a_step_counts_the_blocks_every_decode_request_shares():
     from tokenrouter_sdk.engine.runner import SeqInput
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.models import tiny_model
-    r = TorchRunner(tiny_model(num_layers=1, seed=3), max_kv_tokens=64 * 4, block_size=4, attention="gather")
+    r = TorchRunner(tiny_model(num_layers=1, seed=3), max_kv_tokens=64 * 4, block_size=4, kernels="off")
     a = SeqInput([7], 13, [3, 4, 5, 6])
     b = SeqInput([8], 11, [3, 4, 9])
     c = SeqInput([9], 8, [3, 4, 5])  # position 8 is in its block 5: its own last block
@@ -82,7 +82,7 @@ def test_routed_output_with_cascade_decode_equals_the_reference(pair, tok, monke
     monkeypatch.setattr(tr, "_attend_cascade", lambda *a: calls.append(1) or inner(*a))
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     with Router(pair, RandomRouting(p=0.4, seed=3), tokenizer=tok, block_size=4, processes=False,
-                attention="gather") as r:  # the cascade is part of the gather path
+                kernels="off") as r:  # the cascade is part of the gather path
         outs = r.generate(shared_prompts(), sampling=params)
     assert calls
     check_reference(pair, outs, RandomRouting(p=0.4, seed=3), params)

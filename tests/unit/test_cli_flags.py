@@ -92,22 +92,21 @@ def test_model_impl_flag_reaches_every_runner(folders):
         serve_args([*model_flags(folders), "--model-impl", "vllm"])
 
 
-def test_attention_flag_reaches_every_runner(folders):
+def test_kernels_flag_reaches_every_runner(folders):
     pytest.importorskip("fastapi")
     from tokenrouter_sdk.serve.cli import build
-    router, app, sock, _ = build(serve_args([*model_flags(folders), "--attention", "gather",
+    router, app, sock, _ = build(serve_args([*model_flags(folders), "--kernels", "off",
                                              "--max-kv-tokens", "512"]))
     try:
-        assert {r.attention for r in router.engine.runners.values()} == {"gather"}
+        assert {r.kernels for r in router.engine.runners.values()} == {"off"}
     finally:
         sock.close()
         router.close()
     with pytest.raises(SystemExit):
-        serve_args([*model_flags(folders), "--attention", "flash"])
+        serve_args([*model_flags(folders), "--kernels", "flash"])
     from tokenrouter_sdk.cli import build_parser
-    for argv in (["demo", "--attention", "gather"], ["bench", "--attention", "kernel"],
-                 ["eval", "--attention", "gather"]):
-        assert build_parser().parse_args(argv).attention == argv[-1]
+    for argv in (["demo", "--kernels", "off"], ["bench", "--kernels", "wait"], ["eval", "--kernels", "off"]):
+        assert build_parser().parse_args(argv).kernels == argv[-1]
 
 
 def test_tp_flag_makes_the_model_tensor_parallel_loaded_from_its_folder(folders):

@@ -1,8 +1,9 @@
-"""The in-place CPU paged attention kernel (`tokenrouter_sdk.backends.cpu_kernels`): against
+"""The C++ CPU kernels (`tokenrouter_sdk.backends.cpu_kernels`). The in-place paged attention: against
 attention computed from first principles over the gathered keys (decodes, extends, grouped-query
 heads, contexts split into several chunks, float32 and float64, both code paths of the dot
 product); rows it does not own stay untouched; bad inputs raise; a runner's steps equal the
-gather path's; routed generation with it equals the naive reference."""
+gather path's; routed generation with it equals the naive reference. The fused float32 step ops
+(RMSNorm, rotary embedding, SiLU gating) equal their ATen formulas on strided inputs."""
 
 import random
 import shutil
@@ -132,16 +133,17 @@ def _feeds(rng, b, steps):
     return feeds
 
 
-@pytest.mark.parametrize("model_impl", ["native", "transformers"])
-def test_runner_steps_with_the_kernel_equal_the_gather_steps(op, model_impl, monkeypatch):
+@pytest.mark.parametrize("model_impl,dtype,tol", [("native", torch.float64, 1e-11), ("transformers", torch.float64, 1e-11),
+                                                  ("native", torch.float32, 1e-4)])
+def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtype, tol, monkeypatch):
     """Prefill, then decodes, extends of 3 and 16 tokens (kernel) and of 20 (gather), mixed in
-    one batch: logits and hidden states within float64 rounding, and the kernel ran."""
+    one batch: logits and hidden states within rounding (float32 native steps also run the fused
+    step ops), and the kernel ran."""
     calls = []
     real = TR._attend_kernel
     monkeypatch.setattr(TR, "_attend_kernel", lambda fb, *a: calls.append(fb.kern[3].tolist()) or real(fb, *a))
-    model = tiny_model(num_layers=3, seed=21)
-    runners = {a: TorchRunner(model, max_kv_tokens=8192, attention=a, model_impl=model_impl)
-               for a in ("kernel", "gather")}
+    model = tiny_model(num_layers=3, seed=21, dtype=dtype)
+    runners = {a: TorchRunner(model, max_kv_tokens=8192, kernels=a, model_impl=model_impl) for a in ("wait", "off")}
     rng = random.Random(3)
     feeds = _feeds(rng, 4, 6)
     tabs = {a: [[] for _ in range(4)] for a in runners}
@@ -152,21 +154,21 @@ def test_runner_steps_with_the_kernel_equal_the_gather_steps(op, model_impl, mon
             for t, s, f in zip(tabs[a], starts, feed):
                 r.pool.ensure(t, s + len(f))
             outs[a] = r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tabs[a])])
-        torch.testing.assert_close(outs["kernel"].logits, outs["gather"].logits, rtol=1e-11, atol=1e-11)
-        torch.testing.assert_close(outs["kernel"].hidden, outs["gather"].hidden, rtol=1e-11, atol=1e-11)
+        torch.testing.assert_close(outs["wait"].logits, outs["off"].logits, rtol=tol, atol=tol)
+        torch.testing.assert_close(outs["wait"].hidden, outs["off"].hidden, rtol=tol, atol=tol)
         starts = [s + len(f) for s, f in zip(starts, feed)]
     assert calls, "the kernel never ran"
     assert all(n <= TR.KERNEL_MAX_QUERIES for c in calls for n in c)
     assert any(n > 1 for c in calls for n in c), "no extend went through the kernel"
 
 
-def test_attention_choice_is_checked_and_passed_on(pair, tok):
-    with pytest.raises(ValueError, match="attention must be one of"):
-        TorchRunner(pair["large"], max_kv_tokens=64, attention="flash")
-    with pytest.raises(ValueError, match="attention must be one of"):
-        EngineConfig(attention="flash")
-    with Router(pair, RandomRouting(p=0.3), tokenizer=tok, max_kv_tokens=512, attention="gather") as r:
-        assert {x.attention for x in r.engine.runners.values()} == {"gather"}
+def test_kernels_choice_is_checked_and_passed_on(pair, tok):
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        TorchRunner(pair["large"], max_kv_tokens=64, kernels="flash")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        EngineConfig(kernels="flash")
+    with Router(pair, RandomRouting(p=0.3), tokenizer=tok, max_kv_tokens=512, kernels="off") as r:
+        assert {x.kernels for x in r.engine.runners.values()} == {"off"}
         batch = r.engine.runners["large"]
         tb = []
         batch.pool.ensure(tb, 3)
@@ -183,7 +185,7 @@ def test_routed_generation_with_the_kernel_equals_reference(tok, op, mode):
     policy = RandomRouting(p=0.3, seed=4)
     prompts = mixed_prompts(6, seed=13)
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    with Router(models, policy, tokenizer=tok, max_kv_tokens=2048, mode=mode, attention="kernel",
+    with Router(models, policy, tokenizer=tok, max_kv_tokens=2048, mode=mode, kernels="wait",
                 processes=False) as r:
         outs = r.generate(prompts, sampling=params, concurrency=6)
     hops = 0
@@ -192,3 +194,25 @@ def test_routed_generation_with_the_kernel_equals_reference(tok, op, mode):
         assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
         hops += o.hops
     assert hops >= 4
+
+
+def test_step_ops_equal_their_aten_formulas(op):
+    ops = cpu_kernels.step_ops()
+    g = torch.Generator().manual_seed(5)
+    norm = torch.nn.Module()
+    norm.weight, norm.variance_epsilon = torch.randn(96, generator=g), 1e-6
+    x = torch.randn(5, 3 * 96, generator=g)[:, 96:192]                    # rows with a stride
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(ops.rms_norm(x, norm), want, rtol=1e-5, atol=1e-5)
+    t = torch.randn(4, 10, 3, 32, generator=g)[:, :, 1]                   # [T, H, D], strided rows
+    cos, sin = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    out = ops.rope(t, cos, sin)
+    torch.testing.assert_close(out, t * cos[:, None] + torch.roll(t, 16, -1) * sin[:, None], rtol=1e-5, atol=1e-5)
+    assert out.is_contiguous()
+    gu = torch.randn(3, 2 * 40, generator=g)
+    gate, up = gu.split(40, -1)
+    torch.testing.assert_close(ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.silu_mul(gate.double(), up.double())
+    with pytest.raises(RuntimeError, match="even head size"):
+        ops.rope(torch.randn(2, 1, 5), torch.randn(2, 5), torch.randn(2, 5))

@@ -1,5 +1,7 @@
-"""The engine's C++ CPU kernel (``csrc/paged_attention.cpp``): paged attention that reads keys
-and values in place from the KV pool, built with `torch.utils.cpp_extension` at first use.
+"""The engine's C++ CPU kernels, built with `torch.utils.cpp_extension` at first use:
+``csrc/paged_attention.cpp``, paged attention that reads keys and values in place from the KV
+pool, and ``csrc/step_ops.cpp``, the fused float32 norm, rotary and SiLU-gating ops of the
+native forward's eager steps (`StepOps`).
 
 Why: without it a decode or extend step gathers every request's whole cached K/V into a padded
 copy in each layer (``index_select``) and runs SDPA over the copy, so it reads and writes its
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "step_ops.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)  # links libgomp by its soname: the process uses the copy torch loaded
 DTYPES = (torch.float32, torch.float64)
@@ -61,7 +63,7 @@ class _Build:
             if not _loaded():
                 from torch.utils import cpp_extension
                 _find_ninja()
-                cpp_extension.load(name=build_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                cpp_extension.load(name=build_name(), sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
                                    extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
             self.op = torch.ops.tokenrouter_cpu.paged_attention
         except Exception as e:  # no compiler or ninja, another platform: steps keep gathering
@@ -110,7 +112,7 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """The extension's name: ``tokenrouter_cpu_`` and a hash of what the binary depends on."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
                  _cpu_flags().encode()):
         h.update(part)
     return "tokenrouter_cpu_" + h.hexdigest()[:16]
@@ -142,6 +144,37 @@ def paged_attention_op(wait: bool = False, timeout: float | None = None):
         if not wait or not _BUILD.done.wait(timeout):
             return None
     return _BUILD.op
+
+
+class StepOps:
+    """The fused float32 ops of the native forward's eager steps (``csrc/step_ops.cpp``), in the
+    form `tokenrouter_sdk.backends.native_forward.decoder_step` calls them. Each replaces several
+    ATen calls (RMSNorm alone is about eight), whose fixed cost is most of the time between a
+    decode step's GEMMs."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+        """``norm(x)`` of a Llama-family RMSNorm: x [..., C] float32; returns a new [..., C]."""
+        return torch.ops.tokenrouter_cpu.rms_norm(x, norm.weight, float(norm.variance_epsilon))
+
+    @staticmethod
+    def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``t * cos + roll(t, D / 2) * sin``: t [T, H, D] (unit stride in D), cos and sin [T, D]
+        (sin with rotate_half's signs folded in); returns a contiguous [T, H, D]."""
+        return torch.ops.tokenrouter_cpu.rope(t, cos, sin)
+
+    @staticmethod
+    def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``silu(g) * u``: g, u [N, F] (unit stride in F); returns a new [N, F]."""
+        return torch.ops.tokenrouter_cpu.silu_mul(g, u)
+
+
+_STEP_OPS = StepOps()
+
+
+def step_ops() -> StepOps | None:
+    """The fused step ops once the kernels are loaded, else None (`start` is called)."""
+    return _STEP_OPS if paged_attention_op() is not None else None
 
 
 def error() -> str | None:

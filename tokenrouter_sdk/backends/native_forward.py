@@ -163,18 +163,19 @@ class NativeForward:
 
     @torch.inference_mode()
     def __call__(self, fb, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, want_all: bool = False,
-                 between=None):
+                 between=None, ops=None):
         """One step: ids [T] token ids, pos [T] positions, last [B] each request's last packed
-        index, ``fb`` the step's `ForwardBatch`; ``between``: called between two layers. Returns
+        index, ``fb`` the step's `ForwardBatch`; ``between``: called between two layers; ``ops``:
+        fused float32 CPU ops (`tokenrouter_sdk.backends.cpu_kernels.step_ops`) or None. Returns
         (logits [B, V], hidden [B, H], the final hidden states of every fed position [T, H] when
         ``want_all``, else None). Call `prepare` first."""
         logits, hidden, h = decoder_step(self.decoder, self.projections,
-                                         lambda *a: self.attend(fb, *a), ids, pos, last, between)
+                                         lambda *a: self.attend(fb, *a), ids, pos, last, between, ops)
         return logits, hidden, (h if want_all else None)
 
 
 def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor,
-                 between=None):
+                 between=None, ops=None):
     """The native forward's arithmetic, shared by eager steps (`NativeForward`) and compiled
     ones (`tokenrouter_sdk.backends.compiled_step`).
 
@@ -185,6 +186,10 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
         attend: ``attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], scale) -> [T, H, D]``.
         ids, pos: [T] token ids and positions; last: [B] each request's last packed index.
         between: None, or called after each layer (no arguments).
+        ops: None (ATen ops), or fused ops for the work between the GEMMs, with ``rms_norm(x,
+            norm)``, ``rope(t [T, H, D], cos [T, D], sin [T, D])`` (sin with rotate_half's signs
+            folded in) and ``silu_mul(g, u)`` (`tokenrouter_sdk.backends.cpu_kernels.StepOps`:
+            float32 on a CPU; equal to the ATen ops within float32 rounding).
 
     Returns:
         (logits [B, V], hidden [B, H], final hidden states of every position [T, H]).
@@ -198,21 +203,29 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
     def rope(t):  # t * cos + rotate_half(t) * sin, where rotate_half(t) = roll(t, half) with signs
         return t * cos + torch.roll(t, half, -1) * sin
 
+    norm = rms_norm
+    if ops is not None:
+        cos2, sin2 = cos[:, 0], sin[:, 0]
+        norm = ops.rms_norm
+
+        def rope(t):
+            return ops.rope(t, cos2, sin2)
+
     n = x.shape[0]
     for i, layer in enumerate(dec.layers):
         qkv, o, gate_up, down = projections[4 * i:4 * i + 4]
         a = layer.self_attn
         d = a.head_dim
-        q, k, v = qkv(rms_norm(x, layer.input_layernorm))
+        q, k, v = qkv(norm(x, layer.input_layernorm))
         q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
         if hasattr(a, "q_norm"):
-            q, k = rms_norm(q, a.q_norm), rms_norm(k, a.k_norm)
+            q, k = norm(q, a.q_norm), norm(k, a.k_norm)
         y = attend(a.layer_idx, rope(q), rope(k), v, a.scaling)
         x = o(y.reshape(n, -1), x)
-        g, u = gate_up(rms_norm(x, layer.post_attention_layernorm))
-        x = down(F.silu(g).mul_(u), x)
+        g, u = gate_up(norm(x, layer.post_attention_layernorm))
+        x = down(F.silu(g).mul_(u) if ops is None else ops.silu_mul(g, u), x)
         if between is not None:
             between()
-    h = rms_norm(x, dec.norm)
+    h = norm(x, dec.norm)
     hidden = h[last]
     return projections[-1](hidden)[0], hidden, h

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..engine.kv_pool import KVPool
 from ..engine.runner import ForwardOut, SeqInput
-from ..engine.config import ATTENTION_IMPLS, MODEL_IMPLS
+from ..engine.config import KERNEL_MODES, MODEL_IMPLS
 from . import cpu_kernels
 from .native_forward import NativeForward, native_support
 
@@ -325,16 +325,16 @@ class TorchRunner:
             other model; ``"native"``: the native forward or a `ValueError` saying why the model
             has none; ``"transformers"``: the model's own transformers forward (no packed copy of
             the weights). Compiled and CUDA-graph steps run the transformers forward.
-        attention: how decode and short-extend queries (at most ``KERNEL_MAX_QUERIES`` tokens)
-            attend their cached keys on a CPU with float32 or float64 weights. ``"auto"``
-            (default): the in-place paged attention kernel
-            (`tokenrouter_sdk.backends.cpu_kernels`: no per-step gather of the cache) once it is
-            built, in the background from the first construction in a process (the first build
-            takes about 10-20 s on 2 cores; later processes load it from the disk cache), and
-            gather + SDPA until then or where it cannot be built; ``"kernel"``: the first step
-            waits for the kernel and raises RuntimeError if it cannot be built; ``"gather"``:
-            never the kernel. Prefills, long extends, other dtypes and devices always gather.
-            Outputs agree within floating-point rounding (float64: about 1e-15).
+        kernels: the engine's C++ CPU kernels (`tokenrouter_sdk.backends.cpu_kernels`), for a
+            model on a CPU with float32 or float64 weights: decode and short-extend queries (at
+            most ``KERNEL_MAX_QUERIES`` tokens) attend their cached keys in place in the pool,
+            with no per-step gather; float32 native steps also run their norms, rotary embedding
+            and SiLU gating as fused ops. ``"auto"`` (default): once built, in the background from
+            the first construction in a process (the first build takes about 15-25 s on 2 cores;
+            later processes load it from the disk cache in a fraction of a second), and ATen ops
+            (gather + SDPA) until then or where they cannot be built; ``"wait"``: the first step
+            waits for them and raises RuntimeError if they cannot be built; ``"off"``: never.
+            Outputs agree within floating-point rounding (float64 attention: about 1e-15).
 
     On CUDA the first forward turns the cuDNN SDPA backend off for the process (see
     `_configure_sdpa`; ``torch.backends.cuda.enable_cudnn_sdp(True)`` turns it back on).
@@ -358,11 +358,11 @@ class TorchRunner:
 
     def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16, cuda_graphs: bool = False,
                  max_graph_batch: int = 64, compile: bool | str = False, model_impl: str = "auto",
-                 attention: str = "auto"):
+                 kernels: str = "auto"):
         self.compile = _compile_mode(compile)
-        if attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
-        self.attention = attention
+        if kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
+        self.kernels = kernels
         self.model = model
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
@@ -397,7 +397,7 @@ class TorchRunner:
         self._compiled = None  # the CompiledForward once usable (per process)
         self._compile_thread: threading.Thread | None = None
         self._compile_started = False
-        if attention != "gather" and self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES:
+        if self._kernels_apply():
             cpu_kernels.start()
 
     @property
@@ -409,9 +409,9 @@ class TorchRunner:
 
     def prepare_process(self) -> None:
         """Set-up in a process that unpickled this runner: register the paged attention and
-        start loading the CPU kernel."""
+        start loading the CPU kernels."""
         register_attention()
-        if self.attention != "gather" and self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES:
+        if self._kernels_apply():
             cpu_kernels.start()
 
     def release(self) -> None:
@@ -545,17 +545,25 @@ class TorchRunner:
         return (fb, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
                 torch.tensor(last, device=dev))
 
+    def _kernels_apply(self) -> bool:
+        return self.kernels != "off" and self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES
+
     def _kernel(self):
         """The in-place paged attention op for this step, or None (gather and SDPA): see the
-        ``attention`` argument."""
-        if self.attention == "gather" or self.device.type != "cpu" or self.dtype not in cpu_kernels.DTYPES:
+        ``kernels`` argument."""
+        if not self._kernels_apply():
             return None
-        op = cpu_kernels.paged_attention_op(wait=self.attention == "kernel")
-        if op is None and self.attention == "kernel":
-            raise RuntimeError(f"attention='kernel': the CPU paged attention kernel could not be built "
-                               f"({cpu_kernels.error()}); install a C++ compiler and ninja, or use "
-                               f"attention='auto'")
+        op = cpu_kernels.paged_attention_op(wait=self.kernels == "wait")
+        if op is None and self.kernels == "wait":
+            raise RuntimeError(f"kernels='wait': the C++ CPU kernels could not be built ({cpu_kernels.error()}); "
+                               f"install a C++ compiler, or use kernels='auto' or 'off'")
         return op
+
+    def _step_ops(self):
+        """The fused float32 ops of a native eager step (`cpu_kernels.StepOps`), or None."""
+        if self.dtype != torch.float32 or self._kernel() is None:
+            return None
+        return cpu_kernels.step_ops()
 
     def _native_forward(self) -> NativeForward:
         if self._native is None:
@@ -608,7 +616,8 @@ class TorchRunner:
             logits, hidden, h = cf(fb, ids, pos, last, self._native.projections if cf.native else None)
             logits, hidden = logits[:len(seqs)], hidden[:len(seqs)]
         elif self.impl == "native" and self._native_ready():
-            logits, hidden, h = self._native(fb, ids[0], pos[0], last, want_all, self.between_layers)
+            logits, hidden, h = self._native(fb, ids[0], pos[0], last, want_all, self.between_layers,
+                                             self._step_ops())
             h = h[None] if h is not None else None
         else:
             h = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb).last_hidden_state

@@ -54,7 +54,7 @@ class Mode(str, enum.Enum):
 MODES = tuple(m.value for m in Mode)
 KV_ADMISSION = ("reserve", "optimistic")
 MODEL_IMPLS = ("auto", "native", "transformers")  # EngineConfig.model_impl
-ATTENTION_IMPLS = ("auto", "kernel", "gather")  # EngineConfig.attention
+KERNEL_MODES = ("auto", "wait", "off")  # EngineConfig.kernels
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,11 @@ class EngineConfig:
             ``"native"`` (a model without one raises, saying why) or ``"transformers"`` (the
             model's own forward; no packed copy of its weights). See `TorchRunner` and
             `tokenrouter_sdk.backends.native_forward`.
-        attention: how torch models attend cached keys on a CPU (`TorchRunner` ``attention``):
-            ``"auto"`` (default: the in-place paged attention kernel once built, gather + SDPA
-            until then), ``"kernel"`` (wait for it; RuntimeError if it cannot be built) or
-            ``"gather"``.
+        kernels: the engine's C++ CPU kernels for torch models on a CPU (`TorchRunner`
+            ``kernels``: in-place paged attention; fused norm, rotary and SiLU-gating ops in
+            float32 native steps): ``"auto"`` (default: once built, ATen ops until then),
+            ``"wait"`` (the first step waits for them; RuntimeError if they cannot be built) or
+            ``"off"``.
         prefill_peers: at admission, every model the request's policy may use
             (`Policy.may_use`, default all) besides its entry model prefills the prompt too, in
             its next step, and keeps it in KV: the first handoff to such a model then feeds only
@@ -152,7 +153,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     compile: bool | str = False
     model_impl: str = "auto"
-    attention: str = "auto"
+    kernels: str = "auto"
     prefill_peers: bool = False
     prefix_cache: bool = True
 
@@ -177,8 +178,8 @@ class EngineConfig:
             raise ValueError(f"compile must be False, True, 'background' or 'wait', got {self.compile!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
         if self.kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission must be one of {KV_ADMISSION}, got {self.kv_admission!r}")
         for name in ("block_size", "max_batch_tokens", "max_batch_size", "max_hops_without_commit"):

@@ -201,8 +201,8 @@ def cmd_eval(args) -> int:
     kwargs["prefix_cache"] = not args.no_prefix_cache
     if args.model_impl:
         kwargs["model_impl"] = args.model_impl
-    if args.attention:
-        kwargs["attention"] = args.attention
+    if args.kernels:
+        kwargs["kernels"] = args.kernels
     print(describe_pair(args), flush=True)
     refs = False if args.no_references else (args.references.split(",") if args.references else True)
     from ..models import ModelLoadError

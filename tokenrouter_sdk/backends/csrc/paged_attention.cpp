@@ -201,7 +201,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
 
 }  // namespace
 
-TORCH_LIBRARY(tokenrouter_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(tokenrouter_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor q_start, "
         "Tensor q_len, Tensor kv_len, float scale, int chunk=0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
