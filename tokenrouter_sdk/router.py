@@ -331,7 +331,7 @@ class Router:
         recipe = ModelRecipe(folder if folder is not None else model, dtype=dtype,
                              device="cuda" if p.device.type == "cuda" else p.device.type)
         return TensorParallelRunner(recipe, tp, max_kv_tokens=kv_tokens, block_size=config.block_size,
-                                    model_impl=config.model_impl)
+                                    model_impl=config.model_impl, kernels=config.kernels)
 
     @classmethod
     def default(cls, policy: Policy | None = None, *, small_layers: int | None = None, draft=None, dtype=None,

@@ -9,9 +9,11 @@ What it measures, in one process:
               embedding once, through the LM head), so it cannot take less.
   step        the `TorchRunner` forward of a batch of B decodes (context ``--context`` tokens
               each), eager (``compile=False``) and compiled (``compile="wait"``) runners of the
-              same model (the default native forward), and an eager runner of the transformers
-              forward (``model_impl="transformers"``: the step before the native forward), steps
-              interleaved (transformers, eager, compiled, transformers, ...); median and min of
+              same model (the default native forward, with the C++ CPU kernels: ``kernels="wait"``),
+              the eager one again with ``kernels="off"`` (ATen ops, attention over a gathered
+              copy), and an eager runner of the transformers forward (``model_impl="transformers"``,
+              ``kernels="off"``: the step before the native forward), steps interleaved
+              (transformers, eager, no kernels, compiled, transformers, ...); median and min of
               ``--steps``. The compiled runner's compile time is printed (cold or warm:
               inductor's disk cache).
 The table: per model and batch, transformers-forward ms, eager ms, compiled ms, eager's speedup
@@ -82,8 +84,9 @@ def main(argv=None) -> int:
         wb = weight_bytes(model)
         bound_ms = wb / (bw["read_gb_s_best"] * 1e9) * 1e3
         need = max(a.batch) * (-(-(a.context + a.steps * 2 + 8) // 16) * 16)
-        hf = TorchRunner(model, max_kv_tokens=need + 64, model_impl="transformers")
-        eager = TorchRunner(model, max_kv_tokens=need + 64)
+        hf = TorchRunner(model, max_kv_tokens=need + 64, model_impl="transformers", kernels="off")
+        eager = TorchRunner(model, max_kv_tokens=need + 64, kernels="wait")
+        nok = TorchRunner(model, max_kv_tokens=need + 64, kernels="off")
         comp = TorchRunner(model, max_kv_tokens=need + 64, compile="wait")
         t0 = time.perf_counter()
         comp.wait_compiled()
@@ -92,27 +95,28 @@ def main(argv=None) -> int:
               f"({comp.compile_error or 'ok'})", flush=True)
         for b in a.batch:
             tabs = {}
-            for r in (hf, eager, comp):
+            for r in (hf, eager, nok, comp):
                 tabs[id(r)] = []
                 for i in range(b):
                     t: list[int] = []
                     r.pool.ensure(t, a.context + a.steps * 2 + 8)
                     tabs[id(r)].append(t)
                 r.forward([SeqInput([5 + i] * a.context, 0, t) for i, t in enumerate(tabs[id(r)])])
-            th, te, tc = [], [], []
+            th, te, tn, tc = [], [], [], []
             for s in range(a.steps + 2):
-                for r, acc in ((hf, th), (eager, te), (comp, tc)):
+                for r, acc in ((hf, th), (eager, te), (nok, tn), (comp, tc)):
                     feed = [SeqInput([7 + i], a.context + s, t) for i, t in enumerate(tabs[id(r)])]
                     t0 = time.perf_counter()
                     r.forward(feed)
                     if s >= 2:
                         acc.append(time.perf_counter() - t0)
-            for r in (hf, eager, comp):
+            for r in (hf, eager, nok, comp):
                 for t in tabs[id(r)]:
                     r.pool.free(t)
             row = {"model": name, "batch": b, "dtype": a.dtype, "weights_mb": round(wb / 1e6, 1),
                    "bound_ms": round(bound_ms, 2), "transformers_ms": round(statistics.median(th) * 1e3, 2),
                    "eager_ms": round(statistics.median(te) * 1e3, 2),
+                   "nokernels_ms": round(statistics.median(tn) * 1e3, 2),
                    "compiled_ms": round(statistics.median(tc) * 1e3, 2), "eager_min_ms": round(min(te) * 1e3, 2),
                    "compiled_min_ms": round(min(tc) * 1e3, 2), "compile_s": round(compile_s, 1)}
             row["speedup"] = round(row["eager_ms"] / row["compiled_ms"], 3)
@@ -122,12 +126,12 @@ def main(argv=None) -> int:
             steps[(name, b)] = row
             rows.append(row)
             print(f"  B={b}: transformers {row['transformers_ms']:.1f} ms, eager {row['eager_ms']:.1f} ms "
+                  f"(no kernels {row['nokernels_ms']:.1f}) "
                   f"(min {row['eager_min_ms']:.1f}), compiled "
                   f"{row['compiled_ms']:.1f} ms (min {row['compiled_min_ms']:.1f}), x{row['speedup']:.2f}; "
                   f"over bound {row['eager_over_bound']:.2f} / {row['compiled_over_bound']:.2f}", flush=True)
-        hf.release()
-        eager.release()
-        comp.release()
+        for r in (hf, eager, nok, comp):
+            r.release()
     for b in a.batch:
         s, lg = steps[("small", b)], steps[("large", b)]
         for row in (s, lg):
@@ -138,7 +142,7 @@ def main(argv=None) -> int:
               f"{s['small_large_eager']:.2f}, compiled {s['small_large_compiled']:.2f}")
     print(evalkit.table(rows, [("model", "model", ""), ("batch", "B", "d"), ("bound_ms", "bound ms", ".1f"),
                                ("transformers_ms", "transformers ms", ".1f"), ("eager_ms", "eager ms", ".1f"),
-                               ("compiled_ms", "compiled ms", ".1f"), ("native_speedup", "eager x", ".2f"),
+                               ("nokernels_ms", "no kernels ms", ".1f"), ("compiled_ms", "compiled ms", ".1f"), ("native_speedup", "eager x", ".2f"),
                                ("speedup", "compiled x", ".2f"), ("eager_over_bound", "eager/bound", ".2f"),
                                ("compiled_over_bound", "compiled/bound", ".2f")]))
     out = evalkit.Output(a, __file__, evalkit.cells_tag(a.dtype, b=a.batch))

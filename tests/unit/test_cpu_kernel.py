@@ -216,3 +216,17 @@ def test_step_ops_equal_their_aten_formulas(op):
         ops.silu_mul(gate.double(), up.double())
     with pytest.raises(RuntimeError, match="even head size"):
         ops.rope(torch.randn(2, 1, 5), torch.randn(2, 5), torch.randn(2, 5))
+
+
+def test_a_lock_file_left_by_a_killed_builder_does_not_block_the_next(op, tmp_path):
+    """torch's build lock file, left behind by a builder killed mid-build, would make every later
+    load wait for ever: a fresh process loads the kernels within the timeout all the same."""
+    import subprocess
+    import sys
+    lock = cpu_kernels.build_directory(cpu_kernels.build_name()) / "lock"
+    lock.write_text("")
+    code = ("from tokenrouter_sdk.backends import cpu_kernels as c\n"
+            "assert c.paged_attention_op(wait=True, timeout=100) is not None, c.error()\nprint('loaded')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "loaded" in p.stdout, p.stderr[-2000:]
+    assert not lock.exists()

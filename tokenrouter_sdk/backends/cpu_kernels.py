@@ -3,25 +3,32 @@
 pool, and ``csrc/step_ops.cpp``, the fused float32 norm, rotary and SiLU-gating ops of the
 native forward's eager steps (`StepOps`).
 
-Why: without it a decode or extend step gathers every request's whole cached K/V into a padded
-copy in each layer (``index_select``) and runs SDPA over the copy, so it reads and writes its
-cache three times. On a CPU whose last-level cache is smaller than that copy, the gather and
-the second read cost about as much as the GEMMs at long contexts: on a 2-core AMD EPYC (32 MiB
-L3), SmolLM2-135M with 2 requests of 1,100 keys, about 18 ms of a 56 ms step. The kernel reads
-each key's pool row once (all heads at once, prefetched a few keys ahead) and splits long
-contexts into chunks merged by their log-sum-exp (split-K, as flash-decoding: Dao et al.,
-"Flash-Decoding for long-context inference", 2023), on torch's own thread pool. Numbers in
-`docs/benchmarks.md`.
+Why, attention: without the kernel a decode or extend step gathers every request's whole
+cached K/V into a padded copy in each layer (``index_select``) and runs SDPA over the copy, so
+it reads and writes its cache three times. On a CPU whose last-level cache is smaller than that
+copy, the gather and the second read cost about as much as the GEMMs at long contexts: on a
+2-core AMD EPYC (32 MiB L3), SmolLM2-135M with 2 requests of 1,100 keys, about 18 ms of a 56 ms
+step. The kernel reads each key's pool row once (all heads at once, prefetched a few keys
+ahead) and splits long contexts into chunks merged by their log-sum-exp (split-K, as
+flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023), on torch's own
+thread pool (``at::parallel_for``, so `torch.set_num_threads` and core lending apply).
+
+Why, step ops: between a decode step's GEMMs the eager native forward made about 30 ATen calls
+per layer (RMSNorm alone is about eight on a CPU), each a few to tens of microseconds at decode
+sizes; one fused call each for RMSNorm, the rotary embedding of q and of k, and SiLU gating
+leaves about 3 ms of such work in that 56 ms step. vLLM's CPU backend has its own ops for the
+same work; `torch.compile` (``compile=True``) fuses it too, at a compile cost.
 
 How: the first `paged_attention_op` call (a runner's first CPU step, or `start`) builds the
-extension in a background thread with the C++ compiler (``c++``) and ninja (the ``ninja`` wheel),
-under torch's extension
-directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); a later process
-loads the cached library in well under a second. The name of the build hashes the source, the
-flags, the torch version and the CPU's flags (it is compiled with ``-march=native``), so a
-changed source or another CPU gets its own build. Until the kernel is loaded, and wherever it
-cannot be (no compiler, another platform), `paged_attention_op` returns None and steps gather as
-before; ``error`` says why. The state is per process, as the loaded library is.
+extension in a background thread with the C++ compiler (``c++``) and ninja (the ``ninja``
+wheel), under torch's extension under torch's extension directory (`build_directory`; ``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), one process at a time (an OS lock, so a builder killed mid-build
+never blocks the next one): about 8-25 s on 2 cores; a later process loads the cached
+library in well under a second. The name of the build hashes the sources, the flags, the torch
+version and the CPU's flags (it is compiled with ``-march=native``), so a changed source or
+another CPU gets its own build. Until the kernels are loaded, and wherever they cannot be (no
+compiler, another platform), `paged_attention_op` and `step_ops` return None and steps run
+ATen ops as before; `error` says why. The state is per process, as the loaded library is.
 """
 
 from __future__ import annotations
@@ -61,10 +68,8 @@ class _Build:
         t0 = time.perf_counter()
         try:
             if not _loaded():
-                from torch.utils import cpp_extension
                 _find_ninja()
-                cpp_extension.load(name=build_name(), sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                                   extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
+                _build_and_load(build_name())
             self.op = torch.ops.tokenrouter_cpu.paged_attention
         except Exception as e:  # no compiler or ninja, another platform: steps keep gathering
             self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -73,6 +78,42 @@ class _Build:
 
 
 _BUILD = _Build()
+
+
+def build_directory(name: str) -> Path:
+    """Where the build of ``name`` lives: ``tokenrouter/<name>`` under torch's extension root
+    (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)."""
+    import os
+
+    from torch.utils import cpp_extension
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / "tokenrouter" / name
+
+
+def _build_and_load(name: str) -> None:
+    """`torch.utils.cpp_extension.load` of the sources into `build_directory`, one process at a
+    time. torch serialises builders with a lock file that a builder killed mid-build (a notebook
+    interrupted, a sub-server process stopped at shutdown) leaves behind, and every later load
+    then waits for it forever. Here each builder first takes an OS lock (``flock``, released
+    when its process dies, however it dies) and, holding it, removes torch's lock file: any such
+    file is then a dead builder's."""
+    from torch.utils import cpp_extension
+    d = build_directory(name)
+    d.mkdir(parents=True, exist_ok=True)
+    kw = dict(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+              is_python_module=False, verbose=False, build_directory=str(d))
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock only
+        cpp_extension.load(**kw)
+        return
+    with open(d / "tokenrouter.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (d / "lock").unlink(missing_ok=True)
+            cpp_extension.load(**kw)
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _find_ninja() -> None:

@@ -200,7 +200,7 @@ def _follower_main() -> None:
     store, group = _group("127.0.0.1", store_port, rank, tp, runner_kw.get("device", "cpu"), timeout_s)
     shard_model(model, rank, tp, group)
     runner = TorchRunner(model, max_kv_tokens=runner_kw["max_kv_tokens"], block_size=runner_kw["block_size"],
-                         model_impl=runner_kw.get("model_impl", "auto"))
+                         model_impl=runner_kw.get("model_impl", "auto"), kernels=runner_kw.get("kernels", "auto"))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.connect(address)
@@ -244,6 +244,7 @@ class TensorParallelRunner:
         start: start the ranks now (default False: at `start` / `prepare_process`).
         model_impl: every rank's `TorchRunner` ``model_impl`` (the native forward calls the
             row-wise linears as modules, so their all-reduce hooks run).
+        kernels: every rank's `TorchRunner` ``kernels`` (the C++ CPU kernels).
 
     Raises:
         TensorParallelError: the model's heads do not divide by ``tp`` (names both numbers).
@@ -254,12 +255,14 @@ class TensorParallelRunner:
     """
 
     def __init__(self, recipe: ModelRecipe, tp: int, *, max_kv_tokens: int = 8192, block_size: int = 16,
-                 threads: int = 1, timeout_s: float = 120.0, start: bool = False, model_impl: str = "auto"):
+                 threads: int = 1, timeout_s: float = 120.0, start: bool = False, model_impl: str = "auto",
+                 kernels: str = "auto"):
         from ..engine.kv_pool import KVPool
         if tp < 2:
             raise TensorParallelError(f"TensorParallelRunner needs tp >= 2, got {tp} (tp = 1: use TorchRunner)")
         self.recipe, self.tp, self.timeout_s, self.threads = recipe, tp, timeout_s, threads
         self.max_kv_tokens, self.block_size, self.model_impl = max_kv_tokens, block_size, model_impl
+        self.kernels = kernels
         cfg = recipe.config()
         check_divisible(cfg, tp)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -319,7 +322,7 @@ class TensorParallelRunner:
         self._dir = tempfile.mkdtemp(prefix="tokenrouter-tp-")
         self._ctx = zmq.Context()
         runner_kw = {"max_kv_tokens": self.max_kv_tokens, "block_size": self.block_size, "device": recipe.device,
-                     "model_impl": self.model_impl}
+                     "model_impl": self.model_impl, "kernels": self.kernels}
         code = "from tokenrouter_sdk.backends.tensor_parallel import _follower_main; _follower_main()"
         try:
             for r in range(1, tp):
@@ -352,7 +355,7 @@ class TensorParallelRunner:
             raise
         self.pool.release()
         self.local = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
-                                 model_impl=self.model_impl)
+                                 model_impl=self.model_impl, kernels=self.kernels)
         self.pool = self.local.pool
         self.device = self.local.device
 

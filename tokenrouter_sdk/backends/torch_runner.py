@@ -174,6 +174,8 @@ def _attend_kernel(fb: ForwardBatch, kc: torch.Tensor, vc: torch.Tensor, q: torc
     return out
 
 
+KERNEL_WAIT_S = 600.0  # the longest a kernels="wait" step waits for the C++ kernels' build
+
 # Queries of one extend the in-place kernel attends (more go to SDPA over a gathered copy, whose
 # GEMMs beat the kernel's per-query loops once a request feeds many tokens).
 KERNEL_MAX_QUERIES = 16
@@ -553,9 +555,10 @@ class TorchRunner:
         ``kernels`` argument."""
         if not self._kernels_apply():
             return None
-        op = cpu_kernels.paged_attention_op(wait=self.kernels == "wait")
+        op = cpu_kernels.paged_attention_op(wait=self.kernels == "wait", timeout=KERNEL_WAIT_S)
         if op is None and self.kernels == "wait":
-            raise RuntimeError(f"kernels='wait': the C++ CPU kernels could not be built ({cpu_kernels.error()}); "
+            why = cpu_kernels.error() or f"still building after {KERNEL_WAIT_S:.0f} s"
+            raise RuntimeError(f"kernels='wait': the C++ CPU kernels could not be built ({why}); "
                                f"install a C++ compiler, or use kernels='auto' or 'off'")
         return op
 
