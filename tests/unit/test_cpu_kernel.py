@@ -11,17 +11,16 @@ import shutil
 import pytest
 import torch
 
-from tokenrouter_sdk import Router, SamplingParams
+from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends import cpu_kernels
 from tokenrouter_sdk.backends import torch_runner as TR
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.config import EngineConfig
 from tokenrouter_sdk.engine.runner import SeqInput
-from tokenrouter_sdk.models import tiny_model, truncate
+from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
-from tokenrouter_sdk.reference import reference_generate
 
-from ..helpers import mixed_prompts
+from .test_native_forward import routed_float32_run_equals_reference
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler: the kernel cannot be built here (steps gather)")
@@ -178,22 +177,9 @@ def test_kernels_choice_is_checked_and_passed_on(pair, tok):
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_routed_generation_with_the_kernel_equals_reference(tok, op, mode):
-    """float32 pair, 6 requests in flight, handoffs both ways (returns are extends): routed greedy
-    output equals the naive reference (transformers, one request at a time, no cache)."""
-    large = tiny_model(num_layers=4, seed=13, dtype=torch.float32, initializer_range=0.5)
-    models = {"small": truncate(large, 2), "large": large}
-    policy = RandomRouting(p=0.3, seed=4)
-    prompts = mixed_prompts(6, seed=13)
-    params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    with Router(models, policy, tokenizer=tok, max_kv_tokens=2048, mode=mode, kernels="wait",
-                processes=False) as r:
-        outs = r.generate(prompts, sampling=params, concurrency=6)
-    hops = 0
-    for o in outs:
-        ref = reference_generate(models, o.prompt, policy, params, rid=o.rid)
-        assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
-        hops += o.hops
-    assert hops >= 4
+    """float32 pair with the kernels (returns are extends, float32 steps run the fused ops):
+    routed greedy output equals the naive reference."""
+    routed_float32_run_equals_reference(tok, mode, kernels="wait", processes=False)
 
 
 def test_step_ops_equal_their_aten_formulas(op):

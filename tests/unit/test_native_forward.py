@@ -307,25 +307,34 @@ def test_router_passes_model_impl(pair, tok):
         assert {x.impl for x in r.engine.runners.values()} == {"native"}
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_routed_float32_generation_with_packed_steps_equals_reference(tok, mode):
-    """A float32 pair (truncation) at 6 requests in flight, so decode steps run the packed
-    projections: routed greedy output equals the naive reference (transformers, one request at
-    a time, no cache)."""
+def routed_float32_run_equals_reference(tok, mode, check_router=None, **router_kw):
+    """A float32 pair (truncation) at 6 requests in flight, handoffs both ways: routed greedy
+    output equals the naive reference (transformers, one request at a time, no cache), with at
+    least 4 hops. ``check_router(router)`` runs before the Router closes."""
     large = tiny_model(num_layers=4, seed=13, dtype=torch.float32, initializer_range=0.5)
     models = {"small": truncate(large, 2), "large": large}
     policy = RandomRouting(p=0.3, seed=4)
     prompts = mixed_prompts(6, seed=13)
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    with Router(models, policy, tokenizer=tok, max_kv_tokens=2048, mode=mode) as r:
+    with Router(models, policy, tokenizer=tok, max_kv_tokens=2048, mode=mode, **router_kw) as r:
         outs = r.generate(prompts, sampling=params, concurrency=6)
-        assert r.engine.runners["large"]._native._plan[0][0].packed is not None
+        if check_router is not None:
+            check_router(r)
     hops = 0
     for o in outs:
         ref = reference_generate(models, o.prompt, policy, params, rid=o.rid)
         assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
         hops += o.hops
     assert hops >= 4
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_routed_float32_generation_with_packed_steps_equals_reference(tok, mode):
+    """Decode steps of 6 requests run the packed projections; routed output equals the naive
+    reference."""
+    def packed(r):
+        assert r.engine.runners["large"]._native._plan[0][0].packed is not None
+    routed_float32_run_equals_reference(tok, mode, packed)
 
 
 def test_between_layers_is_called_after_every_layer_and_never_travels():
