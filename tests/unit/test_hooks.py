@@ -348,8 +348,13 @@ def fed_per_step(events, model="large"):
 
 @pytest.mark.parametrize("params,concurrency", MODES)
 def test_prefill_peers_feeds_only_the_unseen_suffix(pair, tok, params, concurrency):
+    """With ``prefill_peers`` the large model prefills each prompt at admission, so the first
+    handoff feeds only the 5 tokens written since. Run in ``mode="sync"`` (a global step barrier):
+    the large model's admission prefill is then its first step whatever the thread timing (in
+    ``async`` a one-token prompt's 5 small steps may all end before the large model's first step
+    starts, which then feeds prompt and handoff together, correctly)."""
     prompts = mixed_prompts(8, seed=concurrency)
-    outs, events = run(pair, tok, HandAfter(), params, concurrency, prompts, prefill_peers=True)
+    outs, events = run(pair, tok, HandAfter(), params, concurrency, prompts, prefill_peers=True, mode="sync")
     at_hop, fed = fed_per_step(events)
     assert set(at_hop) == {o.rid for o in outs}
     for o in outs:
