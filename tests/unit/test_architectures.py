@@ -43,6 +43,7 @@ ARCHS = {
     "mistral": dict(arch="mistral", sliding_window=W),
     "qwen2": dict(arch="qwen2", use_sliding_window=True, sliding_window=W, max_window_layers=1),
     "qwen3": dict(arch="qwen3"),
+    "gemma": dict(arch="gemma", initializer_range=0.5),
     "gemma2": dict(arch="gemma2", sliding_window=W, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
                    query_pre_attn_scalar=24, initializer_range=0.5),
     # Gemma 3's attention passes no soft-cap even when the config has one: neither does ours
@@ -52,6 +53,7 @@ ARCHS = {
 # what each case's runner must have read from the model: per layer (window, soft-cap)
 EXPECTED = {
     "llama": [(None, None)] * 4, "llama_rope": [(None, None)] * 4, "qwen3": [(None, None)] * 4,
+    "gemma": [(None, None)] * 4,
     "mistral": [(W, None)] * 4,
     "qwen2": [(None, None)] + [(W, None)] * 3,
     "gemma2": [(W, 2.0), (None, 2.0)] * 2,

@@ -146,11 +146,14 @@ class ModelRecipe:
     def attention_spec(self, allow_unknown: bool = False):
         """The model's `AttentionSpec` (`tokenrouter_sdk.backends.attention.spec`): read from the
         model object, or from a weightless copy built from the folder's config."""
-        from .attention import read_spec, read_spec_from_config, use_paged_attention
-        if isinstance(self.source, (str, os.PathLike)):
-            return read_spec_from_config(self.config(), allow_unknown=allow_unknown)
-        use_paged_attention(self.source)
-        return read_spec(self.source, allow_unknown=allow_unknown)
+        from .attention import read_spec, use_paged_attention
+        model = self.source
+        if isinstance(model, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.config())
+        use_paged_attention(model)
+        return read_spec(model, allow_unknown=allow_unknown)
 
     def torch_dtype(self) -> torch.dtype:
         """The dtype the ranks hold the weights in (``"auto"``: the checkpoint's own)."""

@@ -14,8 +14,8 @@ from .batch import PadSeq, pack
 from .hf import ATTN_NAME, paged_mask, register_attention, use_paged_attention
 from .interface import attend_paged, attend_tokens
 from .metadata import DecodeView, ForwardBatch, KernelPart, Tile
-from .spec import AttentionSpec, LayerParams, UnsupportedAttention, read_spec, read_spec_from_config
+from .spec import AttentionSpec, LayerParams, UnsupportedAttention, read_spec
 
 __all__ = ["ATTN_NAME", "AttentionSpec", "DecodeView", "ForwardBatch", "KernelPart", "LayerParams", "PadSeq", "Tile",
            "UnsupportedAttention", "attend_paged", "attend_tokens", "pack", "paged_mask", "read_spec",
-           "read_spec_from_config", "register_attention", "use_paged_attention"]
+           "register_attention", "use_paged_attention"]

@@ -255,16 +255,3 @@ def read_spec(model, *, allow_unknown: bool = False, probes: list | None = None)
         raise UnsupportedAttention(f"{name}: the attention modules' layer_idx are {sorted(layers)}, not 0..{n - 1}: "
                                    f"each layer needs its own KV pool layer")
     return AttentionSpec(name, tuple(layers[i] for i in range(n)), float(final) if final else None, tuple(ignored))
-
-
-def read_spec_from_config(config, *, allow_unknown: bool = False) -> AttentionSpec:
-    """`read_spec` of a model built from ``config`` on the meta device (no memory, no weights):
-    for a runner that has only the config in hand (a tensor-parallel runner before its ranks
-    load the weights)."""
-    from transformers import AutoModelForCausalLM
-
-    from .hf import use_paged_attention
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    use_paged_attention(model)
-    return read_spec(model, allow_unknown=allow_unknown)
