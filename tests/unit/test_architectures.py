@@ -242,8 +242,6 @@ def test_a_tensor_parallel_runner_refuses_before_its_ranks_start():
 def test_an_architecture_without_a_native_forward_takes_its_own_scales(tok):
     """Granite (no native forward, ``attention_multiplier`` as its attention scale, embedding and
     residual multipliers in its own modules) on the transformers path equals the reference."""
-    large = _granite(attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5,
-                     num_hidden_layers=4) if False else None
     from transformers import GraniteConfig, GraniteForCausalLM
     cfg = GraniteConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, attention_multiplier=0.3,
