@@ -259,6 +259,8 @@ def cmd_bench(args) -> int:
         kw["model_impl"] = args.model_impl
     if args.kernels and args.backend != "sim":
         kw["kernels"] = args.kernels
+    if getattr(args, "allow_unknown_attention", False) and args.backend != "sim":
+        kw["allow_unknown_attention"] = True
     print(environment())
     deadline = time.monotonic() + 60 * args.time_budget_min if args.time_budget_min else None
     log = CsvLog(args.out + ".csv")

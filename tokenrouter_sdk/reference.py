@@ -26,11 +26,20 @@ MAX_RESAMPLES = 16  # EngineConfig.max_hops_without_commit's default
 
 @torch.inference_mode()
 def _last(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(last-position logits [V], last hidden [H], every position's hidden [n, H])."""
+    """(last-position logits [V], last hidden [H], every position's hidden [n, H]) from the
+    model's own causal-LM forward (whatever it does after the LM head, e.g. Gemma's final-logit
+    soft-capping, included). The decoder's output is caught by a hook held for this call only
+    (``output_hidden_states`` would leave transformers' capturing hooks on the layers)."""
     dev = next(model.parameters()).device
     dec = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    hs = dec(input_ids=torch.tensor([ids], device=dev), use_cache=False).last_hidden_state[0]
-    return model.get_output_embeddings()(hs[-1]), hs[-1], hs
+    seen = []
+    hook = dec.register_forward_hook(lambda mod, args, out: seen.append(out.last_hidden_state[0]))
+    try:
+        logits = model(input_ids=torch.tensor([ids], device=dev), use_cache=False, logits_to_keep=1).logits[0, -1]
+    finally:
+        hook.remove()
+    hs = seen[-1]
+    return logits, hs[-1], hs
 
 
 def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, params: SamplingParams,

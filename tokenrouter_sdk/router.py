@@ -116,7 +116,7 @@ class Router:
             default sizing: a share of the memory left after the weights, see
             `tokenrouter_sdk.kv_sizing`), ``block_size``, ``max_batch_tokens``,
             ``max_batch_size``, ``max_concurrency``, ``kv_admission``, ``backend`` (``"torch"`` or
-            ``"sim"``), ``processes``, ``cuda_graphs``, ``compile``, ``model_impl``, ``kernels``, ``prefill_peers``, ``prefix_cache``. See
+            ``"sim"``), ``processes``, ``cuda_graphs``, ``compile``, ``model_impl``, ``kernels``, ``allow_unknown_attention``, ``prefill_peers``, ``prefix_cache``. See
             `EngineConfig` for each.
 
     Attributes:
@@ -293,7 +293,8 @@ class Router:
             else:
                 runners[name] = TorchRunner(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
                                             cuda_graphs=config.cuda_graphs, compile=config.compile,
-                                            model_impl=config.model_impl, kernels=config.kernels)
+                                            model_impl=config.model_impl, kernels=config.kernels,
+                                            allow_unknown_attention=config.allow_unknown_attention)
             eos += token_ids(getattr(getattr(m, "generation_config", None), "eos_token_id", None))
         self.kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
                                                        "runner") for n in names}
@@ -331,7 +332,8 @@ class Router:
         recipe = ModelRecipe(folder if folder is not None else model, dtype=dtype,
                              device="cuda" if p.device.type == "cuda" else p.device.type)
         return TensorParallelRunner(recipe, tp, max_kv_tokens=kv_tokens, block_size=config.block_size,
-                                    model_impl=config.model_impl, kernels=config.kernels)
+                                    model_impl=config.model_impl, kernels=config.kernels,
+                                    allow_unknown_attention=config.allow_unknown_attention)
 
     @classmethod
     def default(cls, policy: Policy | None = None, *, small_layers: int | None = None, draft=None, dtype=None,

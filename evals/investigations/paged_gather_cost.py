@@ -4,10 +4,10 @@ decode requests that may share leading blocks (the prefix cache gives requests b
 prompt prefix the same blocks):
 
   gather    each layer gathers every request's keys and values (``index_select``), then one
-            padded SDPA call (`attend_paged` below the threshold)
+            padded SDPA call (`tokenrouter_sdk.backends.attention.gather`, below the threshold)
   cascade   the shared keys once for all requests, each request's own keys apart, merged by the
-            log-sum-exp (`_attend_cascade`; `attend_paged` uses it when (requests - 1) x shared
-            keys >= `CASCADE_MIN_SAVED`)
+            log-sum-exp (`tokenrouter_sdk.backends.attention.cascade`, used when (requests - 1) x
+            shared keys >= its ``MIN_SAVED``)
   kernel    the in-place CPU kernel (`tokenrouter_sdk.backends.cpu_kernels`, what CPU steps run by
             default once it is built): reads each key's pool row once, no copy
 
@@ -39,12 +39,15 @@ def main(argv=None) -> int:
     import torch
 
     from tokenrouter_sdk.backends import cpu_kernels
-    from tokenrouter_sdk.backends import torch_runner as tr
+    from tokenrouter_sdk.backends import attention as A
+    from tokenrouter_sdk.backends.attention import cascade as C
+    from tokenrouter_sdk.backends.attention import gather as G
     op = cpu_kernels.paged_attention_op(wait=True)
     if op is None:
         print(f"the CPU kernel could not be built ({cpu_kernels.error()}): its column stays empty")
 
     bs, hkv, h, d, layers = 16, 3, 9, 64, 30
+    params = A.LayerParams(None, None, 0.125)
     g = torch.Generator().manual_seed(0)
 
     class Pool:
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
         for i in range(b):
             table = torch.tensor(perm[:shared // bs] + perm[shared // bs + i * own:shared // bs + (i + 1) * own])
             kv[i] = table[pos // bs] * bs + pos % bs
-        return tr.ForwardBatch(Pool, kv[:, -1].clone(), torch.arange(b), kv, None, [], dec_shared=shared)
+        return A.DecodeView(kv, None, shared)
 
     def timed(fn):
         fn()
@@ -79,13 +82,11 @@ def main(argv=None) -> int:
 
         def gather():
             for layer in range(layers):
-                kd = Pool.k[layer].index_select(0, fb.dec_kv.view(-1)).view(b, keys, hkv, d).transpose(1, 2)
-                vd = Pool.v[layer].index_select(0, fb.dec_kv.view(-1)).view(b, keys, hkv, d).transpose(1, 2)
-                tr._attend(qd, kd, vd, None, 0.125)
+                G.attend_decodes(fb, params, Pool.k[layer], Pool.v[layer], qd)
 
         def cascade():
             for layer in range(layers):
-                tr._attend_cascade(fb, Pool.k[layer], Pool.v[layer], qd, 0.125)
+                C.attend(fb, params, Pool.k[layer], Pool.v[layer], qd)
 
         qk = q[0].transpose(0, 1).contiguous()  # [B, H, D]
         out = torch.empty_like(qk)
@@ -93,11 +94,11 @@ def main(argv=None) -> int:
 
         def kernel():
             for layer in range(layers):
-                op(out, qk, Pool.k[layer], Pool.v[layer], fb.dec_kv, torch.arange(b), ones, lens, 0.125)
+                op(out, qk, Pool.k[layer], Pool.v[layer], fb.kv, torch.arange(b), ones, lens, 0.125)
 
         row = {"requests": b, "keys": keys, "shared": shared, "gather_ms": timed(gather),
                "cascade_ms": timed(cascade), "kernel_ms": timed(kernel) if op is not None else None,
-               "cascade_on": (b - 1) * shared >= tr.CASCADE_MIN_SAVED}
+               "cascade_on": (b - 1) * shared >= C.MIN_SAVED}
         rows.append(row)
         print(f"{b} x {keys} keys, {shared} shared: gather {row['gather_ms']:.1f} ms, "
               f"cascade {row['cascade_ms']:.1f} ms, kernel {row['kernel_ms'] or float('nan'):.1f} ms", flush=True)

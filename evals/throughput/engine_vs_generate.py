@@ -54,7 +54,7 @@ def load_questions(n: int) -> list[str]:
 
 def set_attn(model, name: str) -> None:
     """Switch the model (and every module config it holds) to attention ``name``."""
-    from tokenrouter_sdk.backends.torch_runner import ATTN_NAME, use_paged_attention
+    from tokenrouter_sdk.backends.attention import ATTN_NAME, use_paged_attention
 
     if name == ATTN_NAME:
         use_paged_attention(model)
@@ -99,7 +99,7 @@ def run_engine(router, ids, c, m):
 def run_generate(model, ids, c, m, pad_id):
     import torch
 
-    from tokenrouter_sdk.backends.torch_runner import ATTN_NAME
+    from tokenrouter_sdk.backends.attention import ATTN_NAME
 
     set_attn(model, "sdpa")
     try:

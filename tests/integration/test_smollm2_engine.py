@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tokenrouter_sdk import Router
-from tokenrouter_sdk.backends.torch_runner import use_paged_attention
+from tokenrouter_sdk.backends.attention import use_paged_attention
 from tokenrouter_sdk.models import default_pair
 from tokenrouter_sdk.policies import LargeOnly, RandomRouting, RStitch
 from tokenrouter_sdk.reference import reference_generate

@@ -1,7 +1,7 @@
 """The C++ CPU kernels (`tokenrouter_sdk.backends.cpu_kernels`). The in-place paged attention: against
 attention computed from first principles over the gathered keys (decodes, extends, grouped-query
 heads, contexts split into several chunks, float32 and float64, both code paths of the dot
-product); rows it does not own stay untouched; bad inputs raise; a runner's steps equal the
+product, sliding windows and logit soft-caps); rows it does not own stay untouched; bad inputs raise; a runner's steps equal the
 gather path's; routed generation with it equals the naive reference. The fused float32 step ops
 (RMSNorm, rotary embedding, SiLU gating) equal their ATen formulas on strided inputs."""
 
@@ -13,7 +13,7 @@ import torch
 
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends import cpu_kernels
-from tokenrouter_sdk.backends import torch_runner as TR
+from tokenrouter_sdk.backends.attention import cpu_kernel
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.config import EngineConfig
 from tokenrouter_sdk.engine.runner import SeqInput
@@ -33,8 +33,9 @@ def op():
     return op
 
 
-def _reference(q, kc, vc, table, q_start, q_len, kv_len, scale):
-    """Per request and query: softmax(q k^T * scale) v over the visible keys, in float64."""
+def _reference(q, kc, vc, table, q_start, q_len, kv_len, scale, window=0, softcap=0.0):
+    """Per request and query: softmax(q k^T * scale) v over the visible keys (the last
+    ``window`` of them with a window; scores soft-capped with ``softcap``), in float64."""
     out = {}
     g = q.shape[1] // kc.shape[1]
     for r in range(table.shape[0]):
@@ -44,8 +45,11 @@ def _reference(q, kc, vc, table, q_start, q_len, kv_len, scale):
         for t in range(n):
             row = int(q_start[r]) + t
             seen = L - n + t + 1
-            s = torch.einsum("hd,lhd->hl", q[row].double(), k[:seen]) * scale
-            out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1), v[:seen])
+            lo = max(0, seen - window) if window else 0
+            s = torch.einsum("hd,lhd->hl", q[row].double(), k[lo:seen]) * scale
+            if softcap:
+                s = torch.tanh(s / softcap) * softcap
+            out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1), v[lo:seen])
     return out
 
 
@@ -89,6 +93,32 @@ def test_kernel_equals_attention_from_first_principles(op, dtype, tol, h, hkv, d
             assert (out[row] == 7.0).all(), row
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.5])
+@pytest.mark.parametrize("window", [1, 7, 64, 300])
+@pytest.mark.parametrize("chunk", [0, 5, 32])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_kernel_windows_and_softcap_equal_first_principles(op, dtype, tol, chunk, window, softcap):
+    """A sliding window (each query sees its last ``window`` keys, its own included) and a logit
+    soft-cap, for decodes and extends whose windows start inside, across and before chunk
+    boundaries; the keys outside every query's window are NaN in the pool, so a kernel that used
+    any of them would give NaN."""
+    reqs = [(1, 1), (1, 17), (1, 300), (3, 40), (1, 1100), (16, 530), (2, 2), (16, 16)]
+    q, kc, vc, table, q_start, q_len, kv_len = _case(dtype, 8, 2, 16, reqs, seed=4)
+    q = q * 3  # scores large enough for the soft-cap to bite
+    for r, (n, L) in enumerate(reqs):
+        first = max(0, L - n + 1 - window)
+        kc[table[r, :first]] = float("nan")
+        vc[table[r, :first]] = float("nan")
+    out = torch.full_like(q, 7.0)
+    op(out, q, kc, vc, table, q_start, q_len, kv_len, 0.25, chunk, window, softcap)
+    ref = _reference(q, kc, vc, table, q_start, q_len, kv_len, 0.25, window, softcap)
+    for row, want in ref.items():
+        torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
+    if softcap and window > 1:  # the cap bites (one key per query: the softmax is 1 whatever the score)
+        plain = _reference(q, kc, vc, table, q_start, q_len, kv_len, 0.25, window)
+        assert max((plain[r] - ref[r]).abs().max().item() for r in ref) > 1e-3
+
+
 @pytest.mark.parametrize("reqs", [[(1, 700), (1, 5), (4, 90)], [(16, 1000)]])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_is_the_same_on_any_thread_count(op, threads, reqs):
@@ -121,6 +151,10 @@ def test_kernel_rejects_what_does_not_fit(op):
         op(out, q, kc, vc, table.int(), q_start, q_len, kv_len, 1.0)
     with pytest.raises(RuntimeError, match="chunk must be"):
         op(out, q, kc, vc, table, q_start, q_len, kv_len, 1.0, -1)
+    with pytest.raises(RuntimeError, match="window must be"):
+        op(out, q, kc, vc, table, q_start, q_len, kv_len, 1.0, 0, -1)
+    with pytest.raises(RuntimeError, match="softcap must be"):
+        op(out, q, kc, vc, table, q_start, q_len, kv_len, 1.0, 0, 0, -2.0)
     with pytest.raises(RuntimeError, match="contiguous"):
         op(out, q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, table, q_start, q_len, kv_len, 1.0)
 
@@ -139,8 +173,8 @@ def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtyp
     one batch: logits and hidden states within rounding (float32 native steps also run the fused
     step ops), and the kernel ran."""
     calls = []
-    real = TR._attend_kernel
-    monkeypatch.setattr(TR, "_attend_kernel", lambda fb, *a: calls.append(fb.kern[3].tolist()) or real(fb, *a))
+    real = cpu_kernel.attend
+    monkeypatch.setattr(cpu_kernel, "attend", lambda kern, *a: calls.append(kern.q_len.tolist()) or real(kern, *a))
     model = tiny_model(num_layers=3, seed=21, dtype=dtype)
     runners = {a: TorchRunner(model, max_kv_tokens=8192, kernels=a, model_impl=model_impl) for a in ("wait", "off")}
     rng = random.Random(3)
@@ -157,7 +191,7 @@ def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtyp
         torch.testing.assert_close(outs["wait"].hidden, outs["off"].hidden, rtol=tol, atol=tol)
         starts = [s + len(f) for s, f in zip(starts, feed)]
     assert calls, "the kernel never ran"
-    assert all(n <= TR.KERNEL_MAX_QUERIES for c in calls for n in c)
+    assert all(n <= cpu_kernel.MAX_QUERIES for c in calls for n in c)
     assert any(n > 1 for c in calls for n in c), "no extend went through the kernel"
 
 
@@ -172,7 +206,7 @@ def test_kernels_choice_is_checked_and_passed_on(pair, tok):
         tb = []
         batch.pool.ensure(tb, 3)
         fb = batch._batch([SeqInput([5], 2, tb)])[0]
-        assert fb.kern is None and fb.dec_kv is not None
+        assert fb.kern is None and fb.dec is not None
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -184,12 +184,15 @@ def test_routed_generation_with_graphs_equals_reference(pair, tok, mode, process
     assert hops >= 4
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("mask_dims", [0, 2, 4])
 @pytest.mark.parametrize("nq", [1, 5])
-def test_grouped_query_attention_equals_repeated_kv(mask_dims, nq):
-    """`_attend` folds the query heads of a KV head into the query dimension: the same result as
-    repeating K/V per query head (transformers' repeat_kv) with the mask applied per query."""
-    from tokenrouter_sdk.backends.torch_runner import _attend
+def test_grouped_query_attention_equals_repeated_kv(mask_dims, nq, softcap):
+    """`attend_masked` folds the query heads of a KV head into the query dimension: the same
+    result as repeating K/V per query head (transformers' repeat_kv) with the mask applied per
+    query; with a soft-cap (the explicit-scores path) the same as the capped scores' softmax."""
+    from tokenrouter_sdk.backends.attention import LayerParams
+    from tokenrouter_sdk.backends.attention.gather import attend_masked
     g = torch.Generator().manual_seed(0)
     b, hkv, grp, L, d = 3, 2, 3, 11, 8
     q = torch.randn(b, hkv * grp, nq, d, generator=g, dtype=torch.float64)
@@ -199,8 +202,13 @@ def test_grouped_query_attention_equals_repeated_kv(mask_dims, nq):
     full[..., 0] = True
     mask = {0: None, 2: full[0, 0], 4: full}[mask_dims]
     kr, vr = k.repeat_interleave(grp, dim=1), v.repeat_interleave(grp, dim=1)
-    want = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
-    got = _attend(q, k, v, mask, None)
+    s = q @ kr.transpose(-1, -2) * d ** -0.5
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    want = s.softmax(-1) @ vr
+    got = attend_masked(q, k, v, mask, LayerParams(None, softcap, d ** -0.5))
     assert got.shape == (b, hkv * grp, nq, d)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 

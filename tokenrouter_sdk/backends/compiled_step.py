@@ -23,9 +23,11 @@ dimensions dynamic: one graph per model serves every batch size and token count 
 extend and mixed steps), so after the first compile a step never waits for another (the runner
 pads a batch to at least 2 requests and 2 tokens so that no size is 0 or 1, which dynamo would
 specialise). The attention calls the custom op ``tokenrouter::paged_attention(query, key, value,
-layer, scale)``; the op reads the step's `ForwardBatch` from a thread-local slot that
+layer)``; the op reads the step's `ForwardBatch` from a thread-local slot that
 `CompiledForward.__call__` fills (each sub-server thread has its own) and runs the same eager
-attention as the eager step: compiled and eager steps differ only by the fused arithmetic.
+attention as the eager step, with the layer's window, soft-cap and scale from the batch: compiled
+and eager steps differ only by the fused arithmetic. The final-logit soft-cap is applied by the
+runner after the compiled call, as after an eager one.
 
 Compile cost (2-core CPU, SmolLM2-135M, `docs/benchmarks.md`): about 20 s cold for the native
 forward, a minute or two for the transformers one; inductor's on-disk caches (under
@@ -41,6 +43,8 @@ import threading
 import time
 
 import torch
+
+from .attention import attend_paged, paged_mask
 
 _LOCAL = threading.local()  # the ForwardBatch of the step this thread runs (set around a compiled call)
 _REG_LOCK = threading.Lock()
@@ -66,15 +70,14 @@ def register_op() -> None:
         _REGISTERED = True
 
 
-def _op_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    from .torch_runner import attend_paged
+def _op_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int) -> torch.Tensor:
     fb = getattr(_LOCAL, "batch", None)
     if fb is None:
         raise RuntimeError("tokenrouter::paged_attention ran outside a compiled step (no ForwardBatch set)")
-    return attend_paged(fb, layer, query, key, value, scale)
+    return attend_paged(fb, layer, query, key, value)
 
 
-def _op_fake(query, key, value, layer, scale):
+def _op_fake(query, key, value, layer):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
@@ -105,10 +108,10 @@ class _OpProjection:
         return list(y.split(self.sizes, -1)) if len(self.sizes) > 1 else [y]
 
 
-def _op_attend(layer, q, k, v, scale):
+def _op_attend(layer, q, k, v):
     """Paged attention in a compiled native step: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
     t = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-    return torch.ops.tokenrouter.paged_attention(*t, layer, float(scale))[0]
+    return torch.ops.tokenrouter.paged_attention(*t, layer)[0]
 
 
 class _NativeStep(torch.nn.Module):
@@ -136,7 +139,8 @@ class _Step(torch.nn.Module):
         self.decoder, self.lm_head = decoder, lm_head
 
     def forward(self, ids, pos, last):
-        h = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_op=True).last_hidden_state
+        h = self.decoder(input_ids=ids, position_ids=pos, attention_mask=paged_mask(ids.device), use_cache=False,
+                         tr_op=True).last_hidden_state
         hidden = h[0, last]
         return self.lm_head(hidden), hidden, h
 

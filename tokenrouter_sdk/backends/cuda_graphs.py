@@ -14,9 +14,11 @@ most q tokens, whose longest context is n tokens, runs in the bucket (B, Q, L): 
 power of two >= b (up to ``max_batch``), Q = the next power of two >= q (up to ``max_query``),
 L = the next power of two >= n (at least ``min_context``). Each bucket owns static input
 buffers; a step copies its token ids, positions, KV slots and last-token indices into them (one
-host-to-device copy) and replays the graph, which builds the key mask from the positions, runs
-the whole decoder, the paged attention (every request's Q queries against its L keys) and the
-LM head on the last token of each request.
+host-to-device copy) and replays the graph, which builds the key masks from the positions (one
+per window of the model: a windowed layer's mask also hides the keys its window has left), runs
+the whole decoder, the paged attention (every request's Q queries against its L keys, with each
+layer's window, soft-cap and scale) and the LM head on the last token of each request (the
+runner applies the final-logit soft-cap to the graph's logits).
 
 Padding: tokens a request does not feed, and whole padding requests (b..B-1), feed token 0 and
 write their K/V to the first slot of the pool's scratch block (`KVPool` ``scratch_blocks``: never
@@ -47,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import DecodeView, ForwardBatch, paged_mask
+
 # CUDA allows one stream capture at a time per process, and the capture state of the CUDA runtime
 # is process-wide; sub-servers in threads of one process (processes=False) take turns here.
 _CAPTURE_LOCK = threading.Lock()
@@ -56,9 +60,9 @@ _CAPTURE_LOCK = threading.Lock()
 class _Bucket:
     """Static buffers of one (B, Q, L) bucket. The int64 inputs are views of one device buffer
     ``buf`` filled from ``host`` (pinned on CUDA) by one copy per step: ids, pos [1, B*Q];
-    slots [B*Q]; kv [B, L]; last [B] (packed index of each request's last fed token). ``mask``
-    [B, 1, Q, L] (bool, True = attend) is computed from ``pos`` inside the graph; logits [B, V]
-    and hidden [B, H] are the graph's outputs."""
+    slots [B*Q]; kv [B, L]; last [B] (packed index of each request's last fed token). ``masks``
+    [B, 1, Q, L] (bool, True = attend), one per window of the model (``windows``), are computed
+    from ``pos`` inside the graph; logits [B, V] and hidden [B, H] are the graph's outputs."""
 
     buf: torch.Tensor
     host: torch.Tensor
@@ -68,8 +72,10 @@ class _Bucket:
     kv: torch.Tensor
     last: torch.Tensor
     keys: torch.Tensor  # arange(L) on the device
-    mask: torch.Tensor
+    masks: tuple
+    windows: tuple
     batch: object  # the ForwardBatch the graph reads
+    attn_mask: torch.Tensor  # the prepared (empty) 4D mask handed to the decoder
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     graph: object = None
@@ -149,7 +155,6 @@ class DecodeGraphs:
 
     # -- buffers, capture, replay --------------------------------------------------------------
     def _new_bucket(self, B: int, Q: int, L: int) -> _Bucket:
-        from .torch_runner import ForwardBatch
         r = self.runner
         dev, long, T = r.device, torch.long, B * Q
         buf = torch.zeros(3 * T + B * L + B, dtype=long, device=dev)
@@ -161,15 +166,23 @@ class DecodeGraphs:
         kv.fill_(self.read_slot)
         last.copy_(torch.arange(B, device=dev) * Q)
         host.copy_(buf)
-        mask = torch.zeros(B, 1, Q, L, dtype=torch.bool, device=dev)
-        fb = ForwardBatch(r.pool, slots, torch.arange(T, device=dev), kv, mask, [], dec_qlen=Q)
-        return _Bucket(buf, host, ids, pos, slots, kv, last, torch.arange(L, device=dev), mask, fb)
+        spec = r.spec
+        masks = tuple(torch.zeros(B, 1, Q, L, dtype=torch.bool, device=dev) for _ in spec.windows)
+        fb = ForwardBatch(r.pool, slots, spec.layers, spec.view, dec_q=torch.arange(T, device=dev),
+                          dec=tuple(DecodeView(kv, m) for m in masks), dec_qlen=Q)
+        return _Bucket(buf, host, ids, pos, slots, kv, last, torch.arange(L, device=dev), masks, spec.windows, fb,
+                       paged_mask(dev))
 
     def _forward(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
-        B, _, Q, L = bk.mask.shape
-        torch.le(bk.keys.view(1, 1, 1, L), bk.pos.view(B, 1, Q, 1), out=bk.mask)  # query at p sees keys <= p
-        out = r.decoder(input_ids=bk.ids, position_ids=bk.pos, use_cache=False, tr_batch=bk.batch)
+        B, _, Q, L = bk.masks[0].shape
+        keys, qpos = bk.keys.view(1, 1, 1, L), bk.pos.view(B, 1, Q, 1)
+        for w, mask in zip(bk.windows, bk.masks):
+            torch.le(keys, qpos, out=mask)  # query at p sees keys <= p
+            if w is not None:  # ... and > p - window
+                mask.logical_and_(keys > qpos - w)
+        out = r.decoder(input_ids=bk.ids, position_ids=bk.pos, attention_mask=bk.attn_mask, use_cache=False,
+                        tr_batch=bk.batch)
         hidden = out.last_hidden_state[0, bk.last]
         return r.lm_head(hidden), hidden
 
@@ -226,7 +239,7 @@ class DecodeGraphs:
         it to the device in one transfer."""
         bsz = self.runner.pool.block_size
         B, L = bk.kv.shape
-        Q, b = bk.mask.shape[2], len(seqs)
+        Q, b = bk.masks[0].shape[2], len(seqs)
         T, nb, pad = B * Q, -(-L // bsz), B - b
         n = torch.tensor([len(s.tokens) for s in seqs] + [1] * pad)                    # [B] tokens fed
         start = torch.tensor([s.start for s in seqs] + [0] * pad)                     # [B]

@@ -10,7 +10,8 @@ with less work per step:
 - the rotary cos/sin are computed once per step, not once per layer, and applied with one roll
   (rotate_half's signs folded into the sine) instead of slices, a negation and a concatenation;
 - no attention masks, cache objects or keyword plumbing: one attention call per layer into the
-  paged attention (`tokenrouter_sdk.backends.torch_runner.attend_tokens`).
+  paged attention (`tokenrouter_sdk.backends.attention.attend_tokens`), which takes each layer's
+  window, soft-cap and scale from the runner's `AttentionSpec` (the transformers forward's too).
 vLLM, SGLang and nano-vllm run their own model implementations for the same reasons (merged
 QKV and gate-up linears, fused residual adds); transformers remains the fallback here for every
 other architecture (`native_support` says why a model is not taken).
@@ -83,8 +84,8 @@ class NativeForward:
     Args:
         model: a causal LM that `native_support` accepts, attention already switched to the paged
             one (its layers' ``layer_idx`` index the KV pool).
-        attend: the paged attention: ``attend(fb, layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D],
-            scale) -> [T, H, D]``.
+        attend: the paged attention: ``attend(fb, layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])
+            -> [T, H, D]`` (the layer's parameters come with ``fb``).
         pack: prepack projection weights where it pays (`tokenrouter_sdk.backends.projection`).
 
     Raises:
@@ -183,7 +184,7 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
         dec: the model's decoder (embedding, rotary embedding, layers, final norm).
         projections: callables in `NativeForward.projections` order; ``p(x [M, in])`` returns one
             output per merged linear, ``p(x, residual)`` returns ``residual + x W^T + b``.
-        attend: ``attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], scale) -> [T, H, D]``.
+        attend: ``attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H, D]``.
         ids, pos: [T] token ids and positions; last: [B] each request's last packed index.
         between: None, or called after each layer (no arguments).
         ops: None (ATen ops), or fused ops for the work between the GEMMs, with ``rms_norm(x,
@@ -220,7 +221,7 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
         q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
         if hasattr(a, "q_norm"):
             q, k = norm(q, a.q_norm), norm(k, a.k_norm)
-        y = attend(a.layer_idx, rope(q), rope(k), v, a.scaling)
+        y = attend(a.layer_idx, rope(q), rope(k), v)
         x = o(y.reshape(n, -1), x)
         g, u = gate_up(norm(x, layer.post_attention_layernorm))
         x = down(F.silu(g).mul_(u) if ops is None else ops.silu_mul(g, u), x)

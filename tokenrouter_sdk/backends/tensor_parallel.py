@@ -143,6 +143,18 @@ class ModelRecipe:
             return AutoConfig.from_pretrained(str(self.source))
         return self.source.config
 
+    def attention_spec(self, allow_unknown: bool = False):
+        """The model's `AttentionSpec` (`tokenrouter_sdk.backends.attention.spec`): read from the
+        model object, or from a weightless copy built from the folder's config."""
+        from .attention import read_spec, use_paged_attention
+        model = self.source
+        if isinstance(model, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.config())
+        use_paged_attention(model)
+        return read_spec(model, allow_unknown=allow_unknown)
+
     def torch_dtype(self) -> torch.dtype:
         """The dtype the ranks hold the weights in (``"auto"``: the checkpoint's own)."""
         if not isinstance(self.source, (str, os.PathLike)):
@@ -200,7 +212,8 @@ def _follower_main() -> None:
     store, group = _group("127.0.0.1", store_port, rank, tp, runner_kw.get("device", "cpu"), timeout_s)
     shard_model(model, rank, tp, group)
     runner = TorchRunner(model, max_kv_tokens=runner_kw["max_kv_tokens"], block_size=runner_kw["block_size"],
-                         model_impl=runner_kw.get("model_impl", "auto"), kernels=runner_kw.get("kernels", "auto"))
+                         model_impl=runner_kw.get("model_impl", "auto"), kernels=runner_kw.get("kernels", "auto"),
+                         allow_unknown_attention=runner_kw.get("allow_unknown_attention", False))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.connect(address)
@@ -245,9 +258,16 @@ class TensorParallelRunner:
         model_impl: every rank's `TorchRunner` ``model_impl`` (the native forward calls the
             row-wise linears as modules, so their all-reduce hooks run).
         kernels: every rank's `TorchRunner` ``kernels`` (the C++ CPU kernels).
+        allow_unknown_attention: every rank's `TorchRunner` ``allow_unknown_attention``. Each
+            rank reads its layers' attention parameters (window, soft-cap, scale) from its own
+            shard, as a single runner does; the constructor reads them from the model (or, for a
+            folder, from a weightless copy built from its config) to refuse an unsupported model
+            before any rank starts.
 
     Raises:
         TensorParallelError: the model's heads do not divide by ``tp`` (names both numbers).
+        UnsupportedAttention: the model's attention uses a feature the paged attention does not
+            compute (unless ``allow_unknown_attention``).
         RuntimeError: a rank did not start within ``timeout_s`` (names it and its exit code).
 
     Attributes:
@@ -256,15 +276,16 @@ class TensorParallelRunner:
 
     def __init__(self, recipe: ModelRecipe, tp: int, *, max_kv_tokens: int = 8192, block_size: int = 16,
                  threads: int = 1, timeout_s: float = 120.0, start: bool = False, model_impl: str = "auto",
-                 kernels: str = "auto"):
+                 kernels: str = "auto", allow_unknown_attention: bool = False):
         from ..engine.kv_pool import KVPool
         if tp < 2:
             raise TensorParallelError(f"TensorParallelRunner needs tp >= 2, got {tp} (tp = 1: use TorchRunner)")
         self.recipe, self.tp, self.timeout_s, self.threads = recipe, tp, timeout_s, threads
         self.max_kv_tokens, self.block_size, self.model_impl = max_kv_tokens, block_size, model_impl
-        self.kernels = kernels
+        self.kernels, self.allow_unknown_attention = kernels, bool(allow_unknown_attention)
         cfg = recipe.config()
         check_divisible(cfg, tp)
+        self.spec = recipe.attention_spec(self.allow_unknown_attention)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // tp
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
@@ -322,7 +343,8 @@ class TensorParallelRunner:
         self._dir = tempfile.mkdtemp(prefix="tokenrouter-tp-")
         self._ctx = zmq.Context()
         runner_kw = {"max_kv_tokens": self.max_kv_tokens, "block_size": self.block_size, "device": recipe.device,
-                     "model_impl": self.model_impl, "kernels": self.kernels}
+                     "model_impl": self.model_impl, "kernels": self.kernels,
+                     "allow_unknown_attention": self.allow_unknown_attention}
         code = "from tokenrouter_sdk.backends.tensor_parallel import _follower_main; _follower_main()"
         try:
             for r in range(1, tp):
@@ -355,7 +377,9 @@ class TensorParallelRunner:
             raise
         self.pool.release()
         self.local = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
-                                 model_impl=self.model_impl, kernels=self.kernels)
+                                 model_impl=self.model_impl, kernels=self.kernels,
+                                 allow_unknown_attention=self.allow_unknown_attention)
+        self.spec = self.local.spec
         self.pool = self.local.pool
         self.device = self.local.device
 

@@ -2,15 +2,16 @@
 that mixes prefill, decode and extend, with K/V kept in our own paged `KVPool`.
 
 How: the batch is packed into one [1, T] sequence (T = sum of the fed suffix lengths) with
-per-token ``position_ids``; a custom attention function (registered with transformers'
-``AttentionInterface`` under ``ATTN_NAME``, with a mask function that returns None) writes the
-new K/V into the pool slots and attends each request to its own cached prefix. Decodes are
-attended together in one padded SDPA call (with grouped-query attention, the query heads that
-share a KV head are folded into the query-length dimension, so K/V are never repeated per query
-head); prefills and extends one by one. Only the last position of each request goes through the
-LM head (never full-sequence logits).
-When the forward carries no ``tr_batch`` keyword, the function falls back to plain SDPA, so
-the model still works for ordinary, unpadded use.
+per-token ``position_ids`` (`tokenrouter_sdk.backends.attention.batch.pack`); the model's
+attention is switched to the paged attention (`tokenrouter_sdk.backends.attention`), which writes
+the new K/V into the pool slots and attends each request to its own cached prefix with each
+layer's parameters (window, soft-cap, scale), read from the model once when the runner is built
+(`tokenrouter_sdk.backends.attention.spec`; a feature it cannot compute is refused there). The
+native forward (`tokenrouter_sdk.backends.native_forward`) and the transformers one call the same
+attention with the same parameters. Only the last position of each request goes through the LM
+head (never full-sequence logits), then the model's final-logit soft-cap where it has one.
+Outside a runner's steps the switched model runs its own attention, so it still works for
+ordinary use (``model(...)``, ``generate``).
 """
 
 from __future__ import annotations
@@ -19,214 +20,26 @@ import contextlib
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from ..engine.config import KERNEL_MODES, MODEL_IMPLS
 from ..engine.kv_pool import KVPool
 from ..engine.runner import ForwardOut, SeqInput
-from ..engine.config import KERNEL_MODES, MODEL_IMPLS
 from . import cpu_kernels
+from .attention import AttentionSpec, PadSeq, attend_tokens, pack, paged_mask, read_spec, register_attention
+from .attention import use_paged_attention
 from .native_forward import NativeForward, native_support
-
-ATTN_NAME = "tokenrouter_paged"
-
-
-@dataclass
-class ForwardBatch:
-    """Per-step attention metadata shared by all layers (built once per step).
-
-    Attributes:
-        pool: the model's KV pool.
-        slot_mapping: pool slot of every fed token, shape [T].
-        dec_q: packed indices of decode tokens, shape [Bd] (or None).
-        dec_kv: pool slots of each decode request's keys, padded, shape [Bd, Lmax].
-        dec_mask: key padding mask, shape [Bd, 1, 1, Lmax], or None when unpadded.
-        segs: prefill/extend requests as (q_start, q_len, kv_slots [L], mask [q_len, L] | None).
-        dec_qlen: queries per decode request, Q (1 in eager steps; a fixed-shape step
-            (`DecodeGraphs`) feeds every request Q padded tokens: then dec_q has shape [Bd * Q],
-            request-major, and dec_mask [Bd, 1, Q, Lmax]).
-        dec_shared: leading key positions that every decode request reads from the same pool
-            slots (prefix-cache blocks their tables share), a multiple of the block size.
-        kern: requests the in-place CPU kernel attends (`tokenrouter_sdk.backends.cpu_kernels`),
-            or None: (op, table [R, Lmax] pool slots, q_start [R], q_len [R], kv_len [R]); their
-            tokens are in neither ``dec_q`` nor ``segs``.
-    """
-
-    pool: KVPool
-    slot_mapping: torch.Tensor
-    dec_q: torch.Tensor | None
-    dec_kv: torch.Tensor | None
-    dec_mask: torch.Tensor | None
-    segs: list
-    dec_qlen: int = 1
-    dec_shared: int = 0
-    kern: tuple | None = None
-
-
-def _sdpa(q, k, v, mask, is_causal, scale):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _attend(q, k, v, mask, scale):
-    """Attention with an explicit key mask (or none), not causal. q [B, H, Q, D], k/v [B, Hkv, L, D],
-    mask broadcastable to [B, 1, Q, L] (bool, True = attend) or None; returns [B, H, Q, D].
-
-    With grouped-query attention (H = g * Hkv) the g query heads of each KV head are folded into
-    the query dimension ([B, Hkv, g*Q, D]; query head j*g + i uses KV head j, as transformers'
-    ``repeat_kv``), so K/V are never repeated, and SDPA's fused kernels take the mask: with
-    ``enable_gqa`` and a mask, CUDA falls back to the math kernel, which materialises the scores."""
-    b, h, nq, d = q.shape
-    g = h // k.shape[1]
-    if g == 1:
-        return _sdpa(q, k, v, mask, False, scale)
-    q = q.reshape(b, k.shape[1], g * nq, d)
-    if mask is not None and nq > 1 and mask.shape[-2] > 1:
-        mask = mask.repeat(*([1] * (mask.dim() - 2)), g, 1)
-    return _sdpa(q, k, v, mask, False, scale).reshape(b, h, nq, d)
-
-
-def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                    tr_batch: ForwardBatch | None = None, tr_op: bool = False, **kwargs):
-    """Attention over the paged KV pool. query [1, H, T, D], key/value [1, Hkv, T, D];
-    returns ([1, T, H, D], None) as transformers expects. ``tr_batch``: the step's metadata (eager
-    steps); ``tr_op``: a compiled step, whose metadata the custom op
-    ``tokenrouter::paged_attention`` reads (`tokenrouter_sdk.backends.compiled_step`)."""
-    if tr_op:
-        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-        return torch.ops.tokenrouter.paged_attention(query, key, value, module.layer_idx, scale), None
-    if tr_batch is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    return attend_paged(tr_batch, module.layer_idx, query, key, value, scaling), None
-
-
-def attend_paged(fb: ForwardBatch, layer: int, query, key, value, scaling) -> torch.Tensor:
-    """`attend_tokens` in transformers' layout: query [1, H, T, D], key/value [1, Hkv, T, D];
-    returns [1, T, H, D]."""
-    return attend_tokens(fb, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                         scaling).unsqueeze(0)
-
-
-def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scaling) -> torch.Tensor:
-    """Write the step's new K/V of ``layer`` into the pool slots of ``fb`` and attend every
-    request to its cached prefix. q [T, H, D], k/v [T, Hkv, D] (any strides); returns a new
-    [T, H, D] tensor."""
-    kc, vc = fb.pool.k[layer], fb.pool.v[layer]
-    kc.index_copy_(0, fb.slot_mapping, k)
-    vc.index_copy_(0, fb.slot_mapping, v)
-    t, h, d = q.shape
-    if fb.kern is not None:
-        return _attend_kernel(fb, kc, vc, q, k, v, scaling)
-    only_decodes = not fb.segs and fb.dec_qlen == 1 and fb.dec_q is not None and fb.dec_q.shape[0] == t
-    q = q.transpose(0, 1)                                               # [H, T, D]
-    out = None if only_decodes else q.new_empty(t, h, d)               # [T, H, D]
-    if fb.dec_q is not None:
-        bd, lmax = fb.dec_kv.shape
-        nq = fb.dec_qlen
-        # decode token i is packed token fb.dec_q[i]; in a step of decodes only, token i itself
-        qd = q.unsqueeze(2).transpose(0, 1) if only_decodes else q[:, fb.dec_q].view(h, bd, nq, d).transpose(0, 1)
-        if (bd - 1) * fb.dec_shared >= CASCADE_MIN_SAVED and nq == 1 and kc.device.type == "cpu":
-            od = _attend_cascade(fb, kc, vc, qd, scaling)              # [Bd, H, Q, D]
-        else:
-            flat = fb.dec_kv.view(-1)
-            kd = kc.index_select(0, flat).view(bd, lmax, *kc.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = vc.index_select(0, flat).view(bd, lmax, *vc.shape[1:]).transpose(1, 2)
-            od = _attend(qd, kd, vd, fb.dec_mask, scaling)             # [Bd, H, Q, D]
-        if only_decodes:
-            return od.transpose(1, 2).reshape(t, h, d)
-        out[fb.dec_q] = od.transpose(1, 2).reshape(bd * nq, h, d)
-    for qs, ql, slots, mask in fb.segs:
-        out[qs:qs + ql] = _attend_seg(q[:, qs:qs + ql].unsqueeze(0), kc, vc, k, v, qs, ql, slots, mask, scaling)
-    return out
-
-
-def _attend_seg(qi, kc, vc, k, v, qs, ql, slots, mask, scaling) -> torch.Tensor:
-    """One prefill or extend: qi [1, H, ql, D] (packed rows qs..qs+ql-1); returns [ql, H, D]. A
-    prefill from position 0 attends the step's own k/v [T, Hkv, D] rows (what it just wrote to
-    the pool); an extend gathers its cached keys from the pool."""
-    if mask is None:  # prefill: causal from position 0, its keys are the fed tokens'
-        ki = k[qs:qs + ql].transpose(0, 1).unsqueeze(0)                # [1, Hkv, ql, D]
-        vi = v[qs:qs + ql].transpose(0, 1).unsqueeze(0)
-        return _sdpa(qi, ki, vi, None, ql > 1, scaling)[0].transpose(0, 1)
-    ki = kc.index_select(0, slots).transpose(0, 1).unsqueeze(0)        # [1, Hkv, L, D]
-    vi = vc.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-    return _attend(qi, ki, vi, mask, scaling)[0].transpose(0, 1)       # extend: query i sees keys j <= start + i
-
-
-def _attend_kernel(fb: ForwardBatch, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor, scaling) -> torch.Tensor:
-    """The step's attention with the in-place CPU kernel for the requests in ``fb.kern`` and SDPA
-    for the rest (prefills, long extends). q [T, H, D], k/v [T, Hkv, D]; returns [T, H, D]."""
-    op, table, q_start, q_len, kv_len = fb.kern
-    t, h, d = q.shape
-    q = q.contiguous()
-    out = q.new_empty(t, h, d)
-    scale = float(scaling) if scaling is not None else d ** -0.5
-    op(out, q, kc, vc, table, q_start, q_len, kv_len, scale)
-    for qs, ql, slots, mask in fb.segs:
-        out[qs:qs + ql] = _attend_seg(q[qs:qs + ql].transpose(0, 1).unsqueeze(0), kc, vc, k, v, qs, ql, slots,
-                                      mask, scaling)
-    return out
-
 
 KERNEL_WAIT_S = 600.0  # the longest a kernels="wait" step waits for the C++ kernels' build
 
-# Queries of one extend the in-place kernel attends (more go to SDPA over a gathered copy, whose
-# GEMMs beat the kernel's per-query loops once a request feeds many tokens).
-KERNEL_MAX_QUERIES = 16
 
-# Shared key reads a decode step must save, (requests - 1) x shared positions, before it attends
-# the shared keys once for all (`_attend_cascade`): its unfused arithmetic costs about twice one
-# padded SDPA call, so it pays only when the saved copies are many (30 layers of SmolLM2-135M's
-# shapes on 2 CPU cores, `evals/investigations/paged_gather_cost.py`: 2 requests x 1,200 keys,
-# 32 shared, 29 against 92 ms; 4 x 800, 736 shared, 84 against 39 ms; 16 x 800, 276 against 72).
-CASCADE_MIN_SAVED = 2048
-
-
-def _softmax_parts(scores: torch.Tensor, values: torch.Tensor):
-    """Unnormalised attention over one key range: (max score [.., 1], sum of exp [.., 1],
-    exp-weighted values [.., D]). A row whose keys are all masked (-inf) gives zeros."""
-    m = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).min)
-    p = torch.exp(scores - m)
-    return m, p.sum(-1, keepdim=True), torch.matmul(p, values)
-
-
-def _attend_cascade(fb: ForwardBatch, kc: torch.Tensor, vc: torch.Tensor, qd: torch.Tensor, scaling) -> torch.Tensor:
-    """Decode attention in two parts merged by their log-sum-exp (cascade attention, as FlashInfer
-    and vLLM do for shared prefixes): every query against the ``fb.dec_shared`` keys all decode
-    requests share, read once, then each request against its own keys. A batch of 16 requests
-    behind one 735-token prefix then reads the prefix's K/V once per layer instead of 16 times.
-    qd [Bd, H, 1, D]; returns [Bd, H, 1, D], equal to `_attend` over the whole rows within
-    rounding."""
-    bd, lmax = fb.dec_kv.shape
-    _, h, _, d = qd.shape
-    hkv = kc.shape[1]
-    g, ls = h // hkv, fb.dec_shared
-    scale = float(scaling) if scaling is not None else d ** -0.5
-    q = qd.reshape(bd, hkv, g, d)  # query head j*g + i reads KV head j
-    shared = fb.dec_kv[0, :ls]
-    ks, vs = kc.index_select(0, shared), vc.index_select(0, shared)  # [Ls, Hkv, D]
-    qs = q.permute(1, 0, 2, 3).reshape(hkv, bd * g, d)
-    m1, l1, o1 = _softmax_parts(torch.matmul(qs, ks.permute(1, 2, 0)) * scale, vs.transpose(0, 1))
-    m1, l1, o1 = (x.view(hkv, bd, g, x.shape[-1]).transpose(0, 1) for x in (m1, l1, o1))  # [Bd, Hkv, g, .]
-    lr = lmax - ls
-    if lr == 0:
-        return (o1 / l1).reshape(bd, h, 1, d)
-    rest = fb.dec_kv[:, ls:].reshape(-1)
-    kr = kc.index_select(0, rest).view(bd, lr, hkv, d).permute(0, 2, 3, 1)  # [Bd, Hkv, D, Lr]
-    vr = vc.index_select(0, rest).view(bd, lr, hkv, d).transpose(1, 2)      # [Bd, Hkv, Lr, D]
-    s2 = torch.matmul(q, kr) * scale                                        # [Bd, Hkv, g, Lr]
-    if fb.dec_mask is not None:
-        s2 = s2.masked_fill(~fb.dec_mask[..., ls:], float("-inf"))
-    m2, l2, o2 = _softmax_parts(s2, vr)
-    m = torch.maximum(m1, m2)
-    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
-    return ((o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)).reshape(bd, h, 1, d)
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` as the Gemma causal LMs compute it (in that order), or the
+    logits unchanged when ``cap`` is None."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 def _configure_sdpa(device: torch.device) -> None:
@@ -238,29 +51,6 @@ def _configure_sdpa(device: torch.device) -> None:
     sub-servers in threads entering and leaving it would undo each other's setting mid-step."""
     if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
         torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-def _no_mask(*args, **kwargs):
-    return None
-
-
-def register_attention() -> None:
-    """Register ``ATTN_NAME`` with transformers (idempotent; called by `TorchRunner`)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    AttentionInterface.register(ATTN_NAME, paged_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
-
-
-def use_paged_attention(model) -> None:
-    """Switch a model (and the configs of modules it shares, e.g. a zero-copy truncation's
-    layers) to the paged attention function."""
-    register_attention()
-    model.set_attn_implementation(ATTN_NAME)
-    for mod in model.modules():
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation") and cfg._attn_implementation != ATTN_NAME:
-            cfg._attn_implementation = ATTN_NAME
 
 
 _SCRATCH_NEED = 4  # scratch slots a compiled runner uses: 3 for the compile's warm-up, 1 for padding
@@ -276,32 +66,14 @@ def _compile_mode(compile) -> str | None:
     raise ValueError(f"compile must be False, True, 'background' or 'wait', got {compile!r}")
 
 
-def _kernel_batch(op, kern: list) -> tuple:
-    """``ForwardBatch.kern`` from (q_start, q_len, kv_len, slots [kv_len]) per request."""
-    table = torch.zeros(len(kern), max(k[2] for k in kern), dtype=torch.long)
-    for i, (_, _, n, sl) in enumerate(kern):
-        table[i, :n] = sl
-    cols = torch.tensor([k[:3] for k in kern], dtype=torch.long).T.contiguous()
-    return op, table, cols[0], cols[1], cols[2]
-
-
-class _PadSeq:
-    """A one-token padding request at position 0 whose K/V live in one scratch slot."""
-
-    all_hidden = False
-
-    def __init__(self, slot: int):
-        self.tokens, self.start, self.table = [0], 0, []
-        self.slots = torch.tensor([slot])
-
-
 class TorchRunner:
     """Runs one model's packed forward over a ragged batch.
 
     Args:
-        model: a `transformers` causal LM (Llama, Qwen2, Qwen3 families, or any whose
-            decoder layers call ``ALL_ATTENTION_FUNCTIONS``). Its attention implementation is
-            switched to the paged one.
+        model: a `transformers` causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3 families, or
+            any whose decoder layers call ``ALL_ATTENTION_FUNCTIONS``; see docs/own-models.md).
+            Its attention implementation is switched to the paged one, and each layer's
+            attention parameters are read from it (`tokenrouter_sdk.backends.attention.spec`).
         max_kv_tokens: KV pool capacity in tokens (rounded up to whole blocks).
         block_size: tokens per KV block.
         cuda_graphs: serve decode and short-extend steps from CUDA graphs (`DecodeGraphs`: one
@@ -329,7 +101,7 @@ class TorchRunner:
             the weights). Compiled and CUDA-graph steps run the transformers forward.
         kernels: the engine's C++ CPU kernels (`tokenrouter_sdk.backends.cpu_kernels`), for a
             model on a CPU with float32 or float64 weights: decode and short-extend queries (at
-            most ``KERNEL_MAX_QUERIES`` tokens) attend their cached keys in place in the pool,
+            most `cpu_kernel.MAX_QUERIES` tokens) attend their cached keys in place in the pool,
             with no per-step gather; float32 native steps also run their norms, rotary embedding
             and SiLU gating as fused ops. ``"auto"`` (default): once built, in the background from
             the first construction in a process (the first build takes about 15-25 s on 2 cores;
@@ -337,12 +109,24 @@ class TorchRunner:
             (gather + SDPA) until then or where they cannot be built; ``"wait"``: the first step
             waits for them and raises RuntimeError if they cannot be built; ``"off"``: never.
             Outputs agree within floating-point rounding (float64 attention: about 1e-15).
+        allow_unknown_attention: run a model whose attention uses a feature the paged attention
+            does not compute (an unknown attention keyword, chunked or bidirectional attention,
+            a logit transformation after the LM head, a layer that keeps a state of its own),
+            computing causal attention with the known parameters, at the user's risk; by default
+            such a model is refused.
+
+    Raises:
+        UnsupportedAttention: (a ValueError) the model uses an attention feature the paged
+            attention does not compute (names the model, the layer and the feature), unless
+            ``allow_unknown_attention``.
 
     On CUDA the first forward turns the cuDNN SDPA backend off for the process (see
     `_configure_sdpa`; ``torch.backends.cuda.enable_cudnn_sdp(True)`` turns it back on).
 
     Attributes:
         pool: the private `KVPool` (with a scratch block when ``cuda_graphs``).
+        spec: the model's `AttentionSpec` (per layer window, soft-cap and scale; the final-logit
+            soft-cap), which every forward and attention backend of this runner takes.
         graphs: the `DecodeGraphs`, or None without ``cuda_graphs`` (built on first use, in the
             process that runs the sub-server: graphs do not travel between processes).
         last_forward_s: seconds spent in the last model forward (for overhead metrics).
@@ -360,7 +144,7 @@ class TorchRunner:
 
     def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16, cuda_graphs: bool = False,
                  max_graph_batch: int = 64, compile: bool | str = False, model_impl: str = "auto",
-                 kernels: str = "auto"):
+                 kernels: str = "auto", allow_unknown_attention: bool = False):
         self.compile = _compile_mode(compile)
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
@@ -377,6 +161,12 @@ class TorchRunner:
         self.between_layers = None  # called between two layers of a native step (core lending)
         self._step_impl = self.last_impl = self.impl
         use_paged_attention(model)
+        self.allow_unknown_attention = bool(allow_unknown_attention)
+        self.spec: AttentionSpec = read_spec(model, allow_unknown=self.allow_unknown_attention)
+        if self.spec.ignored:
+            warnings.warn(f"allow_unknown_attention: {type(model).__name__} runs without: "
+                          f"{'; '.join(self.spec.ignored)}; its outputs may differ from the model's",
+                          RuntimeWarning, stacklevel=2)
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -393,6 +183,7 @@ class TorchRunner:
         self._graphs = None
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.lm_head = model.get_output_embeddings()
+        self._mask = paged_mask(self.device)
         self.last_forward_s = 0.0
         self.last_compiled = False
         self.compile_error: str | None = None
@@ -471,12 +262,9 @@ class TorchRunner:
         if pool is None or pool.k is None:
             return
         s = pool.scratch_slot
-        dev = self.device
         # two prefills (2 tokens and 1) in scratch slots: T=3 and B=2, so that dynamo relates no sizes
-        segs = [(0, 2, torch.tensor([s, s + 1], device=dev), None), (2, 1, torch.tensor([s + 2], device=dev), None)]
-        fb = ForwardBatch(pool, torch.tensor([s, s + 1, s + 2], device=dev), None, None, None, segs)
-        batch = (fb, torch.zeros(1, 3, dtype=torch.long, device=dev), torch.tensor([[0, 1, 0]], device=dev),
-                 torch.tensor([1, 2], device=dev), self._native.projections if cf.native else None)
+        fb, ids, pos, last = pack([PadSeq([s, s + 1]), PadSeq([s + 2])], pool, self.spec, self.device)
+        batch = (fb, ids, pos, last, self._native.projections if cf.native else None)
         if cf.warm_up(batch):
             self._compiled = cf
         else:
@@ -495,57 +283,14 @@ class TorchRunner:
             self._compile_thread.join(timeout)
         return self._compiled is not None
 
-    def _batch(self, seqs: list[SeqInput], pad: bool = False) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor,
-                                                                       torch.Tensor]:
+    def _batch(self, seqs: list[SeqInput], pad: bool = False):
         """The step's `ForwardBatch`, token ids [1, T], positions [1, T] and each request's last
-        packed index [B]. ``pad``: a batch of one request gets a second, one-token request that
-        writes and reads only a scratch slot (compiled steps need T, B >= 2; its row is dropped)."""
-        pool, dev = self.pool, self.device
+        packed index [B] (`tokenrouter_sdk.backends.attention.batch.pack`). ``pad``: a batch of one
+        request gets a second, one-token request that writes and reads only a scratch slot
+        (compiled steps need T, B >= 2; its row is dropped)."""
         if pad and len(seqs) == 1:
-            seqs = [*seqs, _PadSeq(pool.scratch_slot + _SCRATCH_NEED - 1)]
-        ids, pos, slots, last = [], [], [], []
-        dec_q, dec_kv, dec_len, dec_tables, segs = [], [], [], [], []
-        op = self._kernel()
-        kern = []  # (q_start, q_len, kv_len, slots) of the requests the kernel attends
-        t = 0
-        for s in seqs:
-            n, end = len(s.tokens), s.start + len(s.tokens)
-            ids.extend(s.tokens)
-            pos.extend(range(s.start, end))
-            all_slots = s.slots if isinstance(s, _PadSeq) else pool.slots(s.table, 0, end)
-            slots.append(all_slots[s.start:])
-            if op is not None and (n == 1 or (s.start > 0 and n <= KERNEL_MAX_QUERIES)):
-                kern.append((t, n, end, all_slots))
-            elif n == 1:
-                dec_q.append(t)
-                dec_kv.append(all_slots)
-                dec_len.append(end)
-                dec_tables.append(s.table)
-            else:
-                mask = None
-                if s.start > 0:  # extend: query i sees keys j <= start + i
-                    mask = (torch.arange(end)[None, :] <= torch.arange(s.start, end)[:, None]).to(dev)
-                segs.append((t, n, all_slots.to(dev), mask))
-            t += n
-            last.append(t - 1)
-        dq = dkv = dmask = None
-        shared = 0
-        if len(dec_tables) > 1:  # leading blocks every decode request's table shares (its last is its own)
-            first, lim = dec_tables[0], min(map(len, dec_tables)) - 1
-            while shared < lim and all(tb[shared] == first[shared] for tb in dec_tables[1:]):
-                shared += 1
-        if dec_q:
-            lmax = max(dec_len)
-            dkv = torch.zeros(len(dec_q), lmax, dtype=torch.long)
-            for i, sl in enumerate(dec_kv):
-                dkv[i, :len(sl)] = sl
-            if min(dec_len) != lmax:
-                dmask = (torch.arange(lmax)[None, :] < torch.tensor(dec_len)[:, None])[:, None, None, :].to(dev)
-            dq, dkv = torch.tensor(dec_q, device=dev), dkv.to(dev)
-        fb = ForwardBatch(pool, torch.cat(slots).to(dev), dq, dkv, dmask, segs, dec_shared=shared * pool.block_size,
-                          kern=_kernel_batch(op, kern) if kern else None)
-        return (fb, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev),
-                torch.tensor(last, device=dev))
+            seqs = [*seqs, PadSeq([self.pool.scratch_slot + _SCRATCH_NEED - 1])]
+        return pack(seqs, self.pool, self.spec, self.device, self._kernel())
 
     def _kernels_apply(self) -> bool:
         return self.kernels != "off" and self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES
@@ -606,7 +351,8 @@ class TorchRunner:
             out = self.graphs.run(seqs)
             if out is not None:
                 self.last_compiled, self.last_impl = False, "cuda_graphs"
-                return ForwardOut(*out)
+                logits, hidden = out
+                return ForwardOut(softcap_logits(logits, self.spec.final_softcap), hidden)
         if self.compile and not self._compile_started:
             self._start_compile()
         cf = self._compiled
@@ -623,9 +369,11 @@ class TorchRunner:
                                              self._step_ops())
             h = h[None] if h is not None else None
         else:
-            h = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, tr_batch=fb).last_hidden_state
+            h = self.decoder(input_ids=ids, position_ids=pos, attention_mask=self._mask, use_cache=False,
+                             tr_batch=fb).last_hidden_state
             hidden = h[0, last]
             logits = self.lm_head(hidden)
+        logits = softcap_logits(logits, self.spec.final_softcap)
         self.last_compiled = cf is not None
         self.last_impl = "compiled" if cf is not None else self._step_impl
         if self.device.type == "cuda":  # this stream only: a device-wide sync breaks a peer thread's graph capture

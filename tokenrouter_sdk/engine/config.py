@@ -120,6 +120,10 @@ class EngineConfig:
             float32 native steps): ``"auto"`` (default: once built, ATen ops until then),
             ``"wait"`` (the first step waits for them; RuntimeError if they cannot be built) or
             ``"off"``.
+        allow_unknown_attention: run torch models whose attention uses a feature the paged
+            attention does not compute (`TorchRunner` ``allow_unknown_attention``; by default
+            such a model is refused when the Router is built, naming the layer and the feature;
+            docs/own-models.md lists what is honoured per architecture).
         prefill_peers: at admission, every model the request's policy may use
             (`Policy.may_use`, default all) besides its entry model prefills the prompt too, in
             its next step, and keeps it in KV: the first handoff to such a model then feeds only
@@ -154,6 +158,7 @@ class EngineConfig:
     compile: bool | str = False
     model_impl: str = "auto"
     kernels: str = "auto"
+    allow_unknown_attention: bool = False
     prefill_peers: bool = False
     prefix_cache: bool = True
 

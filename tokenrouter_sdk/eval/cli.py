@@ -203,6 +203,8 @@ def cmd_eval(args) -> int:
         kwargs["model_impl"] = args.model_impl
     if args.kernels:
         kwargs["kernels"] = args.kernels
+    if args.allow_unknown_attention:
+        kwargs["allow_unknown_attention"] = True
     print(describe_pair(args), flush=True)
     refs = False if args.no_references else (args.references.split(",") if args.references else True)
     from ..models import ModelLoadError

@@ -3,15 +3,20 @@
 //
 // Pool layout (tokenrouter_sdk/engine/kv_pool.py): k and v of one layer are [slots, Hkv, D];
 // request r's key position l lives in slot table[r, l]. A request has q_len[r] queries, packed
-// at rows q_start[r] .. q_start[r] + q_len[r] - 1 of q and out ([T, H, D]); its query t sees the
-// keys l < kv_len[r] - q_len[r] + t + 1 (a decode: q_len 1, every key; an extend: causal).
+// at rows q_start[r] .. q_start[r] + q_len[r] - 1 of q and out ([T, H, D]); its query t, at
+// position p = kv_len[r] - q_len[r] + t, sees the keys l <= p (a decode: q_len 1, every key; an
+// extend: causal) and, with a sliding window W > 0, only those with l > p - W (transformers'
+// sliding_window: W keys, the query's own included). Only keys inside some query's window are
+// read. Scores are q.k * scale, soft-capped to c * tanh(s / c) when c > 0 (Gemma 2's
+// attn_logit_softcapping), in that order, as transformers' eager attention computes them.
 // Grouped-query attention: query head h reads KV head h / (H / Hkv), as transformers' repeat_kv.
 //
 // Split-K (flash-decoding, Dao et al. 2023): each (request, chunk of keys) is one task of
 // at::parallel_for (torch's own thread pool); a task reads each of its keys' pool rows once,
 // all heads together (a row is contiguous: Hkv * D values), with software prefetch a few keys
 // ahead, and keeps per query head the running max, the sum of exponentials and the weighted
-// values; the chunks are merged by their log-sum-exp.
+// values; the chunks are merged by their log-sum-exp. Chunks tile each request's keys from the
+// first one its window reaches, so a windowed layer reads W + q_len - 1 keys at most.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -55,8 +60,13 @@ inline T dot(const T* a, const T* b, int64_t n) {
 }
 
 struct Shape {
-  int64_t H, Hkv, D, Lmax, Qmax, C, nc;
+  int64_t H, Hkv, D, Lmax, Qmax, C, nc, W;
 };
+
+// the first key request r reads: its first query's window start (0 without a window)
+inline int64_t first_key(int64_t q_len, int64_t kv_len, int64_t W) {
+  return W > 0 ? std::max<int64_t>(kv_len - q_len + 1 - W, 0) : 0;
+}
 
 // keys per chunk: enough chunks to give every thread two tasks, at most kMaxChunk keys (so a
 // task's scores, Qmax * H * C values, stay small) and at least 32
@@ -66,32 +76,39 @@ constexpr int64_t kMaxChunk = 2048;
 // D + 2 values: max score, sum of exponentials, then the exp-weighted values.
 template <typename T>
 void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const int64_t* slots,
-                  int64_t q_len, int64_t kv_len, int64_t l0, int64_t l1, T scale, T* s, T* part) {
+                  int64_t q_len, int64_t kv_len, int64_t l0, int64_t l1, T scale, T cap, T* s, T* part) {
   const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, P = D + 2;
   const int64_t n = std::max<int64_t>(l1 - l0, 0);
-  // keys of this chunk that query t sees: [0, seen(t))
+  // keys of this chunk that query t sees: [from(t), seen(t))
   auto seen = [&](int64_t t) { return std::clamp<int64_t>(kv_len - q_len + t + 1 - l0, 0, n); };
+  auto from = [&](int64_t t) {
+    return sh.W > 0 ? std::clamp<int64_t>(kv_len - q_len + t + 1 - sh.W - l0, 0, n) : int64_t(0);
+  };
   for (int64_t l = 0; l < n; ++l) {
     if (l + kPrefetchKeys < n) prefetch_row(kc + slots[l0 + l + kPrefetchKeys] * row, row);
     const T* kr = kc + slots[l0 + l] * row;
     for (int64_t t = 0; t < q_len; ++t) {
-      if (l >= seen(t)) continue;
+      if (l >= seen(t) || l < from(t)) continue;
       const T* qt = q + t * H * D;
       T* st = s + t * H * C;
-      for (int64_t h = 0; h < H; ++h) st[h * C + l] = dot(qt + h * D, kr + (h / g) * D, D) * scale;
+      if (cap > 0) {
+        for (int64_t h = 0; h < H; ++h) st[h * C + l] = cap * std::tanh(dot(qt + h * D, kr + (h / g) * D, D) * scale / cap);
+      } else {
+        for (int64_t h = 0; h < H; ++h) st[h * C + l] = dot(qt + h * D, kr + (h / g) * D, D) * scale;
+      }
     }
   }
   for (int64_t t = 0; t < q_len; ++t) {
-    const int64_t nt = seen(t);
+    const int64_t a = from(t), b = std::max(seen(t), a);
     for (int64_t h = 0; h < H; ++h) {
       T* si = s + (t * H + h) * C;
       T* pi = part + (t * H + h) * P;
       std::fill(pi + 2, pi + P, T(0));
       T m = -INFINITY, z = 0;
 #pragma omp simd reduction(max : m)
-      for (int64_t l = 0; l < nt; ++l) m = std::max(m, si[l]);
+      for (int64_t l = a; l < b; ++l) m = std::max(m, si[l]);
 #pragma omp simd reduction(+ : z)
-      for (int64_t l = 0; l < nt; ++l) {
+      for (int64_t l = a; l < b; ++l) {
         si[l] = std::exp(si[l] - m);
         z += si[l];
       }
@@ -103,7 +120,7 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
     if (l + kPrefetchKeys < n) prefetch_row(vc + slots[l0 + l + kPrefetchKeys] * row, row);
     const T* vr = vc + slots[l0 + l] * row;
     for (int64_t t = 0; t < q_len; ++t) {
-      if (l >= seen(t)) continue;
+      if (l >= seen(t) || l < from(t)) continue;
       for (int64_t h = 0; h < H; ++h) {
         const T p = s[(t * H + h) * C + l];
         const T* vp = vr + (h / g) * D;
@@ -117,7 +134,7 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
 
 template <typename T>
 void attend(const Shape& sh, T* out, const T* q, const T* kc, const T* vc, const int64_t* table,
-            const int64_t* q_start, const int64_t* q_len, const int64_t* kv_len, int64_t R, T scale) {
+            const int64_t* q_start, const int64_t* q_len, const int64_t* kv_len, int64_t R, T scale, T cap) {
   const int64_t H = sh.H, D = sh.D, P = D + 2, nc = sh.nc;
   // request r's parts: nc chunks x q_len[r] queries x H heads x P values, from offset[r]
   std::vector<int64_t> offset(R + 1, 0);
@@ -126,10 +143,10 @@ void attend(const Shape& sh, T* out, const T* q, const T* kc, const T* vc, const
   at::parallel_for(0, R * nc, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> s(sh.Qmax * H * sh.C);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / nc, c = task % nc, l0 = c * sh.C;
+      const int64_t r = task / nc, c = task % nc, l0 = first_key(q_len[r], kv_len[r], sh.W) + c * sh.C;
       const int64_t l1 = std::min(kv_len[r], l0 + sh.C);
       attend_chunk<T>(sh, q + q_start[r] * H * D, kc, vc, table + r * sh.Lmax, q_len[r], kv_len[r], l0, l1,
-                      scale, s.data(), parts.data() + offset[r] + c * q_len[r] * H * P);
+                      scale, cap, s.data(), parts.data() + offset[r] + c * q_len[r] * H * P);
     }
   });
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
@@ -162,7 +179,7 @@ void attend(const Shape& sh, T* out, const T* q, const T* kc, const T* vc, const
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& table, const at::Tensor& q_start, const at::Tensor& q_len,
-                     const at::Tensor& kv_len, double scale, int64_t chunk) {
+                     const at::Tensor& kv_len, double scale, int64_t chunk, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
   TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "k_pool and v_pool must be [slots, Hkv, D]");
   TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0,
@@ -178,31 +195,35 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_attention runs on the CPU");
   const int64_t R = table.size(0);
   if (R == 0) return;
-  Shape sh{q.size(1), k_pool.size(1), q.size(2), table.size(1), 1, 256, 1};
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
+  Shape sh{q.size(1), k_pool.size(1), q.size(2), table.size(1), 1, 256, 1, window};
   const int64_t* ql = q_len.data_ptr<int64_t>();
   const int64_t* kl = kv_len.data_ptr<int64_t>();
   const int64_t* qs = q_start.contiguous().data_ptr<int64_t>();
+  int64_t span = 1;  // the most keys one request reads
   for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK(ql[r] >= 1 && kl[r] >= ql[r] && kl[r] <= sh.Lmax && qs[r] >= 0 && qs[r] + ql[r] <= q.size(0),
                 "request ", r, ": q_len ", ql[r], ", kv_len ", kl[r], ", q_start ", qs[r], " do not fit");
     sh.Qmax = std::max(sh.Qmax, ql[r]);
+    span = std::max(span, kl[r] - first_key(ql[r], kl[r], window));
   }
   const int64_t want = (2 * at::get_num_threads() + R - 1) / R;  // chunks per request
   TORCH_CHECK(chunk >= 0, "chunk must be >= 0 (0: chosen here), got ", chunk);
-  sh.C = chunk > 0 ? chunk : std::clamp<int64_t>(((sh.Lmax + want - 1) / want + 15) / 16 * 16, 32, kMaxChunk);
-  sh.nc = (sh.Lmax + sh.C - 1) / sh.C;
+  sh.C = chunk > 0 ? chunk : std::clamp<int64_t>(((span + want - 1) / want + 15) / 16 * 16, 32, kMaxChunk);
+  sh.nc = (span + sh.C - 1) / sh.C;
   if (dt == at::kFloat)
     attend<float>(sh, out.data_ptr<float>(), q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-                  table.data_ptr<int64_t>(), qs, ql, kl, R, static_cast<float>(scale));
+                  table.data_ptr<int64_t>(), qs, ql, kl, R, static_cast<float>(scale), static_cast<float>(softcap));
   else
     attend<double>(sh, out.data_ptr<double>(), q.data_ptr<double>(), k_pool.data_ptr<double>(),
-                   v_pool.data_ptr<double>(), table.data_ptr<int64_t>(), qs, ql, kl, R, scale);
+                   v_pool.data_ptr<double>(), table.data_ptr<int64_t>(), qs, ql, kl, R, scale, softcap);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenrouter_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor q_start, "
-        "Tensor q_len, Tensor kv_len, float scale, int chunk=0) -> ()");
+        "Tensor q_len, Tensor kv_len, float scale, int chunk=0, int window=0, float softcap=0.0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }

@@ -1,0 +1,36 @@
+"""The CPU kernel backend: decode and short-extend queries attend their cached keys in place in
+the pool (``csrc/paged_attention.cpp`` via `tokenrouter_sdk.backends.cpu_kernels`: no per-step
+gather, split-K over torch's thread pool), with the layer's window (only keys inside it are read:
+a decode at context 8,000 in a 512-key window reads 512 keys), soft-cap and scale. Float32 and
+float64 pools on a CPU; the step's other requests go to the gather backend."""
+
+from __future__ import annotations
+
+import torch
+
+from .metadata import KernelPart
+from .spec import LayerParams
+
+# Queries of one extend the in-place kernel attends (more go to SDPA over a gathered copy, whose
+# GEMMs beat the kernel's per-query loops once a request feeds many tokens).
+MAX_QUERIES = 16
+
+# keys per split-K task (0: the kernel picks: two tasks per thread at least, 32 to 2,048 keys)
+CHUNK = 0
+
+
+def part(op, kern: list) -> KernelPart:
+    """The `KernelPart` of (q_start, q_len, kv_len, slots [kv_len]) per request."""
+    table = torch.zeros(len(kern), max(k[2] for k in kern), dtype=torch.long)
+    for i, (_, _, n, sl) in enumerate(kern):
+        table[i, :n] = sl
+    cols = torch.tensor([k[:3] for k in kern], dtype=torch.long).T.contiguous()
+    return KernelPart(op, table, cols[0], cols[1], cols[2])
+
+
+def attend(kern: KernelPart, p: LayerParams, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor,
+           vc: torch.Tensor) -> None:
+    """Write the rows of ``out`` [T, H, D] that ``kern``'s requests own: their queries of ``q``
+    [T, H, D] (contiguous) against their keys in one layer's pool kc, vc [slots, Hkv, D]."""
+    kern.op(out, q, kc, vc, kern.table, kern.q_start, kern.q_len, kern.kv_len, p.scale, CHUNK, p.window or 0,
+            p.softcap or 0.0)
