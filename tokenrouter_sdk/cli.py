@@ -197,7 +197,7 @@ def cmd_bench(args) -> int:
     policies = args.policy or args.policies or ([own] if own else ["random10", "random30", "rstitch"])
     for pol in policies:  # every spec is checked before anything loads
         if not (pol.startswith("random") and pol[len("random"):].isdigit()):
-            build_policy(registry, pol, prog)
+            build_policy(registry, pol, prog, transport="thread" if args.backend == "sim" else args.transport)
     if args.thresholds != "auto" and "delayed" not in args.modes:
         raise fail(prog, f"--thresholds apply to the delayed cells, and --modes {' '.join(args.modes)} has none")
     if args.random_pair is None and args.prompt_tokens is not None:

@@ -423,8 +423,10 @@ class Policy:
             how many tokens the target writes. Default: discard, target's route decides.
         receive(handoff, req) -> None: hook on the target before it runs the request (e.g.
             to set per-request state).
-        entry(req) -> str | None: the model that prefills the request (query-level routing);
-            None = the first (smallest) model.
+        entry(req, models) -> str | None: the model that prefills the request (query-level
+            routing); None = the first (smallest) model. ``models`` are all model names,
+            smallest first (also ``req.models``); an override written ``entry(self, req)`` is
+            called with the request alone.
         may_use(req, models) -> list[str]: the models the request may visit (default: all).
             With ``EngineConfig.prefill_peers`` each of them prefills the prompt at admission.
 
@@ -444,6 +446,8 @@ class Policy:
         return type(self).__name__
 
     def entry(self, req: "RequestView", models: Sequence[str]) -> str | None:
+        """The model that prefills request ``req`` and writes its first token (``models``: all
+        model names, smallest first); None: the first model. Called once at submission."""
         return None
 
     def may_use(self, req: "RequestView", models: Sequence[str]) -> Sequence[str]:

@@ -178,8 +178,9 @@ class Engine:
             error, entry, state = req.error, self.models[0], {}
             if error is None:
                 try:
-                    e = PC.entry_model(policy.entry(RequestView(rid, cfg.prompt_ids, [], "", state, 0,
-                                                                tuple(self.models), rkey), self.models), self.models)
+                    e = PC.entry_model(PC.call_entry(policy, RequestView(rid, cfg.prompt_ids, [], "", state, 0,
+                                                                         tuple(self.models), rkey), self.models),
+                                       self.models)
                     entry = e if e is not None else entry
                 except PC.PolicyReturnError as ex:
                     error = f"policy {pname}.entry {ex} (request {rid})"

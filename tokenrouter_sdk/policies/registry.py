@@ -316,6 +316,10 @@ def load_policy_class(target: str) -> type:
     """The `Policy` subclass named by ``"path/to/module.py:ClassName"`` (or
     ``"package.module:ClassName"`` for an importable module).
 
+    A file is imported under a module name of its own, which no other process can import, so
+    the module is registered with ``cloudpickle.register_pickle_by_value``: its classes and
+    functions travel by value to sub-server processes and Ray actors, as a notebook cell's do.
+
     Raises:
         PolicySpecError: no ``:``, a missing file, a module that fails to import (its error is
             kept), no such class, or a class that is not a `Policy` subclass.
@@ -333,6 +337,8 @@ def load_policy_class(target: str) -> type:
             module = importlib.util.module_from_spec(spec)
             sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
             spec.loader.exec_module(module)
+            import cloudpickle
+            cloudpickle.register_pickle_by_value(module)  # sub-servers cannot import it by this name
         else:
             module = importlib.import_module(where)
     except PolicySpecError:
