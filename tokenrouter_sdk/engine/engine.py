@@ -569,6 +569,19 @@ class Engine:
             time.sleep(0.01)
         return self.idle()
 
+    def clear_prefix_cache(self) -> None:
+        """Every live sub-server forgets its prefix cache (`ClearPrefixCache`) before it handles
+        anything sent after this call (messages to a model are handled in order).
+
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("clear_prefix_cache: the Router is closed")
+        for name in self.models:
+            if name not in self._dead:
+                self.transport.send(name, M.ClearPrefixCache())
+
     def kv_stats(self, timeout: float = 10.0) -> dict[str, M.Stats]:
         """Each sub-server's KV pool and request counts (`Stats`), asked through the transport,
         so sub-servers in processes answer too; a dead model answers at once (``alive=False``).
