@@ -13,7 +13,7 @@ from tokenrouter_sdk import Policy, Router
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
 from tokenrouter_sdk.eval import evaluate_policies, evaluate_policy, load_benchmark
 from tokenrouter_sdk.eval.references import check_reference
-from tokenrouter_sdk.eval.stats import gain_summary, paired_bootstrap, token_agreement
+from tokenrouter_sdk.eval.stats import gain_summary, paired_bootstrap, token_agreement, visits_from_trace
 from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
 from tokenrouter_sdk.policies import QueryRouter, RandomRouting, RandomSpanRouting, RStitch
 
@@ -149,25 +149,36 @@ def load_benchmark_rows(questions):
 
 def test_span_matched_random_realises_its_large_fraction_and_visit_lengths():
     """`RandomSpanRouting` on the simulator: geometric visits with the given means; the realised
-    large fraction and mean visit lengths fall in their 95% sampling ranges, its hops equal its
-    writer changes, and its hop rate is what the visit lengths give, not twice the fraction."""
-    pol = RandomSpanRouting(large_visit=3, small_visit=6, seed=1)
-    with Router(LAT, pol, backend="sim") as r:
-        outs = r.generate([[5 + i] * 8 for i in range(32)], max_new_tokens=64, ignore_eos=True)
-        m = r.metrics()
-    assert all(o.ok for o in outs)
-    ans = [{"ok": True, "tokens": len(o.token_ids), "large_tokens": o.token_models.count("large"),
-            "segments": [[name, len(ids)] for name, ids in o.segments()]} for o in outs]
+    large fraction and mean visit lengths (counted at the handoffs) fall in their 95% sampling
+    ranges and its hop rate is what the visit lengths give (2 / (3 + 6)), not twice the large
+    fraction; `RandomRouting` (p) is its case large_visit=1, small_visit=(1 - p) / p."""
+    def run(pol):
+        with Router(LAT, pol, backend="sim") as r:
+            outs = r.generate([[5 + i] * 8 for i in range(32)], max_new_tokens=64, ignore_eos=True)
+            visits = visits_from_trace(r.trace, [o.rid for o in outs])
+            m = r.metrics()
+        assert all(o.ok and [w for w, n in visits[o.rid] for _ in range(n)] == o.token_models for o in outs)
+        return [{"ok": True, "tokens": len(o.token_ids), "large_tokens": o.token_models.count("large"),
+                 "visits": visits[o.rid]} for o in outs], m
+
+    ans, m = run(RandomSpanRouting(large_visit=3, small_visit=6, seed=1))
     rec = {"kind": "random_span", "label": "span", "matched_to": "P", "value": 3.0,
            "targets": {"large_fraction": 1 / 3, "mean_large_visit": 3.0, "mean_small_visit": 6.0}}
     assert check_reference(rec, ans, "large") is None and rec["matches_target"] and rec["visits_match"]
     lo, hi = rec["target_range"]
     assert lo < 1 / 3 < hi and hi - lo < 0.1
     assert rec["large_visit_range"][0] < 3 < rec["large_visit_range"][1]
-    assert m.hops == m.writer_changes and abs(m.hop_rate - 2 / 9) < 0.03 and m.hop_rate < 1.5 * m.large_fraction
+    assert rec["small_visit_range"][0] < 6 < rec["small_visit_range"][1]
+    assert abs(m.hop_rate - 2 / 9) < 0.03 and m.hop_rate < 1.5 * m.large_fraction
+    assert m.writer_changes < m.hops  # an empty small stretch: a hop with no writer change
     # the same check flags a reference whose visits are far from the target
     off = dict(rec, targets={"large_fraction": 1 / 3, "mean_large_visit": 1.0, "mean_small_visit": 2.0})
     assert "visits" in check_reference(off, ans, "large") and off["matches_target"] is False
+    # RandomRouting's visits, as a span-matched reference measures them: spans of 1, stretches of (1 - p) / p
+    ans, m = run(RandomRouting(p=0.3, seed=2))
+    rec = {"kind": "random_span", "label": "span", "matched_to": "P", "value": 1.0,
+           "targets": {"large_fraction": 0.3, "mean_large_visit": 1.0, "mean_small_visit": 0.7 / 0.3}}
+    assert check_reference(rec, ans, "large") is None and rec["realised_large_visit"] == 1.0
 
 
 def _query_head(tmp_path, train_ids):

@@ -116,3 +116,20 @@ def test_a_policy_the_children_cannot_load_fails_in_route_not_route_batch(pair, 
         out = r.generate([[5, 6, 7]], max_new_tokens=3)[0]
     assert out.finish_reason == "failed" and "could not be loaded" in out.error
     assert "route_batch" not in out.error and ".route raised" in out.error
+
+
+class _Raises(Policy):
+    def route(self, step):
+        raise RuntimeError("route is broken")
+
+
+def test_a_failed_request_is_logged_by_the_server(pair, tok, caplog):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from tokenrouter_sdk.serve.app import create_app
+    with Router(pair, tokenizer=tok) as r, TestClient(create_app(r, policy=_Raises())) as client:
+        with caplog.at_level("WARNING", logger="tokenrouter.serve"):
+            resp = client.post("/v1/completions", json={"model": "tokenrouter", "prompt": [5, 6, 7], "max_tokens": 3})
+    assert resp.status_code == 500 and "route is broken" in resp.json()["error"]["message"]
+    assert any("answered 500" in m and "route is broken" in m for m in caplog.messages)

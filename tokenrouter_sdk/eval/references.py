@@ -4,8 +4,9 @@ whether each realised what it was matched to.
 For every swept point with a large fraction f strictly between 0 and 1:
 - ``random``: `RandomRouting` (p = f): one-token large visits, so its hop rate is about 2f;
 - ``random_span``: `RandomSpanRouting` with the point's own mean visit lengths on each model
-  (tokens per ended visit, `stats.mean_visits`): matched on the large fraction *and* the visit
-  lengths, hence on the hop rate, which is what costs time;
+  (tokens per visit, the visits counted at the point's handoffs, `stats.mean_visits`): matched
+  on the large fraction *and* the visit lengths, hence on the hop rate, which is what costs
+  time;
 - ``random_query``: `RandomQueryRouting` (p = f): the share of questions answered by the large
   model.
 Points that would get the same reference (the same rounded parameters) share one.
@@ -13,8 +14,8 @@ Points that would get the same reference (the same rounded parameters) share one
 A matched reference realises its target only up to its own sampling noise; the central 95%
 range of what it draws is: exact binomial over committed tokens (``random``) or questions
 (``random_query``), and for ``random_span`` the normal range of a two-state Markov chain's
-occupation share for the fraction (`stats.chain_fraction_sd`) and binomial ranges of the exits
-for the visit lengths (`stats.mean_range`). A reference outside its range no longer stands for
+occupation share for the fraction (`stats.chain_fraction_sd`, `stats.span_chain`) and binomial
+ranges of the exits for the visit lengths (`stats.mean_range`). A reference outside its range no longer stands for
 the point beside it: its record says so and a note names it.
 """
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import binomial_range
-from .stats import Z95, chain_fraction_sd, mean_range, mean_visits, visit_counts, writers_of
+from .stats import Z95, chain_fraction_sd, mean_range, mean_visits, span_chain, visit_counts
 
 KINDS = ("random", "random_span", "random_query")
 
@@ -78,7 +79,7 @@ def matched_references(swept: list[dict], refs, seed: int = 0) -> tuple[list[Ref
         if "random_span" in want:
             lv, sv = rec.get("mean_large_visit"), rec.get("mean_small_visit")
             lv = math.inf if lv is None else _r(max(1.0, lv), 2)
-            sv = math.inf if sv is None else _r(max(1.0, sv), 2)
+            sv = math.inf if sv is None else _r(max(0.0, sv), 2)
             if math.isinf(sv):
                 skipped.append({"point": rec["label"], "references": ["random_span"],
                                 "why": "no small-model visit of it ended in a hand-off (no visit length to match)"})
@@ -109,18 +110,18 @@ def check_reference(rec: dict, answers: list[dict], large: str) -> str | None:
         lo, hi = binomial_range(n, target)
         what, unit = "a share of questions answered by the large model of", "questions"
     elif kind == "random_span":
-        writers = [writers_of(a) for a in ok]
-        vis = mean_visits([visit_counts(w, large) for w in writers])
+        vis = mean_visits([visit_counts(a.get("visits") or [], large) for a in ok])
         n = vis["tokens_large"] + vis["tokens_small"]
         share = vis["tokens_large"] / n if n else 0.0
         lv, sv = tgt["mean_large_visit"], tgt["mean_small_visit"]
-        sd = chain_fraction_sd(1.0 / sv, 0.0 if math.isinf(lv) else 1.0 / lv, n)
+        sd = chain_fraction_sd(*span_chain(lv, sv), n)
         lo, hi = max(0.0, target - Z95 * sd), min(1.0, target + Z95 * sd)
         what, unit = "a large fraction of", "committed tokens"
         visits_ok = True
+        trials = {"large": vis["at_risk_large"], "small": vis["tokens_small"] + vis["ended_small"]}
         for side, want in (("large", lv), ("small", sv)):
             got = vis[f"mean_{side}_visit"]
-            rng = mean_range(vis[f"at_risk_{side}"], want, binomial_range)
+            rng = mean_range(trials[side], want, binomial_range, zero=side == "small")
             inside = rng is None or (got is not None and rng[0] <= got <= rng[1])
             rec[f"realised_{side}_visit"], rec[f"{side}_visit_range"] = got, list(rng) if rng else None
             visits_ok &= inside

@@ -54,7 +54,8 @@ class EvalResult:
             references, the order the runs were timed in).
         answers: label -> per-question dicts (``id``, ``ok``, ``text``, ``pred``, ``correct``,
             ``agrees``, ``tokens``, ``large_tokens``, ``hops``, ``writer_changes``, ``error``,
-            ``token_ids``, ``segments``: ``[model, tokens]`` runs).
+            ``token_ids``, ``visits``: ``[model, committed tokens]`` per visit in order, a visit
+            starting at admission and at each handoff).
         stats: ``paired`` (per swept point and comparator: ``n`` questions both answered,
             ``acc_diff`` and ``agree_diff`` with bootstrap 95% intervals) and ``summaries`` (per
             policy and quality measure: RouteLLM's ``apgr``, ``large_fraction_50``,

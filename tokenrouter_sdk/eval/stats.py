@@ -16,49 +16,70 @@ Z95 = 1.959964  # the two-sided 95% point of the standard normal
 
 # -- visits ------------------------------------------------------------------------------------
 _COUNTS = ("tokens_large", "tokens_small", "visits_large", "visits_small", "ended_large", "ended_small",
-           "at_risk_large", "at_risk_small")
+           "at_risk_large")
 
 
-def visit_counts(writers: Sequence[str], large: str) -> dict:
-    """Tokens and visits of one answer by the large model and by the others: ``tokens_large``,
-    ``tokens_small``, ``visits_large``, ``visits_small`` (runs of consecutive tokens written by
-    the large model, or by any other), ``ended_large``, ``ended_small`` (of those runs, the ones
-    a hand-off ended: every run but the answer's last) and ``at_risk_large``, ``at_risk_small``
-    (tokens after which a hand-off could be seen: all but the answer's last token)."""
+def visits_from_trace(trace, rids) -> dict[int, list[list]]:
+    """Per request of ``rids``, its visits in order as ``[model, committed tokens]`` (a visit
+    starts at admission on the entry model and at every handoff; a visit after which the request
+    was handed on without a commit has 0 tokens), from a call's events (`Admitted`, `Committed`,
+    `Hopped`)."""
+    from ..engine.messages import Admitted, Committed, Hopped
+    rids = set(rids)
+    evs = [e for e in trace if isinstance(e, (Admitted, Committed, Hopped)) and e.rid in rids]
+    evs.sort(key=lambda e: e.t)  # one host clock (sub-servers' events are put on the engine's)
+    out: dict[int, list[list]] = {}
+    for e in evs:
+        cur = out.setdefault(e.rid, [])
+        if isinstance(e, Admitted):
+            if not cur:
+                cur.append([e.model, 0])
+        elif isinstance(e, Hopped):
+            cur.append([e.dst, 0])
+        elif e.tokens:
+            if not cur or cur[-1][0] != e.model:
+                cur.append([e.model, 0])
+            cur[-1][1] += len(e.tokens)
+    return out
+
+
+def visit_counts(visits, large: str) -> dict:
+    """Tokens and visits of one answer (its ``[model, tokens]`` visits in order) by the large
+    model and by the others: ``tokens_*``, ``visits_*``, ``ended_*`` (visits a hand-off ended:
+    all but the answer's last) and ``at_risk_large`` (large tokens after which a hand-off could
+    be seen: all but the answer's last token when it ended on the large model)."""
     out = dict.fromkeys(_COUNTS, 0)
-    prev = None
-    for w in writers:
-        side = "large" if w == large else "small"
-        out[f"tokens_{side}"] += 1
-        if side != prev:
-            out[f"visits_{side}"] += 1
-            if prev is not None:
-                out[f"ended_{prev}"] += 1
-            prev = side
-    for side in ("large", "small"):
-        out[f"at_risk_{side}"] = out[f"tokens_{side}"] - (prev == side)
+    for i, (model, n) in enumerate(visits):
+        side = "large" if model == large else "small"
+        out[f"tokens_{side}"] += n
+        out[f"visits_{side}"] += 1
+        out[f"ended_{side}"] += i < len(visits) - 1
+    last = visits[-1] if visits else None
+    out["at_risk_large"] = out["tokens_large"] - bool(last and last[0] == large and last[1] > 0)
     return out
 
 
 def mean_visits(per_answer: Sequence[dict]) -> dict:
-    """Summed `visit_counts` of several answers, plus ``mean_large_visit`` and ``mean_small_visit``:
-    tokens after which a hand-off could be seen on the side / visits to it that a hand-off ended
-    (the maximum-likelihood mean of geometric visit lengths when each answer's last visit is
-    cut short by its end); None when no visit there ended (e.g. answers the large model
-    finished once it had them)."""
+    """Summed `visit_counts` of several answers, plus the mean visit lengths (tokens), the
+    maximum-likelihood means of `RandomSpanRouting`'s geometric visits when each answer's last
+    visit is cut short by its end: ``mean_large_visit`` = large tokens after which a hand-off
+    could be seen / large visits a hand-off ended (spans of at least one token);
+    ``mean_small_visit`` = small tokens / small visits a hand-off ended (stretches of zero or
+    more tokens: a request handed straight back up counts a visit of 0). None when no visit
+    there ended."""
     tot = dict.fromkeys(_COUNTS, 0)
     for c in per_answer:
         for k in tot:
             tot[k] += c[k]
-    for side in ("large", "small"):
-        tot[f"mean_{side}_visit"] = tot[f"at_risk_{side}"] / tot[f"ended_{side}"] if tot[f"ended_{side}"] else None
+    tot["mean_large_visit"] = tot["at_risk_large"] / tot["ended_large"] if tot["ended_large"] else None
+    tot["mean_small_visit"] = tot["tokens_small"] / tot["ended_small"] if tot["ended_small"] else None
     return tot
 
 
 def writers_of(answer: dict) -> list[str]:
-    """The model that wrote each committed token of a recorded answer (from its ``segments``,
-    ``[model, tokens]`` runs)."""
-    return [m for m, n in answer.get("segments") or () for _ in range(n)]
+    """The model that wrote each committed token of a recorded answer (from its ``visits``,
+    ``[model, tokens]`` in order)."""
+    return [m for m, n in answer.get("visits") or () for _ in range(n)]
 
 
 # -- token agreement ---------------------------------------------------------------------------
@@ -78,13 +99,13 @@ def token_agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequen
 
 
 # -- the span-matched reference ------------------------------------------------------------------
-def chain_fraction_sd(p_exit_small: float, p_exit_large: float, tokens: int) -> float:
+def chain_fraction_sd(p_to_large: float, p_to_small: float, tokens: int) -> float:
     """Standard deviation of the large fraction over ``tokens`` committed tokens of a two-state
-    Markov chain that leaves the small side with probability ``p_exit_small`` per token and the
-    large side with ``p_exit_large`` (`RandomSpanRouting`): sqrt(pi (1 - pi) (1 + l) / ((1 - l) n))
+    Markov chain over the writers, which moves from a small token to a large one with
+    probability ``p_to_large`` and back with ``p_to_small``: sqrt(pi (1 - pi) (1 + l) / ((1 - l) n))
     with pi = a / (a + b) and l = 1 - a - b, the asymptotic variance of a two-state chain's
-    occupation share (e.g. Kemeny and Snell, Finite Markov Chains, 1960, section 4.6)."""
-    a, b = p_exit_small, p_exit_large
+    occupation share (Kemeny and Snell, Finite Markov Chains, 1960, section 4.6)."""
+    a, b = p_to_large, p_to_small
     if tokens <= 0 or a + b <= 0:
         return 0.0
     pi, lam = a / (a + b), 1 - a - b
@@ -93,15 +114,30 @@ def chain_fraction_sd(p_exit_small: float, p_exit_large: float, tokens: int) -> 
     return math.sqrt(max(0.0, pi * (1 - pi) * (1 + lam) / ((1 - lam) * tokens)))
 
 
-def mean_range(tokens: int, mean: float | None, binomial_range) -> tuple[float, float] | None:
-    """The central 95% range of a realised mean visit length (tokens per ended visit) when each of
-    ``tokens`` tokens ends its visit with probability 1 / ``mean`` independently (geometric
-    visits): the exits are binomial, so the range is 1 / the exit share's range. None without a
-    target mean or tokens."""
-    if mean is None or not math.isfinite(mean) or mean < 1 or tokens <= 0:
+def span_chain(large_visit: float, small_visit: float) -> tuple[float, float]:
+    """``(p_to_large, p_to_small)`` of the writer chain of `RandomSpanRouting`: a small step
+    hands off with q = 1 / (1 + small_visit), a large span ends after each token with
+    b = 1 / large_visit and the small model's next step may hand off at once, so
+    P(small -> large) = q and P(large -> small) = b (1 - q); the large share tends to
+    large_visit / (large_visit + small_visit)."""
+    q = 0.0 if math.isinf(small_visit) else 1.0 / (1.0 + small_visit)
+    b = 0.0 if math.isinf(large_visit) else 1.0 / large_visit
+    return q, b * (1 - q)
+
+
+def mean_range(trials: int, mean: float | None, binomial_range, *, zero: bool) -> tuple[float, float] | None:
+    """The central 95% range of a realised mean visit length of geometric visits (`mean_visits`):
+    each of ``trials`` trials ends its visit with probability p independently, so the exits are
+    binomial; for visits of at least one token (``zero=False``) p = 1 / mean and the mean is
+    trials / exits, for stretches of zero or more (``zero=True``: trials are steps, tokens plus
+    exits) p = 1 / (1 + mean) and the mean is (trials - exits) / exits. None without a finite
+    target or trials."""
+    if mean is None or not math.isfinite(mean) or trials <= 0 or mean < (0 if zero else 1):
         return None
-    lo, hi = binomial_range(tokens, 1.0 / mean)
-    return (1.0 / hi if hi > 0 else math.inf), (1.0 / lo if lo > 0 else math.inf)
+    p = 1.0 / (1.0 + mean) if zero else 1.0 / mean
+    lo, hi = binomial_range(trials, p)
+    to_mean = (lambda s: (1 - s) / s if s > 0 else math.inf) if zero else (lambda s: 1 / s if s > 0 else math.inf)
+    return to_mean(hi), to_mean(lo)
 
 
 # -- paired comparisons ------------------------------------------------------------------------

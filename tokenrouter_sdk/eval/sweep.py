@@ -75,7 +75,7 @@ from .head_data import excluded_ids
 from .machine import CpuWindow, load_summary
 from .references import KINDS as MATCHED, check_reference, matched_references
 from .result import EvalResult
-from .stats import gain_summary, mean_visits, paired_bootstrap, token_agreement, visit_counts, writers_of
+from .stats import gain_summary, mean_visits, paired_bootstrap, token_agreement, visit_counts, visits_from_trace
 
 # name -> (policy class name in tokenrouter_sdk.policies, swept parameter)
 POLICIES = {"rstitch": ("RStitch", "tau"), "random": ("RandomRouting", "p"),
@@ -206,7 +206,9 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", s)[:60]
 
 
-def _segments(models: list[str]) -> list[list]:
+def _runs(models: list[str]) -> list[list]:
+    """``[model, tokens]`` runs of consecutive tokens by one model (the visits when no trace is
+    at hand)."""
     out: list[list] = []
     for m in models:
         if out and out[-1][0] == m:
@@ -285,6 +287,7 @@ class _Runner:
             if "requests failed" not in str(w.message):
                 self.deferred.append((w.category, f"{pt.label}: {w.message}"))
         m = self.router.metrics()
+        self._visits = visits_from_trace(self.router.trace, [o.rid for o in outs])
         ok = [o for o in outs if o.ok]
         tok = sum(len(o.token_ids) for o in ok)
         mach = win.record()
@@ -321,7 +324,7 @@ class _Runner:
                     self.bar.update(len(runs))
                 return rec
         outs, run = self._timed(pt, 0)
-        ans = self._answers(outs)
+        ans = self._answers(outs, self._visits)
         rec = self._record(pt, ans, h)
         self._keep(pt, rec, ans, [run])
         self._save(pt.label)
@@ -359,7 +362,7 @@ class _Runner:
         return self.points_dir / f"{_slug(label)}-{h}.json" if self.points_dir else None
 
     # -- recording ---------------------------------------------------------------------------
-    def _answers(self, outs) -> list[dict]:
+    def _answers(self, outs, visits: dict) -> list[dict]:
         kindq, ans = self.bench.kind, []
         for qid, out, gold in zip(self.bench.ids, outs, self.gold):
             text = out.text if out.ok else None
@@ -369,7 +372,7 @@ class _Runner:
                         "tokens": len(out.token_ids), "large_tokens": out.token_models.count(self.large),
                         "hops": out.hops, "writer_changes": out.writer_changes, "finish_reason": out.finish_reason,
                         "error": out.error if not out.ok else None, "token_ids": list(out.token_ids),
-                        "segments": _segments(out.token_models)})
+                        "visits": visits.get(out.rid) or _runs(out.token_models)})
         return ans
 
     def _record(self, pt: _Point, ans: list[dict], h: str) -> dict:
@@ -392,7 +395,7 @@ def record_of(ans: list[dict], large: str) -> dict:
     k = sum(bool(a["correct"]) for a in ok)
     lo, hi = wilson_interval(k, m) if m else (None, None)
     tokens = sum(a["tokens"] for a in ok)
-    vis = mean_visits([visit_counts(writers_of(a), large) for a in ok])
+    vis = mean_visits([visit_counts(a.get("visits") or [], large) for a in ok])
     errors = [a["error"] for a in ans if a not in ok and a.get("error")]
     return {"n": n, "answered": m, "failed": n - m, "correct": k, "accuracy": k / m if m else None,
             "acc_ci_low": lo, "acc_ci_high": hi, "agreement": None, "agreement_n": 0,

@@ -102,49 +102,47 @@ def geometric_span(u: float, mean: float) -> int:
 
 class RandomSpanRouting(Policy):
     """Random routing with geometric visits: the large model writes spans of ``large_visit``
-    tokens on average, the small model stretches of ``small_visit`` tokens between them. Each
-    committed small token is the last of its stretch with probability 1 / ``small_visit`` (then
-    the next sampled token is discarded and the large model writes that position), and each
-    large span's length is drawn at the hand-off (Geometric on {1, 2, ...}, mean
-    ``large_visit``); so visits on both sides are geometric with those means, the large fraction
-    tends to ``large_visit / (large_visit + small_visit)`` and the hops per committed token to
-    ``2 / (large_visit + small_visit)``. `evaluate_policy`'s span-matched reference sets both
-    means to the ones a policy realised.
+    tokens on average, the small model stretches of ``small_visit`` tokens between them. At
+    each small-model step the request hands off with probability q = 1 / (1 + ``small_visit``)
+    (the sampled token is discarded and the large model writes that position; a stretch may be
+    empty: a request just returned can go straight back up), and each large span's length is
+    drawn at the hand-off (Geometric on {1, 2, ...}, mean ``large_visit``). So both visit
+    lengths are geometric with those means, the large fraction tends to
+    ``large_visit / (large_visit + small_visit)`` and the hops per committed token to
+    ``2 / (large_visit + small_visit)``. `RandomRouting` (p) is the case ``large_visit=1``,
+    ``small_visit=(1 - p) / p``. `evaluate_policy`'s span-matched reference sets both means to
+    the ones a policy realised, counted at its handoffs.
 
     Args:
         large_visit: mean tokens per large visit, >= 1 (inf: the large model keeps the request).
-        small_visit: mean tokens per small stretch, >= 1 (inf: never hands off).
-        seed: base seed; draws are `request_draw` ``(seed, request, 2 * position)`` for the exit
-            and ``2 * position + 1`` for the span, so runs are reproducible.
+        small_visit: mean tokens per small stretch, >= 0 (inf: never hands off).
+        seed: base seed; draws are `request_draw` ``(seed, request, 2 * position)`` for the
+            hand-off and ``2 * position + 1`` for the span, so runs are reproducible.
         small, large: model names (default: first and last model).
 
     Raises:
-        ValueError: a mean below 1 (or not a number).
+        ValueError: ``large_visit`` below 1 or ``small_visit`` below 0 (or not numbers).
     """
 
     def __init__(self, large_visit: float = 2.0, small_visit: float = 8.0, seed: int = 0, small: str | None = None,
                  large: str | None = None):
-        for name, v in (("large_visit", large_visit), ("small_visit", small_visit)):
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1):
-                raise ValueError(f"RandomSpanRouting: {name} is a mean visit length in tokens, >= 1 (inf for "
-                                 f"never), got {v!r}")
+        for name, v, least in (("large_visit", large_visit, 1), ("small_visit", small_visit, 0)):
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= least):
+                raise ValueError(f"RandomSpanRouting: {name} is a mean visit length in tokens, >= {least} (inf for "
+                                 f"never ending), got {v!r}")
         self.large_visit, self.small_visit = float(large_visit), float(small_visit)
         self.seed, self.small, self.large = seed, small, large
 
     def route(self, step: Step) -> str:
         small = self.small or step.models[0]
-        large = self.large or step.models[-1]
-        if step.model != small:  # a large span ends by itself (Handoff.span)
+        if step.model != small or math.isinf(self.small_visit):  # a large span ends by itself (Handoff.span)
             return step.model
-        if step.position <= step.state.get("back_at", 0) or not math.isfinite(self.small_visit):
-            return step.model  # the stretch's first token is always the small model's
-        if request_draw(self.seed, step.request, 2 * step.position) < 1.0 / self.small_visit:
-            return large
+        if request_draw(self.seed, step.request, 2 * step.position) < 1.0 / (1.0 + self.small_visit):
+            return self.large or step.models[-1]
         return step.model
 
     def send(self, req, target) -> Handoff:
         if target != (self.large or req.models[-1]):
             return Handoff(keep_sampled=False)
-        span = geometric_span(request_draw(self.seed, req, 2 * req.n_generated + 1), self.large_visit)
-        req.state["back_at"] = req.n_generated + span  # the small model's first position after the span
-        return Handoff(keep_sampled=False, span=span)
+        return Handoff(keep_sampled=False, span=geometric_span(request_draw(self.seed, req, 2 * req.n_generated + 1),
+                                                               self.large_visit))
