@@ -255,6 +255,7 @@ class _Runner:
         self.log: list[list] = []  # [repeat, label] of each timed run, in the order they ran
         self.session_runs: list[dict] = []  # the runs timed in this session (not resumed ones)
         self._warm = False
+        self._visits: dict = {}  # rid -> [model, tokens] visits of the last timed run
         self.gold = bench.answers if bench.kind == "math" else [extract_choice(a) or a for a in bench.answers]
 
     # -- running -----------------------------------------------------------------------------
