@@ -270,6 +270,9 @@ def cmd_bench(args) -> int:
     log.rewrite(cells)  # with the final ratios
     html = write_html(cells, args.out + ".html")
     print(f"wrote {args.out}.csv" + (f" and {args.out}.html" if html else " (no plotly: no HTML chart)"))
+    if any(c.failed for c in cells):
+        print(f"{prog}: requests failed in {sum(bool(c.failed) for c in cells)} cell(s): exit 1", file=sys.stderr)
+        return 1
     return 0
 
 
