@@ -7,15 +7,16 @@ import argparse
 import json
 
 import pytest
-import torch
 
 from tokenrouter_sdk import Policy, Router
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
 from tokenrouter_sdk.eval import evaluate_policies, evaluate_policy, load_benchmark
 from tokenrouter_sdk.eval.references import check_reference
 from tokenrouter_sdk.eval.stats import gain_summary, paired_bootstrap, token_agreement, visits_from_trace
-from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
+from tokenrouter_sdk.models import tiny_tokenizer
 from tokenrouter_sdk.policies import QueryRouter, RandomRouting, RandomSpanRouting, RStitch
+
+from ..helpers import save_tiny_pair
 
 QS = ["2+3?", "7*6?", "10-4?", "9/3?"]
 LAT = {"small": LatencyModel({1: 0.02, 8: 0.03}, per_token_s=0.001),
@@ -79,14 +80,7 @@ class Broken(Policy):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    out = []
-    for name, layers, seed in (("small", 1, 3), ("large", 2, 4)):
-        m = tiny_model(num_layers=layers, seed=seed, dtype=torch.float32, max_position_embeddings=2048)
-        m.save_pretrained(root / name)
-        tiny_tokenizer().save_pretrained(root / name)
-        out.append(str(root / name))
-    return out
+    return save_tiny_pair(tmp_path_factory.mktemp("models"))
 
 
 def test_eval_exits_non_zero_when_every_request_fails_and_shows_why(folders, tmp_path, capsys):

@@ -59,7 +59,6 @@ job or Ray task: `tokenrouter_sdk.eval.shards`) and writes a manifest to ``out_d
 from __future__ import annotations
 
 import json
-import math
 import re
 import statistics
 import time
