@@ -243,3 +243,16 @@ def process_gone(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def save_tiny_pair(root) -> list[str]:
+    """A float32 tiny pair saved to folders (small: 1 layer, large: 2 layers, each with the tiny
+    tokenizer), for commands that take ``--model NAME=FOLDER``; returns the two folders."""
+    from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
+    out = []
+    for name, layers, seed in (("small", 1, 3), ("large", 2, 4)):
+        m = tiny_model(num_layers=layers, seed=seed, dtype=torch.float32, max_position_embeddings=2048)
+        m.save_pretrained(root / name)
+        tiny_tokenizer().save_pretrained(root / name)
+        out.append(str(root / name))
+    return out

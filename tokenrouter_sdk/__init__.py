@@ -11,10 +11,10 @@ pool; a request handed off to a peer stays pending with its KV intact.
 
 from .metrics import Metrics, ModelMetrics
 from .placement import ModelSpec
-from .policy import Handoff, Needs, Policy, Resample, Step, StepBatch
+from .policy import Handoff, Needs, Policy, Resample, Step, StepBatch, TopK
 from .request import RequestOutput, RequestView, SamplingParams
 from .router import Router, TokenEvent
 
-__all__ = ["Router", "Policy", "Step", "StepBatch", "Handoff", "Needs", "Resample", "SamplingParams",
+__all__ = ["Router", "Policy", "Step", "StepBatch", "TopK", "Handoff", "Needs", "Resample", "SamplingParams",
            "RequestOutput", "RequestView", "Metrics", "ModelMetrics", "TokenEvent", "ModelSpec"]
 __version__ = "0.1.0"

@@ -42,6 +42,7 @@ class Cell:
     wall_s: float = 0.0
     vs_sync: float | None = None
     vs_no_retain: float | None = None
+    failed: int = 0  # requests of the cell that failed or were aborted (its numbers then do not stand)
 
 
 def make_policy(name: str, registry=None):
@@ -162,7 +163,7 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
             r.generate(work, policy=policy, max_new_tokens=new, ignore_eos=True, concurrency=n)
             m = r.metrics()
             out.append(Cell(pol, mode, retain, n, new, th, m.throughput_tok_s, m.mean_latency_s, m.per_user_tok_s,
-                            m.hop_rate, m.large_fraction, m.committed_tokens, m.wall_s))
+                            m.hop_rate, m.large_fraction, m.committed_tokens, m.wall_s, failed=m.failed))
             _ratios(out)
             if on_cell is not None:
                 on_cell(out[-1])
@@ -198,13 +199,18 @@ def _ratios(out: list[Cell]) -> None:
 
 def format_table(cells: list[Cell]) -> str:
     head = (f"{'policy':<11}{'mode':<11}{'kv':<6}{'N':>3}{'out':>6}{'tok/s':>9}{'lat s':>8}{'user t/s':>9}"
-            f"{'hop':>7}{'large':>7}{'x sync':>8}{'x noKV':>8}  thresholds")
+            f"{'hop':>7}{'large':>7}{'x sync':>8}{'x noKV':>8}{'failed':>7}  thresholds")
     lines = [head, "-" * len(head)]
     for c in cells:
         f = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8}"  # noqa: E731
         lines.append(f"{c.policy:<11}{c.mode:<11}{'keep' if c.retain_kv else 'drop':<6}{c.concurrency:>3}"
                      f"{c.max_new_tokens:>6}{c.throughput_tok_s:9.1f}{c.mean_latency_s:8.2f}{c.per_user_tok_s:9.1f}"
-                     f"{c.hop_rate:7.3f}{c.large_fraction:7.3f}{f(c.vs_sync)}{f(c.vs_no_retain)}  {c.thresholds}")
+                     f"{c.hop_rate:7.3f}{c.large_fraction:7.3f}{f(c.vs_sync)}{f(c.vs_no_retain)}"
+                     f"{(str(c.failed) + ' !') if c.failed else '0':>7}  {c.thresholds}")
+    bad = [c for c in cells if c.failed]
+    if bad:
+        lines.append(f"FAILED requests in {len(bad)} cell(s) (their throughput counts only what the others committed): "
+                     + ", ".join(f"{c.policy} {c.mode} N={c.concurrency}: {c.failed}" for c in bad))
     return "\n".join(lines)
 
 

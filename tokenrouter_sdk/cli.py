@@ -197,7 +197,7 @@ def cmd_bench(args) -> int:
     policies = args.policy or args.policies or ([own] if own else ["random10", "random30", "rstitch"])
     for pol in policies:  # every spec is checked before anything loads
         if not (pol.startswith("random") and pol[len("random"):].isdigit()):
-            build_policy(registry, pol, prog)
+            build_policy(registry, pol, prog, transport="thread" if args.backend == "sim" else args.transport)
     if args.thresholds != "auto" and "delayed" not in args.modes:
         raise fail(prog, f"--thresholds apply to the delayed cells, and --modes {' '.join(args.modes)} has none")
     if args.random_pair is None and args.prompt_tokens is not None:
@@ -272,6 +272,9 @@ def cmd_bench(args) -> int:
     log.rewrite(cells)  # with the final ratios
     html = write_html(cells, args.out + ".html")
     print(f"wrote {args.out}.csv" + (f" and {args.out}.html" if html else " (no plotly: no HTML chart)"))
+    if any(c.failed for c in cells):
+        print(f"{prog}: requests failed in {sum(bool(c.failed) for c in cells)} cell(s): exit 1", file=sys.stderr)
+        return 1
     return 0
 
 

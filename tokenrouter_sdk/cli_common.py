@@ -256,14 +256,34 @@ def policy_registry(args, prog: str):
     return registry, cls.__name__
 
 
-def build_policy(registry, spec, prog: str):
-    """The policy of a spec (a registry name with arguments).
+def build_policy(registry, spec, prog: str, transport: str = "auto"):
+    """The policy of a spec (a registry name with arguments), checked to reach sub-server
+    processes unless ``transport`` is ``"thread"`` (`check_shippable`).
 
     Raises:
-        SystemExit: an unknown name or a bad argument (names them and what is accepted).
+        SystemExit: an unknown name or a bad argument (names them and what is accepted), or a
+            policy that cannot be sent to the sub-server processes.
     """
     from .policies.registry import PolicySpecError
     try:
-        return registry.build(spec)
+        policy = registry.build(spec)
     except PolicySpecError as e:
         raise fail(prog, f"--policy: {e}") from None
+    if transport != "thread":
+        check_shippable(policy, prog)
+    return policy
+
+
+def check_shippable(policy, prog: str) -> None:
+    """Stop the command at start when ``policy`` cannot be sent to sub-server processes (or Ray
+    actors), rather than failing every request that uses it (`tokenrouter_sdk.engine.wire.shipping_problem`).
+
+    Raises:
+        SystemExit: names the policy, why, and the fixes.
+    """
+    from .engine.wire import shipping_problem
+    why = shipping_problem(policy)
+    if why is not None:
+        raise fail(prog, f"policy {policy!r} cannot be sent to the sub-server processes: {why}. Keep locks, open "
+                         f"files and threads out of its attributes (create them in route), or run the sub-servers "
+                         f"in this process with --transport thread")

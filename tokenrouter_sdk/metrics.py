@@ -66,7 +66,13 @@ class Metrics:
         mean_latency_s, p50_latency_s, p90_latency_s: admission to finish, per request.
         mean_ttft_s: admission to first committed token.
         per_user_tok_s: mean over requests of committed tokens / (finish - first token).
-        hops: handoffs; hop_rate: hops / committed tokens.
+        hops: handoffs, in both directions (small to large and back count one each),
+            including handoffs after which the target committed nothing (it handed the request
+            on or back at once, discarding its token); hop_rate: hops / committed tokens (it
+            can exceed 1 when requests hop more often than they commit).
+        writer_changes: positions whose committed token was written by another model than
+            the one before it, summed over requests (at most ``hops``: a handoff that commits
+            nothing changes no writer); writer_change_rate: writer_changes / committed tokens.
         large_fraction: committed tokens written by the largest model / committed tokens.
         discarded_tokens: sampled tokens dropped on handoffs and resamples.
         preemptions: KV evictions over all models.
@@ -85,6 +91,8 @@ class Metrics:
     per_user_tok_s: float = 0.0
     hops: int = 0
     hop_rate: float = 0.0
+    writer_changes: int = 0
+    writer_change_rate: float = 0.0
     large_fraction: float = 0.0
     discarded_tokens: int = 0
     preemptions: int = 0
@@ -138,7 +146,7 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
     ``models`` is ordered smallest first; the last one is "large" for ``large_fraction``.
     """
     admit, first, end, n_tok, failed = {}, {}, {}, Counter(), 0
-    per_model_tok, hops, discarded = Counter(), 0, 0
+    per_model_tok, hops, discarded, writer, changes = Counter(), 0, 0, {}, 0
     steps_all = []
     for ev in trace:
         if isinstance(ev, StepDone):
@@ -152,6 +160,9 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
             first.setdefault(ev.rid, ev.t)
             n_tok[ev.rid] += len(ev.tokens)
             per_model_tok[ev.model] += len(ev.tokens)
+            if ev.tokens:
+                changes += writer.get(ev.rid, ev.model) != ev.model
+                writer[ev.rid] = ev.model
         elif isinstance(ev, Hopped):
             hops += 1
             discarded += 0 if ev.kept else 1
@@ -177,6 +188,8 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
     m.per_user_tok_s = statistics.fmean(speeds) if speeds else 0.0
     m.hops, m.discarded_tokens = hops, discarded
     m.hop_rate = hops / m.committed_tokens if m.committed_tokens else 0.0
+    m.writer_changes = changes
+    m.writer_change_rate = changes / m.committed_tokens if m.committed_tokens else 0.0
     m.large_fraction = per_model_tok[models[-1]] / m.committed_tokens if m.committed_tokens else 0.0
     steps = defaultdict(list)
     for s in steps_all:

@@ -155,6 +155,38 @@ class Resample:
         return hash(Resample)
 
 
+class TopK(tuple):
+    """The top-k tokens of a step (`StepBatch.topk`, `Step.topk`): unpacks as ``(logits,
+    indices)``, sorted most likely first, and gives their probabilities.
+
+    Attributes:
+        logits: the top-k logit values, shape [B, k] (a `Step`'s: [k]).
+        indices: their token ids, same shape (int64).
+        probs: their probabilities under the softmax of all V logits (temperature 1, the
+            distribution `Step.max_prob` and `Step.entropy` describe), same shape (float32).
+        logprobs: their log-probabilities, same shape (float32).
+    """
+
+    def __new__(cls, logits: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor):
+        self = super().__new__(cls, (logits, indices))
+        self._lse = lse  # log-sum-exp of all V logits of each row, shape [B] (a Step's: scalar)
+        return self
+
+    logits = property(lambda self: self[0])
+    indices = property(lambda self: self[1])
+
+    @property
+    def logprobs(self) -> torch.Tensor:
+        return self[0].float() - self._lse.unsqueeze(-1) if self._lse.dim() else self[0].float() - self._lse
+
+    @property
+    def probs(self) -> torch.Tensor:
+        return self.logprobs.exp()
+
+    def __repr__(self) -> str:
+        return f"TopK(indices={self[1].tolist()}, probs={[round(p, 4) for p in self.probs.flatten().tolist()]})"
+
+
 class StepBatch:
     """One model's forward results for the requests it owns in a step (those of one policy).
 
@@ -194,6 +226,7 @@ class StepBatch:
         self._hidden: torch.Tensor | None = None
         self._logp: torch.Tensor | None = None
         self._entropy: torch.Tensor | None = None
+        self._lse: torch.Tensor | None = None
         self._topk: dict = topk_cache if topk_cache is not None else {}
         n = len(requests)
         self._peer = list(peer_logits) if peer_logits is not None else [None] * n
@@ -270,9 +303,10 @@ class StepBatch:
         self._entropy_ok("step.max_prob")
         return self._log_softmax().max(-1).values.exp()
 
-    def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k logit values and indices, each shape [B, k], sorted descending (computed once per
-        step for the largest k its policies declared)."""
+    def topk(self, k: int) -> TopK:
+        """The top-k tokens per request: a `TopK` that unpacks as ``(logits, indices)``, each shape
+        [B, k], sorted descending, with ``.probs`` / ``.logprobs`` (softmax over all V logits)
+        (computed once per step for the largest k its policies declared)."""
         self._require(self.needs is None or self.needs.logits or self.needs.topk >= k, f"step.topk({k})",
                       f"topk={k}")
         hit = next((kk for kk in sorted(self._topk) if kk >= k), None)
@@ -282,7 +316,9 @@ class StepBatch:
             self._topk[kk] = torch.topk(self._raw_logits(), kk, dim=-1)
             hit = kk
         v, i = self._topk[hit]
-        return v[:, :k], i[:, :k]
+        if self._lse is None:
+            self._lse = torch.logsumexp(self._raw_logits().float(), dim=-1)
+        return TopK(v[:, :k], i[:, :k], self._lse)
 
     @property
     def peer_logits(self) -> list[torch.Tensor | None]:
@@ -343,10 +379,19 @@ class Step:
     """The view of one request at one step (a row of a `StepBatch`).
 
     Attributes:
-        model: the model that just ran (the owner).
+        model: the model that just ran (the owner); models: all model names, smallest first.
         token: the token just sampled (not yet committed).
         position: index of that token in the output (= tokens committed so far).
-        request / req: the `RequestView`; ``state`` is its per-request dict.
+        request / req: the `RequestView` (the same object under both names): ``rid``,
+            ``prompt_ids``, ``output_ids`` (committed so far), ``owner``, ``hops``, ``models``
+            and ``key``, a per-request key for seeded randomness that is the same whatever
+            else the Router served (`request_draw` ``(seed, step.request, i)``).
+        state: the request's per-request dict (``step.request.state``); it travels with
+            handoffs.
+        entropy, norm_entropy, max_prob: of the next-token distribution (``Needs(entropy=True)``).
+        topk(k): the k most likely tokens with their logits and probabilities
+            (``Needs(topk=k)``, a `TopK`).
+        logits, logprobs, hidden: shape [V], [V], [H] (``Needs(logits=True)``, ``Needs(hidden=True)``).
     """
 
     __slots__ = ("batch", "i")
@@ -380,10 +425,12 @@ class Step:
         """Write ``token`` at this position instead of the sampled one (see `StepBatch.set_token`)."""
         self.batch.set_token(self.i, token)
 
-    def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k logit values and indices of this step, each shape [k]."""
-        v, i = self.batch.topk(k)
-        return v[self.i], i[self.i]
+    def topk(self, k: int) -> TopK:
+        """The top-k tokens of this step: a `TopK` that unpacks as ``(logits, indices)``, each
+        shape [k], most likely first; ``.probs`` gives their probabilities (softmax over all V
+        logits), e.g. ``step.topk(2).probs[1]`` is the runner-up's. Needs ``Needs(topk=k)``."""
+        t = self.batch.topk(k)
+        return TopK(t[0][self.i], t[1][self.i], t._lse[self.i])
 
     def __repr__(self) -> str:
         return f"Step(model={self.model!r}, rid={self.request.rid}, position={self.position}, token={self.token})"
@@ -423,8 +470,10 @@ class Policy:
             how many tokens the target writes. Default: discard, target's route decides.
         receive(handoff, req) -> None: hook on the target before it runs the request (e.g.
             to set per-request state).
-        entry(req) -> str | None: the model that prefills the request (query-level routing);
-            None = the first (smallest) model.
+        entry(req, models) -> str | None: the model that prefills the request (query-level
+            routing); None = the first (smallest) model. ``models`` are all model names,
+            smallest first (also ``req.models``); an override written ``entry(self, req)`` is
+            called with the request alone.
         may_use(req, models) -> list[str]: the models the request may visit (default: all).
             With ``EngineConfig.prefill_peers`` each of them prefills the prompt at admission.
 
@@ -444,6 +493,8 @@ class Policy:
         return type(self).__name__
 
     def entry(self, req: "RequestView", models: Sequence[str]) -> str | None:
+        """The model that prefills request ``req`` and writes its first token (``models``: all
+        model names, smallest first); None: the first model. Called once at submission."""
         return None
 
     def may_use(self, req: "RequestView", models: Sequence[str]) -> Sequence[str]:

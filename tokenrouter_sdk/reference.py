@@ -87,8 +87,8 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     hops = discarded = 0
     span, return_to = None, None
     all_logits = []
-    owner = PC.entry_model(policy.entry(RequestView(rid, list(prompt_ids), [], "", state, 0, tuple(names), key),
-                                        names), names) or names[0]
+    owner = PC.entry_model(PC.call_entry(policy, RequestView(rid, list(prompt_ids), [], "", state, 0, tuple(names),
+                                                             key), names), names) or names[0]
 
     def view():
         return RequestView(rid, list(prompt_ids), list(out), owner, state, hops, tuple(names), key)

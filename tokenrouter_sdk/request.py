@@ -203,7 +203,8 @@ class RequestOutput:
         error: why the request failed or was aborted (None otherwise).
         traceback: the formatted traceback of a policy error that failed it, else None.
         index: the request's position in its call.
-        hops: handoffs between models.
+        hops: handoffs between models, both directions, including those after which the
+            target committed nothing (see ``writer_changes``).
         discarded: sampled tokens dropped on a handoff (never in ``token_ids``).
         discarded_log: each dropped token as ``(position, token_id, model)``: it was sampled by
             ``model`` for output position ``position`` (an index into ``token_ids``), and the
@@ -241,6 +242,13 @@ class RequestOutput:
     @property
     def ok(self) -> bool:
         return self.finish_reason not in ("failed", "aborted", None)
+
+    @property
+    def writer_changes(self) -> int:
+        """Committed positions written by another model than the position before (at most
+        ``hops``: a handoff after which the target commits nothing changes no writer)."""
+        m = self.token_models
+        return sum(a != b for a, b in zip(m, m[1:]))
 
     def raise_for_error(self) -> "RequestOutput":
         """Raise ``RuntimeError`` with the request's own error if it failed; else return self."""

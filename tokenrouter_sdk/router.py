@@ -864,6 +864,16 @@ class Router:
             return []
         return call.events_since(0)
 
+    def clear_prefix_cache(self) -> None:
+        """Empty every model's prefix cache: requests submitted after this call find no cached
+        prompt or output blocks (blocks running requests hold stay theirs). For measurements that
+        must start from the same cache state, e.g. each timed run of `evaluate_policy`.
+
+        Raises:
+            RuntimeError: the Router is closed.
+        """
+        self.engine.clear_prefix_cache()
+
     def kv_stats(self, timeout: float = 10.0) -> dict:
         """Per model, its KV pool and requests now (a `tokenrouter_sdk.viz.tables.KVStats`: a
         ``dict`` that a notebook shows as a table): a `tokenrouter_sdk.engine.messages.Stats` with

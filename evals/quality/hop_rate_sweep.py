@@ -24,7 +24,7 @@ def main(argv=None) -> int:
 
     args = add_arguments(evalkit.parser(__file__, __doc__), out=False).parse_args(argv)
     name = Path(args.dataset).stem if ("/" in args.dataset or "." in args.dataset) else args.dataset
-    policy = re.sub(r"[^A-Za-z0-9_.=-]+", "_", args.policy)[:60]
+    policy = re.sub(r"[^A-Za-z0-9_.=-]+", "_", "+".join(args.policy or ["rstitch"]))[:60]
     args.out = str(Path(args.out) / f"{Path(__file__).stem}_{policy}_{name}{args.limit}")
     return cmd_eval(args)
 

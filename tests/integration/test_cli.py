@@ -93,7 +93,7 @@ def test_eval_shards_launched_locally_and_merged(tmp_path):
     out = tmp_path / "sharded"
     r = subprocess.run([sys.executable, "-m", "tokenrouter_sdk.cli", "eval", "--values", "0.3", "--limit", "2",
                         "--max-new-tokens", "6", "--references", "large_only", "--no-progress", "--concurrency", "2",
-                        "--shards", "2", "--out", str(out)], capture_output=True, text=True, timeout=500)
+                        "--repeats", "1", "--shards", "2", "--out", str(out)], capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 points from 2 shards merged" in r.stdout
     recs = json.loads((out / "results.json").read_text())["records"]

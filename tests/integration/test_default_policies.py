@@ -54,12 +54,13 @@ def test_a_sweep_of_a_packaged_head_scores_none_of_its_training_questions(router
     assert len(seen) == 300 and "gsm8k-test-0556" in seen     # what the packaged R2R head trained on
     tau = policies.R2R().tau
     with pytest.warns(UserWarning, match=r"left out 2 of the 4 questions drawn from gsm8k \(300 in the whole"):
-        res = evaluate_policy(router, "r2r", [tau], limit=4, seed=0, max_new_tokens=4, concurrency=4,
-                              references=["large_only"], progress=False)
+        res = evaluate_policy(router, "r2r", limit=4, seed=0, max_new_tokens=4, concurrency=4,
+                              references=["large_only"], progress=False, repeats=1)  # the calibrated point
+    assert [x["value"] for x in res.records if x["kind"] == "sweep"] == [tau]
     assert res.excluded["in_draw"] == 2 and res.excluded["heads"] == {"R2R": 300}
     scored = {a["id"] for ans in res.answers.values() for a in ans}
     assert len(scored) == 4 and not scored & seen
     assert all(a["error"] is None for ans in res.answers.values() for a in ans)
     res = evaluate_policy(router, "r2r", [tau], limit=4, seed=0, max_new_tokens=4, concurrency=4,
-                          references=False, progress=False, exclude_head_questions=False)
+                          references=False, progress=False, exclude_head_questions=False, repeats=1)
     assert res.config["head_overlap"]["n"] == 2

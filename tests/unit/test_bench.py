@@ -51,3 +51,17 @@ def test_max_routers_bounds_the_routers_open_at_once(monkeypatch):
     opened.clear(), peak.clear()
     run_bench(LAT, tiny_tokenizer(), [[5] * 20], **kw)  # default: every Router stays open to the end
     assert len(opened) == 3 and max(peak) == 3
+
+
+def test_a_cell_whose_requests_fail_says_so():
+    from tokenrouter_sdk import Policy
+    from tokenrouter_sdk.policies.registry import PolicyRegistry
+
+    class Boom(Policy):
+        def route(self, step):
+            raise RuntimeError("boom")
+
+    cells = run_bench(LAT, tiny_tokenizer(), [[5] * 20], cells=[("boom", "async", True, 2, 4)], backend="sim",
+                      progress=False, registry=PolicyRegistry({"boom": Boom}))
+    assert cells[0].failed == 4
+    assert "FAILED requests in 1 cell(s)" in format_table(cells) and "4 !" in format_table(cells)

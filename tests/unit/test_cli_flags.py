@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
+from ..helpers import save_tiny_pair
 
 POLICY_FILE = '''
 from tokenrouter_sdk import Policy
@@ -26,14 +26,7 @@ class EveryOther(Policy):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_models")
-    out = []
-    for name, layers, seed in (("small", 1, 3), ("large", 2, 4)):
-        m = tiny_model(num_layers=layers, seed=seed, dtype=torch.float32, max_position_embeddings=2048)
-        m.save_pretrained(root / name)
-        tiny_tokenizer().save_pretrained(root / name)
-        out.append(str(root / name))
-    return out
+    return save_tiny_pair(tmp_path_factory.mktemp("cli_models"))
 
 
 def model_flags(folders):

@@ -7,11 +7,11 @@ import pytest
 
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.eval import evaluate_policy, load_benchmark, merge_sweep
+from tokenrouter_sdk.eval.sweep import TIMING_KEYS
 from tokenrouter_sdk.policies import RStitch
 
-SAMPLING = dict(max_new_tokens=16, concurrency=4, progress=False)
-TIMING = {"throughput_tok_s", "mean_latency_s", "wall_s", "resumed", "prefix_hit_tokens", "prompt_tokens_fed"}
-# timings, and how much each Router's prefix cache held from the points it ran before
+SAMPLING = dict(max_new_tokens=16, concurrency=4, progress=False, repeats=1)
+TIMING = set(TIMING_KEYS)  # timings, and the prefix-cache hits of requests that share a prompt prefix
 
 
 @pytest.fixture(scope="module")

@@ -154,7 +154,12 @@ def test_small_only_only_and_dict_of_models(pair, tok, bench):
 def test_cli_parser_has_eval():
     from tokenrouter_sdk.cli import build_parser
     a = build_parser().parse_args(["eval", "--values", "0.02,0.05", "--limit", "16", "--out", "x"])
-    assert a.values == [0.02, 0.05] and a.limit == 16 and a.policy == "rstitch" and a.fn.__name__ == "cmd_eval"
+    assert a.values == [0.02, 0.05] and a.limit == 16 and a.policy is None and a.fn.__name__ == "cmd_eval"
+    assert a.repeats == 2 and a.cache == "clear" and not a.allow_failures
+    from tokenrouter_sdk.eval.cli import sweeps
+    assert [(n, p, v) for n, _, p, v in sweeps(a)] == [("rstitch", "tau", [0.02, 0.05])]  # the default policy
+    a = build_parser().parse_args(["eval", "--policy", "rstitch@0.1,0.2", "--policy", "random", "--values", "0.3"])
+    assert [(n, p, v) for n, _, p, v in sweeps(a)] == [("rstitch", "tau", [0.1, 0.2]), ("random", "p", [0.3])]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "--values", "a,b"])
 
@@ -199,24 +204,26 @@ def test_a_learned_head_is_not_scored_on_its_training_questions(pair, tok, bench
 
 def test_a_reference_off_its_target_is_flagged():
     from tokenrouter_sdk.eval.config import binomial_range
+    from tokenrouter_sdk.eval.references import check_reference
     from tokenrouter_sdk.eval.result import EvalResult
-    from tokenrouter_sdk.eval.sweep import _check_matched
+    from tokenrouter_sdk.eval.sweep import _check_all
 
     assert binomial_range(4, 0.266) == (0.0, 0.75)
     lo, hi = binomial_range(1000, 0.3)
     assert 0.27 < lo < 0.3 < hi < 0.33
-    ans = [{"tokens": 10, "large_tokens": 10}] * 4
-    rec = {"label": "RandomQueryRouting(p=0.266)", "kind": "random_query", "matched_to": "R(x=1)",
-           "large_fraction": 1.0, "committed_tokens": 40}
+    ans = [{"ok": True, "tokens": 10, "large_tokens": 10}] * 4
+    rec = {"label": "RandomQueryRouting(p=0.266)", "kind": "random_query", "matched_to": "R(x=1)", "value": 0.266}
     with pytest.warns(UserWarning, match=r"RandomQueryRouting\(p=0.266\) realised .* 1 on 4 questions, outside the "
                                          r"95% sampling range \[0, 0.75\] of its target 0.266"):
-        _check_matched(rec, ans, 0.266)
+        _check_all([rec], {rec["label"]: ans}, "large", warn=True)
     assert rec["matches_target"] is False and rec["target_range"] == [0.0, 0.75]
     assert any("does not match R(x=1)" in line for line in EvalResult([rec]).notes())
-    ok = dict(rec, label="RandomQueryRouting(p=0.5)")
-    _check_matched(ok, [{"tokens": 10, "large_tokens": 10}, {"tokens": 10, "large_tokens": 0}] * 2, 0.5)
+    ok = dict(rec, label="RandomQueryRouting(p=0.5)", value=0.5)
+    assert check_reference(ok, [{"ok": True, "tokens": 10, "large_tokens": 10},
+                                {"ok": True, "tokens": 10, "large_tokens": 0}] * 2, "large") is None
     assert ok["matches_target"] is True and ok["realised"] == 0.5
-    tok_level = {"label": "RandomRouting(p=0.3)", "kind": "random", "matched_to": "R(x=1)", "large_fraction": 0.5,
-                 "committed_tokens": 1000}
-    with pytest.warns(UserWarning, match="a large fraction of 0.5 on 1000 committed tokens"):
-        _check_matched(tok_level, [], 0.3)
+    tok_level = {"label": "RandomRouting(p=0.3)", "kind": "random", "matched_to": "R(x=1)", "value": 0.3}
+    text = check_reference(tok_level, [{"ok": True, "tokens": 500, "large_tokens": 250}] * 2, "large")
+    assert "a large fraction of 0.5 on 1000 committed tokens" in text
+    failed = [{"ok": False, "tokens": 500, "large_tokens": 500, "error": "x"}] * 2  # failed requests are not counted
+    assert check_reference(dict(tok_level), [{"ok": True, "tokens": 1000, "large_tokens": 300}] + failed, "large") is None

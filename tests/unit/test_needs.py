@@ -68,3 +68,19 @@ def test_a_policy_reading_undeclared_data_fails_its_requests_with_the_fix(pair, 
         finally:
             ReadsEntropy.needs = Needs()
         assert all(o.ok for o in outs)
+
+
+def test_topk_gives_probabilities_beside_the_logits():
+    """`Step.topk` unpacks as (logits, indices) and gives the probabilities under the softmax of
+    all V logits (what max_prob is the first of), with Needs(topk=k) only."""
+    b, logits = batch(Needs(topk=3))
+    t = b[1].topk(3)
+    values, indices = t
+    full = logits[1].double().softmax(-1)
+    assert torch.equal(indices, full.topk(3).indices) and torch.equal(values, logits[1].topk(3).values)
+    assert torch.allclose(t.probs.double(), full.topk(3).values, atol=1e-6)
+    assert torch.allclose(t.logprobs.exp(), t.probs) and t.logits is values and t.indices is indices
+    bt = b.topk(2)
+    assert bt.probs.shape == (len(b), 2) and torch.allclose(bt.probs[1], t.probs[:2])
+    with pytest.raises(NeedsError):
+        b[1].max_prob  # noqa: B018 - topk alone does not open the entropy family

@@ -275,3 +275,21 @@ def test_route_batch_that_raises_fails_its_batch_once(pair, tok):
     assert all(f"requests of this batch fail with it" in o.error for o in failed)
     assert calls[:3] == [3, 3, 3]  # one call per step, never one per request after the failure
 
+
+
+class LargeEntryOneArgument(Policy):
+    """``entry`` written with the request alone (the models are also on ``req.models``)."""
+
+    def entry(self, req):
+        return req.models[-1]
+
+
+def test_entry_written_with_the_request_alone_works(pair, tok):
+    """`Policy.entry` is ``entry(req, models)``; an override that takes only ``req`` is called
+    with it alone, in the engine and in the naive reference."""
+    pol = LargeEntryOneArgument()
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with Router(pair, pol, tokenizer=tok) as r:
+        out = r.generate([GOOD[0]], sampling=params)[0]
+    assert out.error is None and out.token_models == ["large"] * 4
+    assert reference_generate(pair, GOOD[0], pol, params, rid=out.rid)["token_ids"] == out.token_ids

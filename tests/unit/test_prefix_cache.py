@@ -391,6 +391,23 @@ def test_metrics_and_stats_report_cached_blocks_and_the_hit_rate(pair, tok):
     assert "hit" in (table or repr(st))
 
 
+def test_clear_prefix_cache_gives_a_later_call_the_state_of_a_new_router(pair, tok):
+    """After `Router.clear_prefix_cache` a call feeds what it fed on a new Router (no block of
+    an earlier call is reused), and every block is free again after it."""
+    prompts = shared_prompts(4)
+    with Router(pair, DiscardTwoBack(), tokenizer=tok, block_size=4) as r:
+        fresh = r.generate(prompts, max_new_tokens=4, ignore_eos=True, concurrency=1).metrics()
+        warm = r.generate(prompts, max_new_tokens=4, ignore_eos=True, concurrency=1).metrics()
+        r.clear_prefix_cache()
+        cleared = r.generate(prompts, max_new_tokens=4, ignore_eos=True, concurrency=1).metrics()
+        free = pools_free(r)
+    assert all(f == n for f, n in free.values())
+    for name in ("small", "large"):
+        assert warm.per_model[name].tokens_fed < fresh.per_model[name].tokens_fed
+        assert cleared.per_model[name].tokens_fed == fresh.per_model[name].tokens_fed
+        assert cleared.per_model[name].prefix_hit_tokens == fresh.per_model[name].prefix_hit_tokens
+
+
 @pytest.mark.timeout(180)
 def test_processes_share_prefixes_and_match_the_reference(pair, tok, monkeypatch):
     monkeypatch.delenv("TOKENROUTER_PROCESSES", raising=False)

@@ -44,6 +44,16 @@ def test_calibration_refuses_bad_input(router):
         calibrate_defer(router, R2REntropy, lambda p, b: b.entropy, PROMPTS, 1.5, start=0.5, above=True)
 
 
+def test_calibration_on_fewer_than_16_prompts_warns(router):
+    import warnings
+    args = dict(start=100.0, above=True, max_new_tokens=2, rounds=1)
+    with pytest.warns(UserWarning, match="calibrating the threshold on 2 prompt"):
+        calibrate_defer(router, lambda t: R2REntropy(threshold=t), lambda p, b: b.entropy, PROMPTS[:2], 0.3, **args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calibrate_defer(router, lambda t: R2REntropy(threshold=t), lambda p, b: b.entropy, PROMPTS * 2, 0.3, **args)
+
+
 @pytest.mark.parametrize("kind,cls,key", [("citer", CITER, "tau"), ("co_llm", CoLLM, "eta")])
 def test_finalize_stores_the_calibrated_threshold(router, tmp_path, kind, cls, key):
     head = cls.random_head(64, seed=2)

@@ -309,7 +309,7 @@ def test_notebook_tables_of_metrics_run_and_kv_stats(pair, tok):
         kv = r.kv_stats()
     text = repr(m)
     assert text.startswith("Metrics of 3 requests") and "\nthroughput_tok_s" in text and "[small] steps=" in text
-    assert len(text.splitlines()) == 1 + 15 + 2  # header, run-level fields, one line per model
+    assert len(text.splitlines()) == 1 + 17 + 2  # header, run-level fields, one line per model
     h = m._repr_html_()
     assert h.count("<table") == 2 and "<td style='text-align:left'>hop_rate</td>" in h
     assert f"<td style='text-align:right'>{m.committed_tokens}</td>" in h and ">large<" in h

@@ -37,7 +37,7 @@ SAMPLES = {
     M.Abort: M.Abort(3, "failed", None),
     M.RegisterPolicy: M.RegisterPolicy(4, Alternate()),
     M.UnregisterPolicy: M.UnregisterPolicy(4),
-    M.Shutdown: M.Shutdown(),
+    M.Shutdown: M.Shutdown(), M.ClearPrefixCache: M.ClearPrefixCache(),
     M.Go: M.Go(7),
     M.SetThresholds: M.SetThresholds({"small": 2, "large": 1}),
     M.SetInflight: M.SetInflight(5),

@@ -178,8 +178,9 @@ class Engine:
             error, entry, state = req.error, self.models[0], {}
             if error is None:
                 try:
-                    e = PC.entry_model(policy.entry(RequestView(rid, cfg.prompt_ids, [], "", state, 0,
-                                                                tuple(self.models), rkey), self.models), self.models)
+                    e = PC.entry_model(PC.call_entry(policy, RequestView(rid, cfg.prompt_ids, [], "", state, 0,
+                                                                         tuple(self.models), rkey), self.models),
+                                       self.models)
                     entry = e if e is not None else entry
                 except PC.PolicyReturnError as ex:
                     error = f"policy {pname}.entry {ex} (request {rid})"
@@ -567,6 +568,19 @@ class Engine:
                 return True
             time.sleep(0.01)
         return self.idle()
+
+    def clear_prefix_cache(self) -> None:
+        """Every live sub-server forgets its prefix cache (`ClearPrefixCache`) before it handles
+        anything sent after this call (messages to a model are handled in order).
+
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("clear_prefix_cache: the Router is closed")
+        for name in self.models:
+            if name not in self._dead:
+                self.transport.send(name, M.ClearPrefixCache())
 
     def kv_stats(self, timeout: float = 10.0) -> dict[str, M.Stats]:
         """Each sub-server's KV pool and request counts (`Stats`), asked through the transport,

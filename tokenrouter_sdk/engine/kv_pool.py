@@ -73,6 +73,17 @@ class KVPool:
         if self.cache is None:
             self.cache = PrefixCache()
 
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached block: the idle ones become free blocks (handed out lowest id
+        first, as from a new pool), the ones requests hold stay theirs, unshared. Returns how
+        many blocks the cache held."""
+        if self.cache is None:
+            return 0
+        n = len(self.cache)
+        self._free.extend(self.cache.clear())
+        self._free.sort(reverse=True)
+        return n
+
     @property
     def num_free(self) -> int:
         """Blocks a request can get now: free ones plus cached ones no request holds."""

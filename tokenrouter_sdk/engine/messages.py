@@ -129,6 +129,13 @@ class Shutdown:
 
 
 @dataclass
+class ClearPrefixCache:
+    """Forget every block of the prefix cache (idle cached blocks become free; blocks requests
+    hold stay theirs, no longer shared). Handled in order with the other messages, so requests
+    admitted after it find an empty cache."""
+
+
+@dataclass
 class Go:
     """Gated modes (``sync``, ``model_sync``): run at most one step now, then report."""
 

@@ -9,7 +9,7 @@ sub-server (threads or processes) or the engine.
 
 | hook | accepted return values |
 |---|---|
-| ``entry(req, models)`` | a model name, or None (the first model) |
+| ``entry(req, models)`` (or ``entry(req)``) | a model name, or None (the first model) |
 | ``may_use(req, models)`` | a list, tuple or set of model names |
 | ``route(step)`` | a model name (its own to stay), a bool with two models (True: hand off), or `Resample()` |
 | ``route_batch(batch)`` | a list (or tuple) of ``len(batch)`` route decisions; an exception instance in it fails that request alone |
@@ -27,7 +27,7 @@ from typing import Sequence
 
 from ..policy import Handoff, Needs, Policy, Resample
 
-__all__ = ["PolicyReturnError", "describe", "policy_text", "check_policy", "entry_model", "may_use_models",
+__all__ = ["PolicyReturnError", "describe", "policy_text", "check_policy", "call_entry", "entry_model", "may_use_models",
            "route_decision", "route_batch_decisions", "handoff", "receive_result"]
 
 _REPR_MAX = 120
@@ -95,6 +95,27 @@ def _name(value, models: Sequence[str]) -> str | None:
         if name in models:
             return name
     return None
+
+
+def _takes_models(fn) -> bool:
+    """Whether a bound ``entry`` takes the models as well as the request (``entry(req, models)``,
+    or ``*args``); an override written as ``entry(self, req)`` takes the request alone."""
+    import inspect
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2
+
+
+def call_entry(policy, req, models: Sequence[str]):
+    """``policy.entry(req, models)``, or ``policy.entry(req)`` for an override that takes the
+    request alone (the models are on ``req.models`` too). Returns what it returned, unchecked
+    (see `entry_model`)."""
+    fn = policy.entry
+    return fn(req, models) if _takes_models(fn) else fn(req)
 
 
 def entry_model(value, models: Sequence[str]) -> str | None:

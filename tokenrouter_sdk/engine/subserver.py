@@ -99,7 +99,7 @@ class SubServer:
             M.Release: self._release, M.Abort: self._abort, M.RegisterPolicy: self._register,
             M.UnregisterPolicy: self._unregister, M.Shutdown: self._shutdown, M.Go: self._go_msg,
             M.SetInflight: self._set_inflight, M.SetThresholds: self._set_thresholds,
-            M.StatsQuery: self._stats_query,
+            M.StatsQuery: self._stats_query, M.ClearPrefixCache: self._clear_prefix_cache,
         }
 
     @property
@@ -162,6 +162,9 @@ class SubServer:
 
     def _set_thresholds(self, msg: M.SetThresholds) -> None:
         self.thresholds = dict(msg.thresholds)
+
+    def _clear_prefix_cache(self, msg: M.ClearPrefixCache) -> None:
+        self.sched.pool.clear_prefix_cache()
 
     def _stats_query(self, msg: M.StatsQuery) -> None:
         self._emit(self.stats(msg.token))

@@ -97,6 +97,46 @@ def policy_blob(key: int, policy) -> PolicyBlob:
     return PolicyBlob(key, cloudpickle.dumps(policy, _PROTO), repr(policy), policy_sources(policy))
 
 
+def _importable(top: str) -> bool:
+    """Whether a new process can import the top-level module ``top`` (its finders find it; the
+    modules of this process, ``sys.modules``, are not consulted)."""
+    import sys
+    if top in sys.builtin_module_names:
+        return True
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        try:
+            if find is not None and find(top, None) is not None:
+                return True
+        except Exception:  # noqa: BLE001 - a finder that cannot answer for this name
+            continue
+    return False
+
+
+def shipping_problem(policy) -> str | None:
+    """Why ``policy`` cannot travel to sub-server processes, or None when it can: cloudpickle
+    cannot pickle it (a lock, an open file, a thread in its attributes), or one of its classes
+    (its own and its attributes') lives in a module pickled by reference that a new process
+    cannot import (a module imported from a path only this process has). Modules registered
+    with ``cloudpickle.register_pickle_by_value`` and ``__main__`` (a notebook) travel by value."""
+    import cloudpickle
+    try:
+        cloudpickle.dumps(policy, _PROTO)
+    except Exception as e:  # noqa: BLE001 - whatever cloudpickle raises, reported with the fix
+        return f"it cannot be pickled ({type(e).__name__}: {e})"
+    by_value = cloudpickle.list_registry_pickle_by_value()
+    classes = list(type(policy).__mro__) + [type(v) for v in getattr(policy, "__dict__", {}).values()]
+    for cls in classes:
+        mod = getattr(cls, "__module__", None) or "builtins"
+        parts = mod.split(".")
+        if mod == "__main__" or any(".".join(parts[:k]) in by_value for k in range(1, len(parts) + 1)):
+            continue
+        if not _importable(parts[0]):
+            return (f"its class {cls.__qualname__} is defined in module {mod!r}, which a new process cannot "
+                    f"import (install it, or call cloudpickle.register_pickle_by_value on the module)")
+    return None
+
+
 def load_policy(blob: PolicyBlob, where: str) -> RegisterPolicy:
     """The `RegisterPolicy` of a received `PolicyBlob`; a policy that cannot be loaded here
     (process of model ``where``) becomes one whose every call raises the load error, so only
@@ -128,10 +168,7 @@ class _UnloadablePolicy(Policy):
     def __repr__(self) -> str:
         return self.text
 
-    def route(self, step):
-        raise RuntimeError(self.error)
-
-    def route_batch(self, batch):
+    def route(self, step):  # the default route_batch calls it: the error names route, the hook users write
         raise RuntimeError(self.error)
 
     def send(self, req, target):

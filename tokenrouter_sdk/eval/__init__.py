@@ -6,16 +6,17 @@ res = evaluate_policy(router, "rstitch", values=[0.02, 0.05, 0.1], dataset="gsm8
 res.to_pandas(); res.plot(x="large_fraction"); res.save("out/")
 ```
 Modules: ``datasets`` (benchmarks + prompt templates), ``answers`` (extraction, Math-Verify),
-``metrics/`` (`evaluate` metric modules), ``sweep`` (`evaluate_policy`), ``result``
-(`EvalResult`), ``plots`` (Pareto plots), ``config`` (recorded configuration), ``cli``
-(``tokenrouter eval``).
+``metrics/`` (`evaluate` metric modules), ``sweep`` (`evaluate_policy`, `evaluate_policies`),
+``references`` (matched random references), ``stats`` (paired statistics, RouteLLM summaries),
+``machine`` (CPU time and load of timed runs), ``result`` (`EvalResult`), ``plots`` (Pareto plots),
+``config`` (recorded configuration), ``cli`` (``tokenrouter eval``).
 """
 
 from .answers import answers_agree, extract_answer, extract_choice, extract_math_answer, is_correct
 from .datasets import BENCHMARKS, Benchmark, load_benchmark
 from .metrics import load_metric, metric_path
 from .result import EvalResult
-from .sweep import evaluate_policy, merge_sweep
+from .sweep import evaluate_policies, evaluate_policy, merge_sweep
 
-__all__ = ["evaluate_policy", "merge_sweep", "load_benchmark", "EvalResult", "Benchmark", "BENCHMARKS", "load_metric",
-           "metric_path", "extract_answer", "extract_math_answer", "extract_choice", "is_correct", "answers_agree"]
+__all__ = ["evaluate_policy", "evaluate_policies", "merge_sweep", "load_benchmark", "EvalResult", "Benchmark",
+           "BENCHMARKS", "load_metric", "metric_path", "extract_answer", "extract_math_answer", "extract_choice", "is_correct", "answers_agree"]

@@ -4,8 +4,13 @@ The swept policy is a registry spec (``--policy rstitch:tau_back=0.02``, a learn
 ``--policy r2r:head=heads/r2r_head.pt``, or the ``--policy-file`` class), ``--param`` names the
 swept argument (default: the policy's threshold, see ``SWEPT``) and ``--values`` its values
 (default: ``DEFAULT_VALUES`` for the training-free policies; for the others one point at the
-policy's own value, e.g. a learned head's calibrated threshold). The pair is the packaged one or
-``--model NAME=SOURCE`` with ``--device`` and ``--dtype``.
+policy's own value, e.g. a learned head's calibrated threshold). ``--policy`` repeated compares
+several policies on one question set with one set of references (`evaluate_policies`); a spec
+may end with ``@V1,V2`` for its own values. The pair is the packaged one or ``--model
+NAME=SOURCE`` with ``--device`` and ``--dtype``.
+
+The command exits 1 when any point or reference had failed requests (the table's ``failed``
+column and the notes under it say which and why), unless ``--allow-failures``.
 
 Imports nothing heavy at module level, so ``tokenrouter --help`` stays fast.
 """
@@ -36,7 +41,8 @@ def _floats(s: str) -> list[float]:
 def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.ArgumentParser:
     """The ``eval`` options (shared by the subcommand and ``evals/quality/hop_rate_sweep.py``);
     ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, the output folder)."""
-    add_policy_arguments(p, default="rstitch", what="the swept policy")
+    add_policy_arguments(p, default="rstitch", what="the swept policy; repeat to compare several on one question set "
+                                                    "(a spec may end with @V1,V2: its own values)", repeat=True)
     p.add_argument("--param", default=None,
                    help="the swept argument of the policy (default: its threshold: " +
                         ", ".join(f"{k} {v}" for k, v in SWEPT.items()) + ")")
@@ -56,7 +62,17 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight per point")
     p.add_argument("--no-references", action="store_true", help="skip large-only, small-only and the random references")
     p.add_argument("--references", default=None,
-                   help="comma-separated subset of large_only,small_only,random,random_query")
+                   help="comma-separated subset of large_only,small_only,random,random_span,random_query")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs per point, interleaved over the points; the throughput is their median "
+                        "(default 2)")
+    p.add_argument("--cache", choices=["clear", "keep"], default="clear",
+                   help="prefix caches before each timed run: clear (default: every run starts from a new "
+                        "Router's state) or keep")
+    p.add_argument("--allow-failures", action="store_true",
+                   help="exit 0 even when requests failed (the results keep the failures)")
+    p.add_argument("--transport", choices=["auto", "process", "thread"], default="auto",
+                   help="sub-servers in processes or threads (default: processes for two torch models)")
     add_model_arguments(p)
     p.add_argument("--mode", default="async", choices=["async", "delayed", "sync", "model_sync"],
                    help="schedule mode (default async)")
@@ -86,17 +102,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def sweep(args, prog: str = "tokenrouter eval"):
-    """``(factory value -> policy, swept argument, values)`` from ``--policy``, ``--policy-file``,
-    ``--param`` and ``--values``.
+def _split_values(spec: str, prog: str) -> tuple[str, list[float] | None]:
+    """``"name:k=v@0.1,0.2"`` -> ``("name:k=v", [0.1, 0.2])``; no ``@V,...`` tail: values None."""
+    head, at, tail = spec.rpartition("@")
+    if not at:
+        return spec, None
+    try:
+        return head, _floats(tail)
+    except argparse.ArgumentTypeError:
+        raise fail(prog, f"--policy {spec!r}: the part after @ must be comma-separated numbers, e.g. "
+                         f"rstitch@0.05,0.1") from None
 
-    Raises:
-        SystemExit: an unknown policy or argument, no known swept argument without ``--param``,
-            or the swept argument fixed in the spec as well as given by ``--values``.
-    """
+
+def _one(registry, spec: str, values, args, prog: str):
+    """``(name, factory, param, values)`` of one ``--policy`` spec."""
     from ..policies.registry import PolicySpecError, parse_spec
-    registry, own = policy_registry(args, prog)
-    spec = args.policy if args.policy != "rstitch" or own is None else own
     try:
         name, fixed = parse_spec(spec)
         entry = registry.get({"query": "query_router"}.get(name.strip().lower(), name))
@@ -109,7 +129,6 @@ def sweep(args, prog: str = "tokenrouter eval"):
     if param not in entry.params:
         raise fail(prog, f"--param: policy '{entry.name}' has no argument {param!r}; its arguments: "
                          f"{list(entry.params)}")
-    values = args.values
     if param in fixed and values is not None:
         raise fail(prog, f"--policy fixes {param}={fixed[param]} and --values sweeps it: give one of them")
 
@@ -131,7 +150,35 @@ def sweep(args, prog: str = "tokenrouter eval"):
                 raise fail(prog, f"--values: policy '{entry.name}' has no number {param} of its own "
                                  f"({value!r}); give --values")
             values = [value]
-    return factory, param, list(values)
+    return entry.name, factory, param, list(values)
+
+
+def sweeps(args, prog: str = "tokenrouter eval") -> list[tuple[str, object, str, list]]:
+    """``[(name, factory value -> policy, swept argument, values), ...]``, one per ``--policy``
+    (default: the ``--policy-file`` class, else rstitch), with ``--param`` and ``--values`` (a
+    spec's own ``@V1,V2`` values win). Names are the registry names, or the spec when two
+    policies share one.
+
+    Raises:
+        SystemExit: an unknown policy or argument, no known swept argument without ``--param``,
+            or the swept argument fixed in the spec as well as given by values.
+    """
+    registry, own = policy_registry(args, prog)
+    given = args.policy if isinstance(args.policy, list) else [args.policy] if args.policy else []
+    specs = given or [own or "rstitch"]
+    out = []
+    for spec in specs:
+        text, values = _split_values(spec, prog)
+        out.append((text, *_one(registry, text, values if values is not None else args.values, args, prog)))
+    names = [name for _, name, *_ in out]
+    return [(name if names.count(name) == 1 else text, *rest) for text, name, *rest in out]
+
+
+def sweep(args, prog: str = "tokenrouter eval"):
+    """``(factory value -> policy, swept argument, values)`` of the (first) ``--policy`` (see
+    `sweeps`)."""
+    _, factory, param, values = sweeps(args, prog)[0]
+    return factory, param, values
 
 
 def _shard_launch_argv(args) -> list[str]:
@@ -160,7 +207,7 @@ def cmd_eval(args) -> int:
     print the table, write the files."""
     from transformers.utils import logging as hf_logging
 
-    from . import evaluate_policy
+    from . import evaluate_policies, evaluate_policy
     from .sweep import merge_sweep
     prog = "tokenrouter eval"
     hf_logging.disable_progress_bar()
@@ -185,8 +232,14 @@ def cmd_eval(args) -> int:
         print(res.table())
         print(f"\n{len(res.records)} points from {res.config['shards']} shards merged; wrote {args.out}/results.csv, "
               f"results.json, plot.html")
-        return 0
-    factory, param, values = sweep(args, prog)
+        return _exit(res, args, prog)
+    entries = sweeps(args, prog)
+    if args.transport != "thread":
+        from ..cli_common import check_shippable
+        for _, factory, _, values in entries:
+            check_shippable(factory(values[0]), prog)
+    if args.repeats < 1:
+        raise fail(prog, f"--repeats must be >= 1, got {args.repeats}")
     specs = model_specs(args, prog)
     if specs is None:
         per_model(args.device, None, "--device", prog)
@@ -199,6 +252,8 @@ def cmd_eval(args) -> int:
     else:
         target, kwargs = specs, {"mode": args.mode}
     kwargs["prefix_cache"] = not args.no_prefix_cache
+    if args.transport != "auto":
+        kwargs["processes"] = args.transport == "process"
     if args.model_impl:
         kwargs["model_impl"] = args.model_impl
     if args.kernels:
@@ -209,12 +264,18 @@ def cmd_eval(args) -> int:
     refs = False if args.no_references else (args.references.split(",") if args.references else True)
     from ..models import ModelLoadError
     from ..placement import DeviceError
+    common = dict(dataset=args.dataset, limit=args.limit, seed=None if args.seed < 0 else args.seed,
+                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, concurrency=args.concurrency,
+                  references=refs, out_dir=args.out, progress=not args.no_progress, router_kwargs=kwargs,
+                  exclude_head_questions=not args.include_head_questions, shard=args.shard, repeats=args.repeats,
+                  cache=args.cache)
     try:
-        res = evaluate_policy(target, factory, values, param=param, dataset=args.dataset, limit=args.limit,
-                              seed=None if args.seed < 0 else args.seed, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, concurrency=args.concurrency, references=refs,
-                              out_dir=args.out, progress=not args.no_progress, router_kwargs=kwargs,
-                              exclude_head_questions=not args.include_head_questions, shard=args.shard)
+        if len(entries) == 1:
+            _, factory, param, values = entries[0]
+            res = evaluate_policy(target, factory, values, param=param, **common)
+        else:
+            res = evaluate_policies(target, {name: (factory, values, param) for name, factory, param, values in entries},
+                                    **common)
     except (DeviceError, ModelLoadError) as e:
         raise fail(prog, f"{type(e).__name__}: {e}") from None
     print(res.table())
@@ -226,10 +287,21 @@ def cmd_eval(args) -> int:
     if args.shard:
         print(f"shard {args.shard}: {len(res.records)} points ({resumed} resumed) into {args.out}/points; merge the "
               f"finished shards with: tokenrouter eval --merge --out {args.out}")
-        return 0
+        return _exit(res, args, prog)
     print(f"{len(res.records)} points ({resumed} resumed from {args.out}/points), "
           f"{res.config['elapsed_s']:.0f} s; wrote {args.out}/results.csv, results.json, plot.html")
-    return 0
+    return _exit(res, args, prog)
+
+
+def _exit(res, args, prog: str) -> int:
+    """1 when a point had failed requests (named on stderr), unless ``--allow-failures``; else 0."""
+    bad = res.failures
+    if not bad:
+        return 0
+    names = ", ".join(f"{b['label']} ({b['failed']} of {b['n']})" for b in bad)
+    print(f"{prog}: requests failed in {len(bad)} point(s): {names}; first error: {bad[0]['first_error']}"
+          + ("" if args.allow_failures else " (exit 1; --allow-failures keeps the exit status 0)"), file=sys.stderr)
+    return 0 if args.allow_failures else 1
 
 
 def main(argv: list[str] | None = None) -> int:

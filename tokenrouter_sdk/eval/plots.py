@@ -8,9 +8,13 @@ X_AXES = {"throughput": ("throughput_tok_s", "committed-token throughput (tokens
           "hop_rate": ("hop_rate", "hop rate (handoffs per committed token)", False)}
 Y_AXES = {"accuracy": ("accuracy", "accuracy"), "agreement": ("agreement", "agreement with large-only answers")}
 STYLE = {"sweep": ("circle", None), "large_only": ("diamond", "black"), "small_only": ("square", "grey"),
-         "random": ("x", "#d62728"), "random_query": ("triangle-up", "#9467bd")}
+         "random": ("x", "#d62728"), "random_span": ("star", "#ff7f0e"), "random_query": ("triangle-up", "#9467bd")}
 NAMES = {"large_only": "large only", "small_only": "small only", "random": "RandomRouting (matched)",
-         "random_query": "RandomQueryRouting (matched)"}
+         "random_span": "RandomSpanRouting (span-matched)", "random_query": "RandomQueryRouting (matched)"}
+
+
+def _num(v):
+    return float("nan") if v is None else v
 
 
 def pareto_frontier(points: list[tuple[float, float]], x_higher_better: bool = True) -> list[int]:
@@ -36,9 +40,10 @@ def _axes(x: str, y: str):
 
 def quality_figure(records: list[dict], x: str = "throughput", y: str = "accuracy", title: str | None = None):
     """A plotly Figure (a `tokenrouter_sdk.viz.nbfigure.NotebookFigure`, whose notebook output
-    also has an HTML form): one trace for the swept points (labelled with their value, 95% CI
-    error bars on accuracy), one per reference kind, and a dashed "Pareto frontier" trace over
-    all points with a value for ``y``.
+    also has an HTML form): one trace per swept policy (its points labelled with their value,
+    95% CI error bars on accuracy), one per reference kind, a ring around every point with
+    failed requests (the hover of each point says how many), and a dashed "Pareto frontier"
+    trace over all points with a value for ``y``.
 
     Raises:
         ValueError: unknown ``x`` or ``y``.
@@ -49,27 +54,43 @@ def quality_figure(records: list[dict], x: str = "throughput", y: str = "accurac
     (xcol, xlabel, higher), (ycol, ylabel) = _axes(x, y)
     fig = NotebookFigure()
     rows = [r for r in records if r.get(ycol) is not None and r.get(xcol) is not None]
-    for kind in ["sweep", "large_only", "small_only", "random", "random_query"]:
+    groups = []  # (kind, records, trace name)
+    for kind in ["sweep", "large_only", "small_only", "random", "random_span", "random_query"]:
         rs = [r for r in rows if r["kind"] == kind]
-        if not rs:
+        if kind != "sweep":
+            if rs:
+                groups.append((kind, rs, NAMES[kind]))
             continue
+        for name in dict.fromkeys(r.get("policy_name") or r["policy"] for r in rs):
+            g = [r for r in rs if (r.get("policy_name") or r["policy"]) == name]
+            groups.append((kind, g, f"{name} ({g[0]['param']})"))
+    for kind, rs, name in groups:
         rs.sort(key=lambda r: r[xcol])
         symbol, color = STYLE[kind]
         err = None
         if ycol == "accuracy":
             err = dict(type="data", symmetric=False, array=[r["acc_ci_high"] - r["accuracy"] for r in rs],
                        arrayminus=[r["accuracy"] - r["acc_ci_low"] for r in rs], thickness=1)
-        name = rs[0]["policy"] + f" ({rs[0]['param']})" if kind == "sweep" else NAMES[kind]
         fig.add_trace(go.Scatter(
             x=[r[xcol] for r in rs], y=[r[ycol] for r in rs], name=name,
             mode="lines+markers+text" if kind == "sweep" else "markers",
             text=[f"{r['value']:g}" if kind == "sweep" and r.get("value") is not None else "" for r in rs],
             textposition="top center", error_y=err,
             marker=dict(symbol=symbol, size=11 if kind != "sweep" else 9, **({"color": color} if color else {})),
-            customdata=[[r["label"], r["hop_rate"], r["large_fraction"], r["throughput_tok_s"]] for r in rs],
+            customdata=[[r["label"], _num(r.get("hop_rate")), _num(r.get("large_fraction")),
+                         _num(r.get("throughput_tok_s")), r.get("failed", 0) or 0, r.get("n", "?"),
+                         _num(r.get("throughput_min")), _num(r.get("throughput_max"))] for r in rs],
             hovertemplate="%{customdata[0]}<br>" + ylabel + " %{y:.3f}<br>hop rate %{customdata[1]:.3f}"
-                          "<br>large fraction %{customdata[2]:.3f}<br>throughput %{customdata[3]:.1f} tok/s"
-                          "<extra></extra>"))
+                          "<br>large fraction %{customdata[2]:.3f}<br>throughput %{customdata[3]:.1f} tok/s "
+                          "(%{customdata[6]:.1f}-%{customdata[7]:.1f})<br>failed %{customdata[4]} of "
+                          "%{customdata[5]} requests<extra></extra>"))
+    bad = [r for r in rows if r.get("failed")]
+    if bad:
+        fig.add_trace(go.Scatter(x=[r[xcol] for r in bad], y=[r[ycol] for r in bad], mode="markers",
+                                 name="points with failed requests",
+                                 marker=dict(symbol="circle-open", size=22, color="#d62728", line=dict(width=2)),
+                                 text=[f"{r['label']}: {r['failed']} of {r.get('n', '?')} requests failed" for r in bad],
+                                 hoverinfo="text"))
     front = pareto_frontier([(r[xcol], r[ycol]) for r in rows], higher)
     fig.add_trace(go.Scatter(x=[rows[i][xcol] for i in front], y=[rows[i][ycol] for i in front],
                              name="Pareto frontier", mode="lines", line=dict(dash="dash", color="#2ca02c"),

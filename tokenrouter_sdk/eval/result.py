@@ -1,5 +1,5 @@
-"""`EvalResult`: the table of a quality sweep, with its configuration and per-question answers;
-save/load as CSV + JSON + an offline HTML plot."""
+"""`EvalResult`: the table of a quality sweep, with its configuration, per-question answers and
+paired statistics; save/load as CSV + JSON + an offline HTML plot."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TABLE_COLUMNS = [("label", "point", "{}"), ("accuracy", "acc", "{:.3f}"), ("acc_ci", "95% CI", "{}"),
-                 ("agreement", "agree_L", "{:.3f}"), ("hop_rate", "hop_rate", "{:.4f}"),
-                 ("large_fraction", "large_frac", "{:.3f}"), ("throughput_tok_s", "tok/s", "{:.1f}"),
+# (record key, header, format); "acc_ci" and "tok_s" are drawn from several keys
+TABLE_COLUMNS = [("label", "point", "{}"), ("failed", "failed", "{}"), ("accuracy", "acc", "{:.3f}"),
+                 ("acc_ci", "95% CI", "{}"), ("agreement", "agree_L", "{:.3f}"),
+                 ("token_agreement_prefix", "tok_agree", "{:.3f}"), ("hop_rate", "hop_rate", "{:.4f}"),
+                 ("writer_change_rate", "writer_chg", "{:.4f}"), ("large_fraction", "large_frac", "{:.3f}"),
+                 ("tok_s", "tok/s (min-max)", "{}"), ("tok_per_cpu_s", "tok/cpu_s", "{:.1f}"),
                  ("mean_latency_s", "latency_s", "{:.2f}"), ("tokens_per_answer", "tok/ans", "{:.1f}")]
 RESULTS_JSON, RESULTS_CSV, PLOT_HTML = "results.json", "results.csv", "plot.html"
+_CSV_SKIP = ("throughput_runs", "prompt_fed_runs", "matched_points", "targets")  # lists: in results.json only
 
 
 @dataclass
@@ -21,51 +25,142 @@ class EvalResult:
 
     Attributes:
         records: one dict per operating point (pandas-friendly), with ``label``, ``kind``
-            (``"sweep"``, ``"large_only"``, ``"small_only"``, ``"random"``, ``"random_query"``),
-            ``policy``, ``param``, ``value``, ``n``, ``correct``, ``accuracy``, ``acc_ci_low``,
-            ``acc_ci_high`` (Wilson 95%), ``agreement`` (share of questions whose extracted
-            answer equals the large-only one; None without the large-only reference),
-            ``answered``, ``hop_rate`` (handoffs / committed token), ``large_fraction``,
-            ``throughput_tok_s`` (committed tokens / s), ``mean_latency_s`` (s),
-            ``tokens_per_answer`` (tokens), ``committed_tokens``, ``wall_s``, ``hops``,
-            ``failed``, ``matched_to``, ``config_hash``, ``resumed``, ``prompt_tokens`` (tokens
-            the requests brought to each model they arrived at, summed over models),
-            ``prefix_hit_tokens`` (of which taken from the prefix cache), ``prompt_tokens_fed``
-            (prefilled).
+            (``"sweep"``, ``"large_only"``, ``"small_only"``, ``"random"``, ``"random_span"``,
+            ``"random_query"``), ``policy`` (class), ``policy_name`` (the name given to
+            `evaluate_policies`), ``param``, ``value``; the counts ``n`` (questions),
+            ``answered`` (requests that finished), ``failed`` (failed or aborted), ``flagged``
+            (any failed) and ``first_error``; over the answered requests ``correct``,
+            ``accuracy`` with its Wilson 95% interval ``acc_ci_low`` / ``acc_ci_high`` (None when
+            none was answered), ``extracted`` (share with a final answer found),
+            ``agreement`` (share of the questions both answered whose extracted answer equals
+            large-only's; ``agreement_n`` of them; None without large-only),
+            ``token_agreement_prefix`` and ``token_agreement`` (positions equal to large-only's
+            output before the first divergence, and overall, per position of the longer
+            output), ``hops`` and ``hop_rate`` (handoffs per committed token, docs/metrics.md),
+            ``writer_changes`` and ``writer_change_rate``, ``large_fraction``,
+            ``mean_large_visit`` / ``mean_small_visit`` (tokens per visit, `stats.mean_visits`),
+            ``tokens_per_answer`` and ``committed_tokens``; the timing of its ``repeats`` runs:
+            ``throughput_tok_s`` (median, committed tokens / s), ``throughput_min``,
+            ``throughput_max``, ``throughput_spread`` ((max - min) / median),
+            ``throughput_runs``, ``tok_per_cpu_s``, ``cpu_s``, ``wall_s``, ``mean_latency_s``
+            (s), ``other_share`` (share of the CPUs other processes used), ``prompt_tokens``,
+            ``prefix_hit_tokens``, ``prompt_tokens_fed`` and ``prompt_fed_runs`` (per run and
+            model, prompt tokens prefilled: the cache state each run found),
+            ``repeat_mismatches``; references' ``matched_to``, ``matched_points``, ``targets``
+            and their checks (``target``, ``realised``, ``target_range``, ``matches_target``);
+            ``config_hash``, ``resumed``.
         config: the full configuration (models, engine, dataset + ids, sampling, concurrency,
-            library versions, policy per point).
-        answers: label -> per-question dicts (``id``, ``text``, ``pred``, ``correct``,
-            ``agrees``, ``tokens``, ``large_tokens``, ``hops``).
+            timing protocol, machine load, library versions, policy per point, skipped
+            references, the order the runs were timed in).
+        answers: label -> per-question dicts (``id``, ``ok``, ``text``, ``pred``, ``correct``,
+            ``agrees``, ``tokens``, ``large_tokens``, ``hops``, ``writer_changes``, ``error``,
+            ``token_ids``, ``visits``: ``[model, committed tokens]`` per visit in order, a visit
+            starting at admission and at each handoff).
+        stats: ``paired`` (per swept point and comparator: ``n`` questions both answered,
+            ``acc_diff`` and ``agree_diff`` with bootstrap 95% intervals) and ``summaries`` (per
+            policy and quality measure: RouteLLM's ``apgr``, ``large_fraction_50``,
+            ``large_fraction_80``).
     """
 
     records: list[dict]
     config: dict = field(default_factory=dict)
     answers: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
 
     def to_pandas(self):
         """The records as a `pandas.DataFrame` (one row per operating point)."""
         import pandas as pd
         return pd.DataFrame(self.records)
 
+    @property
+    def paired(self) -> list[dict]:
+        """The paired comparisons on the same questions (see ``stats``)."""
+        return list(self.stats.get("paired") or [])
+
+    @property
+    def summaries(self) -> list[dict]:
+        """RouteLLM's summaries per policy (see ``stats``)."""
+        return list(self.stats.get("summaries") or [])
+
+    @property
+    def failures(self) -> list[dict]:
+        """The points with failed requests: ``label``, ``failed``, ``n``, ``first_error``."""
+        return [{"label": r["label"], "failed": r["failed"], "n": r.get("n"), "first_error": r.get("first_error")}
+                for r in self.records if r.get("failed")]
+
     def _table_rows(self) -> list[list[str]]:
         rows = [[h for _, h, _ in TABLE_COLUMNS]]
         for r in self.records:
             row = []
             for key, _, fmt in TABLE_COLUMNS:
-                v = f"[{r['acc_ci_low']:.2f},{r['acc_ci_high']:.2f}]" if key == "acc_ci" else r.get(key)
+                if key == "acc_ci":
+                    lo, hi = r.get("acc_ci_low"), r.get("acc_ci_high")
+                    row.append("-" if lo is None or hi is None else f"[{lo:.2f},{hi:.2f}]")
+                    continue
+                if key == "tok_s":
+                    v, lo, hi = r.get("throughput_tok_s"), r.get("throughput_min"), r.get("throughput_max")
+                    row.append("-" if v is None else f"{v:.1f}" + (f" ({lo:.1f}-{hi:.1f})" if lo is not None and
+                                                                    r.get("repeats", 1) > 1 else ""))
+                    continue
+                if key == "failed":
+                    f, n = r.get("failed"), r.get("n")
+                    row.append("-" if f is None else (f"{f}/{n} !" if f else "0"))
+                    continue
+                v = r.get(key)
                 row.append("-" if v is None else fmt.format(v))
             rows.append(row)
         return rows
 
     def table(self) -> str:
-        """Plain-text table: point, accuracy with 95% CI, agreement with large-only, hop rate,
-        large fraction, throughput (tokens/s), mean latency (s), tokens per answer; then the
-        `notes`."""
-        rows = self._table_rows()
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        text = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-                         for row in rows)
-        return "\n".join([text, *self.notes()])
+        """Plain-text table: point, failed requests, accuracy with 95% CI, agreement with
+        large-only (answers, tokens), hop rate, writer changes per token, large fraction,
+        throughput (median tokens/s with its min-max over the repeats), tokens per CPU-second,
+        mean latency (s), tokens per answer; the RouteLLM summaries and paired differences; then
+        the `notes`."""
+        from ..viz.tables import text_table
+        head, *rows = self._table_rows()
+        parts = [text_table(head, rows, align="l" + "r" * (len(head) - 1))]
+        if self.summaries:
+            parts.append("\n" + self.summary_table())
+        if self.paired:
+            parts.append("\n" + self.paired_table())
+        notes = self.notes()
+        if notes:
+            parts.append("\n" + "\n".join(notes))
+        return "\n".join(parts)
+
+    def _summary_rows(self):
+        head = ["policy", "quality", "points", "failed", "APGR", "large_frac@50%", "large_frac@80%"]
+        rows = []
+        for s in self.summaries:
+            rows.append([s["policy"], s["metric"], s["points"], s["failed"],
+                         *("-" if s.get(k) is None else f"{s[k]:.3f}" for k in ("apgr", "large_fraction_50",
+                                                                               "large_fraction_80"))])
+        return head, rows
+
+    def summary_table(self) -> str:
+        """Per policy and quality measure: RouteLLM's APGR (the average share of the large-only
+        gain recovered over the large fraction) and the large fraction that reaches 50% and 80%
+        of that gain (arXiv 2406.18665, section 5.1)."""
+        from ..viz.tables import text_table
+        head, rows = self._summary_rows()
+        return "RouteLLM summaries (cost = large fraction)\n" + text_table(head, rows, align="llrrrrr")
+
+    def _paired_rows(self):
+        head = ["point", "vs", "n", "failed", "acc diff [95% CI]", "agree diff [95% CI]"]
+
+        def fmt(d, ci):
+            return "-" if d is None else f"{d:+.3f} [{ci[0]:+.3f},{ci[1]:+.3f}]"
+        rows = [[p["point"], p["vs"], p["n"], p.get("failed", 0), fmt(p["acc_diff"], p["acc_diff_ci"]),
+                 fmt(p["agree_diff"], p["agree_diff_ci"])] for p in self.paired]
+        return head, rows
+
+    def paired_table(self) -> str:
+        """Paired differences on the questions both points answered: accuracy and agreement of
+        each swept point minus its comparator's, with percentile bootstrap 95% intervals."""
+        from ..viz.tables import text_table
+        head, rows = self._paired_rows()
+        return "paired differences on the same questions (point - vs)\n" + text_table(head, rows, align="llrrrr")
 
     @property
     def excluded(self) -> dict | None:
@@ -75,9 +170,18 @@ class EvalResult:
         return self.config.get("excluded")
 
     def notes(self) -> list[str]:
-        """Lines on what was measured: questions left out for the heads' training data (or scored
-        although a head saw them) and references that did not realise their target."""
+        """Lines on what was measured: points with failed requests, references skipped or off
+        their target, questions left out for the heads' training data (or scored although a
+        head saw them), the timing protocol and the machine's load."""
         out, ds = [], self.config.get("dataset", {})
+        for r in self.records:
+            if r.get("failed"):
+                out.append(f"FAILED: {r['label']}: {r['failed']} of {r.get('n', '?')} requests failed; its numbers are "
+                           f"over the {r.get('answered', '?')} answered. First error: {r.get('first_error')}")
+        for s in self.config.get("skipped_references") or ():
+            out.append(f"references {', '.join(s['references'])} not run for {s['point']}: {s['why']}")
+        if self.records and not any(r.get("kind") == "large_only" for r in self.records):
+            out.append("agreement: not measured (it needs the large_only reference)")
         ex, ov = self.config.get("excluded"), self.config.get("head_overlap")
         if ex:
             heads = ", ".join(f"{k} ({v} ids)" for k, v in ex["heads"].items())
@@ -90,15 +194,32 @@ class EvalResult:
         for r in self.records:
             if r.get("matches_target") is False:
                 lo, hi = r["target_range"]
-                out.append(f"reference {r['label']} realised {r['realised']:.3g}, outside the 95% range "
-                           f"[{lo:.3g}, {hi:.3g}] of its target {r['target']:g}: it does not match {r['matched_to']}")
+                extra = "" if r.get("visits_match", True) else (
+                    f"; mean visits {r.get('realised_large_visit')} / {r.get('realised_small_visit')} against "
+                    f"ranges {r.get('large_visit_range')} / {r.get('small_visit_range')}")
+                out.append(f"reference {r['label']} realised {r['realised']:.3g}, 95% range [{lo:.3g}, {hi:.3g}] of its "
+                           f"target {r['target']:g}{extra}: it does not match {r['matched_to']}")
+        mism = [r["label"] for r in self.records if r.get("repeat_mismatches")]
+        if mism:
+            out.append(f"repeats wrote other tokens than the first run for {', '.join(mism)} (answers are the first "
+                       f"run's)")
+        t = self.config.get("timing")
+        if t:
+            out.append(f"timing: {t['repeats']} run(s) per point, {t['order']}; cache: {t['cache_rule']}; "
+                       f"{t.get('clock', 'wall')} clock")
+        m = self.config.get("machine")
+        if m and m.get("other_share_median") is not None and (t or {}).get("clock") != "simulated":
+            out.append(f"machine: {m['cpus']} CPUs; other processes used {m['other_share_median']:.0%} of them in the "
+                       f"median run (max {m['other_share_max']:.0%}), load average up to {m['load_1m_max']:.2f}"
+                       + (": UNDER LOAD, compare throughputs from a quiet machine" if m.get("high") else ""))
         return out
 
     def plot(self, x: str = "throughput", y: str = "accuracy"):
         """plotly Figure of ``y`` (``"accuracy"`` or ``"agreement"``) against ``x``
         (``"throughput"``, ``"large_fraction"`` or ``"hop_rate"``), with the Pareto frontier and
-        the reference points. Shows inline in a notebook, and in exported notebooks and the docs
-        (a `tokenrouter_sdk.viz.nbfigure.NotebookFigure`: plotly's JSON with an HTML form)."""
+        the reference points; points with failed requests are ringed and their hover says how
+        many. Shows inline in a notebook, and in exported notebooks and the docs (a
+        `tokenrouter_sdk.viz.nbfigure.NotebookFigure`: plotly's JSON with an HTML form)."""
         from .plots import quality_figure
         ds = self.config.get("dataset", {})
         title = f"{ds.get('name', '')} (n={ds.get('n', '?')}): {y} vs {x}"
@@ -108,22 +229,22 @@ class EvalResult:
         """Labels of the Pareto-optimal points (see `tokenrouter_sdk.eval.plots.pareto_frontier`)."""
         from .plots import X_AXES, pareto_frontier
         xcol, _, higher = X_AXES[x]
-        rows = [r for r in self.records if r.get(y) is not None]
+        rows = [r for r in self.records if r.get(y) is not None and r.get(xcol) is not None]
         return [rows[i]["label"] for i in pareto_frontier([(r[xcol], r[y]) for r in rows], higher)]
 
     def save(self, folder) -> Path:
-        """Write ``results.csv``, ``results.json`` (records, config, answers) and ``plot.html``
-        (both plots, plotly.js inlined: opens offline). Returns the folder."""
+        """Write ``results.csv``, ``results.json`` (records, config, answers, stats) and
+        ``plot.html`` (the plots, plotly.js inlined: opens offline). Returns the folder."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        keys = list(dict.fromkeys(k for r in self.records for k in r))
+        keys = [k for k in dict.fromkeys(k for r in self.records for k in r) if k not in _CSV_SKIP]
         with open(folder / RESULTS_CSV, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             w.writeheader()
             w.writerows(self.records)
         tmp = folder / (RESULTS_JSON + ".tmp")
-        tmp.write_text(json.dumps({"records": self.records, "config": self.config, "answers": self.answers},
-                                  indent=1, default=str), encoding="utf-8")
+        tmp.write_text(json.dumps({"records": self.records, "config": self.config, "answers": self.answers,
+                                   "stats": self.stats}, indent=1, default=str), encoding="utf-8")
         tmp.replace(folder / RESULTS_JSON)
         try:
             figs = [self.plot("throughput"), self.plot("large_fraction")]
@@ -132,8 +253,9 @@ class EvalResult:
         if any(r.get("agreement") is not None for r in self.records):
             figs += [self.plot("throughput", "agreement"), self.plot("large_fraction", "agreement")]
         body = "".join(f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
+        import html as _html
         (folder / PLOT_HTML).write_text(f"<html><head><meta charset='utf-8'><title>quality at hop rate</title>"
-                                        f"</head><body>{body}<pre>{self.table()}</pre></body></html>",
+                                        f"</head><body>{body}<pre>{_html.escape(self.table())}</pre></body></html>",
                                         encoding="utf-8")
         return folder
 
@@ -148,15 +270,28 @@ class EvalResult:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: pass the folder given to EvalResult.save / --out")
         d = json.loads(path.read_text(encoding="utf-8"))
-        return cls(d["records"], d.get("config", {}), d.get("answers", {}))
+        return cls(d["records"], d.get("config", {}), d.get("answers", {}), d.get("stats", {}))
 
     def __repr__(self) -> str:
         return f"EvalResult({len(self.records)} points)\n{self.table()}"
 
     def _repr_html_(self) -> str:
-        """The `table` as HTML (the same columns and formats)."""
+        """The `table`, the summaries and the paired differences as HTML (the same columns and
+        formats), then the notes."""
+        import html as _html
+
         from ..viz.tables import html_table
         head, *rows = self._table_rows()
         ds = self.config.get("dataset", {})
-        return html_table(head, rows, caption=f"{ds.get('name', 'sweep')} (n={ds.get('n', '?')}): "
+        out = html_table(head, rows, caption=f"{ds.get('name', 'sweep')} (n={ds.get('n', '?')}): "
                                               f"{len(self.records)} points")
+        if self.summaries:
+            h, r = self._summary_rows()
+            out += html_table(h, r, caption="RouteLLM summaries (cost = large fraction)", align="llrrrrr")
+        if self.paired:
+            h, r = self._paired_rows()
+            out += html_table(h, r, caption="paired differences on the same questions (point - vs)", align="llrrrr")
+        notes = self.notes()
+        if notes:
+            out += "<ul>" + "".join(f"<li>{_html.escape(n)}</li>" for n in notes) + "</ul>"
+        return out

@@ -8,6 +8,7 @@ rule as implemented, with what the paper leaves open. Naming: token-level polici
 |---|---|---|---|
 | `SmallOnly`, `LargeOnly`, `SingleModel` | nothing | - | - |
 | `RandomRouting` | Bernoulli(p) per small step | discard | 1 token |
+| `RandomSpanRouting` | geometric stretches (mean ``small_visit``) | discard | a geometric span (mean ``large_visit``) |
 | `RStitch` | normalised entropy vs tau, both ways | discard up, keep down | until confident |
 | `CITER` | MLP confidence on small hidden | discard | 1 token |
 | `R2R`, `R2REntropy`, `R2RAleatoric` | router net / entropy / LogU | discard | 1 token |
@@ -17,7 +18,7 @@ rule as implemented, with what the paper leaves open. Naming: token-level polici
 | `QueryRouter`, `RandomQueryRouting` | once per request | discard | the whole answer |
 """
 
-from .baselines import LargeOnly, RandomRouting, SingleModel, SmallOnly
+from .baselines import LargeOnly, RandomRouting, RandomSpanRouting, SingleModel, SmallOnly
 from .citer import CITER
 from .co_llm import CoLLM
 from .ensemble import TokenEnsemble
@@ -27,6 +28,6 @@ from .query_level import QueryRouter, RandomQueryRouting
 from .r2r import R2R, R2RAleatoric, R2REntropy
 from .rstitch import RStitch
 
-__all__ = ["SingleModel", "SmallOnly", "LargeOnly", "RandomRouting", "RStitch", "CITER", "R2R", "R2REntropy",
+__all__ = ["SingleModel", "SmallOnly", "LargeOnly", "RandomRouting", "RandomSpanRouting", "RStitch", "CITER", "R2R", "R2REntropy",
            "R2RAleatoric", "CoLLM", "GlimpRouter", "TokenEnsemble", "QueryRouter", "RandomQueryRouting",
            "HeadMissingError", "save_head", "load_head"]

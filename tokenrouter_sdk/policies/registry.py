@@ -90,11 +90,12 @@ def _params(cls: type) -> dict[str, Param]:
 
 def _builtin_classes() -> dict[str, type]:
     from . import (CITER, R2R, CoLLM, GlimpRouter, LargeOnly, QueryRouter, R2RAleatoric, R2REntropy,
-                   RandomQueryRouting, RandomRouting, RStitch, SingleModel, SmallOnly, TokenEnsemble)
+                   RandomQueryRouting, RandomRouting, RandomSpanRouting, RStitch, SingleModel, SmallOnly,
+                   TokenEnsemble)
     return {"rstitch": RStitch, "random": RandomRouting, "large_only": LargeOnly, "small_only": SmallOnly,
             "single": SingleModel, "citer": CITER, "r2r": R2R, "r2r_entropy": R2REntropy,
             "r2r_aleatoric": R2RAleatoric, "co_llm": CoLLM, "glimprouter": GlimpRouter, "ensemble": TokenEnsemble,
-            "query_router": QueryRouter, "random_query": RandomQueryRouting}
+            "query_router": QueryRouter, "random_query": RandomQueryRouting, "random_span": RandomSpanRouting}
 
 
 class PolicyRegistry:
@@ -195,7 +196,7 @@ class PolicyRegistry:
 def builtin_registry() -> PolicyRegistry:
     """A new registry holding the built-in policies of `tokenrouter_sdk.policies`: rstitch,
     random, large_only, small_only, single, citer, r2r, r2r_entropy, r2r_aleatoric, co_llm,
-    glimprouter, ensemble, query_router, random_query."""
+    glimprouter, ensemble, query_router, random_query, random_span."""
     return PolicyRegistry(_builtin_classes())
 
 
@@ -316,6 +317,10 @@ def load_policy_class(target: str) -> type:
     """The `Policy` subclass named by ``"path/to/module.py:ClassName"`` (or
     ``"package.module:ClassName"`` for an importable module).
 
+    A file is imported under a module name of its own, which no other process can import, so
+    the module is registered with ``cloudpickle.register_pickle_by_value``: its classes and
+    functions travel by value to sub-server processes and Ray actors, as a notebook cell's do.
+
     Raises:
         PolicySpecError: no ``:``, a missing file, a module that fails to import (its error is
             kept), no such class, or a class that is not a `Policy` subclass.
@@ -333,6 +338,8 @@ def load_policy_class(target: str) -> type:
             module = importlib.util.module_from_spec(spec)
             sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
             spec.loader.exec_module(module)
+            import cloudpickle
+            cloudpickle.register_pickle_by_value(module)  # sub-servers cannot import it by this name
         else:
             module = importlib.import_module(where)
     except PolicySpecError:

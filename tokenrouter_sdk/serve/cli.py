@@ -47,7 +47,7 @@ def build(args):
     prog = "tokenrouter serve"
     registry, own = policy_registry(args, prog)
     policy_label = args.policy or own or DEFAULT_POLICY  # the operator's class is the default unless --policy names another
-    policy = build_policy(registry, policy_label, prog)
+    policy = build_policy(registry, policy_label, prog, transport=args.transport)
     if args.thresholds is not None and args.mode != "delayed":
         raise SystemExit(f"{prog}: --thresholds apply to --mode delayed (delayed batching), not --mode {args.mode}")
     settings = {"mode": args.mode}

@@ -1,6 +1,8 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx or 5xx
 status. Every error the server returns goes through `APIError`; the handlers below turn
-FastAPI's own errors (unknown route, wrong method, anything unexpected) into the same shape."""
+FastAPI's own errors (unknown route, wrong method, anything unexpected) into the same shape. A
+5xx (a failed request: a policy error, a dead sub-server) is also logged as a warning on
+``tokenrouter.serve``, so the server's log shows what its clients were told."""
 
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ def install_handlers(app) -> None:
     from starlette.exceptions import HTTPException
 
     async def api_error(request, exc: APIError):
+        if exc.status >= 500:  # the server's fault, not the client's: the operator sees it in the log
+            log.warning("%s %s answered %d: %s", request.method, request.url.path, exc.status, exc.message)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     async def http_error(request, exc: HTTPException):

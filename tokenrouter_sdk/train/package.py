@@ -22,11 +22,14 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 
 from .common import plain, threshold_for_rate
+
+MIN_CALIBRATION_PROMPTS = 16  # fewer: a warning (the threshold then follows a handful of answers)
 
 # kind -> (policy keyword of the threshold, method giving the score per small step, route when above)
 SCORES = {"citer": ("tau", "confidence", False), "r2r": ("tau", "prob", True),
@@ -94,6 +97,11 @@ def calibrate_defer(router, factory, score, prompts: list[str], target: float, *
     """
     if not 0 < target < 1:
         raise ValueError(f"calibrate: target must be in (0, 1), got {target}")
+    if len(prompts) < MIN_CALIBRATION_PROMPTS:
+        warnings.warn(f"calibrating the threshold on {len(prompts)} prompt(s), fewer than {MIN_CALIBRATION_PROMPTS}: "
+                      f"the large fraction it realises on other questions may be far from the target {target}; "
+                      f"calibrate on more prompts (tokenrouter train --calibrate N, with --data holding N questions)",
+                      UserWarning, stacklevel=3)
     if getattr(router.engine.config, "processes", False):
         raise ValueError("calibration records scores in this process: use Router(..., processes=False)")
     value, hist = float(start), []
@@ -202,7 +210,7 @@ def finalize(res, router, *, target: float, calib_prompts: list, max_new_tokens:
               "model", "rule": "calibrated in the engine (greedy) on the calibration prompts: the quantile of the "
               "head's scores on the small model's steps, then the interpolation between the two runs bracketing the "
               "target, repeated until the realised large fraction is within 0.015 (at most 4 runs)",
-              "calibration_ids": ids, "max_new_tokens": max_new_tokens, "rounds": hist,
+              "calibration_ids": ids, "n_prompts": len(ids), "max_new_tokens": max_new_tokens, "rounds": hist,
               "realised_large_fraction": next(h["large_fraction"] for h in hist if h["threshold"] == thr),
               "policy_kwargs": {k: str(v) for k, v in (policy_kwargs or {}).items()}}
     meta["default_threshold"] = dt
