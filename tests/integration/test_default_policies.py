@@ -21,7 +21,7 @@ def router():
 
 def test_the_list_is_complete():
     assert {c.__name__ for c in CLASSES} == {
-        "SingleModel", "SmallOnly", "LargeOnly", "RandomRouting", "RStitch", "CITER", "R2R", "R2REntropy",
+        "SingleModel", "SmallOnly", "LargeOnly", "RandomRouting", "RandomSpanRouting", "RStitch", "CITER", "R2R", "R2REntropy",
         "R2RAleatoric", "CoLLM", "GlimpRouter", "TokenEnsemble", "QueryRouter", "RandomQueryRouting"}
 
 
