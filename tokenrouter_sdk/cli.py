@@ -164,7 +164,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_info(args) -> int:
-    """Print versions, torch threads, the cache folder and the data file found."""
+    """Print versions, torch threads, the cache folder, the data file found and the GEMM paths
+    measured on this machine (`tokenrouter_sdk.backends.autotune`)."""
     import platform
 
     import torch
@@ -182,6 +183,9 @@ def cmd_info(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         data = f"not available ({e})"
     print(f"demo data gsm8k from {data}")
+    from .backends.autotune import report
+    for line in report():
+        print(line)
     return 0
 
 

@@ -36,7 +36,7 @@ def test_return_feeds_exactly_the_unseen_suffix(pair, tok):
 
     def probe(step):  # while the large model runs, the small one still holds the request's KV
         if step.model == "large":
-            ss = router.engine.subservers["small"]
+            ss = router.engine.transport.subservers["small"]
             seq = ss.sched.seqs[step.request.rid]
             probes.append((seq.status, seq.kv_len, len(seq.table)))
 

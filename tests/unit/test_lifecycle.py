@@ -241,7 +241,7 @@ def test_memory_does_not_grow_with_requests_served(pair, tok):
         assert not r.engine.active_calls() and not r.engine.handles
         assert len(r.engine.recent) <= r.engine.recent.maxlen
         assert grown < 2_000_000, f"memory grew {grown} bytes over 10,000 requests"
-        for ss in r.engine.subservers.values():
+        for ss in r.engine.transport.subservers.values():
             assert not ss.sched.seqs and len(ss.policies) <= 1 and len(ss.aborted) == 0
 
 

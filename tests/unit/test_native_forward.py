@@ -106,9 +106,10 @@ def _float32_pair(b, seed):
 
 
 @pytest.mark.skipif(not P.packing_available(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
-def test_float32_packed_projections_within_rounding():
-    """4+ rows in a float32 step take the prepacked merged projections: logits, hidden states
-    and K/V within float32 rounding (1e-5 absolute on logits of spread ~1) of transformers."""
+def test_float32_packed_projections_within_rounding(monkeypatch):
+    """Forced packed, a float32 step takes the prepacked merged projections: logits, hidden
+    states and K/V within float32 rounding (1e-5 absolute on logits of spread ~1) of transformers."""
+    monkeypatch.setenv("TOKENROUTER_PACKING", "packed")
     model, native, plain = _float32_pair(6, seed=7)
     rng = random.Random(7)
     seen = []
@@ -122,14 +123,15 @@ def test_float32_packed_projections_within_rounding():
         torch.testing.assert_close(k1, k2, rtol=0, atol=1e-5)
         torch.testing.assert_close(v1, v2, rtol=0, atol=1e-5)
     qkv = native._native._plan[0][0]
-    assert qkv.packed is not None and qkv.rows[0] <= 6 <= qkv.rows[1]
+    assert qkv.packed is not None and qkv.rule(6) and qkv.rule(1) and qkv.rule.source.startswith("forced")
     assert native._native._head.packed is not None
 
 
 @pytest.mark.skipif(not P.packing_available(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
-def test_a_wrong_packed_projection_is_caught():
+def test_a_wrong_packed_projection_is_caught(monkeypatch):
     """The float32 comparison above can fail: a packed weight that differs from the model's
     (here: packed from doubled weights) moves the logits far outside the tolerance."""
+    monkeypatch.setenv("TOKENROUTER_PACKING", "packed")
     model, native, plain = _float32_pair(6, seed=8)
     native.forward([SeqInput([5] * 6, 0, _table(native, 16))])
     qkv = native._native._plan[0][0]
@@ -328,13 +330,22 @@ def routed_float32_run_equals_reference(tok, mode, check_router=None, **router_k
     assert hops >= 4
 
 
+@pytest.mark.parametrize("choice", ["packed", "plain", "auto"])
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_routed_float32_generation_with_packed_steps_equals_reference(tok, mode):
-    """Decode steps of 6 requests run the packed projections; routed output equals the naive
-    reference."""
-    def packed(r):
-        assert r.engine.runners["large"]._native._plan[0][0].packed is not None
-    routed_float32_run_equals_reference(tok, mode, packed)
+def test_routed_float32_generation_equals_reference_whichever_gemm_path_runs(tok, mode, choice, monkeypatch):
+    """Decode steps of 6 requests run the packed projections, the plain ones or what this
+    machine measured; routed output equals the naive reference in each case."""
+    monkeypatch.setenv("TOKENROUTER_PACKING", choice)
+
+    def check(r):
+        qkv = r.engine.runners["large"]._native._plan[0][0]
+        if P.packing_available(torch.device("cpu"), torch.float32):
+            assert qkv.packed is not None
+            if choice != "auto":
+                assert qkv.rule(6) == (choice == "packed") and qkv.rule.source.startswith("forced")
+            else:
+                assert qkv.rule.source in ("measured", "cached")
+    routed_float32_run_equals_reference(tok, mode, check)
 
 
 def test_between_layers_is_called_after_every_layer_and_never_travels():
@@ -345,20 +356,3 @@ def test_between_layers_is_called_after_every_layer_and_never_travels():
     r.forward([SeqInput([5, 6, 7], 0, _table(r, 16))])
     assert len(calls) == 3
     assert pickle.loads(pickle.dumps(r)).between_layers is None
-
-
-def test_packed_rows_follow_the_measured_rule_per_vendor():
-    """float32 takes the packed GEMM for 4-64 rows on an Intel CPU (MKL's GEMV is faster at one
-    or two rows there) and at every row count elsewhere; bfloat16 always; this machine's vendor
-    decides when none is given."""
-    assert P.packed_rows(torch.float32, "GenuineIntel") == (4, 64)
-    assert P.packed_rows(torch.float32, "AuthenticAMD") == (1, 1 << 62)
-    assert P.packed_rows(torch.float32, "") == (1, 1 << 62)
-    assert P.packed_rows(torch.bfloat16, "GenuineIntel") == (1, 1 << 62)
-    assert P.packed_rows(torch.float32) == P.packed_rows(torch.float32, P.cpu_vendor())
-    with pytest.raises(KeyError):
-        P.packed_rows(torch.float64, "AuthenticAMD")
-    if P.packing_available(torch.device("cpu"), torch.float32):  # a model's projections follow the rule
-        _, native, _ = _float32_pair(2, seed=9)
-        native.forward([SeqInput([5, 6], 0, _table(native, 16))])
-        assert {p.rows for ps in native._native._plan for p in ps} == {P.packed_rows(torch.float32)}

@@ -41,7 +41,7 @@ def all_refs_returned(router):
     """Every block of every in-process pool is unreferenced; free + idle cached blocks equal the
     pool's size."""
     assert router.engine.wait_idle(10)
-    for name, ss in router.engine.subservers.items():
+    for name, ss in router.engine.transport.subservers.items():
         pool = ss.sched.pool
         assert all(r == 0 for r in pool.refs), (name, [i for i, r in enumerate(pool.refs) if r])
         assert len(pool._free) + pool.idle_cached_blocks == pool.num_blocks == pool.num_free, name
@@ -51,7 +51,7 @@ def guard_writes(router):
     """Make every in-process runner fail the test when a step would write K/V into a block the
     prefix cache holds (cached blocks are read-only); returns the list of violations."""
     bad = []
-    for name, ss in router.engine.subservers.items():
+    for name, ss in router.engine.transport.subservers.items():
         runner, pool = ss.runner, ss.sched.pool
         inner = runner.forward
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .autotune import tune_packing
 from .projection import Watch, projection
 
 # model_type -> (decoder layer class, RMSNorm class): architectures whose layers compute
@@ -122,6 +123,7 @@ class NativeForward:
             raise ValueError(f"{type(model).__name__}'s output embedding is not a direct child module")
         self._head = proj(model, name)
         projs = [*(q for ps in self._plan for q in ps), self._head]
+        tune_packing(projs)  # which GEMM path runs per step size: measured on this machine once
         self._modules = [*dec.modules(), out]
         # the modules read, where they hang: a replaced one (a wrapper, a new layer list) rebuilds
         places = [(model, name, out), (dec, "layers", dec.layers)] + [

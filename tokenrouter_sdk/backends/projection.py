@@ -23,10 +23,10 @@ measures the whole step):
     bfloat16 plain                      25.6  31.1  27.5  29.3  30.6  59.3     -
     bfloat16 packed                     17.0  17.1  17.7  19.3  19.9  46.2     -
 
-MKL's float32 kernels were fast on the Intel CPU and slow at every shape on the AMD one. So on an
-Intel CPU float32 uses the packed weight for 4-64 rows and the model's own weights otherwise (one
-or two rows are a GEMV that already streams at the bandwidth); on any other CPU float32 always
-uses it; bfloat16/float16 always do.
+MKL's float32 kernels were fast on the Intel CPU and slow at every shape on the AMD one, so which
+path runs is measured on the machine itself, per shape and row count, at a model's first step
+(`tokenrouter_sdk.backends.autotune`; ``TOKENROUTER_PACKING=packed|plain`` forces it). A
+projection that was not tuned runs its packed weight at every row count.
 
 Memory: a packed projection holds one more copy of its weights (the model keeps its own, which
 the transformers forward, training and the naive reference read).
@@ -34,50 +34,21 @@ the transformers forward, training and the naive reference read).
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
 import torch.nn.functional as F
 
-# rows (inclusive range) for which a packed GEMM is used, by weight dtype; None: no upper bound
-PACKED_ROWS = {torch.float32: (1, None), torch.bfloat16: (1, None), torch.float16: (1, None)}
-# the same on an Intel CPU, where MKL's float32 GEMV of one or two rows (and GEMM of many) is faster
-PACKED_ROWS_INTEL = {**PACKED_ROWS, torch.float32: (4, 64)}
+from .autotune import PackRule
 
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor id as Linux reports it (``GenuineIntel``, ``AuthenticAMD``, ...), or
-    ``""`` where ``/proc/cpuinfo`` is absent or names none (other systems, ARM). Read once per
-    process (a model builds a projection per layer and linear group)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def packed_rows(dtype: torch.dtype, vendor: str | None = None) -> tuple[int, int]:
-    """The inclusive range of GEMM rows (tokens in a step) for which a projection of ``dtype``
-    weights uses its oneDNN-packed copy (the measurements in this module's docstring);
-    ``vendor``: `cpu_vendor` when None.
-
-    Raises:
-        KeyError: a dtype with no packed path (see `packing_available`).
-    """
-    table = PACKED_ROWS_INTEL if (cpu_vendor() if vendor is None else vendor) == "GenuineIntel" else PACKED_ROWS
-    lo, hi = table[dtype]
-    return lo, hi if hi is not None else 1 << 62
+PACKABLE = (torch.float32, torch.bfloat16, torch.float16)  # weight dtypes with a oneDNN packed path
+DEFAULT_RULE = PackRule.always(True, "default")
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether weights of ``dtype`` on ``device`` can be prepacked (CPU, oneDNN built in, a dtype
-    of `PACKED_ROWS`)."""
-    return (device.type == "cpu" and dtype in PACKED_ROWS and torch.backends.mkldnn.is_available()
+    of `PACKABLE`)."""
+    return (device.type == "cpu" and dtype in PACKABLE and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
@@ -104,6 +75,8 @@ class Projection:
     Attributes:
         sizes: output features per module.
         packed: the oneDNN packed merged weight, or None.
+        rule: the `PackRule` that says, per step size (rows), whether ``packed`` runs (set by
+            `tokenrouter_sdk.backends.autotune.tune_packing`; `DEFAULT_RULE` before).
         watched: the weights it was built from (`watch`); `stale` says whether one was replaced
             or changed in place, or a module gained or lost hooks, since (then the projection
             must be built again).
@@ -115,7 +88,7 @@ class Projection:
         self.plain = all(self.plain_mods)
         self.sizes = [m.out_features if hasattr(m, "out_features") else None for m in self.mods]
         self.packed = self.bias = None
-        self.rows = (0, -1)
+        self.rule = DEFAULT_RULE
         self.watched = self.watch()
         if not (self.plain and pack):
             return
@@ -130,8 +103,6 @@ class Projection:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
         except RuntimeError:  # a dtype or shape this oneDNN build does not take: plain GEMMs
             self.packed = self.bias = None
-            return
-        self.rows = packed_rows(w0.dtype)
 
     def watch(self) -> Watch:
         """A `Watch` of every weight and bias this projection read, as they are now."""
@@ -146,26 +117,32 @@ class Projection:
 
     def merged(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, in] through every module, outputs side by side: [M, sum(sizes)] (a new tensor)."""
-        m = x.shape[0]
-        if self.packed is not None and self.rows[0] <= m <= self.rows[1]:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None and self.rule(x.shape[0]):
+            return self.run_packed(x)
         outs = self(x)
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        m = x.shape[0]
-        if self.packed is not None and self.rows[0] <= m <= self.rows[1]:
+        if self.packed is not None and self.rule(x.shape[0]):
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = self.run_packed(x)
             return list(y.split(self.sizes, -1)) if len(self.mods) > 1 else [y]
-        if self.plain:
-            outs = [F.linear(x, mod.weight, mod.bias) for mod in self.mods]
-        else:
-            outs = [mod(x) for mod in self.mods]
+        outs = self.run_plain(x)
         if residual is not None:
             return residual + outs[0]
         return outs
+
+    def run_packed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, in] through the packed merged weight: [M, sum(sizes)]. Requires ``packed``."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def run_plain(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x`` [M, in] through each module's own weight (or the module itself when it is not a
+        plain linear): one [M, out_i] per module."""
+        if self.plain:
+            return [F.linear(x, mod.weight, mod.bias) for mod in self.mods]
+        return [mod(x) for mod in self.mods]
 
 
 def tensor_state(t: torch.Tensor) -> tuple:

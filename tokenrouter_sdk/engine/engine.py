@@ -95,7 +95,6 @@ class Engine:
                             thresholds=self.thresholds, vocab_limit=self.vocab_limit)
                  for name, r in runners.items()}
         self.transport.start(specs, self.handle_event)
-        self.subservers = self.transport.subservers  # in-process transports only (else empty)
 
     # -- policies ---------------------------------------------------------------------------
     def _register(self, policy: Policy) -> int:
@@ -554,12 +553,15 @@ class Engine:
             return list(self._calls)
 
     def idle(self) -> bool:
-        """True when no request is queued or in flight and every in-process sub-server holds no
-        request and has no message waiting."""
+        """True when no request is queued or in flight and every live sub-server holds no request
+        (owned or pending), asked through the transport (`kv_stats`), so the answer comes after
+        the messages sent to it before; a closed engine is idle once its handles are ended."""
         with self._lock:
-            busy = bool(self.handles)
-        return not busy and all(not ss.sched.seqs and not self.transport.pending(name) for name, ss in self.subservers.items()
-                                if name not in self._dead)
+            if self.handles:
+                return False
+        if self._closed:
+            return True
+        return all(not s.alive or (s.owned == 0 and s.pending == 0) for s in self.kv_stats().values())
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         deadline = time.perf_counter() + timeout
@@ -597,8 +599,6 @@ class Engine:
         dead = {m: M.Stats(m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False, error=why)
                 for m, why in self._dead.items()}
         live = [m for m in self.models if m not in dead]
-        if self.subservers:  # in-process: read them directly (the sim backend steps only on demand)
-            return {m: dead.get(m) or self.subservers[m].stats() for m in self.models}
         with self._lock:
             self._next_token += 1
             token, box = self._next_token, {}

@@ -1,0 +1,333 @@
+"""Choices of the CPU step made by measuring the candidates on the machine itself, at first use,
+on the model's own weights, and kept on disk per machine and library versions.
+
+Why: the fastest way to run a projection depends on the CPU, not on its vendor. Measured on two
+2-core CPUs (all 30 layers of SmolLM2-135M, float32): on an Intel Xeon MKL's plain GEMV of one
+or two rows streams the weights as fast as oneDNN's packed kernel and beats it at 128 rows; on
+an AMD EPYC the packed kernel is 1.6-2.6x faster at every row count (the tables in
+`tokenrouter_sdk.backends.projection`). A third CPU may differ again, and so may a new oneDNN.
+
+What is chosen: for each group of projections of one shape and dtype (a model's merged q/k/v of
+every layer, o, gate/up, down, the LM head), per row bucket (`BUCKETS`, the tokens of a step),
+whether the oneDNN-packed weight or the model's own (``F.linear``) runs. A row count between two
+buckets takes the next larger bucket's choice; past the last, the last's.
+
+How it is measured: one pass runs the group's projections over enough layers that their weights
+are at least twice the last-level cache (so the weights stream from memory, as in a real step;
+all layers when the model is smaller), at each bucket, packed and plain passes interleaved, the
+median of `REPS`; packed wins a bucket when its median is lower. With SmolLM2-135M's shapes this
+takes 1-3 s per model once per machine.
+
+Where it is kept: ``<torch extension root>/tokenrouter/choices/<machine key>.json`` beside the
+compiled kernels (`tokenrouter_sdk.backends.cpu_kernels.build_directory`), keyed by the CPU model,
+its flags, the last-level cache size, the threads, torch's and oneDNN's versions (`machine_fields`).
+A file that is corrupt or belongs to another machine or version is ignored, measured again and
+overwritten. `tokenrouter info` prints the choices and the timings behind them.
+
+Forcing: ``TOKENROUTER_PACKING=packed`` or ``plain`` (every bucket), ``auto`` (measure; the
+default). The value is read at each model's first step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import json
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+PACKING_ENV = "TOKENROUTER_PACKING"
+PACKING_VALUES = ("auto", "packed", "plain")
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+REPS = 3
+FORMAT = 1  # the layout of a choices file; a file of another format is measured again
+
+
+@dataclass(frozen=True)
+class PackRule:
+    """Whether a projection runs its packed weight, per row bucket.
+
+    Attributes:
+        buckets: row counts, ascending.
+        packed: per bucket, True where the packed weight runs.
+        source: where the rule came from: ``measured``, ``cached``, ``forced (TOKENROUTER_PACKING=...)``
+            or ``default``.
+
+    ``rule(rows)`` says whether a step of ``rows`` tokens runs the packed weight.
+    """
+
+    buckets: tuple[int, ...]
+    packed: tuple[bool, ...]
+    source: str = "default"
+
+    def __call__(self, rows: int) -> bool:
+        i = bisect.bisect_left(self.buckets, rows)
+        return self.packed[min(i, len(self.packed) - 1)]
+
+    @classmethod
+    def always(cls, packed: bool, source: str) -> "PackRule":
+        return cls(BUCKETS, (packed,) * len(BUCKETS), source)
+
+    def describe(self) -> str:
+        """``packed at 1-64 rows, plain at 128`` style text."""
+        runs: list[list] = []
+        for b, p in zip(self.buckets, self.packed):
+            if runs and runs[-1][0] == p:
+                runs[-1][2] = b
+            else:
+                runs.append([p, b, b])
+        parts = [f"{'packed' if p else 'plain'} at {lo}{'' if lo == hi else f'-{hi}'}" for p, lo, hi in runs]
+        return ", ".join(parts) + " rows"
+
+
+def forced_packing() -> bool | None:
+    """The choice forced by ``TOKENROUTER_PACKING``: True (packed), False (plain) or None (measure).
+
+    Raises:
+        ValueError: another value (names the accepted ones).
+    """
+    v = os.environ.get(PACKING_ENV, "auto").strip().lower() or "auto"
+    if v not in PACKING_VALUES:
+        raise ValueError(f"{PACKING_ENV}={v!r}: accepted values are {', '.join(PACKING_VALUES)}")
+    return None if v == "auto" else v == "packed"
+
+
+def _cpu_field(name: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of CPU 0 in bytes (Linux sysfs), or 32 MiB where it cannot be read."""
+    best = 0
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    for idx in root.glob("index*"):
+        try:
+            text = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        m = re.fullmatch(r"(\d+)([KMG]?)", text)
+        if m:
+            best = max(best, int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)])
+    return best or 32 << 20
+
+
+def onednn_version() -> str:
+    m = re.search(r"oneDNN v([\d.]+)", torch.__config__.show())
+    return m.group(1) if m else ""
+
+
+def machine_fields(threads: int | None = None) -> dict:
+    """What a choice depends on besides the shapes: CPU model and flags (hashed), last-level
+    cache bytes, torch threads, torch and oneDNN versions, the choices file format."""
+    flags = _cpu_field("flags")
+    return {"cpu": _cpu_field("model name") or _cpu_field("vendor_id") or "unknown",
+            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16], "llc_bytes": last_level_cache_bytes(),
+            "threads": int(threads if threads is not None else torch.get_num_threads()),
+            "torch": torch.__version__, "onednn": onednn_version(), "format": FORMAT}
+
+
+def choices_path(fields: dict) -> Path:
+    from .cpu_kernels import build_directory
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
+    return build_directory("choices") / f"{key}.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An OS lock on ``path``'s folder (one measurer per machine at a time; released when the
+    process dies)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / "choices.flock", "w") as f:
+        try:
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except ImportError:  # pragma: no cover - not POSIX
+            pass
+        yield
+
+
+def load_choices(fields: dict) -> dict:
+    """The stored choices for ``fields`` (empty when there is no file, it does not parse, or it
+    was written for other fields)."""
+    path = choices_path(fields)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("fields") != fields or not isinstance(data.get("choices"), dict):
+        return {}
+    return data["choices"]
+
+
+def _store(fields: dict, key: str, entry: dict) -> None:
+    path = choices_path(fields)
+    choices = load_choices(fields)
+    choices[key] = entry
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"fields": fields, "choices": choices}, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _rule_of(entry) -> PackRule | None:
+    try:
+        buckets, packed = tuple(int(b) for b in entry["buckets"]), tuple(bool(p) for p in entry["packed"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not buckets or len(buckets) != len(packed) or list(buckets) != sorted(set(buckets)):
+        return None
+    return PackRule(buckets, packed, "cached")
+
+
+def group_key(proj) -> str:
+    """The shape a choice is made for: ``packing float32 in=576 out=1728``."""
+    w = proj.mods[0].weight
+    return f"packing {str(w.dtype).removeprefix('torch.')} in={w.shape[1]} out={sum(proj.sizes)}"
+
+
+def _median_s(fn: Callable[[], object], reps: int, clock=time.perf_counter) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t = clock()
+        fn()
+        out.append(clock() - t)
+    return out
+
+
+def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: int | None = None,
+                  clock=time.perf_counter) -> dict:
+    """Time the packed and the plain path of a group of same-shape projections at each bucket.
+
+    Args:
+        projs: `Projection`s with a packed weight, all of one `group_key`.
+        buckets: row counts to time.
+        reps: timed passes per path and bucket (after one untimed pass each).
+        llc_bytes: the last-level cache; passes cover weights of at least twice this (default
+            `last_level_cache_bytes`).
+        clock: seconds (``time.perf_counter``).
+
+    Returns:
+        ``{"buckets": [...], "packed": [bool...], "packed_ms": [...], "plain_ms": [...],
+        "layers": n}``: medians in ms of one pass over ``n`` projections.
+    """
+    w = projs[0].mods[0].weight
+    per = sum(m.weight.numel() for m in projs[0].mods) * w.element_size()
+    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    n = min(len(projs), max(1, -(-2 * llc // max(1, per))))
+    use = projs[:n]
+    packed_ms, plain_ms = [], []
+    with torch.inference_mode():
+        for rows in buckets:
+            x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+
+            def packed():
+                for p in use:
+                    p.run_packed(x)
+
+            def plain():
+                for p in use:
+                    p.run_plain(x)
+            packed(), plain()
+            a, b = [], []
+            for _ in range(reps):  # interleaved: a drift of the machine hits both alike
+                a += _median_s(packed, 1, clock)
+                b += _median_s(plain, 1, clock)
+            packed_ms.append(1e3 * statistics.median(a))
+            plain_ms.append(1e3 * statistics.median(b))
+    return {"buckets": list(buckets), "packed": [a < b for a, b in zip(packed_ms, plain_ms)],
+            "packed_ms": [round(v, 4) for v in packed_ms], "plain_ms": [round(v, 4) for v in plain_ms], "layers": n}
+
+
+def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = None) -> dict[str, PackRule]:
+    """Set ``rule`` on every projection of ``projs`` that has a packed weight: forced by
+    ``TOKENROUTER_PACKING``, else read from this machine's choices file, else measured
+    (`measure_group`) and stored. Projections are grouped by `group_key`.
+
+    Returns:
+        the rule per group key.
+
+    Raises:
+        ValueError: ``TOKENROUTER_PACKING`` holds an unknown value.
+    """
+    groups: dict[str, list] = {}
+    for p in projs:
+        if p.packed is not None:
+            groups.setdefault(group_key(p), []).append(p)
+    if not groups:
+        return {}
+    forced = forced_packing()
+    rules: dict[str, PackRule] = {}
+    if forced is not None:
+        rules = {k: PackRule.always(forced, f"forced ({PACKING_ENV}={'packed' if forced else 'plain'})")
+                 for k in groups}
+    else:
+        fields = machine_fields() if fields is None else fields
+        stored = load_choices(fields)
+        missing = [k for k in groups if _rule_of(stored.get(k)) is None]
+        for k in groups:
+            if k not in missing:
+                rules[k] = _rule_of(stored[k])
+        if missing:
+            with _locked(choices_path(fields)):
+                stored = load_choices(fields)  # another process may have measured meanwhile
+                for k in missing:
+                    rule = _rule_of(stored.get(k))
+                    if rule is None:
+                        entry = measure(groups[k])
+                        entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+                        _store(fields, k, entry)
+                        rule = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured")
+                    rules[k] = rule
+    for k, ps in groups.items():
+        for p in ps:
+            p.rule = rules[k]
+    return rules
+
+
+def report(fields: dict | None = None) -> list[str]:
+    """Lines for `tokenrouter info`: where the choices live, and for each stored file of this
+    CPU and these versions (one per thread count that measured), each choice and its timings."""
+    fields = machine_fields() if fields is None else fields
+    folder = choices_path(fields).parent
+    lines = [f"measured choices: {folder} ({fields['cpu']}, last-level cache {fields['llc_bytes'] >> 20} MiB, "
+             f"torch {fields['torch']}, oneDNN {fields['onednn'] or '?'})"]
+    forced = os.environ.get(PACKING_ENV)
+    if forced:
+        lines.append(f"  {PACKING_ENV}={forced} is set: {'measured choices apply' if forced == 'auto' else 'forced, the choices below do not apply'}")
+    same = {k: v for k, v in fields.items() if k != "threads"}
+    found = 0
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            mine = {k: v for k, v in data["fields"].items() if k != "threads"} == same
+            threads, choices = data["fields"]["threads"], dict(data["choices"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if not mine:
+            continue
+        for key, entry in sorted(choices.items()):
+            rule = _rule_of(entry)
+            if rule is None:
+                continue
+            found += 1
+            times = ", ".join(f"{b}: {a:.2f}/{c:.2f}" for b, a, c in
+                              zip(entry["buckets"], entry.get("packed_ms", []), entry.get("plain_ms", [])))
+            lines.append(f"  {threads} thread(s), {key}: {rule.describe()} (ms per pass over {entry.get('layers', '?')} "
+                         f"layers, packed/plain by rows: {times})")
+    if not found:
+        lines.append("  none yet (measured at a float32/bfloat16 model's first step on this machine)")
+    return lines
