@@ -63,7 +63,41 @@ def environment() -> dict:
         env["loadavg"] = [round(x, 2) for x in os.getloadavg()]
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
+    env["cpu"] = cpu_description()
     return env
+
+
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
+              "sve", "asimd")
+
+
+def cpu_description() -> dict:
+    """The CPU a result was measured on (Linux ``/proc/cpuinfo`` and sysfs): model name, vendor,
+    family/model/stepping, the SIMD flags that decide kernels (`SIMD_FLAGS` present), and each
+    cache level's size of CPU 0 (``{"L1d": "48K", "L2": "1024K", "L3": "32768K"}``)."""
+    info: dict = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first CPU's block
+                k, _, v = line.partition(":")
+                info[k.strip()] = v.strip()
+    except OSError:
+        pass
+    flags = set(info.get("flags", info.get("Features", "")).split())
+    caches = {}
+    for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind = (idx / "level").read_text().strip(), (idx / "type").read_text().strip()
+            caches[f"L{level}{'d' if kind == 'Data' else 'i' if kind == 'Instruction' else ''}"] = \
+                (idx / "size").read_text().strip()
+        except OSError:
+            continue
+    return {"model": info.get("model name", platform.processor() or platform.machine()),
+            "vendor": info.get("vendor_id", ""), "family_model_stepping":
+                "/".join(info.get(k, "?") for k in ("cpu family", "model", "stepping")),
+            "simd": [f for f in SIMD_FLAGS if f in flags], "caches": caches}
 
 
 class Output:

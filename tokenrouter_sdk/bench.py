@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 MODES = ("sync", "model_sync", "async", "delayed")
 
@@ -43,6 +44,7 @@ class Cell:
     vs_sync: float | None = None
     vs_no_retain: float | None = None
     failed: int = 0  # requests of the cell that failed or were aborted (its numbers then do not stand)
+    accounting: dict = field(default_factory=dict)  # per model: `tokenrouter_sdk.demo.step_accounting` of the cell
 
 
 def make_policy(name: str, registry=None):
@@ -124,6 +126,7 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
     """
     from tqdm.auto import tqdm
 
+    from .demo import step_accounting
     from .router import Router
     if cells is None:
         cells = bench_cells(policies, modes, concurrency, max_new_tokens, baselines)
@@ -160,10 +163,12 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
                 r.set_thresholds(_thresholds(r, policy, n, thresholds))
                 th = ",".join(f"{k}={v}" for k, v in r.engine.thresholds.items())
             work = [prompts[i % len(prompts)] for i in range(2 * n)]
-            r.generate(work, policy=policy, max_new_tokens=new, ignore_eos=True, concurrency=n)
-            m = r.metrics()
+            call = r.submit(work, policy=policy, max_new_tokens=new, ignore_eos=True, concurrency=n)
+            call.wait()
+            m = call.metrics()
             out.append(Cell(pol, mode, retain, n, new, th, m.throughput_tok_s, m.mean_latency_s, m.per_user_tok_s,
-                            m.hop_rate, m.large_fraction, m.committed_tokens, m.wall_s, failed=m.failed))
+                            m.hop_rate, m.large_fraction, m.committed_tokens, m.wall_s, failed=m.failed,
+                            accounting=step_accounting(list(call.events), list(r.models))))
             _ratios(out)
             if on_cell is not None:
                 on_cell(out[-1])
@@ -214,11 +219,36 @@ def format_table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+def format_accounting(cells: list[Cell]) -> str:
+    """Where each cell's time went, one line per cell and model: steps, mean requests per step
+    and their histogram, the share of the cell's wall time the model spent in steps (busy) and in
+    forwards, and the steps that fed an extend or prefill beside pure decodes (with the tokens
+    they fed beyond one per request)."""
+    lines = []
+    for c in cells:
+        for model, a in c.accounting.items():
+            if not a.get("steps"):
+                continue
+            hist = " ".join(f"{b}:{k}" for b, k in a["batch_hist"].items())
+            wall = c.wall_s or float("nan")
+            lines.append(f"{c.policy} {c.mode} {'keep' if c.retain_kv else 'drop'} N={c.concurrency} [{model}] "
+                         f"steps {a['steps']}, batch {a['mean_batch']:.2f} ({hist}), busy {a['step_s'] / wall:.0%} "
+                         f"(forward {a['forward_s'] / wall:.0%}), decode {a['decode_steps']} steps "
+                         f"{a['decode_s']:.2f}s, extend/prefill {a['mixed_steps']} steps {a['mixed_s']:.2f}s "
+                         f"(+{a['mixed_fed']} tokens)")
+    return "\n".join(lines)
+
+
+def csv_row(cell: Cell) -> dict:
+    """A cell as a CSV row (its step accounting as JSON)."""
+    return {k: json.dumps(v) if isinstance(v, dict) else v for k, v in asdict(cell).items()}
+
+
 def write_csv(cells: list[Cell], path: str) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(asdict(cells[0])))
         w.writeheader()
-        w.writerows(asdict(c) for c in cells)
+        w.writerows(csv_row(c) for c in cells)
 
 
 def write_html(cells: list[Cell], path: str) -> bool:
@@ -257,7 +287,7 @@ class CsvLog:
             w = csv.DictWriter(f, fieldnames=list(asdict(cell)))
             if not self._started:
                 w.writeheader()
-            w.writerow(asdict(cell))
+            w.writerow(csv_row(cell))
         self._started = True
 
     def rewrite(self, cells: list[Cell]) -> None:

@@ -191,7 +191,7 @@ def cmd_info(args) -> int:
 
 def cmd_bench(args) -> int:
     """The side-by-side throughput benchmark (see `tokenrouter_sdk.bench`)."""
-    from .bench import CsvLog, environment, format_table, run_bench, write_html
+    from .bench import CsvLog, environment, format_accounting, format_table, run_bench, write_html
     from .cli_common import build_policy, describe_pair, fail, load_models, per_model, policy_registry, tp_of
     prog = "tokenrouter bench"
     ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
@@ -273,6 +273,8 @@ def cmd_bench(args) -> int:
                       thresholds=args.thresholds, deadline=deadline, on_cell=log, warmup_tokens=args.warmup_tokens,
                       max_routers=args.max_routers, registry=registry, **kw)
     print(format_table(cells))
+    print("\nwhere the time went (per cell and model):")
+    print(format_accounting(cells))
     log.rewrite(cells)  # with the final ratios
     html = write_html(cells, args.out + ".html")
     print(f"wrote {args.out}.csv" + (f" and {args.out}.html" if html else " (no plotly: no HTML chart)"))
@@ -286,7 +288,7 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, out: bool = True) -> argp
     """The ``bench`` options (shared by the subcommand and ``evals/throughput/side_by_side.py``);
     ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, an output prefix)."""
     b.add_argument("--backend", choices=["torch", "sim"], default="torch")
-    from .cli_common import add_model_arguments, add_policy_arguments
+    from .cli_common import add_model_arguments, add_policy_arguments, add_prefix_cache_flag
     add_policy_arguments(b, default=None, repeat=True,
                          what="a routed policy to bench (repeat for several; default random10 random30 rstitch)")
     b.add_argument("--policies", nargs="+", default=None,
@@ -322,12 +324,6 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, out: bool = True) -> argp
     return b
 
 
-def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
-    """``--no-prefix-cache`` (every command that builds a Router): ``args.no_prefix_cache``."""
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="turn the prefix cache off (every request feeds all its tokens; to measure what it saves)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with the ``demo``, ``bench``, ``info`` and ``eval`` subcommands."""
     p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level routing between a small and a large LM.")
@@ -355,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
     d.add_argument("--no-color", action="store_true", help="markers instead of colours")
+    from .cli_common import add_prefix_cache_flag
     add_prefix_cache_flag(d)
     d.add_argument("--compile", choices=["off", "wait", "background"], default="off",
                    help="compiled steps (EngineConfig.compile): off (eager), wait (the warm-up call waits for the "

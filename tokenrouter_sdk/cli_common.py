@@ -287,3 +287,9 @@ def check_shippable(policy, prog: str) -> None:
         raise fail(prog, f"policy {policy!r} cannot be sent to the sub-server processes: {why}. Keep locks, open "
                          f"files and threads out of its attributes (create them in route), or run the sub-servers "
                          f"in this process with --transport thread")
+
+
+def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
+    """``--no-prefix-cache`` (every command that builds a Router): ``args.no_prefix_cache``."""
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn the prefix cache off (every request feeds all its tokens; to measure what it saves)")

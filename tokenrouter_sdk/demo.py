@@ -74,19 +74,23 @@ def step_accounting(events: list, models: list[str]) -> dict[str, dict]:
     """Where each model's step time went, from a call's `StepDone` events.
 
     Returns:
-        per model: ``steps``; ``forward_s`` (seconds inside forwards); ``decode_steps`` and
-        ``decode_s`` (steps that fed one token per request); ``mixed_steps`` and ``mixed_s``
-        (steps that also fed a prefill or an extend), ``mixed_fed`` (tokens those steps fed
-        beyond one per request); ``tokens_fed``; ``mean_batch`` (requests per step).
+        per model: ``steps``; ``forward_s`` (seconds inside forwards); ``step_s`` (seconds from
+        each step's start to its end: the forward plus scheduling, sampling and policy calls);
+        ``decode_steps`` and ``decode_s`` (steps that fed one token per request);
+        ``mixed_steps`` and ``mixed_s`` (steps that also fed a prefill or an extend),
+        ``mixed_fed`` (tokens those steps fed beyond one per request); ``tokens_fed``;
+        ``mean_batch`` (requests per step); ``batch_hist`` (requests per step -> steps).
     """
-    out = {m: dict(steps=0, forward_s=0.0, decode_steps=0, decode_s=0.0, mixed_steps=0, mixed_s=0.0, mixed_fed=0,
-                   tokens_fed=0, mean_batch=0.0) for m in models}
+    out = {m: dict(steps=0, forward_s=0.0, step_s=0.0, decode_steps=0, decode_s=0.0, mixed_steps=0, mixed_s=0.0,
+                   mixed_fed=0, tokens_fed=0, mean_batch=0.0, batch_hist={}) for m in models}
     for ev in events:
         if not isinstance(ev, M.StepDone) or ev.model not in out or not ev.batch_size:
             continue
         a = out[ev.model]
         a["steps"] += 1
         a["forward_s"] += ev.forward_s
+        a["step_s"] += max(0.0, ev.t_end - ev.t_start)
+        a["batch_hist"][ev.batch_size] = a["batch_hist"].get(ev.batch_size, 0) + 1
         a["tokens_fed"] += ev.tokens_fed
         a["mean_batch"] += ev.batch_size
         if ev.tokens_fed > ev.batch_size:
@@ -98,6 +102,7 @@ def step_accounting(events: list, models: list[str]) -> dict[str, dict]:
             a["decode_s"] += ev.forward_s
     for a in out.values():
         a["mean_batch"] = a["mean_batch"] / a["steps"] if a["steps"] else 0.0
+        a["batch_hist"] = dict(sorted(a["batch_hist"].items()))
     return out
 
 

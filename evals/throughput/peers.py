@@ -258,7 +258,11 @@ def main(argv=None) -> int:
         rows.append(row)
     cols = [("workload", "workload", "")] + [(f"{s}_tok_s", f"{s} tok/s", ".1f") for s in med] + \
         [(f"{s}/{ref}", f"{s}/{ref}", ".2f") for s in med if ref in med and s != ref]
-    print(f"\nmedians of {a.repeats} interleaved repeats, {a.dtype}; ratios to {ref}")
+    cpu = evalkit.cpu_description()
+    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else "?"
+    print(f"\nmachine: {cpu['model']} ({cpu['vendor']} {cpu['family_model_stepping']}; {' '.join(cpu['simd'])}; "
+          f"caches {', '.join(f'{k} {v}' for k, v in cpu['caches'].items())}); load average now {load}")
+    print(f"medians of {a.repeats} interleaved repeats, {a.dtype}; ratios to {ref}")
     print(evalkit.table(rows, cols))
     first = {s: {k: ok[s][0][k]["first"] for k in wl if k in ok[s][0]} for s in med}
     agree = {k: len({tuple(first[s][k]) for s in first if k in first[s]}) == 1 for k in wl}

@@ -6,7 +6,9 @@ What it measures, in one process:
               read bandwidth = bytes read per second (the copy also writes as many); best and
               median of ``--copies``.
   bound       weights bytes / read bandwidth: a decode step reads every weight once (the tied
-              embedding once, through the LM head), so it cannot take less.
+              embedding once, through the LM head), so it cannot take less; ``bound+KV`` adds
+              each request's cached keys and values (``--context`` tokens, every layer), read
+              once by attention: the bound of a step at a long context.
   step        the `TorchRunner` forward of a batch of B decodes (context ``--context`` tokens
               each), eager (``compile=False``) and compiled (``compile="wait"``) runners of the
               same model (the default native forward, with the C++ CPU kernels: ``kernels="wait"``),
@@ -83,6 +85,9 @@ def main(argv=None) -> int:
     for name, model in (("large", large), ("small", small)):
         wb = weight_bytes(model)
         bound_ms = wb / (bw["read_gb_s_best"] * 1e9) * 1e3
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
         need = max(a.batch) * (-(-(a.context + a.steps * 2 + 8) // 16) * 16)
         hf = TorchRunner(model, max_kv_tokens=need + 64, model_impl="transformers", kernels="off")
         eager = TorchRunner(model, max_kv_tokens=need + 64, kernels="wait")
@@ -122,6 +127,11 @@ def main(argv=None) -> int:
             row["speedup"] = round(row["eager_ms"] / row["compiled_ms"], 3)
             row["native_speedup"] = round(row["transformers_ms"] / row["eager_ms"], 3)
             row["eager_over_bound"] = round(row["eager_ms"] / bound_ms, 2)
+            kv_bytes = b * (a.context + a.steps // 2) * kv_per_token  # the mean context over the timed steps
+            row["kv_mb"] = round(kv_bytes / 1e6, 1)
+            row["bound_kv_ms"] = round((wb + kv_bytes) / (bw["read_gb_s_best"] * 1e9) * 1e3, 2)
+            row["eager_over_bound_kv"] = round(row["eager_ms"] / row["bound_kv_ms"], 2)
+            row["compiled_over_bound_kv"] = round(row["compiled_ms"] / row["bound_kv_ms"], 2)
             row["compiled_over_bound"] = round(row["compiled_ms"] / bound_ms, 2)
             steps[(name, b)] = row
             rows.append(row)
@@ -129,7 +139,9 @@ def main(argv=None) -> int:
                   f"(no kernels {row['nokernels_ms']:.1f}) "
                   f"(min {row['eager_min_ms']:.1f}), compiled "
                   f"{row['compiled_ms']:.1f} ms (min {row['compiled_min_ms']:.1f}), x{row['speedup']:.2f}; "
-                  f"over bound {row['eager_over_bound']:.2f} / {row['compiled_over_bound']:.2f}", flush=True)
+                  f"over bound {row['eager_over_bound']:.2f} / {row['compiled_over_bound']:.2f}; over bound+KV "
+                  f"({row['kv_mb']:.0f} MB of KV) {row['eager_over_bound_kv']:.2f} / {row['compiled_over_bound_kv']:.2f}",
+                  flush=True)
         for r in (hf, eager, nok, comp):
             r.release()
     for b in a.batch:
@@ -144,7 +156,8 @@ def main(argv=None) -> int:
                                ("transformers_ms", "transformers ms", ".1f"), ("eager_ms", "eager ms", ".1f"),
                                ("nokernels_ms", "no kernels ms", ".1f"), ("compiled_ms", "compiled ms", ".1f"), ("native_speedup", "eager x", ".2f"),
                                ("speedup", "compiled x", ".2f"), ("eager_over_bound", "eager/bound", ".2f"),
-                               ("compiled_over_bound", "compiled/bound", ".2f")]))
+                               ("compiled_over_bound", "compiled/bound", ".2f"), ("bound_kv_ms", "bound+KV ms", ".1f"),
+                               ("eager_over_bound_kv", "eager/bound+KV", ".2f")]))
     out = evalkit.Output(a, __file__, evalkit.cells_tag(a.dtype, b=a.batch))
     out.write(rows, bandwidth=bw, command=" ".join([sys.executable, *sys.argv]))
     return 0

@@ -154,3 +154,12 @@ def test_info_prints_the_choices_and_their_timings(store, capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "measured choices:" in out and "thread(s), packing float32 in=" in out and "packed/plain by rows" in out
+
+
+def test_a_folder_that_cannot_be_written_measures_without_storing(store, monkeypatch):
+    _, projs = _projections(choice="packed")
+    (store / "a_file").write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(store / "a_file"))  # a folder below a file cannot be made
+    fake = FakeMeasure(2)
+    rules = A.tune_packing(projs, measure=fake, fields=A.machine_fields())
+    assert fake.calls and all(r.source == "measured (not stored)" and r(2) and not r(1) for r in rules.values())

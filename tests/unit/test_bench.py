@@ -65,3 +65,29 @@ def test_a_cell_whose_requests_fail_says_so():
                       progress=False, registry=PolicyRegistry({"boom": Boom}))
     assert cells[0].failed == 4
     assert "FAILED requests in 1 cell(s)" in format_table(cells) and "4 !" in format_table(cells)
+
+
+def test_each_cell_says_where_its_time_went(tmp_path):
+    import json
+
+    from tokenrouter_sdk.bench import format_accounting
+    cells = run_bench(LAT, tiny_tokenizer(), [[5] * 20, [9] * 33], policies=("random30",), modes=("async",),
+                      concurrency=(4,), max_new_tokens=(32,), backend="sim", progress=False)
+    by = {(c.policy, c.retain_kv): c for c in cells}
+    routed, large = by[("random30", True)], by[("large_only", True)]
+    for c in cells:
+        for model, a in c.accounting.items():
+            assert sum(a["batch_hist"].values()) == a["steps"] == a["decode_steps"] + a["mixed_steps"]
+            assert sum(b * k for b, k in a["batch_hist"].items()) == round(a["mean_batch"] * a["steps"])
+            assert a["forward_s"] <= a["step_s"] + 1e-9 and a["step_s"] <= c.wall_s * 1.01
+    assert large.accounting["small"]["steps"] == 0 and large.accounting["large"]["steps"] > 0
+    # every committed token is fed once on its writer's model; a routed request's hand-offs add
+    # extends (the unseen tokens) on the receiving model
+    assert large.accounting["large"]["tokens_fed"] >= large.committed_tokens
+    assert routed.accounting["large"]["mixed_steps"] > 0 and routed.accounting["large"]["mixed_fed"] > 0
+    text = format_accounting(cells)
+    assert "random30 async keep N=4 [large] steps" in text and "busy" in text
+    write_csv(cells, tmp_path / "b.csv")
+    rows = list(csv.DictReader(open(tmp_path / "b.csv")))
+    assert {k: {int(b): n for b, n in v["batch_hist"].items()} for k, v in json.loads(rows[0]["accounting"]).items()} \
+        == {k: v["batch_hist"] for k, v in cells[0].accounting.items()}

@@ -282,16 +282,22 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
             if k not in missing:
                 rules[k] = _rule_of(stored[k])
         if missing:
-            with _locked(choices_path(fields)):
-                stored = load_choices(fields)  # another process may have measured meanwhile
+            try:
+                with _locked(choices_path(fields)):
+                    stored = load_choices(fields)  # another process may have measured meanwhile
+                    for k in missing:
+                        rule = _rule_of(stored.get(k))
+                        if rule is None:
+                            entry = measure(groups[k])
+                            entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+                            rules[k] = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured")
+                            _store(fields, k, entry)
+                        rules[k] = rule or rules[k]
+            except OSError:  # the folder cannot be written: measure here, keep nothing
                 for k in missing:
-                    rule = _rule_of(stored.get(k))
-                    if rule is None:
+                    if k not in rules:
                         entry = measure(groups[k])
-                        entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-                        _store(fields, k, entry)
-                        rule = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured")
-                    rules[k] = rule
+                        rules[k] = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured (not stored)")
     for k, ps in groups.items():
         for p in ps:
             p.rule = rules[k]

@@ -17,7 +17,7 @@ from ..request import RequestOutput
 from .request_handle import RequestHandle
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .handle_link import EngineLink
 
 
 class Call:
@@ -32,7 +32,7 @@ class Call:
         done: set when every request ended.
     """
 
-    def __init__(self, engine: "Engine", limit: int | None, policy_key: int,
+    def __init__(self, engine: "EngineLink", limit: int | None, policy_key: int,
                  listener: Callable[[str, RequestHandle, object], None] | None):
         self.engine, self.limit, self.policy_key, self.listener = engine, limit, policy_key, listener
         self.handles: list[RequestHandle] = []
@@ -84,7 +84,7 @@ class Call:
         def wake():
             if not fut.done():
                 fut.set_result(None)
-        self.engine._on_done(self, lambda: loop.call_soon_threadsafe(wake))
+        self.engine.on_done(self, lambda: loop.call_soon_threadsafe(wake))
         while True:
             try:
                 await asyncio.wait_for(asyncio.shield(fut), 1.0)
@@ -101,6 +101,5 @@ class Call:
     def metrics(self):
         """`tokenrouter_sdk.metrics.Metrics` of this call (O(its events))."""
         from ..metrics import compute_metrics
-        with self.engine._lock:
-            events = list(self.events)
+        events = self.engine.events_of(self)
         return compute_metrics(events, {h.rid for h in self.handles}, self.engine.models)

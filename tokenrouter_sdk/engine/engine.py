@@ -474,7 +474,12 @@ class Engine:
         for fn in self._done_waiters.pop(id(call), []):
             fn()
 
-    def _on_done(self, call: Call, fn: Callable[[], None]) -> None:
+    def events_of(self, call: Call) -> list:
+        """A copy of ``call``'s events so far, taken under the engine's lock."""
+        with self._lock:
+            return list(call.events)
+
+    def on_done(self, call: Call, fn: Callable[[], None]) -> None:
         """Run ``fn`` (from the engine's thread) when ``call`` ends, or now if it has."""
         with self._lock:
             if not call.done.is_set():

@@ -15,7 +15,7 @@ from ..request import RequestConfig, RequestOutput
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 
 if TYPE_CHECKING:
-    from .call import Call
+    from .handle_link import CallLink
 
 
 class RequestHandle:
@@ -28,7 +28,7 @@ class RequestHandle:
         call: the `Call` it belongs to.
     """
 
-    def __init__(self, config: RequestConfig, prompt, entry: str, call: "Call", index: int, tokenizer,
+    def __init__(self, config: RequestConfig, prompt, entry: str, call: "CallLink", index: int, tokenizer,
                  stop_ids: frozenset):
         self.config, self.entry, self.owner, self.call = config, entry, entry, call
         self.output = RequestOutput(rid=config.rid, prompt=prompt, index=index, key=config.key)

@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     add_model_arguments(p)
     p.add_argument("--mode", default="async", choices=["async", "delayed", "sync", "model_sync"],
                    help="schedule mode (default async)")
-    from ..cli import add_prefix_cache_flag
+    from ..cli_common import add_prefix_cache_flag
     add_prefix_cache_flag(p)
     if out:
         p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
@@ -221,7 +221,7 @@ def cmd_eval(args) -> int:
                 raise SystemExit(f"tokenrouter eval: --shards must be >= 1, got {args.shards}")
             argv = _shard_launch_argv(args)
             if args.launcher == "ray":
-                run_ray(argv, args.shards, args.out, address=args.ray_address, num_cpus=args.shard_cpus,
+                run_ray(argv, args.shards, args.out, main, address=args.ray_address, num_cpus=args.shard_cpus,
                         num_gpus=args.shard_gpus)
             else:
                 run_local(argv, args.shards, args.out, threads=max(1, int(args.shard_cpus)))

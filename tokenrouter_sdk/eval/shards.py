@@ -60,23 +60,24 @@ def run_local(argv: list[str], n: int, out: str, *, threads: int = 1, timeout_s:
         raise RuntimeError(f"{len(failed)} of {n} shards failed; shard {i} exited {rc} (log {path}):\n{tail}")
 
 
-def _ray_shard(argv: list[str]) -> dict[str, bytes]:
-    """A Ray task: run one shard into a temporary folder; return its files (relative path -> bytes)."""
-    from ..cli import main
+def _ray_shard(argv: list[str], entry) -> dict[str, bytes]:
+    """A Ray task: run one shard into a temporary folder with ``entry`` (``tokenrouter eval``'s
+    ``main(argv) -> exit status``); return its files (relative path -> bytes)."""
     with tempfile.TemporaryDirectory(prefix="tokenrouter-shard-") as tmp:
         args = list(argv)
         k = args.index("--out")
         args[k + 1] = tmp
-        rc = main(["eval", *args])
+        rc = entry(args)
         if rc:
             raise RuntimeError(f"tokenrouter eval {' '.join(argv)} exited {rc}")
         return {p.relative_to(tmp).as_posix(): p.read_bytes() for p in Path(tmp).rglob("*")
                 if p.is_file() and p.parent != Path(tmp)}  # points/ and shards/, not the shard's own results
 
 
-def run_ray(argv: list[str], n: int, out: str, *, address: str | None = None, num_cpus: float = 1,
+def run_ray(argv: list[str], n: int, out: str, entry, *, address: str | None = None, num_cpus: float = 1,
             num_gpus: float = 0) -> None:
-    """Run the ``n`` shards as Ray tasks and write their files into ``out``.
+    """Run the ``n`` shards as Ray tasks and write their files into ``out``; ``entry`` runs one
+    (``tokenrouter_sdk.eval.cli.main``, passed in so that this module does not import the command).
 
     Raises:
         ImportError: Ray is not installed (names the extra).
@@ -90,7 +91,7 @@ def run_ray(argv: list[str], n: int, out: str, *, address: str | None = None, nu
         ray.init(address=address, log_to_driver=False)
     try:
         task = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(_ray_shard)
-        refs = [task.remote(shard_argv(argv, i, n, "OUT")) for i in range(1, n + 1)]
+        refs = [task.remote(shard_argv(argv, i, n, "OUT"), entry) for i in range(1, n + 1)]
         for files in ray.get(refs):
             for rel, data in files.items():
                 path = Path(out) / rel

@@ -129,7 +129,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="placement of the sub-servers on the Ray cluster (default PACK)")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default 4 MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    from ..cli import add_prefix_cache_flag
+    from ..cli_common import add_prefix_cache_flag
     add_prefix_cache_flag(s)
     s.set_defaults(fn=cmd_serve)
     return s
