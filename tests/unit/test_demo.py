@@ -14,8 +14,8 @@ def test_step_accounting_splits_decode_from_prefill_and_extend():
           StepDone("large", 2, 3, 0.3, 1, 6, {0: 6}), StepDone("large", 3, 4, 0.0, 0, 0, {}),
           StepDone("other", 0, 1, 9.0, 1, 1, {0: 1})]
     a = step_accounting(ev, ["small", "large"])
-    assert a["small"] == dict(steps=2, forward_s=0.6, decode_steps=1, decode_s=0.1, mixed_steps=1, mixed_s=0.5,
-                              mixed_fed=38, tokens_fed=42, mean_batch=2.0)
+    assert a["small"] == dict(steps=2, forward_s=0.6, step_s=2.0, decode_steps=1, decode_s=0.1, mixed_steps=1,
+                              mixed_s=0.5, mixed_fed=38, tokens_fed=42, mean_batch=2.0, batch_hist={2: 2})
     assert (a["large"]["steps"], a["large"]["mixed_fed"], a["large"]["decode_steps"]) == (1, 5, 0)
 
 
