@@ -131,6 +131,12 @@ def test_a_forced_choice_is_honoured_and_gives_the_same_logits(store, monkeypatc
     assert not A.choices_path(A.machine_fields()).exists()  # forced: nothing measured or stored
 
 
+def test_the_key_names_this_machine_and_its_libraries():
+    f = A.machine_fields()
+    assert f["cpu"] and f["llc_bytes"] > 0 and f["torch"] == torch.__version__ and f["threads"] >= 1
+    assert f["onednn"].count(".") >= 1  # torch's oneDNN build (it packs the weights) is part of the key
+
+
 def test_an_unknown_forced_value_is_refused(store, monkeypatch):
     monkeypatch.setenv(A.PACKING_ENV, "fastest")
     with pytest.raises(ValueError, match="TOKENROUTER_PACKING='fastest': accepted values are auto, packed, plain"):

@@ -127,7 +127,7 @@ def last_level_cache_bytes() -> int:
 
 
 def onednn_version() -> str:
-    m = re.search(r"oneDNN v([\d.]+)", torch.__config__.show())
+    m = re.search(r"(?:oneDNN|MKL-DNN) v([\d.]+)", torch.__config__.show())
     return m.group(1) if m else ""
 
 
