@@ -164,8 +164,9 @@ def cmd_demo(args) -> int:
 
 
 def cmd_info(args) -> int:
-    """Print versions, torch threads, the cache folder, the data file found and the GEMM paths
-    measured on this machine (`tokenrouter_sdk.backends.autotune`)."""
+    """Print versions, torch threads, the cache folder, the data file found and the choices
+    measured on this machine (`tokenrouter_sdk.backends.autotune`: GEMM paths;
+    `tokenrouter_sdk.backends.attention.kernel_choice`: the CPU kernel's extend limit)."""
     import platform
 
     import torch
@@ -183,8 +184,9 @@ def cmd_info(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         data = f"not available ({e})"
     print(f"demo data gsm8k from {data}")
+    from .backends.attention.kernel_choice import describe
     from .backends.autotune import report
-    for line in report():
+    for line in report(describers=(describe,)):
         print(line)
     return 0
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tokenrouter_sdk import Router, SamplingParams
-from tokenrouter_sdk.backends.attention import UnsupportedAttention, cpu_kernel
+from tokenrouter_sdk.backends.attention import UnsupportedAttention, cpu_kernel, kernel_choice
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.policies import RandomRouting
@@ -109,8 +109,9 @@ def check_against_reference(models, ref_models, outs, policy_factory, params, dt
 def run_case(name, dtype, tok, *, sampled=False, chunk=None, monkeypatch=None, **router_kw):
     models = _pair(name, dtype)
     ref_models = copy.deepcopy(models)  # untouched by the Router: transformers' own forward
-    if chunk is not None:
+    if chunk is not None:  # small split-K chunks, and extends of up to 16 tokens in the kernel
         monkeypatch.setattr(cpu_kernel, "CHUNK", chunk)
+        monkeypatch.setenv(kernel_choice.ENV, str(cpu_kernel.MAX_QUERIES))
     if sampled:
         params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, temperature=0.9, seed=11, logprobs=0)
 

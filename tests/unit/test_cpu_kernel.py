@@ -13,7 +13,7 @@ import torch
 
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends import cpu_kernels
-from tokenrouter_sdk.backends.attention import cpu_kernel
+from tokenrouter_sdk.backends.attention import cpu_kernel, kernel_choice
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.config import EngineConfig
 from tokenrouter_sdk.engine.runner import SeqInput
@@ -175,6 +175,7 @@ def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtyp
     calls = []
     real = cpu_kernel.attend
     monkeypatch.setattr(cpu_kernel, "attend", lambda kern, *a: calls.append(kern.q_len.tolist()) or real(kern, *a))
+    monkeypatch.setenv(kernel_choice.ENV, str(cpu_kernel.MAX_QUERIES))  # extends of up to 16 in the kernel
     model = tiny_model(num_layers=3, seed=21, dtype=dtype)
     runners = {a: TorchRunner(model, max_kv_tokens=8192, kernels=a, model_impl=model_impl) for a in ("wait", "off")}
     rng = random.Random(3)

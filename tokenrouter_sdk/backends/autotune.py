@@ -304,9 +304,44 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
     return rules
 
 
-def report(fields: dict | None = None) -> list[str]:
+def choose(key: str, measure: Callable[[], dict], valid: Callable[[dict], bool], *,
+           fields: dict | None = None) -> tuple[dict, str]:
+    """One stored choice of this machine: the entry under ``key`` in its choices file when
+    ``valid(entry)``, else ``measure()`` run under the file's lock (unless another process stored
+    a valid one meanwhile), stamped with ``measured_at`` and stored.
+
+    Returns:
+        (entry, source): source is ``cached``, ``measured`` or ``measured (not stored)`` (the
+        folder cannot be written).
+    """
+    fields = machine_fields() if fields is None else fields
+
+    def stored() -> dict | None:
+        entry = load_choices(fields).get(key)
+        try:
+            return entry if isinstance(entry, dict) and valid(entry) else None
+        except (KeyError, TypeError, ValueError):
+            return None
+    entry = stored()
+    if entry is not None:
+        return entry, "cached"
+    try:
+        with _locked(choices_path(fields)):
+            entry = stored()
+            if entry is not None:
+                return entry, "cached"
+            entry = dict(measure(), measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            _store(fields, key, entry)
+            return entry, "measured"
+    except OSError:
+        return dict(measure()), "measured (not stored)"
+
+
+def report(fields: dict | None = None, describers: tuple = ()) -> list[str]:
     """Lines for `tokenrouter info`: where the choices live, and for each stored file of this
-    CPU and these versions (one per thread count that measured), each choice and its timings."""
+    CPU and these versions (one per thread count that measured), each choice and its timings.
+    ``describers``: functions ``(key, entry) -> str | None`` for the choices other modules store
+    (e.g. `tokenrouter_sdk.backends.attention.kernel_choice.describe`)."""
     fields = machine_fields() if fields is None else fields
     folder = choices_path(fields).parent
     lines = [f"measured choices: {folder} ({fields['cpu']}, last-level cache {fields['llc_bytes'] >> 20} MiB, "
@@ -326,8 +361,12 @@ def report(fields: dict | None = None) -> list[str]:
         if not mine:
             continue
         for key, entry in sorted(choices.items()):
-            rule = _rule_of(entry)
+            rule = _rule_of(entry) if isinstance(entry, dict) else None
             if rule is None:
+                text = next((t for t in (d(key, entry) for d in describers) if t), None)
+                if text:
+                    found += 1
+                    lines.append(f"  {threads} thread(s), {text}")
                 continue
             found += 1
             times = ", ".join(f"{b}: {a:.2f}/{c:.2f}" for b, a, c in

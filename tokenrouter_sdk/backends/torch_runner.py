@@ -28,7 +28,8 @@ from ..engine.kv_pool import KVPool
 from ..engine.runner import ForwardOut, SeqInput
 from . import cpu_kernels
 from .attention import AttentionSpec, PadSeq, attend_tokens, pack, paged_mask, read_spec, register_attention
-from .attention import use_paged_attention
+from .attention import cpu_kernel, use_paged_attention
+from .attention.kernel_choice import extend_limit
 from .native_forward import NativeForward, native_support
 
 KERNEL_WAIT_S = 600.0  # the longest a kernels="wait" step waits for the C++ kernels' build
@@ -190,6 +191,9 @@ class TorchRunner:
         self._compiled = None  # the CompiledForward once usable (per process)
         self._compile_thread: threading.Thread | None = None
         self._compile_started = False
+        # (queries, source): the longest extend the CPU kernel attends, measured at the first
+        # step that has the kernel (`kernel_choice.extend_limit`)
+        self.kernel_extend: tuple[int, str] | None = None
         if self._kernels_apply():
             cpu_kernels.start()
 
@@ -290,7 +294,19 @@ class TorchRunner:
         (compiled steps need T, B >= 2; its row is dropped)."""
         if pad and len(seqs) == 1:
             seqs = [*seqs, PadSeq([self.pool.scratch_slot + _SCRATCH_NEED - 1])]
-        return pack(seqs, self.pool, self.spec, self.device, self._kernel())
+        op = self._kernel()
+        return pack(seqs, self.pool, self.spec, self.device, op, self._extend_limit(op))
+
+    def _extend_limit(self, op) -> int:
+        """The longest extend (tokens) the kernel ``op`` attends for this model on this machine
+        (measured once per machine and shape, then read from the choices file)."""
+        if op is None:
+            return cpu_kernel.MAX_QUERIES
+        if self.kernel_extend is None:
+            k = self.pool.k
+            self.kernel_extend = extend_limit(op, int(self.model.config.num_attention_heads), int(k.shape[-2]),
+                                              int(k.shape[-1]), self.dtype, int(k.shape[0]))
+        return self.kernel_extend[0]
 
     def _kernels_apply(self) -> bool:
         return self.kernels != "off" and self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES

@@ -68,8 +68,8 @@ def _decode_views(spec: AttentionSpec, dec_kv: list, dec_len: list[int], shared:
     return tuple(views)
 
 
-def pack(seqs: list, pool, spec: AttentionSpec, device, op=None) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor]:
+def pack(seqs: list, pool, spec: AttentionSpec, device, op=None, max_queries: int = cpu_kernel.MAX_QUERIES
+         ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's `ForwardBatch`, token ids [1, T], positions [1, T] and each request's last
     packed index [B].
 
@@ -79,7 +79,9 @@ def pack(seqs: list, pool, spec: AttentionSpec, device, op=None) -> tuple[Forwar
         spec: the model's `AttentionSpec` (its windows decide the views built).
         device: where the step runs.
         op: the in-place CPU kernel op, or None: every decode and extend of at most
-            `cpu_kernel.MAX_QUERIES` tokens goes to it; None sends decodes to the gather backend.
+            ``max_queries`` tokens goes to it; None sends decodes to the gather backend.
+        max_queries: the longest extend (tokens) the kernel attends; longer ones go to the
+            gather backend (`tokenrouter_sdk.backends.attention.kernel_choice` measures it).
     """
     dev = device
     ids, pos, slots, last = [], [], [], []
@@ -93,7 +95,7 @@ def pack(seqs: list, pool, spec: AttentionSpec, device, op=None) -> tuple[Forwar
         pos.extend(range(s.start, end))
         all_slots = s.slots if isinstance(s, PadSeq) else pool.slots(s.table, 0, end)
         slots.append(all_slots[s.start:])
-        if op is not None and (n == 1 or (s.start > 0 and n <= cpu_kernel.MAX_QUERIES)):
+        if op is not None and (n == 1 or (s.start > 0 and n <= max_queries)):
             kern.append((t, n, end, all_slots))
         elif n == 1:
             dec_q.append(t)

@@ -11,8 +11,9 @@ import torch
 from .metadata import KernelPart
 from .spec import LayerParams
 
-# Queries of one extend the in-place kernel attends (more go to SDPA over a gathered copy, whose
-# GEMMs beat the kernel's per-query loops once a request feeds many tokens).
+# Queries of one extend the in-place kernel attends when nothing was measured (more go to SDPA
+# over a gathered copy, whose GEMMs beat the kernel's per-query loops once a request feeds many
+# tokens); a runner measures its own limit on the machine (`kernel_choice`).
 MAX_QUERIES = 16
 
 # keys per split-K task (0: the kernel picks: two tasks per thread at least, 32 to 2,048 keys)
