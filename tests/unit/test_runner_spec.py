@@ -50,6 +50,9 @@ def test_process_children_get_runner_specs_not_runners(small_pair, tok, monkeypa
             assert (view.pool.capacity_tokens, view.dtype, view.device.type) == (256, torch.float64, "cpu")
             assert view.vocab_size == small_pair[name].get_output_embeddings().weight.shape[0]
             assert view.impl == "native" and view.kernels == "auto"
+            assert any(s["runner"] is view.runner_spec for s in shipped)
+            assert len(view.spec.layers) == small_pair[name].config.num_hidden_layers  # the AttentionSpec
+            assert getattr(view, "graphs", None) is None and getattr(view, "latency", None) is None
         out = r.generate([[5, 6, 7]], max_new_tokens=4, ignore_eos=True, timeout=120)[0]
         assert out.error is None and len(out.token_ids) == 4
 

@@ -145,22 +145,27 @@ _NOT_DELEGATED = frozenset({"build", "describe", "forward"})  # a view is neithe
 
 
 class RemoteRunner:
-    """This process's view of a runner built elsewhere from ``spec`` (a sub-server process or a
-    Ray actor): the attributes of its `RunnerInfo` (``vocab_size``, ``max_context``,
-    ``device``, ``dtype``, ``pool`` as a `PoolShape`, and the ``extra`` ones), then the spec's
-    own attributes (its settings). It has no ``forward``: steps run where the runner lives.
+    """This process's view of a runner built elsewhere from a `RunnerSpec` (in a sub-server
+    process or a Ray actor): the attributes of its `RunnerInfo` (``vocab_size``,
+    ``max_context``, ``device``, ``dtype``, ``pool`` as a `PoolShape`, and the ``extra`` ones),
+    then the spec's own attributes (its settings). It has no ``forward``: steps run where the
+    runner lives.
+
+    Args:
+        runner_spec: the spec the runner is built from.
+        info: its `RunnerInfo`; None: ``runner_spec.describe()``.
 
     Attributes:
-        spec: the `RunnerSpec` the runner is built from.
+        runner_spec: the `RunnerSpec`.
         info: its `RunnerInfo`.
         last_forward_s: 0.0 (the runner's own is in its process).
     """
 
     last_forward_s = 0.0
 
-    def __init__(self, spec: RunnerSpec, info: RunnerInfo | None = None):
-        info = info if info is not None else spec.describe()
-        self.spec, self.info = spec, info
+    def __init__(self, runner_spec: RunnerSpec, info: RunnerInfo | None = None):
+        info = info if info is not None else runner_spec.describe()
+        self.runner_spec, self.info = runner_spec, info
         self.vocab_size, self.max_context = info.vocab_size, info.max_context
         self.device, self.dtype, self.pool = info.device, info.dtype, info.pool
 
@@ -170,13 +175,13 @@ class RemoteRunner:
         info = self.__dict__.get("info")
         if info is not None and name in info.extra:
             return info.extra[name]
-        spec = self.__dict__.get("spec")
+        spec = self.__dict__.get("runner_spec")
         if spec is not None and not name.startswith("_"):
             return getattr(spec, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        return f"RemoteRunner({self.spec!r})"
+        return f"RemoteRunner({self.runner_spec!r})"
 
     def release(self) -> None:
         """Nothing to free in this process: the runner lives where it was built."""
