@@ -12,12 +12,14 @@ from tokenrouter_sdk import Router, SamplingParams
 from tokenrouter_sdk.backends.torch_runner import TorchRunner, TorchRunnerSpec
 from tokenrouter_sdk.engine import wire
 from tokenrouter_sdk.engine.process_transport import ProcessTransport
-from tokenrouter_sdk.engine.runner import RemoteRunner, RunnerSpec
+from tokenrouter_sdk.engine.engine import Engine
+from tokenrouter_sdk.engine.runner import PoolShape, RemoteRunner, RunnerInfo, RunnerSpec
+from tokenrouter_sdk.engine.transport import ThreadTransport
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 
-from ..helpers import mixed_prompts
+from ..helpers import ScriptedRunner, mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +132,32 @@ def test_bad_settings_and_placement_raise_when_the_spec_is_made(small_pair):
     with pytest.raises(ValueError, match="cpu"):
         TorchRunnerSpec(m, device="meta")
     assert TorchRunnerSpec(m, dtype="auto", device="cpu").dtype == torch.float64
+
+
+class _ScriptedSpec:
+    """A `RunnerSpec` of a `ScriptedRunner` whose build can fail (as a KV pool allocation that
+    runs out of memory would)."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def describe(self) -> RunnerInfo:
+        return RunnerInfo(259, 512, torch.device("cpu"), torch.float32, PoolShape(64, 16))
+
+    def build(self):
+        if self.fail:
+            raise MemoryError("no room for the KV pool")
+        return ScriptedRunner(lambda pos: 7, max_kv_tokens=64 * 16)
+
+
+def test_engine_builds_specs_in_threads_and_raises_a_failed_build(tok):
+    e = Engine({"a": _ScriptedSpec(), "b": _ScriptedSpec()}, tok, transport=ThreadTransport())
+    try:
+        assert all(isinstance(r, ScriptedRunner) for r in e.runners.values())
+        assert e.capacity == {"a": (64, 16), "b": (64, 16)} and e.max_context == 512
+    finally:
+        e.close()
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(MemoryError, match="no room"):
+        Engine({"a": _ScriptedSpec(), "b": _ScriptedSpec(fail=True)}, tok, transport=ThreadTransport())
+    assert {t.name for t in threading.enumerate() if t.name.startswith("tokenrouter")} <= before
