@@ -192,7 +192,8 @@ class Transport(Protocol):
     """Starts the sub-servers and carries messages between them and the engine.
 
     ``start(specs, on_event)`` builds one `SubServer` per spec (its keyword arguments, less
-    clock) and delivers every event to ``on_event``, each `StepResult` whole in the order
+    clock; a ``runner`` that is a `RunnerSpec` is built where the sub-server runs, with
+    `build_runner`) and delivers every event to ``on_event``, each `StepResult` whole in the order
     `tokenrouter_sdk.engine.step_result` states; ``subservers`` holds the sub-servers that
     live in this process by model (empty when they live elsewhere), and ``pending(model)``
     says whether messages wait for one of them; ``send(model, msg)`` delivers a
