@@ -374,8 +374,10 @@ def test_prefill_peers_respects_may_use_and_frees_everything(pair, tok):
             assert all(o.ok for o in outs) and r.metrics().per_model[idle].steps == 0
         outs = r.generate(prompts, max_new_tokens=6, ignore_eos=True, policy=RStitch(tau=2.0))  # never hands off
         assert all(o.ok and o.hops == 0 for o in outs)
-        large = r.metrics().per_model["large"]  # each prompt prefilled once: fed, or reused from the prefix cache
-        assert large.tokens_fed + large.prefix_hit_tokens == sum(len(p) for p in prompts)
+        # each prompt prefilled on the peer at most once (fed, or reused from the prefix cache); a
+        # request that ends on the small model before the peer's prefill ran drops that prefill
+        large = r.metrics().per_model["large"]
+        assert large.tokens_fed + large.prefix_hit_tokens <= sum(len(p) for p in prompts)
         assert all(f == n for f, n in pools_free(r).values())  # the peers' prompt KV is released
         call = r.submit(prompts, max_new_tokens=200, ignore_eos=True, policy=HandAfter())
         call.abort()
