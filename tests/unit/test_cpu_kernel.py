@@ -251,3 +251,39 @@ def test_a_lock_file_left_by_a_killed_builder_does_not_block_the_next(op, tmp_pa
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "loaded" in p.stdout, p.stderr[-2000:]
     assert not lock.exists()
+
+
+def test_the_build_compiles_its_own_copies_of_the_sources(op):
+    """ninja rebuilds when a source's path in its build file changes: the cached library must
+    name copies kept with the build, not this checkout's files, or two checkouts with the same
+    sources (one build name) would rebuild it in turn at every load."""
+    d = cpu_kernels.build_directory(cpu_kernels.build_name())
+    ninja = (d / "build.ninja").read_text()
+    for s in cpu_kernels.SOURCES:
+        assert str(d / "src" / s.name) in ninja
+        assert str(s) not in ninja
+        assert (d / "src" / s.name).read_bytes() == s.read_bytes()
+
+
+def test_staging_sources_leaves_unchanged_copies_alone_and_replaces_changed_ones(tmp_path, monkeypatch):
+    """The same bytes staged from two places keep one path and one modification time (so ninja
+    sees nothing new); other bytes replace the copy."""
+    import os
+    import shutil
+    a, b = tmp_path / "a", tmp_path / "b"
+    for where in (a, b):
+        where.mkdir()
+        for s in cpu_kernels.SOURCES:
+            shutil.copy(s, where / s.name)
+    build = tmp_path / "build"
+    monkeypatch.setattr(cpu_kernels, "SOURCES", tuple(a / s.name for s in cpu_kernels.SOURCES))
+    first = cpu_kernels.stage_sources(build)
+    stamps = [os.stat(p).st_mtime_ns for p in first]
+    monkeypatch.setattr(cpu_kernels, "SOURCES", tuple(b / s.name for s in cpu_kernels.SOURCES))
+    second = cpu_kernels.stage_sources(build)
+    assert second == first == [build / "src" / p.name for p in cpu_kernels.SOURCES]
+    assert [os.stat(p).st_mtime_ns for p in second] == stamps
+    (b / cpu_kernels.SOURCES[0].name).write_text("// changed\n")
+    cpu_kernels.stage_sources(build)
+    assert first[0].read_text() == "// changed\n"
+    assert first[1].read_bytes() == (a / first[1].name).read_bytes()

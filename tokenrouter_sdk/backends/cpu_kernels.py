@@ -21,12 +21,13 @@ same work; `torch.compile` (``compile=True``) fuses it too, at a compile cost.
 
 How: the first `paged_attention_op` call (a runner's first CPU step, or `start`) builds the
 extension in a background thread with the C++ compiler (``c++``) and ninja (the ``ninja``
-wheel), under torch's extension under torch's extension directory (`build_directory`; ``TORCH_EXTENSIONS_DIR``, default
+wheel), under torch's extension directory (`build_directory`; ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), one process at a time (an OS lock, so a builder killed mid-build
 never blocks the next one): about 8-25 s on 2 cores; a later process loads the cached
 library in well under a second. The name of the build hashes the sources, the flags, the torch
 version and the CPU's flags (it is compiled with ``-march=native``), so a changed source or
-another CPU gets its own build. Until the kernels are loaded, and wherever they cannot be (no
+another CPU gets its own build; it compiles copies of the sources kept in its own folder, so two
+checkouts of the same sources share one build instead of rebuilding it in turn. Until the kernels are loaded, and wherever they cannot be (no
 compiler, another platform), `paged_attention_op` and `step_ops` return None and steps run
 ATen ops as before; `error` says why. The state is per process, as the loaded library is.
 """
@@ -34,6 +35,7 @@ ATen ops as before; `error` says why. The state is per process, as the loaded li
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from pathlib import Path
 
@@ -83,7 +85,6 @@ _BUILD = _Build()
 def build_directory(name: str) -> Path:
     """Where the build of ``name`` lives: ``tokenrouter/<name>`` under torch's extension root
     (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)."""
-    import os
 
     from torch.utils import cpp_extension
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
@@ -100,27 +101,48 @@ def _build_and_load(name: str) -> None:
     from torch.utils import cpp_extension
     d = build_directory(name)
     d.mkdir(parents=True, exist_ok=True)
-    kw = dict(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-              is_python_module=False, verbose=False, build_directory=str(d))
+
+    def load() -> None:
+        cpp_extension.load(name=name, sources=[str(s) for s in stage_sources(d)], extra_cflags=list(CFLAGS),
+                           extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False, build_directory=str(d))
     try:
         import fcntl
     except ImportError:  # not POSIX: torch's own lock only
-        cpp_extension.load(**kw)
+        load()
         return
     with open(d / "tokenrouter.flock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             (d / "lock").unlink(missing_ok=True)
-            cpp_extension.load(**kw)
+            load()
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def stage_sources(d: Path) -> list[Path]:
+    """The sources as the build in ``d`` compiles them: copies in ``d / "src"`` (written only
+    when their bytes differ). ninja rebuilds when a source's path in its build file changes, so
+    compiling the package's own files would rebuild the cached library each time another checkout
+    or environment with the same sources (the same build name) loaded it; the copies have one
+    path per build."""
+    src = d / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    out = []
+    for s in SOURCES:
+        dst = src / s.name
+        data = s.read_bytes()
+        if not dst.exists() or dst.read_bytes() != data:
+            tmp = dst.with_suffix(dst.suffix + f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+        out.append(dst)
+    return out
 
 
 def _find_ninja() -> None:
     """`torch.utils.cpp_extension` runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency)
     installs it next to the interpreter, which is not on PATH when a venv's python runs without
     activating the venv: add that folder at the end of PATH then."""
-    import os
     import shutil
     if shutil.which("ninja") is None:
         try:
