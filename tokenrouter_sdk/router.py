@@ -227,7 +227,7 @@ class Router:
             raise
 
     def _build_runners(self, models: dict, tokenizer, config: EngineConfig, dtype, device, tp=None):
-        from .backends.torch_runner import TorchRunner
+        from .backends.torch_runner import TorchRunner, TorchRunnerSpec
         from .kv_sizing import KVSizing, plan
         from .models import check_same_tokenizer, load_model
         from .placement import AUTO, ModelSpec, resolve_device, resolve_dtype
@@ -290,16 +290,17 @@ class Router:
             ranks = self._check_tp(name, tps[name], config)
             if ranks > 1:
                 runners[name] = self._tp_runner(m, folders.get(name), ranks, sizing[name].tokens, config)
-            else:
-                runners[name] = TorchRunner(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
-                                            cuda_graphs=config.cuda_graphs, compile=config.compile,
-                                            model_impl=config.model_impl, kernels=config.kernels,
-                                            allow_unknown_attention=config.allow_unknown_attention)
+            else:  # built where its sub-server runs; checked here (a model the runner refuses raises now)
+                runners[name] = TorchRunnerSpec(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
+                                                cuda_graphs=config.cuda_graphs, compile=config.compile,
+                                                model_impl=config.model_impl, kernels=config.kernels,
+                                                allow_unknown_attention=config.allow_unknown_attention)
+                runners[name].describe()
             eos += token_ids(getattr(getattr(m, "generation_config", None), "eos_token_id", None))
         self.kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
                                                        "runner") for n in names}
         if config.cuda_graphs and any(getattr(r, "device", None) is not None and r.device.type != "cuda"
-                                      for r in runners.values() if isinstance(r, TorchRunner)):
+                                      for r in runners.values() if isinstance(r, (TorchRunner, TorchRunnerSpec))):
             warnings.warn("cuda_graphs=True with a model that is not on a CUDA device: its steps run the "
                           "fixed-shape path without capture (what the tests check), which pads batches and "
                           "is slower than the default; move the models to a GPU or leave cuda_graphs off",

@@ -92,7 +92,7 @@ def correctness(device: str, processes: bool, graphs: bool) -> tuple[bool, str]:
     with Router(pair, tokenizer=tok, cuda_graphs=graphs, **kw) as r:
         outs = r.generate(random_prompts(8, 20, vocab_size=1024, seed=3, avoid=(1000,)), sampling=params,
                           policy=policy, concurrency=8, timeout=180)
-        gs = [run.graphs for run in r.engine.runners.values() if run.graphs is not None]
+        gs = [g for run in r.engine.runners.values() if (g := getattr(run, "graphs", None)) is not None]
         graph_text = "" if processes or not gs else (
             f"; graphs: {sum(g.captured for g in gs)} captured, {sum(g.replays for g in gs)} replays"
             + "".join(f", error {g.error}" for g in gs if g.error))

@@ -17,15 +17,18 @@ ordinary use (``model(...)``, ``generate``).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import warnings
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..engine.config import KERNEL_MODES, MODEL_IMPLS
 from ..engine.kv_pool import KVPool
-from ..engine.runner import ForwardOut, SeqInput
+from ..engine.runner import ForwardOut, PoolShape, RunnerInfo, SeqInput
 from . import cpu_kernels
 from .attention import AttentionSpec, PadSeq, attend_tokens, pack, paged_mask, read_spec, register_attention
 from .attention import cpu_kernel, use_paged_attention
@@ -65,6 +68,67 @@ def _compile_mode(compile) -> str | None:
     if compile == "wait":
         return "wait"
     raise ValueError(f"compile must be False, True, 'background' or 'wait', got {compile!r}")
+
+
+def _check_options(compile, kernels: str, model_impl: str) -> str | None:
+    """The compile mode of ``compile`` (`_compile_mode`) after checking ``kernels`` and
+    ``model_impl``.
+
+    Raises:
+        ValueError: a value none of the accepted ones (names the setting and the choices).
+    """
+    mode = _compile_mode(compile)
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+    return mode
+
+
+def _kv_geometry(cfg) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a model config, as the runner's `KVPool` is shaped."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def _pool_blocks(max_kv_tokens: int, block_size: int, cuda_graphs: bool, compile_mode: str | None) -> tuple[int, int]:
+    """(usable blocks, scratch blocks) of a runner's pool: ``max_kv_tokens`` rounded up to whole
+    blocks; a scratch block for CUDA-graph padding rows and, compiled, room for the compile's
+    warm-up batch and a padding token."""
+    scratch = (1 if block_size >= 2 else 2) if cuda_graphs else 0
+    if compile_mode:  # the compile's warm-up batch (3 tokens) and a padding token
+        scratch = max(scratch, -(-_SCRATCH_NEED // block_size))
+    return -(-max_kv_tokens // block_size), scratch
+
+
+def _read_attention(model, allow_unknown: bool) -> AttentionSpec:
+    """Switch ``model`` to the paged attention and read its `AttentionSpec`, warning (a
+    `RuntimeWarning`) about the features ``allow_unknown`` lets it run without.
+
+    Raises:
+        UnsupportedAttention: a feature the paged attention does not compute, unless ``allow_unknown``.
+    """
+    use_paged_attention(model)
+    spec = read_spec(model, allow_unknown=allow_unknown)
+    if spec.ignored:
+        warnings.warn(f"allow_unknown_attention: {type(model).__name__} runs without: "
+                      f"{'; '.join(spec.ignored)}; its outputs may differ from the model's",
+                      RuntimeWarning, stacklevel=3)
+    return spec
+
+
+def _native_reason(model, model_impl: str) -> str | None:
+    """Why eager steps of ``model`` do not run the native forward (None: they do).
+
+    Raises:
+        ValueError: ``model_impl="native"`` for a model with no native forward (says why).
+    """
+    reason = native_support(model) if model_impl != "transformers" else "model_impl='transformers'"
+    if model_impl == "native" and reason is not None:
+        raise ValueError(f"model_impl='native': no native forward for {type(model).__name__}: {reason}; "
+                         f"use model_impl='auto' or 'transformers'")
+    return reason
 
 
 class TorchRunner:
@@ -115,6 +179,9 @@ class TorchRunner:
             a logit transformation after the LM head, a layer that keeps a state of its own),
             computing causal attention with the known parameters, at the user's risk; by default
             such a model is refused.
+        attention: the model's `AttentionSpec` when already read (`TorchRunnerSpec.describe`
+            reads it where the spec is made): the model is switched to the paged attention but
+            not probed again. None: read here.
 
     Raises:
         UnsupportedAttention: (a ValueError) the model uses an attention feature the paged
@@ -145,41 +212,31 @@ class TorchRunner:
 
     def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16, cuda_graphs: bool = False,
                  max_graph_batch: int = 64, compile: bool | str = False, model_impl: str = "auto",
-                 kernels: str = "auto", allow_unknown_attention: bool = False):
-        self.compile = _compile_mode(compile)
-        if kernels not in KERNEL_MODES:
-            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
+                 kernels: str = "auto", allow_unknown_attention: bool = False,
+                 attention: AttentionSpec | None = None):
+        self.compile = _check_options(compile, kernels, model_impl)
         self.kernels = kernels
         self.model = model
-        if model_impl not in MODEL_IMPLS:
-            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
-        self.native_reason = native_support(model) if model_impl != "transformers" else "model_impl='transformers'"
-        if model_impl == "native" and self.native_reason is not None:
-            raise ValueError(f"model_impl='native': no native forward for {type(model).__name__}: {self.native_reason}; "
-                             f"use model_impl='auto' or 'transformers'")
+        self.native_reason = _native_reason(model, model_impl)
         self.impl = "native" if self.native_reason is None else "transformers"
         self._native = None  # the NativeForward, built in the process that runs the steps
         self.between_layers = None  # called between two layers of a native step (core lending)
         self._step_impl = self.last_impl = self.impl
-        use_paged_attention(model)
         self.allow_unknown_attention = bool(allow_unknown_attention)
-        self.spec: AttentionSpec = read_spec(model, allow_unknown=self.allow_unknown_attention)
-        if self.spec.ignored:
-            warnings.warn(f"allow_unknown_attention: {type(model).__name__} runs without: "
-                          f"{'; '.join(self.spec.ignored)}; its outputs may differ from the model's",
-                          RuntimeWarning, stacklevel=2)
+        if attention is None:
+            self.spec: AttentionSpec = _read_attention(model, self.allow_unknown_attention)
+        else:
+            use_paged_attention(model)
+            self.spec = attention
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        layers, kv_heads, head_dim = _kv_geometry(cfg)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        scratch = (1 if block_size >= 2 else 2) if cuda_graphs else 0
-        if self.compile:  # the compile's warm-up batch (3 tokens) and a padding token
-            scratch = max(scratch, -(-_SCRATCH_NEED // block_size))
-        self.pool = KVPool(cfg.num_hidden_layers, kv_heads, head_dim, -(-max_kv_tokens // block_size),
-                           block_size, dtype=self.dtype, device=self.device, scratch_blocks=scratch)
+        blocks, scratch = _pool_blocks(max_kv_tokens, block_size, cuda_graphs, self.compile)
+        self.pool = KVPool(layers, kv_heads, head_dim, blocks, block_size, dtype=self.dtype, device=self.device,
+                           scratch_blocks=scratch)
         self.cuda_graphs, self.max_graph_batch = bool(cuda_graphs), max_graph_batch
         self._graphs = None
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -403,3 +460,125 @@ class TorchRunner:
             fed.append(h[0, start:start + n] if s.all_hidden else None)
             start += n
         return ForwardOut(logits, hidden, fed)
+
+
+def _is_source(model) -> bool:
+    """Whether ``model`` names a checkpoint folder (a path) rather than being a loaded model."""
+    return isinstance(model, (str, os.PathLike))
+
+
+@dataclass
+class TorchRunnerSpec:
+    """The recipe of a `TorchRunner` (a `tokenrouter_sdk.engine.runner.RunnerSpec`): picklable,
+    shipped to the process that serves the model, where `build` makes the runner and its KV
+    pool. A loaded model travels as itself (a process transport maps its weights from shared
+    memory, `tokenrouter_sdk.engine.wire.pack_shared`); a folder is loaded where `build` runs.
+
+    Args:
+        model: a loaded `transformers` causal LM, or a checkpoint folder with ``config.json``
+            (`tokenrouter_sdk.models.load_model` loads it in `build`).
+        max_kv_tokens, block_size, cuda_graphs, max_graph_batch, compile, model_impl, kernels,
+            allow_unknown_attention: as for `TorchRunner`.
+        dtype: a folder's precision (``"auto"``: its ``config.json``'s; a name or a torch dtype).
+            For a loaded model: its weights' dtype (filled in; a different one raises).
+        device: where a folder loads (default ``"cpu"``). For a loaded model: its weights'
+            device (filled in; a different one raises).
+        attention: the model's `AttentionSpec`, read by `describe` (for a loaded model) so that
+            `build` does not probe the model again. None: not read yet.
+
+    Raises:
+        ValueError: a bad ``compile``, ``kernels`` or ``model_impl`` (names it); a ``dtype`` or
+            ``device`` that differs from a loaded model's own.
+    """
+
+    model: Any
+    max_kv_tokens: int = 8192
+    block_size: int = 16
+    cuda_graphs: bool = False
+    max_graph_batch: int = 64
+    compile: bool | str = False
+    model_impl: str = "auto"
+    kernels: str = "auto"
+    allow_unknown_attention: bool = False
+    dtype: Any = None
+    device: Any = None
+    attention: AttentionSpec | None = None
+
+    def __post_init__(self):
+        _check_options(self.compile, self.kernels, self.model_impl)
+        if _is_source(self.model):
+            self.model = os.fspath(self.model)
+            self.device = torch.device(self.device if self.device is not None else "cpu")
+            return
+        p = next(self.model.parameters())
+        if self.device is not None and torch.device(self.device) != p.device:
+            raise ValueError(f"TorchRunnerSpec: device={self.device!r}, but the model is on {p.device}")
+        if self.dtype is not None:
+            from ..placement import AUTO, resolve_dtype
+            want = resolve_dtype(self.dtype)
+            if want != AUTO and want != p.dtype:
+                raise ValueError(f"TorchRunnerSpec: dtype={self.dtype!r}, but the model is in {p.dtype}")
+        self.device, self.dtype = p.device, p.dtype
+
+    def __repr__(self) -> str:
+        src = self.model if _is_source(self.model) else type(self.model).__name__
+        return (f"TorchRunnerSpec({src}, device={self.device}, dtype={self.dtype}, max_kv_tokens={self.max_kv_tokens}, "
+                f"block_size={self.block_size})")
+
+    def _config(self):
+        if not _is_source(self.model):
+            return self.model.config
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(self.model)
+
+    def _folder_dtype(self, cfg) -> torch.dtype:
+        from ..placement import AUTO, resolve_dtype
+        want = resolve_dtype(self.dtype if self.dtype is not None else AUTO)
+        if isinstance(want, torch.dtype):
+            return want
+        have = getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None)
+        return resolve_dtype(have) if have is not None else torch.float32
+
+    def describe(self) -> RunnerInfo:
+        """What the built runner will be, without allocating its pool: vocabulary size (the LM
+        head's rows; a folder's ``config.vocab_size``), max context (``max_position_embeddings``),
+        device, dtype and pool shape (blocks, block size, scratch blocks); ``extra`` holds
+        ``impl``, ``native_reason``, ``compile`` (the mode), ``kernels`` and ``spec`` (the
+        `AttentionSpec`) as the runner will have them (for a folder only ``compile`` and
+        ``kernels``: the model is checked where it loads). For a loaded model this switches it
+        to the paged attention and reads its `AttentionSpec` once (kept in ``attention``).
+
+        Raises:
+            UnsupportedAttention: the model uses an attention feature the paged attention does
+                not compute, unless ``allow_unknown_attention``.
+            ValueError: ``model_impl="native"`` for a model with no native forward.
+        """
+        mode = _compile_mode(self.compile)
+        cfg = self._config()
+        blocks, scratch = _pool_blocks(self.max_kv_tokens, self.block_size, self.cuda_graphs, mode)
+        pool = PoolShape(blocks, self.block_size, scratch)
+        max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        extra: dict[str, Any] = {"compile": mode, "kernels": self.kernels}
+        if _is_source(self.model):
+            return RunnerInfo(int(cfg.vocab_size), max_context, self.device, self._folder_dtype(cfg), pool, extra)
+        reason = _native_reason(self.model, self.model_impl)
+        if self.attention is None:
+            self.attention = _read_attention(self.model, bool(self.allow_unknown_attention))
+        extra.update(impl="native" if reason is None else "transformers", native_reason=reason, spec=self.attention)
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        return RunnerInfo(vocab, max_context, self.device, self.dtype, pool, extra)
+
+    def build(self) -> TorchRunner:
+        """The `TorchRunner`, with its KV pool allocated here (a folder is loaded here first).
+
+        Raises:
+            whatever `TorchRunner` or `tokenrouter_sdk.models.load_model` raises.
+        """
+        model, attention = self.model, self.attention
+        if _is_source(model):
+            from ..models import load_model
+            model, _ = load_model(model, dtype=self.dtype if self.dtype is not None else "auto", device=str(self.device))
+        return TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
+                           cuda_graphs=self.cuda_graphs, max_graph_batch=self.max_graph_batch, compile=self.compile,
+                           model_impl=self.model_impl, kernels=self.kernels,
+                           allow_unknown_attention=self.allow_unknown_attention, attention=attention)

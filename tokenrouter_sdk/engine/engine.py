@@ -27,6 +27,7 @@ from .config import EngineConfig, valid_thresholds
 from .call import Call
 from .request_handle import RequestHandle
 from .admission import KVReservation
+from .runner import RemoteRunner, RunnerSpec
 from .step_result import dispatch
 from .transport import ThreadTransport
 
@@ -41,8 +42,10 @@ class Engine:
     """Runs requests across per-model sub-servers.
 
     Args:
-        runners: model name -> runner (smallest model first); each implements
-            `tokenrouter_sdk.engine.runner.Runner`.
+        runners: model name -> runner (smallest model first): a
+            `tokenrouter_sdk.engine.runner.Runner` object (it travels to its sub-server as it
+            is), or a `tokenrouter_sdk.engine.runner.RunnerSpec` (built where its sub-server
+            runs: the sub-server thread, process or Ray actor).
         tokenizer: the shared tokenizer (text, stop strings, EOS id).
         config: the `EngineConfig`.
         transport: how sub-servers run and talk (`ThreadTransport` by default; `SimTransport`
@@ -50,15 +53,23 @@ class Engine:
         eos_ids: token ids that end a request besides the tokenizer's EOS (e.g. every model's
             ``generation_config.eos_token_id``).
 
+    Attributes:
+        runners: per model, its runner where it lives in this process (a runner object given,
+            or one a thread transport built from its spec), else a
+            `tokenrouter_sdk.engine.runner.RemoteRunner` (what this process knows of a runner
+            built in another process: vocabulary, context, device, dtype, pool shape, settings).
+
     Raises:
         ValueError: thresholds naming unknown models or below 1.
+        Exception: what describing or building a runner from its spec raised (e.g.
+            `UnsupportedAttention`, out of memory for a KV pool).
     """
 
     def __init__(self, runners: dict, tokenizer, config: EngineConfig | None = None, *, transport=None,
                  eos_ids: Sequence[int] = ()):
         self.config = config or EngineConfig()
         self.models = list(runners)
-        self.runners = dict(runners)
+        self.runners = {m: RemoteRunner(r) if isinstance(r, RunnerSpec) else r for m, r in runners.items()}
         self.tokenizer = tokenizer
         tok_eos = token_ids(getattr(tokenizer, "eos_token_id", None))
         self.eos_ids = tuple(dict.fromkeys(int(i) for i in [*tok_eos, *eos_ids]))
@@ -95,6 +106,10 @@ class Engine:
                             thresholds=self.thresholds, vocab_limit=self.vocab_limit)
                  for name, r in runners.items()}
         self.transport.start(specs, self.handle_event)
+        local = getattr(self.transport, "subservers", None) or {}
+        for name, r in runners.items():  # a runner built from its spec in this process: the runner itself
+            if isinstance(r, RunnerSpec) and name in local:
+                self.runners[name] = local[name].runner
 
     # -- policies ---------------------------------------------------------------------------
     def _register(self, policy: Policy) -> int:

@@ -22,6 +22,7 @@ import traceback
 from . import messages as M
 from .subserver import SubServer, serve
 from .codec import Frame, PolicyBlob, decode, encode_result
+from .runner import RunnerSpec
 from .wire import _LoadError, load_policy, load_spec, recv_spec
 
 _IMPORTED_IN = os.getpid()  # another pid in a sub-server: this module came with a fork server's fork
@@ -36,10 +37,19 @@ def _prepare_runner(runner) -> None:
 
 def build_subserver(spec: dict) -> SubServer:
     """The `SubServer` of a received spec (its keyword arguments, as `ProcessTransport.start`
-    sends them), after the runner's per-process setup; its clock is ``time.perf_counter``. A
+    sends them); its clock is ``time.perf_counter``. A `RunnerSpec` is built here (the runner
+    and its KV pool are made in this process); a runner object gets its per-process setup. A
     host of sub-servers other than this module's process (e.g. a Ray actor that got the spec
-    by another route) builds it the same way and serves it with `subserver.serve`."""
-    _prepare_runner(spec["runner"])
+    by another route) builds it the same way and serves it with `subserver.serve`.
+
+    Raises:
+        whatever building the runner raises (e.g. out of memory for its KV pool).
+    """
+    runner = spec["runner"]
+    if isinstance(runner, RunnerSpec):
+        spec = dict(spec, runner=runner.build())
+    else:
+        _prepare_runner(runner)
     return SubServer(**spec, clock=time.perf_counter)
 
 

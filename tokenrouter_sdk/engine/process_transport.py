@@ -29,7 +29,8 @@ multiprocessing's fork server, which imported torch and transformers once per in
 of milliseconds instead of a fresh interpreter's seconds; ``start_method="spawn"`` gives a fresh
 interpreter). The child does not re-import the parent's ``__main__`` script, so a script needs
 no ``if __name__ == "__main__"`` guard. Each child gets one end of a Unix socket pair; the
-per-model spec (runner with its model, tokenizer, scheduler settings) goes over it (`wire`),
+per-model spec (the runner's `RunnerSpec` with its model, or a runner object given as one,
+tokenizer, scheduler settings) goes over it (`wire`), and the child builds the runner there,
 pickled with cloudpickle (so classes defined in ``__main__`` or a notebook cell travel by
 value) plus torch's multiprocessing reductions, after `wire.pack_shared` moved the weights into
 a few shared-memory segments (once; a later Router over the same models reuses them): each
@@ -37,8 +38,10 @@ segment travels as one file descriptor, so model weights (and the zero-copy trun
 model, which shares modules with the large one) are mapped once, not copied per process, and a
 model pair costs a handful of descriptors, not one per weight tensor. When even those do not fit
 under the soft limit of open files, `fd_limit.ensure_room` raises it within the hard limit
-(logged) or fails with an error naming ``ulimit -n`` and the numbers. The KV pool is not shared: the child allocates its own of the same shape and this
-process's copy is released, so nothing here can write into a sub-server's KV. The child keeps
+(logged) or fails with an error naming ``ulimit -n`` and the numbers. The KV pool is not shared: a
+runner built from its spec allocates its pool in the child (this process never has one); a
+runner object's pool is re-allocated there with the same shape and this process's copy is
+released, so nothing here can write into a sub-server's KV. The child keeps
 its end of the pair open while it lives: the hub sees the other end turn readable when it ends
 (however it ends, whoever started it).
 

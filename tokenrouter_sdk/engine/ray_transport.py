@@ -11,7 +11,8 @@ are watched and end).
   default (``strategy="PACK"``; ``"SPREAD"``/``"STRICT_SPREAD"`` on request), as vLLM's Ray
   executor places its ranks. Each actor runs in its model's bundle.
 - Spec: the sub-server's spec travels by value through Ray's object store (cloudpickle; weights
-  inside it), since shared-memory descriptors cannot cross nodes. A tensor-parallel model
+  inside it), since shared-memory descriptors cannot cross nodes; the actor builds the runner
+  from its `RunnerSpec` (`process_child.build_subserver`). A tensor-parallel model
   travels as its recipe (a folder its ranks load), its ranks start on the actor's node.
 - Liveness: each actor's long-running ``run`` call; a watcher thread per actor waits on its
   object ref, and when it ends (an actor or its node died: Ray raises ``ActorDiedError`` /

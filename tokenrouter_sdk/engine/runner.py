@@ -1,12 +1,13 @@
-"""The two seams below the engine: what a model backend (`Runner`) and a message carrier
-(`Transport`) must offer. The torch backend (`tokenrouter_sdk.backends.torch_runner`), the sim
-backend (`tokenrouter_sdk.backends.sim_runner`) and the transports implement them; the engine
-depends only on these protocols, never on a backend module."""
+"""The seams below the engine: what a model backend (`Runner`, and `RunnerSpec`, the recipe a
+runner is built from in the process that runs it) and a message carrier (`Transport`) must offer.
+The torch backend (`tokenrouter_sdk.backends.torch_runner`), the sim backend
+(`tokenrouter_sdk.backends.sim_runner`) and the transports implement them; the engine depends
+only on these protocols, never on a backend module."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, ContextManager, NamedTuple, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -72,12 +73,127 @@ class Runner(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class PoolShape:
+    """The geometry of a KV pool that is not in this process (its runner is built elsewhere from
+    a `RunnerSpec`): what the engine's admission and `Router.kv_sizing` read of a `KVPool`.
+
+    Attributes:
+        num_blocks: usable blocks.
+        block_size: tokens per block.
+        scratch_blocks: extra blocks after the usable ones, never handed out.
+    """
+
+    num_blocks: int
+    block_size: int
+    scratch_blocks: int = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Usable KV capacity, tokens (``num_blocks * block_size``)."""
+        return self.num_blocks * self.block_size
+
+    def release(self) -> None:
+        """Nothing to free here: the pool lives with its runner."""
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the engine needs of a runner before it is built (`RunnerSpec.describe`).
+
+    Attributes:
+        vocab_size: logits width V.
+        max_context: positions the model supports, tokens.
+        device: where the runner computes (and logits come back).
+        dtype: the weights' dtype, or None where the backend has none.
+        pool: the `PoolShape` of the KV pool the runner will allocate.
+        extra: backend attributes the built runner will have (e.g. the torch runner's ``impl``),
+            readable on the `RemoteRunner` as attributes.
+    """
+
+    vocab_size: int
+    max_context: int
+    device: torch.device
+    dtype: torch.dtype | None
+    pool: PoolShape
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RunnerSpec(Protocol):
+    """A picklable recipe of a `Runner`: shipped to the process (thread, child process, Ray
+    actor) that serves the model, which calls `build` there, so the runner, its KV pool and any
+    per-process state (compiled code, CUDA graphs, packed weights) are made where they are used.
+
+    ``describe()`` says in this process what the built runner will be (`RunnerInfo`), without
+    allocating its pool; it raises what building would raise for a bad setting or an unsupported
+    model, so a Router fails at once in the caller. ``build()`` returns the `Runner`.
+    """
+
+    def describe(self) -> RunnerInfo: ...
+
+    def build(self) -> Runner: ...
+
+
+def build_runner(runner):
+    """``runner.build()`` when ``runner`` is a `RunnerSpec`, else ``runner`` itself (a runner
+    object travels as it is)."""
+    return runner.build() if isinstance(runner, RunnerSpec) else runner
+
+
+_NOT_DELEGATED = frozenset({"build", "describe", "forward"})  # a view is neither a spec nor a runner
+
+
+class RemoteRunner:
+    """This process's view of a runner built elsewhere from a `RunnerSpec` (in a sub-server
+    process or a Ray actor): the attributes of its `RunnerInfo` (``vocab_size``,
+    ``max_context``, ``device``, ``dtype``, ``pool`` as a `PoolShape`, and the ``extra`` ones),
+    then the spec's own attributes (its settings). It has no ``forward``: steps run where the
+    runner lives.
+
+    Args:
+        runner_spec: the spec the runner is built from.
+        info: its `RunnerInfo`; None: ``runner_spec.describe()``.
+
+    Attributes:
+        runner_spec: the `RunnerSpec`.
+        info: its `RunnerInfo`.
+        last_forward_s: 0.0 (the runner's own is in its process).
+    """
+
+    last_forward_s = 0.0
+
+    def __init__(self, runner_spec: RunnerSpec, info: RunnerInfo | None = None):
+        info = info if info is not None else runner_spec.describe()
+        self.runner_spec, self.info = runner_spec, info
+        self.vocab_size, self.max_context = info.vocab_size, info.max_context
+        self.device, self.dtype, self.pool = info.device, info.dtype, info.pool
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in _NOT_DELEGATED:
+            raise AttributeError(name)
+        info = self.__dict__.get("info")
+        if info is not None and name in info.extra:
+            return info.extra[name]
+        spec = self.__dict__.get("runner_spec")
+        if spec is not None and not name.startswith("_"):
+            return getattr(spec, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return f"RemoteRunner({self.runner_spec!r})"
+
+    def release(self) -> None:
+        """Nothing to free in this process: the runner lives where it was built."""
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Starts the sub-servers and carries messages between them and the engine.
 
     ``start(specs, on_event)`` builds one `SubServer` per spec (its keyword arguments, less
-    clock) and delivers every event to ``on_event``, each `StepResult` whole in the order
+    clock; a ``runner`` that is a `RunnerSpec` is built where the sub-server runs, with
+    `build_runner`) and delivers every event to ``on_event``, each `StepResult` whole in the order
     `tokenrouter_sdk.engine.step_result` states; ``subservers`` holds the sub-servers that
     live in this process by model (empty when they live elsewhere), and ``pending(model)``
     says whether messages wait for one of them; ``send(model, msg)`` delivers a

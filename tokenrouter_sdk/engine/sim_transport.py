@@ -19,6 +19,8 @@ import threading
 import traceback
 from typing import Callable
 
+from .runner import build_runner
+
 
 class SimTransport:
     """Runs the sub-servers and the engine's event handler in one background thread, in
@@ -78,7 +80,7 @@ class SimTransport:
         from .subserver import SubServer
         self.subservers = {}
         for name, spec in specs.items():
-            spec = dict(spec, runner=_TimedRunner(spec["runner"], self._forwarded(name)))
+            spec = dict(spec, runner=_TimedRunner(build_runner(spec["runner"]), self._forwarded(name)))
             self.subservers[name] = SubServer(**spec, clock=self.clock_for(name))
             self._busy[name] = 0.0
         self._on_event = on_event

@@ -19,7 +19,7 @@ import traceback
 from typing import Callable
 
 from . import messages as M
-from .runner import dead_letter
+from .runner import build_runner, dead_letter
 
 
 class ThreadTransport:
@@ -67,18 +67,54 @@ class ThreadTransport:
                 self.send(model, msg)
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
-        """Build a `SubServer` from each spec (its keyword arguments, less clock) and serve it
-        in a thread."""
-        from .subserver import SubServer
-        self.subservers = {name: SubServer(**spec, clock=self.clock_for(name)) for name, spec in specs.items()}
+        """Start one thread per spec that builds its `SubServer` (the spec's keyword arguments,
+        less clock; a `RunnerSpec` runner is built in that thread) and serves it; returns once
+        every sub-server is built.
+
+        Raises:
+            whatever building a runner or a sub-server raised (the first model's, in spec
+            order); the sub-servers already built are stopped first.
+        """
         self.inboxes = {name: queue.Queue() for name in specs}
         self._on_event = on_event
-        for name, ss in self.subservers.items():
-            t = threading.Thread(target=self._serve, args=(ss,), name=f"tokenrouter-{name}", daemon=True)
+        built: dict[str, list] = {name: [threading.Event(), None, None] for name in specs}  # done, sub-server, error
+        for name, spec in specs.items():
+            t = threading.Thread(target=self._host, args=(name, spec, built[name]), name=f"tokenrouter-{name}",
+                                 daemon=True)
             t.start()
             self._threads.append(t)
+        for done, _, _ in built.values():
+            done.wait()
+        self.subservers = {name: b[1] for name, b in built.items() if b[1] is not None}
+        errors = [b[2] for b in built.values() if b[2] is not None]
+        if errors:
+            for name in self.subservers:
+                self.inboxes[name].put(M.Shutdown())
+            for t in self._threads:
+                t.join()
+            self._threads.clear()
+            for ss in self.subservers.values():
+                release = getattr(ss.runner, "release", None)
+                if release is not None:
+                    release()
+            self.subservers = {}
+            raise errors[0]
         self._collector = threading.Thread(target=self._collect, name="tokenrouter-engine", daemon=True)
         self._collector.start()
+
+    def _host(self, name: str, spec: dict, box: list) -> None:
+        """A sub-server thread: build the sub-server (``box``: [done event, sub-server, error]),
+        then serve it once every one is built (the engine's start returned)."""
+        from .subserver import SubServer
+        try:
+            spec = dict(spec, runner=build_runner(spec["runner"]))
+            box[1] = SubServer(**spec, clock=self.clock_for(name))
+        except BaseException as e:  # noqa: BLE001 - re-raised by start in the engine's thread
+            box[2] = e
+            return
+        finally:
+            box[0].set()
+        self._serve(box[1])
 
     def _collect(self) -> None:
         while True:

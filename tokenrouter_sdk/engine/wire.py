@@ -4,7 +4,8 @@ Per-step messages and events travel with the typed codec of `codec`; a policy tr
 cloudpickled in a `codec.PolicyBlob` (`policy_blob` / `load_policy`), so a `Policy` class
 defined in a notebook cell reaches the sub-server processes.
 
-The start-up spec (runner with its model, tokenizer, settings) is pickled by `dump_spec` with
+The start-up spec (the runner's `RunnerSpec` with its model, or a runner object given as one;
+tokenizer, settings) is pickled by `dump_spec` with
 cloudpickle plus torch's multiprocessing reductions, so model weights are mapped by every
 process, not copied. First `pack_shared` moves the CPU tensors the specs hold into a few
 shared-memory segments (storages side by side, at most `SEGMENT_BYTES` each; a larger storage
@@ -14,8 +15,8 @@ handful of descriptors in every process (one per segment), not one per weight te
 for a 30-layer model: three model pairs would pass the common limit of 1,024 open files).
 Segments are made once: tensors already in shared memory (a second Router over the same models)
 are left where they are. The descriptors and the bytes go over a Unix socket pair (`send_spec` /
-`recv_spec`, SCM_RIGHTS in chunks), not through the process launcher. The KV pool is
-re-allocated in the child (`_FreshPool`).
+`recv_spec`, SCM_RIGHTS in chunks), not through the process launcher. A runner spec is built in
+the child, KV pool included; a runner object's KV pool is re-allocated there (`_FreshPool`).
 """
 
 from __future__ import annotations
@@ -440,8 +441,9 @@ class _FreshPool:
 
 
 def _child_spec(spec: dict) -> dict:
-    """The spec as the child gets it: the runner (model shared through shared memory) with a
-    fresh KV pool of the same shape instead of this process's."""
+    """The spec as the child gets it: a runner object (model shared through shared memory) with
+    a fresh KV pool of the same shape instead of this process's; a `RunnerSpec` as it is (it has
+    no pool: the child builds the runner)."""
     import copy
 
     from .kv_pool import KVPool
