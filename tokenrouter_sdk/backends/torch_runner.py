@@ -477,8 +477,14 @@ class TorchRunnerSpec:
     Args:
         model: a loaded `transformers` causal LM, or a checkpoint folder with ``config.json``
             (`tokenrouter_sdk.models.load_model` loads it in `build`).
-        max_kv_tokens, block_size, cuda_graphs, max_graph_batch, compile, model_impl, kernels,
-            allow_unknown_attention: as for `TorchRunner`.
+        max_kv_tokens: KV capacity in tokens, as for `TorchRunner`.
+        block_size: tokens per KV block, as for `TorchRunner`.
+        cuda_graphs: as for `TorchRunner`.
+        max_graph_batch: as for `TorchRunner`.
+        compile: as for `TorchRunner`.
+        model_impl: as for `TorchRunner`.
+        kernels: as for `TorchRunner`.
+        allow_unknown_attention: as for `TorchRunner`.
         dtype: a folder's precision (``"auto"``: its ``config.json``'s; a name or a torch dtype).
             For a loaded model: its weights' dtype (filled in; a different one raises).
         device: where a folder loads (default ``"cpu"``). For a loaded model: its weights'
@@ -572,7 +578,8 @@ class TorchRunnerSpec:
         """The `TorchRunner`, with its KV pool allocated here (a folder is loaded here first).
 
         Raises:
-            whatever `TorchRunner` or `tokenrouter_sdk.models.load_model` raises.
+            Exception: what `TorchRunner` or `tokenrouter_sdk.models.load_model` raises (e.g.
+                `ValueError` for a bad option, `UnsupportedAttention`, out of memory for the pool).
         """
         model, attention = self.model, self.attention
         if _is_source(model):
