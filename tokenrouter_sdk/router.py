@@ -296,6 +296,7 @@ class Router:
                                                 model_impl=config.model_impl, kernels=config.kernels,
                                                 allow_unknown_attention=config.allow_unknown_attention)
                 runners[name].describe()
+                runners[name].prefetch()
             eos += token_ids(getattr(getattr(m, "generation_config", None), "eos_token_id", None))
         self.kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
                                                        "runner") for n in names}

@@ -161,3 +161,25 @@ def test_engine_builds_specs_in_threads_and_raises_a_failed_build(tok):
     with pytest.raises(MemoryError, match="no room"):
         Engine({"a": _ScriptedSpec(), "b": _ScriptedSpec(fail=True)}, tok, transport=ThreadTransport())
     assert {t.name for t in threading.enumerate() if t.name.startswith("tokenrouter")} <= before
+
+
+def test_prefetch_starts_the_kernel_build_only_where_the_kernels_apply(small_pair, monkeypatch):
+    """The Router starts the CPU kernels' build where it makes the specs, so the sub-server that
+    builds the runner loads the cached library instead of compiling it while requests run."""
+    from tokenrouter_sdk.backends import cpu_kernels
+    started = []
+    monkeypatch.setattr(cpu_kernels, "start", lambda: started.append(1))
+    large = small_pair["large"]
+    TorchRunnerSpec(large).prefetch()
+    assert started == [1]
+    TorchRunnerSpec(large, kernels="off").prefetch()
+    TorchRunnerSpec(tiny_model(num_layers=1, seed=3).to(torch.bfloat16)).prefetch()
+    assert started == [1]
+
+
+def test_the_router_prefetches_its_runner_specs(small_pair, tok, monkeypatch):
+    calls = []
+    monkeypatch.setattr(TorchRunnerSpec, "prefetch", lambda self: calls.append(self.model))
+    with Router(small_pair, tokenizer=tok, processes=False) as r:
+        assert len(r.generate([1, 2, 3], max_new_tokens=2).token_ids) == 2
+    assert [id(m) for m in calls] == [id(small_pair["small"]), id(small_pair["large"])]

@@ -574,6 +574,15 @@ class TorchRunnerSpec:
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
         return RunnerInfo(vocab, max_context, self.device, self.dtype, pool, extra)
 
+    def prefetch(self) -> None:
+        """Start, in this process, what the runner needs that is cached on disk: the build of
+        the CPU kernels (`cpu_kernels.start`, in a background thread) when they apply. A runner
+        built elsewhere from this spec then loads the cached library instead of compiling it
+        while its first requests run."""
+        dtype = self.dtype if isinstance(self.dtype, torch.dtype) else None  # a folder's: known once loaded
+        if self.kernels != "off" and self.device.type == "cpu" and (dtype is None or dtype in cpu_kernels.DTYPES):
+            cpu_kernels.start()
+
     def build(self) -> TorchRunner:
         """The `TorchRunner`, with its KV pool allocated here (a folder is loaded here first).
 
