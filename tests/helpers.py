@@ -14,7 +14,7 @@ import time
 import torch
 
 from tokenrouter_sdk import Handoff, Policy, SamplingParams
-from tokenrouter_sdk.engine.kv_pool import KVPool
+from tokenrouter_sdk.engine.runner import PoolShape
 from tokenrouter_sdk.engine.runner import ForwardOut
 from tokenrouter_sdk.reference import reference_generate
 
@@ -59,7 +59,7 @@ class ScriptedRunner:
                  max_context=512, delay_s=0.0, peak=30.0, pad_from=None, pad_peak=None):
         self.script, self.offset, self.after = script, offset, after
         self.vocab_size, self.max_context = vocab_size, max_context
-        self.pool = KVPool(1, 1, 1, -(-max_kv_tokens // block_size), block_size)
+        self.pool = PoolShape(-(-max_kv_tokens // block_size), block_size)
         self.delay_s, self.peak = delay_s, peak
         self.pad_from, self.pad_peak = pad_from, pad_peak
         self.last_forward_s = 0.0

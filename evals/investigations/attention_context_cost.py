@@ -27,6 +27,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from tokenrouter_sdk.engine.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.engine.runner import SeqInput
     from tokenrouter_sdk.models import default_pair
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
         tables = []
         for _ in range(args.batch):
             t: list[int] = []
-            runner.pool.ensure(t, ctx + 1)
+            blocks_of(runner).ensure(t, ctx + 1)
             tables.append(t)
         times = []
         for _ in range(args.repeats):
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
             runner.forward(seqs)
             times.append(time.perf_counter() - t0)
         for t in tables:
-            runner.pool.free(t)
+            blocks_of(runner).free(t)
         rows.append({"context": ctx, "batch": args.batch, "step_ms_median": 1e3 * statistics.median(times)})
         print(f"context {ctx}: decode step at batch {args.batch}: median {rows[-1]['step_ms_median']:.1f} ms", flush=True)
     print(evalkit.table(rows, [("context", "context", "d"), ("batch", "batch", "d"), ("step_ms_median", "step ms", ".1f")]))

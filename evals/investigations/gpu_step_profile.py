@@ -80,13 +80,14 @@ def paged(model, dev, b: int, ctx: int, vocab: int, steps: int = 10, profile: bo
     step and of building its batch, and (``profile``) a torch.profiler table of one step."""
     import torch
 
+    from tokenrouter_sdk.engine.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.engine.runner import SeqInput
     r = TorchRunner(model, max_kv_tokens=(b + 1) * (ctx + steps + 8))
     tables = [[] for _ in range(b)]
     lens = [ctx] * b
     for t in tables:
-        r.pool.ensure(t, ctx + steps + 4)
+        blocks_of(r).ensure(t, ctx + steps + 4)
     first = [SeqInput(torch.randint(0, vocab, (ctx,)).tolist(), 0, tables[i]) for i in range(b)]
     r.forward(first)
 

@@ -73,6 +73,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from tokenrouter_sdk.engine.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.engine.runner import SeqInput
     from tokenrouter_sdk.models import default_pair
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
                 tabs[id(r)] = []
                 for i in range(b):
                     t: list[int] = []
-                    r.pool.ensure(t, a.context + a.steps * 2 + 8)
+                    blocks_of(r).ensure(t, a.context + a.steps * 2 + 8)
                     tabs[id(r)].append(t)
                 r.forward([SeqInput([5 + i] * a.context, 0, t) for i, t in enumerate(tabs[id(r)])])
             th, te, tn, tc = [], [], [], []
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
                         acc.append(time.perf_counter() - t0)
             for r in (hf, eager, nok, comp):
                 for t in tabs[id(r)]:
-                    r.pool.free(t)
+                    blocks_of(r).free(t)
             row = {"model": name, "batch": b, "dtype": a.dtype, "weights_mb": round(wb / 1e6, 1),
                    "bound_ms": round(bound_ms, 2), "transformers_ms": round(statistics.median(th) * 1e3, 2),
                    "eager_ms": round(statistics.median(te) * 1e3, 2),

@@ -34,6 +34,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from tokenrouter_sdk.engine.block_allocator import blocks_of
     from tokenrouter_sdk.backends.tensor_parallel import ModelRecipe, TensorParallelRunner
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.engine.runner import SeqInput
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
                 tabs[id(r)] = []
                 for i in range(b):
                     t: list[int] = []
-                    r.pool.ensure(t, a.context + a.steps + 8)
+                    blocks_of(r).ensure(t, a.context + a.steps + 8)
                     tabs[id(r)].append(t)
                 r.forward([SeqInput([5 + i] * a.context, 0, t) for i, t in enumerate(tabs[id(r)])])
             t_tp, t_one, ship, diff = [], [], [], 0.0
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
                 diff = max(diff, (outs[id(tp)] - outs[id(one)]).abs().max().item())
             for r in (tp, one):
                 for t in tabs[id(r)]:
-                    r.pool.free(t)
+                    blocks_of(r).free(t)
             row = {"batch": b, "tp": a.tp, "threads_per_rank": a.threads,
                    "tp1_ms": round(statistics.median(t_one) * 1e3, 2),
                    "tp_ms": round(statistics.median(t_tp) * 1e3, 2),

@@ -59,6 +59,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from tokenrouter_sdk.engine.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.engine.runner import SeqInput
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
                 tabs[name] = []
                 for _ in range(b):
                     t: list[int] = []
-                    r.pool.ensure(t, a.context + a.steps + 8)
+                    blocks_of(r).ensure(t, a.context + a.steps + 8)
                     slots = r.pool.slots(t, 0, a.context)
                     for layer in range(len(r.pool.k)):
                         r.pool.k[layer][slots] = torch.randn(len(slots), *r.pool.k.shape[2:], generator=g)
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
                         times[name].append(time.perf_counter() - t0)
             for name, r in runners.items():
                 for t in tabs[name]:
-                    r.pool.free(t)
+                    blocks_of(r).free(t)
             row = {"batch": b, "kernels": kernels, "context": a.context, "window": a.window}
             for name, ts in times.items():
                 row[f"{name}_ms"] = round(statistics.median(ts) * 1e3, 2)

@@ -12,6 +12,7 @@ from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import default_pair
 from tokenrouter_sdk.policies import RandomRouting
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 FP32 = dict(rtol=0, atol=2e-3)  # logits of order 10: fp32 reassociation of 30 layers of fused kernels
@@ -32,9 +33,9 @@ def test_compiled_logits_equal_eager_on_the_packaged_model(pair_and_tok):
         prompts = [tok("What is 7 + 5?")["input_ids"], tok("Name a planet that has rings.")["input_ids"]]
         te, tc = [[], []], [[], []]
         for t in te:
-            eager.pool.ensure(t, 64)
+            blocks_of(eager).ensure(t, 64)
         for t in tc:
-            comp.pool.ensure(t, 64)
+            blocks_of(comp).ensure(t, 64)
         starts = [0, 0]
         for feed in (prompts, [[11], [12]], [[13, 14, 15], [16]]):  # prefill, decode, extend + decode
             le, _, _ = eager.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, te)])

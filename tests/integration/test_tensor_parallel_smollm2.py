@@ -10,6 +10,7 @@ from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import default_pair
 from tokenrouter_sdk.policies import RStitch
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -23,8 +24,8 @@ def test_logits_within_1e5_of_one_rank():
     one = TorchRunner(large, max_kv_tokens=256)
     try:
         a, b = [], []
-        tp.pool.ensure(a, len(ids) + 4)
-        one.pool.ensure(b, len(ids) + 4)
+        blocks_of(tp).ensure(a, len(ids) + 4)
+        blocks_of(one).ensure(b, len(ids) + 4)
         x = tp.forward([SeqInput(ids, 0, a)]).logits
         y = one.forward([SeqInput(ids, 0, b)]).logits
         # fp32 sums in another order over 30 layers: within 1e-5 of the logits' scale (measured

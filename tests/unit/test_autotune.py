@@ -12,6 +12,7 @@ from tokenrouter_sdk.backends import projection as P
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 pytestmark = pytest.mark.skipif(not P.packing_available(torch.device("cpu"), torch.float32),
                                 reason="no oneDNN packing in this torch")
@@ -31,7 +32,7 @@ def _projections(seed=3, layers=3, choice=None):
     model = tiny_model(num_layers=layers, seed=seed, dtype=torch.float32)
     runner = TorchRunner(model, max_kv_tokens=256, kernels="off")
     table: list[int] = []
-    runner.pool.ensure(table, 8)
+    blocks_of(runner).ensure(table, 8)
     with pytest.MonkeyPatch.context() as mp:
         if choice is not None:
             mp.setenv(A.PACKING_ENV, choice)
@@ -121,12 +122,12 @@ def test_a_forced_choice_is_honoured_and_gives_the_same_logits(store, monkeypatc
     orig = P.Projection.run_packed
     monkeypatch.setattr(P.Projection, "run_packed", lambda self, x: calls.append(1) or orig(self, x))
     table: list[int] = []
-    runner.pool.ensure(table, 8)
+    blocks_of(runner).ensure(table, 8)
     out = runner.forward([SeqInput([9, 10, 11, 12], 0, table)])
     assert bool(calls) == (forced == "packed")
     ref = TorchRunner(runner.model, max_kv_tokens=256, model_impl="transformers")
     t2: list[int] = []
-    ref.pool.ensure(t2, 8)
+    blocks_of(ref).ensure(t2, 8)
     torch.testing.assert_close(out.logits, ref.forward([SeqInput([9, 10, 11, 12], 0, t2)]).logits, rtol=0, atol=1e-5)
     # forced: no GEMM path measured or stored (the kernel's extend limit may be)
     assert not any(k.startswith("packing") for k in A.load_choices(A.machine_fields()))

@@ -25,6 +25,7 @@ from tokenrouter_sdk.engine.config import EngineConfig
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 from ..helpers import DiscardTwoBack, mixed_prompts
 
@@ -35,7 +36,7 @@ ATOL = 1e-5
 def _tables(runner, lens, extra=60):
     tables = [[] for _ in lens]
     for t, n in zip(tables, lens):
-        runner.pool.ensure(t, n + extra)
+        blocks_of(runner).ensure(t, n + extra)
     return tables
 
 
@@ -73,8 +74,8 @@ def test_compiled_steps_equal_eager_steps(pair, impl):
             se, sc = eager.pool.slots(a, 0, n), comp.pool.slots(c, 0, n)
             torch.testing.assert_close(comp.pool.k[:, sc], eager.pool.k[:, se], rtol=0, atol=ATOL)
             torch.testing.assert_close(comp.pool.v[:, sc], eager.pool.v[:, se], rtol=0, atol=ATOL)
-            eager.pool.free(a)
-            comp.pool.free(c)
+            blocks_of(eager).free(a)
+            blocks_of(comp).free(c)
     assert steps == 12
 
 

@@ -19,6 +19,7 @@ from tokenrouter_sdk.engine.config import EngineConfig
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 from .test_native_forward import routed_float32_run_equals_reference
 
@@ -186,7 +187,7 @@ def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtyp
         outs = {}
         for a, r in runners.items():
             for t, s, f in zip(tabs[a], starts, feed):
-                r.pool.ensure(t, s + len(f))
+                blocks_of(r).ensure(t, s + len(f))
             outs[a] = r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tabs[a])])
         torch.testing.assert_close(outs["wait"].logits, outs["off"].logits, rtol=tol, atol=tol)
         torch.testing.assert_close(outs["wait"].hidden, outs["off"].hidden, rtol=tol, atol=tol)
@@ -205,7 +206,7 @@ def test_kernels_choice_is_checked_and_passed_on(pair, tok):
         assert {x.kernels for x in r.engine.runners.values()} == {"off"}
         batch = r.engine.runners["large"]
         tb = []
-        batch.pool.ensure(tb, 3)
+        blocks_of(batch).ensure(tb, 3)
         fb = batch._batch([SeqInput([5], 2, tb)])[0]
         assert fb.kern is None and fb.dec is not None
 

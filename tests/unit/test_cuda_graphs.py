@@ -15,6 +15,7 @@ from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 from ..helpers import DiscardTwoBack, mixed_prompts
 
@@ -27,7 +28,7 @@ def qwen3():
 def _prefill(runner, prompts, extra=40):
     tables = [[] for _ in prompts]
     for t, p in zip(tables, prompts):
-        runner.pool.ensure(t, len(p) + extra)
+        blocks_of(runner).ensure(t, len(p) + extra)
     runner.forward([SeqInput(p, 0, t) for t, p in zip(tables, prompts)])
     return tables
 
@@ -51,8 +52,8 @@ def test_scratch_slot_is_never_handed_out(qwen3):
     assert (r.pool.num_blocks, r.pool.capacity_tokens, r.pool.scratch_slot) == (4, 64, 64)
     assert r.pool.k.shape[1] == 80  # 4 usable blocks + 1 scratch block
     table: list[int] = []
-    r.pool.ensure(table, 64)
-    assert sorted(table) == [0, 1, 2, 3] and r.pool.num_free == 0
+    blocks_of(r).ensure(table, 64)
+    assert sorted(table) == [0, 1, 2, 3] and blocks_of(r).num_free == 0
     assert TorchRunner(qwen3, max_kv_tokens=64).pool.scratch_slot is None
     one = TorchRunner(qwen3, max_kv_tokens=4, block_size=1, cuda_graphs=True)  # 2 one-slot scratch blocks
     assert (one.pool.scratch_slot, one.pool.k.shape[1], one.graphs.read_slot) == (4, 6, 5)
@@ -85,7 +86,7 @@ def test_fixed_shape_steps_equal_eager_forward(qwen3):
     eager = TorchRunner(qwen3, max_kv_tokens=16384)
     fixed = TorchRunner(qwen3, max_kv_tokens=16384, cuda_graphs=True)
     idle: list[int] = []  # a request that is not stepped owns block 0 (what a padding row must not touch)
-    fixed.pool.ensure(idle, 20)
+    blocks_of(fixed).ensure(idle, 20)
     idle_slots = fixed.pool.slots(idle, 0, 20)
     fixed.pool.k[:, idle_slots] = 7.0
     fixed.pool.v[:, idle_slots] = -7.0
@@ -109,9 +110,9 @@ def test_fixed_shape_steps_equal_eager_forward(qwen3):
             torch.testing.assert_close(fixed.pool.k[:, sf], eager.pool.k[:, se], rtol=0, atol=1e-10)
             torch.testing.assert_close(fixed.pool.v[:, sf], eager.pool.v[:, se], rtol=0, atol=1e-10)
         for t in te:
-            eager.pool.free(t)
+            blocks_of(eager).free(t)
         for t in tf:
-            fixed.pool.free(t)
+            blocks_of(fixed).free(t)
     g = fixed.graphs
     assert g.replays == steps == 16 and g.captured == 0 and g.error is None
     assert {q for _, q, _ in g._buckets} >= {1, 32}

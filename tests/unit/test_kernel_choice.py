@@ -13,6 +13,7 @@ from tokenrouter_sdk.backends.attention import kernel_choice as K
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_steps_give_the_same_logits_whichever_limit(store, op, monkeypatch, dtyp
         starts = [0] * 4
         for feed in feeds:
             for t, s, f in zip(tables, starts, feed):
-                r.pool.ensure(t, s + len(f))
+                blocks_of(r).ensure(t, s + len(f))
             out = r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tables)])
             starts = [s + len(f) for s, f in zip(starts, feed)]
         outs[limit] = out
@@ -135,7 +136,7 @@ def test_a_runner_measures_its_limit_at_its_first_kernel_step(store, op):
     model = tiny_model(num_layers=2, seed=4, dtype=torch.float64)
     r = TorchRunner(model, max_kv_tokens=256, kernels="wait")
     t: list[int] = []
-    r.pool.ensure(t, 8)
+    blocks_of(r).ensure(t, 8)
     r.forward([SeqInput([5, 6, 7], 0, t)])
     limit, source = r.kernel_extend
     assert source == "measured" and limit in (1, *K.BUCKETS)

@@ -4,7 +4,8 @@ suffix), pending keeps KV, nothing lost under a full pool."""
 import pytest
 
 from tokenrouter_sdk import Handoff, Policy, Router, SamplingParams
-from tokenrouter_sdk.engine.kv_pool import KVPool, KVPoolFull
+from tokenrouter_sdk.engine.block_allocator import BlockAllocator, KVPoolFull
+from tokenrouter_sdk.engine.kv_pool import KVPool
 from tokenrouter_sdk.engine.messages import StepDone
 from tokenrouter_sdk.policies import RandomRouting
 
@@ -109,12 +110,13 @@ def test_full_pool_preempts_and_recomputes_without_loss(pair, tok, admission):
 
 def test_kv_pool_blocks():
     pool = KVPool(num_layers=2, kv_heads=1, head_dim=4, num_blocks=3, block_size=4)
+    blocks = BlockAllocator.over(pool)
     t = []
-    pool.ensure(t, 5)
-    assert len(t) == 2 and pool.num_free == 1
+    blocks.ensure(t, 5)
+    assert len(t) == 2 and blocks.num_free == 1
     assert pool.slots(t, 3, 6).tolist() == [t[0] * 4 + 3, t[1] * 4 + 0, t[1] * 4 + 1]
     with pytest.raises(KVPoolFull):
-        pool.ensure(t, 13)
+        blocks.ensure(t, 13)
     assert len(t) == 2  # unchanged on failure
-    pool.free(t)
-    assert t == [] and pool.num_free == 3
+    blocks.free(t)
+    assert t == [] and blocks.num_free == 3

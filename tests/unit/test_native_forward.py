@@ -22,13 +22,14 @@ from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 from ..helpers import mixed_prompts
 
 
 def _table(runner, n):
     t: list[int] = []
-    runner.pool.ensure(t, n)
+    blocks_of(runner).ensure(t, n)
     return t
 
 
@@ -55,7 +56,7 @@ def _run_pair(native, plain, feeds, *, all_hidden=False, check=None):
         outs = {}
         for r in (native, plain):
             for t, s, f in zip(tabs[id(r)], starts, feed):
-                r.pool.ensure(t, s + len(f))
+                blocks_of(r).ensure(t, s + len(f))
             outs[id(r)] = r.forward([SeqInput(f, s, t, all_hidden=all_hidden) for f, s, t in zip(feed, starts, tabs[id(r)])])
         check(outs[id(native)], outs[id(plain)])
         starts = [s + len(f) for s, f in zip(starts, feed)]
@@ -157,7 +158,7 @@ def test_bfloat16_native_within_the_stated_tolerance():
         out = {}
         for r in (r32, n16, t16):
             for t, s, f in zip(tabs[id(r)], starts, feed):
-                r.pool.ensure(t, s + len(f))
+                blocks_of(r).ensure(t, s + len(f))
             out[id(r)] = r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tabs[id(r)])]).logits.float()
         spread = out[id(r32)].std().item()
         assert (out[id(n16)] - out[id(r32)]).abs().max().item() <= 0.1 * spread

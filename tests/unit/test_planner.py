@@ -12,6 +12,7 @@ from tokenrouter_sdk.planner import (Plan, StateSpaceTooLarge, _gmres_stationary
                                      estimate_extra_tokens, estimate_keep, estimate_routing, feasible_thresholds,
                                      plan_from_trace, plan_thresholds, profile_latency)
 from tokenrouter_sdk.policies import RandomRouting
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 from ..helpers import mixed_prompts
 
@@ -160,13 +161,13 @@ def test_profile_latency_on_a_tiny_model():
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.models import tiny_model
     runner = TorchRunner(tiny_model(dtype=__import__("torch").float32), max_kv_tokens=2048)
-    free = runner.pool.num_free
+    free = blocks_of(runner).num_free
     lat = profile_latency(runner, batch_sizes=(1, 2, 4, 8), context=16, steps=3, warmup=1, extend_tokens=8)
     assert sorted(lat.table) == [1, 2, 4, 8]
     assert all(0 < t < 1.0 for t in lat.table.values())
     assert lat.table[8] > 0.5 * lat.table[1]  # increasing-ish (timings on a busy CPU are noisy)
     assert lat.per_token_s >= 0
-    assert runner.pool.num_free == free
+    assert blocks_of(runner).num_free == free
     # a bare model works too (wrapped in a TorchRunner)
     lat2 = profile_latency(tiny_model(), batch_sizes=(1, 2), context=8, steps=2, warmup=1, extend_tokens=0)
     assert sorted(lat2.table) == [1, 2] and lat2.per_token_s == 0.0

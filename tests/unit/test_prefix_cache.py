@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tokenrouter_sdk import Handoff, Needs, Policy, Router, SamplingParams
-from tokenrouter_sdk.engine.kv_pool import KVPool, KVPoolFull
+from tokenrouter_sdk.engine.block_allocator import BlockAllocator, KVPoolFull
 from tokenrouter_sdk.engine.messages import Admitted, Finished, StepDone
 from tokenrouter_sdk.engine.prefix_cache import block_key, chain_keys
 from tokenrouter_sdk.engine.scheduler import Scheduler, Seq
@@ -42,7 +42,7 @@ def all_refs_returned(router):
     pool's size."""
     assert router.engine.wait_idle(10)
     for name, ss in router.engine.transport.subservers.items():
-        pool = ss.sched.pool
+        pool = ss.sched.blocks
         assert all(r == 0 for r in pool.refs), (name, [i for i, r in enumerate(pool.refs) if r])
         assert len(pool._free) + pool.idle_cached_blocks == pool.num_blocks == pool.num_free, name
 
@@ -52,7 +52,7 @@ def guard_writes(router):
     prefix cache holds (cached blocks are read-only); returns the list of violations."""
     bad = []
     for name, ss in router.engine.transport.subservers.items():
-        runner, pool = ss.runner, ss.sched.pool
+        runner, pool = ss.runner, ss.sched.blocks
         inner = runner.forward
 
         def forward(inputs, inner=inner, pool=pool, name=name):
@@ -81,7 +81,7 @@ def check_reference(models, outs, policy, params):
 
 # -- the pool --------------------------------------------------------------------------------
 def _pool(blocks=8, bs=4):
-    p = KVPool(1, 1, 1, blocks, bs)
+    p = BlockAllocator(blocks, bs)
     p.enable_prefix_cache()
     return p
 
@@ -152,7 +152,7 @@ def _seq(rid, tokens):
 
 
 def test_a_request_waits_one_step_to_share_a_prefix_its_batch_mate_fills():
-    pool = KVPool(1, 1, 1, 32, 4)
+    pool = BlockAllocator(32, 4)
     sch = Scheduler(pool, prefix_cache=True)
     prompt = list(range(3, 3 + 18))
     a, b = _seq(0, prompt), _seq(1, prompt + [50, 51])
@@ -169,7 +169,7 @@ def test_a_request_waits_one_step_to_share_a_prefix_its_batch_mate_fills():
 
 
 def test_rewind_into_a_shared_block_recomputes_from_its_start_in_a_block_of_its_own():
-    pool = KVPool(1, 1, 1, 16, 4)
+    pool = BlockAllocator(16, 4)
     sch = Scheduler(pool, prefix_cache=True)
     a = _seq(0, list(range(3, 11)))  # 8 tokens = 2 full blocks
     sch.add_owned(a)

@@ -156,7 +156,7 @@ def test_close_is_idempotent_and_frees(pair, tok):
     r.close()
     r.close()
     assert r.closed
-    assert all(ss.sched.pool.k is None for ss in r.engine.transport.subservers.values())
+    assert all(ss.runner.pool.k is None for ss in r.engine.transport.subservers.values())
     del r  # the autouse fixture checks that no tokenrouter thread is left
 
 
@@ -172,7 +172,7 @@ def test_rebinding_a_router_without_close_frees_threads_and_kv(pair, tok):
     base = alive()
     router = Router(pair, RandomRouting(0.3), tokenizer=tok)
     router.generate(PROMPTS[:2], max_new_tokens=4)
-    pools = [weakref.ref(ss.sched.pool.k) for ss in router.engine.transport.subservers.values()]
+    pools = [weakref.ref(ss.runner.pool.k) for ss in router.engine.transport.subservers.values()]
     for _ in range(3):
         router = Router(pair, RandomRouting(0.3), tokenizer=tok)  # noqa: F841 - the old one is dropped
         router.generate(PROMPTS[:2], max_new_tokens=4)

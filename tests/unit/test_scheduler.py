@@ -1,4 +1,4 @@
-"""The per-model `Scheduler` on its own: a `KVPool` of 4-token blocks and hand-made `Seq`s, no model.
+"""The per-model `Scheduler` on its own: a `BlockAllocator` of 4-token blocks and hand-made `Seq`s, no model.
 
 A step is played by hand: `schedule()` picks the batch and grows its block tables; the sub-server
 would then feed each request ``tokens[kv_len:]`` and set ``kv_len = len(tokens)``
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenrouter_sdk.engine.kv_pool import KVPool
+from tokenrouter_sdk.engine.block_allocator import BlockAllocator
 from tokenrouter_sdk.engine.scheduler import Scheduler, Seq
 from tokenrouter_sdk.request import RequestConfig, SamplingParams
 
@@ -21,7 +21,7 @@ def make_seq(rid: int, n_tokens: int) -> Seq:
 
 
 def make_scheduler(num_blocks: int, **kw) -> Scheduler:
-    return Scheduler(KVPool(1, 1, 1, num_blocks, BLOCK), **kw)
+    return Scheduler(BlockAllocator(num_blocks, BLOCK), **kw)
 
 
 def finish_step(batch: list[Seq], new_token: bool = True) -> None:
@@ -41,7 +41,7 @@ def test_fifo_order_and_block_tables_cover_the_tokens():
     batch = sch.schedule()
     assert [s.rid for s in batch] == [5, 1, 3]  # arrival order, not rid order
     assert [len(s.table) for s in batch] == [1, 2, 3] and all(s.status == "running" for s in batch)
-    assert sch.pool.num_free == 16 - 6 and sch.unfit == [] and sch.preemptions == 0
+    assert sch.blocks.num_free == 16 - 6 and sch.unfit == [] and sch.preemptions == 0
     assert len({b for s in batch for b in s.table}) == 6  # no block shared between requests
 
 
@@ -58,7 +58,7 @@ def test_tables_grow_by_a_block_only_when_the_tokens_cross_a_boundary():
     assert [len(t) for t in tables] == [1, 1, 2, 2, 2, 2]
     assert all(t[:len(prev)] == prev for prev, t in zip(tables, tables[1:])), "blocks are kept, new ones appended"
     assert sch.schedule() == [s] and len(s.table) == 3  # 9 tokens: a third block
-    assert sch.pool.num_free == 8 - 3
+    assert sch.blocks.num_free == 8 - 3
 
 
 def test_pending_requests_lose_their_kv_first_oldest_first():
@@ -79,7 +79,7 @@ def test_pending_requests_lose_their_kv_first_oldest_first():
     # the batch at that moment (back) nor the younger pending one
     assert (old.kv_len, old.table, old.status) == (0, [], "pending")
     assert (young.kv_len, len(young.table)) == (4, 1) and (back.kv_len, len(back.table)) == (4, 1)
-    assert sch.preemptions == 1 and sch.pool.num_free == 6 - 1 - 1 - 3
+    assert sch.preemptions == 1 and sch.blocks.num_free == 6 - 1 - 1 - 3
 
 
 def test_owned_requests_outside_the_batch_are_evicted_newest_first():
@@ -95,7 +95,7 @@ def test_owned_requests_outside_the_batch_are_evicted_newest_first():
     assert (third.status, third.kv_len, third.table) == ("waiting", 0, [])  # recomputed when it runs
     assert len(first.table) == 3 and len(second.table) == 1 and sch.preemptions == 1
     # blocks held by the batch are never taken: third waits for a later step, it is not unfit
-    assert sch.unfit == [] and sch.pool.num_free == 0
+    assert sch.unfit == [] and sch.blocks.num_free == 0
     sch.remove(second.rid)
     assert [s.rid for s in sch.schedule()] == [0, 2] and len(third.table) == 1
 
@@ -138,7 +138,7 @@ def test_max_batch_size_takes_the_first_arrivals():
         sch.add_owned(s)
     batch = sch.schedule()
     assert [s.rid for s in batch] == [9, 4]
-    assert seqs[2].table == [] and sch.pool.num_free == 62
+    assert seqs[2].table == [] and sch.blocks.num_free == 62
 
 
 @pytest.mark.parametrize("status", ["owned", "pending"])
@@ -149,6 +149,6 @@ def test_remove_returns_every_block(status):
     finish_step(sch.schedule(), new_token=False)
     if status == "pending":
         sch.set_pending(s)
-    assert sch.pool.num_free == 8 - 4
+    assert sch.blocks.num_free == 8 - 4
     assert sch.remove(s.rid) is s and sch.remove(s.rid) is None
-    assert sch.pool.num_free == 8 and s.table == [] and sch.schedule() == []
+    assert sch.blocks.num_free == 8 and s.table == [] and sch.schedule() == []

@@ -36,7 +36,7 @@ def test_a_step_returns_its_events_in_order_and_nothing_leaves_before():
     assert [type(e) for e in last.events] == [M.Committed, M.StepDone, M.Finished]  # the step is in the trace first
     assert last.events[0].tokens == [104] and last.events[2].reason == "length"
     assert ss.step() == StepResult() and not ss.can_step()
-    assert not ss.sched.seqs and ss.sched.pool.num_free == ss.sched.pool.num_blocks
+    assert not ss.sched.seqs and ss.sched.blocks.num_free == ss.sched.blocks.num_blocks
 
 
 def test_a_handoff_is_a_message_of_the_result_and_the_peer_takes_it_without_a_transport():
@@ -58,7 +58,7 @@ def test_a_handoff_is_a_message_of_the_result_and_the_peer_takes_it_without_a_tr
     assert res.messages == [("small", M.Release(1))]
     small.handle(res.messages[0][1])
     assert not large.sched.seqs and not small.sched.seqs
-    assert small.sched.pool.num_free == small.sched.pool.num_blocks
+    assert small.sched.blocks.num_free == small.sched.blocks.num_blocks
 
 
 def test_gated_modes_step_only_on_go_and_answer_idle():

@@ -18,6 +18,7 @@ from tokenrouter_sdk.engine.engine import EngineDeadError
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
+from tokenrouter_sdk.engine.block_allocator import blocks_of
 
 from ..helpers import DiscardTwoBack, assert_matches_reference, mixed_prompts, process_gone
 
@@ -46,8 +47,8 @@ def test_runner_logits_equal_unsharded_runner():
     try:
         assert tp.pool.k.shape[2] == 1 and ref.pool.k.shape[2] == 2  # local KV heads: 2 / tp
         a, b = [], []
-        tp.pool.ensure(a, 40)
-        ref.pool.ensure(b, 40)
+        blocks_of(tp).ensure(a, 40)
+        blocks_of(ref).ensure(b, 40)
         for seqs_a, seqs_b in (([SeqInput(list(range(5, 20)), 0, a)], [SeqInput(list(range(5, 20)), 0, b)]),
                                ([SeqInput([7, 8], 15, a)], [SeqInput([7, 8], 15, b)]),
                                ([SeqInput([9], 17, a)], [SeqInput([9], 17, b)])):

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.kv_pool import KVPool
-from ..engine.runner import ForwardOut
+from ..engine.runner import ForwardOut, PoolShape
 
 
 @dataclass
@@ -81,7 +80,7 @@ class SimRunner:
                  block_size: int = 16, max_context: int = 1 << 20, seed: int = 0):
         self.latency = latency or LatencyModel()
         self.vocab_size, self.max_context, self.seed = vocab_size, max_context, seed
-        self.pool = KVPool(1, 1, 1, -(-max_kv_tokens // block_size), block_size)
+        self.pool = PoolShape(-(-max_kv_tokens // block_size), block_size)  # no KV kept: its geometry only
         self.last_forward_s = 0.0
 
     def forward(self, seqs) -> ForwardOut:

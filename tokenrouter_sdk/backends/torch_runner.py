@@ -285,6 +285,7 @@ class TorchRunner:
         state["_native"] = None  # and packed weights
         state["between_layers"] = None
         state["_compile_started"] = False
+        state.pop("kv_blocks", None)  # block ids are allocated where the runner serves
         return state
 
     # -- compiled steps ---------------------------------------------------------------------

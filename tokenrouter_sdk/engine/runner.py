@@ -11,8 +11,6 @@ from typing import Any, Callable, ContextManager, NamedTuple, Protocol, runtime_
 
 import torch
 
-from .kv_pool import KVPool
-
 
 class RunnerDied(RuntimeError):
     """A runner can serve no step any more (e.g. a tensor-parallel rank died): its sub-server
@@ -49,18 +47,44 @@ class ForwardOut(NamedTuple):
 
 
 @runtime_checkable
-class Runner(Protocol):
-    """One model's forward over a ragged batch, with a private paged KV pool.
+class KVGeometry(Protocol):
+    """The shape of a runner's paged KV storage, the only KV contract between a runner and its
+    sub-server: block ids ``0..num_blocks-1`` of ``block_size`` tokens each, which the
+    sub-server's `tokenrouter_sdk.engine.block_allocator.BlockAllocator` hands out. Our torch
+    runners' `tokenrouter_sdk.engine.kv_pool.KVPool` (the tensors) and `PoolShape` (geometry
+    only: a runner whose storage is elsewhere, or that has none) have it.
 
     Attributes:
-        pool: the model's `KVPool`.
+        num_blocks: usable blocks.
+        block_size: tokens per block.
+        capacity_tokens: ``num_blocks * block_size``.
+    """
+
+    num_blocks: int
+    block_size: int
+
+    @property
+    def capacity_tokens(self) -> int: ...
+
+    def release(self) -> None:
+        """Free the storage (the runner serves no step afterwards); nothing for a geometry."""
+        ...
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """One model's forward over a ragged batch, writing and reading its own paged KV storage at
+    the block ids of each input's table.
+
+    Attributes:
+        pool: the `KVGeometry` of its KV storage (a `KVPool` for the torch runners).
         vocab_size: logits width V (may exceed the tokenizer's: padding rows are masked).
         max_context: positions the model supports, tokens.
         device: where logits come back.
         last_forward_s: seconds inside the last model forward (for overhead metrics).
     """
 
-    pool: KVPool
+    pool: KVGeometry
     vocab_size: int
     max_context: int
     device: torch.device
@@ -75,8 +99,9 @@ class Runner(Protocol):
 
 @dataclass(frozen=True)
 class PoolShape:
-    """The geometry of a KV pool that is not in this process (its runner is built elsewhere from
-    a `RunnerSpec`): what the engine's admission and `Router.kv_sizing` read of a `KVPool`.
+    """A `KVGeometry` without storage: the KV pool of a runner built elsewhere from a
+    `RunnerSpec` (what the engine's admission and `Router.kv_sizing` read), or of a runner that
+    keeps no KV (the simulator's, scripted test runners).
 
     Attributes:
         num_blocks: usable blocks.
@@ -94,7 +119,7 @@ class PoolShape:
         return self.num_blocks * self.block_size
 
     def release(self) -> None:
-        """Nothing to free here: the pool lives with its runner."""
+        """Nothing to free here: no storage."""
 
 
 @dataclass(frozen=True)

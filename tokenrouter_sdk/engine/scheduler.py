@@ -13,7 +13,7 @@ error naming the pool size), so no request waits forever for blocks.
 
 With the prefix cache on, a request with no KV on this model (new, first visit after a handoff,
 admission prefill, or preempted) first takes the longest run of cached blocks that holds its
-tokens (`KVPool.match`) and feeds only the rest; the full blocks a step completes are cached
+tokens (`BlockAllocator.match`) and feeds only the rest; the full blocks a step completes are cached
 after the step (`Scheduler.cache_blocks`). A request whose next block another request of the
 same step is computing waits one step and then shares it (SGLang defers such requests the same
 way), so two requests never compute one prefix side by side.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..request import RequestConfig
-from .kv_pool import KVPool, KVPoolFull
+from .block_allocator import BlockAllocator, KVPoolFull
 from .messages import RequestState
 from .prefix_cache import chain_keys
 
@@ -83,10 +83,10 @@ class Scheduler:
     """Picks the next batch of one model.
 
     Args:
-        pool: the model's KV pool.
+        blocks: the model's `BlockAllocator` (block ids over its runner's KV storage).
         max_batch_tokens: tokens fed per step at most (a longer single prompt still runs alone).
         max_batch_size: requests per step at most.
-        prefix_cache: share full blocks of equal prefixes through the pool's prefix cache.
+        prefix_cache: share full blocks of equal prefixes through the allocator's prefix cache.
 
     Attributes:
         hit_tokens, query_tokens: tokens reused from the prefix cache by the last `schedule`,
@@ -95,11 +95,11 @@ class Scheduler:
         total_hit_tokens, total_query_tokens: the same, summed since the scheduler started.
     """
 
-    def __init__(self, pool: KVPool, max_batch_tokens: int = 4096, max_batch_size: int = 256,
+    def __init__(self, blocks: BlockAllocator, max_batch_tokens: int = 4096, max_batch_size: int = 256,
                  prefix_cache: bool = False):
-        self.pool = pool
+        self.blocks = blocks
         if prefix_cache:
-            pool.enable_prefix_cache()
+            blocks.enable_prefix_cache()
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.hit_tokens = self.query_tokens = 0
         self.total_hit_tokens = self.total_query_tokens = 0
@@ -124,12 +124,12 @@ class Scheduler:
         self.owned.pop(rid, None)
         seq = self.seqs.pop(rid, None)
         if seq is not None:
-            self.pool.free(seq.table)
+            self.blocks.free(seq.table)
         return seq
 
     def drop_kv(self, seq: Seq) -> None:
         """Free ``seq``'s KV here (it is recomputed, or found in the prefix cache, when it next runs)."""
-        self.pool.free(seq.table)
+        self.blocks.free(seq.table)
         seq.kv_len = seq.n_cached = 0
         seq.arrived = False
 
@@ -137,9 +137,9 @@ class Scheduler:
         """Keep only the first ``n`` tokens of ``seq`` in KV, so the next step feeds from there. A
         shared (cached) block is never written: the request drops it and every block after it
         and recomputes from that block's start."""
-        bs = self.pool.block_size
+        bs = self.blocks.block_size
         if n < seq.n_cached * bs:
-            self.pool.drop(seq.table, n // bs)
+            self.blocks.drop(seq.table, n // bs)
             seq.n_cached = n // bs
             n = seq.n_cached * bs
         seq.kv_len = min(seq.kv_len, n)
@@ -155,58 +155,58 @@ class Scheduler:
         """Extend ``seq``'s KV with cached blocks when all it holds is shared (a request with no
         KV here starts its lookup). False: its next block is being filled by a request of this
         batch; it waits a step to share it."""
-        pool = self.pool
+        blocks = self.blocks
         if not seq.arrived and seq.kv_len == 0:
             seq.arrived = True
             self.query_tokens += len(seq.tokens)
             self.total_query_tokens += len(seq.tokens)
-        if pool.cache is None or not seq.reuse or seq.kv_len != len(seq.table) * pool.block_size \
+        if blocks.cache is None or not seq.reuse or seq.kv_len != len(seq.table) * blocks.block_size \
                 or seq.n_cached != len(seq.table):
             return True
-        limit = (len(seq.tokens) - 1) // pool.block_size  # the last position is always fed: its block stays private
+        limit = (len(seq.tokens) - 1) // blocks.block_size  # the last position is always fed: its block stays private
         start = seq.n_cached
         if start >= limit:
             return True
-        got = pool.match(seq.tokens, seq.keys, limit, start)
-        self.hit_tokens += len(got) * pool.block_size
-        self.total_hit_tokens += len(got) * pool.block_size
+        got = blocks.match(seq.tokens, seq.keys, limit, start)
+        self.hit_tokens += len(got) * blocks.block_size
+        self.total_hit_tokens += len(got) * blocks.block_size
         seq.table.extend(got)
         seq.n_cached += len(got)
-        seq.kv_len = seq.n_cached * pool.block_size
+        seq.kv_len = seq.n_cached * blocks.block_size
         nxt = seq.n_cached
         return not (nxt < limit and nxt < len(seq.keys) and seq.keys[nxt] in self._computing)
 
     def _claim(self, seq: Seq) -> None:
         """Note the full blocks this step fills for ``seq`` (requests after it in the batch that
         need them wait a step)."""
-        if self.pool.cache is None:
+        if self.blocks.cache is None:
             return
-        full = len(seq.tokens) // self.pool.block_size
+        full = len(seq.tokens) // self.blocks.block_size
         if full > seq.n_cached:
-            chain_keys(seq.tokens, self.pool.block_size, full, seq.keys)
+            chain_keys(seq.tokens, self.blocks.block_size, full, seq.keys)
             self._computing.update(seq.keys[seq.n_cached:full])
 
     def cache_blocks(self, batch: list[Seq]) -> None:
         """After a successful step: cache the blocks it filled (each request's full blocks of
         tokens now in KV)."""
-        pool = self.pool
+        blocks = self.blocks
         self._computing.clear()
-        if pool.cache is None:
+        if blocks.cache is None:
             return
         for seq in batch:
-            full = seq.kv_len // pool.block_size
+            full = seq.kv_len // blocks.block_size
             if full > seq.n_cached:
-                pool.register(seq.table, seq.tokens, seq.keys, seq.n_cached, full)
+                blocks.register(seq.table, seq.tokens, seq.keys, seq.n_cached, full)
                 seq.n_cached = full
 
     # -- scheduling -----------------------------------------------------------------------
     def too_big(self, seq: Seq) -> bool:
-        return self.pool.blocks_for(len(seq.tokens)) > self.pool.num_blocks
+        return self.blocks.blocks_for(len(seq.tokens)) > self.blocks.num_blocks
 
     def _reserve(self, seq: Seq, in_batch: set[int]) -> bool:
         while True:
             try:
-                self.pool.ensure(seq.table, len(seq.tokens))
+                self.blocks.ensure(seq.table, len(seq.tokens))
                 return True
             except KVPoolFull:
                 pending = [s for s in self.seqs.values() if s.status == "pending" and s.table]

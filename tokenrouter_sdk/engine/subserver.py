@@ -1,6 +1,6 @@
 """A sub-server: everything that serves one model.
 
-It owns a scheduler, a runner with a private KV pool, and runs the policy's per-step code for
+It owns a scheduler, a runner with its private KV storage and the block allocator over it, and runs the policy's per-step code for
 the requests it owns. It learns about requests only from messages (`Admit`, `HandoffMsg`,
 `Release`, `Abort`) and reports only through events (`Committed`, `Hopped`, `Finished`,
 `StepDone`), so the same loop runs in a thread, in a process or in simulated time.
@@ -33,6 +33,7 @@ from ..policy import Handoff, Policy, Resample, StepBatch
 from ..request import RequestView, SamplingParams
 from . import messages as M
 from . import policy_calls as PC
+from .block_allocator import blocks_of
 from .config import MODES, EngineConfig, Mode
 from .runner import ForwardOut, RunnerDied, SeqInput
 from .sampler import make_generator, sample
@@ -63,7 +64,8 @@ class SubServer:
     Args:
         name: model name (e.g. ``"small"``).
         models: all model names, smallest first.
-        runner: the model's `tokenrouter_sdk.engine.runner.Runner` (holds the KV pool).
+        runner: the model's `tokenrouter_sdk.engine.runner.Runner` (owns the KV storage; its
+            ``pool`` gives the geometry the block ids are allocated over: `blocks_of`).
         tokenizer: the shared tokenizer (stop strings; ``step.tokenizer`` for policies).
         config: the `EngineConfig` (mode, retain_kv, batch limits, ...).
         thresholds: delayed batching thresholds B_i per model (``delayed`` mode).
@@ -79,7 +81,7 @@ class SubServer:
                  clock: Callable[[], float] = time.perf_counter):
         self.name, self.models, self.index = name, list(models), list(models).index(name)
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
-        self.sched = Scheduler(runner.pool, config.max_batch_tokens, config.max_batch_size,
+        self.sched = Scheduler(blocks_of(runner), config.max_batch_tokens, config.max_batch_size,
                                prefix_cache=config.prefix_cache)
         self.policies: dict[int, Policy] = {}
         self.aborted: collections.OrderedDict[int, tuple[str, str | None]] = collections.OrderedDict()
@@ -164,21 +166,21 @@ class SubServer:
         self.thresholds = dict(msg.thresholds)
 
     def _clear_prefix_cache(self, msg: M.ClearPrefixCache) -> None:
-        self.sched.pool.clear_prefix_cache()
+        self.sched.blocks.clear_prefix_cache()
 
     def _stats_query(self, msg: M.StatsQuery) -> None:
         self._emit(self.stats(msg.token))
 
     def stats(self, token: int = 0) -> M.Stats:
         """This sub-server's KV pool and request counts, as a `Stats` event."""
-        pool, seqs, owned = self.sched.pool, self.sched.seqs, self.sched.owned
+        blocks, seqs, owned = self.sched.blocks, self.sched.seqs, self.sched.owned
         run = sum(len(s.table) for s in owned.values())
         pend = sum(len(s.table) for r, s in seqs.items() if r not in owned)
-        return M.Stats(self.name, token, pool.num_free, pool.num_blocks, pool.block_size, len(owned),
-                       len(seqs) - len(owned), run, pend, cached_blocks=pool.cached_blocks,
-                       idle_cached_blocks=pool.idle_cached_blocks,
+        return M.Stats(self.name, token, blocks.num_free, blocks.num_blocks, blocks.block_size, len(owned),
+                       len(seqs) - len(owned), run, pend, cached_blocks=blocks.cached_blocks,
+                       idle_cached_blocks=blocks.idle_cached_blocks,
                        prefix_hit_tokens=self.sched.total_hit_tokens, prefix_query_tokens=self.sched.total_query_tokens,
-                       prefix_cache=pool.cache is not None)
+                       prefix_cache=blocks.cache is not None)
 
     def _prefill(self, msg: M.Prefill) -> None:
         """Admission prefill of a peer: feed the prompt in a coming step, then keep it pending.
@@ -218,10 +220,10 @@ class SubServer:
         self.sched.add_owned(seq)
 
     def _kv_error(self, seq: Seq) -> str:
-        pool, have = self.sched.pool, self.sched.pool.capacity_tokens
+        blocks, have = self.sched.blocks, self.sched.blocks.capacity_tokens
         if not self.sched.too_big(seq):
-            return (f"KV pool of model '{self.name}' has {pool.num_free} free blocks and request {seq.rid} needs "
-                    f"{pool.blocks_for(len(seq.tokens)) - len(seq.table)} more, but no request of this model holds "
+            return (f"KV pool of model '{self.name}' has {blocks.num_free} free blocks and request {seq.rid} needs "
+                    f"{blocks.blocks_for(len(seq.tokens)) - len(seq.table)} more, but no request of this model holds "
                     f"the others: the pool is used by another engine (a runner object given to two Routers?) "
                     f"or leaked; give each Router its own runners")
         return (f"KV pool of model '{self.name}' is too small for request {seq.rid}: it needs {len(seq.tokens)} "
@@ -422,12 +424,12 @@ class SubServer:
                                      f"{self._pname(s)} to request {s.rid} on model '{self.name}': "
                                      f"{type(e).__name__}: {e}",
                                      "".join(traceback.format_exception(type(e), e, e.__traceback__)))
-        pool, owned = self.sched.pool, self.sched.owned
+        blocks, owned = self.sched.blocks, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
         self._emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
                              len(fed), sum(fed.values()), fed, preempted, round,
-                             pool.num_blocks - pool.num_free, max(0, len(owned) - len(batch)), pending,
-                             self.sched.hit_tokens, self.sched.query_tokens, pool.cached_blocks))
+                             blocks.num_blocks - blocks.num_free, max(0, len(owned) - len(batch)), pending,
+                             self.sched.hit_tokens, self.sched.query_tokens, blocks.cached_blocks))
 
     def _sample(self, batch: list[Seq], logits: torch.Tensor, idx) -> list[int]:
         """A token per request of ``batch`` at rows ``idx`` (greedy after ``Handoff(greedy=True)``)."""

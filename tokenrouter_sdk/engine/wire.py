@@ -442,15 +442,19 @@ class _FreshPool:
 
 def _child_spec(spec: dict) -> dict:
     """The spec as the child gets it: a runner object (model shared through shared memory) with
-    a fresh KV pool of the same shape instead of this process's; a `RunnerSpec` as it is (it has
-    no pool: the child builds the runner)."""
+    a fresh KV pool of the same shape instead of this process's, and without this process's
+    block allocator (the child's sub-server makes its own); a `RunnerSpec` as it is (it has no
+    pool: the child builds the runner)."""
     import copy
 
     from .kv_pool import KVPool
     spec = dict(spec)
     runner = spec.get("runner")
-    if isinstance(getattr(runner, "pool", None), KVPool) and runner.pool.k is not None:
+    fresh_pool = isinstance(getattr(runner, "pool", None), KVPool) and runner.pool.k is not None
+    if fresh_pool or "kv_blocks" in getattr(runner, "__dict__", {}):
         runner = copy.copy(runner)
-        runner.pool = _FreshPool(runner.pool)
+        runner.__dict__.pop("kv_blocks", None)
+        if fresh_pool:
+            runner.pool = _FreshPool(runner.pool)
         spec["runner"] = runner
     return spec

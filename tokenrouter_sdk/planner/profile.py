@@ -39,6 +39,7 @@ def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 1
     import torch
 
     from ..backends.torch_runner import TorchRunner
+    from ..engine.block_allocator import blocks_of
     from ..engine.runner import SeqInput
 
     runner = runner_or_model
@@ -51,12 +52,12 @@ def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 1
         raise ValueError(f"profile_latency: steps must be >= 1, got {steps}")
     vocab = vocab_limit or runner.vocab_size
     rng = np.random.default_rng(seed)
-    pool = runner.pool
+    blocks = blocks_of(runner)  # the runner's own allocator: a sub-server over it never gets these blocks
 
     def run(seqs: list[list[int]], tables: list[list[int]], lens: list[int], feed: list[list[int]]) -> float:
         inputs = []
         for toks, tab, n in zip(feed, tables, lens):
-            pool.ensure(tab, n + len(toks))
+            blocks.ensure(tab, n + len(toks))
             inputs.append(SeqInput(list(toks), n, tab))
         t0 = time.perf_counter()
         logits = runner.forward(inputs).logits
@@ -92,5 +93,5 @@ def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 1
                     per_token_s = max(0.0, (statistics.median(ext) - dec) / (extend_tokens - 1))
             finally:
                 for t in tables:
-                    pool.free(t)
+                    blocks.free(t)
     return LatencyModel(table=table, per_token_s=per_token_s)

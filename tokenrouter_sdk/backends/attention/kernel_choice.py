@@ -95,6 +95,7 @@ def measure(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers:
         ``{"buckets", "kernel" (per bucket: the kernel was faster), "kernel_ms", "gather_ms"
         (medians per step), "limit", "context", "decodes", "layers"}``.
     """
+    from ...engine.block_allocator import BlockAllocator
     from ...engine.kv_pool import KVPool
     from ...engine.runner import SeqInput
     from .batch import pack
@@ -104,12 +105,13 @@ def measure(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers:
     top = max(buckets)
     per = -(-(CONTEXT + top) // 16)
     pool = KVPool(layers, kv_heads, dim, num_blocks=per * (DECODES + 1), block_size=16, dtype=dtype)
+    blocks = BlockAllocator.over(pool)
     g = torch.Generator().manual_seed(0)
     for t in (pool.k, pool.v):
         t.copy_(torch.randn(t.shape, generator=g, dtype=dtype))
     tables = [[] for _ in range(DECODES + 1)]
     for tb in tables:
-        pool.ensure(tb, CONTEXT + top)
+        blocks.ensure(tb, CONTEXT + top)
     spec = AttentionSpec.uniform("measured", layers, dim ** -0.5)
     kernel_ms, gather_ms = [], []
     with torch.inference_mode():
