@@ -191,7 +191,7 @@ class RunResult(list):
         return rows
 
     def __repr__(self) -> str:
-        from .viz.tables import text_table
+        from .tables import text_table
         head = f"RunResult of {len(self)} requests: {self.summary()}"
         return head + "\n" + text_table(self._COLUMNS, self._rows(60), self._ALIGN)
 
@@ -201,7 +201,7 @@ class RunResult(list):
     def _repr_html_(self) -> str:
         """A table of the answers (index, how each ended, tokens, hops, share written by the
         largest model, times in seconds, the text) under the stats line."""
-        from .viz.tables import html_table
+        from .tables import html_table
         return (f"<div class='tr-run'><p>{html.escape(self.summary())} · <code>.show()</code> colours the "
                 f"tokens, <code>.timeline()</code> draws the run</p>"
                 f"{html_table(self._COLUMNS, self._rows(160), align=self._ALIGN)}</div>")

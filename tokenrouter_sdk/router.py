@@ -610,7 +610,7 @@ class Router:
         log-probability under that model's distribution. A discarding handoff moves the position
         to the peer, which scores it instead. The sum over the continuation is the
         log-likelihood of the continuation under routed decoding: what lm-evaluation-harness's
-        ``loglikelihood`` asks for (`tokenrouter_sdk.serve.lm_eval_model`). It costs one step
+        ``loglikelihood`` asks for (`tokenrouter_sdk.eval.lm_eval_model`). It costs one step
         per continuation token (prompts prefill in one step).
 
         Args:

@@ -20,7 +20,7 @@ import evalkit  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from tokenrouter_sdk.eval.cli import add_arguments, cmd_eval
+    from tokenrouter_sdk.cli.eval import add_arguments, cmd_eval
 
     args = add_arguments(evalkit.parser(__file__, __doc__), out=False).parse_args(argv)
     name = Path(args.dataset).stem if ("/" in args.dataset or "." in args.dataset) else args.dataset

@@ -43,7 +43,7 @@ def compare(a, b, tolerance: float) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> int:
-    from tokenrouter_sdk.eval.cli import add_arguments, cmd_eval
+    from tokenrouter_sdk.cli.eval import add_arguments, cmd_eval
     from tokenrouter_sdk.eval.result import EvalResult
 
     p = add_arguments(evalkit.parser(__file__, __doc__), out=False)

@@ -20,7 +20,7 @@ import evalkit  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from tokenrouter_sdk.cli import add_bench_arguments, cmd_bench
+    from tokenrouter_sdk.cli.main import add_bench_arguments, cmd_bench
 
     p = add_bench_arguments(evalkit.parser(__file__, __doc__), out=False)
     args = p.parse_args(argv)

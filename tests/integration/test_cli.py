@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenrouter_sdk.cli import RESET, format_output, load_prompts, main
+from tokenrouter_sdk.cli.main import RESET, format_output, load_prompts, main
 from tokenrouter_sdk.models import tiny_tokenizer
 from tokenrouter_sdk.request import RequestOutput
 

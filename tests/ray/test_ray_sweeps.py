@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tokenrouter_sdk.cli import main
+from tokenrouter_sdk.cli.main import main
 from tokenrouter_sdk.eval.sweep import TIMING_KEYS
 
 SKIP = set(TIMING_KEYS)  # timings, machine load, and the prefix-cache hits of requests that share a prefix

@@ -128,7 +128,7 @@ def test_lm_eval_multiple_choice_in_process_and_over_http(served, tmp_path, monk
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    from tokenrouter_sdk.serve.lm_eval_model import TokenRouterLM
+    from tokenrouter_sdk.eval.lm_eval_model import TokenRouterLM
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     router, url = served

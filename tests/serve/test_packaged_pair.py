@@ -54,7 +54,7 @@ def lm():
     pytest.importorskip("lm_eval")
     from lm_eval.api.registry import get_model
 
-    from tokenrouter_sdk.serve.lm_eval_model import TokenRouterLM
+    from tokenrouter_sdk.eval.lm_eval_model import TokenRouterLM
     cls = get_model("tokenrouter")
     assert cls is TokenRouterLM
     model = cls.create_from_arg_string("policy=rstitch,tau=0.1,concurrency=8,processes=True")

@@ -157,7 +157,7 @@ def test_a_real_measurement_times_both_paths_at_every_bucket(store):
 
 
 def test_info_prints_the_choices_and_their_timings(store, capsys):
-    from tokenrouter_sdk.cli import main
+    from tokenrouter_sdk.cli.main import main
     _projections()  # auto: measured for real and stored
     assert main(["info"]) == 0
     out = capsys.readouterr().out

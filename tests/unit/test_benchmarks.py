@@ -80,7 +80,7 @@ def test_commonsenseqa_is_not_shipped():
 
 
 def test_fresh_clone_demo_bench_eval_and_training_get_the_same_first_8_questions(fresh_clone):
-    from tokenrouter_sdk.cli import build_parser, demo_prompts
+    from tokenrouter_sdk.cli.main import build_parser, demo_prompts
     from tokenrouter_sdk.eval import load_benchmark
     from tokenrouter_sdk.train.data import as_examples, load_examples
 
@@ -214,7 +214,7 @@ def test_packaged_gold_answers_are_accepted_by_the_answer_check():
 
 
 def test_every_command_defaults_to_the_self_draft_pair():
-    from tokenrouter_sdk.cli import build_parser
+    from tokenrouter_sdk.cli.main import build_parser
     from tokenrouter_sdk.models import describe_default_pair
 
     p = build_parser()

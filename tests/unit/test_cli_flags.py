@@ -39,7 +39,7 @@ def dtypes(router):
 
 # -- serve ---------------------------------------------------------------------------------------
 def serve_args(argv):
-    from tokenrouter_sdk.serve.cli import add_parser
+    from tokenrouter_sdk.cli.serve import add_parser
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers(dest="cmd", required=True))
     return p.parse_args(["serve", "--transport", "thread", *argv])
@@ -47,7 +47,7 @@ def serve_args(argv):
 
 def test_serve_flags_take_effect(folders, tmp_path):
     pytest.importorskip("fastapi")
-    from tokenrouter_sdk.serve.cli import build
+    from tokenrouter_sdk.cli.serve import build
     argv = [*model_flags(folders), "--dtype", "small=float64", "--device", "cpu", "--policy",
             "rstitch:tau=0.3,tau_back=0.02", "--kv-memory-fraction", "0.01"]
     router, app, sock, _ = build(serve_args(argv))
@@ -73,7 +73,7 @@ def test_serve_flags_take_effect(folders, tmp_path):
 
 def test_model_impl_flag_reaches_every_runner(folders):
     pytest.importorskip("fastapi")
-    from tokenrouter_sdk.serve.cli import build
+    from tokenrouter_sdk.cli.serve import build
     router, app, sock, _ = build(serve_args([*model_flags(folders), "--model-impl", "transformers",
                                              "--max-kv-tokens", "512"]))
     try:
@@ -87,7 +87,7 @@ def test_model_impl_flag_reaches_every_runner(folders):
 
 def test_kernels_flag_reaches_every_runner(folders):
     pytest.importorskip("fastapi")
-    from tokenrouter_sdk.serve.cli import build
+    from tokenrouter_sdk.cli.serve import build
     router, app, sock, _ = build(serve_args([*model_flags(folders), "--kernels", "off",
                                              "--max-kv-tokens", "512"]))
     try:
@@ -97,7 +97,7 @@ def test_kernels_flag_reaches_every_runner(folders):
         router.close()
     with pytest.raises(SystemExit):
         serve_args([*model_flags(folders), "--kernels", "flash"])
-    from tokenrouter_sdk.cli import build_parser
+    from tokenrouter_sdk.cli.main import build_parser
     for argv in (["demo", "--kernels", "off"], ["bench", "--kernels", "wait"], ["eval", "--kernels", "off"]):
         assert build_parser().parse_args(argv).kernels == argv[-1]
 
@@ -105,7 +105,7 @@ def test_kernels_flag_reaches_every_runner(folders):
 def test_tp_flag_makes_the_model_tensor_parallel_loaded_from_its_folder(folders):
     pytest.importorskip("fastapi")
     from tokenrouter_sdk.backends.tensor_parallel import TensorParallelRunner
-    from tokenrouter_sdk.serve.cli import build
+    from tokenrouter_sdk.cli.serve import build
     router, app, sock, _ = build(serve_args([*model_flags(folders), "--tp", "large=2", "--max-kv-tokens", "512"]))
     try:
         runner = router.engine.runners["large"]
@@ -130,7 +130,7 @@ def test_tp_flag_makes_the_model_tensor_parallel_loaded_from_its_folder(folders)
 ])
 def test_serve_bad_flags_stop_naming_them(argv, msg):
     pytest.importorskip("fastapi")
-    from tokenrouter_sdk.serve.cli import build
+    from tokenrouter_sdk.cli.serve import build
     with pytest.raises(SystemExit, match=msg):
         build(serve_args(argv))
 
@@ -138,7 +138,7 @@ def test_serve_bad_flags_stop_naming_them(argv, msg):
 def test_a_cuda_device_on_a_cpu_only_torch_stops_with_the_install_command(folders, monkeypatch):
     pytest.importorskip("fastapi")
     from tokenrouter_sdk.placement import cuda_install_command
-    from tokenrouter_sdk.serve.cli import build
+    from tokenrouter_sdk.cli.serve import build
     monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     with pytest.raises(SystemExit) as err:
@@ -148,12 +148,12 @@ def test_a_cuda_device_on_a_cpu_only_torch_stops_with_the_install_command(folder
 
 # -- eval ----------------------------------------------------------------------------------------
 def eval_args(argv):
-    from tokenrouter_sdk.eval.cli import add_arguments
+    from tokenrouter_sdk.cli.eval import add_arguments
     return add_arguments(argparse.ArgumentParser()).parse_args(argv)
 
 
 def test_eval_runs_your_pair_with_a_registry_spec(folders, tmp_path):
-    from tokenrouter_sdk.eval.cli import cmd_eval
+    from tokenrouter_sdk.cli.eval import cmd_eval
     out = tmp_path / "eval"
     argv = [*model_flags(folders), "--dtype", "float64", "--device", "cpu", "--policy", "rstitch:tau_back=0.02",
             "--values", "0.3", "--limit", "1", "--max-new-tokens", "3", "--no-references", "--no-progress",
@@ -169,7 +169,7 @@ def test_eval_runs_your_pair_with_a_registry_spec(folders, tmp_path):
 
 
 def test_eval_sweeps_learned_heads_and_your_class(tmp_path):
-    from tokenrouter_sdk.eval.cli import sweep
+    from tokenrouter_sdk.cli.eval import sweep
     factory, param, values = sweep(eval_args(["--policy", "citer"]))  # one point: the head's calibrated tau
     assert param == "tau" and values == [pytest.approx(factory(values[0]).tau)] and 0 < values[0] < 1
     factory, param, values = sweep(eval_args(["--policy", "rstitch:tau_back=0.05"]))
@@ -186,8 +186,8 @@ def test_eval_sweeps_learned_heads_and_your_class(tmp_path):
 
 # -- bench ---------------------------------------------------------------------------------------
 def test_bench_runs_your_pair_and_policies(folders, tmp_path):
-    from tokenrouter_sdk.cli import build_parser, cmd_bench
-    from tokenrouter_sdk.cli_common import load_models
+    from tokenrouter_sdk.cli.main import build_parser, cmd_bench
+    from tokenrouter_sdk.cli.common import load_models
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one two\nthree four\n")
     argv = ["bench", *model_flags(folders), "--dtype", "float64", "--policy", "large_only", "--policy",
@@ -215,8 +215,8 @@ def test_bench_runs_your_pair_and_policies(folders, tmp_path):
 def test_train_flags_reach_the_router_and_the_calibration(folders, monkeypatch):
     import tokenrouter_sdk.train as T
     import tokenrouter_sdk.train.package as P
-    from tokenrouter_sdk.cli import build_parser
-    from tokenrouter_sdk.train.cli import run
+    from tokenrouter_sdk.cli.main import build_parser
+    from tokenrouter_sdk.cli.train import run
     seen = {}
 
     class Result:
@@ -253,7 +253,7 @@ def test_lm_eval_model_options_take_effect_or_raise(folders, pair, tok):
     pytest.importorskip("lm_eval")
     from tokenrouter_sdk import Router
     from tokenrouter_sdk.placement import DeviceError
-    from tokenrouter_sdk.serve.lm_eval_model import TokenRouterLM
+    from tokenrouter_sdk.eval.lm_eval_model import TokenRouterLM
     base = f"small_model={folders[0]},large_model={folders[1]},dtype=float64,processes=False"
     lm = TokenRouterLM.create_from_arg_string(base, {"batch_size": 4, "device": "cpu"})
     try:

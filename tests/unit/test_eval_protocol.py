@@ -84,7 +84,7 @@ def folders(tmp_path_factory):
 
 
 def test_eval_exits_non_zero_when_every_request_fails_and_shows_why(folders, tmp_path, capsys):
-    from tokenrouter_sdk.eval.cli import add_arguments, cmd_eval
+    from tokenrouter_sdk.cli.eval import add_arguments, cmd_eval
     (tmp_path / "broken.py").write_text(POLICY_FILE)
     argv = ["--model", f"small={folders[0]}", "--model", f"large={folders[1]}", "--transport", "thread",
             "--policy-file", f"{tmp_path / 'broken.py'}:Broken", "--param", "level", "--values", "0.3",
@@ -207,7 +207,7 @@ def test_several_policies_share_one_question_set_and_one_set_of_references(pair,
 def test_python_defaults_are_the_command_line_defaults():
     """Without values a learned head runs its calibrated point and a training-free policy the
     CLI's five values, in Python as on the command line."""
-    from tokenrouter_sdk.eval.cli import DEFAULT_VALUES, add_arguments, sweeps
+    from tokenrouter_sdk.cli.eval import DEFAULT_VALUES, add_arguments, sweeps
     from tokenrouter_sdk.eval.sweep import default_values
     from tokenrouter_sdk.policies import R2R
     assert default_values("r2r") == [R2R().tau]

@@ -76,8 +76,8 @@ def test_shards_of_another_sweep_are_refused(pair, tok, bench, tmp_path):
 
 
 def test_launch_argv_drops_the_launcher_flags():
-    from tokenrouter_sdk.cli import build_parser
-    from tokenrouter_sdk.eval.cli import _shard_launch_argv
+    from tokenrouter_sdk.cli.main import build_parser
+    from tokenrouter_sdk.cli.eval import _shard_launch_argv
     from tokenrouter_sdk.eval.shards import shard_argv
     argv = ["--values", "0.1,0.2", "--shards", "3", "--launcher=local", "--out", "o", "--limit", "4", "--merge"]
     args = build_parser().parse_args(["eval", *argv])

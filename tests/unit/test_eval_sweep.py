@@ -152,11 +152,11 @@ def test_small_only_only_and_dict_of_models(pair, tok, bench):
 
 
 def test_cli_parser_has_eval():
-    from tokenrouter_sdk.cli import build_parser
+    from tokenrouter_sdk.cli.main import build_parser
     a = build_parser().parse_args(["eval", "--values", "0.02,0.05", "--limit", "16", "--out", "x"])
     assert a.values == [0.02, 0.05] and a.limit == 16 and a.policy is None and a.fn.__name__ == "cmd_eval"
     assert a.repeats == 2 and a.cache == "clear" and not a.allow_failures
-    from tokenrouter_sdk.eval.cli import sweeps
+    from tokenrouter_sdk.cli.eval import sweeps
     assert [(n, p, v) for n, _, p, v in sweeps(a)] == [("rstitch", "tau", [0.02, 0.05])]  # the default policy
     a = build_parser().parse_args(["eval", "--policy", "rstitch@0.1,0.2", "--policy", "random", "--values", "0.3"])
     assert [(n, p, v) for n, _, p, v in sweeps(a)] == [("rstitch", "tau", [0.1, 0.2]), ("random", "p", [0.3])]

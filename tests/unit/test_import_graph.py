@@ -1,8 +1,11 @@
-"""The package's modules import one another without a circle: every import counts (at module
-level, inside functions, and under ``TYPE_CHECKING``), so a lazy import cannot hide one."""
+"""The package's modules import one another without a circle, and down its layers (`LAYERS`)
+but for the imports `ALLOWED_UP` names: every import counts (at module level, inside functions,
+and under ``TYPE_CHECKING``), so a lazy import cannot hide one."""
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import tokenrouter_sdk
 
@@ -78,3 +81,60 @@ def test_the_check_finds_a_circle_when_there_is_one(tmp_path):
     (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import f\n")
     (pkg / "c.py").write_text("import pkg.a\n")
     assert circles(module_graph(pkg)) == [["pkg.a", "pkg.sub.b"]]
+
+
+# The package's layers, lowest first: a module may import its own layer and the ones below.
+# Each name is a top-level module or folder of the package (``engine`` is ``engine/``).
+LAYERS = (
+    ("request", "placement", "kv_sizing", "random_models", "self_draft", "benchmarks", "tables"),
+    ("policy",), ("models",), ("policies",),
+    ("engine",), ("metrics",), ("viz",), ("result",),
+    ("backends",), ("planner",), ("reference",),
+    ("router",), ("serve",), ("eval",), ("demo",), ("bench",), ("train",),
+    ("cli",),
+)
+# The imports that go up, each with why it stays: at most two.
+ALLOWED_UP = {
+    ("tokenrouter_sdk.router", "tokenrouter_sdk.serve.app"): "Router.serve(): the HTTP server on the Router's engine",
+    ("tokenrouter_sdk.router", "tokenrouter_sdk.serve.server"): "Router.serve(): its background server",
+}
+
+
+def layer_of(module: str) -> int | None:
+    """The index in `LAYERS` of a package module (None: the package's ``__init__``)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    for i, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return i
+    raise AssertionError(f"{module}: its top-level name {parts[1]!r} is in no layer of LAYERS: add it")
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The imports from a module to one of a higher layer."""
+    out = []
+    for mod, targets in graph.items():
+        here = layer_of(mod)
+        for t in targets:
+            there = layer_of(t)
+            if here is not None and there is not None and there > here:
+                out.append((mod, t))
+    return sorted(out)
+
+
+def test_imports_go_down_the_layers_but_for_at_most_two_named_edges():
+    up = upward_edges(module_graph())
+    assert len(ALLOWED_UP) <= 2
+    assert {(a, b) for a, b in up} <= set(ALLOWED_UP), [e for e in up if e not in ALLOWED_UP]
+    # counted per pair of layers: the two Router.serve imports are one edge, router -> serve
+    assert len({(layer_of(a), layer_of(b)) for a, b in up}) <= 2
+
+
+def test_the_layer_check_sees_an_import_that_goes_up(tmp_path):
+    graph = {"tokenrouter_sdk.engine.call": {"tokenrouter_sdk.metrics"},
+             "tokenrouter_sdk.metrics": {"tokenrouter_sdk.engine.messages"},
+             "tokenrouter_sdk.engine.messages": set()}
+    assert upward_edges(graph) == [("tokenrouter_sdk.engine.call", "tokenrouter_sdk.metrics")]
+    with pytest.raises(AssertionError, match="'mystery' is in no layer"):
+        upward_edges({"tokenrouter_sdk.mystery": {"tokenrouter_sdk.engine"}, "tokenrouter_sdk.engine": set()})

@@ -146,7 +146,7 @@ def test_a_runner_measures_its_limit_at_its_first_kernel_step(store, op):
 
 
 def test_info_prints_the_extend_choice(store, capsys):
-    from tokenrouter_sdk.cli import main
+    from tokenrouter_sdk.cli.main import main
     K.extend_limit(None, 9, 3, 64, torch.float32, 30, measure_fn=FakeMeasure(upto=4))
     assert main(["info"]) == 0
     out = capsys.readouterr().out

@@ -4,7 +4,7 @@ operator's own class from a file, and the ``tokenrouter serve`` flags that use t
 import pytest
 
 from tokenrouter_sdk import Policy
-from tokenrouter_sdk.cli import main
+from tokenrouter_sdk.cli.main import main
 from tokenrouter_sdk.policies import (LargeOnly, RandomQueryRouting, RandomRouting, RStitch, SingleModel, SmallOnly,
                                       TokenEnsemble)
 from tokenrouter_sdk.policies.registry import (PolicyRegistry, PolicySpecError, build_policy, builtin_registry,

@@ -53,7 +53,7 @@ def test_serve_answers_with_a_policy_file_class_in_sub_server_processes(folders,
     from fastapi.testclient import TestClient
 
     from tokenrouter_sdk.engine.process_transport import ProcessTransport
-    from tokenrouter_sdk.serve.cli import add_parser, build
+    from tokenrouter_sdk.cli.serve import add_parser, build
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers(dest="cmd", required=True))
     args = p.parse_args(["serve", *_flags(folders, tmp_path), "--max-kv-tokens", "512"])
@@ -71,7 +71,7 @@ def test_serve_answers_with_a_policy_file_class_in_sub_server_processes(folders,
 
 
 def test_eval_scores_a_policy_file_class_in_sub_server_processes(folders, tmp_path, processes):
-    from tokenrouter_sdk.eval.cli import add_arguments, cmd_eval
+    from tokenrouter_sdk.cli.eval import add_arguments, cmd_eval
     out = tmp_path / "eval"
     argv = [*_flags(folders, tmp_path), "--param", "start", "--values", "0", "--limit", "2", "--max-new-tokens", "4",
             "--references", "large_only", "--repeats", "1", "--no-progress", "--concurrency", "2", "--out", str(out)]
@@ -90,7 +90,7 @@ class _HoldsALock(Policy):
 
 
 def test_a_policy_that_cannot_be_shipped_stops_the_command_naming_the_fix():
-    from tokenrouter_sdk.cli_common import check_shippable
+    from tokenrouter_sdk.cli.common import check_shippable
     with pytest.raises(SystemExit) as e:
         check_shippable(_HoldsALock(), "tokenrouter serve")
     msg = str(e.value)

@@ -3,7 +3,7 @@ serve); without it the cache stays on."""
 
 import pytest
 
-from tokenrouter_sdk.cli import build_parser
+from tokenrouter_sdk.cli.main import build_parser
 from tokenrouter_sdk.router import Router
 
 

@@ -6,7 +6,7 @@ import torch
 
 from tokenrouter_sdk import Router, SamplingParams
 from tokenrouter_sdk.bench import run_bench
-from tokenrouter_sdk.cli import main
+from tokenrouter_sdk.cli.main import main
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.random_models import (QWEN3_SHAPES, count_parameters, id_tokenizer, random_config,
                                            random_model, random_prompts)

@@ -133,8 +133,8 @@ def test_distill_end_to_end_on_a_tiny_model(large, tmp_path):
 
 
 def test_distill_cli_arguments():
-    from tokenrouter_sdk.cli import build_parser
-    from tokenrouter_sdk.train.self_draft.cli import run
+    from tokenrouter_sdk.cli.main import build_parser
+    from tokenrouter_sdk.cli.distill import run
 
     args = build_parser().parse_args(["distill", "--k", "8", "--m", "1", "--seconds", "60", "--out", "x.safetensors"])
     assert (args.k, args.m, args.seconds, args.out, args.fn) == (8, 1, 60.0, "x.safetensors", run)

@@ -127,8 +127,8 @@ def test_train_r2r_end_to_end(pair, tmp_path):
 
 
 def test_cli_train_subcommand_parses():
-    from tokenrouter_sdk.cli import build_parser
-    from tokenrouter_sdk.train.cli import run
+    from tokenrouter_sdk.cli.main import build_parser
+    from tokenrouter_sdk.cli.train import run
     a = build_parser().parse_args(["train", "co_llm", "--limit", "5", "--out", "x", "--epochs", "3"])
     assert (a.kind, a.limit, a.out, a.epochs, a.fn) == ("co_llm", 5, "x", 3, run)
     with pytest.raises(SystemExit):

@@ -131,8 +131,8 @@ def test_training_defaults_to_the_gsm8k_train_split(monkeypatch, tmp_path):
     GSM8K train by default: no question of the test split, which evaluations score."""
     from tokenrouter_sdk import Router
     from tokenrouter_sdk import train as T
-    from tokenrouter_sdk.cli import build_parser
-    from tokenrouter_sdk.train import cli as train_cli
+    from tokenrouter_sdk.cli.main import build_parser
+    from tokenrouter_sdk.cli import train as train_cli
     from tokenrouter_sdk.train import package
 
     exs = load_examples(limit=3)
@@ -171,8 +171,8 @@ def test_training_defaults_to_the_gsm8k_train_split(monkeypatch, tmp_path):
 
 
 def test_cli_options_reach_the_pipelines():
-    from tokenrouter_sdk.cli import build_parser
-    from tokenrouter_sdk.train.cli import pipeline_kwargs
+    from tokenrouter_sdk.cli.main import build_parser
+    from tokenrouter_sdk.cli.train import pipeline_kwargs
     common = ["--offset", "556", "--limit", "300", "--cache", "c", "--concurrency", "64", "--max-new-tokens", "80"]
     kw = pipeline_kwargs(build_parser().parse_args(["train", "citer", *common, "--reference", "large"]))
     assert kw | {"out": None} == {"data": None, "limit": 300, "offset": 556, "out": None, "seed": 0,

@@ -18,7 +18,8 @@ import pytest
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.engine.messages import Admitted, Committed, Finished, Hopped, StepDone
 from tokenrouter_sdk.policies import RandomRouting
-from tokenrouter_sdk.viz import LiveView, RunResult, TraceState
+from tokenrouter_sdk.result import RunResult
+from tokenrouter_sdk.viz import LiveView, TraceState
 from tokenrouter_sdk.viz.tokens import PALETTE, token_pieces
 
 from tests.helpers import interrupt_main_after, mixed_prompts

@@ -117,7 +117,7 @@ class EvalResult:
         throughput (median tokens/s with its min-max over the repeats), tokens per CPU-second,
         mean latency (s), tokens per answer; the RouteLLM summaries and paired differences; then
         the `notes`."""
-        from ..viz.tables import text_table
+        from ..tables import text_table
         head, *rows = self._table_rows()
         parts = [text_table(head, rows, align="l" + "r" * (len(head) - 1))]
         if self.summaries:
@@ -142,7 +142,7 @@ class EvalResult:
         """Per policy and quality measure: RouteLLM's APGR (the average share of the large-only
         gain recovered over the large fraction) and the large fraction that reaches 50% and 80%
         of that gain (arXiv 2406.18665, section 5.1)."""
-        from ..viz.tables import text_table
+        from ..tables import text_table
         head, rows = self._summary_rows()
         return "RouteLLM summaries (cost = large fraction)\n" + text_table(head, rows, align="llrrrrr")
 
@@ -158,7 +158,7 @@ class EvalResult:
     def paired_table(self) -> str:
         """Paired differences on the questions both points answered: accuracy and agreement of
         each swept point minus its comparator's, with percentile bootstrap 95% intervals."""
-        from ..viz.tables import text_table
+        from ..tables import text_table
         head, rows = self._paired_rows()
         return "paired differences on the same questions (point - vs)\n" + text_table(head, rows, align="llrrrr")
 
@@ -280,7 +280,7 @@ class EvalResult:
         formats), then the notes."""
         import html as _html
 
-        from ..viz.tables import html_table
+        from ..tables import html_table
         head, *rows = self._table_rows()
         ds = self.config.get("dataset", {})
         out = html_table(head, rows, caption=f"{ds.get('name', 'sweep')} (n={ds.get('n', '?')}): "

@@ -77,7 +77,7 @@ def _ray_shard(argv: list[str], entry) -> dict[str, bytes]:
 def run_ray(argv: list[str], n: int, out: str, entry, *, address: str | None = None, num_cpus: float = 1,
             num_gpus: float = 0) -> None:
     """Run the ``n`` shards as Ray tasks and write their files into ``out``; ``entry`` runs one
-    (``tokenrouter_sdk.eval.cli.main``, passed in so that this module does not import the command).
+    (``tokenrouter_sdk.cli.eval.main``, passed in so that this module does not import the command).
 
     Raises:
         ImportError: Ray is not installed (names the extra).

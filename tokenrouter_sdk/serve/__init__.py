@@ -1,13 +1,14 @@
 """Serving a `Router` over HTTP, OpenAI-compatible (``pip install tokenrouter-sdk[serve]``).
 
-``tokenrouter serve`` (`tokenrouter_sdk.serve.cli`) runs it from a shell; ``router.serve()``
+``tokenrouter serve`` (`tokenrouter_sdk.cli.serve`) runs it from a shell; ``router.serve()``
 starts it in the background of a notebook on the Router's own engine. Endpoints, the
 ``tokenrouter`` extension field and the metrics are described in docs/serving.md.
 
 - `create_app` (`tokenrouter_sdk.serve.app`): the FastAPI app of a Router.
 - `BackgroundServer`, `serve_forever` (`tokenrouter_sdk.serve.server`): running it.
 - `ServerMetrics` (`tokenrouter_sdk.serve.metrics`): its Prometheus registry.
-- ``tokenrouter_sdk.serve.lm_eval_model``: the ``tokenrouter`` model type of lm-evaluation-harness.
+
+The ``tokenrouter`` model type of lm-evaluation-harness is `tokenrouter_sdk.eval.lm_eval_model`.
 
 Importing this package imports neither FastAPI nor uvicorn; the names above load on first use.
 """

@@ -152,7 +152,7 @@ def packaged_path(kind: str) -> Path:
 def command_line() -> str:
     """This process's command line as ``tokenrouter ...`` when run from the CLI, else argv."""
     argv = list(sys.argv)
-    if argv and Path(argv[0]).name in ("tokenrouter", "__main__.py", "cli.py"):
+    if argv and Path(argv[0]).name in ("tokenrouter", "__main__.py", "main.py"):
         argv[0] = "tokenrouter"
     return shlex.join(argv)
 

@@ -38,11 +38,11 @@ def build(args):
         SystemExit: a bad flag (names it and the fix).
     """
     try:
-        from .app import create_app
-        from .server import bind, url_of
+        from ..serve.app import create_app
+        from ..serve.server import bind, url_of
     except ImportError as e:
         raise SystemExit(f"tokenrouter serve needs the serve extra: pip install 'tokenrouter-sdk[serve]' ({e})")
-    from ..cli_common import build_policy, build_router, policy_registry
+    from .common import build_policy, build_router, policy_registry
 
     prog = "tokenrouter serve"
     registry, own = policy_registry(args, prog)
@@ -87,7 +87,7 @@ DEFAULT_POLICY = "rstitch"
 
 def cmd_serve(args) -> int:
     """Build the Router, print the URL, serve until Ctrl-C, then close the Router."""
-    from .server import serve_forever
+    from ..serve.server import serve_forever
     router, app, sock, url = build(args)
     try:
         print(f"tokenrouter serve: {url} (OpenAI base_url {url}/v1); models {list(router.models)}; model id "
@@ -103,7 +103,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a Router over HTTP (OpenAI-compatible; needs the serve extra)",
                        description="Serve token-level routing over HTTP: POST /v1/completions, /v1/chat/completions "
                                    "(stream: true for server-sent events), GET /v1/models, /health, /metrics.")
-    from ..cli_common import add_model_arguments, add_policy_arguments
+    from .common import add_model_arguments, add_policy_arguments
     add_model_arguments(s)
     add_policy_arguments(s, default=None, what=f"the default policy of requests (default {DEFAULT_POLICY}; clients may "
                                                f"name any registry policy, and the --policy-file class)")
@@ -129,7 +129,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="placement of the sub-servers on the Ray cluster (default PACK)")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default 4 MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    from ..cli_common import add_prefix_cache_flag
+    from .common import add_prefix_cache_flag
     add_prefix_cache_flag(s)
     s.set_defaults(fn=cmd_serve)
     return s

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import DistillConfig
+from ..train.self_draft.config import DistillConfig
 
 
 def add_parser(sub) -> None:
@@ -26,11 +26,11 @@ def run(args) -> int:
     """Run `distill` from parsed arguments on the packaged large model; prints the measurements."""
     import json
 
-    from ...benchmarks import load as load_benchmark_rows
-    from ...models import cache_dir, load_model, smollm2_folder
+    from ..benchmarks import load as load_benchmark_rows
+    from ..models import cache_dir, load_model, smollm2_folder
     import torch
 
-    from .pipeline import distill
+    from ..train.self_draft.pipeline import distill
     if args.threads:
         torch.set_num_threads(args.threads)
     out = args.out or str(cache_dir() / "self_draft" / "smollm2_self_draft.safetensors")

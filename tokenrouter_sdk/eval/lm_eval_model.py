@@ -1,6 +1,6 @@
 """The ``tokenrouter`` model type of lm-evaluation-harness: a `Router` driven in-process.
 
-    python -m tokenrouter_sdk.serve.lm_eval_cli --model tokenrouter --batch_size 32 \\
+    python -m tokenrouter_sdk.cli.lm_eval --model tokenrouter --batch_size 32 \\
         --model_args policy=rstitch,tau=0.3,tau_back=0.02,max_gen_toks=256 --tasks gsm8k --limit 32
 
 Importing this module registers the type (lm-eval has no plugin entry point for model types,

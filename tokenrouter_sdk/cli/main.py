@@ -22,7 +22,7 @@ costs less CPU than a large-only one (the small model's step is ~0.55 of the lar
 routed run is faster wherever it runs. The table's last column (committed tokens per CPU
 second of the sub-servers) is what a shared machine cannot skew. ``tokenrouter info`` prints versions,
 torch threads and the cache folder. ``tokenrouter eval`` sweeps a policy's threshold on a
-benchmark (quality at hop rate; `tokenrouter_sdk.eval.cli`). ``demo``, ``bench``, ``eval`` and
+benchmark (quality at hop rate; `tokenrouter_sdk.cli.eval`). ``demo``, ``bench``, ``eval`` and
 ``train`` all default to the same pair, the packaged self-draft (``--small-layers K``: the plain
 truncation to K layers), and each prints one ``pair: ...`` line naming it.
 """
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from .benchmarks import load, load_prompts
+from ..benchmarks import load, load_prompts
 
 COLORS = ["\033[36m", "\033[33m", "\033[35m", "\033[32m"]  # cyan (small), yellow (large), ...
 RESET = "\033[0m"
@@ -105,8 +105,8 @@ def cmd_demo(args) -> int:
     from tokenrouter_sdk import Router
     from tokenrouter_sdk.policies import RandomRouting, RStitch
 
-    from .demo import format_accounting, format_comparison, run_comparison
-    from .models import describe_default_pair
+    from ..demo import format_accounting, format_comparison, run_comparison
+    from ..models import describe_default_pair
 
     hf_logging.disable_progress_bar()
     try:
@@ -184,8 +184,8 @@ def cmd_info(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         data = f"not available ({e})"
     print(f"demo data gsm8k from {data}")
-    from .backends.attention.kernel_choice import describe
-    from .backends.autotune import report
+    from ..backends.attention.kernel_choice import describe
+    from ..backends.autotune import report
     for line in report(describers=(describe,)):
         print(line)
     return 0
@@ -193,8 +193,8 @@ def cmd_info(args) -> int:
 
 def cmd_bench(args) -> int:
     """The side-by-side throughput benchmark (see `tokenrouter_sdk.bench`)."""
-    from .bench import CsvLog, environment, format_accounting, format_table, run_bench, write_html
-    from .cli_common import build_policy, describe_pair, fail, load_models, per_model, policy_registry, tp_of
+    from ..bench import CsvLog, environment, format_accounting, format_table, run_bench, write_html
+    from .common import build_policy, describe_pair, fail, load_models, per_model, policy_registry, tp_of
     prog = "tokenrouter bench"
     ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
     registry, own = policy_registry(args, prog)
@@ -212,8 +212,8 @@ def cmd_bench(args) -> int:
         raise fail(prog, "--random-pair runs token-id prompts (--prompt-tokens); --data does not apply")
     kw: dict = {}
     if args.backend == "sim":
-        from .backends.sim_runner import LatencyModel
-        from .models import tiny_tokenizer
+        from ..backends.sim_runner import LatencyModel
+        from ..models import tiny_tokenizer
         given = [f for f, v in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
                                 ("--random-pair", args.random_pair), ("--small-layers", args.small_layers),
                                 ("--transport", None if args.transport == "auto" else args.transport),
@@ -225,8 +225,8 @@ def cmd_bench(args) -> int:
         prompts = [[5 + i % 200] * 40 for i in range(64)]
         kw = {"backend": "sim"}
     elif args.random_pair:
-        from .placement import DeviceError, resolve_device, resolve_dtype
-        from .random_models import id_tokenizer, random_model, random_prompts
+        from ..placement import DeviceError, resolve_device, resolve_dtype
+        from ..random_models import id_tokenizer, random_model, random_prompts
         names = args.random_pair.split(",")
         if len(names) != 2:
             raise fail(prog, f"--random-pair takes SMALL,LARGE (e.g. qwen3-0.6b,qwen3-8b), got {args.random_pair!r}")
@@ -290,7 +290,7 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, out: bool = True) -> argp
     """The ``bench`` options (shared by the subcommand and ``evals/throughput/side_by_side.py``);
     ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, an output prefix)."""
     b.add_argument("--backend", choices=["torch", "sim"], default="torch")
-    from .cli_common import add_model_arguments, add_policy_arguments, add_prefix_cache_flag
+    from .common import add_model_arguments, add_policy_arguments, add_prefix_cache_flag
     add_policy_arguments(b, default=None, repeat=True,
                          what="a routed policy to bench (repeat for several; default random10 random30 rstitch)")
     b.add_argument("--policies", nargs="+", default=None,
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
     d.add_argument("--no-color", action="store_true", help="markers instead of colours")
-    from .cli_common import add_prefix_cache_flag
+    from .common import add_prefix_cache_flag
     add_prefix_cache_flag(d)
     d.add_argument("--compile", choices=["off", "wait", "background"], default="off",
                    help="compiled steps (EngineConfig.compile): off (eager), wait (the warm-up call waits for the "
@@ -361,20 +361,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
                    help="the models' forward (EngineConfig.model_impl): auto (default: native, merged and prepacked "
                         "projections), native, or transformers (the transformers forward, to compare)")
-    from .cli_common import add_kernels_flag
+    from .common import add_kernels_flag
     add_kernels_flag(d)
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="committed-token throughput: policies x modes x concurrency, side by side")
     add_bench_arguments(b)
     b.set_defaults(fn=cmd_bench)
     sub.add_parser("info", help="versions, threads, cache folder").set_defaults(fn=cmd_info)
-    from .train.self_draft.cli import add_parser as add_distill_parser
+    from .distill import add_parser as add_distill_parser
     add_distill_parser(sub)
-    from .train.cli import add_parser as add_train_parser
+    from .train import add_parser as add_train_parser
     add_train_parser(sub)
-    from .eval.cli import add_parser as add_eval_parser
+    from .eval import add_parser as add_eval_parser
     add_eval_parser(sub)
-    from .serve.cli import add_parser as add_serve_parser
+    from .serve import add_parser as add_serve_parser
     add_serve_parser(sub)
     return p
 

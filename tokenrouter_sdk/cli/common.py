@@ -132,7 +132,7 @@ def tp_of(args, names: list[str], prog: str) -> dict[str, int] | None:
 def model_specs(args, prog: str) -> dict | None:
     """``{name: ModelSpec}`` from ``--model``, ``--device`` and ``--dtype``, or None (the packaged
     pair)."""
-    from .placement import ModelSpec
+    from ..placement import ModelSpec
     models = parse_models(args, prog)
     if models is None:
         return None
@@ -144,8 +144,8 @@ def model_specs(args, prog: str) -> dict | None:
 
 
 def _errors():
-    from .models import ModelLoadError, TokenizerMismatchError
-    from .placement import DeviceError
+    from ..models import ModelLoadError, TokenizerMismatchError
+    from ..placement import DeviceError
     return (DeviceError, ModelLoadError, TokenizerMismatchError, ValueError, TypeError, OSError)
 
 
@@ -172,7 +172,7 @@ def build_router(args, prog: str, policy=None, **settings):
     Raises:
         SystemExit: a bad flag or a model that cannot load (names it and why).
     """
-    from .router import Router
+    from ..router import Router
     specs = model_specs(args, prog)
     if getattr(args, "model_impl", None):
         settings.setdefault("model_impl", args.model_impl)
@@ -200,7 +200,7 @@ def load_models(args, prog: str):
     Raises:
         SystemExit: as `build_router`.
     """
-    from .models import check_same_tokenizer, default_pair, load_model
+    from ..models import check_same_tokenizer, default_pair, load_model
     specs = model_specs(args, prog)
     try:
         if specs is None:
@@ -227,7 +227,7 @@ def describe_pair(args) -> str:
     ``--model`` source with its device and dtype."""
     models = getattr(args, "model", None)
     if not models:
-        from .models import describe_default_pair
+        from ..models import describe_default_pair
         return describe_default_pair(getattr(args, "small_layers", None))
     parts = [item.replace("=", " = ", 1) for item in models]
     place = ", ".join(f"{flag} {v}" for flag, v in (("device", getattr(args, "device", None)),
@@ -243,7 +243,7 @@ def policy_registry(args, prog: str):
     Raises:
         SystemExit: a ``--policy-file`` that does not load (names the error).
     """
-    from .policies.registry import PolicySpecError, builtin_registry, load_policy_class
+    from ..policies.registry import PolicySpecError, builtin_registry, load_policy_class
     registry = builtin_registry()
     target = getattr(args, "policy_file", None)
     if not target:
@@ -264,7 +264,7 @@ def build_policy(registry, spec, prog: str, transport: str = "auto"):
         SystemExit: an unknown name or a bad argument (names them and what is accepted), or a
             policy that cannot be sent to the sub-server processes.
     """
-    from .policies.registry import PolicySpecError
+    from ..policies.registry import PolicySpecError
     try:
         policy = registry.build(spec)
     except PolicySpecError as e:
@@ -281,7 +281,7 @@ def check_shippable(policy, prog: str) -> None:
     Raises:
         SystemExit: names the policy, why, and the fixes.
     """
-    from .engine.wire import shipping_problem
+    from ..engine.wire import shipping_problem
     why = shipping_problem(policy)
     if why is not None:
         raise fail(prog, f"policy {policy!r} cannot be sent to the sub-server processes: {why}. Keep locks, open "

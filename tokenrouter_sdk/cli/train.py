@@ -40,7 +40,7 @@ KIND_FLAGS = {"branches": (("r2r",), 8), "branch_tokens": (("r2r",), 32), "unver
 
 def add_parser(sub) -> None:
     """Add the ``train`` subcommand to an argparse subparsers object."""
-    from ..cli_common import add_model_arguments
+    from .common import add_model_arguments
     t = sub.add_parser("train", help="train a router head (r2r, citer, co_llm, query) on the packaged CPU pair or "
                                      "your own (--model small=... --model large=...)")
     t.add_argument("kind", choices=KINDS)
@@ -177,12 +177,12 @@ def run(args) -> int:
 
     from tokenrouter_sdk import train as T
 
-    from ..cli_common import build_router, describe_pair
+    from .common import build_router, describe_pair
 
-    from .data import DEFAULT_DATA, load_examples
+    from ..train.data import DEFAULT_DATA, load_examples
     from tokenrouter_sdk.policies.r2r import EMBEDDING_SOURCE
 
-    from .package import finalize, packaged_path
+    from ..train.package import finalize, packaged_path
     prog = "tokenrouter train"
     if args.package and (args.small_layers is not None or args.model or (args.data is not None and not _gsm8k(args.data))):
         raise SystemExit("tokenrouter train: --package writes the default head of Router.default()'s pair on GSM8K "

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli_common import add_model_arguments, add_policy_arguments, describe_pair, fail, model_specs, per_model, tp_of
-from ..cli_common import policy_registry
+from .common import add_model_arguments, add_policy_arguments, describe_pair, fail, model_specs, per_model, tp_of
+from .common import policy_registry
 
 # registry name -> the argument a sweep varies
 SWEPT = {"rstitch": "tau", "random": "p", "random_query": "p", "r2r_entropy": "threshold",
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     add_model_arguments(p)
     p.add_argument("--mode", default="async", choices=["async", "delayed", "sync", "model_sync"],
                    help="schedule mode (default async)")
-    from ..cli_common import add_prefix_cache_flag
+    from .common import add_prefix_cache_flag
     add_prefix_cache_flag(p)
     if out:
         p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
@@ -207,8 +207,8 @@ def cmd_eval(args) -> int:
     print the table, write the files."""
     from transformers.utils import logging as hf_logging
 
-    from . import evaluate_policies, evaluate_policy
-    from .sweep import merge_sweep
+    from ..eval import evaluate_policies, evaluate_policy
+    from ..eval.sweep import merge_sweep
     prog = "tokenrouter eval"
     hf_logging.disable_progress_bar()
     if args.shard and (args.shards or args.merge):
@@ -216,7 +216,7 @@ def cmd_eval(args) -> int:
                          "merges finished ones: give one of them")
     if args.shards or args.merge:
         if args.shards:
-            from .shards import run_local, run_ray
+            from ..eval.shards import run_local, run_ray
             if args.shards < 1:
                 raise SystemExit(f"tokenrouter eval: --shards must be >= 1, got {args.shards}")
             argv = _shard_launch_argv(args)
@@ -235,7 +235,7 @@ def cmd_eval(args) -> int:
         return _exit(res, args, prog)
     entries = sweeps(args, prog)
     if args.transport != "thread":
-        from ..cli_common import check_shippable
+        from .common import check_shippable
         for _, factory, _, values in entries:
             check_shippable(factory(values[0]), prog)
     if args.repeats < 1:
