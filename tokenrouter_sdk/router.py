@@ -22,19 +22,17 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
-import torch
-
 from .engine.config import EngineConfig
 from .engine.engine import Call, Engine, RequestHandle
 from .engine.policy_calls import check_policy
 from .engine.runner import Runner
 from .metrics import Metrics
 from .policy import Policy
-from .request import RequestInput, RequestOutput, SamplingParams, token_ids
+from .prompts import PromptEncoder
+from .request import RequestInput, RequestOutput, SamplingParams
+from .runner_setup import build_runners, sim_runners, start_ranks
 
 _SETTINGS = {f.name for f in dataclasses.fields(EngineConfig)}
-_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
-                                "return_tensors", "chat_template"})
 
 
 @dataclass
@@ -146,31 +144,18 @@ class Router:
             check_policy(policy)  # before any model loads: policy=MyPolicy (the class) fails at once
         self.config = config
         transport = None
-        eos_ids: list[int] = []
         if config.backend == "sim":
-            from .backends.sim_runner import LatencyModel, SimRunner
             from .engine.sim_transport import SimTransport
-            from .kv_sizing import KVSizing
-            from .models import tiny_tokenizer
             if config.processes or cluster is not None:
                 raise ValueError("backend='sim' runs in simulated time in one thread: processes=True and cluster "
                                  "are not available with it")
             if device is not None or dtype is not None or tp is not None or config.kv_memory_fraction is not None:
                 raise ValueError("backend='sim' runs latency models: device, dtype, tp and kv_memory_fraction do not "
                                  "apply (max_kv_tokens sets its pools)")
-            self.tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
-            vocab = len(self.tokenizer)
-            runners = {n: SimRunner(m if isinstance(m, LatencyModel) else LatencyModel(**(m or {})),
-                                    vocab_size=vocab, max_kv_tokens=config.max_kv_tokens or (1 << 22),
-                                    block_size=config.block_size, seed=i)
-                       for i, (n, m) in enumerate(models.items())}
-            self.models = dict(models)
-            self.kv_sizing = {n: KVSizing(n, "sim", r.pool.capacity_tokens,
-                                          "max_kv_tokens" if config.max_kv_tokens else "runner")
-                              for n, r in runners.items()}
+            setup = sim_runners(models, tokenizer, config)
             transport = SimTransport()
         else:
-            runners, eos_ids = self._build_runners(models, tokenizer, config, dtype, device, tp)
+            setup = build_runners(models, tokenizer, config, dtype, device, tp)
             processes = config.processes
             if cluster is not None:
                 if cluster != "ray" and not isinstance(cluster, Mapping):
@@ -183,159 +168,20 @@ class Router:
             elif processes is None:
                 env = os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower()
                 processes = {"0": False, "false": False, "no": False, "off": False,
-                             "1": True, "true": True, "yes": True, "on": True}.get(env, _processes_by_default(models, runners))
+                             "1": True, "true": True, "yes": True, "on": True}.get(env, _processes_by_default(models, setup.runners))
             if transport is None and (isinstance(processes, dict) or processes):
                 from .engine.process_transport import ProcessTransport
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
             elif transport is None:  # sub-servers in threads: rank 0 of a tensor-parallel model runs here
-                self._start_ranks(runners)
+                start_ranks(setup.runners)
+        self.tokenizer, self.models, self.kv_sizing = setup.tokenizer, setup.models, setup.kv_sizing
         self.policy = policy if policy is not None else Policy()
-        self.engine = Engine(runners, self.tokenizer, config, transport=transport, eos_ids=eos_ids)
+        self.engine = Engine(setup.runners, self.tokenizer, config, transport=transport, eos_ids=setup.eos_ids)
         self.max_context = self.engine.max_context
         self._local = threading.local()
         self._plans: dict = {}
-        self._markers: tuple[str, ...] | None = None
+        self._prompts = PromptEncoder(self.tokenizer)
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
-
-    @staticmethod
-    def _per_model(value, names: list[str], what: str) -> dict:
-        """``value`` (one for all, or a dict name -> value) as a dict over ``names`` (None where
-        not given).
-
-        Raises:
-            ValueError: a dict naming a model that is not there.
-        """
-        if isinstance(value, Mapping):
-            bad = sorted(set(value) - set(names))
-            if bad:
-                raise ValueError(f"{what} names model(s) {bad} that the Router does not have; its models are {names}")
-            return {n: value.get(n) for n in names}
-        return {n: value for n in names}
-
-    @staticmethod
-    def _start_ranks(runners: dict) -> None:
-        """Start the ranks of the tensor-parallel runners (rank 0 here); on a failure, stop the
-        ones already started and raise."""
-        from .backends.tensor_parallel import TensorParallelRunner
-        tps = [r for r in runners.values() if isinstance(r, TensorParallelRunner)]
-        try:
-            for r in tps:
-                r.start()
-        except BaseException:
-            for r in tps:
-                r.release()
-            raise
-
-    def _build_runners(self, models: dict, tokenizer, config: EngineConfig, dtype, device, tp=None):
-        from .backends.torch_runner import TorchRunner, TorchRunnerSpec
-        from .kv_sizing import KVSizing, plan
-        from .models import check_same_tokenizer, load_model
-        from .placement import AUTO, ModelSpec, resolve_device, resolve_dtype
-        names = list(models)
-        devices, dtypes = self._per_model(device, names, "device"), self._per_model(dtype, names, "dtype")
-        tps = self._per_model(tp, names, "tp")
-        loaded, toks, runners, eos, folders = {}, {}, {}, [], {}
-        for name, m in models.items():
-            spec = ModelSpec.of(m)
-            if spec is not None and spec.tp is not None:
-                tps[name] = spec.tp
-            if spec is not None and spec.loaded:
-                if spec.device is not None or spec.dtype is not None:
-                    raise ValueError(f"model '{name}': ModelSpec of a loaded model takes no device or dtype (it "
-                                     f"stays where it is); give its source to load it elsewhere")
-                m, spec = spec.source, None
-            if spec is not None:
-                dev, dt = spec.placed(devices[name], dtypes[name])
-                m, toks[name] = load_model(spec.source, device=dev, dtype=dt, gguf_file=spec.gguf_file)
-                loaded[name] = m
-                src = os.path.expanduser(str(spec.source))
-                if spec.gguf_file is None and os.path.isfile(os.path.join(src, "config.json")):
-                    folders[name] = src  # the ranks of a tensor-parallel model load it from here
-                continue
-            if isinstance(m, tuple):  # (model, its tokenizer)
-                m, toks[name] = m
-            elif not isinstance(m, Runner) and tokenizer is None:
-                raise ValueError(f"model '{name}' was given as an object: pass tokenizer=... too")
-            here = m.device if isinstance(m, Runner) else next(m.parameters()).device
-            have = getattr(m, "dtype", None) if isinstance(m, Runner) else next(m.parameters()).dtype
-            if devices[name] is not None and resolve_device(devices[name]) != torch.device(here):
-                raise ValueError(f"device={devices[name]!r} was given, but model '{name}' is a loaded "
-                                 f"{'runner' if isinstance(m, Runner) else 'model'} on {here}: move it first "
-                                 f"(model.to({str(devices[name])!r})) or give its source (a folder or hub id, or "
-                                 f"ModelSpec(source, device=...)) so the Router loads it there")
-            want = resolve_dtype(dtypes[name])
-            if want not in (None, AUTO) and have is not None and want != have:
-                raise ValueError(f"dtype={dtypes[name]!r} was given, but model '{name}' is loaded in {have}: convert "
-                                 f"it first (model.to({want})) or give its source so the Router loads it in {want}")
-            if isinstance(m, Runner):
-                if tps[name] not in (None, 1):
-                    raise ValueError(f"model '{name}' is a runner object: tp={tps[name]} cannot apply to it (give "
-                                     f"the model or its source)")
-                runners[name] = m
-                eos += list(getattr(m, "eos_token_ids", ()) or ())
-            else:
-                loaded[name] = m
-        if tokenizer is None and not toks:
-            raise ValueError("the models were given as runner objects: pass tokenizer=... too")
-        self.tokenizer = tokenizer if tokenizer is not None else next(iter(toks.values()))
-        for name in loaded:
-            check_same_tokenizer(self.tokenizer, "router tokenizer" if tokenizer is not None else next(iter(loaded)),
-                                 toks.get(name, self.tokenizer), name)
-        if not loaded and (config.max_kv_tokens is not None or config.kv_memory_fraction is not None):
-            raise ValueError("every model is a runner object with its own KV pool: max_kv_tokens and "
-                             "kv_memory_fraction do not apply (size the runners' pools instead)")
-        sizing = plan(loaded, block_size=config.block_size, max_kv_tokens=config.max_kv_tokens,
-                      fraction=config.kv_memory_fraction) if loaded else {}
-        for name, m in loaded.items():
-            ranks = self._check_tp(name, tps[name], config)
-            if ranks > 1:
-                runners[name] = self._tp_runner(m, folders.get(name), ranks, sizing[name].tokens, config)
-            else:  # built where its sub-server runs; checked here (a model the runner refuses raises now)
-                runners[name] = TorchRunnerSpec(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
-                                                cuda_graphs=config.cuda_graphs, compile=config.compile,
-                                                model_impl=config.model_impl, kernels=config.kernels,
-                                                allow_unknown_attention=config.allow_unknown_attention)
-                runners[name].describe()
-                runners[name].prefetch()
-            eos += token_ids(getattr(getattr(m, "generation_config", None), "eos_token_id", None))
-        self.kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
-                                                       "runner") for n in names}
-        if config.cuda_graphs and any(getattr(r, "device", None) is not None and r.device.type != "cuda"
-                                      for r in runners.values() if isinstance(r, (TorchRunner, TorchRunnerSpec))):
-            warnings.warn("cuda_graphs=True with a model that is not on a CUDA device: its steps run the "
-                          "fixed-shape path without capture (what the tests check), which pads batches and "
-                          "is slower than the default; move the models to a GPU or leave cuda_graphs off",
-                          UserWarning, stacklevel=3)
-        self.models = {n: loaded.get(n, runners.get(n)) for n in models}
-        return {n: runners[n] for n in models}, [int(i) for i in eos]
-
-    @staticmethod
-    def _check_tp(name: str, tp, config: EngineConfig) -> int:
-        """``tp`` of model ``name`` as an int >= 1.
-
-        Raises:
-            ValueError: not a positive int; with ``compile`` or ``cuda_graphs``.
-        """
-        if tp is None:
-            return 1
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tp of model '{name}' must be a positive int (tensor-parallel ranks), got {tp!r}")
-        if tp > 1 and (config.compile or config.cuda_graphs):
-            raise ValueError(f"model '{name}' has tp={tp}: compile and cuda_graphs do not apply to a "
-                             f"tensor-parallel model yet; leave them off")
-        return tp
-
-    def _tp_runner(self, model, folder, tp: int, kv_tokens: int, config: EngineConfig):
-        """The `TensorParallelRunner` of ``model`` (its ranks load ``folder`` when the model came
-        from one, else the model object itself), not started yet."""
-        from .backends.tensor_parallel import ModelRecipe, TensorParallelRunner
-        p = next(model.parameters())
-        dtype = str(p.dtype).removeprefix("torch.")
-        recipe = ModelRecipe(folder if folder is not None else model, dtype=dtype,
-                             device="cuda" if p.device.type == "cuda" else p.device.type)
-        return TensorParallelRunner(recipe, tp, max_kv_tokens=kv_tokens, block_size=config.block_size,
-                                    model_impl=config.model_impl, kernels=config.kernels,
-                                    allow_unknown_attention=config.allow_unknown_attention)
 
     @classmethod
     def default(cls, policy: Policy | None = None, *, small_layers: int | None = None, draft=None, dtype=None,
@@ -365,46 +211,6 @@ class Router:
         return cls({"small": small, "large": large}, policy, tokenizer=tok, **kwargs)
 
     # -- prompts --------------------------------------------------------------------------
-    def _template_markers(self) -> tuple[str, ...]:
-        """Special tokens the chat template writes (e.g. ``<|im_start|>``): a string holding one
-        of them is already templated."""
-        if self._markers is None:
-            tok, found = self.tokenizer, ()
-            if getattr(tok, "chat_template", None):
-                try:
-                    shown = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
-                                                    tokenize=False)
-                    specials = set(getattr(tok, "all_special_tokens", []) or [])
-                    specials |= {str(t) for t in getattr(tok, "added_tokens_decoder", {}).values()
-                                 if getattr(t, "special", False)}
-                    found = tuple(sorted(s for s in specials if s and s in shown))
-                except Exception:  # noqa: BLE001 - a template that cannot render: no detection
-                    found = ()
-            self._markers = found
-        return self._markers
-
-    def _renders(self, prompt, chat: bool | None) -> bool:
-        """Whether `encode` renders ``prompt`` with the chat template."""
-        if isinstance(prompt, str):
-            if chat is None:
-                return bool(getattr(self.tokenizer, "chat_template", None)) and not any(
-                    m in prompt for m in self._template_markers())
-            return bool(chat)
-        return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
-
-    @staticmethod
-    def _check_template_kwargs(kwargs) -> dict:
-        if kwargs is None:
-            return {}
-        if not isinstance(kwargs, Mapping):
-            raise TypeError(f"chat_template_kwargs must be a dict of template variables, e.g. "
-                            f"{{'enable_thinking': False}}; got {type(kwargs).__name__}")
-        bad = sorted(set(kwargs) & _TEMPLATE_RESERVED)
-        if bad:
-            raise ValueError(f"chat_template_kwargs {bad} are set by the Router itself; pass only the template's "
-                             f"own variables (e.g. enable_thinking)")
-        return dict(kwargs)
-
     def encode(self, prompt, chat: bool | None = None, *, chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a prompt.
 
@@ -424,29 +230,7 @@ class Router:
                 template (token ids, ``chat=False``, a string already rendered), or naming a
                 variable the Router sets itself (``add_generation_prompt``, ``tokenize``, ...).
         """
-        tok = self.tokenizer
-        extra = self._check_template_kwargs(chat_template_kwargs)
-        if extra and not self._renders(prompt, chat):
-            raise ValueError("chat_template_kwargs apply to prompts rendered with the chat template; this prompt is "
-                             "encoded as it is (token ids, chat=False, or a string that already holds the "
-                             "template's markers)")
-        if isinstance(prompt, str):
-            if not self._renders(prompt, chat):
-                return list(tok.encode(prompt, add_special_tokens=False))
-            prompt = [{"role": "user", "content": prompt}]
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, **extra)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            ids = [int(i) for i in ids]
-            bos = getattr(tok, "bos_token_id", None)
-            if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
-                ids = ids[1:]
-            return ids
-        if isinstance(prompt, (list, tuple)):
-            return [int(i) for i in prompt]
-        raise TypeError(f"a prompt must be a str, a list of chat messages or a list of token ids, "
-                        f"got {type(prompt).__name__}")
+        return self._prompts.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs)
 
     def _check_prompt(self, prompt, chat, chat_template_kwargs=None) -> tuple[list[int] | None, str | None]:
         if isinstance(prompt, str) and not prompt.strip():
@@ -493,8 +277,8 @@ class Router:
         if keys is not None and len(keys) != len(prompts):
             raise ValueError(f"got {len(keys)} keys for {len(prompts)} prompts")
         if chat_template_kwargs:
-            self._check_template_kwargs(chat_template_kwargs)
-            plain = next((i for i, p in enumerate(prompts) if not self._renders(p, chat)), None)
+            PromptEncoder.check_template_kwargs(chat_template_kwargs)
+            plain = next((i for i, p in enumerate(prompts) if not self._prompts.renders(p, chat)), None)
             if plain is not None:
                 raise ValueError(f"chat_template_kwargs apply to prompts rendered with the chat template; prompt "
                                  f"{plain} is encoded as it is (token ids, chat=False, or a string that already holds "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from ..policy import Policy
+from ..prompts import PromptEncoder
 from ..request import SamplingParams
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -171,7 +172,7 @@ def chat_prompt(router, messages, param: str = "messages", chat_template_kwargs:
         raise bad_request(param, "the served tokenizer has no chat template: use /v1/completions with a "
                                       "prompt string instead")
     try:
-        router._check_template_kwargs(chat_template_kwargs)
+        PromptEncoder.check_template_kwargs(chat_template_kwargs)
     except (TypeError, ValueError) as e:
         raise bad_request("chat_template_kwargs", str(e)) from None
     try:

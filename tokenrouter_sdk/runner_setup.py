@@ -1,0 +1,205 @@
+"""The runners of a Router's models: each model loaded from its source (or taken as given: a
+loaded model, a runner object), checked against the device, dtype and tensor-parallel settings
+asked for, its KV pool sized (`tokenrouter_sdk.kv_sizing`), and made a `TorchRunnerSpec` (built
+where its sub-server runs), a `TensorParallelRunner`, or kept as the runner object given; or,
+for ``backend="sim"``, a `SimRunner` per latency model."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .engine.config import EngineConfig
+from .engine.runner import Runner
+from .request import token_ids
+
+
+@dataclass
+class RunnerSetup:
+    """What `build_runners` (or `sim_runners`) made.
+
+    Attributes:
+        runners: model name -> runner object or `RunnerSpec`, in the models' order.
+        eos_ids: end-of-sequence ids the models declare (generation configs, runner objects).
+        tokenizer: the Router's tokenizer (the one given, else the first model's).
+        kv_sizing: model name -> `tokenrouter_sdk.kv_sizing.KVSizing` (how its pool was sized).
+        models: model name -> the loaded model (or the runner object given).
+    """
+
+    runners: dict
+    eos_ids: list[int]
+    tokenizer: Any
+    kv_sizing: dict
+    models: dict
+
+
+def per_model(value, names: list[str], what: str) -> dict:
+    """``value`` (one for all, or a dict name -> value) as a dict over ``names`` (None where
+    not given).
+
+    Raises:
+        ValueError: a dict naming a model that is not there.
+    """
+    if isinstance(value, Mapping):
+        bad = sorted(set(value) - set(names))
+        if bad:
+            raise ValueError(f"{what} names model(s) {bad} that the Router does not have; its models are {names}")
+        return {n: value.get(n) for n in names}
+    return {n: value for n in names}
+
+
+def start_ranks(runners: dict) -> None:
+    """Start the ranks of the tensor-parallel runners (rank 0 here); on a failure, stop the
+    ones already started and raise."""
+    from .backends.tensor_parallel import TensorParallelRunner
+    tps = [r for r in runners.values() if isinstance(r, TensorParallelRunner)]
+    try:
+        for r in tps:
+            r.start()
+    except BaseException:
+        for r in tps:
+            r.release()
+        raise
+
+
+def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, tp=None) -> RunnerSetup:
+    """The runners of ``models`` (name -> source, `ModelSpec`, loaded model, ``(model,
+    tokenizer)`` or runner object), loaded and placed as the Router's arguments ask.
+
+    Raises:
+        ValueError: a setting that does not apply to a model (device or dtype of a loaded model
+            or runner, tp of a runner, KV sizes with runner objects only), a missing tokenizer,
+            or tokenizers that differ.
+        Exception: what loading a model or checking it for the runner raises
+            (`tokenrouter_sdk.models.ModelLoadError`, `UnsupportedAttention`).
+    """
+    from .backends.torch_runner import TorchRunner, TorchRunnerSpec
+    from .kv_sizing import KVSizing, plan
+    from .models import check_same_tokenizer, load_model
+    from .placement import AUTO, ModelSpec, resolve_device, resolve_dtype
+    names = list(models)
+    devices, dtypes = per_model(device, names, "device"), per_model(dtype, names, "dtype")
+    tps = per_model(tp, names, "tp")
+    loaded, toks, runners, eos, folders = {}, {}, {}, [], {}
+    for name, m in models.items():
+        spec = ModelSpec.of(m)
+        if spec is not None and spec.tp is not None:
+            tps[name] = spec.tp
+        if spec is not None and spec.loaded:
+            if spec.device is not None or spec.dtype is not None:
+                raise ValueError(f"model '{name}': ModelSpec of a loaded model takes no device or dtype (it "
+                                 f"stays where it is); give its source to load it elsewhere")
+            m, spec = spec.source, None
+        if spec is not None:
+            dev, dt = spec.placed(devices[name], dtypes[name])
+            m, toks[name] = load_model(spec.source, device=dev, dtype=dt, gguf_file=spec.gguf_file)
+            loaded[name] = m
+            src = os.path.expanduser(str(spec.source))
+            if spec.gguf_file is None and os.path.isfile(os.path.join(src, "config.json")):
+                folders[name] = src  # the ranks of a tensor-parallel model load it from here
+            continue
+        if isinstance(m, tuple):  # (model, its tokenizer)
+            m, toks[name] = m
+        elif not isinstance(m, Runner) and tokenizer is None:
+            raise ValueError(f"model '{name}' was given as an object: pass tokenizer=... too")
+        here = m.device if isinstance(m, Runner) else next(m.parameters()).device
+        have = getattr(m, "dtype", None) if isinstance(m, Runner) else next(m.parameters()).dtype
+        if devices[name] is not None and resolve_device(devices[name]) != torch.device(here):
+            raise ValueError(f"device={devices[name]!r} was given, but model '{name}' is a loaded "
+                             f"{'runner' if isinstance(m, Runner) else 'model'} on {here}: move it first "
+                             f"(model.to({str(devices[name])!r})) or give its source (a folder or hub id, or "
+                             f"ModelSpec(source, device=...)) so the Router loads it there")
+        want = resolve_dtype(dtypes[name])
+        if want not in (None, AUTO) and have is not None and want != have:
+            raise ValueError(f"dtype={dtypes[name]!r} was given, but model '{name}' is loaded in {have}: convert "
+                             f"it first (model.to({want})) or give its source so the Router loads it in {want}")
+        if isinstance(m, Runner):
+            if tps[name] not in (None, 1):
+                raise ValueError(f"model '{name}' is a runner object: tp={tps[name]} cannot apply to it (give "
+                                 f"the model or its source)")
+            runners[name] = m
+            eos += list(getattr(m, "eos_token_ids", ()) or ())
+        else:
+            loaded[name] = m
+    if tokenizer is None and not toks:
+        raise ValueError("the models were given as runner objects: pass tokenizer=... too")
+    router_tok = tokenizer if tokenizer is not None else next(iter(toks.values()))
+    for name in loaded:
+        check_same_tokenizer(router_tok, "router tokenizer" if tokenizer is not None else next(iter(loaded)),
+                             toks.get(name, router_tok), name)
+    if not loaded and (config.max_kv_tokens is not None or config.kv_memory_fraction is not None):
+        raise ValueError("every model is a runner object with its own KV pool: max_kv_tokens and "
+                         "kv_memory_fraction do not apply (size the runners' pools instead)")
+    sizing = plan(loaded, block_size=config.block_size, max_kv_tokens=config.max_kv_tokens,
+                  fraction=config.kv_memory_fraction) if loaded else {}
+    for name, m in loaded.items():
+        ranks = check_tp(name, tps[name], config)
+        if ranks > 1:
+            runners[name] = tp_runner(m, folders.get(name), ranks, sizing[name].tokens, config)
+        else:  # built where its sub-server runs; checked here (a model the runner refuses raises now)
+            runners[name] = TorchRunnerSpec(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
+                                            cuda_graphs=config.cuda_graphs, compile=config.compile,
+                                            model_impl=config.model_impl, kernels=config.kernels,
+                                            allow_unknown_attention=config.allow_unknown_attention)
+            runners[name].describe()
+            runners[name].prefetch()
+        eos += token_ids(getattr(getattr(m, "generation_config", None), "eos_token_id", None))
+    kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
+                                                   "runner") for n in names}
+    if config.cuda_graphs and any(getattr(r, "device", None) is not None and r.device.type != "cuda"
+                                  for r in runners.values() if isinstance(r, (TorchRunner, TorchRunnerSpec))):
+        warnings.warn("cuda_graphs=True with a model that is not on a CUDA device: its steps run the "
+                      "fixed-shape path without capture (what the tests check), which pads batches and "
+                      "is slower than the default; move the models to a GPU or leave cuda_graphs off",
+                      UserWarning, stacklevel=3)
+    return RunnerSetup({n: runners[n] for n in models}, [int(i) for i in eos], router_tok, kv_sizing,
+                       {n: loaded.get(n, runners.get(n)) for n in models})
+
+
+def check_tp(name: str, tp, config: EngineConfig) -> int:
+    """``tp`` of model ``name`` as an int >= 1.
+
+    Raises:
+        ValueError: not a positive int; with ``compile`` or ``cuda_graphs``.
+    """
+    if tp is None:
+        return 1
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp of model '{name}' must be a positive int (tensor-parallel ranks), got {tp!r}")
+    if tp > 1 and (config.compile or config.cuda_graphs):
+        raise ValueError(f"model '{name}' has tp={tp}: compile and cuda_graphs do not apply to a "
+                         f"tensor-parallel model yet; leave them off")
+    return tp
+
+
+def tp_runner(model, folder, tp: int, kv_tokens: int, config: EngineConfig):
+    """The `TensorParallelRunner` of ``model`` (its ranks load ``folder`` when the model came
+    from one, else the model object itself), not started yet."""
+    from .backends.tensor_parallel import ModelRecipe, TensorParallelRunner
+    p = next(model.parameters())
+    dtype = str(p.dtype).removeprefix("torch.")
+    recipe = ModelRecipe(folder if folder is not None else model, dtype=dtype,
+                         device="cuda" if p.device.type == "cuda" else p.device.type)
+    return TensorParallelRunner(recipe, tp, max_kv_tokens=kv_tokens, block_size=config.block_size,
+                                model_impl=config.model_impl, kernels=config.kernels,
+                                allow_unknown_attention=config.allow_unknown_attention)
+
+
+def sim_runners(models: dict, tokenizer, config: EngineConfig) -> RunnerSetup:
+    """``backend="sim"``: a `SimRunner` per model (a `LatencyModel`, or the keyword arguments
+    of one), over ``tokenizer`` (default: the tiny test tokenizer); pools of
+    ``config.max_kv_tokens`` tokens (default 4M)."""
+    from .backends.sim_runner import LatencyModel, SimRunner
+    from .kv_sizing import KVSizing
+    from .models import tiny_tokenizer
+    tok = tokenizer if tokenizer is not None else tiny_tokenizer()
+    runners = {n: SimRunner(m if isinstance(m, LatencyModel) else LatencyModel(**(m or {})), vocab_size=len(tok),
+                            max_kv_tokens=config.max_kv_tokens or (1 << 22), block_size=config.block_size, seed=i)
+               for i, (n, m) in enumerate(models.items())}
+    sizing = {n: KVSizing(n, "sim", r.pool.capacity_tokens, "max_kv_tokens" if config.max_kv_tokens else "runner")
+              for n, r in runners.items()}
+    return RunnerSetup(runners, [], tok, sizing, dict(models))
