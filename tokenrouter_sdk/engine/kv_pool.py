@@ -63,10 +63,6 @@ class KVPool:
         """Tokens the usable blocks hold (``num_blocks * block_size``)."""
         return self.num_blocks * self.block_size
 
-    def blocks_for(self, n_tokens: int) -> int:
-        """Blocks that ``n_tokens`` positions need."""
-        return -(-n_tokens // self.block_size)
-
     def release(self) -> None:
         """Drop the KV tensors (the pool is unusable afterwards); called on close."""
         self.k = self.v = None
