@@ -110,7 +110,7 @@ def test_sub_server_processes_mark_busy_and_idle():
                 max_kv_tokens=512) as r:
         r.generate([[5, 6, 7], [8, 9]], max_new_tokens=12, ignore_eos=True)
         tr = r.engine.transport
-        path = os.path.join(tr._cores_dir, "busy")
+        path = os.path.join(tr.launcher.cores_dir, "busy")
         probe = CoreShare(path, 0, 2, 2)
         probe._map()
         deadline = time.monotonic() + 5
@@ -132,7 +132,7 @@ def test_one_cpu_model_runs_in_a_process_by_default(monkeypatch):
     with Router({"large": tiny_model(num_layers=1, seed=4)}, LargeOnly(), tokenizer=tiny_tokenizer(),
                 max_kv_tokens=256) as r:
         assert isinstance(r.engine.transport, ProcessTransport)
-        assert r.engine.transport._cores_dir is None  # one model: nothing to lend
+        assert r.engine.transport.launcher.cores_dir is None  # one model: nothing to lend
         assert len(r.generate([[5, 6, 7]], max_new_tokens=4, ignore_eos=True)[0].token_ids) == 4
     monkeypatch.setenv("TOKENROUTER_PROCESSES", "0")
     with Router({"large": tiny_model(num_layers=1, seed=4)}, LargeOnly(), tokenizer=tiny_tokenizer(),

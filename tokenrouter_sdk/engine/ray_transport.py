@@ -3,8 +3,8 @@
 Ray places, starts, watches and stops the sub-servers; the data path stays ours: each actor runs
 the same sub-server loop as a local process (`process_child.run_subserver`) and connects to this
 process's pyzmq hub over TCP, so handoffs and events take the route they take on one machine
-(`ProcessTransport` is the hub; this class only replaces how processes start, get their spec,
-are watched and end).
+(`hub.HubTransport` is the hub; `RayLauncher` is how the actors start, get their spec, are
+watched and end, as `process_transport.ProcessLauncher` is for local processes).
 
 - Placement: one placement group per Router with one bundle per model (``{"CPU": threads}`` plus
   the model's own ``resources``, e.g. ``{"GPU": 2}`` or a custom node resource), packed by
@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import threading
 import time
 from typing import Callable
 
-from .process_transport import ProcessTransport, _release_pools
+from .hub import HubTransport, Started, boot_record
 from .wire import _child_spec
 
 CLOCK_SKEW_S = 0.05  # a clock this far from the hub's is another host's: its event times are moved
@@ -46,7 +47,7 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class SubServerActor:
-    """The Ray actor that hosts one sub-server (made a Ray actor class by `RayTransport.start`)."""
+    """The Ray actor that hosts one sub-server (made a Ray actor class by `RayLauncher.launch`)."""
 
     def node(self) -> dict:
         """Where this actor runs: ``{"node_id", "ip", "pid"}``."""
@@ -72,11 +73,10 @@ class SubServerActor:
                      watch_parent=False)
 
 
-class _ActorProcess:
-    """What the hub watches for one actor, shaped as the `multiprocessing.Process` it watches
-    for a local sub-server: ``sentinel`` (a pipe that turns readable when the actor's ``run``
-    ends), ``exitcode``, ``pid``, ``join``, ``close``; and ``chan``, a socket whose peer closes
-    at the same moment (the hub's other signal of a process's end)."""
+class ActorProcess:
+    """One actor as the hub watches it (`hub.Started`): a watcher thread waits on its ``run``
+    call's object ref; when that ends (returned, or the actor or its node died) a pipe and a
+    socket pair turn readable (``sentinels``), and ``exitcode`` holds the code ``run`` returned."""
 
     def __init__(self, name: str, actor, ref, node: dict, on_error: Callable[[str, str], None]):
         self.name, self.actor, self.ref, self.node = name, actor, ref, node
@@ -110,18 +110,171 @@ class _ActorProcess:
     def join(self, timeout: float | None = None) -> None:
         self._ended.wait(timeout)
 
-    def is_alive(self) -> bool:
-        return not self._ended.is_set()
+    def sentinels(self) -> list:
+        return [self.chan, self._r]
+
+    def ended(self) -> bool:
+        return self._ended.is_set()
+
+    def signal(self, sig: int) -> None:
+        """Kill the actor (Ray has no gentler way to end a busy one)."""
+        if not self.ended():
+            import ray
+            try:
+                ray.kill(self.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
     def close(self) -> None:
+        for close in (lambda: os.close(self._r), self.chan.close):
+            try:
+                close()
+            except OSError:
+                pass
+
+
+class RayLauncher:
+    """Starts each sub-server in a Ray actor (`hub.Launcher`); see the module docstring.
+
+    Args: as `RayTransport`'s.
+
+    Attributes:
+        kind: ``"ray"``.
+        threads: CPUs of each bundle and torch threads of each sub-server.
+        nodes: model -> ``{"node_id", "ip", "pid"}`` of its actor (set by `launch`).
+        actors: model -> its Ray actor handle (emptied by `close`).
+        placement_group: the Router's placement group (None before `prepare` and after `close`).
+        launched, pickled: model -> when starting its actor / pickling its spec began and ended.
+    """
+
+    kind = "ray"
+    what = "the sub-servers' Ray actors"
+
+    def __init__(self, address: str | None, resources: dict, strategy: str, threads: int,
+                 start_timeout: float | None):
+        self.ray_address, self.resources, self.strategy = address, resources, strategy
+        self.threads = threads
+        self.start_timeout = start_timeout
+        self.nodes: dict[str, dict] = {}
+        self.actors: dict = {}
+        self.placement_group = None
+        self.launched: dict[str, tuple[float, float]] = {}
+        self.pickled: dict[str, tuple[float, float]] = {}
+        self._own_ray = False
+        self._offsets: dict[str, float] = {}
+
+    def prepare(self, specs: dict) -> str | None:
+        """Connect to (or start) Ray and place one bundle per model; the hub binds this node's
+        address.
+
+        Raises:
+            ValueError: ``resources`` names a model that is not there.
+            RuntimeError: the placement group could not be placed within ``start_timeout``.
+        """
+        import ray
+        from ray.util.placement_group import placement_group
+
+        bad = sorted(set(self.resources) - set(specs))
+        if bad:
+            raise ValueError(f"resources name model(s) {bad} that the Router does not have ({sorted(specs)})")
+        if not ray.is_initialized():
+            ray.init(address=self.ray_address, log_to_driver=False)
+            self._own_ray = True
+        bundles = [{"CPU": self.threads, **self.resources.get(name, {})} for name in specs]
+        self.placement_group = placement_group(bundles, strategy=self.strategy)
         try:
-            os.close(self._r)
-        except OSError:
+            ray.get(self.placement_group.ready(), timeout=self.start_timeout)
+        except Exception as e:  # noqa: BLE001 - cannot be placed: say what was asked
+            raise RuntimeError(f"Ray could not place the sub-servers ({bundles}, {self.strategy}) within "
+                               f"{self.start_timeout} s: {type(e).__name__}; check the cluster's resources "
+                               f"(ray status)") from e
+        return f"tcp://{ray.util.get_node_ip_address()}:*"
+
+    def launch(self, specs: dict, address: str, report: Callable[[str, str], None],
+               started: dict[str, Started]) -> None:
+        """One actor per model in its bundle, handed its spec (by value, through Ray's object
+        store) and the hub's address."""
+        import cloudpickle
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cls = ray.remote(num_cpus=self.threads, max_concurrency=2)(SubServerActor)
+        refs = {}
+        for i, (name, spec) in enumerate(specs.items()):
+            t0 = time.perf_counter()
+            payload = cloudpickle.dumps(_child_spec(spec))
+            self.pickled[name] = (t0, time.perf_counter())
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
+            actor = cls.options(scheduling_strategy=strategy, name=None).remote()
+            self.actors[name] = actor
+            refs[name] = (actor, actor.node.remote(), payload)
+        for name, (actor, node_ref, payload) in refs.items():
+            t0 = time.perf_counter()
+            self.nodes[name] = ray.get(node_ref, timeout=self.start_timeout)
+            run = actor.run.remote(name, address, self.threads, payload)
+            started[name] = ActorProcess(name, actor, run, self.nodes[name], report)
+            self.launched[name] = (t0, time.perf_counter())
+
+    def deliver(self, specs: dict) -> None:
+        """Nothing: each actor got its spec with its ``run`` call."""
+
+    def boot(self, model: str, hello: dict, now: float) -> dict:
+        """The start-up times, and the actor's clock offset when its host's clock differs."""
+        try:
+            theirs = float(hello["now"])
+            if abs(now - theirs) > CLOCK_SKEW_S:
+                self._offsets[model] = now - theirs
+        except (KeyError, TypeError, ValueError):
             pass
+        return boot_record(hello, self.launched[model], self.pickled[model], now)
+
+    def adjust(self, event):
+        """``event`` with its times moved onto this host's clock (an actor on another host)."""
+        off = self._offsets.get(getattr(event, "model", None))
+        if off and dataclasses.is_dataclass(event):
+            moved = {f: getattr(event, f) + off for f in TIME_FIELDS if isinstance(getattr(event, f, None), float)}
+            event = dataclasses.replace(event, **moved)
+        return event
+
+    def kill_all(self, started: dict[str, Started]) -> None:
+        """Kill every actor, then wait (5 s each) for their ``run`` calls to end."""
+        for p in started.values():
+            p.signal(signal.SIGKILL)
+        for p in started.values():
+            p.join(5.0)
+
+    def close(self) -> None:
+        """Kill the actors left, remove the placement group, and shut Ray down when `prepare`
+        started it. Idempotent."""
+        try:
+            import ray
+        except ImportError:
+            return
+        if ray.is_initialized():
+            for actor in self.actors.values():
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            if self.placement_group is not None:
+                from ray.util.placement_group import remove_placement_group
+                try:
+                    remove_placement_group(self.placement_group)
+                except Exception:  # noqa: BLE001 - the cluster is gone
+                    pass
+        self.placement_group = None
+        self.actors = {}
+        if self._own_ray and ray.is_initialized():
+            ray.shutdown()
+            self._own_ray = False
+
+    def start_error(self, e: BaseException) -> BaseException:
+        return e
 
 
-class RayTransport(ProcessTransport):
-    """Each sub-server in a Ray actor (see the module docstring).
+class RayTransport(HubTransport):
+    """Each sub-server in a Ray actor (a `HubTransport` with a `RayLauncher`; see the module
+    docstring).
 
     Args:
         address: the Ray cluster to connect to (``"auto"``, ``"ray://host:10001"``, a GCS
@@ -153,148 +306,17 @@ class RayTransport(ProcessTransport):
             raise ImportError("sub-servers on Ray need Ray: pip install 'tokenrouter-sdk[ray]'") from e
         if strategy not in STRATEGIES:
             raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
-        super().__init__(threads=threads or 1, address="tcp", start_timeout=start_timeout,
-                         close_timeout=close_timeout, start_method="spawn")
-        self.start_method = "ray"
-        self.ray_address = address
-        self.resources = dict(resources or {})
-        self.strategy = strategy
-        self.nodes: dict[str, dict] = {}
-        self.placement_group = None
-        self.actors: dict = {}
-        self._own_ray = False
-        self._offsets: dict[str, float] = {}
+        launcher = RayLauncher(address, dict(resources or {}), strategy, threads or 1, start_timeout)
+        super().__init__(launcher, address="tcp", start_timeout=start_timeout, close_timeout=close_timeout)
 
-    # -- start -----------------------------------------------------------------------------
-    def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
-        """Connect to (or start) Ray, place one actor per model in a placement group, bind the
-        hub on the node's address, send each actor its spec and wait until every one has
-        connected.
+    @property
+    def nodes(self) -> dict[str, dict]:
+        return self.launcher.nodes
 
-        Raises:
-            RuntimeError: the placement group could not be placed, or an actor died or did not
-                connect within ``start_timeout`` (names the model); everything started is removed.
-            ValueError: ``resources`` names a model that is not there.
-        """
-        import cloudpickle
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    @property
+    def actors(self) -> dict:
+        return self.launcher.actors
 
-        bad = sorted(set(self.resources) - set(specs))
-        if bad:
-            raise ValueError(f"resources name model(s) {bad} that the Router does not have ({sorted(specs)})")
-        if self._started:
-            raise RuntimeError("RayTransport.start was called twice")
-        if not ray.is_initialized():
-            ray.init(address=self.ray_address, log_to_driver=False)
-            self._own_ray = True
-        threads = self.child_threads = self.threads
-        self.address_spec = f"tcp://{ray.util.get_node_ip_address()}:*"
-        try:
-            bundles = [{"CPU": threads, **self.resources.get(name, {})} for name in specs]
-            self.placement_group = placement_group(bundles, strategy=self.strategy)
-            try:
-                ray.get(self.placement_group.ready(), timeout=self.start_timeout)
-            except Exception as e:  # noqa: BLE001 - cannot be placed: say what was asked
-                raise RuntimeError(f"Ray could not place the sub-servers ({bundles}, {self.strategy}) within "
-                                   f"{self.start_timeout} s: {type(e).__name__}; check the cluster's resources "
-                                   f"(ray status)") from e
-            self._open_hub(on_event)
-            cls = ray.remote(num_cpus=threads, max_concurrency=2)(SubServerActor)
-            refs = {}
-            for i, (name, spec) in enumerate(specs.items()):
-                t0 = time.perf_counter()
-                payload = cloudpickle.dumps(_child_spec(spec))
-                self._t_pickle[name] = (t0, time.perf_counter())
-                strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
-                actor = cls.options(scheduling_strategy=strategy, name=None).remote()
-                self.actors[name] = actor
-                refs[name] = (actor, actor.node.remote(), payload)
-            for name, (actor, node_ref, payload) in refs.items():
-                t0 = time.perf_counter()
-                self.nodes[name] = ray.get(node_ref, timeout=self.start_timeout)
-                run = actor.run.remote(name, self._connect_address(), threads, payload)
-                proc = _ActorProcess(name, actor, run, self.nodes[name], self._actor_error)
-                self._t_launch[name] = (t0, time.perf_counter())
-                self.procs[name] = proc
-                self._chans[name] = proc.chan
-            self._start_hub()
-        except BaseException:
-            self._closing = True
-            self.close()
-            raise
-        _release_pools(specs)  # each actor has its own KV pool
-        if self.start_timeout is not None and not self.wait_ready(self.start_timeout):
-            why = "; ".join(f"'{m}': " + ("died" if m in self._dead else "still starting")
-                            + (f": {self._errors[m]}" if m in self._errors else "")
-                            for m in self.procs if m not in self._ready)
-            self._closing = True
-            self.close()
-            raise RuntimeError(f"the sub-servers' Ray actors could not start (each must connect within "
-                               f"{self.start_timeout} s): {why}")
-
-    def _actor_error(self, name: str, text: str) -> None:
-        self._errors.setdefault(name, text)
-
-    # -- clocks ----------------------------------------------------------------------------
-    def _record_boot(self, name: str, data: bytes) -> None:
-        import json
-        now = time.perf_counter()
-        super()._record_boot(name, data)
-        try:
-            theirs = float(json.loads(data)["now"])
-        except (ValueError, KeyError, TypeError):
-            return
-        if abs(now - theirs) > CLOCK_SKEW_S:
-            self._offsets[name] = now - theirs
-
-    def _emit(self, event) -> None:
-        off = self._offsets.get(getattr(event, "model", None))
-        if off and dataclasses.is_dataclass(event):
-            moved = {f: getattr(event, f) + off for f in TIME_FIELDS if isinstance(getattr(event, f, None), float)}
-            event = dataclasses.replace(event, **moved)
-        super()._emit(event)
-
-    # -- end -------------------------------------------------------------------------------
-    def _signal(self, model: str, sig: int) -> None:
-        actor = self.actors.get(model)
-        if actor is not None and self._running(model):
-            import ray
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-
-    def _kill_all(self) -> None:
-        import ray
-        for name, actor in self.actors.items():
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        for p in self.procs.values():
-            p.join(5.0)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Shut the sub-servers down, kill every actor, remove the placement group (and shut Ray
-        down when `start` started it). Idempotent."""
-        import ray
-        started = self._started
-        if started:
-            super().close(timeout)
-        else:
-            self._closed = True
-        if ray.is_initialized():
-            self._kill_all()
-            if self.placement_group is not None:
-                from ray.util.placement_group import remove_placement_group
-                try:
-                    remove_placement_group(self.placement_group)
-                except Exception:  # noqa: BLE001 - the cluster is gone
-                    pass
-        self.placement_group = None
-        self.actors = {}
-        if self._own_ray and ray.is_initialized():
-            ray.shutdown()
-            self._own_ray = False
+    @property
+    def placement_group(self):
+        return self.launcher.placement_group
