@@ -174,8 +174,9 @@ def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtyp
     one batch: logits and hidden states within rounding (float32 native steps also run the fused
     step ops), and the kernel ran."""
     calls = []
-    real = cpu_kernel.attend
-    monkeypatch.setattr(cpu_kernel, "attend", lambda kern, *a: calls.append(kern.q_len.tolist()) or real(kern, *a))
+    real = cpu_kernel.CpuKernel.attend
+    monkeypatch.setattr(cpu_kernel.CpuKernel, "attend",
+                        lambda self, kern, *a: calls.append(kern.q_len.tolist()) or real(self, kern, *a))
     monkeypatch.setenv(kernel_choice.ENV, str(cpu_kernel.MAX_QUERIES))  # extends of up to 16 in the kernel
     model = tiny_model(num_layers=3, seed=21, dtype=dtype)
     runners = {a: TorchRunner(model, max_kv_tokens=8192, kernels=a, model_impl=model_impl) for a in ("wait", "off")}

@@ -108,8 +108,9 @@ def test_steps_give_the_same_logits_whichever_limit(store, op, monkeypatch, dtyp
     the runner reports the limit it used and the kernel attended exactly the extends within it."""
     from tokenrouter_sdk.backends.attention import cpu_kernel
     seen: list[int] = []
-    real = cpu_kernel.attend
-    monkeypatch.setattr(cpu_kernel, "attend", lambda kern, *a: seen.extend(kern.q_len.tolist()) or real(kern, *a))
+    real = cpu_kernel.CpuKernel.attend
+    monkeypatch.setattr(cpu_kernel.CpuKernel, "attend",
+                        lambda self, kern, *a: seen.extend(kern.q_len.tolist()) or real(self, kern, *a))
     model = tiny_model(num_layers=3, seed=8, dtype=dtype)
     outs = {}
     for limit in (1, 5, 16):

@@ -353,7 +353,8 @@ class TorchRunner:
         if pad and len(seqs) == 1:
             seqs = [*seqs, PadSeq([self.pool.scratch_slot + _SCRATCH_NEED - 1])]
         op = self._kernel()
-        return pack(seqs, self.pool, self.spec, self.device, op, self._extend_limit(op))
+        return pack(seqs, self.pool, self.spec, self.device,
+                    None if op is None else cpu_kernel.CpuKernel(op, self._extend_limit(op)))
 
     def _extend_limit(self, op) -> int:
         """The longest extend (tokens) the kernel ``op`` attends for this model on this machine

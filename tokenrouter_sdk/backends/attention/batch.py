@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_kernel
-from .metadata import DecodeView, ForwardBatch, Tile
+from .metadata import DecodeView, ForwardBatch, PagedKernel, Tile
 from .spec import AttentionSpec
 
 # query rows of one tile of a windowed prefill or extend: a tile reads the keys of its rows'
@@ -68,7 +67,7 @@ def _decode_views(spec: AttentionSpec, dec_kv: list, dec_len: list[int], shared:
     return tuple(views)
 
 
-def pack(seqs: list, pool, spec: AttentionSpec, device, op=None, max_queries: int = cpu_kernel.MAX_QUERIES
+def pack(seqs: list, pool, spec: AttentionSpec, device, kernel: PagedKernel | None = None
          ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's `ForwardBatch`, token ids [1, T], positions [1, T] and each request's last
     packed index [B].
@@ -78,10 +77,8 @@ def pack(seqs: list, pool, spec: AttentionSpec, device, op=None, max_queries: in
         pool: the model's `KVPool`.
         spec: the model's `AttentionSpec` (its windows decide the views built).
         device: where the step runs.
-        op: the in-place CPU kernel op, or None: every decode and extend of at most
-            ``max_queries`` tokens goes to it; None sends decodes to the gather backend.
-        max_queries: the longest extend (tokens) the kernel attends; longer ones go to the
-            gather backend (`tokenrouter_sdk.backends.attention.kernel_choice` measures it).
+        kernel: a `PagedKernel` (e.g. `cpu_kernel.CpuKernel`): every decode and extend of at
+            most its ``max_queries`` tokens goes to it; None sends decodes to the gather backend.
     """
     dev = device
     ids, pos, slots, last = [], [], [], []
@@ -95,7 +92,7 @@ def pack(seqs: list, pool, spec: AttentionSpec, device, op=None, max_queries: in
         pos.extend(range(s.start, end))
         all_slots = s.slots if isinstance(s, PadSeq) else pool.slots(s.table, 0, end)
         slots.append(all_slots[s.start:])
-        if op is not None and (n == 1 or (s.start > 0 and n <= max_queries)):
+        if kernel is not None and (n == 1 or (s.start > 0 and n <= kernel.max_queries)):
             kern.append((t, n, end, all_slots))
         elif n == 1:
             dec_q.append(t)
@@ -116,5 +113,5 @@ def pack(seqs: list, pool, spec: AttentionSpec, device, op=None, max_queries: in
         dec = _decode_views(spec, dec_kv, dec_len, shared * pool.block_size, dev)
         dq = torch.tensor(dec_q, device=dev)
     fb = ForwardBatch(pool, torch.cat(slots).to(dev), spec.layers, spec.view, dq, dec, segs=segs,
-                      kern=cpu_kernel.part(op, kern) if kern else None)
+                      kern=kernel.part(kern) if kern else None)
     return (fb, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), torch.tensor(last, device=dev))

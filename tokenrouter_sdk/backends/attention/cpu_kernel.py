@@ -20,18 +20,29 @@ MAX_QUERIES = 16
 CHUNK = 0
 
 
-def part(op, kern: list) -> KernelPart:
-    """The `KernelPart` of (q_start, q_len, kv_len, slots [kv_len]) per request."""
-    table = torch.zeros(len(kern), max(k[2] for k in kern), dtype=torch.long)
-    for i, (_, _, n, sl) in enumerate(kern):
-        table[i, :n] = sl
-    cols = torch.tensor([k[:3] for k in kern], dtype=torch.long).T.contiguous()
-    return KernelPart(op, table, cols[0], cols[1], cols[2])
+class CpuKernel:
+    """The in-place C++ kernel as a `PagedKernel`.
 
+    Args:
+        op: the kernel op (`tokenrouter_sdk.backends.cpu_kernels.paged_attention_op`).
+        max_queries: the longest extend (tokens) it attends (`kernel_choice.extend_limit`
+            measures it per machine and model shape).
+    """
 
-def attend(kern: KernelPart, p: LayerParams, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor,
-           vc: torch.Tensor) -> None:
-    """Write the rows of ``out`` [T, H, D] that ``kern``'s requests own: their queries of ``q``
-    [T, H, D] (contiguous) against their keys in one layer's pool kc, vc [slots, Hkv, D]."""
-    kern.op(out, q, kc, vc, kern.table, kern.q_start, kern.q_len, kern.kv_len, p.scale, CHUNK, p.window or 0,
-            p.softcap or 0.0)
+    def __init__(self, op, max_queries: int = MAX_QUERIES):
+        self.op, self.max_queries = op, max_queries
+
+    def part(self, rows: list) -> KernelPart:
+        """The `KernelPart` of (q_start, q_len, kv_len, slots [kv_len]) per request."""
+        table = torch.zeros(len(rows), max(k[2] for k in rows), dtype=torch.long)
+        for i, (_, _, n, sl) in enumerate(rows):
+            table[i, :n] = sl
+        cols = torch.tensor([k[:3] for k in rows], dtype=torch.long).T.contiguous()
+        return KernelPart(self, table, cols[0], cols[1], cols[2])
+
+    def attend(self, part: KernelPart, p: LayerParams, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor,
+               vc: torch.Tensor) -> None:
+        """Write the rows of ``out`` [T, H, D] that ``part``'s requests own: their queries of
+        ``q`` [T, H, D] (contiguous) against their keys in one layer's pool kc, vc [slots, Hkv, D]."""
+        self.op(out, q, kc, vc, part.table, part.q_start, part.q_len, part.kv_len, p.scale, CHUNK,
+                p.window or 0, p.softcap or 0.0)

@@ -3,22 +3,23 @@ forward calls per layer (`attend_tokens`), which writes the layer's new K/V into
 sends each part of the batch to its backend with the layer's `LayerParams`.
 
 A step's requests are split, once per step (`tokenrouter_sdk.backends.attention.batch`), into:
-- ``kern``: decodes and short extends the in-place CPU kernel attends (`cpu_kernel`);
+- ``kern``: decodes and short extends a paged kernel attends in place (`metadata.PagedKernel`:
+  `cpu_kernel.CpuKernel`);
 - ``dec``: the other decodes, attended together over a padded gather of their keys (`gather`),
   or in two parts when they share leading KV blocks (`cascade`);
 - ``segs``: prefills and long extends, one by one (`gather`).
 What a request reads depends on the layer's window, so the decode tables and the segments' key
 ranges are built once per distinct window of the model (`DecodeView`, `Tile`) and each layer
 picks its window's (``view``). A backend computes every `LayerParams` field exactly (window,
-soft-cap, scale); a GPU paged kernel is one more backend file taking the same arguments as
-`cpu_kernel.attend`, chosen where ``kern`` is chosen in `batch.pack`.
+soft-cap, scale); a GPU paged kernel is one more backend file with a `PagedKernel` class, which
+the runner passes to `batch.pack` as it passes `cpu_kernel.CpuKernel`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import cascade, cpu_kernel, gather
+from . import cascade, gather
 from .metadata import ForwardBatch
 
 
@@ -34,7 +35,7 @@ def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor
     if fb.kern is not None:
         q = q.contiguous()
         out = q.new_empty(t, h, d)
-        cpu_kernel.attend(fb.kern, p, out, q, kc, vc)
+        fb.kern.backend.attend(fb.kern, p, out, q, kc, vc)
         qt = q.transpose(0, 1)
     else:
         only_decodes = not fb.segs and fb.dec_qlen == 1 and fb.dec_q is not None and fb.dec_q.shape[0] == t

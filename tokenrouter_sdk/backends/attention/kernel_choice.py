@@ -99,6 +99,7 @@ def measure(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers:
     from ...engine.kv_pool import KVPool
     from ...engine.runner import SeqInput
     from .batch import pack
+    from .cpu_kernel import CpuKernel
     from .interface import attend_tokens
     from .spec import AttentionSpec
 
@@ -120,8 +121,8 @@ def measure(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers:
             n = q + DECODES
             x = torch.randn(n, heads, dim, generator=g, dtype=dtype)
             kv = torch.randn(n, kv_heads, dim, generator=g, dtype=dtype)
-            batches = [pack(seqs, pool, spec, "cpu", op, max_queries=q)[0],
-                       pack(seqs, pool, spec, "cpu", op, max_queries=q - 1)[0]]
+            batches = [pack(seqs, pool, spec, "cpu", CpuKernel(op, q))[0],
+                       pack(seqs, pool, spec, "cpu", CpuKernel(op, q - 1))[0]]
 
             def step(fb):
                 for layer in range(layers):

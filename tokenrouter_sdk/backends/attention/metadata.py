@@ -5,6 +5,7 @@ layer's attention."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -50,16 +51,39 @@ class Tile:
 
 @dataclass
 class KernelPart:
-    """The requests the in-place CPU kernel attends (their tokens are in neither ``dec`` nor
-    ``segs``): the op, the pool slots of every key position [R, Lmax], and per request its first
-    packed row, queries and keys [R] (int64). Shared by every window: the kernel reads only the
-    keys inside the layer's window."""
+    """The requests a paged kernel attends in place (their tokens are in neither ``dec`` nor
+    ``segs``): the kernel (`PagedKernel`), the pool slots of every key position [R, Lmax], and
+    per request its first packed row, queries and keys [R] (int64). Shared by every window: the
+    kernel reads only the keys inside the layer's window."""
 
-    op: object
+    backend: PagedKernel
     table: torch.Tensor
     q_start: torch.Tensor
     q_len: torch.Tensor
     kv_len: torch.Tensor
+
+
+class PagedKernel(Protocol):
+    """An attention backend that attends decodes and extends of at most ``max_queries`` tokens
+    in place in the KV pool (`tokenrouter_sdk.backends.attention.cpu_kernel.CpuKernel`; a GPU
+    paged kernel is one more file with this class). A runner passes one to `batch.pack`; every
+    layer's `interface.attend_tokens` calls its ``attend``.
+
+    Attributes:
+        max_queries: the longest extend (tokens) it attends; longer ones go to the gather
+            backend.
+    """
+
+    max_queries: int
+
+    def part(self, rows: list) -> KernelPart:
+        """The step's `KernelPart` of (q_start, q_len, kv_len, slots [kv_len]) per request."""
+
+    def attend(self, part: KernelPart, p: LayerParams, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor,
+               vc: torch.Tensor) -> None:
+        """Write the rows of ``out`` [T, H, D] that ``part``'s requests own: their queries of
+        ``q`` [T, H, D] (contiguous) against their keys in one layer's pool kc, vc
+        [slots, Hkv, D], with ``p``'s window, soft-cap and scale."""
 
 
 @dataclass
