@@ -57,6 +57,9 @@ def test_process_children_get_runner_specs_not_runners(small_pair, tok, monkeypa
             assert getattr(view, "graphs", None) is None and getattr(view, "latency", None) is None
         out = r.generate([[5, 6, 7]], max_new_tokens=4, ignore_eos=True, timeout=120)[0]
         assert out.error is None and len(out.token_ids) == 4
+        # each child reported the runner it built, and it is what the engine planned with
+        assert r.engine.transport.reported() == {m: r.engine.info[m].geometry() for m in small_pair}
+        assert r.engine.info["large"].geometry()["num_blocks"] == 256 // 16
 
 
 def test_routed_run_through_processes_equals_the_reference(small_pair, tok):
@@ -183,3 +186,18 @@ def test_the_router_prefetches_its_runner_specs(small_pair, tok, monkeypatch):
     with Router(small_pair, tokenizer=tok, processes=False) as r:
         assert len(r.generate([1, 2, 3], max_new_tokens=2).token_ids) == 2
     assert [id(m) for m in calls] == [id(small_pair["small"]), id(small_pair["large"])]
+
+
+class _MisdescribedSpec(_ScriptedSpec):
+    """Describes 64 blocks, builds a runner of 32."""
+
+    def build(self):
+        return ScriptedRunner(lambda pos: 7, max_kv_tokens=32 * 16)
+
+
+def test_a_runner_built_otherwise_than_its_spec_described_fails_the_start(tok):
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match=r"model 'b': its runner was built as .*'num_blocks': 32.* described "
+                                           r".*'num_blocks': 64"):
+        Engine({"a": _ScriptedSpec(), "b": _MisdescribedSpec()}, tok, transport=ThreadTransport())
+    assert {t.name for t in threading.enumerate() if t.name.startswith("tokenrouter")} <= before

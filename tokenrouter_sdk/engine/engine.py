@@ -27,7 +27,7 @@ from .config import EngineConfig, valid_thresholds
 from .call import Call
 from .request_handle import RequestHandle
 from .admission import KVReservation
-from .runner import RemoteRunner, RunnerSpec
+from .runner import RemoteRunner, RunnerInfo, RunnerSpec
 from .step_result import dispatch
 from .transport import ThreadTransport
 
@@ -54,13 +54,19 @@ class Engine:
             ``generation_config.eos_token_id``).
 
     Attributes:
-        runners: per model, its runner where it lives in this process (a runner object given,
-            or one a thread transport built from its spec), else a
-            `tokenrouter_sdk.engine.runner.RemoteRunner` (what this process knows of a runner
-            built in another process: vocabulary, context, device, dtype, pool shape, settings).
+        info: per model, its `tokenrouter_sdk.engine.runner.RunnerInfo` (what the engine plans
+            with: vocabulary, context, KV geometry), read once from each runner or spec given; a
+            sub-server that reports its runner built otherwise fails the start.
+        runners: per model, for inspection: its runner where it lives in this process (a runner
+            object given, or one a thread transport built from its spec, as the transport hands
+            it out), else a `tokenrouter_sdk.engine.runner.RemoteRunner` (what this process knows
+            of a runner built in another process: vocabulary, context, device, dtype, pool shape,
+            settings). The engine itself never reads them.
 
     Raises:
         ValueError: thresholds naming unknown models or below 1.
+        RuntimeError: a sub-server reported its runner's vocabulary, context or KV geometry
+            other than its spec described (names the model and both).
         Exception: what describing or building a runner from its spec raised (e.g.
             `UnsupportedAttention`, out of memory for a KV pool).
     """
@@ -69,14 +75,16 @@ class Engine:
                  eos_ids: Sequence[int] = ()):
         self.config = config or EngineConfig()
         self.models = list(runners)
-        self.runners = {m: RemoteRunner(r) if isinstance(r, RunnerSpec) else r for m, r in runners.items()}
+        self.info = {m: RunnerInfo.of(r) for m, r in runners.items()}
+        self._views = {m: RemoteRunner(r, self.info[m]) if isinstance(r, RunnerSpec) else r
+                       for m, r in runners.items()}
         self.tokenizer = tokenizer
         tok_eos = token_ids(getattr(tokenizer, "eos_token_id", None))
         self.eos_ids = tuple(dict.fromkeys(int(i) for i in [*tok_eos, *eos_ids]))
-        vocabs = [int(r.vocab_size) for r in self.runners.values()]
+        vocabs = [int(i.vocab_size) for i in self.info.values()]
         self.vocab_limit = min(vocabs + ([len(tokenizer)] if tokenizer is not None else []))
-        self.max_context = min(int(r.max_context) for r in self.runners.values())
-        self.capacity = {m: (r.pool.num_blocks, r.pool.block_size) for m, r in self.runners.items()}
+        self.max_context = min(int(i.max_context) for i in self.info.values())
+        self.capacity = {m: (i.pool.num_blocks, i.pool.block_size) for m, i in self.info.items()}
         self.thresholds = self.config.threshold_map(self.models)
         self.recent: collections.deque = collections.deque(maxlen=RECENT_EVENTS)
         self.handles: dict[int, RequestHandle] = {}  # requests not ended
@@ -106,10 +114,29 @@ class Engine:
                             thresholds=self.thresholds, vocab_limit=self.vocab_limit)
                  for name, r in runners.items()}
         self.transport.start(specs, self.handle_event)
-        local = getattr(self.transport, "subservers", None) or {}
-        for name, r in runners.items():  # a runner built from its spec in this process: the runner itself
-            if isinstance(r, RunnerSpec) and name in local:
-                self.runners[name] = local[name].runner
+        self._check_reported()
+
+    @property
+    def runners(self) -> dict:
+        """Per model, its runner for inspection (see the class docstring)."""
+        local = getattr(self.transport, "local_runner", None)
+        out = {}
+        for m, view in self._views.items():
+            built = local(m) if local is not None and isinstance(view, RemoteRunner) else None
+            out[m] = built if built is not None else view
+        return out
+
+    def _check_reported(self) -> None:
+        """Compare what each sub-server reported of its built runner (the transport's
+        ``reported()``) with what the engine plans with; a difference closes the engine."""
+        reported = getattr(self.transport, "reported", None)
+        for m, got in (reported() if reported is not None else {}).items():
+            want = self.info[m].geometry()
+            if got != want:
+                self.transport.close()
+                raise RuntimeError(f"model '{m}': its runner was built as {got} in its sub-server, but its spec "
+                                   f"described {want}; the engine sizes admission, vocabulary and context from "
+                                   f"the spec, so its describe() must say what build() makes")
 
     # -- policies ---------------------------------------------------------------------------
     def _register(self, policy: Policy) -> int:
@@ -651,9 +678,4 @@ class Engine:
             for h in list(self.handles.values()):
                 if not h.done.is_set():
                     self._end(h, "aborted", "the Router was closed", self.clock())
-        for r in self.runners.values():
-            if hasattr(r, "release"):
-                r.release()
-            else:
-                r.pool.release()
         self._observers.clear()

@@ -215,6 +215,7 @@ class HubTransport:
         self._dead_why: dict[str, str] = {}
         self._errors: dict[str, str] = {}
         self._buffer: dict[str, list[bytes]] = collections.defaultdict(list)
+        self._geometry: dict[str, dict] = {}  # model -> its runner as reported in its hi
         self._lock = threading.Lock()
         self._policy_cache: dict[tuple[str, int], bytes] = {}  # (model, key) -> the policy bytes it holds
         self._last_policy: tuple | None = None  # (RegisterPolicy message, its pickled policy)
@@ -323,6 +324,15 @@ class HubTransport:
         if self._hub is not None and self._hub.is_alive():
             return True
         return self._running(model)
+
+    def reported(self) -> dict[str, dict]:
+        """Per model that has connected, its runner as its sub-server built it
+        (`RunnerInfo.geometry`, from its ``hi``)."""
+        return {name: dict(self._geometry[name]) for name in list(self._geometry)}
+
+    def local_runner(self, model: str):
+        """None: every runner lives in its sub-server's process."""
+        return None
 
     def pending(self, model: str) -> bool:
         """False: no sub-server lives in this process (`subservers` is empty)."""
@@ -575,6 +585,8 @@ class HubTransport:
             hello = json.loads(data)
         except ValueError:
             hello = {}
+        if isinstance(hello, dict) and isinstance(hello.get("runner"), dict):
+            self._geometry[name] = hello["runner"]
         try:
             self.boot[name] = self.launcher.boot(name, hello if isinstance(hello, dict) else {}, now)
         except (ValueError, KeyError, TypeError):  # a sub-server of another version: no times

@@ -22,7 +22,7 @@ import traceback
 from . import messages as M
 from .subserver import SubServer, serve
 from .codec import Frame, PolicyBlob, decode, encode_result
-from .runner import RunnerSpec
+from .runner import RunnerInfo, RunnerSpec
 from .wire import _LoadError, load_policy, load_spec, recv_spec
 
 _IMPORTED_IN = os.getpid()  # another pid in a sub-server: this module came with a fork server's fork
@@ -117,7 +117,7 @@ def run_subserver(name: str, address: str, threads: int, receive, load, *, t_mai
         if cores is not None and hasattr(ss.runner, "between_layers"):
             ss.runner.between_layers = cores.give_back
         boot = {"pid": os.getpid(), "preloaded": preloaded, "main": t_main, "received": t_received,
-                "loaded": t_loaded, "built": time.perf_counter()}
+                "loaded": t_loaded, "built": time.perf_counter(), "runner": RunnerInfo.of(ss.runner).geometry()}
         rx = threading.Thread(target=_child_receive,
                               args=(ctx, address, name, inbox, stop, fatal, orphaned, boot, watch_parent),
                               name=f"tokenrouter-{name}-rx", daemon=True)

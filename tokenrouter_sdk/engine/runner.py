@@ -143,6 +143,23 @@ class RunnerInfo:
     pool: PoolShape
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, runner) -> "RunnerInfo":
+        """What ``runner`` is: a `RunnerSpec`'s ``describe()``, or a built runner's attributes
+        (its pool as a `PoolShape`)."""
+        if isinstance(runner, RunnerSpec):
+            return runner.describe()
+        pool = runner.pool
+        return cls(int(runner.vocab_size), int(runner.max_context), getattr(runner, "device", None),
+                   getattr(runner, "dtype", None),
+                   PoolShape(int(pool.num_blocks), int(pool.block_size), int(getattr(pool, "scratch_blocks", 0))))
+
+    def geometry(self) -> dict:
+        """What the engine plans with: ``vocab_size``, ``max_context``, ``num_blocks``,
+        ``block_size`` (the form a sub-server reports it in when it starts)."""
+        return {"vocab_size": int(self.vocab_size), "max_context": int(self.max_context),
+                "num_blocks": int(self.pool.num_blocks), "block_size": int(self.pool.block_size)}
+
 
 @runtime_checkable
 class RunnerSpec(Protocol):

@@ -19,7 +19,7 @@ import threading
 import traceback
 from typing import Callable
 
-from .runner import build_runner
+from .runner import RunnerInfo, build_runner
 
 
 class SimTransport:
@@ -138,12 +138,25 @@ class SimTransport:
     def alive(self, model: str) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def reported(self) -> dict[str, dict]:
+        """Per model, its runner as built (`RunnerInfo.geometry`)."""
+        return {name: RunnerInfo.of(ss.runner._runner).geometry() for name, ss in self.subservers.items()}
+
+    def local_runner(self, model: str):
+        """``model``'s runner object (it lives in this process), or None."""
+        ss = self.subservers.get(model)
+        return None if ss is None else ss.runner._runner
+
     def close(self, timeout: float = 10.0) -> None:
         with self._cv:
             self._closed = True
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        for ss in self.subservers.values():  # the runners live here: their KV storage ends with them
+            runner = ss.runner._runner
+            release = getattr(runner, "release", None)
+            release() if release is not None else runner.pool.release()
 
 
 class _TimedRunner:

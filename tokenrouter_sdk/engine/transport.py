@@ -19,7 +19,7 @@ import traceback
 from typing import Callable
 
 from . import messages as M
-from .runner import build_runner, dead_letter
+from .runner import RunnerInfo, build_runner, dead_letter
 
 
 class ThreadTransport:
@@ -146,6 +146,15 @@ class ThreadTransport:
                 if ev is not None:
                     self.events.put(ev)
 
+    def reported(self) -> dict[str, dict]:
+        """Per model, its runner as built in its sub-server thread (`RunnerInfo.geometry`)."""
+        return {name: RunnerInfo.of(ss.runner).geometry() for name, ss in self.subservers.items()}
+
+    def local_runner(self, model: str):
+        """``model``'s runner object (it lives in this process), or None."""
+        ss = self.subservers.get(model)
+        return None if ss is None else ss.runner
+
     def pending(self, model: str) -> bool:
         """Whether messages wait in ``model``'s inbox."""
         q = self.inboxes.get(model)
@@ -162,3 +171,6 @@ class ThreadTransport:
         self._threads.clear()
         self.events.put(None)
         self._collector.join(timeout)
+        for ss in self.subservers.values():  # the runners live here: their KV storage ends with them
+            release = getattr(ss.runner, "release", None)
+            release() if release is not None else ss.runner.pool.release()
