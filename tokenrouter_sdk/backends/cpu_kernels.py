@@ -183,6 +183,13 @@ def build_name() -> str:
     return "tokenrouter_cpu_" + h.hexdigest()[:16]
 
 
+def cached() -> bool:
+    """Whether this build's library is on disk already (loading it takes well under a second;
+    building it, seconds)."""
+    name = build_name()
+    return any(build_directory(name).glob(f"{name}*.so"))
+
+
 def start() -> None:
     """Begin building or loading the kernel in a background thread (once per process)."""
     _BUILD.start()

@@ -36,6 +36,7 @@ from .attention.kernel_choice import extend_limit
 from .native_forward import NativeForward, native_support
 
 KERNEL_WAIT_S = 600.0  # the longest a kernels="wait" step waits for the C++ kernels' build
+CACHED_WAIT_S = 10.0  # the longest a kernels="auto" step waits for kernels already built on disk to load
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -286,6 +287,7 @@ class TorchRunner:
         state["between_layers"] = None
         state["_compile_started"] = False
         state.pop("kv_blocks", None)  # block ids are allocated where the runner serves
+        state.pop("_waited_for_cached", None)  # the kernels load per process
         return state
 
     # -- compiled steps ---------------------------------------------------------------------
@@ -375,7 +377,16 @@ class TorchRunner:
         ``kernels`` argument."""
         if not self._kernels_apply():
             return None
-        op = cpu_kernels.paged_attention_op(wait=self.kernels == "wait", timeout=KERNEL_WAIT_S)
+        if self.kernels == "wait":
+            op = cpu_kernels.paged_attention_op(wait=True, timeout=KERNEL_WAIT_S)
+        else:
+            op = cpu_kernels.paged_attention_op()
+            if op is None and not self.__dict__.get("_waited_for_cached"):
+                # a library built before loads in well under a second: the first step waits for it,
+                # so steps do not change path (and the projections their weights) while serving
+                self._waited_for_cached = True
+                if cpu_kernels.cached():
+                    op = cpu_kernels.paged_attention_op(wait=True, timeout=CACHED_WAIT_S)
         if op is None and self.kernels == "wait":
             why = cpu_kernels.error() or f"still building after {KERNEL_WAIT_S:.0f} s"
             raise RuntimeError(f"kernels='wait': the C++ CPU kernels could not be built ({why}); "
