@@ -157,3 +157,18 @@ def test_a_runner_measures_the_kernel_for_real_and_stores_its_timings(store, cap
     from tokenrouter_sdk.cli.main import main
     assert main(["info"]) == 0
     assert "packed/plain/skinny by rows" in capsys.readouterr().out
+
+
+def test_a_runner_built_from_its_spec_prepares_its_steps_before_any_request(store):
+    """Where a sub-server starts, the runner loads the kernels, builds its projections and their
+    measured choices, and packs the few-row kernel's weights: no request waits for any of it."""
+    from tokenrouter_sdk.backends.torch_runner import TorchRunnerSpec
+    model = tiny_model(num_layers=3, seed=9, dtype=torch.float32)
+    runner = TorchRunnerSpec(model, max_kv_tokens=256).build()
+    nf = runner._native
+    assert nf is not None and nf._skinny_tuned and nf.projections
+    entries = {k: e for k, e in A.load_choices(A.machine_fields()).items() if k.startswith("packing")}
+    assert {A.group_key(p) for p in nf.projections} <= set(entries)
+    assert all("skinny_ms" in e for e in entries.values())
+    off = TorchRunnerSpec(model, max_kv_tokens=256, model_impl="transformers").build()
+    assert off._native is None  # the transformers forward has nothing to prepare

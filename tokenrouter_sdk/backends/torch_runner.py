@@ -404,6 +404,20 @@ class TorchRunner:
             self._native = NativeForward(self.model, attend_tokens)
         return self._native
 
+    @torch.inference_mode()
+    def prepare_steps(self) -> None:
+        """Make what the first step would make, before any request: load the C++ kernels when
+        they are built already, build the native forward's projections (oneDNN packing, the
+        measured GEMM choices) and, with the kernels, the few-row kernel's weights. A runner
+        built from its spec does this where its sub-server starts, so no request waits for it."""
+        if self.impl != "native" or self.pool is None or self.pool.k is None:
+            return
+        self._kernel()
+        if self._native_ready():
+            nf = self._native
+            if self._step_ops() is not None and not nf._skinny_tuned:
+                nf.add_skinny()
+
     def _native_ready(self) -> bool:
         """Build the native forward in this process (once), bring it up to date with the model,
         and say whether it computes this step (not when hooks it would bypass are registered)."""
@@ -607,7 +621,9 @@ class TorchRunnerSpec:
         if _is_source(model):
             from ..models import load_model
             model, _ = load_model(model, dtype=self.dtype if self.dtype is not None else "auto", device=str(self.device))
-        return TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
-                           cuda_graphs=self.cuda_graphs, max_graph_batch=self.max_graph_batch, compile=self.compile,
-                           model_impl=self.model_impl, kernels=self.kernels,
-                           allow_unknown_attention=self.allow_unknown_attention, attention=attention)
+        runner = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
+                             cuda_graphs=self.cuda_graphs, max_graph_batch=self.max_graph_batch, compile=self.compile,
+                             model_impl=self.model_impl, kernels=self.kernels,
+                             allow_unknown_attention=self.allow_unknown_attention, attention=attention)
+        runner.prepare_steps()
+        return runner
