@@ -9,8 +9,9 @@ an AMD EPYC the packed kernel is 1.6-2.6x faster at every row count (the tables 
 
 What is chosen: for each group of projections of one shape and dtype (a model's merged q/k/v of
 every layer, o, gate/up, down, the LM head), per row bucket (`BUCKETS`, the tokens of a step),
-whether the oneDNN-packed weight or the model's own (``F.linear``) runs. A row count between two
-buckets takes the next larger bucket's choice; past the last, the last's.
+whether the oneDNN-packed weight, the model's own (``F.linear``) or, once the C++ CPU kernels are
+loaded, the few-row kernel over its own packed weight (``csrc/skinny_gemm.cpp``, float32) runs. A
+row count between two buckets takes the next larger bucket's choice; past the last, the last's.
 
 How it is measured: one pass runs the group's projections over enough layers that their weights
 are at least twice the last-level cache (so the weights stream from memory, as in a real step;
@@ -20,12 +21,14 @@ takes 1-3 s per model once per machine.
 
 Where it is kept: ``<torch extension root>/tokenrouter/choices/<machine key>.json`` beside the
 compiled kernels (`tokenrouter_sdk.backends.cpu_kernels.build_directory`), keyed by the CPU model,
-its flags, the last-level cache size, the threads, torch's and oneDNN's versions (`machine_fields`).
+its flags, the last-level cache size, the threads, torch's and oneDNN's versions and the build of
+the engine's own kernels (`machine_fields`).
 A file that is corrupt or belongs to another machine or version is ignored, measured again and
 overwritten. `tokenrouter info` prints the choices and the timings behind them.
 
-Forcing: ``TOKENROUTER_PACKING=packed`` or ``plain`` (every bucket), ``auto`` (measure; the
-default). The value is read at each model's first step.
+Forcing: ``TOKENROUTER_PACKING=packed``, ``plain`` or ``skinny`` (every bucket; ``skinny`` where
+the kernels are loaded, packed until then), ``auto`` (measure; the default). The value is read at
+each model's first step.
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ from typing import Callable
 import torch
 
 PACKING_ENV = "TOKENROUTER_PACKING"
-PACKING_VALUES = ("auto", "packed", "plain")
+PACKING_VALUES = ("auto", "packed", "plain", "skinny")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 REPS = 3
-FORMAT = 1  # the layout of a choices file; a file of another format is measured again
+FORMAT = 2  # the layout of a choices file; a file of another format is measured again
 
 
 @dataclass(frozen=True)
@@ -57,39 +60,54 @@ class PackRule:
 
     Attributes:
         buckets: row counts, ascending.
-        packed: per bucket, True where the packed weight runs.
+        packed: per bucket, True where the packed weight runs (of the oneDNN and the model's own).
         source: where the rule came from: ``measured``, ``cached``, ``forced (TOKENROUTER_PACKING=...)``
             or ``default``.
+        skinny: per bucket, True where the few-row kernel runs instead (empty: nowhere; a
+            projection without its kernel weight runs ``packed``'s choice).
 
-    ``rule(rows)`` says whether a step of ``rows`` tokens runs the packed weight.
+    ``rule(rows)`` says whether a step of ``rows`` tokens runs the packed weight; ``rule.path(rows)``
+    which path runs: ``"skinny"``, ``"packed"`` or ``"plain"``.
     """
 
     buckets: tuple[int, ...]
     packed: tuple[bool, ...]
     source: str = "default"
+    skinny: tuple[bool, ...] = ()
+
+    def _index(self, rows: int) -> int:
+        return min(bisect.bisect_left(self.buckets, rows), len(self.packed) - 1)
 
     def __call__(self, rows: int) -> bool:
-        i = bisect.bisect_left(self.buckets, rows)
-        return self.packed[min(i, len(self.packed) - 1)]
+        return self.packed[self._index(rows)]
+
+    def path(self, rows: int) -> str:
+        """``"skinny"``, ``"packed"`` or ``"plain"``: the path of a step of ``rows`` tokens."""
+        i = self._index(rows)
+        if self.skinny and self.skinny[i]:
+            return "skinny"
+        return "packed" if self.packed[i] else "plain"
 
     @classmethod
-    def always(cls, packed: bool, source: str) -> "PackRule":
-        return cls(BUCKETS, (packed,) * len(BUCKETS), source)
+    def always(cls, packed: bool, source: str, skinny: bool = False) -> "PackRule":
+        return cls(BUCKETS, (packed,) * len(BUCKETS), source, (skinny,) * len(BUCKETS) if skinny else ())
 
     def describe(self) -> str:
-        """``packed at 1-64 rows, plain at 128`` style text."""
+        """``skinny at 1-8 rows, packed at 16-64, plain at 128 rows`` style text."""
         runs: list[list] = []
-        for b, p in zip(self.buckets, self.packed):
+        for b in self.buckets:
+            p = self.path(b)
             if runs and runs[-1][0] == p:
                 runs[-1][2] = b
             else:
                 runs.append([p, b, b])
-        parts = [f"{'packed' if p else 'plain'} at {lo}{'' if lo == hi else f'-{hi}'}" for p, lo, hi in runs]
+        parts = [f"{p} at {lo}{'' if lo == hi else f'-{hi}'}" for p, lo, hi in runs]
         return ", ".join(parts) + " rows"
 
 
-def forced_packing() -> bool | None:
-    """The choice forced by ``TOKENROUTER_PACKING``: True (packed), False (plain) or None (measure).
+def forced_path() -> str | None:
+    """The path forced by ``TOKENROUTER_PACKING``: ``"packed"``, ``"plain"``, ``"skinny"``, or
+    None (measure).
 
     Raises:
         ValueError: another value (names the accepted ones).
@@ -97,7 +115,18 @@ def forced_packing() -> bool | None:
     v = os.environ.get(PACKING_ENV, "auto").strip().lower() or "auto"
     if v not in PACKING_VALUES:
         raise ValueError(f"{PACKING_ENV}={v!r}: accepted values are {', '.join(PACKING_VALUES)}")
-    return None if v == "auto" else v == "packed"
+    return None if v == "auto" else v
+
+
+def forced_packing() -> bool | None:
+    """The choice forced by ``TOKENROUTER_PACKING`` between the oneDNN-packed and the model's
+    own weight: True (``packed`` or ``skinny``), False (``plain``) or None (measure).
+
+    Raises:
+        ValueError: another value (names the accepted ones).
+    """
+    v = forced_path()
+    return None if v is None else v != "plain"
 
 
 def _cpu_field(name: str) -> str:
@@ -133,12 +162,14 @@ def onednn_version() -> str:
 
 def machine_fields(threads: int | None = None) -> dict:
     """What a choice depends on besides the shapes: CPU model and flags (hashed), last-level
-    cache bytes, torch threads, torch and oneDNN versions, the choices file format."""
+    cache bytes, torch threads, torch and oneDNN versions, the build of the engine's C++ kernels
+    (their sources hashed: a changed kernel is measured again), the choices file format."""
+    from .cpu_kernels import build_name
     flags = _cpu_field("flags")
     return {"cpu": _cpu_field("model name") or _cpu_field("vendor_id") or "unknown",
             "flags": hashlib.sha256(flags.encode()).hexdigest()[:16], "llc_bytes": last_level_cache_bytes(),
             "threads": int(threads if threads is not None else torch.get_num_threads()),
-            "torch": torch.__version__, "onednn": onednn_version(), "format": FORMAT}
+            "torch": torch.__version__, "onednn": onednn_version(), "kernels": build_name(), "format": FORMAT}
 
 
 def choices_path(fields: dict) -> Path:
@@ -183,14 +214,19 @@ def _store(fields: dict, key: str, entry: dict) -> None:
     os.replace(tmp, path)
 
 
-def _rule_of(entry) -> PackRule | None:
+def _rule_of(entry, skinny: bool = False) -> PackRule | None:
+    """The rule an entry stores, or None when it is not one (or, with ``skinny``, when it was
+    measured without the few-row kernel, which is there now)."""
     try:
         buckets, packed = tuple(int(b) for b in entry["buckets"]), tuple(bool(p) for p in entry["packed"])
-    except (KeyError, TypeError, ValueError):
+        fast = tuple(bool(p) for p in entry.get("skinny", ()))
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
     if not buckets or len(buckets) != len(packed) or list(buckets) != sorted(set(buckets)):
         return None
-    return PackRule(buckets, packed, "cached")
+    if fast and len(fast) != len(buckets) or (skinny and "skinny_ms" not in entry):
+        return None
+    return PackRule(buckets, packed, "cached", fast)
 
 
 def group_key(proj) -> str:
@@ -213,7 +249,8 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
     """Time the packed and the plain path of a group of same-shape projections at each bucket.
 
     Args:
-        projs: `Projection`s with a packed weight, all of one `group_key`.
+        projs: `Projection`s with a packed weight, all of one `group_key`; when every one also
+            has its few-row kernel weight (``skinny``), that path is timed too.
         buckets: row counts to time.
         reps: timed passes per path and bucket (after one untimed pass each).
         llc_bytes: the last-level cache; passes cover weights of at least twice this (default
@@ -222,14 +259,16 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
 
     Returns:
         ``{"buckets": [...], "packed": [bool...], "packed_ms": [...], "plain_ms": [...],
-        "layers": n}``: medians in ms of one pass over ``n`` projections.
+        "layers": n}``: medians in ms of one pass over ``n`` projections; with the few-row
+        kernel also ``"skinny": [bool...]`` (it beats both others) and ``"skinny_ms"``.
     """
     w = projs[0].mods[0].weight
     per = sum(m.weight.numel() for m in projs[0].mods) * w.element_size()
     llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
     n = min(len(projs), max(1, -(-2 * llc // max(1, per))))
     use = projs[:n]
-    packed_ms, plain_ms = [], []
+    with_skinny = all(getattr(p, "skinny", None) is not None for p in use)
+    packed_ms, plain_ms, skinny_ms = [], [], []
     with torch.inference_mode():
         for rows in buckets:
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
@@ -241,15 +280,27 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
             def plain():
                 for p in use:
                     p.run_plain(x)
-            packed(), plain()
-            a, b = [], []
-            for _ in range(reps):  # interleaved: a drift of the machine hits both alike
-                a += _median_s(packed, 1, clock)
-                b += _median_s(plain, 1, clock)
-            packed_ms.append(1e3 * statistics.median(a))
-            plain_ms.append(1e3 * statistics.median(b))
-    return {"buckets": list(buckets), "packed": [a < b for a, b in zip(packed_ms, plain_ms)],
-            "packed_ms": [round(v, 4) for v in packed_ms], "plain_ms": [round(v, 4) for v in plain_ms], "layers": n}
+
+            def skinny():
+                for p in use:
+                    p.run_skinny(x)
+            paths = [packed, plain] + ([skinny] if with_skinny else [])
+            for f in paths:
+                f()
+            times: list[list[float]] = [[] for _ in paths]
+            for _ in range(reps):  # interleaved: a drift of the machine hits every path alike
+                for t, f in zip(times, paths):
+                    t += _median_s(f, 1, clock)
+            packed_ms.append(1e3 * statistics.median(times[0]))
+            plain_ms.append(1e3 * statistics.median(times[1]))
+            if with_skinny:
+                skinny_ms.append(1e3 * statistics.median(times[2]))
+    out = {"buckets": list(buckets), "packed": [a < b for a, b in zip(packed_ms, plain_ms)],
+           "packed_ms": [round(v, 4) for v in packed_ms], "plain_ms": [round(v, 4) for v in plain_ms], "layers": n}
+    if with_skinny:
+        out["skinny"] = [s < min(a, b) for s, a, b in zip(skinny_ms, packed_ms, plain_ms)]
+        out["skinny_ms"] = [round(v, 4) for v in skinny_ms]
+    return out
 
 
 def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = None) -> dict[str, PackRule]:
@@ -269,38 +320,43 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
             groups.setdefault(group_key(p), []).append(p)
     if not groups:
         return {}
-    forced = forced_packing()
+    forced = forced_path()
     rules: dict[str, PackRule] = {}
     if forced is not None:
-        rules = {k: PackRule.always(forced, f"forced ({PACKING_ENV}={'packed' if forced else 'plain'})")
+        rules = {k: PackRule.always(forced != "plain", f"forced ({PACKING_ENV}={forced})", forced == "skinny")
                  for k in groups}
     else:
         fields = machine_fields() if fields is None else fields
         stored = load_choices(fields)
-        missing = [k for k in groups if _rule_of(stored.get(k)) is None]
+        fast = {k: all(getattr(p, "skinny", None) is not None for p in ps) for k, ps in groups.items()}
+        missing = [k for k in groups if _rule_of(stored.get(k), fast[k]) is None]
         for k in groups:
             if k not in missing:
-                rules[k] = _rule_of(stored[k])
+                rules[k] = _rule_of(stored[k], fast[k])
         if missing:
             try:
                 with _locked(choices_path(fields)):
                     stored = load_choices(fields)  # another process may have measured meanwhile
                     for k in missing:
-                        rule = _rule_of(stored.get(k))
+                        rule = _rule_of(stored.get(k), fast[k])
                         if rule is None:
                             entry = measure(groups[k])
                             entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-                            rules[k] = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured")
+                            rules[k] = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured",
+                                                tuple(entry.get("skinny", ())))
                             _store(fields, k, entry)
                         rules[k] = rule or rules[k]
             except OSError:  # the folder cannot be written: measure here, keep nothing
                 for k in missing:
                     if k not in rules:
                         entry = measure(groups[k])
-                        rules[k] = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured (not stored)")
+                        rules[k] = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured (not stored)",
+                                            tuple(entry.get("skinny", ())))
     for k, ps in groups.items():
         for p in ps:
             p.rule = rules[k]
+            if getattr(p, "skinny", None) is not None and not any(rules[k].skinny):
+                p.skinny = None  # never chosen: its copy of the weights goes
     return rules
 
 
@@ -369,10 +425,11 @@ def report(fields: dict | None = None, describers: tuple = ()) -> list[str]:
                     lines.append(f"  {threads} thread(s), {text}")
                 continue
             found += 1
-            times = ", ".join(f"{b}: {a:.2f}/{c:.2f}" for b, a, c in
-                              zip(entry["buckets"], entry.get("packed_ms", []), entry.get("plain_ms", [])))
+            sk = entry.get("skinny_ms") or []
+            times = ", ".join(f"{b}: {a:.2f}/{c:.2f}" + (f"/{sk[i]:.2f}" if i < len(sk) else "") for i, (b, a, c) in
+                              enumerate(zip(entry["buckets"], entry.get("packed_ms", []), entry.get("plain_ms", []))))
             lines.append(f"  {threads} thread(s), {key}: {rule.describe()} (ms per pass over {entry.get('layers', '?')} "
-                         f"layers, packed/plain by rows: {times})")
+                         f"layers, packed/plain{'/skinny' if sk else ''} by rows: {times})")
     if not found:
         lines.append("  none yet (measured at a float32/bfloat16 model's first step on this machine)")
     return lines

@@ -1,7 +1,9 @@
 """The engine's C++ CPU kernels, built with `torch.utils.cpp_extension` at first use:
 ``csrc/paged_attention.cpp``, paged attention that reads keys and values in place from the KV
-pool, and ``csrc/step_ops.cpp``, the fused float32 norm, rotary and SiLU-gating ops of the
-native forward's eager steps (`StepOps`).
+pool, ``csrc/step_ops.cpp``, the fused float32 norm, rotary and SiLU-gating ops of the
+native forward's eager steps (`StepOps`), and ``csrc/skinny_gemm.cpp``, float32 projections of a
+few rows over a weight packed for them (`tokenrouter_sdk.backends.projection`; whether they run
+is measured, `tokenrouter_sdk.backends.autotune`).
 
 Why, attention: without the kernel a decode or extend step gathers every request's whole
 cached K/V into a padded copy in each layer (``index_select``) and runs SDPA over the copy, so
@@ -41,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "step_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "step_ops.cpp", "skinny_gemm.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)  # links libgomp by its soname: the process uses the copy torch loaded
 DTYPES = (torch.float32, torch.float64)
@@ -179,6 +181,13 @@ def build_name() -> str:
                  _cpu_flags().encode()):
         h.update(part)
     return "tokenrouter_cpu_" + h.hexdigest()[:16]
+
+
+def cached() -> bool:
+    """Whether this build's library is on disk already (loading it takes well under a second;
+    building it, seconds)."""
+    name = build_name()
+    return any(build_directory(name).glob(f"{name}*.so"))
 
 
 def start() -> None:

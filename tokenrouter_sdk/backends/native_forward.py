@@ -105,6 +105,7 @@ class NativeForward:
         self._modules: list = []
         self._linears: set[int] = set()
         self._hooked: set[int] = set()
+        self._skinny_tuned = False  # the few-row kernel measured for the current projections
 
     def _build(self) -> None:
         """Projections of every layer and of the LM head (shared with every other NativeForward
@@ -124,6 +125,7 @@ class NativeForward:
         self._head = proj(model, name)
         projs = [*(q for ps in self._plan for q in ps), self._head]
         tune_packing(projs)  # which GEMM path runs per step size: measured on this machine once
+        self._skinny_tuned = False
         self._modules = [*dec.modules(), out]
         # the modules read, where they hang: a replaced one (a wrapper, a new layer list) rebuilds
         places = [(model, name, out), (dec, "layers", dec.layers)] + [
@@ -158,6 +160,16 @@ class NativeForward:
             return False
         return not (hooked - self._linears)
 
+    def add_skinny(self) -> None:
+        """Once the C++ CPU kernels are loaded: give each float32 projection its few-row kernel
+        weight and measure again where it runs (a choice stored with it is read, not measured);
+        the weights of projections whose rule never runs it are dropped again."""
+        self._skinny_tuned = True
+        ops = torch.ops.tokenrouter_cpu
+        projs = self.projections
+        if any([p.add_skinny(ops) for p in projs]):
+            tune_packing(projs)
+
     @property
     def projections(self) -> list:
         """Every projection in the order `decoder_step` uses them: per layer q/k/v, o, gate/up,
@@ -172,6 +184,8 @@ class NativeForward:
         fused float32 CPU ops (`tokenrouter_sdk.backends.cpu_kernels.step_ops`) or None. Returns
         (logits [B, V], hidden [B, H], the final hidden states of every fed position [T, H] when
         ``want_all``, else None). Call `prepare` first."""
+        if ops is not None and not self._skinny_tuned:
+            self.add_skinny()
         logits, hidden, h = decoder_step(self.decoder, self.projections,
                                          lambda *a: self.attend(fb, *a), ids, pos, last, between, ops)
         return logits, hidden, (h if want_all else None)

@@ -36,6 +36,7 @@ from .attention.kernel_choice import extend_limit
 from .native_forward import NativeForward, native_support
 
 KERNEL_WAIT_S = 600.0  # the longest a kernels="wait" step waits for the C++ kernels' build
+CACHED_WAIT_S = 10.0  # the longest a kernels="auto" step waits for kernels already built on disk to load
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -286,6 +287,7 @@ class TorchRunner:
         state["between_layers"] = None
         state["_compile_started"] = False
         state.pop("kv_blocks", None)  # block ids are allocated where the runner serves
+        state.pop("_waited_for_cached", None)  # the kernels load per process
         return state
 
     # -- compiled steps ---------------------------------------------------------------------
@@ -375,7 +377,16 @@ class TorchRunner:
         ``kernels`` argument."""
         if not self._kernels_apply():
             return None
-        op = cpu_kernels.paged_attention_op(wait=self.kernels == "wait", timeout=KERNEL_WAIT_S)
+        if self.kernels == "wait":
+            op = cpu_kernels.paged_attention_op(wait=True, timeout=KERNEL_WAIT_S)
+        else:
+            op = cpu_kernels.paged_attention_op()
+            if op is None and not self.__dict__.get("_waited_for_cached"):
+                # a library built before loads in well under a second: the first step waits for it,
+                # so steps do not change path (and the projections their weights) while serving
+                self._waited_for_cached = True
+                if cpu_kernels.cached():
+                    op = cpu_kernels.paged_attention_op(wait=True, timeout=CACHED_WAIT_S)
         if op is None and self.kernels == "wait":
             why = cpu_kernels.error() or f"still building after {KERNEL_WAIT_S:.0f} s"
             raise RuntimeError(f"kernels='wait': the C++ CPU kernels could not be built ({why}); "
@@ -392,6 +403,20 @@ class TorchRunner:
         if self._native is None:
             self._native = NativeForward(self.model, attend_tokens)
         return self._native
+
+    @torch.inference_mode()
+    def prepare_steps(self) -> None:
+        """Make what the first step would make, before any request: load the C++ kernels when
+        they are built already, build the native forward's projections (oneDNN packing, the
+        measured GEMM choices) and, with the kernels, the few-row kernel's weights. A runner
+        built from its spec does this where its sub-server starts, so no request waits for it."""
+        if self.impl != "native" or self.pool is None or self.pool.k is None:
+            return
+        self._kernel()
+        if self._native_ready():
+            nf = self._native
+            if self._step_ops() is not None and not nf._skinny_tuned:
+                nf.add_skinny()
 
     def _native_ready(self) -> bool:
         """Build the native forward in this process (once), bring it up to date with the model,
@@ -596,7 +621,9 @@ class TorchRunnerSpec:
         if _is_source(model):
             from ..models import load_model
             model, _ = load_model(model, dtype=self.dtype if self.dtype is not None else "auto", device=str(self.device))
-        return TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
-                           cuda_graphs=self.cuda_graphs, max_graph_batch=self.max_graph_batch, compile=self.compile,
-                           model_impl=self.model_impl, kernels=self.kernels,
-                           allow_unknown_attention=self.allow_unknown_attention, attention=attention)
+        runner = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
+                             cuda_graphs=self.cuda_graphs, max_graph_batch=self.max_graph_batch, compile=self.compile,
+                             model_impl=self.model_impl, kernels=self.kernels,
+                             allow_unknown_attention=self.allow_unknown_attention, attention=attention)
+        runner.prepare_steps()
+        return runner

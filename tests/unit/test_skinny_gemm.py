@@ -1,0 +1,174 @@
+"""The few-row projection kernel (``csrc/skinny_gemm.cpp``): equal to a matmul at every row count
+and shape, bias and residual included; bad input refused by name; measured beside the oneDNN
+and plain paths, stored with its timings (an entry measured without it is measured again once it
+is there), forced by ``TOKENROUTER_PACKING=skinny``, and a runner's steps through it give the
+logits of the transformers forward."""
+
+import json
+
+import pytest
+import torch
+
+from tokenrouter_sdk.backends import autotune as A
+from tokenrouter_sdk.backends import cpu_kernels
+from tokenrouter_sdk.backends import projection as P
+from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.block_allocator import blocks_of
+from tokenrouter_sdk.engine.runner import SeqInput
+from tokenrouter_sdk.models import tiny_model
+
+pytestmark = pytest.mark.skipif(not P.packing_available(torch.device("cpu"), torch.float32),
+                                reason="no oneDNN packing in this torch")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert cpu_kernels.paged_attention_op(wait=True, timeout=600) is not None, cpu_kernels.error()
+    return torch.ops.tokenrouter_cpu
+
+
+@pytest.fixture
+def store(ops, tmp_path, monkeypatch):
+    """An empty extension root for the choices (the kernels are loaded already) and no forced choice."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(A.PACKING_ENV, raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 64), (17, 3), (16, 1)])
+def test_the_kernel_equals_a_matmul_at_every_row_count(ops, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    wp = ops.skinny_pack(w)
+    assert wp.shape == (-(-n // 16), k, 16)
+    for m in (1, 2, 7, 8, 9, 15, 16, 17, 40):
+        x, r = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+        want = x.double() @ w.double().T
+        torch.testing.assert_close(ops.skinny_linear(x, wp, n).double(), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(ops.skinny_linear(x, wp, n, b, r).double(), want + b.double() + r.double(),
+                                   rtol=1e-5, atol=1e-4)
+        wide = torch.randn(m, n + 5, generator=g)[:, :n]  # a residual with a row stride of its own
+        torch.testing.assert_close(ops.skinny_linear(x, wp, n, None, wide).double(), want + wide.double(),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_bad_input_is_refused_by_name(ops):
+    wp = ops.skinny_pack(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="x must be a 2-D float32"):
+        ops.skinny_linear(torch.randn(2, 8, dtype=torch.float64), wp, 32)
+    with pytest.raises(RuntimeError, match="packed weight does not fit"):
+        ops.skinny_linear(torch.randn(2, 9), wp, 32)
+    with pytest.raises(RuntimeError, match="the weight must be a 2-D float32"):
+        ops.skinny_pack(torch.randn(4, 4, dtype=torch.float64))
+
+
+def _runner(seed=5, kernels="wait"):
+    model = tiny_model(num_layers=3, seed=seed, dtype=torch.float32)
+    return TorchRunner(model, max_kv_tokens=256, kernels=kernels)
+
+
+def _step(runner, ids):
+    table: list[int] = []
+    blocks_of(runner).ensure(table, len(ids))
+    return runner.forward([SeqInput(ids, 0, table)])
+
+
+def test_forced_skinny_runs_the_kernel_and_gives_the_logits_of_the_transformers_forward(store, monkeypatch):
+    monkeypatch.setenv(A.PACKING_ENV, "skinny")
+    runner = _runner()
+    calls = []
+    orig = P.Projection.run_skinny
+    monkeypatch.setattr(P.Projection, "run_skinny", lambda self, x, r=None: calls.append(x.shape[0]) or orig(self, x, r))
+    ref = TorchRunner(runner.model, max_kv_tokens=256, model_impl="transformers", kernels="off")
+    for ids in ([5, 6, 7], list(range(3, 23))):  # 3 rows, then 20 (two chunks of rows)
+        calls.clear()
+        out = _step(runner, ids)
+        projs = runner._native.projections
+        assert all(p.path(len(ids)) == "skinny" and p.skinny is not None for p in projs)
+        assert calls.count(len(ids)) == 4 * 3 and set(calls) <= {len(ids), 1}  # 4 per layer; the head: 1 row
+        want = _step(ref, ids)
+        torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=1e-5)
+        assert out.logits.argmax(-1).tolist() == want.logits.argmax(-1).tolist()
+    assert not any(k.startswith("packing") for k in A.load_choices(A.machine_fields()))
+
+
+class FakeMeasure:
+    """Skinny wins up to ``upto`` rows (when it is a candidate), packed above; counts groups."""
+
+    def __init__(self, upto=8):
+        self.upto, self.calls, self.with_skinny = upto, [], []
+
+    def __call__(self, projs):
+        self.calls.append(A.group_key(projs[0]))
+        fast = all(p.skinny is not None for p in projs)
+        self.with_skinny.append(fast)
+        n = len(A.BUCKETS)
+        out = {"buckets": list(A.BUCKETS), "packed": [True] * n, "packed_ms": [1.0] * n, "plain_ms": [2.0] * n,
+               "layers": len(projs)}
+        if fast:
+            out.update(skinny=[b <= self.upto for b in A.BUCKETS], skinny_ms=[0.5] * n)
+        return out
+
+
+def test_an_entry_measured_without_the_kernel_is_measured_again_once_it_is_there(store, ops):
+    runner = _runner(kernels="off")
+    with pytest.MonkeyPatch.context() as mp:  # built without measuring
+        mp.setenv(A.PACKING_ENV, "packed")
+        _step(runner, [5, 6, 7])
+    projs = runner._native.projections
+    fields = A.machine_fields()
+    first = FakeMeasure()
+    A.tune_packing(projs, measure=first, fields=fields)  # no kernel weights yet
+    assert first.calls and not any(first.with_skinny)
+    assert all(p.path(1) == "packed" for p in projs)
+    assert all(p.add_skinny(ops) for p in projs)
+    again = FakeMeasure(upto=8)
+    rules = A.tune_packing(projs, measure=again, fields=fields)
+    assert sorted(again.calls) == sorted(first.calls) and all(again.with_skinny)
+    assert all(p.path(8) == "skinny" and p.path(16) == "packed" for p in projs)
+    assert all(r.describe() == "skinny at 1-8, packed at 16-128 rows" for r in rules.values())
+    stored = json.loads(A.choices_path(fields).read_text())["choices"]
+    assert all("skinny_ms" in e for e in stored.values())
+    cached = FakeMeasure(upto=1)
+    A.tune_packing(projs, measure=cached, fields=fields)
+    assert cached.calls == [] and all(p.path(8) == "skinny" for p in projs)
+
+
+def test_a_rule_that_never_runs_the_kernel_drops_its_weights(store, ops):
+    runner = _runner(kernels="off")
+    with pytest.MonkeyPatch.context() as mp:  # built without measuring
+        mp.setenv(A.PACKING_ENV, "packed")
+        _step(runner, [5, 6, 7])
+    projs = runner._native.projections
+    assert all(p.add_skinny(ops) for p in projs)
+    A.tune_packing(projs, measure=FakeMeasure(upto=0), fields=A.machine_fields())
+    assert all(p.skinny is None and p.path(1) == "packed" for p in projs)
+
+
+def test_a_runner_measures_the_kernel_for_real_and_stores_its_timings(store, capsys):
+    runner = _runner(kernels="wait")
+    _step(runner, [5, 6, 7])
+    assert A.machine_fields()["kernels"] == cpu_kernels.build_name()  # a changed kernel is measured again
+    entries = {k: e for k, e in A.load_choices(A.machine_fields()).items() if k.startswith("packing")}
+    assert entries and all(len(e["skinny_ms"]) == len(e["buckets"]) and all(v > 0 for v in e["skinny_ms"])
+                           for e in entries.values())
+    for e in entries.values():
+        assert e["skinny"] == [s < min(a, b) for s, a, b in zip(e["skinny_ms"], e["packed_ms"], e["plain_ms"])]
+    from tokenrouter_sdk.cli.main import main
+    assert main(["info"]) == 0
+    assert "packed/plain/skinny by rows" in capsys.readouterr().out
+
+
+def test_a_runner_built_from_its_spec_prepares_its_steps_before_any_request(store):
+    """Where a sub-server starts, the runner loads the kernels, builds its projections and their
+    measured choices, and packs the few-row kernel's weights: no request waits for any of it."""
+    from tokenrouter_sdk.backends.torch_runner import TorchRunnerSpec
+    model = tiny_model(num_layers=3, seed=9, dtype=torch.float32)
+    runner = TorchRunnerSpec(model, max_kv_tokens=256).build()
+    nf = runner._native
+    assert nf is not None and nf._skinny_tuned and nf.projections
+    entries = {k: e for k, e in A.load_choices(A.machine_fields()).items() if k.startswith("packing")}
+    assert {A.group_key(p) for p in nf.projections} <= set(entries)
+    assert all("skinny_ms" in e for e in entries.values())
+    off = TorchRunnerSpec(model, max_kv_tokens=256, model_impl="transformers").build()
+    assert off._native is None  # the transformers forward has nothing to prepare
