@@ -152,8 +152,9 @@ def test_a_runner_measures_the_kernel_for_real_and_stores_its_timings(store, cap
     entries = {k: e for k, e in A.load_choices(A.machine_fields()).items() if k.startswith("packing")}
     assert entries and all(len(e["skinny_ms"]) == len(e["buckets"]) and all(v > 0 for v in e["skinny_ms"])
                            for e in entries.values())
-    for e in entries.values():
-        assert e["skinny"] == [s < min(a, b) for s, a, b in zip(e["skinny_ms"], e["packed_ms"], e["plain_ms"])]
+    for e in entries.values():  # the choice was made on unrounded times, stored rounded to 0.1 us
+        for fast, s, a, b in zip(e["skinny"], e["skinny_ms"], e["packed_ms"], e["plain_ms"]):
+            assert s <= min(a, b) if fast else s >= min(a, b), e
     from tokenrouter_sdk.cli.main import main
     assert main(["info"]) == 0
     assert "packed/plain/skinny by rows" in capsys.readouterr().out
