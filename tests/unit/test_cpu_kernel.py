@@ -160,6 +160,31 @@ def test_kernel_rejects_what_does_not_fit(op):
         op(out, q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, table, q_start, q_len, kv_len, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_storing_keys_and_values_equals_index_copy(op, dtype):
+    """The kernel backend writes a step's K/V into the pool in one call: the same rows as
+    ``index_copy_`` from strided q/k/v views of one projection output; a slot outside the pool is
+    refused by name before anything is written."""
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(50, 3, 16, generator=g, dtype=dtype), torch.randn(50, 3, 16, generator=g, dtype=dtype)
+    qkv = torch.randn(7, 5 * 16 + 2 * 3 * 16, generator=g, dtype=dtype)
+    k = qkv[:, 80:128].view(7, 3, 16)
+    v = qkv[:, 128:].view(7, 3, 16)
+    slots = torch.tensor([4, 0, 49, 17, 18, 30, 2])
+    want_k, want_v = kc.clone().index_copy_(0, slots, k), vc.clone().index_copy_(0, slots, v)
+    kern = cpu_kernel.CpuKernel(op)
+    kern.store(kc, vc, slots, k, v)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    kern.store(kc, vc, slots[:2], k[:2].transpose(1, 2).contiguous().transpose(1, 2), v[:2])  # D not unit-stride
+    assert torch.equal(kc, want_k)
+    before = kc.clone()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kern.store(kc, vc, torch.tensor([1, 2, 3, 4, 5, 6, 50]), k, v)
+    assert torch.equal(kc, before)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kern.store(kc, vc, slots, k.to(torch.bfloat16), v.to(torch.bfloat16))
+
+
 def _feeds(rng, b, steps):
     feeds = [[[rng.randrange(3, 250) for _ in range(rng.randint(2, 300))] for _ in range(b)]]
     for _ in range(steps):
@@ -241,6 +266,26 @@ def test_step_ops_equal_their_aten_formulas(op):
         ops.rope(torch.randn(2, 1, 5), torch.randn(2, 5), torch.randn(2, 5))
 
 
+def test_silu_gating_is_accurate_over_the_whole_float_range(op):
+    """The fused SiLU gating computes its exponential in vectorized float arithmetic
+    (``csrc/vec_math.h``): within a few float32 ulps of float64 over every magnitude, exact at
+    the ends (large negative gates give 0, large positive ones the gate itself), NaN kept."""
+    ops = cpu_kernels.step_ops()
+    g = torch.cat([torch.linspace(-120, 120, 48001), torch.logspace(-30, 2, 2000), -torch.logspace(-30, 2, 2000),
+                   torch.tensor([0.0, -0.0, 87.3, -87.3, 88.4, -88.4, 1e30, -1e30])])
+    g = g[: g.numel() // 16 * 16].reshape(-1, 16)
+    up = torch.ones_like(g)
+    got, want = ops.silu_mul(g, up).double(), torch.nn.functional.silu(g.double())
+    normal = want.abs() > 1e-30  # below, float32 holds no more than noise: there, 0 within 1e-30
+    ulp = (got - want).abs()[normal] / torch.finfo(torch.float32).eps / want.abs()[normal]
+    assert ulp.max().item() < 4, ulp.max().item()
+    assert (got - want).abs()[~normal].max().item() < 1e-30
+    big = torch.tensor([[-100.0, -1e30, 100.0, 1e30, float("nan"), 0.0, 1.0, -1.0] * 2])
+    out = ops.silu_mul(big, torch.ones_like(big))
+    assert out[0, :4].tolist() == big[0, :4].clamp_min(0).tolist()  # 0, 0, 100, 1e30
+    assert torch.isnan(out[0, 4]) and out[0, 5].item() == 0.0
+
+
 def test_a_lock_file_left_by_a_killed_builder_does_not_block_the_next(op, tmp_path):
     """torch's build lock file, left behind by a builder killed mid-build, would make every later
     load wait for ever: a fresh process loads the kernels within the timeout all the same."""
@@ -265,6 +310,21 @@ def test_the_build_compiles_its_own_copies_of_the_sources(op):
         assert str(d / "src" / s.name) in ninja
         assert str(s) not in ninja
         assert (d / "src" / s.name).read_bytes() == s.read_bytes()
+    for h in cpu_kernels.HEADERS:  # the headers the sources include sit beside the copies
+        assert (d / "src" / h.name).read_bytes() == h.read_bytes()
+
+
+def test_a_changed_header_is_another_build(tmp_path, monkeypatch):
+    import shutil
+    name = cpu_kernels.build_name()
+    copies = []
+    for h in cpu_kernels.HEADERS:
+        shutil.copy(h, tmp_path / h.name)
+        copies.append(tmp_path / h.name)
+    monkeypatch.setattr(cpu_kernels, "HEADERS", tuple(copies))
+    assert cpu_kernels.build_name() == name
+    copies[0].write_text(copies[0].read_text() + "\n// changed\n")
+    assert cpu_kernels.build_name() != name
 
 
 def test_staging_sources_leaves_unchanged_copies_alone_and_replaces_changed_ones(tmp_path, monkeypatch):

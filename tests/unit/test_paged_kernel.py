@@ -1,6 +1,6 @@
 """An attention backend is one class (`tokenrouter_sdk.backends.attention.PagedKernel`): a kernel
 of the test's own, written against the protocol alone (plain torch, one request at a time), handed
-to `batch.pack` as a runner hands the CPU kernel, attends a step of decodes and extends with
+to `batch.pack` as a runner hands the CPU kernel, stores the step's new keys and values and attends a step of decodes and extends with
 windows and soft-caps exactly as the gather backend does, and sees only the requests it may
 attend (decodes and extends up to its ``max_queries``)."""
 
@@ -19,6 +19,12 @@ class LoopKernel:
     def __init__(self, max_queries: int):
         self.max_queries = max_queries
         self.seen: list[list[int]] = []
+        self.stored: list[int] = []
+
+    def store(self, kc, vc, slots, k, v) -> None:
+        self.stored.append(len(slots))
+        kc[slots] = k
+        vc[slots] = v
 
     def part(self, rows: list) -> KernelPart:
         table = torch.zeros(len(rows), max(r[2] for r in rows), dtype=torch.long)
@@ -77,3 +83,4 @@ def test_a_kernel_of_its_own_attends_as_the_gather_backend(layers):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     # the decodes and the extend of 3 went to the kernel; the prefill and the extend of 7 did not
     assert kernel.seen == [[1, 1, 3]] * len(layers)
+    assert kernel.stored == [n] * len(layers)  # the kernel stored every fed token's K/V, once per layer

@@ -31,6 +31,7 @@ class CpuKernel:
 
     def __init__(self, op, max_queries: int = MAX_QUERIES):
         self.op, self.max_queries = op, max_queries
+        self.store_op = torch.ops.tokenrouter_cpu.store_kv  # loaded with ``op``
 
     def part(self, rows: list) -> KernelPart:
         """The `KernelPart` of (q_start, q_len, kv_len, slots [kv_len]) per request."""
@@ -46,3 +47,8 @@ class CpuKernel:
         ``q`` [T, H, D] (contiguous) against their keys in one layer's pool kc, vc [slots, Hkv, D]."""
         self.op(out, q, kc, vc, part.table, part.q_start, part.q_len, part.kv_len, p.scale, CHUNK,
                 p.window or 0, p.softcap or 0.0)
+
+    def store(self, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``kc[slots[t]] = k[t]``, ``vc[slots[t]] = v[t]`` in one call: k, v [T, Hkv, D] with
+        unit stride in D, slots [T] int64. Raises RuntimeError on a slot outside the pool."""
+        self.store_op(kc, vc, slots, k if k.stride(-1) == 1 else k.contiguous(), v if v.stride(-1) == 1 else v.contiguous())

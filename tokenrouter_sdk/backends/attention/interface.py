@@ -28,8 +28,11 @@ def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor
     request to its cached prefix with the layer's parameters. q [T, H, D], k/v [T, Hkv, D] (any
     strides); returns a new [T, H, D] tensor."""
     kc, vc = fb.pool.k[layer], fb.pool.v[layer]
-    kc.index_copy_(0, fb.slot_mapping, k)
-    vc.index_copy_(0, fb.slot_mapping, v)
+    if fb.kern is not None:
+        fb.kern.backend.store(kc, vc, fb.slot_mapping, k, v)
+    else:
+        kc.index_copy_(0, fb.slot_mapping, k)
+        vc.index_copy_(0, fb.slot_mapping, v)
     p, w = fb.layers[layer], fb.view[layer]
     t, h, d = q.shape
     if fb.kern is not None:

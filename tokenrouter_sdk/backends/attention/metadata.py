@@ -67,7 +67,8 @@ class PagedKernel(Protocol):
     """An attention backend that attends decodes and extends of at most ``max_queries`` tokens
     in place in the KV pool (`tokenrouter_sdk.backends.attention.cpu_kernel.CpuKernel`; a GPU
     paged kernel is one more file with this class). A runner passes one to `batch.pack`; every
-    layer's `interface.attend_tokens` calls its ``attend``.
+    layer's `interface.attend_tokens` calls its ``store`` with the step's new K/V, then its
+    ``attend``.
 
     Attributes:
         max_queries: the longest extend (tokens) it attends; longer ones go to the gather
@@ -84,6 +85,11 @@ class PagedKernel(Protocol):
         """Write the rows of ``out`` [T, H, D] that ``part``'s requests own: their queries of
         ``q`` [T, H, D] (contiguous) against their keys in one layer's pool kc, vc
         [slots, Hkv, D], with ``p``'s window, soft-cap and scale."""
+
+    def store(self, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the step's new keys and values into one layer's pool: ``kc[slots[t]] = k[t]``
+        and ``vc[slots[t]] = v[t]``; k, v [T, Hkv, D] (unit stride in D), slots [T] int64, the
+        pool slot of every fed token (all of the step's requests, not only ``part``'s)."""
 
 
 @dataclass

@@ -25,7 +25,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -109,7 +112,7 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
       for (int64_t l = a; l < b; ++l) m = std::max(m, si[l]);
 #pragma omp simd reduction(+ : z)
       for (int64_t l = a; l < b; ++l) {
-        si[l] = std::exp(si[l] - m);
+        si[l] = tokenrouter_cpu::exp_of(si[l] - m);
         z += si[l];
       }
       pi[0] = m;
@@ -220,10 +223,50 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
                    v_pool.data_ptr<double>(), table.data_ptr<int64_t>(), qs, ql, kl, R, scale, softcap);
 }
 
+// Write a step's new keys and values into one layer's pool: k_pool[slots[t]] = k[t], the same
+// for v. k and v [T, Hkv, D] with unit stride in D (q/k/v views of one projection output);
+// the pools [slots, Hkv, D] contiguous, of k's dtype. One call for both, where two index_copy_
+// calls cost several microseconds each at decode sizes.
+void store_kv(at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "store_kv: k_pool and v_pool must be contiguous [slots, Hkv, D] of one shape");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == k_pool.size(1) && k.size(2) == k_pool.size(2) &&
+                  k.stride(2) == 1 && v.stride(2) == 1,
+              "store_kv: k and v must be [T, Hkv, D] like the pool's rows, with unit stride in D");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "store_kv: slots must be a contiguous int64 [T]");
+  const auto dt = k_pool.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kDouble) && v_pool.scalar_type() == dt && k.scalar_type() == dt &&
+                  v.scalar_type() == dt,
+              "store_kv: the pools, k and v must share one dtype, float32 or float64");
+  TORCH_CHECK(k_pool.device().is_cpu() && k.device().is_cpu() && slots.device().is_cpu(), "store_kv runs on the CPU");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), S = k_pool.size(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "store_kv: slot ", sl[t], " of token ", t, " is outside the pool's ", S);
+  const int64_t bytes = D * static_cast<int64_t>(k.element_size());
+  char* kp = static_cast<char*>(k_pool.data_ptr());
+  char* vp = static_cast<char*>(v_pool.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size(), k0 = k.stride(0) * es, k1 = k.stride(1) * es, v0 = v.stride(0) * es,
+                v1 = v.stride(1) * es;
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(H * bytes, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t dst = (sl[t] * H + h) * bytes;
+        std::memcpy(kp + dst, ks + t * k0 + h * k1, bytes);
+        std::memcpy(vp + dst, vs + t * v0 + h * v1, bytes);
+      }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenrouter_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor q_start, "
         "Tensor q_len, Tensor kv_len, float scale, int chunk=0, int window=0, float softcap=0.0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.def("store_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, TORCH_FN(store_kv));
 }

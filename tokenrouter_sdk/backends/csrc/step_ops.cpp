@@ -17,6 +17,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec_math.h"
+
 namespace {
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -100,7 +102,7 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
       const float* ur = up + i * us;
       float* o = op + i * F;
 #pragma omp simd
-      for (int64_t f = 0; f < F; ++f) o[f] = gr[f] / (1.0f + std::exp(-gr[f])) * ur[f];
+      for (int64_t f = 0; f < F; ++f) o[f] = gr[f] / (1.0f + tokenrouter_cpu::exp_f32(-gr[f])) * ur[f];
     }
   });
   return out;
