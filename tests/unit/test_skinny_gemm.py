@@ -110,12 +110,17 @@ class FakeMeasure:
         return out
 
 
-def test_an_entry_measured_without_the_kernel_is_measured_again_once_it_is_there(store, ops):
+def _packed_projections() -> list:
+    """The projections of a runner built without the kernels and without measuring (packed)."""
     runner = _runner(kernels="off")
-    with pytest.MonkeyPatch.context() as mp:  # built without measuring
+    with pytest.MonkeyPatch.context() as mp:
         mp.setenv(A.PACKING_ENV, "packed")
         _step(runner, [5, 6, 7])
-    projs = runner._native.projections
+    return runner._native.projections
+
+
+def test_an_entry_measured_without_the_kernel_is_measured_again_once_it_is_there(store, ops):
+    projs = _packed_projections()
     fields = A.machine_fields()
     first = FakeMeasure()
     A.tune_packing(projs, measure=first, fields=fields)  # no kernel weights yet
@@ -135,11 +140,7 @@ def test_an_entry_measured_without_the_kernel_is_measured_again_once_it_is_there
 
 
 def test_a_rule_that_never_runs_the_kernel_drops_its_weights(store, ops):
-    runner = _runner(kernels="off")
-    with pytest.MonkeyPatch.context() as mp:  # built without measuring
-        mp.setenv(A.PACKING_ENV, "packed")
-        _step(runner, [5, 6, 7])
-    projs = runner._native.projections
+    projs = _packed_projections()
     assert all(p.add_skinny(ops) for p in projs)
     A.tune_packing(projs, measure=FakeMeasure(upto=0), fields=A.machine_fields())
     assert all(p.skinny is None and p.path(1) == "packed" for p in projs)

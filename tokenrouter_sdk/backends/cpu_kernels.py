@@ -40,6 +40,7 @@ ATen ops as before; `error` says why. The state is per process, as the loaded li
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -181,10 +182,17 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """The extension's name: ``tokenrouter_cpu_`` and a hash of what the binary depends on."""
+    """The extension's name: ``tokenrouter_cpu_`` and a hash of what the binary depends on (the
+    sources' and headers' bytes, hashed again only when a file's path, size or modification
+    time changed)."""
+    files = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in SOURCES + HEADERS)
+    return _hashed_name(files, " ".join(CFLAGS + LDFLAGS), torch.__version__)
+
+
+@functools.lru_cache(maxsize=8)
+def _hashed_name(files: tuple, flags: str, version: str) -> str:
     h = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-                 _cpu_flags().encode()):
+    for part in (*(Path(f).read_bytes() for f, _, _ in files), flags.encode(), version.encode(), _cpu_flags().encode()):
         h.update(part)
     return "tokenrouter_cpu_" + h.hexdigest()[:16]
 

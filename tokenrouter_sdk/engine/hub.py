@@ -379,14 +379,7 @@ class HubTransport:
         self._wake()
         if self._hub is not None and self._hub is not threading.current_thread():
             self._hub.join(timeout)
-        if self._hub is None or not self._hub.is_alive():
-            self._close_sockets()
-        self._close_wake()
-        self._remove_ipc_dir()
-        for p in self.procs.values():
-            with contextlib.suppress(Exception):
-                p.close()
-        self.launcher.close()
+        self._release(sockets=self._hub is None or not self._hub.is_alive())
 
     # -- start and end --------------------------------------------------------------------
     def _open_hub(self, address: str) -> None:
@@ -409,7 +402,14 @@ class HubTransport:
             self._hub.join(5.0)
         with contextlib.suppress(Exception):
             self.launcher.kill_all(self.procs)
-        self._close_sockets()
+        self._release(sockets=True)
+
+    def _release(self, sockets: bool) -> None:
+        """After the sub-servers were killed: the sockets (``sockets``: not while the hub thread
+        still runs, which closes them itself), the wake-up pipe, the IPC folder, each sub-server's
+        handle and the launcher."""
+        if sockets:
+            self._close_sockets()
         self._close_wake()
         self._remove_ipc_dir()
         for p in self.procs.values():
