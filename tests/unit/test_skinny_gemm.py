@@ -6,6 +6,8 @@ logits of the transformers forward."""
 
 import json
 
+import sys
+
 import pytest
 import torch
 
@@ -50,6 +52,36 @@ def test_the_kernel_equals_a_matmul_at_every_row_count(ops, n, k):
         wide = torch.randn(m, n + 5, generator=g)[:, :n]  # a residual with a row stride of its own
         torch.testing.assert_close(ops.skinny_linear(x, wp, n, None, wide).double(), want + wide.double(),
                                    rtol=1e-5, atol=1e-4)
+
+
+def _mapped(addr: int) -> bool:
+    """Whether ``addr`` lies in one of this process's mappings (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge-page mappings are Linux's")
+def test_a_large_packed_weight_lives_on_a_huge_page_boundary(ops):
+    """A packed weight of 2 MiB or more gets its own 2 MiB-aligned mapping advised for huge
+    pages (smaller ones, torch's allocator); either gives the matmul, and the mapping goes when
+    the tensor does."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1030, 576, generator=g)                    # 65 blocks x 576 x 16 floats: 2.4 MB
+    wp = ops.skinny_pack(w)
+    assert wp.data_ptr() % (2 << 20) == 0
+    assert torch.count_nonzero(wp[-1, :, 6:]) == 0            # the padding past N is zero
+    x = torch.randn(8, 576, generator=g)
+    torch.testing.assert_close(ops.skinny_linear(x, wp, 1030).double(), x.double() @ w.double().T,
+                               rtol=1e-5, atol=1e-4)
+    ptr = wp.data_ptr()
+    assert _mapped(ptr)
+    del wp
+    assert not _mapped(ptr)                                    # unmapped with the tensor
+    assert ops.skinny_pack(torch.randn(32, 8)).data_ptr() % 64 == 0  # small: torch's allocator
 
 
 def test_bad_input_is_refused_by_name(ops):
