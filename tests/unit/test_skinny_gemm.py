@@ -42,7 +42,7 @@ def test_the_kernel_equals_a_matmul_at_every_row_count(ops, n, k):
     g = torch.Generator().manual_seed(n + k)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     wp = ops.skinny_pack(w)
-    assert wp.shape == (-(-n // 16), k, 16)
+    assert wp.shape == (-(-n // 32), k, 32)
     for m in (1, 2, 7, 8, 9, 15, 16, 17, 40):
         x, r = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
         want = x.double() @ w.double().T
@@ -70,7 +70,7 @@ def test_a_large_packed_weight_lives_on_a_huge_page_boundary(ops):
     pages (smaller ones, torch's allocator); either gives the matmul, and the mapping goes when
     the tensor does."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(1030, 576, generator=g)                    # 65 blocks x 576 x 16 floats: 2.4 MB
+    w = torch.randn(1030, 576, generator=g)                    # 33 blocks x 576 x 32 floats: 2.4 MB
     wp = ops.skinny_pack(w)
     assert wp.data_ptr() % (2 << 20) == 0
     assert torch.count_nonzero(wp[-1, :, 6:]) == 0            # the padding past N is zero

@@ -29,11 +29,11 @@ path runs is measured on the machine itself, per shape and row count, at a model
 projection that was not tuned runs its packed weight at every row count.
 
 A third path, once the C++ CPU kernels are loaded: float32 steps of a few rows through the
-engine's own kernel (``csrc/skinny_gemm.cpp``: the weight packed into column blocks of 16 and
+engine's own kernel (``csrc/skinny_gemm.cpp``: the weight packed into column blocks of 32 and
 streamed once, x's rows broadcast into register accumulators). On the 2-core AMD EPYC Zen 5 the
-30 layers' projections above took 13.2 ms packed and 10.3 ms with it at one row (41 GB/s, the
-copy bandwidth), 13.8 against 11.4 ms at eight. Whether it runs is measured like the others
-(`Projection.add_skinny` makes its weight; `autotune` times it).
+30 layers' gate/up projections (212 MB) read at 62-64 GB/s through it at eight rows and 85-90 at
+one, against 48-49 and 65-66 GB/s through oneDNN's packed weights (one run, side by side). Whether it runs is measured
+like the others (`Projection.add_skinny` makes its weight; `autotune` times it).
 
 Memory: a packed projection holds one more copy of its weights (the model keeps its own, which
 the transformers forward, training and the naive reference read); a projection whose measured

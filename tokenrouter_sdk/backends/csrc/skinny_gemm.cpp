@@ -1,15 +1,18 @@
 // Projections of a few rows (decode steps) on a CPU, float32: y = x W^T (+ bias) (+ residual)
-// over a weight packed once into column blocks of 16, [ceil(N / 16), K, 16], so that a step
+// over a weight packed once into column blocks of 32, [ceil(N / 32), K, 32], so that a step
 // streams each weight's bytes exactly once, in order, from memory.
 //
 // At a few rows a projection is bound by reading its weight: every weight value is used M times
 // (M = rows), so the arithmetic (M FMAs per value) hides under the read when it is kept in
-// registers. A task takes two column blocks (32 outputs) and walks K: per k it loads the two
-// 16-wide weight vectors once and broadcasts x[m, k] into 2 M accumulators (M <= 8; 9..16 rows
-// take one block and M accumulators), prefetching the weight stream ahead. Tasks are spread over
-// torch's thread pool (at::parallel_for, so torch.set_num_threads and core lending apply).
-// Rows beyond 16 run in chunks of 16 (the weight read again per chunk), where a blocked GEMM
-// (oneDNN) does better; which path runs at which row count is measured on the machine
+// registers. A task takes one block (32 outputs, two 16-wide vectors per k, 128 contiguous
+// bytes) and walks K: per k it loads the two weight vectors once and broadcasts x[m, k] into
+// 2 M accumulators (M <= 8), prefetching the weight stream ahead; 9..16 rows take the block's two
+// halves in turn with M accumulators each (the second half's lines are the ones the first left).
+// One contiguous stream per task keeps the read at the bandwidth with 8 rows: two blocks of 16
+// read as two streams came 10-15% slower there (measured on a 2-core AMD EPYC VM). Tasks are
+// spread over torch's thread pool (at::parallel_for, so torch.set_num_threads and core lending
+// apply). Rows beyond 16 run in chunks of 16 (the weight read again per chunk), where a blocked
+// GEMM (oneDNN) does better; which path runs at which row count is measured on the machine
 // (tokenrouter_sdk/backends/autotune.py).
 
 #include <ATen/Parallel.h>
@@ -31,12 +34,13 @@ namespace {
 
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
-constexpr int64_t kCols = 16;       // outputs per column block
-constexpr int64_t kAhead = 64;      // weight rows (of one block) prefetched ahead (4 KiB)
+constexpr int64_t kLane = 16;       // floats per vector
+constexpr int64_t kCols = 32;       // outputs per column block: two vectors
+constexpr int64_t kAhead = 64;      // weight rows (of one block) prefetched ahead (8 KiB)
 
 constexpr size_t kHugePage = size_t(2) << 20;
 
-// A zeroed float32 [nb, K, 16] for a packed weight. On Linux one of 2 MiB or more gets its own
+// A zeroed float32 [nb, K, 32] for a packed weight. On Linux one of 2 MiB or more gets its own
 // mapping, 2 MiB-aligned and advised MADV_HUGEPAGE (before anything touches it), so that the
 // kernel's stream over it takes few TLB misses where transparent huge pages are on "madvise"
 // (the default of many distributions and VMs): up to 5-15% faster over 30 layers' weights,
@@ -59,7 +63,7 @@ at::Tensor packed_zeros(int64_t nb, int64_t K) {
   return at::zeros({nb, K, kCols}, at::TensorOptions().dtype(at::kFloat));
 }
 
-// W [N, K] -> [ceil(N / 16), K, 16] (zero-padded past N).
+// W [N, K] -> [ceil(N / 32), K, 32] (zero-padded past N).
 at::Tensor skinny_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
               "skinny_pack: the weight must be a 2-D float32 CPU tensor");
@@ -78,43 +82,6 @@ at::Tensor skinny_pack(const at::Tensor& w) {
   return out;
 }
 
-// acc[m][0..31] = sum_k x[m, k] * (block w0, block w1)[k]
-template <int M>
-inline void two_blocks(const float* x, int64_t ldx, const float* w0, const float* w1, int64_t K, float* acc) {
-  v16 a0[M], a1[M];
-  for (int m = 0; m < M; ++m) a0[m] = a1[m] = (v16){};
-  for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(w0 + (k + kAhead) * kCols, 0, 0);
-    __builtin_prefetch(w1 + (k + kAhead) * kCols, 0, 0);
-    const v16 b0 = *reinterpret_cast<const v16*>(w0 + k * kCols);
-    const v16 b1 = *reinterpret_cast<const v16*>(w1 + k * kCols);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const float xv = x[m * ldx + k];
-      a0[m] += xv * b0;
-      a1[m] += xv * b1;
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    *reinterpret_cast<v16u*>(acc + m * 2 * kCols) = a0[m];
-    *reinterpret_cast<v16u*>(acc + m * 2 * kCols + kCols) = a1[m];
-  }
-}
-
-// acc[m][0..15] = sum_k x[m, k] * (block w0)[k]
-template <int M>
-inline void one_block(const float* x, int64_t ldx, const float* w0, int64_t K, float* acc) {
-  v16 a0[M];
-  for (int m = 0; m < M; ++m) a0[m] = (v16){};
-  for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(w0 + (k + 2 * kAhead) * kCols, 0, 0);
-    const v16 b0 = *reinterpret_cast<const v16*>(w0 + k * kCols);
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) a0[m] += x[m * ldx + k] * b0;
-  }
-  for (int m = 0; m < M; ++m) *reinterpret_cast<v16u*>(acc + m * 2 * kCols) = a0[m];
-}
-
 struct Args {
   const float* x;
   int64_t ldx;
@@ -127,27 +94,75 @@ struct Args {
   int64_t ldo;
 };
 
+// out[m, n .. n+15] = v (+ bias[n ..]) (+ res[m, n ..]), the columns past N left alone. Straight
+// from the accumulator register: a round trip through a buffer read back with masked loads
+// (which do not take the store's data forwarded) cost about a third of a task at 8 rows.
+inline void put(const Args& a, int m, int64_t n, v16 v) {
+  float* o = a.out + m * a.ldo + n;
+  const float* r = a.res ? a.res + m * a.ldr + n : nullptr;
+  if (n + kLane <= a.N) {
+    if (a.bias) v += *reinterpret_cast<const v16u*>(a.bias + n);
+    if (r) v += *reinterpret_cast<const v16u*>(r);
+    *reinterpret_cast<v16u*>(o) = v;
+    return;
+  }
+  alignas(64) float s[kLane];
+  *reinterpret_cast<v16*>(s) = v;
+  for (int64_t j = 0; j < a.N - n; ++j) o[j] = s[j] + (a.bias ? a.bias[n + j] : 0.f) + (r ? r[j] : 0.f);
+}
+
+// out[:, n0 .. n0+31] = x w (+ bias, + residual), w one block [K, 32]: both halves in one pass.
+template <int M>
+inline void both_halves(const Args& a, const float* w, int64_t n0) {
+  const float* x = a.x;
+  const int64_t ldx = a.ldx, K = a.K;
+  v16 a0[M], a1[M];
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = (v16){};
+  for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(w + (k + kAhead) * kCols, 0, 0);
+    __builtin_prefetch(w + (k + kAhead) * kCols + kLane, 0, 0);
+    const v16 b0 = *reinterpret_cast<const v16*>(w + k * kCols);
+    const v16 b1 = *reinterpret_cast<const v16*>(w + k * kCols + kLane);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const float xv = x[m * ldx + k];
+      a0[m] += xv * b0;
+      a1[m] += xv * b1;
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    put(a, m, n0, a0[m]);
+    if (n0 + kLane < a.N) put(a, m, n0 + kLane, a1[m]);
+  }
+}
+
+// The same with one half of the block at a time (M accumulators: for 9..16 rows).
+template <int M>
+inline void one_half_at_a_time(const Args& a, const float* w, int64_t n0) {
+  const float* x = a.x;
+  const int64_t ldx = a.ldx, K = a.K;
+  for (int64_t h = 0; h < kCols && n0 + h < a.N; h += kLane) {
+    v16 a0[M];
+    for (int m = 0; m < M; ++m) a0[m] = (v16){};
+    for (int64_t k = 0; k < K; ++k) {
+      __builtin_prefetch(w + (k + kAhead) * kCols + h, 0, 0);
+      const v16 b0 = *reinterpret_cast<const v16*>(w + k * kCols + h);
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) a0[m] += x[m * ldx + k] * b0;
+    }
+    for (int m = 0; m < M; ++m) put(a, m, n0 + h, a0[m]);
+  }
+}
+
 template <int M>
 void rows(const Args& a) {
-  constexpr int64_t per = M <= 8 ? 2 : 1;  // column blocks per task
-  const int64_t nb = (a.N + kCols - 1) / kCols, tasks = (nb + per - 1) / per;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    alignas(64) float acc[M * 2 * kCols];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b0 = t * per, b1 = std::min(b0 + per, nb);
+  const int64_t nb = (a.N + kCols - 1) / kCols;
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
       if constexpr (M <= 8) {
-        // a lone last block reads itself twice (cached) rather than a second code path
-        two_blocks<M>(a.x, a.ldx, a.wp + b0 * a.K * kCols, a.wp + (b1 - 1) * a.K * kCols, a.K, acc);
+        both_halves<M>(a, a.wp + b * a.K * kCols, b * kCols);
       } else {
-        one_block<M>(a.x, a.ldx, a.wp + b0 * a.K * kCols, a.K, acc);
-      }
-      const int64_t n0 = b0 * kCols, cols = std::min((b1 - b0) * kCols, a.N - n0);
-      for (int m = 0; m < M; ++m) {
-        float* o = a.out + m * a.ldo + n0;
-        const float* s = acc + m * 2 * kCols;
-        const float* r = a.res ? a.res + m * a.ldr + n0 : nullptr;
-        for (int64_t j = 0; j < cols; ++j)
-          o[j] = s[j] + (a.bias ? a.bias[n0 + j] : 0.f) + (r ? r[j] : 0.f);
+        one_half_at_a_time<M>(a, a.wp + b * a.K * kCols, b * kCols);
       }
     }
   });
