@@ -9,7 +9,7 @@
 // 2 M accumulators (M <= 8), prefetching the weight stream ahead; 9..16 rows take the block's two
 // halves in turn with M accumulators each (the second half's lines are the ones the first left).
 // One contiguous stream per task keeps the read at the bandwidth with 8 rows: two blocks of 16
-// read as two streams came 10-15% slower there (measured on a 2-core AMD EPYC VM). Tasks are
+// read as two streams run 10-15% slower there (measured on a 2-core AMD EPYC VM). Tasks are
 // spread over torch's thread pool (at::parallel_for, so torch.set_num_threads and core lending
 // apply). Rows beyond 16 run in chunks of 16 (the weight read again per chunk), where a blocked
 // GEMM (oneDNN) does better; which path runs at which row count is measured on the machine
@@ -95,8 +95,8 @@ struct Args {
 };
 
 // out[m, n .. n+15] = v (+ bias[n ..]) (+ res[m, n ..]), the columns past N left alone. Straight
-// from the accumulator register: a round trip through a buffer read back with masked loads
-// (which do not take the store's data forwarded) cost about a third of a task at 8 rows.
+// from the accumulator register: a buffer stored and read back with masked loads would stall
+// each read (a masked load does not take a store's data forwarded), a third of a task at 8 rows.
 inline void put(const Args& a, int m, int64_t n, v16 v) {
   float* o = a.out + m * a.ldo + n;
   const float* r = a.res ? a.res + m * a.ldr + n : nullptr;
