@@ -75,7 +75,7 @@ def _case(dtype, h, hkv, d, reqs, seed=0, slots=4096):
 
 @pytest.mark.parametrize("chunk", [0, 32, 100])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
-@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 24), (8, 2, 16)])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 4, 24), (8, 2, 16), (16, 1, 128), (14, 2, 48)])
 def test_kernel_equals_attention_from_first_principles(op, dtype, tol, h, hkv, d, chunk):
     """Decodes of 1 to 1,100 keys, extends of 2, 3 and 16 queries; ``chunk`` 0 (the kernel's own
     choice), or 32 and 100 keys, so that contexts split into many chunks and extends' causal
