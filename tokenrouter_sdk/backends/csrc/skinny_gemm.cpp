@@ -11,9 +11,9 @@
 // One contiguous stream per task keeps the read at the bandwidth with 8 rows: two blocks of 16
 // read as two streams run 10-15% slower there (measured on a 2-core AMD EPYC VM). Tasks are
 // spread over torch's thread pool (at::parallel_for, so torch.set_num_threads and core lending
-// apply). Rows beyond 16 run in chunks of 16 (the weight read again per chunk), where a blocked
-// GEMM (oneDNN) does better; which path runs at which row count is measured on the machine
-// (tokenrouter_sdk/backends/autotune.py).
+// apply). Rows beyond 16 run in chunks of 16, all chunks on one block before the next (the
+// block then comes from memory once), until a blocked GEMM (oneDNN) does better; which path
+// runs at which row count is measured on the machine (tokenrouter_sdk/backends/autotune.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,6 +25,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -154,23 +156,20 @@ inline void one_half_at_a_time(const Args& a, const float* w, int64_t n0) {
   }
 }
 
+// Block b of the weight (columns b*32 .. b*32+31) against the M rows of a.
 template <int M>
-void rows(const Args& a) {
-  const int64_t nb = (a.N + kCols - 1) / kCols;
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      if constexpr (M <= 8) {
-        both_halves<M>(a, a.wp + b * a.K * kCols, b * kCols);
-      } else {
-        one_half_at_a_time<M>(a, a.wp + b * a.K * kCols, b * kCols);
-      }
-    }
-  });
+void block(const Args& a, int64_t b) {
+  if constexpr (M <= 8) {
+    both_halves<M>(a, a.wp + b * a.K * kCols, b * kCols);
+  } else {
+    one_half_at_a_time<M>(a, a.wp + b * a.K * kCols, b * kCols);
+  }
 }
 
-using RowsFn = void (*)(const Args&);
-constexpr RowsFn kRows[17] = {nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>,
-                              rows<9>, rows<10>, rows<11>, rows<12>, rows<13>, rows<14>, rows<15>, rows<16>};
+using BlockFn = void (*)(const Args&, int64_t);
+constexpr BlockFn kBlock[17] = {nullptr, block<1>, block<2>, block<3>, block<4>, block<5>, block<6>,
+                                block<7>, block<8>, block<9>, block<10>, block<11>, block<12>,
+                                block<13>, block<14>, block<15>, block<16>};
 
 // x [M, K] float32; wp from skinny_pack of a [n, K] weight; bias [n] or none; residual [M, n]
 // (unit stride in n) or none. Returns a new [M, n].
@@ -195,14 +194,20 @@ at::Tensor skinny_linear(const at::Tensor& x_, const at::Tensor& wp, int64_t n, 
                 "skinny_linear: residual must be [M, n] float32 with unit stride in n");
     r = *residual;
   }
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const int64_t mm = std::min<int64_t>(16, M - m0);
-    Args a{x.data_ptr<float>() + m0 * K, K, wp.data_ptr<float>(), n, K,
-           b ? b->data_ptr<float>() : nullptr,
-           r ? r->data_ptr<float>() + m0 * r->stride(0) : nullptr, r ? r->stride(0) : 0,
-           out.data_ptr<float>() + m0 * n, n};
-    kRows[mm](a);
-  }
+  // chunks of up to 16 rows; a task runs every chunk on one block before the next block, so
+  // that the block (K x 128 bytes) comes from memory once and from the cache for the others
+  std::vector<std::pair<int64_t, Args>> chunks;
+  for (int64_t m0 = 0; m0 < M; m0 += 16)
+    chunks.emplace_back(std::min<int64_t>(16, M - m0),
+                        Args{x.data_ptr<float>() + m0 * K, K, wp.data_ptr<float>(), n, K,
+                             b ? b->data_ptr<float>() : nullptr,
+                             r ? r->data_ptr<float>() + m0 * r->stride(0) : nullptr, r ? r->stride(0) : 0,
+                             out.data_ptr<float>() + m0 * n, n});
+  const int64_t nb = (n + kCols - 1) / kCols;
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk)
+      for (const auto& [mm, a] : chunks) kBlock[mm](a, blk);
+  });
   return out;
 }
 
