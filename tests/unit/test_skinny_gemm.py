@@ -178,6 +178,44 @@ def test_a_rule_that_never_runs_the_kernel_drops_its_weights(store, ops):
     assert all(p.skinny is None and p.path(1) == "packed" for p in projs)
 
 
+def test_a_measurement_survives_the_kernel_weights_dropped_meanwhile(store, ops, monkeypatch):
+    """Two runners sharing layers (a model and its self-draft, built in threads of one process)
+    tune the same projections: one may drop the kernel's weights while the other times them.
+    The timing runs on the weights it started with."""
+    projs = _packed_projections()
+    projs = [p for p in projs if A.group_key(p) == A.group_key(projs[0])]  # one group: one shape
+    assert all(p.add_skinny(ops) for p in projs)
+    orig = P.Projection.run_packed
+
+    def run_packed_then_drop(self, x):
+        for p in projs:  # the other runner's rule never runs the kernel: it drops the weights
+            p.skinny = None
+        return orig(self, x)
+    monkeypatch.setattr(P.Projection, "run_packed", run_packed_then_drop)
+    out = A.measure_group(projs, buckets=(1, 8), reps=1)
+    assert len(out["skinny_ms"]) == 2 and all(v > 0 for v in out["skinny_ms"])
+
+
+def test_a_tune_that_began_without_the_kernel_leaves_what_a_tune_with_it_set_meanwhile(store, ops, monkeypatch):
+    """The other order: a runner tunes from a stored entry measured without the kernel while the
+    runner sharing its layers adds the kernel's weights and tunes with them. The first must
+    neither drop those weights nor put back its rule without the kernel."""
+    projs = _packed_projections()
+    fields = A.machine_fields()
+    A.tune_packing(projs, measure=FakeMeasure(), fields=fields)  # stored without the kernel
+    orig, done = A._rule_of, []
+
+    def rule_of(entry, skinny=False):
+        if not done:  # meanwhile, the other runner
+            done.append(True)
+            assert all(p.add_skinny(ops) for p in projs)
+            A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields)
+        return orig(entry, skinny)
+    monkeypatch.setattr(A, "_rule_of", rule_of)
+    A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields)
+    assert done and all(p.skinny is not None and p.path(8) == "skinny" for p in projs)
+
+
 def test_a_runner_measures_the_kernel_for_real_and_stores_its_timings(store, capsys):
     runner = _runner(kernels="wait")
     _step(runner, [5, 6, 7])

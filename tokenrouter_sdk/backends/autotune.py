@@ -267,7 +267,10 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
     llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
     n = min(len(projs), max(1, -(-2 * llc // max(1, per))))
     use = projs[:n]
-    with_skinny = all(getattr(p, "skinny", None) is not None for p in use)
+    # the kernel's weights as they are now: a runner sharing these projections (a self-draft's
+    # layers) may drop them meanwhile (`tune_packing`), and the timing goes on with these
+    weights = [getattr(p, "skinny", None) for p in use]
+    with_skinny = all(w is not None for w in weights)
     packed_ms, plain_ms, skinny_ms = [], [], []
     with torch.inference_mode():
         for rows in buckets:
@@ -282,8 +285,8 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
                     p.run_plain(x)
 
             def skinny():
-                for p in use:
-                    p.run_skinny(x)
+                for p, sw in zip(use, weights):
+                    p.run_skinny(x, weight=sw)
             paths = [packed, plain] + ([skinny] if with_skinny else [])
             for f in paths:
                 f()
@@ -321,6 +324,9 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
     if not groups:
         return {}
     forced = forced_path()
+    # whether every projection of a group has the kernel's weights as this call begins: a rule
+    # made without them says nothing about the kernel
+    fast = {k: all(getattr(p, "skinny", None) is not None for p in ps) for k, ps in groups.items()}
     rules: dict[str, PackRule] = {}
     if forced is not None:
         rules = {k: PackRule.always(forced != "plain", f"forced ({PACKING_ENV}={forced})", forced == "skinny")
@@ -328,7 +334,6 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
     else:
         fields = machine_fields() if fields is None else fields
         stored = load_choices(fields)
-        fast = {k: all(getattr(p, "skinny", None) is not None for p in ps) for k, ps in groups.items()}
         missing = [k for k in groups if _rule_of(stored.get(k), fast[k]) is None]
         for k in groups:
             if k not in missing:
@@ -354,8 +359,10 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
                                             tuple(entry.get("skinny", ())))
     for k, ps in groups.items():
         for p in ps:
+            if not fast[k] and getattr(p, "skinny", None) is not None and any(p.rule.skinny):
+                continue  # the weights and a rule with them came from a tune sharing p meanwhile
             p.rule = rules[k]
-            if getattr(p, "skinny", None) is not None and not any(rules[k].skinny):
+            if fast[k] and getattr(p, "skinny", None) is not None and not any(rules[k].skinny):
                 p.skinny = None  # never chosen: its copy of the weights goes
     return rules
 

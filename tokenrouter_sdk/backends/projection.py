@@ -176,12 +176,14 @@ class Projection:
         """``x`` [M, in] through the packed merged weight: [M, sum(sizes)]. Requires ``packed``."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def run_skinny(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` [M, in] through the few-row kernel's weight, plus ``residual`` [M, sum(sizes)]
-        when given: [M, sum(sizes)]. Requires ``skinny``."""
+    def run_skinny(self, x: torch.Tensor, residual: torch.Tensor | None = None, weight=None) -> torch.Tensor:
+        """``x`` [M, in] through the few-row kernel's weight (``weight``, a ``skinny`` taken
+        earlier, else ``skinny``), plus ``residual`` [M, sum(sizes)] when given: [M, sum(sizes)].
+        Requires one of them."""
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
-        return torch.ops.tokenrouter_cpu.skinny_linear(x, self.skinny, sum(self.sizes), self.bias, residual)
+        w = self.skinny if weight is None else weight
+        return torch.ops.tokenrouter_cpu.skinny_linear(x, w, sum(self.sizes), self.bias, residual)
 
     def run_plain(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x`` [M, in] through each module's own weight (or the module itself when it is not a
