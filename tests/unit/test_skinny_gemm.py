@@ -196,6 +196,35 @@ def test_a_measurement_survives_the_kernel_weights_dropped_meanwhile(store, ops,
     assert len(out["skinny_ms"]) == 2 and all(v > 0 for v in out["skinny_ms"])
 
 
+def test_a_step_runs_on_the_kernel_weights_it_chose_even_if_they_are_dropped_meanwhile(store, ops, monkeypatch):
+    """A runner steps while another sharing its layers drops the kernel's weights (its rule
+    never runs them): a projection that chose the kernel for this step runs it on the weights
+    it read, and gives the matmul."""
+    monkeypatch.setenv(A.PACKING_ENV, "skinny")
+    projs = _packed_projections()
+    A.tune_packing(projs, fields=A.machine_fields())
+    p = projs[0]
+
+    class DroppedOnceRead(type(p)):
+        """The other runner drops ``skinny`` right after this step first reads it."""
+
+        @property
+        def skinny(self):
+            w, self.__dict__["_w"] = self.__dict__.get("_w"), None
+            return w
+
+        @skinny.setter
+        def skinny(self, w):
+            self.__dict__["_w"] = w
+    p.__class__ = DroppedOnceRead
+    x = torch.randn(2, p.mods[0].weight.shape[1])
+    want = x.double() @ p._merged_weight().double().T
+    for call in (lambda: torch.cat(p(x), -1), lambda: p.merged(x)):
+        p.skinny = ops.skinny_pack(p._merged_weight())
+        torch.testing.assert_close(call().double(), want, rtol=1e-5, atol=1e-4)
+        assert p.skinny is None
+
+
 def test_a_tune_that_began_without_the_kernel_leaves_what_a_tune_with_it_set_meanwhile(store, ops, monkeypatch):
     """The other order: a runner tunes from a stored entry measured without the kernel while the
     runner sharing its layers adds the kernel's weights and tunes with them. The first must

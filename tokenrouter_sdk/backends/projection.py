@@ -127,10 +127,15 @@ class Projection:
 
     def path(self, rows: int) -> str:
         """The path a step of ``rows`` tokens runs: ``"skinny"``, ``"packed"`` or ``"plain"``."""
+        return self._path(rows, self.skinny)
+
+    def _path(self, rows: int, skinny) -> str:
+        """`path` with ``skinny`` the few-row weight read once by the caller, which runs on it:
+        a runner sharing this projection may drop the attribute meanwhile (`autotune`)."""
         if self.packed is None:
             return "plain"
         p = self.rule.path(rows)
-        if p == "skinny" and self.skinny is None:
+        if p == "skinny" and skinny is None:
             return "packed" if self.rule(rows) else "plain"
         return p
 
@@ -147,18 +152,20 @@ class Projection:
 
     def merged(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, in] through every module, outputs side by side: [M, sum(sizes)] (a new tensor)."""
-        path = self.path(x.shape[0])
+        w = self.skinny
+        path = self._path(x.shape[0], w)
         if path == "skinny":
-            return self.run_skinny(x)
+            return self.run_skinny(x, weight=w)
         if path == "packed":
             return self.run_packed(x)
         outs = self(x)
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        path = self.path(x.shape[0])
+        w = self.skinny
+        path = self._path(x.shape[0], w)
         if path == "skinny":
-            y = self.run_skinny(x, residual)
+            y = self.run_skinny(x, residual, weight=w)
             if residual is not None:
                 return y
             return list(y.split(self.sizes, -1)) if len(self.mods) > 1 else [y]
