@@ -110,7 +110,8 @@ def test_forced_skinny_runs_the_kernel_and_gives_the_logits_of_the_transformers_
     runner = _runner()
     calls = []
     orig = P.Projection.run_skinny
-    monkeypatch.setattr(P.Projection, "run_skinny", lambda self, x, r=None: calls.append(x.shape[0]) or orig(self, x, r))
+    monkeypatch.setattr(P.Projection, "run_skinny",
+                        lambda self, x, r=None, **kw: calls.append(x.shape[0]) or orig(self, x, r, **kw))
     ref = TorchRunner(runner.model, max_kv_tokens=256, model_impl="transformers", kernels="off")
     for ids in ([5, 6, 7], list(range(3, 23))):  # 3 rows, then 20 (two chunks of rows)
         calls.clear()
