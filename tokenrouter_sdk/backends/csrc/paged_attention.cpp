@@ -13,9 +13,11 @@
 //
 // Split-K (flash-decoding, Dao et al. 2023): each (request, chunk of keys) is one task of
 // at::parallel_for (torch's own thread pool); a task reads each of its keys' pool rows once,
-// all heads together (a row is contiguous: Hkv * D values), with software prefetch a few keys
-// ahead, and keeps per query head the running max, the sum of exponentials and the weighted
-// values; the chunks are merged by their log-sum-exp. Chunks tile each request's keys from the
+// all heads together (a row is contiguous: Hkv * D values), prefetching a few keys ahead both
+// the key rows and the value rows (so that the value pass finds them in the cache: a pool whose
+// blocks lie scattered, as in a long-running server, reads at the latency of one stream
+// otherwise), and keeps per query head the running max, the sum of exponentials and the
+// weighted values; the chunks are merged by their log-sum-exp. Chunks tile each request's keys from the
 // first one its window reaches, so a windowed layer reads W + q_len - 1 keys at most.
 
 #include <ATen/Parallel.h>
@@ -75,6 +77,67 @@ inline int64_t first_key(int64_t q_len, int64_t kv_len, int64_t W) {
 // task's scores, Qmax * H * C values, stay small) and at least 32
 constexpr int64_t kMaxChunk = 2048;
 
+constexpr int64_t kLane = 16;  // floats per vector
+
+// The keys [l0, l0 + n) of one task: query t (of q_len, the last at position kv_len - 1) sees
+// those in [from(t), seen(t)), relative to l0.
+struct Keys {
+  int64_t q_len, kv_len, l0, n, W;
+  int64_t seen(int64_t t) const { return std::clamp<int64_t>(kv_len - q_len + t + 1 - l0, 0, n); }
+  int64_t from(int64_t t) const {
+    return W > 0 ? std::clamp<int64_t>(kv_len - q_len + t + 1 - W - l0, 0, n) : int64_t(0);
+  }
+};
+
+// The exp-weighted values of one task, float32 with D = 16 NV: for each query t and KV head,
+// query heads HP at a time keep their D sums in registers (HP * NV vectors) while the keys'
+// value rows stream by, each V slice read once per pass; part's sums are written, not added.
+// What reaches memory per key is the value slice, where an accumulation in part would load and
+// store every head's sums at every key.
+template <int NV>
+void value_sums(const Shape& sh, const float* vc, const int64_t* slots, int64_t l0, int64_t q_len, const float* s,
+                float* part, const Keys& keys) {
+  typedef float v16 __attribute__((vector_size(64), aligned(4)));
+  constexpr int HP = std::min(8, std::max(1, 24 / NV));
+  const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, P = D + 2;
+  for (int64_t t = 0; t < q_len; ++t) {
+    const int64_t a = keys.from(t), b = std::max(keys.seen(t), a);
+    for (int64_t kvh = 0; kvh < sh.Hkv; ++kvh) {
+      for (int64_t h0 = kvh * g; h0 < (kvh + 1) * g; h0 += HP) {
+        const int64_t nh = std::min<int64_t>(HP, (kvh + 1) * g - h0);
+        const float* st = s + (t * H + h0) * C;
+        v16 acc[HP][NV];
+        for (int j = 0; j < HP; ++j)
+          for (int i = 0; i < NV; ++i) acc[j][i] = (v16){};
+        for (int64_t l = a; l < b; ++l) {
+          if (l + kPrefetchKeys < b) prefetch_row(vc + slots[l0 + l + kPrefetchKeys] * row + kvh * D, D);
+          const float* vp = vc + slots[l0 + l] * row + kvh * D;
+          v16 vv[NV];
+#pragma GCC unroll 8
+          for (int i = 0; i < NV; ++i) vv[i] = *reinterpret_cast<const v16*>(vp + i * kLane);
+#pragma GCC unroll 8
+          for (int j = 0; j < HP; ++j) {
+            if (j < nh) {
+              const float p = st[j * C + l];
+#pragma GCC unroll 8
+              for (int i = 0; i < NV; ++i) acc[j][i] += p * vv[i];
+            }
+          }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < HP; ++j)
+          if (j < nh)
+            for (int i = 0; i < NV; ++i) *reinterpret_cast<v16*>(part + (t * H + h0 + j) * P + 2 + i * kLane) = acc[j][i];
+      }
+    }
+  }
+}
+
+using ValueSumsFn = void (*)(const Shape&, const float*, const int64_t*, int64_t, int64_t, const float*, float*,
+                             const Keys&);
+constexpr ValueSumsFn kValueSums[9] = {nullptr, value_sums<1>, value_sums<2>, value_sums<3>, value_sums<4>,
+                                       value_sums<5>, value_sums<6>, value_sums<7>, value_sums<8>};
+
 // One task: request r's queries against keys [l0, l1). part holds, per (query t, head h),
 // D + 2 values: max score, sum of exponentials, then the exp-weighted values.
 template <typename T>
@@ -82,13 +145,14 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
                   int64_t q_len, int64_t kv_len, int64_t l0, int64_t l1, T scale, T cap, T* s, T* part) {
   const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, P = D + 2;
   const int64_t n = std::max<int64_t>(l1 - l0, 0);
-  // keys of this chunk that query t sees: [from(t), seen(t))
-  auto seen = [&](int64_t t) { return std::clamp<int64_t>(kv_len - q_len + t + 1 - l0, 0, n); };
-  auto from = [&](int64_t t) {
-    return sh.W > 0 ? std::clamp<int64_t>(kv_len - q_len + t + 1 - sh.W - l0, 0, n) : int64_t(0);
-  };
+  const Keys keys{q_len, kv_len, l0, n, sh.W};
+  auto seen = [&](int64_t t) { return keys.seen(t); };
+  auto from = [&](int64_t t) { return keys.from(t); };
   for (int64_t l = 0; l < n; ++l) {
-    if (l + kPrefetchKeys < n) prefetch_row(kc + slots[l0 + l + kPrefetchKeys] * row, row);
+    if (l + kPrefetchKeys < n) {
+      prefetch_row(kc + slots[l0 + l + kPrefetchKeys] * row, row);
+      prefetch_row(vc + slots[l0 + l + kPrefetchKeys] * row, row);
+    }
     const T* kr = kc + slots[l0 + l] * row;
     for (int64_t t = 0; t < q_len; ++t) {
       if (l >= seen(t) || l < from(t)) continue;
@@ -117,6 +181,12 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
       }
       pi[0] = m;
       pi[1] = z;
+    }
+  }
+  if constexpr (sizeof(T) == 4) {
+    if (D % kLane == 0 && D / kLane <= 8) {
+      kValueSums[D / kLane](sh, vc, slots, l0, q_len, s, part, keys);
+      return;
     }
   }
   for (int64_t l = 0; l < n; ++l) {
