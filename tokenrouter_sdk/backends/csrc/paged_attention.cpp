@@ -89,11 +89,14 @@ struct Keys {
   }
 };
 
-// The exp-weighted values of one task, float32 with D = 16 NV: for each query t and KV head,
-// query heads HP at a time keep their D sums in registers (HP * NV vectors) while the keys'
-// value rows stream by, each V slice read once per pass; part's sums are written, not added.
-// What reaches memory per key is the value slice, where an accumulation in part would load and
-// store every head's sums at every key.
+// The exp-weighted values of one task, float32 with D = 16 NV, added to part's sums (zeroed
+// before): for each query t, tile of kTile keys and KV head, query heads HP at a time keep
+// their D sums in registers (HP * NV vectors) while the tile's value slices stream by. A tile's
+// value rows (kTile * Hkv * D floats) stay in the L1 cache across its KV heads' passes; what
+// reaches memory per key is its value row once, where an accumulation in part at every key
+// would load and store every head's sums.
+constexpr int64_t kTile = 32;
+
 template <int NV>
 void value_sums(const Shape& sh, const float* vc, const int64_t* slots, int64_t l0, int64_t q_len, const float* s,
                 float* part, const Keys& keys) {
@@ -102,32 +105,37 @@ void value_sums(const Shape& sh, const float* vc, const int64_t* slots, int64_t 
   const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, P = D + 2;
   for (int64_t t = 0; t < q_len; ++t) {
     const int64_t a = keys.from(t), b = std::max(keys.seen(t), a);
-    for (int64_t kvh = 0; kvh < sh.Hkv; ++kvh) {
-      for (int64_t h0 = kvh * g; h0 < (kvh + 1) * g; h0 += HP) {
-        const int64_t nh = std::min<int64_t>(HP, (kvh + 1) * g - h0);
-        const float* st = s + (t * H + h0) * C;
-        v16 acc[HP][NV];
-        for (int j = 0; j < HP; ++j)
-          for (int i = 0; i < NV; ++i) acc[j][i] = (v16){};
-        for (int64_t l = a; l < b; ++l) {
-          if (l + kPrefetchKeys < b) prefetch_row(vc + slots[l0 + l + kPrefetchKeys] * row + kvh * D, D);
-          const float* vp = vc + slots[l0 + l] * row + kvh * D;
-          v16 vv[NV];
+    for (int64_t t0 = a; t0 < b; t0 += kTile) {
+      const int64_t t1 = std::min(b, t0 + kTile);
+      for (int64_t kvh = 0; kvh < sh.Hkv; ++kvh) {
+        for (int64_t h0 = kvh * g; h0 < (kvh + 1) * g; h0 += HP) {
+          const int64_t nh = std::min<int64_t>(HP, (kvh + 1) * g - h0);
+          const float* st = s + (t * H + h0) * C;
+          float* out = part + (t * H + h0) * P + 2;
+          v16 acc[HP][NV];
 #pragma GCC unroll 8
-          for (int i = 0; i < NV; ++i) vv[i] = *reinterpret_cast<const v16*>(vp + i * kLane);
+          for (int j = 0; j < HP; ++j)
+            for (int i = 0; i < NV; ++i)
+              acc[j][i] = j < nh ? *reinterpret_cast<const v16*>(out + j * P + i * kLane) : (v16){};
+          for (int64_t l = t0; l < t1; ++l) {
+            const float* vp = vc + slots[l0 + l] * row + kvh * D;
+            v16 vv[NV];
 #pragma GCC unroll 8
-          for (int j = 0; j < HP; ++j) {
-            if (j < nh) {
-              const float p = st[j * C + l];
+            for (int i = 0; i < NV; ++i) vv[i] = *reinterpret_cast<const v16*>(vp + i * kLane);
 #pragma GCC unroll 8
-              for (int i = 0; i < NV; ++i) acc[j][i] += p * vv[i];
+            for (int j = 0; j < HP; ++j) {
+              if (j < nh) {
+                const float p = st[j * C + l];
+#pragma GCC unroll 8
+                for (int i = 0; i < NV; ++i) acc[j][i] += p * vv[i];
+              }
             }
           }
-        }
 #pragma GCC unroll 8
-        for (int j = 0; j < HP; ++j)
-          if (j < nh)
-            for (int i = 0; i < NV; ++i) *reinterpret_cast<v16*>(part + (t * H + h0 + j) * P + 2 + i * kLane) = acc[j][i];
+          for (int j = 0; j < HP; ++j)
+            if (j < nh)
+              for (int i = 0; i < NV; ++i) *reinterpret_cast<v16*>(out + j * P + i * kLane) = acc[j][i];
+        }
       }
     }
   }
