@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fused_layers
+from .attention.interface import attend_tokens
 from .autotune import tune_packing
 from .projection import Watch, projection
 
@@ -106,6 +108,7 @@ class NativeForward:
         self._linears: set[int] = set()
         self._hooked: set[int] = set()
         self._skinny_tuned = False  # the few-row kernel measured for the current projections
+        self._layer_calls: fused_layers.LayerCalls | None = None
 
     def _build(self) -> None:
         """Projections of every layer and of the LM head (shared with every other NativeForward
@@ -126,6 +129,7 @@ class NativeForward:
         projs = [*(q for ps in self._plan for q in ps), self._head]
         tune_packing(projs)  # which GEMM path runs per step size: measured on this machine once
         self._skinny_tuned = False
+        self._layer_calls = fused_layers.LayerCalls(dec, projs) if fused_layers.enabled() else None
         self._modules = [*dec.modules(), out]
         # the modules read, where they hang: a replaced one (a wrapper, a new layer list) rebuilds
         places = [(model, name, out), (dec, "layers", dec.layers)] + [
@@ -186,13 +190,18 @@ class NativeForward:
         ``want_all``, else None). Call `prepare` first."""
         if ops is not None and not self._skinny_tuned:
             self.add_skinny()
+        fused = None
+        calls = self._layer_calls
+        if ops is not None and calls is not None and self.attend is attend_tokens and calls.takes(fb):
+            def fused(i, x, cos, sin):
+                return calls.run(fb, i, x, cos, sin)
         logits, hidden, h = decoder_step(self.decoder, self.projections,
-                                         lambda *a: self.attend(fb, *a), ids, pos, last, between, ops)
+                                         lambda *a: self.attend(fb, *a), ids, pos, last, between, ops, fused)
         return logits, hidden, (h if want_all else None)
 
 
 def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor,
-                 between=None, ops=None):
+                 between=None, ops=None, fused=None):
     """The native forward's arithmetic, shared by eager steps (`NativeForward`) and compiled
     ones (`tokenrouter_sdk.backends.compiled_step`).
 
@@ -207,6 +216,9 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
             norm)``, ``rope(t [T, H, D], cos [T, D], sin [T, D])`` (sin with rotate_half's signs
             folded in) and ``silu_mul(g, u)`` (`tokenrouter_sdk.backends.cpu_kernels.StepOps`:
             float32 on a CPU; equal to the ATen ops within float32 rounding).
+        fused: None, or with ``ops``: ``fused(i, x [T, C], cos [T, D], sin [T, D])`` runs layer
+            ``i`` in one call and returns its output, or returns None for the loop to run it
+            (`tokenrouter_sdk.backends.fused_layers.LayerCalls.run`: the same kernels, the same bits).
 
     Returns:
         (logits [B, V], hidden [B, H], final hidden states of every position [T, H]).
@@ -230,6 +242,12 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
 
     n = x.shape[0]
     for i, layer in enumerate(dec.layers):
+        y = fused(i, x, cos2, sin2) if fused is not None else None
+        if y is not None:
+            x = y
+            if between is not None:
+                between()
+            continue
         qkv, o, gate_up, down = projections[4 * i:4 * i + 4]
         a = layer.self_attn
         d = a.head_dim

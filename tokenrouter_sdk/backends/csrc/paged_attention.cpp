@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -258,6 +259,10 @@ void attend(const Shape& sh, T* out, const T* q, const T* kc, const T* vc, const
   });
 }
 
+}  // namespace
+
+namespace tokenrouter_cpu {
+
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& table, const at::Tensor& q_start, const at::Tensor& q_len,
                      const at::Tensor& kv_len, double scale, int64_t chunk, int64_t window, double softcap) {
@@ -339,12 +344,12 @@ void store_kv(at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots, con
   });
 }
 
-}  // namespace
+}  // namespace tokenrouter_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenrouter_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor q_start, "
         "Tensor q_len, Tensor kv_len, float scale, int chunk=0, int window=0, float softcap=0.0) -> ()");
-  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::paged_attention));
   m.def("store_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor k, Tensor v) -> ()");
-  m.impl("store_kv", c10::DispatchKey::CPU, TORCH_FN(store_kv));
+  m.impl("store_kv", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::store_kv));
 }

@@ -28,6 +28,8 @@
 #include <utility>
 #include <vector>
 
+#include "kernels.h"
+
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
@@ -63,25 +65,6 @@ at::Tensor packed_zeros(int64_t nb, int64_t K) {
   }
 #endif
   return at::zeros({nb, K, kCols}, at::TensorOptions().dtype(at::kFloat));
-}
-
-// W [N, K] -> [ceil(N / 32), K, 32] (zero-padded past N).
-at::Tensor skinny_pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              "skinny_pack: the weight must be a 2-D float32 CPU tensor");
-  auto W = w.contiguous();
-  const int64_t N = W.size(0), K = W.size(1), nb = (N + kCols - 1) / kCols;
-  auto out = packed_zeros(nb, K);
-  const float* src = W.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t j = 0; j < kCols && b * kCols + j < N; ++j) {
-        const float* row = src + (b * kCols + j) * K;
-        for (int64_t k = 0; k < K; ++k) dst[(b * K + k) * kCols + j] = row[k];
-      }
-  });
-  return out;
 }
 
 struct Args {
@@ -171,6 +154,29 @@ constexpr BlockFn kBlock[17] = {nullptr, block<1>, block<2>, block<3>, block<4>,
                                 block<7>, block<8>, block<9>, block<10>, block<11>, block<12>,
                                 block<13>, block<14>, block<15>, block<16>};
 
+}  // namespace
+
+namespace tokenrouter_cpu {
+
+// W [N, K] -> [ceil(N / 32), K, 32] (zero-padded past N).
+at::Tensor skinny_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "skinny_pack: the weight must be a 2-D float32 CPU tensor");
+  auto W = w.contiguous();
+  const int64_t N = W.size(0), K = W.size(1), nb = (N + kCols - 1) / kCols;
+  auto out = packed_zeros(nb, K);
+  const float* src = W.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t j = 0; j < kCols && b * kCols + j < N; ++j) {
+        const float* row = src + (b * kCols + j) * K;
+        for (int64_t k = 0; k < K; ++k) dst[(b * K + k) * kCols + j] = row[k];
+      }
+  });
+  return out;
+}
+
 // x [M, K] float32; wp from skinny_pack of a [n, K] weight; bias [n] or none; residual [M, n]
 // (unit stride in n) or none. Returns a new [M, n].
 at::Tensor skinny_linear(const at::Tensor& x_, const at::Tensor& wp, int64_t n, const std::optional<at::Tensor>& bias,
@@ -211,11 +217,11 @@ at::Tensor skinny_linear(const at::Tensor& x_, const at::Tensor& wp, int64_t n, 
   return out;
 }
 
-}  // namespace
+}  // namespace tokenrouter_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenrouter_cpu, m) {
   m.def("skinny_pack(Tensor w) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor wp, int n, Tensor? bias=None, Tensor? residual=None) -> Tensor");
-  m.impl("skinny_pack", c10::DispatchKey::CPU, TORCH_FN(skinny_pack));
-  m.impl("skinny_linear", c10::DispatchKey::CPU, TORCH_FN(skinny_linear));
+  m.impl("skinny_pack", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::skinny_pack));
+  m.impl("skinny_linear", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::skinny_linear));
 }

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -26,6 +27,10 @@ void check_f32(const at::Tensor& t, const char* name) {
 }
 
 int64_t grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row, 1)); }
+
+}  // namespace
+
+namespace tokenrouter_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_f32(x, "x");
@@ -108,13 +113,13 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   return out;
 }
 
-}  // namespace
+}  // namespace tokenrouter_cpu
 
 TORCH_LIBRARY_FRAGMENT(tokenrouter_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor g, Tensor u) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
-  m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(rope));
-  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::rms_norm));
+  m.impl("rope", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::rope));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::silu_mul));
 }

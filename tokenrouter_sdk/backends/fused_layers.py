@@ -1,0 +1,86 @@
+"""Whole decoder layers in one C++ call (``csrc/decoder_layer.cpp``) for the native forward's
+eager float32 steps on a CPU, where every projection of the layer runs the few-row kernel at the
+step's row count and every request is attended in place by the CPU paged kernel (decodes and
+short extends; a step with a prefill or a long extend runs the Python layer loop).
+
+The call runs the same kernels as the Python loop (`native_forward.decoder_step` with
+`cpu_kernels.StepOps`), in the same order on the same tensors, so a layer's output is the same
+bits either way; what it removes is the loop's Python and the dispatch of eleven ops a layer.
+Measured on a 2-core AMD EPYC (Zen 5), SmolLM2-135M, the step's Python and op dispatch between
+its GEMMs and attention: see `docs/benchmarks.md`.
+
+``TOKENROUTER_FUSED_LAYERS=0`` turns it off (for A/B measurements); it is read when a
+`LayerCalls` is made, once per native forward.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .attention import cpu_kernel
+from .attention.metadata import ForwardBatch
+
+
+def enabled() -> bool:
+    """Whether fused layers may run (``TOKENROUTER_FUSED_LAYERS`` is not ``0``)."""
+    return os.environ.get("TOKENROUTER_FUSED_LAYERS", "1").strip() != "0"
+
+
+class LayerCalls:
+    """The fused layer calls of one model's decoder (what does not change from step to step).
+
+    Args:
+        dec: the decoder (``layers``, each with ``self_attn``, ``mlp`` and two RMSNorms; Qwen3's
+            attention also with ``q_norm``/``k_norm``).
+        projections: `NativeForward.projections` (per layer q/k/v, o, gate/up, down).
+    """
+
+    def __init__(self, dec, projections: list):
+        self.layers = []
+        for i, ly in enumerate(dec.layers):
+            a = ly.self_attn
+            qkv, o, gate_up, down = projections[4 * i:4 * i + 4]
+            d = a.head_dim
+            heads = [qkv.sizes[0] // d, qkv.sizes[1] // d, d, gate_up.sizes[0]]
+            norms = [ly.input_layernorm, ly.post_attention_layernorm]
+            if hasattr(a, "q_norm"):
+                norms += [a.q_norm, a.k_norm]
+            self.layers.append((a.layer_idx, (qkv, o, gate_up, down), norms, heads))
+
+    @staticmethod
+    def takes(fb: ForwardBatch) -> bool:
+        """Whether the step's attention is all the CPU kernel's (no gathered decode, no segment),
+        with the C++ op itself (not a subclass or another op in its place)."""
+        if fb.kern is None or fb.segs or fb.dec_q is not None:
+            return False
+        k = fb.kern.backend
+        return type(k) is cpu_kernel.CpuKernel and k.op is torch.ops.tokenrouter_cpu.paged_attention
+
+    def run(self, fb: ForwardBatch, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer ``i`` of a step that `takes` ``fb``: x [T, C] contiguous float32 -> the layer's
+        output [T, C]; cos, sin [T, D] (sin with rotate_half's signs folded in). Returns None,
+        having done nothing, when one of the layer's projections does not run the few-row
+        kernel at T rows, or x is not contiguous (the caller runs the layer in Python)."""
+        layer, projs, norms, heads = self.layers[i]
+        rows = x.shape[0]
+        if not x.is_contiguous():
+            return None
+        ws = []
+        for p in projs:
+            w = p.skinny  # read once: another runner sharing the projection may drop it meanwhile
+            if w is None or p._path(rows, w) != "skinny":
+                return None
+            ws.append(w)
+        n0, n1 = norms[0], norms[1]
+        w = [n0.weight, ws[0], ws[1], n1.weight, ws[2], ws[3]]
+        eps = [float(n0.variance_epsilon), float(n1.variance_epsilon)]
+        if len(norms) == 4:
+            w += [norms[2].weight, norms[3].weight]
+            eps += [float(norms[2].variance_epsilon), float(norms[3].variance_epsilon)]
+        kern, p = fb.kern, fb.layers[layer]
+        return torch.ops.tokenrouter_cpu.decoder_layer(
+            x, w, [q.bias for q in projs], eps, heads, cos, sin, fb.pool.k[layer], fb.pool.v[layer], fb.slot_mapping,
+            kern.table, kern.q_start, kern.q_len, kern.kv_len, p.scale, cpu_kernel.CHUNK, p.window or 0, p.softcap or 0.0)
+
