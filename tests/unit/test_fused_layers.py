@@ -1,9 +1,10 @@
-"""Whole decoder layers in one C++ call (`tokenrouter_sdk.backends.fused_layers`): on every
-architecture with a native forward (Llama, Mistral with its window, Qwen2 with q/k/v biases and
-windows, Qwen3 with q/k norms), a float32 step of decodes and short extends computes the same
-bits with the fused calls as with the Python layer loop (logits and the K/V written); steps the
-call does not take (a prefill; a layer whose projection runs another GEMM path) run the loop,
-and ``TOKENROUTER_FUSED_LAYERS=0`` turns it off."""
+"""Decoder layers in one C++ call, or three around the Python attention
+(`tokenrouter_sdk.backends.fused_layers`): on every architecture with a native forward (Llama,
+Mistral with its window, Qwen2 with q/k/v biases and windows, Qwen3 with q/k norms), a float32
+step computes the same bits fused as with the Python layer loop (logits and the K/V written),
+whether the paged kernel attends every request (one call) or prefills and extends go to the
+gather backend (three); a layer whose projection runs another GEMM path runs the loop, and
+``TOKENROUTER_FUSED_LAYERS=0`` turns it off."""
 
 import random
 
@@ -44,15 +45,18 @@ def counted(monkeypatch):
     return calls
 
 
-def _runner(arch, monkeypatch, layers=3):
+def _runner(arch, monkeypatch, layers=3, kernel_extend=cpu_kernel.MAX_QUERIES):
     monkeypatch.setenv("TOKENROUTER_PACKING", "skinny")
-    monkeypatch.setenv(kernel_choice.ENV, str(cpu_kernel.MAX_QUERIES))  # extends of up to 16 in the kernel
+    monkeypatch.setenv(kernel_choice.ENV, str(kernel_extend))  # the longest extend the paged kernel attends
     model = tiny_model(num_layers=layers, seed=21, dtype=torch.float32, initializer_range=0.5, **ARCHS[arch])
     g = torch.Generator().manual_seed(3)
     for m in model.modules():  # transformers starts biases at zero: give Qwen2's q/k/v biases values
         if isinstance(m, torch.nn.Linear) and m.bias is not None:
             m.bias.copy_(torch.randn(m.bias.shape, generator=g))
-    return TorchRunner(model, max_kv_tokens=1024, kernels="wait")
+    r = TorchRunner(model, max_kv_tokens=1024, kernels="wait")
+    r.prepare_steps()  # the native forward with its few-row weights, before the first step
+    assert r._native._layer_calls is not None or not fused_layers.enabled()
+    return r
 
 
 def _both_ways(r, seqs):
@@ -70,25 +74,28 @@ def _both_ways(r, seqs):
     return a, b, kv_a, (r.pool.k.clone(), r.pool.v.clone())
 
 
+@pytest.mark.parametrize("kernel_extend", [16, 1])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_fused_layers_equal_the_layer_loop_bit_for_bit(arch, monkeypatch, counted):
-    """Decodes and extends of 2-9 tokens at contexts crossing the window, batches of 1-5:
-    the same logits and the same K/V, every layer of every step fused."""
-    r = _runner(arch, monkeypatch)
+def test_fused_layers_equal_the_layer_loop_bit_for_bit(arch, kernel_extend, monkeypatch, counted):
+    """Prefills, then decodes and extends of 2-9 tokens at contexts crossing the window, batches
+    of 1-5: the same logits and the same K/V, every layer of every step fused. With the kernel
+    taking extends of up to 16 tokens, steps after the prefill are one call a layer; with 1,
+    extends and prefills are attended over gathered copies between two calls."""
+    r = _runner(arch, monkeypatch, kernel_extend=kernel_extend)
     rng = random.Random(5)
     b = 5
     tabs = [[] for _ in range(b)]
     starts = [0] * b
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(3, 20))] for _ in range(b)]
-    for t, p in zip(tabs, prompts):
-        blocks_of(r).ensure(t, len(p))
-    r.forward([SeqInput(p, 0, t) for p, t in zip(prompts, tabs)])  # prefills: the loop
-    starts = [len(p) for p in prompts]
-    counted.clear()
+    whole = []
+    real = fused_layers.LayerCalls.takes
+    monkeypatch.setattr(fused_layers.LayerCalls, "takes", staticmethod(lambda fb: whole.append(real(fb)) or whole[-1]))
     steps = 0
-    for step in range(8):
+    for step in range(9):
         live = list(range(b)) if step % 3 else rng.sample(range(b), rng.randint(1, b))
-        feed = {i: [rng.randrange(3, 250) for _ in range(rng.choice([1, 1, 2, 9]))] for i in live}
+        if step == 0:
+            live = list(range(b))
+        feed = {i: [rng.randrange(3, 250) for _ in range(rng.randint(3, 20) if step == 0
+                                                        else rng.choice([1, 1, 2, 9]))] for i in live}
         for i in live:
             blocks_of(r).ensure(tabs[i], starts[i] + len(feed[i]))
         seqs = [SeqInput(feed[i], starts[i], tabs[i]) for i in live]
@@ -100,19 +107,23 @@ def test_fused_layers_equal_the_layer_loop_bit_for_bit(arch, monkeypatch, counte
         steps += 1
     assert counted == [True] * (3 * steps)  # every layer of every step ran fused (the loop runs count nothing)
     assert max(starts) > 6  # the windowed cases attended past their window
+    assert whole[0] is False  # the prefills: gathered
+    assert all(whole[1:]) if kernel_extend == 16 else not any(whole[1:])  # with 1: an extend in every step
 
 
-def test_a_step_the_kernel_does_not_attend_whole_runs_the_loop(monkeypatch, counted):
-    """A step with a prefill (attended over a gathered copy) never calls the fused layers."""
-    r = _runner("llama", monkeypatch)
+def test_a_step_with_a_prefill_runs_three_calls_a_layer(monkeypatch, counted):
+    """A decode beside a 40-token prefill: the work before and after attention fused, the
+    attention as the loop's (kernel for the decode, gathered for the prefill); the same bits."""
+    r = _runner("qwen3", monkeypatch)
     t0, t1 = [], []
     blocks_of(r).ensure(t0, 8)
     r.forward([SeqInput([5, 6, 7, 8, 9, 10, 11], 0, t0)])
     blocks_of(r).ensure(t0, 9)
     blocks_of(r).ensure(t1, 40)
     counted.clear()
-    r.forward([SeqInput([12], 7, t0), SeqInput(list(range(3, 43)), 0, t1)])
-    assert counted == []
+    fused, loop, kv_fused, kv_loop = _both_ways(r, [SeqInput([12], 7, t0), SeqInput(list(range(3, 43)), 0, t1)])
+    assert counted == [True] * 3
+    assert torch.equal(fused, loop) and torch.equal(kv_fused[0], kv_loop[0]) and torch.equal(kv_fused[1], kv_loop[1])
 
 
 def test_a_layer_whose_projection_runs_another_path_runs_in_python(monkeypatch, counted):
@@ -147,6 +158,7 @@ def test_between_layers_is_called_after_every_fused_layer(monkeypatch, counted):
     blocks_of(r).ensure(t, 8)
     r.forward([SeqInput([5, 6, 7], 0, t)])
     seen = []
+    counted.clear()
     r.between_layers = lambda: seen.append(len(counted))
     r.forward([SeqInput([8], 3, t)])
     assert counted == [True] * 3 and seen == [1, 2, 3]

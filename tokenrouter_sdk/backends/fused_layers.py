@@ -1,11 +1,12 @@
-"""Whole decoder layers in one C++ call (``csrc/decoder_layer.cpp``) for the native forward's
-eager float32 steps on a CPU, where every projection of the layer runs the few-row kernel at the
-step's row count and every request is attended in place by the CPU paged kernel (decodes and
-short extends; a step with a prefill or a long extend runs the Python layer loop).
+"""Decoder layers in one or three calls (``csrc/decoder_layer.cpp``) for the native forward's
+eager float32 steps on a CPU where every projection of the layer runs the few-row kernel at the
+step's row count: one C++ call when the CPU paged kernel attends every request in place
+(decodes and short extends); otherwise one call for the work before attention (norm, q/k/v,
+rotary, the K/V store), `attend_tokens` as in the loop, and one call for the work after it.
 
 The call runs the same kernels as the Python loop (`native_forward.decoder_step` with
 `cpu_kernels.StepOps`), in the same order on the same tensors, so a layer's output is the same
-bits either way; what it removes is the loop's Python and the dispatch of eleven ops a layer.
+bits either way; what it removes is the loop's Python and the dispatch of its ops (eleven a layer).
 Measured on a 2-core AMD EPYC (Zen 5), SmolLM2-135M, the step's Python and op dispatch between
 its GEMMs and attention: see `docs/benchmarks.md`.
 
@@ -20,6 +21,7 @@ import os
 import torch
 
 from .attention import cpu_kernel
+from .attention.interface import attend_tokens
 from .attention.metadata import ForwardBatch
 
 
@@ -58,11 +60,13 @@ class LayerCalls:
         k = fb.kern.backend
         return type(k) is cpu_kernel.CpuKernel and k.op is torch.ops.tokenrouter_cpu.paged_attention
 
-    def run(self, fb: ForwardBatch, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Layer ``i`` of a step that `takes` ``fb``: x [T, C] contiguous float32 -> the layer's
-        output [T, C]; cos, sin [T, D] (sin with rotate_half's signs folded in). Returns None,
-        having done nothing, when one of the layer's projections does not run the few-row
-        kernel at T rows, or x is not contiguous (the caller runs the layer in Python)."""
+    def run(self, fb: ForwardBatch, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, whole: bool):
+        """Layer ``i`` of a step: x [T, C] contiguous float32 -> the layer's output [T, C]; cos,
+        sin [T, D] (sin with rotate_half's signs folded in). ``whole``: `takes` said yes for
+        ``fb``, and the layer is one call; otherwise the work before attention is one call, the
+        attention `attend_tokens` (on the K/V that call stored) and the work after it one more.
+        Returns None, having done nothing, when one of the layer's projections does not run the
+        few-row kernel at T rows, or x is not contiguous (the caller runs the layer in Python)."""
         layer, projs, norms, heads = self.layers[i]
         rows = x.shape[0]
         if not x.is_contiguous():
@@ -73,14 +77,25 @@ class LayerCalls:
             if w is None or p._path(rows, w) != "skinny":
                 return None
             ws.append(w)
+        ops = torch.ops.tokenrouter_cpu
         n0, n1 = norms[0], norms[1]
-        w = [n0.weight, ws[0], ws[1], n1.weight, ws[2], ws[3]]
-        eps = [float(n0.variance_epsilon), float(n1.variance_epsilon)]
+        kc, vc, p = fb.pool.k[layer], fb.pool.v[layer], fb.layers[layer]
+        if whole:
+            w = [n0.weight, ws[0], ws[1], n1.weight, ws[2], ws[3]]
+            eps = [float(n0.variance_epsilon), float(n1.variance_epsilon)]
+            if len(norms) == 4:
+                w += [norms[2].weight, norms[3].weight]
+                eps += [float(norms[2].variance_epsilon), float(norms[3].variance_epsilon)]
+            kern = fb.kern
+            return ops.decoder_layer(x, w, [q.bias for q in projs], eps, heads, cos, sin, kc, vc, fb.slot_mapping,
+                                     kern.table, kern.q_start, kern.q_len, kern.kv_len, p.scale, cpu_kernel.CHUNK,
+                                     p.window or 0, p.softcap or 0.0)
+        w = [n0.weight, ws[0]]
+        eps = [float(n0.variance_epsilon)]
         if len(norms) == 4:
             w += [norms[2].weight, norms[3].weight]
             eps += [float(norms[2].variance_epsilon), float(norms[3].variance_epsilon)]
-        kern, p = fb.kern, fb.layers[layer]
-        return torch.ops.tokenrouter_cpu.decoder_layer(
-            x, w, [q.bias for q in projs], eps, heads, cos, sin, fb.pool.k[layer], fb.pool.v[layer], fb.slot_mapping,
-            kern.table, kern.q_start, kern.q_len, kern.kv_len, p.scale, cpu_kernel.CHUNK, p.window or 0, p.softcap or 0.0)
-
+        q, k, v = ops.layer_qkv(x, w, projs[0].bias, eps, heads, cos, sin, kc, vc, fb.slot_mapping)
+        y = attend_tokens(fb, layer, q, k, v, stored=True)
+        return ops.layer_mlp(y.reshape(rows, -1), x, [ws[1], n1.weight, ws[2], ws[3]],
+                             [projs[1].bias, projs[2].bias, projs[3].bias], float(n1.variance_epsilon), heads[3])

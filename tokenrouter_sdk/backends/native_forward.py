@@ -192,9 +192,11 @@ class NativeForward:
             self.add_skinny()
         fused = None
         calls = self._layer_calls
-        if ops is not None and calls is not None and self.attend is attend_tokens and calls.takes(fb):
+        if ops is not None and calls is not None and self.attend is attend_tokens:
+            whole = calls.takes(fb)
+
             def fused(i, x, cos, sin):
-                return calls.run(fb, i, x, cos, sin)
+                return calls.run(fb, i, x, cos, sin, whole)
         logits, hidden, h = decoder_step(self.decoder, self.projections,
                                          lambda *a: self.attend(fb, *a), ids, pos, last, between, ops, fused)
         return logits, hidden, (h if want_all else None)

@@ -23,12 +23,15 @@ from . import cascade, gather
 from .metadata import ForwardBatch
 
 
-def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Write the step's new K/V of ``layer`` into the pool slots of ``fb`` and attend every
-    request to its cached prefix with the layer's parameters. q [T, H, D], k/v [T, Hkv, D] (any
-    strides); returns a new [T, H, D] tensor."""
+def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  stored: bool = False) -> torch.Tensor:
+    """Write the step's new K/V of ``layer`` into the pool slots of ``fb`` (unless ``stored``:
+    the caller wrote them) and attend every request to its cached prefix with the layer's
+    parameters. q [T, H, D], k/v [T, Hkv, D] (any strides); returns a new [T, H, D] tensor."""
     kc, vc = fb.pool.k[layer], fb.pool.v[layer]
-    if fb.kern is not None:
+    if stored:
+        pass
+    elif fb.kern is not None:
         fb.kern.backend.store(kc, vc, fb.slot_mapping, k, v)
     else:
         kc.index_copy_(0, fb.slot_mapping, k)
