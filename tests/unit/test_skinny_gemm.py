@@ -107,6 +107,7 @@ def _step(runner, ids):
 
 def test_forced_skinny_runs_the_kernel_and_gives_the_logits_of_the_transformers_forward(store, monkeypatch):
     monkeypatch.setenv(A.PACKING_ENV, "skinny")
+    monkeypatch.setenv("TOKENROUTER_FUSED_LAYERS", "0")  # the layer loop, whose projection calls are counted here
     runner = _runner()
     calls = []
     orig = P.Projection.run_skinny
