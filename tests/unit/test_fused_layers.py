@@ -162,3 +162,21 @@ def test_between_layers_is_called_after_every_fused_layer(monkeypatch, counted):
     r.between_layers = lambda: seen.append(len(counted))
     r.forward([SeqInput([8], 3, t)])
     assert counted == [True] * 3 and seen == [1, 2, 3]
+
+
+def test_a_wrapped_kernel_attend_is_called(monkeypatch, counted):
+    """A spy on the kernel's ``attend`` sees every decode: such steps run the attention in Python
+    between the two fused calls, and still equal the loop."""
+    from tokenrouter_sdk.backends.attention import cpu_kernel as ck
+    r = _runner("mistral", monkeypatch)
+    seen = []
+    real = ck.CpuKernel.attend
+    monkeypatch.setattr(ck.CpuKernel, "attend", lambda self, kern, *a: seen.append(kern.q_len.tolist()) or real(self, kern, *a))
+    t = []
+    blocks_of(r).ensure(t, 12)
+    r.forward([SeqInput(list(range(5, 16)), 0, t)])
+    counted.clear()
+    seen.clear()
+    fused, loop, _, _ = _both_ways(r, [SeqInput([20], 11, t)])
+    assert counted == [True] * 3 and seen == [[1]] * 6  # 3 layers, fused then loop
+    assert torch.equal(fused, loop)

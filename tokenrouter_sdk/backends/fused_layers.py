@@ -25,6 +25,9 @@ from .attention.interface import attend_tokens
 from .attention.metadata import ForwardBatch
 
 
+_KERNEL_ATTEND = cpu_kernel.CpuKernel.attend
+
+
 def enabled() -> bool:
     """Whether fused layers may run (``TOKENROUTER_FUSED_LAYERS`` is not ``0``)."""
     return os.environ.get("TOKENROUTER_FUSED_LAYERS", "1").strip() != "0"
@@ -54,11 +57,13 @@ class LayerCalls:
     @staticmethod
     def takes(fb: ForwardBatch) -> bool:
         """Whether the step's attention is all the CPU kernel's (no gathered decode, no segment),
-        with the C++ op itself (not a subclass or another op in its place)."""
+        the kernel as shipped: its class, its C++ op and its own ``attend`` (a subclass, another
+        op or a wrapped ``attend``, as a test's spy, runs the attention in Python)."""
         if fb.kern is None or fb.segs or fb.dec_q is not None:
             return False
         k = fb.kern.backend
-        return type(k) is cpu_kernel.CpuKernel and k.op is torch.ops.tokenrouter_cpu.paged_attention
+        return (type(k) is cpu_kernel.CpuKernel and k.op is torch.ops.tokenrouter_cpu.paged_attention
+                and cpu_kernel.CpuKernel.attend is _KERNEL_ATTEND and "attend" not in vars(k))
 
     def run(self, fb: ForwardBatch, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, whole: bool):
         """Layer ``i`` of a step: x [T, C] contiguous float32 -> the layer's output [T, C]; cos,

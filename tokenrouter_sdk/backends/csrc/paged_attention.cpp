@@ -155,8 +155,6 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
   const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, P = D + 2;
   const int64_t n = std::max<int64_t>(l1 - l0, 0);
   const Keys keys{q_len, kv_len, l0, n, sh.W};
-  auto seen = [&](int64_t t) { return keys.seen(t); };
-  auto from = [&](int64_t t) { return keys.from(t); };
   for (int64_t l = 0; l < n; ++l) {
     if (l + kPrefetchKeys < n) {
       prefetch_row(kc + slots[l0 + l + kPrefetchKeys] * row, row);
@@ -164,7 +162,7 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
     }
     const T* kr = kc + slots[l0 + l] * row;
     for (int64_t t = 0; t < q_len; ++t) {
-      if (l >= seen(t) || l < from(t)) continue;
+      if (l >= keys.seen(t) || l < keys.from(t)) continue;
       const T* qt = q + t * H * D;
       T* st = s + t * H * C;
       if (cap > 0) {
@@ -175,7 +173,7 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
     }
   }
   for (int64_t t = 0; t < q_len; ++t) {
-    const int64_t a = from(t), b = std::max(seen(t), a);
+    const int64_t a = keys.from(t), b = std::max(keys.seen(t), a);
     for (int64_t h = 0; h < H; ++h) {
       T* si = s + (t * H + h) * C;
       T* pi = part + (t * H + h) * P;
@@ -202,7 +200,7 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
     if (l + kPrefetchKeys < n) prefetch_row(vc + slots[l0 + l + kPrefetchKeys] * row, row);
     const T* vr = vc + slots[l0 + l] * row;
     for (int64_t t = 0; t < q_len; ++t) {
-      if (l >= seen(t) || l < from(t)) continue;
+      if (l >= keys.seen(t) || l < keys.from(t)) continue;
       for (int64_t h = 0; h < H; ++h) {
         const T p = s[(t * H + h) * C + l];
         const T* vp = vr + (h / g) * D;

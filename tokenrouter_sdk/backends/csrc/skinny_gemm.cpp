@@ -20,13 +20,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <utility>
-#include <vector>
 
 #include "kernels.h"
 
@@ -202,7 +202,7 @@ at::Tensor skinny_linear(const at::Tensor& x_, const at::Tensor& wp, int64_t n, 
   }
   // chunks of up to 16 rows; a task runs every chunk on one block before the next block, so
   // that the block (K x 128 bytes) comes from memory once and from the cache for the others
-  std::vector<std::pair<int64_t, Args>> chunks;
+  c10::SmallVector<std::pair<int64_t, Args>, 4> chunks;  // on the stack up to 64 rows
   for (int64_t m0 = 0; m0 < M; m0 += 16)
     chunks.emplace_back(std::min<int64_t>(16, M - m0),
                         Args{x.data_ptr<float>() + m0 * K, K, wp.data_ptr<float>(), n, K,
