@@ -87,8 +87,9 @@ def test_fused_layers_equal_the_layer_loop_bit_for_bit(arch, kernel_extend, monk
     tabs = [[] for _ in range(b)]
     starts = [0] * b
     whole = []
-    real = fused_layers.LayerCalls.takes
-    monkeypatch.setattr(fused_layers.LayerCalls, "takes", staticmethod(lambda fb: whole.append(real(fb)) or whole[-1]))
+    real = fused_layers.LayerCalls.mode
+    monkeypatch.setattr(fused_layers.LayerCalls, "mode",
+                        staticmethod(lambda fb: whole.append(real(fb) == "whole") or real(fb)))
     steps = 0
     for step in range(9):
         live = list(range(b)) if step % 3 else rng.sample(range(b), rng.randint(1, b))
@@ -180,3 +181,21 @@ def test_a_wrapped_kernel_attend_is_called(monkeypatch, counted):
     fused, loop, _, _ = _both_ways(r, [SeqInput([20], 11, t)])
     assert counted == [True] * 3 and seen == [[1]] * 6  # 3 layers, fused then loop
     assert torch.equal(fused, loop)
+
+
+def test_a_wrapped_kernel_store_runs_the_loop(monkeypatch, counted):
+    """A spy on the kernel's ``store`` sees every layer's K/V: the fused calls, which store in
+    C++, step aside for the loop."""
+    from tokenrouter_sdk.backends.attention import cpu_kernel as ck
+    r = _runner("llama", monkeypatch)
+    stored = []
+    real = ck.CpuKernel.store
+    monkeypatch.setattr(ck.CpuKernel, "store", lambda self, kc, vc, slots, k, v: stored.append(len(slots))
+                        or real(self, kc, vc, slots, k, v))
+    t = []
+    blocks_of(r).ensure(t, 12)
+    r.forward([SeqInput(list(range(5, 10)), 0, t)])  # no kernel part: fused, stored in C++
+    assert counted == [True] * 3 and stored == []
+    counted.clear()
+    r.forward([SeqInput([20], 5, t)])
+    assert counted == [] and stored == [1] * 3

@@ -25,7 +25,7 @@ from .attention.interface import attend_tokens
 from .attention.metadata import ForwardBatch
 
 
-_KERNEL_ATTEND = cpu_kernel.CpuKernel.attend
+_KERNEL_ATTEND, _KERNEL_STORE = cpu_kernel.CpuKernel.attend, cpu_kernel.CpuKernel.store
 
 
 def enabled() -> bool:
@@ -55,21 +55,29 @@ class LayerCalls:
             self.layers.append((a.layer_idx, (qkv, o, gate_up, down), norms, heads))
 
     @staticmethod
-    def takes(fb: ForwardBatch) -> bool:
-        """Whether the step's attention is all the CPU kernel's (no gathered decode, no segment),
-        the kernel as shipped: its class, its C++ op and its own ``attend`` (a subclass, another
-        op or a wrapped ``attend``, as a test's spy, runs the attention in Python)."""
-        if fb.kern is None or fb.segs or fb.dec_q is not None:
-            return False
+    def mode(fb: ForwardBatch) -> str | None:
+        """How the step's layers run: ``"whole"`` (one call: the CPU kernel attends every request,
+        no gathered decode or segment), ``"split"`` (the calls before and after attention, which
+        runs in Python), or None (the loop: a paged kernel other than the one shipped, whose
+        ``store`` and ``attend`` must run as they are). The kernel as shipped: its class, its
+        C++ op and its own methods (a subclass, another op or a wrapped method, as a test's spy,
+        is another)."""
+        if fb.kern is None:
+            return "split"
         k = fb.kern.backend
-        return (type(k) is cpu_kernel.CpuKernel and k.op is torch.ops.tokenrouter_cpu.paged_attention
-                and cpu_kernel.CpuKernel.attend is _KERNEL_ATTEND and "attend" not in vars(k))
+        if not (type(k) is cpu_kernel.CpuKernel and k.op is torch.ops.tokenrouter_cpu.paged_attention
+                and cpu_kernel.CpuKernel.store is _KERNEL_STORE and "store" not in vars(k)):
+            return None
+        whole = (not fb.segs and fb.dec_q is None and cpu_kernel.CpuKernel.attend is _KERNEL_ATTEND
+                 and "attend" not in vars(k))
+        return "whole" if whole else "split"
 
     def run(self, fb: ForwardBatch, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, whole: bool):
         """Layer ``i`` of a step: x [T, C] contiguous float32 -> the layer's output [T, C]; cos,
-        sin [T, D] (sin with rotate_half's signs folded in). ``whole``: `takes` said yes for
-        ``fb``, and the layer is one call; otherwise the work before attention is one call, the
-        attention `attend_tokens` (on the K/V that call stored) and the work after it one more.
+        sin [T, D] (sin with rotate_half's signs folded in). ``whole``: `mode` said ``"whole"``
+        for ``fb``, and the layer is one call; otherwise (``"split"``) the work before attention
+        is one call, the attention `attend_tokens` (on the K/V that call stored) and the work
+        after it one more.
         Returns None, having done nothing, when one of the layer's projections does not run the
         few-row kernel at T rows, or x is not contiguous (the caller runs the layer in Python)."""
         layer, projs, norms, heads = self.layers[i]

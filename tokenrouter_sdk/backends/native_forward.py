@@ -192,8 +192,9 @@ class NativeForward:
             self.add_skinny()
         fused = None
         calls = self._layer_calls
-        if ops is not None and calls is not None and self.attend is attend_tokens:
-            whole = calls.takes(fb)
+        mode = calls.mode(fb) if ops is not None and calls is not None and self.attend is attend_tokens else None
+        if mode is not None:
+            whole = mode == "whole"
 
             def fused(i, x, cos, sin):
                 return calls.run(fb, i, x, cos, sin, whole)

@@ -29,11 +29,9 @@ def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor
     the caller wrote them) and attend every request to its cached prefix with the layer's
     parameters. q [T, H, D], k/v [T, Hkv, D] (any strides); returns a new [T, H, D] tensor."""
     kc, vc = fb.pool.k[layer], fb.pool.v[layer]
-    if stored:
-        pass
-    elif fb.kern is not None:
+    if not stored and fb.kern is not None:
         fb.kern.backend.store(kc, vc, fb.slot_mapping, k, v)
-    else:
+    elif not stored:
         kc.index_copy_(0, fb.slot_mapping, k)
         vc.index_copy_(0, fb.slot_mapping, v)
     p, w = fb.layers[layer], fb.view[layer]
