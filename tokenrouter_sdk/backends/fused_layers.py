@@ -52,7 +52,8 @@ class LayerCalls:
             norms = [ly.input_layernorm, ly.post_attention_layernorm]
             if hasattr(a, "q_norm"):
                 norms += [a.q_norm, a.k_norm]
-            self.layers.append((a.layer_idx, (qkv, o, gate_up, down), norms, heads))
+            eps = [float(n.variance_epsilon) for n in norms]
+            self.layers.append((a.layer_idx, (qkv, o, gate_up, down), norms, eps, heads))
 
     @staticmethod
     def mode(fb: ForwardBatch) -> str | None:
@@ -80,7 +81,7 @@ class LayerCalls:
         after it one more.
         Returns None, having done nothing, when one of the layer's projections does not run the
         few-row kernel at T rows, or x is not contiguous (the caller runs the layer in Python)."""
-        layer, projs, norms, heads = self.layers[i]
+        layer, projs, norms, eps, heads = self.layers[i]
         rows = x.shape[0]
         if not x.is_contiguous():
             return None
@@ -91,24 +92,16 @@ class LayerCalls:
                 return None
             ws.append(w)
         ops = torch.ops.tokenrouter_cpu
-        n0, n1 = norms[0], norms[1]
+        n0, n1 = norms[0].weight, norms[1].weight
+        qk = [n.weight for n in norms[2:]]  # Qwen3's q/k norms, or none
         kc, vc, p = fb.pool.k[layer], fb.pool.v[layer], fb.layers[layer]
         if whole:
-            w = [n0.weight, ws[0], ws[1], n1.weight, ws[2], ws[3]]
-            eps = [float(n0.variance_epsilon), float(n1.variance_epsilon)]
-            if len(norms) == 4:
-                w += [norms[2].weight, norms[3].weight]
-                eps += [float(norms[2].variance_epsilon), float(norms[3].variance_epsilon)]
             kern = fb.kern
-            return ops.decoder_layer(x, w, [q.bias for q in projs], eps, heads, cos, sin, kc, vc, fb.slot_mapping,
-                                     kern.table, kern.q_start, kern.q_len, kern.kv_len, p.scale, cpu_kernel.CHUNK,
-                                     p.window or 0, p.softcap or 0.0)
-        w = [n0.weight, ws[0]]
-        eps = [float(n0.variance_epsilon)]
-        if len(norms) == 4:
-            w += [norms[2].weight, norms[3].weight]
-            eps += [float(norms[2].variance_epsilon), float(norms[3].variance_epsilon)]
-        q, k, v = ops.layer_qkv(x, w, projs[0].bias, eps, heads, cos, sin, kc, vc, fb.slot_mapping)
+            return ops.decoder_layer(x, [n0, ws[0], ws[1], n1, ws[2], ws[3], *qk], [q.bias for q in projs], eps,
+                                     heads, cos, sin, kc, vc, fb.slot_mapping, kern.table, kern.q_start, kern.q_len,
+                                     kern.kv_len, p.scale, cpu_kernel.CHUNK, p.window or 0, p.softcap or 0.0)
+        q, k, v = ops.layer_qkv(x, [n0, ws[0], *qk], projs[0].bias, [eps[0], *eps[2:]], heads, cos, sin, kc, vc,
+                                fb.slot_mapping)
         y = attend_tokens(fb, layer, q, k, v, stored=True)
-        return ops.layer_mlp(y.reshape(rows, -1), x, [ws[1], n1.weight, ws[2], ws[3]],
-                             [projs[1].bias, projs[2].bias, projs[3].bias], float(n1.variance_epsilon), heads[3])
+        return ops.layer_mlp(y.reshape(rows, -1), x, [ws[1], n1, ws[2], ws[3]],
+                             [projs[1].bias, projs[2].bias, projs[3].bias], eps[1], heads[3])
