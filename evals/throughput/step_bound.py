@@ -21,10 +21,15 @@ What it measures, in one process:
               same model (the default native forward, with the C++ CPU kernels: ``kernels="wait"``),
               the eager one again with ``kernels="off"`` (ATen ops, attention over a gathered
               copy), and an eager runner of the transformers forward (``model_impl="transformers"``,
-              ``kernels="off"``: the step before the native forward), steps interleaved
-              (transformers, eager, no kernels, compiled, transformers, ...); median and min of
-              ``--steps``. The compiled runner's compile time is printed (cold or warm:
-              inductor's disk cache).
+              ``kernels="off"``: the step before the native forward), in runs of ``--run``
+              consecutive steps per runner, the runners taking turns (transformers, eager, no
+              kernels, compiled, transformers, ...: a memory's change of rate falls on all of
+              them), after one untimed round; a run's first step is not timed, since it follows
+              another runner's step, whose data evicted this one's from the caches (about 10%
+              slower at batch 8 on a 2-core AMD EPYC: the case of a routed pair's hand-offs,
+              not of one model decoding, which the bound is about; ``--run 1`` times every step
+              interleaved); median and min of ``--steps``. The compiled runner's compile time is
+              printed (cold or warm: inductor's disk cache).
 The table: per model and batch, transformers-forward ms, eager ms, compiled ms, eager's speedup
 over the transformers forward, each over the bound, and small:large step ratio.
 
@@ -113,6 +118,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default 1 8)")
     ap.add_argument("--context", type=int, default=200, help="context of each request, tokens (default 200)")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per runner and batch (default 15)")
+    ap.add_argument("--run", type=int, default=3,
+                    help="consecutive timed steps of one runner before the next runner's (default 3; 1: steps "
+                         "interleaved one by one)")
     ap.add_argument("--copies", type=int, default=10, help="timed copies for the bandwidth (default 10)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = ap.parse_args(argv)
@@ -138,7 +146,7 @@ def main(argv=None) -> int:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
-        need = max(a.batch) * (-(-(a.context + a.steps * 2 + 8) // 16) * 16)
+        need = max(a.batch) * (-(-(a.context + a.steps * 4 + 16) // 16) * 16)
         hf = TorchRunner(model, max_kv_tokens=need + 64, model_impl="transformers", kernels="off")
         eager = TorchRunner(model, max_kv_tokens=need + 64, kernels="wait")
         nok = TorchRunner(model, max_kv_tokens=need + 64, kernels="off")
@@ -154,18 +162,24 @@ def main(argv=None) -> int:
                 tabs[id(r)] = []
                 for i in range(b):
                     t: list[int] = []
-                    blocks_of(r).ensure(t, a.context + a.steps * 2 + 8)
+                    blocks_of(r).ensure(t, a.context + a.steps * 4 + 16)
                     tabs[id(r)].append(t)
                 r.forward([SeqInput([5 + i] * a.context, 0, t) for i, t in enumerate(tabs[id(r)])])
             th, te, tn, tc = [], [], [], []
             before = sum_bandwidth(big)
-            for s in range(a.steps + 2):
+            pos = {id(r): a.context for r in (hf, eager, nok, comp)}
+            ctx_timed = []
+            for rnd in range(1 + -(-a.steps // a.run)):  # round 0 warms every runner up: not timed
                 for r, acc in ((hf, th), (eager, te), (nok, tn), (comp, tc)):
-                    feed = [SeqInput([7 + i], a.context + s, t) for i, t in enumerate(tabs[id(r)])]
-                    t0 = time.perf_counter()
-                    r.forward(feed)
-                    if s >= 2:
-                        acc.append(time.perf_counter() - t0)
+                    for j in range(a.run + 1):  # a run's first step follows another runner's: not timed
+                        feed = [SeqInput([7 + i], pos[id(r)], t) for i, t in enumerate(tabs[id(r)])]
+                        t0 = time.perf_counter()
+                        r.forward(feed)
+                        dt = time.perf_counter() - t0
+                        if rnd > 0 and j > 0:
+                            acc.append(dt)
+                            ctx_timed.append(pos[id(r)])
+                        pos[id(r)] += 1
             after = sum_bandwidth(big)
             for r in (hf, eager, nok, comp):
                 for t in tabs[id(r)]:
@@ -191,7 +205,7 @@ def main(argv=None) -> int:
             row["eager_over_bound"] = round(row["eager_ms"] / cell_bound_ms, 2)
             row["copy_bound_ms"] = round(wb / (bw["copy_gb_s_best"] * 1e9) * 1e3, 2)  # the copy's figure alone
             row["eager_over_copy_bound"] = round(row["eager_ms"] / row["copy_bound_ms"], 2)
-            kv_bytes = b * (a.context + a.steps // 2) * kv_per_token  # the mean context over the timed steps
+            kv_bytes = b * statistics.mean(ctx_timed) * kv_per_token  # the mean context over the timed steps
             row["kv_mb"] = round(kv_bytes / 1e6, 1)
             row["bound_kv_ms"] = round((wb + kv_bytes) / (read * 1e9) * 1e3, 2)
             row["eager_over_bound_kv"] = round(row["eager_ms"] / row["bound_kv_ms"], 2)
