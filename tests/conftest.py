@@ -47,7 +47,7 @@ def _cpu_kernel_built():
 def _no_thread_leak():
     """A test leaves no thread of ours running that it started. A thread whose owner is garbage
     stops when the owner is collected, so a full collection runs before the verdict, only when
-    such a thread is seen (one costs 0.1-0.2 s with the suite's modules loaded)."""
+    such a thread is seen (one costs 0.1-0.7 s once the suite has loaded its modules and models)."""
     before = {t for t in threading.enumerate() if t.name.startswith("tokenrouter")}
     yield
 
