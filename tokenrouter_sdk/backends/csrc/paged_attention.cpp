@@ -165,8 +165,8 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
       if (l >= keys.seen(t) || l < keys.from(t)) continue;
       const T* qt = q + t * H * D;
       T* st = s + t * H * C;
-      if (cap > 0) {
-        for (int64_t h = 0; h < H; ++h) st[h * C + l] = cap * std::tanh(dot(qt + h * D, kr + (h / g) * D, D) * scale / cap);
+      if (cap > 0) {  // the dot alone: the soft-cap follows below, out of this loop
+        for (int64_t h = 0; h < H; ++h) st[h * C + l] = dot(qt + h * D, kr + (h / g) * D, D);
       } else {
         for (int64_t h = 0; h < H; ++h) st[h * C + l] = dot(qt + h * D, kr + (h / g) * D, D) * scale;
       }
@@ -177,6 +177,11 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
     for (int64_t h = 0; h < H; ++h) {
       T* si = s + (t * H + h) * C;
       T* pi = part + (t * H + h) * P;
+      // the soft-cap c * tanh(s * scale / c) over the scores this query reads: the same
+      // operations in the same order as inside the key loop, where they made a soft-capped
+      // layer's attention 1.3-1.6x as long (30 layers of decodes and extends, 2-core AMD EPYC)
+      if (cap > 0)
+        for (int64_t l = a; l < b; ++l) si[l] = cap * std::tanh(si[l] * scale / cap);
       std::fill(pi + 2, pi + P, T(0));
       T m = -INFINITY, z = 0;
 #pragma omp simd reduction(max : m)
