@@ -201,3 +201,25 @@ def test_a_wrapped_kernel_store_runs_the_loop(monkeypatch, counted):
     counted.clear()
     r.forward([SeqInput([20], 5, t)])
     assert counted == [] and stored == [1] * 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_an_epsilon_changed_between_steps_is_used(arch, monkeypatch, counted):
+    """A norm's ``variance_epsilon`` set between two steps is read by the fused calls as by the
+    loop (each reads it at every call), in one-call and split steps."""
+    r = _runner(arch, monkeypatch)
+    t = []
+    blocks_of(r).ensure(t, 16)
+    r.forward([SeqInput(list(range(5, 12)), 0, t)])
+    before = r.forward([SeqInput([20], 7, t)]).logits
+    for m in r.model.modules():
+        if hasattr(m, "variance_epsilon"):
+            m.variance_epsilon += 0.3
+    counted.clear()
+    fused, loop, _, _ = _both_ways(r, [SeqInput([20], 7, t)])  # one call a layer
+    assert counted == [True] * 3 and torch.equal(fused, loop) and not torch.allclose(fused, before)
+    t2 = []
+    blocks_of(r).ensure(t2, 12)
+    counted.clear()
+    fused, loop, _, _ = _both_ways(r, [SeqInput([21, 22, 23], 8, t), SeqInput(list(range(30, 40)), 0, t2)])
+    assert counted == [True] * 3 and torch.equal(fused, loop)  # split: a prefill beside the extend

@@ -52,8 +52,7 @@ class LayerCalls:
             norms = [ly.input_layernorm, ly.post_attention_layernorm]
             if hasattr(a, "q_norm"):
                 norms += [a.q_norm, a.k_norm]
-            eps = [float(n.variance_epsilon) for n in norms]
-            self.layers.append((a.layer_idx, (qkv, o, gate_up, down), norms, eps, heads))
+            self.layers.append((a.layer_idx, (qkv, o, gate_up, down), norms, heads))
 
     @staticmethod
     def mode(fb: ForwardBatch) -> str | None:
@@ -81,7 +80,7 @@ class LayerCalls:
         after it one more.
         Returns None, having done nothing, when one of the layer's projections does not run the
         few-row kernel at T rows, or x is not contiguous (the caller runs the layer in Python)."""
-        layer, projs, norms, eps, heads = self.layers[i]
+        layer, projs, norms, heads = self.layers[i]
         rows = x.shape[0]
         if not x.is_contiguous():
             return None
@@ -94,6 +93,7 @@ class LayerCalls:
         ops = torch.ops.tokenrouter_cpu
         n0, n1 = norms[0].weight, norms[1].weight
         qk = [n.weight for n in norms[2:]]  # Qwen3's q/k norms, or none
+        eps = [float(n.variance_epsilon) for n in norms]  # read at every call, as the loop's norms do
         kc, vc, p = fb.pool.k[layer], fb.pool.v[layer], fb.layers[layer]
         if whole:
             kern = fb.kern
