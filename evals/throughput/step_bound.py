@@ -68,24 +68,20 @@ def _huge_pages(nbytes: int):
     return torch.frombuffer(buf, dtype=torch.float32, count=nbytes // 4, offset=off)
 
 
-def copy_bandwidth(n: int) -> dict:
+def copy_bandwidth(n: int):
     """Read bandwidth two ways over a 1 GiB float32 tensor on huge pages where the system
     gives them (`_huge_pages`), all threads, best and median of
     ``n``: ``copy`` (``copy_`` into another tensor; bytes read per second, the copy also
     writes as many) and ``sum`` (a reduction: reads only, as a decode step reads its
-    weights). ``read_gb_s_best`` is the higher of the two bests: the bound a step is held to."""
+    weights). ``read_gb_s_best`` is the higher of the two bests: the bound a step is held to.
+    Returns (those figures, dict; the 1 GiB tensor, for `sum_bandwidth` later)."""
     x, y = _huge_pages(1 << 30), _huge_pages(1 << 30)  # 1 GiB of float32 each
     x.fill_(1.0)
     y.zero_()
     b = x.numel() * 4
     out = {}
     for name, f in (("copy", lambda: y.copy_(x)), ("sum", lambda: x.sum())):
-        f()
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t)
+        ts = _times(f, n)
         out[f"{name}_gb_s_best"] = b / min(ts) / 1e9
         out[f"{name}_gb_s_median"] = b / statistics.median(ts) / 1e9
     out["read_gb_s_best"] = max(out["copy_gb_s_best"], out["sum_gb_s_best"])
@@ -93,15 +89,20 @@ def copy_bandwidth(n: int) -> dict:
     return out, x
 
 
-def sum_bandwidth(x, n: int = 5) -> float:
-    """The best of ``n`` timed sums over ``x`` (the 1 GiB tensor of `copy_bandwidth`), GB/s read."""
-    x.sum()
+def _times(f, n: int) -> list[float]:
+    """Seconds of ``n`` calls of ``f`` after an untimed one."""
+    f()
     ts = []
     for _ in range(n):
         t = time.perf_counter()
-        x.sum()
+        f()
         ts.append(time.perf_counter() - t)
-    return x.numel() * x.element_size() / min(ts) / 1e9
+    return ts
+
+
+def sum_bandwidth(x, n: int = 5) -> float:
+    """The best of ``n`` timed sums over ``x`` (the 1 GiB tensor of `copy_bandwidth`), GB/s read."""
+    return x.numel() * x.element_size() / min(_times(x.sum, n)) / 1e9
 
 
 def weight_bytes(model) -> int:
