@@ -120,6 +120,32 @@ def test_kernel_windows_and_softcap_equal_first_principles(op, dtype, tol, chunk
         assert max((plain[r] - ref[r]).abs().max().item() for r in ref) > 1e-3
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.5])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 2, 16), (16, 1, 128), (6, 3, 48)])
+@pytest.mark.parametrize("n,L,chunk", [(16, 530, 64), (4, 37, 1000), (7, 300, 5), (33, 33, 16), (5, 1100, 0)])
+def test_an_extend_has_the_bits_of_its_queries_as_decodes(op, h, hkv, d, n, L, chunk, softcap):
+    """float32: the queries of one extend (many queries: scored 16 keys at a time) give the same
+    bits as each query decoded alone over the keys it sees (one query: a dot per key). The keys
+    are split into the same chunks both ways (``chunk`` keys from the first; 0: the kernel's own
+    choice, which must then be one chunk for the decodes too), and the extend's causal limits
+    cut tiles of 16 keys at every offset."""
+    q, kc, vc, table, q_start, q_len, kv_len = _case(torch.float32, h, hkv, d, [(n, L)], seed=n)
+    q = q * 3
+    if chunk == 0:
+        chunk = L  # one chunk each way (the kernel's own split depends on the request count)
+    out = torch.zeros_like(q)
+    op(out, q, kc, vc, table, q_start, q_len, kv_len, d ** -0.5, chunk, 0, softcap)
+    one = torch.ones(n, dtype=torch.long)
+    dec = torch.zeros_like(q)
+    op(dec, q, kc, vc, table.expand(n, -1).contiguous(), q_start[0] + torch.arange(n), one,
+       L - n + 1 + torch.arange(n), d ** -0.5, chunk, 0, softcap)
+    rows = slice(int(q_start[0]), int(q_start[0]) + n)
+    assert torch.equal(out[rows], dec[rows]), (out[rows] - dec[rows]).abs().max().item()
+    ref = _reference(q, kc, vc, table, q_start, q_len, kv_len, d ** -0.5, 0, softcap)
+    for row, want in ref.items():
+        torch.testing.assert_close(out[row].double(), want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("reqs", [[(1, 700), (1, 5), (4, 90)], [(16, 1000)]])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_is_the_same_on_any_thread_count(op, threads, reqs):
