@@ -4,9 +4,11 @@ An extend (a request fed several tokens at once past its cached prefix: a hop re
 model, a chat turn, a prompt behind a cached prefix) can be attended by the CPU kernel, which
 reads each cached key once per chunk but computes every query's scores in its own loops, or by
 the gather backend, which copies the request's keys once and runs one SDPA call whose GEMMs
-serve all its queries. Which is faster for ``q`` queries depends on the CPU: measured on a Zen 5
-EPYC, in a step of 3 decodes and one extend of the large SmolLM2-135M at 300 cached keys, the
-kernel was ahead up to 4 queries, even at 6-12, and 6.5 ms (14%) behind at 16.
+serve all its queries. Which is faster for ``q`` queries depends on the CPU and the kernel: on a
+2-core Zen 5 EPYC, in this measurement's step for the large SmolLM2-135M (30 layers), the kernel
+scoring a key at a time was ahead up to 8 queries and behind from 16 (10.6 against 9.0 ms at
+16); scoring extends 16 keys at a time, it is ahead at every bucket up to 32 (7.7 against 10.4
+ms at 16, 13.6 against 15.7 at 32).
 
 What is measured: a step's attention (every layer of a pool of the model's shapes, 3 decode
 requests and one extend of ``q`` queries, ``CONTEXT`` cached keys each, the kernel attending the
