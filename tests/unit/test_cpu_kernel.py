@@ -124,8 +124,9 @@ def test_kernel_windows_and_softcap_equal_first_principles(op, dtype, tol, chunk
 @pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (8, 2, 16), (16, 1, 128), (6, 3, 48)])
 @pytest.mark.parametrize("n,L,chunk", [(16, 530, 64), (4, 37, 1000), (7, 300, 5), (33, 33, 16), (5, 1100, 0)])
 def test_an_extend_has_the_bits_of_its_queries_as_decodes(op, h, hkv, d, n, L, chunk, softcap):
-    """float32: the queries of one extend (many queries: scored 16 keys at a time) give the same
-    bits as each query decoded alone over the keys it sees (one query: a dot per key). The keys
+    """float32: the queries of one extend (scored 16 keys at a time from ``tile_from`` queries, 4 by
+    default, and at any other threshold) give the same bits as each query decoded alone over the
+    keys it sees (one query: a dot per key). The keys
     are split into the same chunks both ways (``chunk`` keys from the first; 0: the kernel's own
     choice, which must then be one chunk for the decodes too), and the extend's causal limits
     cut tiles of 16 keys at every offset."""
@@ -135,6 +136,10 @@ def test_an_extend_has_the_bits_of_its_queries_as_decodes(op, h, hkv, d, n, L, c
         chunk = L  # one chunk each way (the kernel's own split depends on the request count)
     out = torch.zeros_like(q)
     op(out, q, kc, vc, table, q_start, q_len, kv_len, d ** -0.5, chunk, 0, softcap)
+    for tile_from in (0, 1, n, n + 1):  # never, always, from this extend's length, from just past it
+        again = torch.zeros_like(q)
+        op(again, q, kc, vc, table, q_start, q_len, kv_len, d ** -0.5, chunk, 0, softcap, tile_from)
+        assert torch.equal(again, out), tile_from
     one = torch.ones(n, dtype=torch.long)
     dec = torch.zeros_like(q)
     op(dec, q, kc, vc, table.expand(n, -1).contiguous(), q_start[0] + torch.arange(n), one,
@@ -182,6 +187,8 @@ def test_kernel_rejects_what_does_not_fit(op):
         op(out, q, kc, vc, table, q_start, q_len, kv_len, 1.0, 0, -1)
     with pytest.raises(RuntimeError, match="softcap must be"):
         op(out, q, kc, vc, table, q_start, q_len, kv_len, 1.0, 0, 0, -2.0)
+    with pytest.raises(RuntimeError, match="tile_from"):
+        op(out, q, kc, vc, table, q_start, q_len, kv_len, 1.0, 0, 0, 0.0, -1)
     with pytest.raises(RuntimeError, match="contiguous"):
         op(out, q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, table, q_start, q_len, kv_len, 1.0)
 
@@ -229,6 +236,7 @@ def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtyp
     monkeypatch.setattr(cpu_kernel.CpuKernel, "attend",
                         lambda self, kern, *a: calls.append(kern.q_len.tolist()) or real(self, kern, *a))
     monkeypatch.setenv(kernel_choice.ENV, str(cpu_kernel.MAX_QUERIES))  # extends of up to 16 in the kernel
+    monkeypatch.setenv(kernel_choice.TILES_ENV, "4")  # forced: no measurement's extends among the calls
     model = tiny_model(num_layers=3, seed=21, dtype=dtype)
     runners = {a: TorchRunner(model, max_kv_tokens=8192, kernels=a, model_impl=model_impl) for a in ("wait", "off")}
     rng = random.Random(3)

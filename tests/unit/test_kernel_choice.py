@@ -29,6 +29,7 @@ def store(tmp_path, monkeypatch):
     """An empty choices folder and no forced limit."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.delenv(K.ENV, raising=False)
+    monkeypatch.delenv(K.TILES_ENV, raising=False)
     return tmp_path
 
 
@@ -104,8 +105,10 @@ def test_a_real_measurement_times_both_paths(store, op):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-11), (torch.float32, 1e-4)])
 def test_steps_give_the_same_logits_whichever_limit(store, op, monkeypatch, dtype, tol):
     """Prefill, then a batch of decodes and extends of 2, 5 and 12 tokens, with the limit forced
-    to 1 (every extend gathers), 5 and 16 (all in the kernel): same logits and hidden states, and
-    the runner reports the limit it used and the kernel attended exactly the extends within it."""
+    to 1 (every extend gathers), 5 and 16 (all in the kernel), and the tiles forced to never, from
+    2 and from 12 queries: same logits and hidden states (the kernel's with tiles or not: the same
+    bits), and the runner reports the limit and tiles it used and the kernel attended exactly the
+    extends within the limit."""
     from tokenrouter_sdk.backends.attention import cpu_kernel
     seen: list[int] = []
     real = cpu_kernel.CpuKernel.attend
@@ -113,9 +116,10 @@ def test_steps_give_the_same_logits_whichever_limit(store, op, monkeypatch, dtyp
                         lambda self, kern, *a: seen.extend(kern.q_len.tolist()) or real(self, kern, *a))
     model = tiny_model(num_layers=3, seed=8, dtype=dtype)
     outs = {}
-    for limit in (1, 5, 16):
+    for limit, tiles in [(1, 0), (5, 0), (16, 0), (5, 2), (16, 2), (16, 12)]:
         seen.clear()
         monkeypatch.setenv(K.ENV, str(limit))
+        monkeypatch.setenv(K.TILES_ENV, str(tiles))
         r = TorchRunner(model, max_kv_tokens=1024, kernels="wait")
         tables = [[] for _ in range(4)]
         feeds = [[list(range(3, 3 + 40 + 7 * i)) for i in range(4)], [[5], [6, 7], [8] * 5, [9] * 12]]
@@ -125,12 +129,15 @@ def test_steps_give_the_same_logits_whichever_limit(store, op, monkeypatch, dtyp
                 blocks_of(r).ensure(t, s + len(f))
             out = r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tables)])
             starts = [s + len(f) for s, f in zip(starts, feed)]
-        outs[limit] = out
+        outs[limit, tiles] = out
         assert r.kernel_extend == (limit, f"forced ({K.ENV}={limit})")
+        assert r.kernel_tiles == (tiles, f"forced ({K.TILES_ENV}={tiles})")
         assert set(seen) == {n for n in (1, 2, 5, 12) if n <= limit}, (limit, sorted(set(seen)))
-    for limit in (5, 16):
-        torch.testing.assert_close(outs[limit].logits, outs[1].logits, rtol=tol, atol=tol)
-        torch.testing.assert_close(outs[limit].hidden, outs[1].hidden, rtol=tol, atol=tol)
+    for key, out in outs.items():
+        torch.testing.assert_close(out.logits, outs[1, 0].logits, rtol=tol, atol=tol)
+        torch.testing.assert_close(out.hidden, outs[1, 0].hidden, rtol=tol, atol=tol)
+        if key[0] == 16:
+            assert torch.equal(out.logits, outs[16, 0].logits), key  # tiles or not: the same bits
 
 
 def test_a_runner_measures_its_limit_at_its_first_kernel_step(store, op):
@@ -142,8 +149,9 @@ def test_a_runner_measures_its_limit_at_its_first_kernel_step(store, op):
     limit, source = r.kernel_extend
     assert source == "measured" and limit in (1, *K.BUCKETS)
     stored = A.load_choices(A.machine_fields())
+    assert r.kernel_tiles == (0, "no tiles for float64")  # float64 pools have no tiles: nothing measured
     key = K.choice_key(model.config.num_attention_heads, r.pool.k.shape[-2], r.pool.k.shape[-1], torch.float64, 2)
-    assert stored[key]["limit"] == limit
+    assert stored[key + " tiles=0"]["limit"] == limit
 
 
 def test_info_prints_the_extend_choice(store, capsys):
@@ -152,3 +160,81 @@ def test_info_prints_the_extend_choice(store, capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "extend kernel float32 heads=9 kv=3 dim=64 layers=30: the kernel attends extends of up to 4 queries" in out
+
+
+class FakeTiles:
+    """Tiles win from ``start`` queries (0: never); counts its calls."""
+
+    def __init__(self, start=4):
+        self.start, self.calls = start, 0
+
+    def __call__(self, op, heads, kv_heads, dim, dtype, layers):
+        self.calls += 1
+        wins = [bool(self.start) and b >= self.start for b in K.TILE_BUCKETS]
+        return {"buckets": list(K.TILE_BUCKETS), "tiles": wins, "tiles_ms": [1.0] * len(wins),
+                "keys_ms": [2.0] * len(wins), "tile_from": K.tile_from_of(K.TILE_BUCKETS, wins), "context": 512,
+                "decodes": 3, "layers": layers}
+
+
+def test_tiles_start_where_they_win_at_every_larger_bucket():
+    assert K.tile_from_of((2, 3, 4, 8), (False, False, True, True)) == 4
+    assert K.tile_from_of((2, 3, 4, 8), (True, False, True, True)) == 4
+    assert K.tile_from_of((2, 3, 4, 8), (True, True, True, True)) == 2
+    assert K.tile_from_of((2, 3, 4, 8), (True, True, True, False)) == 0
+
+
+def test_the_tile_choice_is_measured_once_forced_or_refused(store, monkeypatch):
+    fake = FakeTiles(start=6)
+    assert K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=fake) == (6, "measured")
+    assert K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=fake) == (6, "cached")
+    assert K.tile_choice(None, 9, 3, 64, torch.float64, 30, measure_fn=fake) == (0, "no tiles for float64")
+    assert fake.calls == 1
+    monkeypatch.setenv(K.TILES_ENV, "0")
+    assert K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=fake) == (0, f"forced ({K.TILES_ENV}=0)")
+    for bad in ("-1", "some"):
+        monkeypatch.setenv(K.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=K.TILES_ENV):
+            K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=fake)
+    assert fake.calls == 1
+
+
+def test_a_tile_entry_its_timings_do_not_give_is_measured_again(store):
+    fields = A.machine_fields()
+    K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=FakeTiles(start=4), fields=fields)
+    path = A.choices_path(fields)
+    data = json.loads(path.read_text())
+    key = K.tiles_key(9, 3, 64, torch.float32, 30)
+    data["choices"][key]["tile_from"] = 2
+    path.write_text(json.dumps(data))
+    fake = FakeTiles(start=8)
+    assert K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=fake, fields=fields) == (8, "measured")
+    assert fake.calls == 1
+
+
+def test_a_real_tile_measurement_times_both_score_paths(store, op):
+    entry = K.measure_tiles(op, 4, 2, 16, torch.float32, 2, buckets=(2, 8), reps=2)
+    assert entry["buckets"] == [2, 8] and all(t > 0 for t in entry["tiles_ms"] + entry["keys_ms"])
+    assert entry["tiles"] == [a < b for a, b in zip(entry["tiles_ms"], entry["keys_ms"])]
+    assert entry["tile_from"] == K.tile_from_of([2, 8], entry["tiles"])
+
+
+def test_a_float32_runner_measures_its_tiles_then_its_limit_with_them(store, op):
+    model = tiny_model(num_layers=2, seed=4, dtype=torch.float32)
+    r = TorchRunner(model, max_kv_tokens=256, kernels="wait")
+    t: list[int] = []
+    blocks_of(r).ensure(t, 8)
+    r.forward([SeqInput([5, 6, 7], 0, t)])
+    tiles, source = r.kernel_tiles
+    assert source == "measured" and tiles in (0, *K.TILE_BUCKETS)
+    stored = A.load_choices(A.machine_fields())
+    shape = (model.config.num_attention_heads, r.pool.k.shape[-2], r.pool.k.shape[-1], torch.float32, 2)
+    assert stored[K.tiles_key(*shape)]["tile_from"] == tiles
+    assert stored[K.choice_key(*shape) + f" tiles={tiles}"]["limit"] == r.kernel_extend[0]
+
+
+def test_info_prints_the_tile_choice(store, capsys):
+    from tokenrouter_sdk.cli.main import main
+    K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=FakeTiles(start=4))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "tiles kernel float32 heads=9 kv=3 dim=64 layers=30: the kernel scores 16 keys at a time from 4 queries" in out

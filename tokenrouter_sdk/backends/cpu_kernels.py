@@ -214,7 +214,8 @@ def start() -> None:
 
 def paged_attention_op(wait: bool = False, timeout: float | None = None):
     """The op ``torch.ops.tokenrouter_cpu.paged_attention(out, q, k_pool, v_pool, table, q_start,
-    q_len, kv_len, scale, chunk=0)`` once loaded, else None (`start` is called).
+    q_len, kv_len, scale, chunk=0, window=0, softcap=0.0, tile_from=4)`` once loaded, else None
+    (`start` is called).
 
     The op: ``q`` and ``out`` [T, H, D] (contiguous, float32 or float64, CPU); ``k_pool`` and
     ``v_pool`` one layer's pool [slots, Hkv, D]; ``table`` [R, Lmax] int64: request r's key
@@ -222,8 +223,11 @@ def paged_attention_op(wait: bool = False, timeout: float | None = None):
     r's queries are rows ``q_start[r]`` to ``q_start[r] + q_len[r] - 1`` of ``q`` and its query t
     sees keys ``l < kv_len[r] - q_len[r] + t + 1``; ``scale`` multiplies the scores; ``chunk``:
     keys per split-K task (0: the kernel picks, two tasks per thread at least, at most 2,048
-    keys). It writes those rows of ``out`` (others untouched). Raises RuntimeError on shapes,
-    dtypes or lengths that do not fit.
+    keys); ``window``: each query sees its last ``window`` keys (0: all); ``softcap``: scores
+    capped to ``softcap * tanh(s / softcap)`` (0: none); ``tile_from``: a request of this many
+    queries or more (0: none) is scored 16 keys at a time (float32 with AVX-512: the same bits,
+    faster for long extends; `kernel_choice.tile_choice` measures where). It writes those rows of
+    ``out`` (others untouched). Raises RuntimeError on shapes, dtypes or lengths that do not fit.
 
     Args:
         wait: wait for the build (at most ``timeout`` seconds).

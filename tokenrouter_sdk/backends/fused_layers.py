@@ -99,7 +99,8 @@ class LayerCalls:
             kern = fb.kern
             return ops.decoder_layer(x, [n0, ws[0], ws[1], n1, ws[2], ws[3], *qk], [q.bias for q in projs], eps,
                                      heads, cos, sin, kc, vc, fb.slot_mapping, kern.table, kern.q_start, kern.q_len,
-                                     kern.kv_len, p.scale, cpu_kernel.CHUNK, p.window or 0, p.softcap or 0.0)
+                                     kern.kv_len, p.scale, cpu_kernel.CHUNK, p.window or 0, p.softcap or 0.0,
+                                     kern.backend.tile_from)
         q, k, v = ops.layer_qkv(x, [n0, ws[0], *qk], projs[0].bias, [eps[0], *eps[2:]], heads, cos, sin, kc, vc,
                                 fb.slot_mapping)
         y = attend_tokens(fb, layer, q, k, v, stored=True)

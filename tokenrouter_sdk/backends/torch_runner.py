@@ -32,7 +32,7 @@ from ..engine.runner import ForwardOut, PoolShape, RunnerInfo, SeqInput
 from . import cpu_kernels
 from .attention import AttentionSpec, PadSeq, attend_tokens, pack, paged_mask, read_spec, register_attention
 from .attention import cpu_kernel, use_paged_attention
-from .attention.kernel_choice import extend_limit
+from .attention.kernel_choice import extend_limit, tile_choice
 from .native_forward import NativeForward, native_support
 
 KERNEL_WAIT_S = 600.0  # the longest a kernels="wait" step waits for the C++ kernels' build
@@ -252,6 +252,9 @@ class TorchRunner:
         # (queries, source): the longest extend the CPU kernel attends, measured at the first
         # step that has the kernel (`kernel_choice.extend_limit`)
         self.kernel_extend: tuple[int, str] | None = None
+        # (queries or 0, source): from how many queries the kernel scores 16 keys at a time
+        # (`kernel_choice.tile_choice`), measured before the extend limit
+        self.kernel_tiles: tuple[int, str] | None = None
         if self._kernels_apply():
             cpu_kernels.start()
 
@@ -356,7 +359,7 @@ class TorchRunner:
             seqs = [*seqs, PadSeq([self.pool.scratch_slot + _SCRATCH_NEED - 1])]
         op = self._kernel()
         return pack(seqs, self.pool, self.spec, self.device,
-                    None if op is None else cpu_kernel.CpuKernel(op, self._extend_limit(op)))
+                    None if op is None else cpu_kernel.CpuKernel(op, self._extend_limit(op), self._tile_from(op)))
 
     def _extend_limit(self, op) -> int:
         """The longest extend (tokens) the kernel ``op`` attends for this model on this machine
@@ -366,8 +369,18 @@ class TorchRunner:
         if self.kernel_extend is None:
             k = self.pool.k
             self.kernel_extend = extend_limit(op, int(self.model.config.num_attention_heads), int(k.shape[-2]),
-                                              int(k.shape[-1]), self.dtype, int(k.shape[0]))
+                                              int(k.shape[-1]), self.dtype, int(k.shape[0]),
+                                              tile_from=self._tile_from(op))
         return self.kernel_extend[0]
+
+    def _tile_from(self, op) -> int:
+        """From how many queries the kernel ``op`` scores a request 16 keys at a time for this
+        model on this machine (0: never; measured once per machine and shape)."""
+        if self.kernel_tiles is None:
+            k = self.pool.k
+            self.kernel_tiles = tile_choice(op, int(self.model.config.num_attention_heads), int(k.shape[-2]),
+                                            int(k.shape[-1]), self.dtype, int(k.shape[0]))
+        return self.kernel_tiles[0]
 
     def _kernels_apply(self) -> bool:
         return self.kernels != "off" and self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES

@@ -19,6 +19,10 @@ MAX_QUERIES = 16
 # keys per split-K task (0: the kernel picks: two tasks per thread at least, 32 to 2,048 keys)
 CHUNK = 0
 
+# queries of one request from which the kernel scores 16 keys at a time when nothing was measured;
+# a runner measures its own (`kernel_choice.tile_choice`)
+TILE_FROM = 4
+
 
 class CpuKernel:
     """The in-place C++ kernel as a `PagedKernel`.
@@ -27,10 +31,12 @@ class CpuKernel:
         op: the kernel op (`tokenrouter_sdk.backends.cpu_kernels.paged_attention_op`).
         max_queries: the longest extend (tokens) it attends (`kernel_choice.extend_limit`
             measures it per machine and model shape).
+        tile_from: a request of this many queries or more is scored 16 keys at a time (0:
+            none; the same bits either way: `kernel_choice.tile_choice` measures the faster).
     """
 
-    def __init__(self, op, max_queries: int = MAX_QUERIES):
-        self.op, self.max_queries = op, max_queries
+    def __init__(self, op, max_queries: int = MAX_QUERIES, tile_from: int = TILE_FROM):
+        self.op, self.max_queries, self.tile_from = op, max_queries, tile_from
         self.store_op = torch.ops.tokenrouter_cpu.store_kv  # loaded with ``op``
 
     def part(self, rows: list) -> KernelPart:
@@ -46,7 +52,7 @@ class CpuKernel:
         """Write the rows of ``out`` [T, H, D] that ``part``'s requests own: their queries of
         ``q`` [T, H, D] (contiguous) against their keys in one layer's pool kc, vc [slots, Hkv, D]."""
         self.op(out, q, kc, vc, part.table, part.q_start, part.q_len, part.kv_len, p.scale, CHUNK,
-                p.window or 0, p.softcap or 0.0)
+                p.window or 0, p.softcap or 0.0, self.tile_from)
 
     def store(self, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``kc[slots[t]] = k[t]``, ``vc[slots[t]] = v[t]`` in one call: k, v [T, Hkv, D] with

@@ -15,7 +15,7 @@
 //     gate/up, down; each or none). h = x + skinny(y, w0) + b0; g, u = split(skinny(rms_norm(h,
 //     w1), w2) + b1); returns h + skinny(silu(g) * u, w3) + b2.
 //   decoder_layer(x, w, b, eps, heads [H, Hkv, D, F], cos, sin, k_pool, v_pool, slots, table
-//                 [R, Lmax], q_start, q_len, kv_len [R], scale, chunk, window, softcap) -> [T, C]
+//                 [R, Lmax], q_start, q_len, kv_len [R], scale, chunk, window, softcap, tile_from) -> [T, C]
 //     the whole layer when the paged kernel attends every request: layer_qkv, paged_attention,
 //     layer_mlp. w: input norm, q/k/v, o, post-attention norm, gate/up, down (+ q and k norms);
 //     b: the four projections' biases; eps: the norms' (input, post-attention, q, k).
@@ -74,7 +74,7 @@ at::Tensor decoder_layer(const at::Tensor& x, at::TensorList w, const c10::List<
                          at::ArrayRef<double> eps, at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots, const at::Tensor& table,
                          const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len, double scale,
-                         int64_t chunk, int64_t window, double softcap) {
+                         int64_t chunk, int64_t window, double softcap, int64_t tile_from) {
   TORCH_CHECK(w.size() == 6 || w.size() == 8, "decoder_layer: w must hold 6 tensors (8 with q and k norms), got ",
               w.size());
   TORCH_CHECK(b.size() == 4 && eps.size() == (w.size() == 8 ? 4u : 2u) && heads.size() == 4,
@@ -89,7 +89,8 @@ at::Tensor decoder_layer(const at::Tensor& x, at::TensorList w, const c10::List<
   auto [q, k, v] = layer_qkv(x, wq, b.get(0), eq, heads, cos, sin, k_pool, v_pool, slots);
   const int64_t T = q.size(0);
   auto y = at::empty({T, H, D}, q.options());
-  tokenrouter_cpu::paged_attention(y, q, k_pool, v_pool, table, q_start, q_len, kv_len, scale, chunk, window, softcap);
+  tokenrouter_cpu::paged_attention(y, q, k_pool, v_pool, table, q_start, q_len, kv_len, scale, chunk, window, softcap,
+                                   tile_from);
   c10::List<std::optional<at::Tensor>> bm{b.get(1), b.get(2), b.get(3)};
   return layer_mlp(y.view({T, H * D}), x, {w[2], w[3], w[4], w[5]}, bm, eps[1], heads[3]);
 }
@@ -102,7 +103,7 @@ TORCH_LIBRARY_FRAGMENT(tokenrouter_cpu, m) {
   m.def("layer_mlp(Tensor y, Tensor x, Tensor[] w, Tensor?[] b, float eps, int F) -> Tensor");
   m.def("decoder_layer(Tensor x, Tensor[] w, Tensor?[] b, float[] eps, int[] heads, Tensor cos, Tensor sin, "
         "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor table, Tensor q_start, Tensor q_len, "
-        "Tensor kv_len, float scale, int chunk=0, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor kv_len, float scale, int chunk=0, int window=0, float softcap=0.0, int tile_from=4) -> Tensor");
   m.impl("layer_qkv", c10::DispatchKey::CPU, TORCH_FN(layer_qkv));
   m.impl("layer_mlp", c10::DispatchKey::CPU, TORCH_FN(layer_mlp));
   m.impl("decoder_layer", c10::DispatchKey::CPU, TORCH_FN(decoder_layer));

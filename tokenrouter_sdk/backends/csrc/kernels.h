@@ -24,7 +24,8 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, c
 // paged_attention.cpp
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& table, const at::Tensor& q_start, const at::Tensor& q_len,
-                     const at::Tensor& kv_len, double scale, int64_t chunk, int64_t window, double softcap);
+                     const at::Tensor& kv_len, double scale, int64_t chunk, int64_t window, double softcap,
+                     int64_t tile_from);
 void store_kv(at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v);
 
 }  // namespace tokenrouter_cpu

@@ -18,7 +18,9 @@
 // blocks lie scattered, as in a long-running server, reads at the latency of one stream
 // otherwise), and keeps per query head the running max, the sum of exponentials and the
 // weighted values; the chunks are merged by their log-sum-exp. Chunks tile each request's keys from the
-// first one its window reaches, so a windowed layer reads W + q_len - 1 keys at most.
+// first one its window reaches, so a windowed layer reads W + q_len - 1 keys at most. A task of
+// tile_from queries or more (0: none) scores its keys 16 at a time (float32 with AVX-512), with
+// the same bits as the per-key loop.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -87,7 +89,7 @@ inline T dot(const T* a, const T* b, int64_t n) {
 }
 
 struct Shape {
-  int64_t H, Hkv, D, Lmax, Qmax, C, nc, W;
+  int64_t H, Hkv, D, Lmax, Qmax, C, nc, W, tile_from;
 };
 
 // the first key request r reads: its first query's window start (0 without a window)
@@ -239,17 +241,15 @@ inline void score16(const float* q, const float* const* k, int64_t ko, float mul
   *reinterpret_cast<v16*>(out) = fold1(fold2(f[0], f[1]), fold2(f[2], f[3])) * mul;
 }
 
-// the fewest queries of one task scored by tiles: 4 (cold pools, 30 layers, 2-core AMD EPYC:
-// tiles 5% faster at 4 queries, 23-28% at 8-16, 5-23% slower at 2-3)
-constexpr int64_t kTileQueries = 4;
-
 // The scores of one task of several queries (an extend), float32 with D = 16 NV:
 // st[h * C + l] = (q_t[h] . k_l) * mul for each query t and the keys l it sees. Tiles of 16 keys:
 // every query head that sees a whole tile scores it with one fold tree (`score16`), the tile's
 // key rows staying in the L1 cache across the queries and heads; a key of a tile seen in part
-// gets one `dot`. The next tile's key and value rows are fetched while a tile is scored. Fewer
-// queries keep the per-key loop: its keys stream from memory in order there, where the tile
-// order reads them more slowly, and few queries leave too little work per key to make up for it.
+// gets one `dot`. The next tile's key and value rows are fetched while a tile is scored. Tasks of
+// fewer than `tile_from` queries keep the per-key loop: its keys stream from memory in order,
+// where the tile order reads them more slowly, and few queries leave too little work per key to
+// make up for it (cold pools, 30 layers, 2-core AMD EPYC: tiles 5% faster at 4 queries, 23-36% at
+// 8-32, 5-23% slower at 2-3); the runner measures the crossover per machine (`kernel_choice`).
 template <int NV>
 void tile_scores(const Shape& sh, const float* q, const float* kc, const float* vc, const int64_t* slots,
                  int64_t q_len, int64_t l0, float mul, float* s, const Keys& keys) {
@@ -297,7 +297,7 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
   bool tiled = false;
 #if defined(__AVX512F__)
   if constexpr (sizeof(T) == 4) {
-    tiled = q_len >= kTileQueries && D % kLane == 0 && D / kLane <= 8;
+    tiled = sh.tile_from > 0 && q_len >= sh.tile_from && D % kLane == 0 && D / kLane <= 8;
     if (tiled) kTileScores[D / kLane](sh, q, kc, vc, slots, q_len, l0, mul, s, keys);
   }
 #endif
@@ -398,7 +398,8 @@ namespace tokenrouter_cpu {
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& table, const at::Tensor& q_start, const at::Tensor& q_len,
-                     const at::Tensor& kv_len, double scale, int64_t chunk, int64_t window, double softcap) {
+                     const at::Tensor& kv_len, double scale, int64_t chunk, int64_t window, double softcap,
+                     int64_t tile_from) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
   TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "k_pool and v_pool must be [slots, Hkv, D]");
   TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0,
@@ -416,7 +417,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
   if (R == 0) return;
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
-  Shape sh{q.size(1), k_pool.size(1), q.size(2), table.size(1), 1, 256, 1, window};
+  TORCH_CHECK(tile_from >= 0, "tile_from must be >= 0 (0: never), got ", tile_from);
+  Shape sh{q.size(1), k_pool.size(1), q.size(2), table.size(1), 1, 256, 1, window, tile_from};
   const int64_t* ql = q_len.data_ptr<int64_t>();
   const int64_t* kl = kv_len.data_ptr<int64_t>();
   const int64_t* qs = q_start.contiguous().data_ptr<int64_t>();
@@ -481,7 +483,8 @@ void store_kv(at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots, con
 
 TORCH_LIBRARY_FRAGMENT(tokenrouter_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor q_start, "
-        "Tensor q_len, Tensor kv_len, float scale, int chunk=0, int window=0, float softcap=0.0) -> ()");
+        "Tensor q_len, Tensor kv_len, float scale, int chunk=0, int window=0, float softcap=0.0, "
+        "int tile_from=4) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::paged_attention));
   m.def("store_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor k, Tensor v) -> ()");
   m.impl("store_kv", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::store_kv));
