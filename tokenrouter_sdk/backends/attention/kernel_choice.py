@@ -51,22 +51,31 @@ DECODES = 3    # decode requests beside the extend
 REPS = 5
 
 
+def _forced(env: str, least: int, accepted: str) -> int | None:
+    """The integer >= ``least`` in environment variable ``env``, or None for ``auto`` (or unset).
+
+    Raises:
+        ValueError: any other value (the message lists ``accepted``).
+    """
+    v = os.environ.get(env, "auto").strip().lower() or "auto"
+    if v == "auto":
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = least - 1
+    if n < least:
+        raise ValueError(f"{env}={v!r}: accepted values are {accepted}")
+    return n
+
+
 def forced_limit() -> int | None:
     """The limit forced by ``TOKENROUTER_KERNEL_EXTEND`` (queries, >= 1), or None (measure).
 
     Raises:
         ValueError: a value that is neither ``auto`` nor an integer >= 1.
     """
-    v = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if v == "auto":
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{ENV}={v!r}: accepted values are auto or a number of queries >= 1")
-    return n
+    return _forced(ENV, 1, "auto or a number of queries >= 1")
 
 
 def forced_tiles() -> int | None:
@@ -76,16 +85,7 @@ def forced_tiles() -> int | None:
     Raises:
         ValueError: a value that is neither ``auto`` nor an integer >= 0.
     """
-    v = os.environ.get(TILES_ENV, "auto").strip().lower() or "auto"
-    if v == "auto":
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{TILES_ENV}={v!r}: accepted values are auto, 0 (never) or a number of queries >= 1")
-    return n
+    return _forced(TILES_ENV, 0, "auto, 0 (never) or a number of queries >= 1")
 
 
 def tiles_key(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int) -> str:

@@ -43,7 +43,7 @@ namespace {
 
 constexpr int64_t kPrefetchKeys = 4;
 
-// 16 float32 lanes, loaded and stored at any 4-byte alignment; its shuffle indices
+// v16: 16 float32 lanes, loaded and stored at any 4-byte alignment; v16i: shuffle indices for it
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int v16i __attribute__((vector_size(64)));
 
