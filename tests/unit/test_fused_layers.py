@@ -223,3 +223,25 @@ def test_an_epsilon_changed_between_steps_is_used(arch, monkeypatch, counted):
     counted.clear()
     fused, loop, _, _ = _both_ways(r, [SeqInput([21, 22, 23], 8, t), SeqInput(list(range(30, 40)), 0, t2)])
     assert counted == [True] * 3 and torch.equal(fused, loop)  # split: a prefill beside the extend
+
+
+def test_the_kernel_gets_the_runner_s_tile_threshold_in_either_path(monkeypatch, counted):
+    """The tile threshold the runner chose (here forced) reaches the C++ attention in a one-call
+    layer (``decoder_layer``'s last argument) and through the kernel's own ``attend`` (the op's)."""
+    monkeypatch.setenv(kernel_choice.TILES_ENV, "7")
+    r = _runner("llama", monkeypatch)
+    ops = torch.ops.tokenrouter_cpu
+    got = {"layer": [], "attend": []}
+    real_layer, real_op = ops.decoder_layer, ops.paged_attention
+    monkeypatch.setattr(ops, "decoder_layer", lambda *a: got["layer"].append(a[-1]) or real_layer(*a))
+    t = []
+    blocks_of(r).ensure(t, 12)
+    r.forward([SeqInput(list(range(5, 16)), 0, t)])
+    r.forward([SeqInput([20], 11, t)])  # a decode alone: whole layers in one call
+    assert r.kernel_tiles == (7, f"forced ({kernel_choice.TILES_ENV}=7)")
+    assert got["layer"] == [7] * 3
+    kern = cpu_kernel.CpuKernel(lambda *a: got["attend"].append(a[-1]) or real_op(*a), 16, 5)
+    fb = r._batch([SeqInput([21], 12, t)])[0]
+    q = torch.randn(1, 4, 16)
+    kern.attend(fb.kern, fb.layers[0], torch.empty_like(q), q, fb.pool.k[0], fb.pool.v[0])
+    assert got["attend"] == [5]
