@@ -108,6 +108,21 @@ def test_full_pool_preempts_and_recomputes_without_loss(pair, tok, admission):
     assert (m.preemptions > 0 if admission == "optimistic" else m.preemptions == 0) and m.failed == 0
 
 
+def test_slots_are_each_position_s_block_and_offset():
+    """Every [start, end) of a scattered table: slot = table[p // block_size] * block_size +
+    p % block_size; a range past the table's blocks is refused, not cut short."""
+    pool = KVPool(num_layers=1, kv_heads=1, head_dim=4, num_blocks=40, block_size=8)
+    table = [17, 3, 29, 0, 11]
+    for start in range(0, 41, 3):
+        for end in range(start, 41, 5):
+            want = [table[p // 8] * 8 + p % 8 for p in range(start, end)]
+            assert pool.slots(table, start, end).tolist() == want, (start, end)
+    with pytest.raises(IndexError, match="5 blocks of 8"):
+        pool.slots(table, 0, 41)
+    with pytest.raises(IndexError):
+        pool.slots(table, 6, 5)
+
+
 def test_kv_pool_blocks():
     pool = KVPool(num_layers=2, kv_heads=1, head_dim=4, num_blocks=3, block_size=4)
     blocks = BlockAllocator.over(pool)

@@ -57,6 +57,7 @@ class KVPool:
         shape = (num_layers, (num_blocks + scratch_blocks) * block_size, kv_heads, head_dim)
         self.k = _zeros(shape, dtype, device)
         self.v = _zeros(shape, dtype, device)
+        self._offsets = torch.arange(block_size)  # a slot's place in its block
 
     @property
     def capacity_tokens(self) -> int:
@@ -68,7 +69,14 @@ class KVPool:
         self.k = self.v = None
 
     def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
-        """Slot ids of positions [start, end) of a request, shape [end - start] (int64)."""
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
-        return blocks * self.block_size + pos % self.block_size
+        """Slot ids of positions [start, end) of a request, shape [end - start] (int64): every
+        slot of its blocks in order, cut to the range (one step runs this per request).
+
+        Raises:
+            IndexError: ``table``'s blocks do not reach position ``end - 1``.
+        """
+        bs = self.block_size
+        if not 0 <= start <= end <= len(table) * bs:
+            raise IndexError(f"positions [{start}, {end}) are not all in the request's {len(table)} blocks "
+                             f"of {bs} tokens")
+        return (torch.tensor(table, dtype=torch.long).mul_(bs).unsqueeze(1) + self._offsets).view(-1)[start:end]
