@@ -238,6 +238,46 @@ def test_hooks_the_native_forward_would_bypass_make_steps_run_transformers(where
     assert native.last_impl == "native"
 
 
+@pytest.mark.parametrize("where", ["mlp", "attention", "norm", "layer", "linear", "class"])
+def test_a_forward_patched_on_a_module_is_honoured(where):
+    """A forward set on a module instance (an ablation or steering patch: ``mlp.forward = ...``)
+    or a module's class swapped for a subclass with another forward changes the model as the
+    transformers forward sees it, and the native forward's steps equal those; once undone, the
+    steps are native and unchanged again. (A step that ignored the patch would give the
+    unpatched logits with no error.)"""
+    model = tiny_model(num_layers=2, seed=16)
+    native, plain = _runners(model)
+    feed = [[[5, 6, 7], [9, 9]], [[8], [7]]]
+    before = []
+    _run_pair(native, plain, feed, check=lambda a, b: before.append(a.logits.clone()))
+    layer = model.model.layers[0]
+    target = {"mlp": layer.mlp, "attention": layer.self_attn, "norm": layer.post_attention_layernorm,
+              "layer": model.model.layers[1], "linear": layer.mlp.down_proj, "class": layer.mlp}[where]
+    real = target.forward
+    if where == "class":
+        cls = type(target)
+        target.__class__ = type("Halved", (cls,), {"forward": lambda self, x: cls.forward(self, x) * 0.5})
+    elif where == "attention":
+        target.forward = lambda *a, **k: tuple(o * 0.5 if torch.is_tensor(o) else o for o in real(*a, **k))
+    elif where == "layer":
+        target.forward = lambda *a, **k: real(*a, **k) + 0.5  # (a scale would vanish in the final norm)
+    else:
+        target.forward = lambda x: real(x) * 0.5
+    after = []
+    try:
+        _run_pair(native, plain, feed, check=lambda a, b: (torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0),
+                                                             after.append(a.logits)))
+    finally:
+        if where == "class":
+            target.__class__ = cls
+        else:
+            del target.forward
+    assert not torch.equal(after[0], before[0])  # the patch changed the model
+    again = []
+    _run_pair(native, plain, feed, check=lambda a, b: again.append(a.logits))
+    assert native.last_impl == "native" and all(torch.equal(x, y) for x, y in zip(again, before))
+
+
 def test_a_replaced_module_is_read():
     """A projection module replaced after a step (a wrapper, as adapters do) is what the next
     native step runs."""

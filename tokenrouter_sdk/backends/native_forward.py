@@ -22,6 +22,8 @@ Measured on this project's 2-core CPU, SmolLM2-135M float32, one decode step
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -105,6 +107,9 @@ class NativeForward:
         self._head = None
         self._watched = Watch()
         self._modules: list = []
+        self._module_types: list = []  # per module, the class it had when this forward first saw it
+        self._module_dicts: list = []  # per module, its attribute dict (hooks, a patched forward)
+        self._first_types: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._linears: set[int] = set()
         self._hooked: set[int] = set()
         self._skinny_tuned = False  # the few-row kernel measured for the current projections
@@ -131,6 +136,8 @@ class NativeForward:
         self._skinny_tuned = False
         self._layer_calls = fused_layers.LayerCalls(dec, projs) if fused_layers.enabled() else None
         self._modules = [*dec.modules(), out]
+        self._module_types = [self._first_types.setdefault(m, type(m)) for m in self._modules]
+        self._module_dicts = [m.__dict__ for m in self._modules]  # read directly: fewer lookups a step
         # the modules read, where they hang: a replaced one (a wrapper, a new layer list) rebuilds
         places = [(model, name, out), (dec, "layers", dec.layers)] + [
             (parent, child, mod) for parent in dec.modules() for child, mod in parent.named_children()]
@@ -141,7 +148,12 @@ class NativeForward:
         self._hooked = {i for i in self._hooked_modules() if i in self._linears}
 
     def _hooked_modules(self) -> set[int]:
-        return {id(m) for m in self._modules if m._forward_hooks or m._forward_pre_hooks}
+        """Ids of the modules whose call this forward cannot stand in for: with forward hooks or
+        pre-hooks, a ``forward`` set on the instance (an ablation or steering patch, accelerate's
+        hooks), or a class other than the one the module had when first seen (a swapped
+        ``__class__``)."""
+        return {id(m) for m, d, t in zip(self._modules, self._module_dicts, self._module_types)
+                if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or type(m) is not t}
 
     def _valid(self) -> bool:
         """Whether no module was replaced and no projection weight changed (replaced, converted
@@ -151,10 +163,11 @@ class NativeForward:
     def prepare(self) -> bool:
         """Bring the projections up to date with the model (rebuilt when it changed) and say
         whether this forward computes the next step as the model's own would: False when a
-        module whose forward it does not call has forward hooks, or a global module hook is
-        registered (activation capture, steering or patching on layers, attention, MLPs, norms:
-        such steps must run the transformers forward). Hooks on the projections' linears run
-        here: those linears are then called as modules."""
+        module whose forward it does not call has forward hooks, a forward set on the instance
+        or a swapped class (`_hooked_modules`), or a global module hook is registered (activation
+        capture, steering or patching on layers, attention, MLPs, norms: such steps must run the
+        transformers forward). Hooks and patched forwards on the projections' linears run here:
+        those linears are then called as modules."""
         hooked = self._hooked_modules() if self._plan is not None else set()
         if not self._valid() or (hooked & self._linears) != self._hooked:
             self._build()

@@ -61,9 +61,10 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _plain(mod) -> bool:
-    """An ``nn.Linear`` (the class itself, not a subclass that changes its forward) without hooks."""
+    """An ``nn.Linear`` (the class itself, not a subclass that changes its forward) without hooks
+    and without a ``forward`` set on the instance."""
     return (type(mod) is torch.nn.Linear and not mod._forward_hooks and not mod._forward_pre_hooks
-            and getattr(mod, "weight", None) is not None)
+            and "forward" not in mod.__dict__ and getattr(mod, "weight", None) is not None)
 
 
 class Projection:
