@@ -227,21 +227,29 @@ def test_an_epsilon_changed_between_steps_is_used(arch, monkeypatch, counted):
 
 def test_the_kernel_gets_the_runner_s_tile_threshold_in_either_path(monkeypatch, counted):
     """The tile threshold the runner chose (here forced) reaches the C++ attention in a one-call
-    layer (``decoder_layer``'s last argument) and through the kernel's own ``attend`` (the op's)."""
+    layer (``decoder_layer``'s last argument) and, when attention runs in Python between the
+    layer's calls (a spy on the kernel's ``attend``), as the kernel op's last argument."""
     monkeypatch.setenv(kernel_choice.TILES_ENV, "7")
     r = _runner("llama", monkeypatch)
     ops = torch.ops.tokenrouter_cpu
-    got = {"layer": [], "attend": []}
-    real_layer, real_op = ops.decoder_layer, ops.paged_attention
+    got = {"layer": [], "op": []}
+    real_layer = ops.decoder_layer
     monkeypatch.setattr(ops, "decoder_layer", lambda *a: got["layer"].append(a[-1]) or real_layer(*a))
     t = []
-    blocks_of(r).ensure(t, 12)
+    blocks_of(r).ensure(t, 16)
     r.forward([SeqInput(list(range(5, 16)), 0, t)])
     r.forward([SeqInput([20], 11, t)])  # a decode alone: whole layers in one call
     assert r.kernel_tiles == (7, f"forced ({kernel_choice.TILES_ENV}=7)")
     assert got["layer"] == [7] * 3
-    kern = cpu_kernel.CpuKernel(lambda *a: got["attend"].append(a[-1]) or real_op(*a), 16, 5)
-    fb = r._batch([SeqInput([21], 12, t)])[0]
-    q = torch.randn(1, 4, 16)
-    kern.attend(fb.kern, fb.layers[0], torch.empty_like(q), q, fb.pool.k[0], fb.pool.v[0])
-    assert got["attend"] == [5]
+    real_attend = cpu_kernel.CpuKernel.attend
+
+    def attend(self, *a):  # the op this kernel calls, recorded for the call
+        op = self.op
+        self.op = lambda *args: got["op"].append(args[-1]) or op(*args)
+        try:
+            return real_attend(self, *a)
+        finally:
+            self.op = op
+    monkeypatch.setattr(cpu_kernel.CpuKernel, "attend", attend)
+    r.forward([SeqInput([21], 12, t)])
+    assert got["op"] == [7] * 3 and got["layer"] == [7] * 3  # 3 layers, attention in Python

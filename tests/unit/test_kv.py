@@ -121,6 +121,9 @@ def test_slots_are_each_position_s_block_and_offset():
         pool.slots(table, 0, 41)
     with pytest.raises(IndexError):
         pool.slots(table, 6, 5)
+    with pytest.raises(IndexError):
+        pool.slots(table, -1, 3)
+    assert pool.slots(table, 45, 45).tolist() == []  # an empty range anywhere, as before
 
 
 def test_kv_pool_blocks():

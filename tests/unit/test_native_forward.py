@@ -238,25 +238,37 @@ def test_hooks_the_native_forward_would_bypass_make_steps_run_transformers(where
     assert native.last_impl == "native"
 
 
-@pytest.mark.parametrize("where", ["mlp", "attention", "norm", "layer", "linear", "class"])
-def test_a_forward_patched_on_a_module_is_honoured(where):
-    """A forward set on a module instance (an ablation or steering patch: ``mlp.forward = ...``)
-    or a module's class swapped for a subclass with another forward changes the model as the
-    transformers forward sees it, and the native forward's steps equal those; once undone, the
-    steps are native and unchanged again. (A step that ignored the patch would give the
-    unpatched logits with no error.)"""
+@pytest.mark.parametrize("where,first_step", [("mlp", True), ("attention", True), ("norm", True), ("layer", True),
+                                              ("linear", True), ("class", True), ("class", False),
+                                              ("class forward", True), ("subclass instance", True)])
+def test_a_forward_patched_on_a_module_is_honoured(where, first_step):
+    """A forward set on a module instance (an ablation or steering patch: ``mlp.forward = ...``),
+    a module's class swapped for a subclass with another forward (after a native step, or before
+    the runner's first), the class's own ``forward`` patched, or a module replaced by an instance
+    of such a subclass changes the model as the transformers forward sees it, and the native
+    forward's steps equal those; once undone, the steps are native and unchanged again. (A step
+    that ignored the patch would give the unpatched logits with no error.)"""
     model = tiny_model(num_layers=2, seed=16)
-    native, plain = _runners(model)
     feed = [[[5, 6, 7], [9, 9]], [[8], [7]]]
     before = []
-    _run_pair(native, plain, feed, check=lambda a, b: before.append(a.logits.clone()))
+    ref_native, ref_plain = _runners(model)
+    _run_pair(ref_native, ref_plain, feed, check=lambda a, b: before.append(a.logits.clone()))
+    native, plain = _runners(model)
+    if first_step:
+        _run_pair(native, plain, feed, check=lambda a, b: None)
     layer = model.model.layers[0]
     target = {"mlp": layer.mlp, "attention": layer.self_attn, "norm": layer.post_attention_layernorm,
-              "layer": model.model.layers[1], "linear": layer.mlp.down_proj, "class": layer.mlp}[where]
-    real = target.forward
+              "layer": model.model.layers[1], "linear": layer.mlp.down_proj}.get(where, layer.mlp)
+    real, cls = target.forward, type(target)
+    halved = type("Halved", (cls,), {"forward": lambda self, x: cls.forward(self, x) * 0.5})
     if where == "class":
-        cls = type(target)
-        target.__class__ = type("Halved", (cls,), {"forward": lambda self, x: cls.forward(self, x) * 0.5})
+        target.__class__ = halved
+    elif where == "class forward":
+        cls.forward = lambda self, x, _f=cls.forward: _f(self, x) * 0.5
+    elif where == "subclass instance":
+        sub = halved(model.config).to(next(target.parameters()).dtype)
+        sub.load_state_dict(target.state_dict())
+        layer.mlp = sub
     elif where == "attention":
         target.forward = lambda *a, **k: tuple(o * 0.5 if torch.is_tensor(o) else o for o in real(*a, **k))
     elif where == "layer":
@@ -270,6 +282,10 @@ def test_a_forward_patched_on_a_module_is_honoured(where):
     finally:
         if where == "class":
             target.__class__ = cls
+        elif where == "class forward":
+            cls.forward = cls.forward.__defaults__[0]
+        elif where == "subclass instance":
+            layer.mlp = target
         else:
             del target.forward
     assert not torch.equal(after[0], before[0])  # the patch changed the model

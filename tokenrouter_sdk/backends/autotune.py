@@ -140,6 +140,12 @@ def _cpu_field(name: str) -> str:
     return ""
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (``avx512f``, ...); empty where it
+    cannot be read."""
+    return set(_cpu_field("flags").split())
+
+
 def last_level_cache_bytes() -> int:
     """The largest CPU cache of CPU 0 in bytes (Linux sysfs), or 32 MiB where it cannot be read."""
     best = 0

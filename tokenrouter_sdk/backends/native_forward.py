@@ -22,8 +22,6 @@ Measured on this project's 2-core CPU, SmolLM2-135M float32, one decode step
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
@@ -83,6 +81,12 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return w * h.to(x.dtype)
 
 
+def _library_forward(cls) -> bool:
+    """Whether ``cls.forward`` is defined by transformers or torch (what the native forward
+    reproduces), not by other code (a subclass's override, a patch of the class's method)."""
+    return (getattr(cls.forward, "__module__", None) or "").startswith(("transformers.", "torch."))
+
+
 class NativeForward:
     """The forward of a Llama-family ``model`` over one step (see the module docstring).
 
@@ -107,9 +111,8 @@ class NativeForward:
         self._head = None
         self._watched = Watch()
         self._modules: list = []
-        self._module_types: list = []  # per module, the class it had when this forward first saw it
+        self._module_types: list = []  # per module, its class at the last build
         self._module_dicts: list = []  # per module, its attribute dict (hooks, a patched forward)
-        self._first_types: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._linears: set[int] = set()
         self._hooked: set[int] = set()
         self._skinny_tuned = False  # the few-row kernel measured for the current projections
@@ -136,7 +139,7 @@ class NativeForward:
         self._skinny_tuned = False
         self._layer_calls = fused_layers.LayerCalls(dec, projs) if fused_layers.enabled() else None
         self._modules = [*dec.modules(), out]
-        self._module_types = [self._first_types.setdefault(m, type(m)) for m in self._modules]
+        self._module_types = [type(m) for m in self._modules]
         self._module_dicts = [m.__dict__ for m in self._modules]  # read directly: fewer lookups a step
         # the modules read, where they hang: a replaced one (a wrapper, a new layer list) rebuilds
         places = [(model, name, out), (dec, "layers", dec.layers)] + [
@@ -150,10 +153,20 @@ class NativeForward:
     def _hooked_modules(self) -> set[int]:
         """Ids of the modules whose call this forward cannot stand in for: with forward hooks or
         pre-hooks, a ``forward`` set on the instance (an ablation or steering patch, accelerate's
-        hooks), or a class other than the one the module had when first seen (a swapped
-        ``__class__``)."""
+        hooks), a class changed since the build (a swapped ``__class__``), or a class whose
+        ``forward`` is not transformers' or torch's own (a subclass that overrides it, or the
+        class's ``forward`` patched)."""
+        foreign = {t for t in set(self._module_types) if not _library_forward(t)}
+        if foreign:
+            return {id(m) for m, d, t in zip(self._modules, self._module_dicts, self._module_types)
+                    if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or type(m) is not t
+                    or t in foreign}
         return {id(m) for m, d, t in zip(self._modules, self._module_dicts, self._module_types)
                 if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or type(m) is not t}
+
+    def _types_changed(self) -> bool:
+        """Whether a module's class changed since `_build`."""
+        return any(type(m) is not t for m, t in zip(self._modules, self._module_types))
 
     def _valid(self) -> bool:
         """Whether no module was replaced and no projection weight changed (replaced, converted
@@ -169,7 +182,8 @@ class NativeForward:
         transformers forward). Hooks and patched forwards on the projections' linears run here:
         those linears are then called as modules."""
         hooked = self._hooked_modules() if self._plan is not None else set()
-        if not self._valid() or (hooked & self._linears) != self._hooked:
+        if (not self._valid() or (hooked & self._linears) != self._hooked
+                or (hooked - self._linears and self._types_changed())):  # a class swapped (back): rebuilt
             self._build()
             hooked = self._hooked_modules()
         g = torch.nn.modules.module

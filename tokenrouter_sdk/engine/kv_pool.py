@@ -73,10 +73,11 @@ class KVPool:
         slot of its blocks in order, cut to the range (one step runs this per request).
 
         Raises:
-            IndexError: ``table``'s blocks do not reach position ``end - 1``.
+            IndexError: ``start`` < 0, ``end`` < ``start``, or ``table``'s blocks do not reach
+                position ``end - 1``.
         """
         bs = self.block_size
-        if not 0 <= start <= end <= len(table) * bs:
+        if not (0 <= start <= end and (end == start or end <= len(table) * bs)):
             raise IndexError(f"positions [{start}, {end}) are not all in the request's {len(table)} blocks "
                              f"of {bs} tokens")
         return (torch.tensor(table, dtype=torch.long).mul_(bs).unsqueeze(1) + self._offsets).view(-1)[start:end]

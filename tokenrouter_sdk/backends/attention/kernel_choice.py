@@ -235,11 +235,12 @@ def tile_choice(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, lay
                 measure_fn=measure_tiles, fields: dict | None = None) -> tuple[int, str]:
     """From how many queries the kernel scores a request 16 keys at a time, for a model of these
     shapes: forced by ``TOKENROUTER_KERNEL_TILES``, else this machine's stored choice, else
-    measured and stored. Only float32 pools have tiles: another dtype gets 0 unmeasured.
+    measured and stored. Only float32 pools on a CPU with AVX-512 have tiles (the kernel is built
+    for the machine): another dtype or CPU gets 0 unmeasured.
 
     Returns:
         (queries >= 1, or 0: never; source: ``forced (...)``, ``cached``, ``measured``,
-        ``measured (not stored)`` or ``no tiles for <dtype>``).
+        ``measured (not stored)``, ``no tiles for <dtype>`` or ``no tiles without AVX-512``).
 
     Raises:
         ValueError: ``TOKENROUTER_KERNEL_TILES`` holds a bad value.
@@ -249,6 +250,8 @@ def tile_choice(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, lay
         return forced, f"forced ({TILES_ENV}={forced})"
     if dtype != torch.float32:
         return 0, f"no tiles for {str(dtype).removeprefix('torch.')}"
+    if "avx512f" not in autotune.cpu_flags():
+        return 0, "no tiles without AVX-512"
     entry, source = autotune.choose(tiles_key(heads, kv_heads, dim, dtype, layers),
                                     lambda: measure_fn(op, heads, kv_heads, dim, dtype, layers), _valid_tiles,
                                     fields=fields)
