@@ -113,6 +113,7 @@ class NativeForward:
         self._modules: list = []
         self._module_types: list = []  # per module, its class at the last build
         self._module_dicts: list = []  # per module, its attribute dict (hooks, a patched forward)
+        self._classes: set = set()  # the module classes at the last build
         self._linears: set[int] = set()
         self._hooked: set[int] = set()
         self._skinny_tuned = False  # the few-row kernel measured for the current projections
@@ -140,6 +141,7 @@ class NativeForward:
         self._layer_calls = fused_layers.LayerCalls(dec, projs) if fused_layers.enabled() else None
         self._modules = [*dec.modules(), out]
         self._module_types = [type(m) for m in self._modules]
+        self._classes = set(self._module_types)
         self._module_dicts = [m.__dict__ for m in self._modules]  # read directly: fewer lookups a step
         # the modules read, where they hang: a replaced one (a wrapper, a new layer list) rebuilds
         places = [(model, name, out), (dec, "layers", dec.layers)] + [
@@ -156,7 +158,7 @@ class NativeForward:
         hooks), a class changed since the build (a swapped ``__class__``), or a class whose
         ``forward`` is not transformers' or torch's own (a subclass that overrides it, or the
         class's ``forward`` patched)."""
-        foreign = {t for t in set(self._module_types) if not _library_forward(t)}
+        foreign = {t for t in self._classes if not _library_forward(t)}
         if foreign:
             return {id(m) for m, d, t in zip(self._modules, self._module_dicts, self._module_types)
                     if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or type(m) is not t
