@@ -366,13 +366,15 @@ def _pair_key(small_layers, draft, dtype, device) -> tuple:
 
 def _state(*models) -> tuple:
     """A snapshot that changes when a model is changed the usual ways: modules replaced, hooks
-    added, train mode, parameters or buffers replaced (also through ``.data =``), modified in
-    place or made trainable."""
+    added, a ``forward`` patched on a module or its class, a class swapped, train mode,
+    parameters or buffers replaced (also through ``.data =``), modified in place or made
+    trainable."""
     out = []
     for m in models:
         for name, mod in m.named_modules():
             hooks = sum(len(getattr(mod, a, None) or ()) for a in ("_forward_hooks", "_forward_pre_hooks"))
-            out.append((name, id(mod), mod.training, hooks))
+            cls = type(mod)
+            out.append((name, id(mod), mod.training, hooks, id(mod.__dict__.get("forward")), cls, id(cls.forward)))
         for name, t in [*m.named_parameters(), *m.named_buffers()]:
             storage = getattr(t.untyped_storage(), "_cdata", None)  # kept when moved to shared memory
             out.append((name, id(t), t._version, t.requires_grad, storage))

@@ -77,6 +77,16 @@ def _hook(large, small, tok):
     large.model.layers[0].register_forward_hook(lambda *a: None)
 
 
+def _patched_forward(large, small, tok):
+    mlp = small.model.layers[0].mlp
+    mlp.forward = lambda x, _f=mlp.forward: _f(x) * 0
+
+
+def _swapped_class(large, small, tok):
+    norm = large.model.norm
+    norm.__class__ = type("Scaled", (type(norm),), {"forward": lambda self, x: 2 * super(type(self), self).forward(x)})
+
+
 def _replace_module(large, small, tok):
     large.model.norm = type(large.model.norm)(large.config.hidden_size)
 
@@ -85,8 +95,8 @@ def _new_token(large, small, tok):
     tok.add_tokens(["<|new|>"])
 
 
-@pytest.mark.parametrize("change", [_modify_in_place, _replace_data, _trainable, _train_mode, _hook, _replace_module,
-                                    _new_token])
+@pytest.mark.parametrize("change", [_modify_in_place, _replace_data, _trainable, _train_mode, _hook, _patched_forward,
+                                    _swapped_class, _replace_module, _new_token])
 def test_a_changed_pair_is_loaded_again(loads, change):
     first = _pair()
     change(*first)
