@@ -121,8 +121,8 @@ def gemm_floor(runner, rows: int, reps: int) -> dict:
     module docstring): ``{"gemm_floor_ms", "gemm_gflops_best", "gemm_layer_ms"}``; ms per step."""
     import torch
 
-    projs = runner._native_forward().projections
-    layers = len(runner._native_forward()._plan)
+    nf = runner._native_forward()
+    projs, layers = nf.projections, len(nf._plan)
     per_layer, head = projs[:4], projs[-1]
     best, layer_s = 0.0, 0.0
     with torch.inference_mode():

@@ -158,13 +158,12 @@ class NativeForward:
         hooks), a class changed since the build (a swapped ``__class__``), or a class whose
         ``forward`` is not transformers' or torch's own (a subclass that overrides it, or the
         class's ``forward`` patched)."""
+        hooked = {id(m) for m, d, t in zip(self._modules, self._module_dicts, self._module_types)
+                  if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or type(m) is not t}
         foreign = {t for t in self._classes if not _library_forward(t)}
         if foreign:
-            return {id(m) for m, d, t in zip(self._modules, self._module_dicts, self._module_types)
-                    if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or type(m) is not t
-                    or t in foreign}
-        return {id(m) for m, d, t in zip(self._modules, self._module_dicts, self._module_types)
-                if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or type(m) is not t}
+            hooked.update(id(m) for m, t in zip(self._modules, self._module_types) if t in foreign)
+        return hooked
 
     def _types_changed(self) -> bool:
         """Whether a module's class changed since `_build`."""

@@ -119,11 +119,18 @@ def limit_of(buckets, kernel_wins) -> int:
     return limit
 
 
-def _valid(entry: dict) -> bool:
-    buckets, wins = entry["buckets"], entry["kernel"]
-    return (isinstance(entry.get("limit"), int) and entry["limit"] >= 1 and len(buckets) == len(wins) > 0
+def _derived(entry: dict, field: str, wins: str, rule, least: int) -> bool:
+    """Whether ``entry[field]`` is an integer >= ``least`` that ``rule(buckets, entry[wins])``
+    gives, over ascending distinct buckets (a stored entry its own timings do not give is
+    measured again)."""
+    buckets, w = entry["buckets"], entry[wins]
+    return (isinstance(entry.get(field), int) and entry[field] >= least and len(buckets) == len(w) > 0
             and [int(b) for b in buckets] == sorted(set(int(b) for b in buckets))
-            and entry["limit"] == limit_of(buckets, wins))
+            and entry[field] == rule(buckets, w))
+
+
+def _valid(entry: dict) -> bool:
+    return _derived(entry, "limit", "kernel", limit_of, 1)
 
 
 def _timed(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int, buckets, reps: int, clock,
@@ -225,10 +232,7 @@ def measure_tiles(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, l
 
 
 def _valid_tiles(entry: dict) -> bool:
-    buckets, wins = entry["buckets"], entry["tiles"]
-    return (isinstance(entry.get("tile_from"), int) and entry["tile_from"] >= 0 and len(buckets) == len(wins) > 0
-            and [int(b) for b in buckets] == sorted(set(int(b) for b in buckets))
-            and entry["tile_from"] == tile_from_of(buckets, wins))
+    return _derived(entry, "tile_from", "tiles", tile_from_of, 0)
 
 
 def tile_choice(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int, *,
