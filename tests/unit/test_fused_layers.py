@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tokenrouter_sdk.backends import cpu_kernels, fused_layers
+from tokenrouter_sdk.backends import autotune as A, cpu_kernels, fused_layers
 from tokenrouter_sdk.backends.attention import cpu_kernel, kernel_choice
 from tokenrouter_sdk.backends.autotune import PackRule
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
@@ -225,22 +225,27 @@ def test_an_epsilon_changed_between_steps_is_used(arch, monkeypatch, counted):
     assert counted == [True] * 3 and torch.equal(fused, loop)  # split: a prefill beside the extend
 
 
-def test_the_kernel_gets_the_runner_s_tile_threshold_in_either_path(monkeypatch, counted):
-    """The tile threshold the runner chose (here forced) reaches the C++ attention in a one-call
-    layer (``decoder_layer``'s last argument) and, when attention runs in Python between the
-    layer's calls (a spy on the kernel's ``attend``), as the kernel op's last argument."""
+def test_the_kernel_gets_the_runner_s_tile_threshold_and_prefetch_in_either_path(monkeypatch, counted):
+    """The tile threshold and the few-row kernel's prefetch the runner chose (here forced) reach
+    the C++ in a one-call layer (``decoder_layer``'s last two arguments) and, when attention runs
+    in Python between the layer's calls (a spy on the kernel's ``attend``), as the kernel op's last
+    argument and the last of ``layer_qkv`` and ``layer_mlp``."""
     monkeypatch.setenv(kernel_choice.TILES_ENV, "7")
+    monkeypatch.setenv(A.PREFETCH_ENV, "3")
     r = _runner("llama", monkeypatch)
+    assert all(p.prefetch == 3 for p in r._native.projections)
     ops = torch.ops.tokenrouter_cpu
-    got = {"layer": [], "op": []}
-    real_layer = ops.decoder_layer
-    monkeypatch.setattr(ops, "decoder_layer", lambda *a: got["layer"].append(a[-1]) or real_layer(*a))
+    got = {"layer": [], "op": [], "qkv": [], "mlp": []}
+    real_layer, real_qkv, real_mlp = ops.decoder_layer, ops.layer_qkv, ops.layer_mlp
+    monkeypatch.setattr(ops, "decoder_layer", lambda *a: got["layer"].append(a[-2:]) or real_layer(*a))
+    monkeypatch.setattr(ops, "layer_qkv", lambda *a: got["qkv"].append(a[-1]) or real_qkv(*a))
+    monkeypatch.setattr(ops, "layer_mlp", lambda *a: got["mlp"].append(a[-1]) or real_mlp(*a))
     t = []
     blocks_of(r).ensure(t, 16)
     r.forward([SeqInput(list(range(5, 16)), 0, t)])
     r.forward([SeqInput([20], 11, t)])  # a decode alone: whole layers in one call
     assert r.kernel_tiles == (7, f"forced ({kernel_choice.TILES_ENV}=7)")
-    assert got["layer"] == [7] * 3
+    assert got["layer"] == [(7, 3)] * 3
     real_attend = cpu_kernel.CpuKernel.attend
 
     def attend(self, *a):  # the op this kernel calls, recorded for the call
@@ -252,4 +257,5 @@ def test_the_kernel_gets_the_runner_s_tile_threshold_in_either_path(monkeypatch,
             self.op = op
     monkeypatch.setattr(cpu_kernel.CpuKernel, "attend", attend)
     r.forward([SeqInput([21], 12, t)])
-    assert got["op"] == [7] * 3 and got["layer"] == [7] * 3  # 3 layers, attention in Python
+    assert got["op"] == [7] * 3 and got["layer"] == [(7, 3)] * 3  # 3 layers, attention in Python
+    assert got["qkv"] == [3] * 6 and got["mlp"] == [3] * 6  # the prefill's layers (split) and these

@@ -2,7 +2,9 @@
 and shape, bias and residual included; bad input refused by name; measured beside the oneDNN
 and plain paths, stored with its timings (an entry measured without it is measured again once it
 is there), forced by ``TOKENROUTER_PACKING=skinny``, and a runner's steps through it give the
-logits of the transformers forward."""
+logits of the transformers forward. Its prefetch locality changes no bit; the faster one is
+measured once per machine, stored, read back, forced by ``TOKENROUTER_SKINNY_PREFETCH``, and a
+broken or foreign entry is measured again."""
 
 import json
 
@@ -34,6 +36,7 @@ def store(ops, tmp_path, monkeypatch):
     """An empty extension root for the choices (the kernels are loaded already) and no forced choice."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.delenv(A.PACKING_ENV, raising=False)
+    monkeypatch.delenv(A.PREFETCH_ENV, raising=False)
     return tmp_path
 
 
@@ -107,6 +110,7 @@ def _step(runner, ids):
 
 def test_forced_skinny_runs_the_kernel_and_gives_the_logits_of_the_transformers_forward(store, monkeypatch):
     monkeypatch.setenv(A.PACKING_ENV, "skinny")
+    monkeypatch.setenv(A.PREFETCH_ENV, "2")  # forced too: nothing is measured, so every kernel call is a step's
     monkeypatch.setenv("TOKENROUTER_FUSED_LAYERS", "0")  # the layer loop, whose projection calls are counted here
     runner = _runner()
     calls = []
@@ -118,12 +122,13 @@ def test_forced_skinny_runs_the_kernel_and_gives_the_logits_of_the_transformers_
         calls.clear()
         out = _step(runner, ids)
         projs = runner._native.projections
-        assert all(p.path(len(ids)) == "skinny" and p.skinny is not None for p in projs)
+        assert all(p.path(len(ids)) == "skinny" and p.skinny is not None and p.prefetch == 2 for p in projs)
         assert calls.count(len(ids)) == 4 * 3 and set(calls) <= {len(ids), 1}  # 4 per layer; the head: 1 row
         want = _step(ref, ids)
         torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=1e-5)
         assert out.logits.argmax(-1).tolist() == want.logits.argmax(-1).tolist()
-    assert not any(k.startswith("packing") for k in A.load_choices(A.machine_fields()))
+    stored = A.load_choices(A.machine_fields())  # forced: no path or prefetch measured, none stored
+    assert not any(k.startswith("packing") for k in stored) and A.PREFETCH_KEY not in stored
 
 
 class FakeMeasure:
@@ -167,7 +172,8 @@ def test_an_entry_measured_without_the_kernel_is_measured_again_once_it_is_there
     assert all(p.path(8) == "skinny" and p.path(16) == "packed" for p in projs)
     assert all(r.describe() == "skinny at 1-8, packed at 16-128 rows" for r in rules.values())
     stored = json.loads(A.choices_path(fields).read_text())["choices"]
-    assert all("skinny_ms" in e for e in stored.values())
+    assert all("skinny_ms" in e for k, e in stored.items() if k.startswith("packing"))
+    assert stored[A.PREFETCH_KEY]["chosen"] in A.PREFETCH_HINTS  # measured once the kernel was there
     cached = FakeMeasure(upto=1)
     A.tune_packing(projs, measure=cached, fields=fields)
     assert cached.calls == [] and all(p.path(8) == "skinny" for p in projs)
@@ -275,3 +281,133 @@ def test_a_runner_built_from_its_spec_prepares_its_steps_before_any_request(stor
     assert all("skinny_ms" in e for e in entries.values())
     off = TorchRunnerSpec(model, max_kv_tokens=256, model_impl="transformers").build()
     assert off._native is None  # the transformers forward has nothing to prepare
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 20])
+def test_every_prefetch_gives_the_same_bits(ops, rows):
+    w, b = torch.randn(100, 64), torch.randn(100)
+    wp = ops.skinny_pack(w)
+    x, r = torch.randn(rows, 64), torch.randn(rows, 100)
+    outs = [ops.skinny_linear(x, wp, 100, b, r, pf) for pf in range(4)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    torch.testing.assert_close(outs[0].double(), x.double() @ w.double().T + b.double() + r.double(),
+                               rtol=1e-5, atol=1e-4)
+    for bad in (-1, 4):
+        with pytest.raises(RuntimeError, match="prefetch must be a locality of 0..3"):
+            ops.skinny_linear(x, wp, 100, None, None, bad)
+
+
+def _kernel_projections() -> list:
+    projs = _packed_projections()
+    assert all(p.add_skinny(torch.ops.tokenrouter_cpu) for p in projs)
+    return projs
+
+
+class PrefetchCost:
+    """A clock that advances by ``cost[prefetch]`` per kernel call (the kernel still runs), so
+    that `measure_prefetch` sees one locality as faster."""
+
+    def __init__(self, monkeypatch, cost):
+        self.now, self.cost, self.seen = 0.0, cost, set()
+        real = P.Projection.run_skinny
+
+        def run(proj, x, residual=None, weight=None, prefetch=None):
+            self.seen.add((x.shape[0], prefetch))
+            self.now += self.cost[prefetch]
+            return real(proj, x, residual, weight, prefetch)
+        monkeypatch.setattr(P.Projection, "run_skinny", run)
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("fast", A.PREFETCH_HINTS)
+def test_the_measurement_times_every_prefetch_at_every_row_count_and_picks_the_fastest(ops, monkeypatch, fast):
+    projs = _kernel_projections()
+    cost = PrefetchCost(monkeypatch, {h: (1.0 if h == fast else 3.0) for h in A.PREFETCH_HINTS})
+    entry = A.measure_prefetch(projs, clock=cost, llc_bytes=1)
+    assert entry["chosen"] == fast and entry["hints"] == list(A.PREFETCH_HINTS)
+    assert cost.seen == {(r, h) for r in A.PREFETCH_ROWS for h in A.PREFETCH_HINTS}
+    assert entry["layers"] == 1  # the weights of one projection already pass twice a 1-byte cache
+    assert all(v == pytest.approx(1e3 * (1.0 if h == fast else 3.0)) for h, ms in zip(entry["hints"], entry["ms"])
+               for v in ms)
+
+
+class FakePrefetch:
+    def __init__(self, chosen):
+        self.chosen, self.calls = chosen, 0
+
+    def __call__(self, projs):
+        self.calls += 1
+        return {"hints": list(A.PREFETCH_HINTS), "rows": list(A.PREFETCH_ROWS), "chosen": self.chosen,
+                "ms": [[1.0] * len(A.PREFETCH_ROWS) for _ in A.PREFETCH_HINTS], "layers": len(projs)}
+
+
+def test_the_prefetch_is_measured_once_stored_read_back_and_runs_in_every_path(store, ops, capsys):
+    projs = _kernel_projections()
+    fields = A.machine_fields()
+    first = FakePrefetch(2)
+    A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields, prefetch=first)
+    assert first.calls == 1 and all(p.prefetch == 2 for p in projs)
+    again = FakePrefetch(0)
+    for p in projs:
+        p.prefetch = 0
+    A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields, prefetch=again)
+    assert again.calls == 0 and all(p.prefetch == 2 for p in projs)  # read back
+    from tokenrouter_sdk.cli.main import main
+    assert main(["info"]) == 0
+    assert "skinny prefetch float32: the few-row kernel prefetches into L2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["chosen", "hints", "ms", "type", "foreign"])
+def test_a_broken_or_foreign_prefetch_entry_is_measured_again(store, ops, damage):
+    projs = _kernel_projections()
+    fields = A.machine_fields()
+    A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields, prefetch=FakePrefetch(2))
+    path = A.choices_path(fields)
+    data = json.loads(path.read_text())
+    e = data["choices"][A.PREFETCH_KEY]
+    if damage == "chosen":
+        e["chosen"] = 5
+    elif damage == "hints":
+        e["hints"] = [0, 1]  # measured over other candidates than these
+    elif damage == "ms":
+        e["ms"] = [[1.0]]
+    elif damage == "type":
+        data["choices"][A.PREFETCH_KEY] = "into L2"
+    path.write_text(json.dumps(data))
+    other = dict(fields, cpu="another CPU") if damage == "foreign" else fields
+    again = FakePrefetch(0)
+    A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=other, prefetch=again)
+    assert again.calls == 1 and all(p.prefetch == 0 for p in projs)
+    assert A.load_choices(other)[A.PREFETCH_KEY]["chosen"] == 0
+
+
+def test_a_forced_prefetch_is_honoured_and_an_unknown_one_refused(store, ops, monkeypatch):
+    projs = _kernel_projections()
+    monkeypatch.setenv(A.PREFETCH_ENV, "3")
+    never = FakePrefetch(0)
+    A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=A.machine_fields(), prefetch=never)
+    assert never.calls == 0 and all(p.prefetch == 3 for p in projs)
+    assert A.PREFETCH_KEY not in A.load_choices(A.machine_fields())
+    monkeypatch.setenv(A.PREFETCH_ENV, "nta")
+    with pytest.raises(ValueError, match="TOKENROUTER_SKINNY_PREFETCH='nta': accepted values are auto, 0"):
+        A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=A.machine_fields(), prefetch=never)
+
+
+def test_a_runner_measures_the_prefetch_for_real_and_its_steps_keep_their_bits(store, monkeypatch):
+    """Whichever locality the runner's measurement picks, its steps give the bits of a runner
+    forced to each of the others."""
+    monkeypatch.setenv(A.PACKING_ENV, "skinny")  # every projection through the kernel
+    ids = list(range(5, 13))
+    runner = _runner(kernels="wait")
+    out = _step(runner, ids)
+    e = A.load_choices(A.machine_fields())[A.PREFETCH_KEY]
+    assert e["chosen"] in A.PREFETCH_HINTS and all(v > 0 for ms in e["ms"] for v in ms)
+    assert all(p.prefetch == e["chosen"] and p.path(len(ids)) == "skinny" for p in runner._native.projections)
+    for h in range(4):
+        monkeypatch.setenv(A.PREFETCH_ENV, str(h))
+        other = _runner(kernels="wait", seed=5)
+        got = _step(other, ids)
+        assert all(p.prefetch == h for p in other._native.projections)
+        assert torch.equal(got.logits, out.logits)

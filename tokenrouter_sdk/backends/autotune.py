@@ -29,6 +29,15 @@ overwritten. `tokenrouter info` prints the choices and the timings behind them.
 Forcing: ``TOKENROUTER_PACKING=packed``, ``plain`` or ``skinny`` (every bucket; ``skinny`` where
 the kernels are loaded, packed until then), ``auto`` (measure; the default). The value is read at
 each model's first step.
+
+The few-row kernel's prefetch: how the kernel prefetches its weight stream (the locality of
+``__builtin_prefetch``: 0 non-temporal, 2 into L2) changes its speed, not its bits, and which is
+faster depends on the CPU: on a 2-core AMD EPYC (Zen 5) the non-temporal prefetch reads at the
+bandwidth; on a 2-core Intel Xeon (family 6 model 207) it reads SmolLM2-135M's 538 MB of weights
+in 43 ms at one row, where the prefetch into L2 takes 17 (and 26 against 19 ms at 8 rows). So it is
+measured once per machine (`tune_prefetch`: every candidate over the model's float32 projections
+at 1 and 8 rows, about 0.2-0.5 s) before the paths, whose kernel timings use it; stored as
+``skinny prefetch float32``; ``TOKENROUTER_SKINNY_PREFETCH=0..3`` forces it.
 """
 
 from __future__ import annotations
@@ -51,6 +60,11 @@ PACKING_ENV = "TOKENROUTER_PACKING"
 PACKING_VALUES = ("auto", "packed", "plain", "skinny")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 REPS = 3
+PREFETCH_ENV = "TOKENROUTER_SKINNY_PREFETCH"
+PREFETCH_HINTS = (0, 2)  # the candidates: non-temporal (prefetchnta), into L2 (prefetcht1)
+PREFETCH_NAMES = {0: "non-temporal", 1: "into L3", 2: "into L2", 3: "into L1"}
+PREFETCH_ROWS = (1, 8)
+PREFETCH_KEY = "skinny prefetch float32"
 FORMAT = 2  # the layout of a choices file; a file of another format is measured again
 
 
@@ -312,16 +326,130 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
     return out
 
 
-def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = None) -> dict[str, PackRule]:
+def forced_prefetch() -> int | None:
+    """The few-row kernel's prefetch locality forced by ``TOKENROUTER_SKINNY_PREFETCH`` (0..3),
+    or None (``auto`` or unset: measure).
+
+    Raises:
+        ValueError: another value (names the accepted ones).
+    """
+    v = os.environ.get(PREFETCH_ENV, "auto").strip().lower() or "auto"
+    if v == "auto":
+        return None
+    if v not in ("0", "1", "2", "3"):
+        raise ValueError(f"{PREFETCH_ENV}={v!r}: accepted values are auto, 0 (non-temporal), 1 (into L3), "
+                         "2 (into L2), 3 (into L1)")
+    return int(v)
+
+
+def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, reps: int = REPS,
+                     llc_bytes: int | None = None, clock=time.perf_counter) -> dict:
+    """Time the few-row kernel with each prefetch locality over the projections' kernel weights.
+
+    Args:
+        projs: `Projection`s with their few-row kernel weight (``skinny``), in model order;
+            passes take them in order until their weights reach twice the last-level cache
+            (``llc_bytes``, default `last_level_cache_bytes`), or all.
+        hints: the localities to time (0..3).
+        rows: row counts to time at.
+        reps: timed passes per locality and row count (after one untimed pass each), interleaved.
+        clock: seconds.
+
+    Returns:
+        ``{"hints": [...], "rows": [...], "ms": [[median ms of one pass per row count] per
+        hint], "chosen": h, "layers": n}``: ``chosen`` has the least total over the row counts.
+    """
+    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    use, total = [], 0
+    for p in projs:
+        w = getattr(p, "skinny", None)
+        if w is None:
+            continue
+        use.append((p, w))
+        total += w.numel() * w.element_size()
+        if total >= 2 * llc:
+            break
+    ms = [[0.0] * len(rows) for _ in hints]
+    with torch.inference_mode():
+        for j, m in enumerate(rows):
+            xs = {k: torch.randn(m, k) for k in {int(w.shape[1]) for _, w in use}}
+
+            def pass_with(h):
+                def f():
+                    for p, w in use:
+                        p.run_skinny(xs[int(w.shape[1])], weight=w, prefetch=h)
+                return f
+            fns = [pass_with(h) for h in hints]
+            for f in fns:
+                f()
+            times: list[list[float]] = [[] for _ in hints]
+            for _ in range(reps):
+                for t, f in zip(times, fns):
+                    t += _median_s(f, 1, clock)
+            for i, t in enumerate(times):
+                ms[i][j] = round(1e3 * statistics.median(t), 4)
+    best = min(range(len(hints)), key=lambda i: sum(ms[i]))
+    return {"hints": list(hints), "rows": list(rows), "ms": ms, "chosen": int(hints[best]), "layers": len(use)}
+
+
+def _prefetch_entry_valid(entry: dict) -> bool:
+    hints, rows, ms = entry["hints"], entry["rows"], entry["ms"]
+    return (list(hints) == list(PREFETCH_HINTS) and list(rows) == list(PREFETCH_ROWS) and entry["chosen"] in hints
+            and len(ms) == len(hints) and all(len(r) == len(rows) for r in ms))
+
+
+def tune_prefetch(projs: list, *, measure=measure_prefetch, fields: dict | None = None) -> tuple[int, str]:
+    """Set ``prefetch`` on every projection of ``projs``: forced by ``TOKENROUTER_SKINNY_PREFETCH``,
+    else this machine's stored choice (``skinny prefetch float32``), else measured (`measure_prefetch`
+    over those of ``projs`` that have their few-row kernel weight) and stored.
+
+    Returns:
+        (locality, source): source is ``forced (...)``, ``cached``, ``measured`` or ``measured
+        (not stored)``.
+
+    Raises:
+        ValueError: ``TOKENROUTER_SKINNY_PREFETCH`` holds an unknown value.
+    """
+    forced = forced_prefetch()
+    if forced is not None:
+        hint, source = forced, f"forced ({PREFETCH_ENV}={forced})"
+    else:
+        entry, source = choose(PREFETCH_KEY, lambda: measure(projs), _prefetch_entry_valid, fields=fields)
+        hint = int(entry["chosen"])
+    for p in projs:
+        p.prefetch = hint
+    return hint, source
+
+
+def describe_prefetch(key: str, entry) -> str | None:
+    """The line `tokenrouter info` prints for a stored prefetch choice (None for other keys)."""
+    if key != PREFETCH_KEY or not isinstance(entry, dict):
+        return None
+    try:
+        if not _prefetch_entry_valid(entry):
+            return None
+        times = "; ".join(f"{PREFETCH_NAMES.get(h, h)}: " + ", ".join(f"{r} row{'s' * (r > 1)} {v:.2f}"
+                                                                      for r, v in zip(entry["rows"], ms))
+                          for h, ms in zip(entry["hints"], entry["ms"]))
+        return (f"{key}: the few-row kernel prefetches {PREFETCH_NAMES.get(entry['chosen'], entry['chosen'])} "
+                f"(ms per pass over {entry.get('layers', '?')} projections: {times})")
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = None,
+                 prefetch=measure_prefetch) -> dict[str, PackRule]:
     """Set ``rule`` on every projection of ``projs`` that has a packed weight: forced by
     ``TOKENROUTER_PACKING``, else read from this machine's choices file, else measured
-    (`measure_group`) and stored. Projections are grouped by `group_key`.
+    (`measure_group`) and stored. Projections are grouped by `group_key`. When a group has its
+    few-row kernel weights, the kernel's prefetch is chosen first (`tune_prefetch`, measured by
+    ``prefetch``), and the kernel is timed with it.
 
     Returns:
         the rule per group key.
 
     Raises:
-        ValueError: ``TOKENROUTER_PACKING`` holds an unknown value.
+        ValueError: ``TOKENROUTER_PACKING`` or ``TOKENROUTER_SKINNY_PREFETCH`` holds an unknown value.
     """
     groups: dict[str, list] = {}
     for p in projs:
@@ -333,6 +461,8 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
     # whether every projection of a group has the kernel's weights as this call begins: a rule
     # made without them says nothing about the kernel
     fast = {k: all(getattr(p, "skinny", None) is not None for p in ps) for k, ps in groups.items()}
+    if any(fast.values()):
+        tune_prefetch([p for k, ps in groups.items() if fast[k] for p in ps], measure=prefetch, fields=fields)
     rules: dict[str, PackRule] = {}
     if forced is not None:
         rules = {k: PackRule.always(forced != "plain", f"forced ({PACKING_ENV}={forced})", forced == "skinny")
@@ -432,7 +562,7 @@ def report(fields: dict | None = None, describers: tuple = ()) -> list[str]:
         for key, entry in sorted(choices.items()):
             rule = _rule_of(entry) if isinstance(entry, dict) else None
             if rule is None:
-                text = next((t for t in (d(key, entry) for d in describers) if t), None)
+                text = next((t for t in (d(key, entry) for d in (describe_prefetch, *describers)) if t), None)
                 if text:
                     found += 1
                     lines.append(f"  {threads} thread(s), {text}")

@@ -91,6 +91,7 @@ class LayerCalls:
                 return None
             ws.append(w)
         ops = torch.ops.tokenrouter_cpu
+        pf = projs[0].prefetch  # one machine's measured locality: the same for every projection
         n0, n1 = norms[0].weight, norms[1].weight
         qk = [n.weight for n in norms[2:]]  # Qwen3's q/k norms, or none
         eps = [float(n.variance_epsilon) for n in norms]  # read at every call, as the loop's norms do
@@ -100,9 +101,9 @@ class LayerCalls:
             return ops.decoder_layer(x, [n0, ws[0], ws[1], n1, ws[2], ws[3], *qk], [q.bias for q in projs], eps,
                                      heads, cos, sin, kc, vc, fb.slot_mapping, kern.table, kern.q_start, kern.q_len,
                                      kern.kv_len, p.scale, cpu_kernel.CHUNK, p.window or 0, p.softcap or 0.0,
-                                     kern.backend.tile_from)
+                                     kern.backend.tile_from, pf)
         q, k, v = ops.layer_qkv(x, [n0, ws[0], *qk], projs[0].bias, [eps[0], *eps[2:]], heads, cos, sin, kc, vc,
-                                fb.slot_mapping)
+                                fb.slot_mapping, pf)
         y = attend_tokens(fb, layer, q, k, v, stored=True)
         return ops.layer_mlp(y.reshape(rows, -1), x, [ws[1], n1, ws[2], ws[3]],
-                             [projs[1].bias, projs[2].bias, projs[3].bias], eps[1], heads[3])
+                             [projs[1].bias, projs[2].bias, projs[3].bias], eps[1], heads[3], pf)

@@ -33,7 +33,9 @@ engine's own kernel (``csrc/skinny_gemm.cpp``: the weight packed into column blo
 streamed once, x's rows broadcast into register accumulators). On the 2-core AMD EPYC Zen 5 the
 30 layers' gate/up projections (212 MB) read at 62-64 GB/s through it at eight rows and 85-90 at
 one, against 48-49 and 65-66 GB/s through oneDNN's packed weights (one run, side by side). Whether it runs is measured
-like the others (`Projection.add_skinny` makes its weight; `autotune` times it).
+like the others (`Projection.add_skinny` makes its weight; `autotune` times it), and so is how it
+prefetches its weight stream (non-temporal on that EPYC; into L2 on a 2-core Intel Xeon, where
+the non-temporal prefetch reads at less than half the bandwidth).
 
 Memory: a packed projection holds one more copy of its weights (the model keeps its own, which
 the transformers forward, training and the naive reference read); a projection whose measured
@@ -87,6 +89,8 @@ class Projection:
         skinny: the merged weight packed for the few-row kernel (`add_skinny`), or None.
         rule: the `PackRule` that says, per step size (rows), whether ``packed`` runs (set by
             `tokenrouter_sdk.backends.autotune.tune_packing`; `DEFAULT_RULE` before).
+        prefetch: the few-row kernel's prefetch locality (0..3; it changes speed, not bits),
+            measured per machine by `tune_packing` (0, non-temporal, before).
         watched: the weights it was built from (`watch`); `stale` says whether one was replaced
             or changed in place, or a module gained or lost hooks, since (then the projection
             must be built again).
@@ -99,6 +103,7 @@ class Projection:
         self.sizes = [m.out_features if hasattr(m, "out_features") else None for m in self.mods]
         self.packed = self.bias = self.skinny = None
         self.rule = DEFAULT_RULE
+        self.prefetch = 0
         self.watched = self.watch()
         if not (self.plain and pack):
             return
@@ -184,14 +189,16 @@ class Projection:
         """``x`` [M, in] through the packed merged weight: [M, sum(sizes)]. Requires ``packed``."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def run_skinny(self, x: torch.Tensor, residual: torch.Tensor | None = None, weight=None) -> torch.Tensor:
+    def run_skinny(self, x: torch.Tensor, residual: torch.Tensor | None = None, weight=None,
+                   prefetch: int | None = None) -> torch.Tensor:
         """``x`` [M, in] through the few-row kernel's weight (``weight``, a ``skinny`` taken
         earlier, else ``skinny``), plus ``residual`` [M, sum(sizes)] when given: [M, sum(sizes)].
-        Requires one of them."""
+        Requires one of them. ``prefetch``: the kernel's prefetch locality (default ``self.prefetch``)."""
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
         w = self.skinny if weight is None else weight
-        return torch.ops.tokenrouter_cpu.skinny_linear(x, w, sum(self.sizes), self.bias, residual)
+        pf = self.prefetch if prefetch is None else prefetch
+        return torch.ops.tokenrouter_cpu.skinny_linear(x, w, sum(self.sizes), self.bias, residual, pf)
 
     def run_plain(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``x`` [M, in] through each module's own weight (or the module itself when it is not a

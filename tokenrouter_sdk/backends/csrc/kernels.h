@@ -19,7 +19,7 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u);
 // skinny_gemm.cpp
 at::Tensor skinny_pack(const at::Tensor& w);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const std::optional<at::Tensor>& bias,
-                         const std::optional<at::Tensor>& residual);
+                         const std::optional<at::Tensor>& residual, int64_t prefetch);
 
 // paged_attention.cpp
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,

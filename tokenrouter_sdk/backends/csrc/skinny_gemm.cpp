@@ -9,7 +9,14 @@
 // 2 M accumulators (M <= 8), prefetching the weight stream ahead; 9..16 rows take the block's two
 // halves in turn with M accumulators each (the second half's lines are the ones the first left).
 // One contiguous stream per task keeps the read at the bandwidth with 8 rows: two blocks of 16
-// read as two streams run 10-15% slower there (measured on a 2-core AMD EPYC VM). Tasks are
+// read as two streams run 10-15% slower there (measured on a 2-core AMD EPYC VM).
+//
+// The prefetch's locality (``prefetch``, __builtin_prefetch's 0..3) is the caller's: which one
+// streams fastest depends on the CPU. On a 2-core AMD EPYC (Zen 5) the non-temporal one (0,
+// prefetchnta) reads at the bandwidth; on a 2-core Intel Xeon (family 6 model 207) it reads at
+// less than half of it (one row: 43 against 17 ms over SmolLM2-135M's 538 MB of weights), where
+// prefetching into L2 (2, prefetcht1) reads at the bandwidth and the hardware's L2 streamer
+// joins in. tokenrouter_sdk/backends/autotune.py measures the candidates on the machine. Tasks are
 // spread over torch's thread pool (at::parallel_for, so torch.set_num_threads and core lending
 // apply). Rows beyond 16 run in chunks of 16, all chunks on one block before the next (the
 // block then comes from memory once), until a blocked GEMM (oneDNN) does better; which path
@@ -24,6 +31,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -97,15 +105,15 @@ inline void put(const Args& a, int m, int64_t n, v16 v) {
 }
 
 // out[:, n0 .. n0+31] = x w (+ bias, + residual), w one block [K, 32]: both halves in one pass.
-template <int M>
+template <int M, int L>
 inline void both_halves(const Args& a, const float* w, int64_t n0) {
   const float* x = a.x;
   const int64_t ldx = a.ldx, K = a.K;
   v16 a0[M], a1[M];
   for (int m = 0; m < M; ++m) a0[m] = a1[m] = (v16){};
   for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(w + (k + kAhead) * kCols, 0, 0);
-    __builtin_prefetch(w + (k + kAhead) * kCols + kLane, 0, 0);
+    __builtin_prefetch(w + (k + kAhead) * kCols, 0, L);
+    __builtin_prefetch(w + (k + kAhead) * kCols + kLane, 0, L);
     const v16 b0 = *reinterpret_cast<const v16*>(w + k * kCols);
     const v16 b1 = *reinterpret_cast<const v16*>(w + k * kCols + kLane);
 #pragma GCC unroll 8
@@ -122,7 +130,7 @@ inline void both_halves(const Args& a, const float* w, int64_t n0) {
 }
 
 // The same with one half of the block at a time (M accumulators: for 9..16 rows).
-template <int M>
+template <int M, int L>
 inline void one_half_at_a_time(const Args& a, const float* w, int64_t n0) {
   const float* x = a.x;
   const int64_t ldx = a.ldx, K = a.K;
@@ -130,7 +138,7 @@ inline void one_half_at_a_time(const Args& a, const float* w, int64_t n0) {
     v16 a0[M];
     for (int m = 0; m < M; ++m) a0[m] = (v16){};
     for (int64_t k = 0; k < K; ++k) {
-      __builtin_prefetch(w + (k + kAhead) * kCols + h, 0, 0);
+      __builtin_prefetch(w + (k + kAhead) * kCols + h, 0, L);
       const v16 b0 = *reinterpret_cast<const v16*>(w + k * kCols + h);
 #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) a0[m] += x[m * ldx + k] * b0;
@@ -139,20 +147,26 @@ inline void one_half_at_a_time(const Args& a, const float* w, int64_t n0) {
   }
 }
 
-// Block b of the weight (columns b*32 .. b*32+31) against the M rows of a.
-template <int M>
+// Block b of the weight (columns b*32 .. b*32+31) against the M rows of a, prefetching with
+// locality L.
+template <int M, int L>
 void block(const Args& a, int64_t b) {
   if constexpr (M <= 8) {
-    both_halves<M>(a, a.wp + b * a.K * kCols, b * kCols);
+    both_halves<M, L>(a, a.wp + b * a.K * kCols, b * kCols);
   } else {
-    one_half_at_a_time<M>(a, a.wp + b * a.K * kCols, b * kCols);
+    one_half_at_a_time<M, L>(a, a.wp + b * a.K * kCols, b * kCols);
   }
 }
 
 using BlockFn = void (*)(const Args&, int64_t);
-constexpr BlockFn kBlock[17] = {nullptr, block<1>, block<2>, block<3>, block<4>, block<5>, block<6>,
-                                block<7>, block<8>, block<9>, block<10>, block<11>, block<12>,
-                                block<13>, block<14>, block<15>, block<16>};
+template <int L>
+constexpr std::array<BlockFn, 17> blocks() {
+  return {nullptr, block<1, L>, block<2, L>, block<3, L>, block<4, L>, block<5, L>, block<6, L>,
+          block<7, L>, block<8, L>, block<9, L>, block<10, L>, block<11, L>, block<12, L>,
+          block<13, L>, block<14, L>, block<15, L>, block<16, L>};
+}
+// kBlock[locality][rows]
+constexpr std::array<std::array<BlockFn, 17>, 4> kBlock = {blocks<0>(), blocks<1>(), blocks<2>(), blocks<3>()};
 
 }  // namespace
 
@@ -178,9 +192,11 @@ at::Tensor skinny_pack(const at::Tensor& w) {
 }
 
 // x [M, K] float32; wp from skinny_pack of a [n, K] weight; bias [n] or none; residual [M, n]
-// (unit stride in n) or none. Returns a new [M, n].
+// (unit stride in n) or none; prefetch: the locality of the weight stream's prefetch, 0..3 (as
+// __builtin_prefetch's; the same bits whichever). Returns a new [M, n].
 at::Tensor skinny_linear(const at::Tensor& x_, const at::Tensor& wp, int64_t n, const std::optional<at::Tensor>& bias,
-                         const std::optional<at::Tensor>& residual) {
+                         const std::optional<at::Tensor>& residual, int64_t prefetch) {
+  TORCH_CHECK(prefetch >= 0 && prefetch <= 3, "skinny_linear: prefetch must be a locality of 0..3, got ", prefetch);
   TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat && x_.device().is_cpu(),
               "skinny_linear: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(wp.dim() == 3 && wp.size(2) == kCols && wp.size(1) == x_.size(1) && wp.size(0) * kCols >= n &&
@@ -210,9 +226,10 @@ at::Tensor skinny_linear(const at::Tensor& x_, const at::Tensor& wp, int64_t n, 
                              r ? r->data_ptr<float>() + m0 * r->stride(0) : nullptr, r ? r->stride(0) : 0,
                              out.data_ptr<float>() + m0 * n, n});
   const int64_t nb = (n + kCols - 1) / kCols;
+  const auto& fns = kBlock[prefetch];
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk)
-      for (const auto& [mm, a] : chunks) kBlock[mm](a, blk);
+      for (const auto& [mm, a] : chunks) fns[mm](a, blk);
   });
   return out;
 }
@@ -221,7 +238,7 @@ at::Tensor skinny_linear(const at::Tensor& x_, const at::Tensor& wp, int64_t n, 
 
 TORCH_LIBRARY_FRAGMENT(tokenrouter_cpu, m) {
   m.def("skinny_pack(Tensor w) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor wp, int n, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor wp, int n, Tensor? bias=None, Tensor? residual=None, int prefetch=0) -> Tensor");
   m.impl("skinny_pack", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::skinny_pack));
   m.impl("skinny_linear", c10::DispatchKey::CPU, TORCH_FN(tokenrouter_cpu::skinny_linear));
 }
