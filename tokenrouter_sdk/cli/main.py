@@ -165,7 +165,8 @@ def cmd_demo(args) -> int:
 
 def cmd_info(args) -> int:
     """Print versions, torch threads, the cache folder, the data file found and the choices
-    measured on this machine (`tokenrouter_sdk.backends.autotune`: GEMM paths;
+    measured on this machine (`tokenrouter_sdk.backends.autotune`: GEMM paths and the few-row
+    kernel's prefetch;
     `tokenrouter_sdk.backends.attention.kernel_choice`: the CPU kernel's extend limit and where it
     scores 16 keys at a time)."""
     import platform
