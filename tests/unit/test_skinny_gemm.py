@@ -128,7 +128,7 @@ def test_forced_skinny_runs_the_kernel_and_gives_the_logits_of_the_transformers_
         torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=1e-5)
         assert out.logits.argmax(-1).tolist() == want.logits.argmax(-1).tolist()
     stored = A.load_choices(A.machine_fields())  # forced: no path or prefetch measured, none stored
-    assert not any(k.startswith("packing") for k in stored) and A.PREFETCH_KEY not in stored
+    assert not any(k.startswith(("packing", A.PREFETCH_KEY)) for k in stored)
 
 
 class FakeMeasure:
@@ -173,7 +173,7 @@ def test_an_entry_measured_without_the_kernel_is_measured_again_once_it_is_there
     assert all(r.describe() == "skinny at 1-8, packed at 16-128 rows" for r in rules.values())
     stored = json.loads(A.choices_path(fields).read_text())["choices"]
     assert all("skinny_ms" in e for k, e in stored.items() if k.startswith("packing"))
-    assert stored[A.PREFETCH_KEY]["chosen"] in A.PREFETCH_HINTS  # measured once the kernel was there
+    assert stored[A.prefetch_key(projs)]["chosen"] in A.PREFETCH_HINTS  # measured once the kernel was there
     cached = FakeMeasure(upto=1)
     A.tune_packing(projs, measure=cached, fields=fields)
     assert cached.calls == [] and all(p.path(8) == "skinny" for p in projs)
@@ -357,7 +357,7 @@ def test_the_prefetch_is_measured_once_stored_read_back_and_runs_in_every_path(s
     assert again.calls == 0 and all(p.prefetch == 2 for p in projs)  # read back
     from tokenrouter_sdk.cli.main import main
     assert main(["info"]) == 0
-    assert "skinny prefetch float32: the few-row kernel prefetches into L2" in capsys.readouterr().out
+    assert f"{A.prefetch_key(projs)}: the few-row kernel prefetches into L2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("damage", ["chosen", "hints", "ms", "type", "foreign"])
@@ -367,7 +367,8 @@ def test_a_broken_or_foreign_prefetch_entry_is_measured_again(store, ops, damage
     A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields, prefetch=FakePrefetch(2))
     path = A.choices_path(fields)
     data = json.loads(path.read_text())
-    e = data["choices"][A.PREFETCH_KEY]
+    key = A.prefetch_key(projs)
+    e = data["choices"][key]
     if damage == "chosen":
         e["chosen"] = 5
     elif damage == "hints":
@@ -375,13 +376,13 @@ def test_a_broken_or_foreign_prefetch_entry_is_measured_again(store, ops, damage
     elif damage == "ms":
         e["ms"] = [[1.0]]
     elif damage == "type":
-        data["choices"][A.PREFETCH_KEY] = "into L2"
+        data["choices"][key] = "into L2"
     path.write_text(json.dumps(data))
     other = dict(fields, cpu="another CPU") if damage == "foreign" else fields
     again = FakePrefetch(0)
     A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=other, prefetch=again)
     assert again.calls == 1 and all(p.prefetch == 0 for p in projs)
-    assert A.load_choices(other)[A.PREFETCH_KEY]["chosen"] == 0
+    assert A.load_choices(other)[key]["chosen"] == 0
 
 
 def test_a_forced_prefetch_is_honoured_and_an_unknown_one_refused(store, ops, monkeypatch):
@@ -390,7 +391,7 @@ def test_a_forced_prefetch_is_honoured_and_an_unknown_one_refused(store, ops, mo
     never = FakePrefetch(0)
     A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=A.machine_fields(), prefetch=never)
     assert never.calls == 0 and all(p.prefetch == 3 for p in projs)
-    assert A.PREFETCH_KEY not in A.load_choices(A.machine_fields())
+    assert not any(k.startswith(A.PREFETCH_KEY) for k in A.load_choices(A.machine_fields()))
     monkeypatch.setenv(A.PREFETCH_ENV, "nta")
     with pytest.raises(ValueError, match="TOKENROUTER_SKINNY_PREFETCH='nta': accepted values are auto, 0"):
         A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=A.machine_fields(), prefetch=never)
@@ -403,7 +404,7 @@ def test_a_runner_measures_the_prefetch_for_real_and_its_steps_keep_their_bits(s
     ids = list(range(5, 13))
     runner = _runner(kernels="wait")
     out = _step(runner, ids)
-    e = A.load_choices(A.machine_fields())[A.PREFETCH_KEY]
+    e = A.load_choices(A.machine_fields())[A.prefetch_key(runner._native.projections)]
     assert e["chosen"] in A.PREFETCH_HINTS and all(v > 0 for ms in e["ms"] for v in ms)
     assert all(p.prefetch == e["chosen"] and p.path(len(ids)) == "skinny" for p in runner._native.projections)
     for h in range(4):
@@ -441,3 +442,24 @@ def test_the_kernel_is_chosen_within_its_margin_of_the_fastest_path(ops, monkeyp
     entry = A.measure_group(group, clock=clock, llc_bytes=1 << 40)
     assert entry["skinny"] == [chosen] * len(A.BUCKETS) and entry["packed"] == [True] * len(A.BUCKETS)
     assert entry["skinny_ms"][0] == pytest.approx(1e3 * skinny_cost * len(group))
+
+
+def test_models_of_another_size_keep_their_own_prefetch_choice(store, ops):
+    """A model small enough to stay in the caches measures a tie: its choice must not decide for
+    a model that streams from memory, so each count and size of projections has its own entry."""
+    small = _kernel_projections()
+    fields = A.machine_fields()
+    A.tune_packing(small, measure=FakeMeasure(upto=8), fields=fields, prefetch=FakePrefetch(0))
+    model = tiny_model(num_layers=5, seed=7, dtype=torch.float32)
+    runner = TorchRunner(model, max_kv_tokens=256, kernels="off")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(A.PACKING_ENV, "packed")
+        _step(runner, [5, 6, 7])
+    bigger = runner._native.projections
+    assert all(p.add_skinny(torch.ops.tokenrouter_cpu) for p in bigger)
+    assert A.prefetch_key(bigger) != A.prefetch_key(small)
+    other = FakePrefetch(2)
+    A.tune_packing(bigger, measure=FakeMeasure(upto=8), fields=fields, prefetch=other)
+    assert other.calls == 1 and all(p.prefetch == 2 for p in bigger) and all(p.prefetch == 0 for p in small)
+    stored = A.load_choices(fields)
+    assert stored[A.prefetch_key(small)]["chosen"] == 0 and stored[A.prefetch_key(bigger)]["chosen"] == 2

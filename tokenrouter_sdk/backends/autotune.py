@@ -42,9 +42,11 @@ The few-row kernel's prefetch: how the kernel prefetches its weight stream (the 
 faster depends on the CPU: on a 2-core AMD EPYC (Zen 5) the non-temporal prefetch reads at the
 bandwidth; on a 2-core Intel Xeon (family 6 model 207) it reads SmolLM2-135M's 538 MB of weights
 in 43 ms at one row, where the prefetch into L2 takes 17 (and 26 against 19 ms at 8 rows). So it is
-measured once per machine (`tune_prefetch`: every candidate over the model's float32 projections
-at 1 and 8 rows, about 0.2-0.5 s) before the paths, whose kernel timings use it; stored as
-``skinny prefetch float32``; ``TOKENROUTER_SKINNY_PREFETCH=0..3`` forces it.
+measured once per machine and model size (`tune_prefetch`: every candidate over the model's
+float32 projections at 1 and 8 rows, about 0.2-0.5 s) before the paths, whose kernel timings use
+it; stored as ``skinny prefetch float32 <n> projections <MB> MB`` (a model small enough to stay in
+the caches measures a tie that says nothing of one that streams from memory, so each size keeps
+its own); ``TOKENROUTER_SKINNY_PREFETCH=0..3`` forces it.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ PREFETCH_ENV = "TOKENROUTER_SKINNY_PREFETCH"
 PREFETCH_HINTS = (0, 2)  # the candidates: non-temporal (prefetchnta), into L2 (prefetcht1)
 PREFETCH_NAMES = {0: "non-temporal", 1: "into L3", 2: "into L2", 3: "into L1"}
 PREFETCH_ROWS = (1, 8)
-PREFETCH_KEY = "skinny prefetch float32"
-FORMAT = 3  # the layout and rules of a choices file; a file of another format is measured again
+PREFETCH_KEY = "skinny prefetch float32"  # the prefix of a stored prefetch choice's key (`prefetch_key`)
+FORMAT = 4  # the layout and rules of a choices file; a file of another format is measured again
 # the few-row kernel is chosen where it is within this factor of the fastest path: where every
 # projection of a layer takes it, the layer runs as one C++ call (`fused_layers`)
 SKINNY_MARGIN = 1.05
@@ -409,10 +411,19 @@ def _prefetch_entry_valid(entry: dict) -> bool:
             and len(ms) == len(hints) and all(len(r) == len(rows) for r in ms))
 
 
+def prefetch_key(projs: list) -> str:
+    """The key of the stored prefetch choice for these projections: ``skinny prefetch float32 <n>
+    projections <MB> MB`` (those with their few-row kernel weight)."""
+    ws = [w for p in projs if (w := getattr(p, "skinny", None)) is not None]
+    mb = sum(w.numel() * w.element_size() for w in ws) >> 20
+    return f"{PREFETCH_KEY} {len(ws)} projections {mb} MB"
+
+
 def tune_prefetch(projs: list, *, measure=measure_prefetch, fields: dict | None = None) -> tuple[int, str]:
     """Set ``prefetch`` on every projection of ``projs``: forced by ``TOKENROUTER_SKINNY_PREFETCH``,
-    else this machine's stored choice (``skinny prefetch float32``), else measured (`measure_prefetch`
-    over those of ``projs`` that have their few-row kernel weight) and stored.
+    else this machine's stored choice for projections of this count and size (`prefetch_key`),
+    else measured (`measure_prefetch` over those of ``projs`` that have their few-row kernel
+    weight) and stored.
 
     Returns:
         (locality, source): source is ``forced (...)``, ``cached``, ``measured`` or ``measured
@@ -425,7 +436,7 @@ def tune_prefetch(projs: list, *, measure=measure_prefetch, fields: dict | None 
     if forced is not None:
         hint, source = forced, f"forced ({PREFETCH_ENV}={forced})"
     else:
-        entry, source = choose(PREFETCH_KEY, lambda: measure(projs), _prefetch_entry_valid, fields=fields)
+        entry, source = choose(prefetch_key(projs), lambda: measure(projs), _prefetch_entry_valid, fields=fields)
         hint = int(entry["chosen"])
     for p in projs:
         p.prefetch = hint
@@ -434,7 +445,7 @@ def tune_prefetch(projs: list, *, measure=measure_prefetch, fields: dict | None 
 
 def describe_prefetch(key: str, entry) -> str | None:
     """The line `tokenrouter info` prints for a stored prefetch choice (None for other keys)."""
-    if key != PREFETCH_KEY or not isinstance(entry, dict):
+    if not key.startswith(PREFETCH_KEY + " ") or not isinstance(entry, dict):
         return None
     try:
         if not _prefetch_entry_valid(entry):
