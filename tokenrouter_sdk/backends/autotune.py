@@ -276,6 +276,18 @@ def _median_s(fn: Callable[[], object], reps: int, clock=time.perf_counter) -> l
     return out
 
 
+def _interleaved_ms(fns: list, reps: int, clock=time.perf_counter) -> list[float]:
+    """The median ms of each of ``fns`` over ``reps`` timed calls, after one untimed call each;
+    the calls interleaved, so that a drift of the machine hits every candidate alike."""
+    for f in fns:
+        f()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for t, f in zip(times, fns):
+            t += _median_s(f, 1, clock)
+    return [1e3 * statistics.median(t) for t in times]
+
+
 def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: int | None = None,
                   clock=time.perf_counter) -> dict:
     """Time the packed and the plain path of a group of same-shape projections at each bucket.
@@ -320,17 +332,11 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
             def skinny():
                 for p, sw in zip(use, weights):
                     p.run_skinny(x, weight=sw)
-            paths = [packed, plain] + ([skinny] if with_skinny else [])
-            for f in paths:
-                f()
-            times: list[list[float]] = [[] for _ in paths]
-            for _ in range(reps):  # interleaved: a drift of the machine hits every path alike
-                for t, f in zip(times, paths):
-                    t += _median_s(f, 1, clock)
-            packed_ms.append(1e3 * statistics.median(times[0]))
-            plain_ms.append(1e3 * statistics.median(times[1]))
+            ms = _interleaved_ms([packed, plain] + ([skinny] if with_skinny else []), reps, clock)
+            packed_ms.append(ms[0])
+            plain_ms.append(ms[1])
             if with_skinny:
-                skinny_ms.append(1e3 * statistics.median(times[2]))
+                skinny_ms.append(ms[2])
     out = {"buckets": list(buckets), "packed": [a < b for a, b in zip(packed_ms, plain_ms)],
            "packed_ms": [round(v, 4) for v in packed_ms], "plain_ms": [round(v, 4) for v in plain_ms], "layers": n}
     if with_skinny:
@@ -392,15 +398,8 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
                     for p, w in use:
                         p.run_skinny(xs[int(w.shape[1])], weight=w, prefetch=h)
                 return f
-            fns = [pass_with(h) for h in hints]
-            for f in fns:
-                f()
-            times: list[list[float]] = [[] for _ in hints]
-            for _ in range(reps):
-                for t, f in zip(times, fns):
-                    t += _median_s(f, 1, clock)
-            for i, t in enumerate(times):
-                ms[i][j] = round(1e3 * statistics.median(t), 4)
+            for i, v in enumerate(_interleaved_ms([pass_with(h) for h in hints], reps, clock)):
+                ms[i][j] = round(v, 4)
     best = min(range(len(hints)), key=lambda i: sum(ms[i]))
     return {"hints": list(hints), "rows": list(rows), "ms": ms, "chosen": int(hints[best]), "layers": len(use)}
 
