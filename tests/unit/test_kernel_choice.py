@@ -188,17 +188,19 @@ def test_the_tile_choice_is_measured_once_forced_or_refused(store, monkeypatch):
     assert K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=fake) == (6, "measured")
     assert K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=fake) == (6, "cached")
     assert K.tile_choice(None, 9, 3, 64, torch.float64, 30, measure_fn=fake) == (0, "no tiles for float64")
+    assert K.tile_choice(None, 9, 3, 64, torch.float16, 30, measure_fn=fake) == (0, "no tiles for float16")
+    assert K.tile_choice(None, 9, 3, 64, torch.bfloat16, 30, measure_fn=fake) == (6, "measured")  # its own entry
     with monkeypatch.context() as mp:  # a CPU without AVX-512: the kernel has no tiles there
         mp.setattr(A, "cpu_flags", lambda: {"avx2", "fma"})
         assert K.tile_choice(None, 4, 2, 16, torch.float32, 2, measure_fn=fake) == (0, "no tiles without AVX-512")
-    assert fake.calls == 1
+    assert fake.calls == 2
     monkeypatch.setenv(K.TILES_ENV, "0")
     assert K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=fake) == (0, f"forced ({K.TILES_ENV}=0)")
     for bad in ("-1", "some"):
         monkeypatch.setenv(K.TILES_ENV, bad)
         with pytest.raises(ValueError, match=K.TILES_ENV):
             K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=fake)
-    assert fake.calls == 1
+    assert fake.calls == 2
 
 
 def test_a_tile_entry_its_timings_do_not_give_is_measured_again(store):
@@ -214,22 +216,24 @@ def test_a_tile_entry_its_timings_do_not_give_is_measured_again(store):
     assert fake.calls == 1
 
 
-def test_a_real_tile_measurement_times_both_score_paths(store, op):
-    entry = K.measure_tiles(op, 4, 2, 16, torch.float32, 2, buckets=(2, 8), reps=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_real_tile_measurement_times_both_score_paths(store, op, dtype):
+    entry = K.measure_tiles(op, 4, 2, 16, dtype, 2, buckets=(2, 8), reps=2)
     assert entry["buckets"] == [2, 8] and all(t > 0 for t in entry["tiles_ms"] + entry["keys_ms"])
     assert entry["tiles"] == [a < b for a, b in zip(entry["tiles_ms"], entry["keys_ms"])]
     assert entry["tile_from"] == K.tile_from_of([2, 8], entry["tiles"])
 
 
-def test_a_float32_runner_measures_its_tiles_then_its_limit_with_them(store, op):
-    model = tiny_model(num_layers=2, seed=4, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float32_or_bfloat16_runner_measures_its_tiles_then_its_limit_with_them(store, op, dtype):
+    model = tiny_model(num_layers=2, seed=4, dtype=dtype)
     r = TorchRunner(model, max_kv_tokens=256, kernels="wait")
     t: list[int] = []
     blocks_of(r).ensure(t, 8)
     r.forward([SeqInput([5, 6, 7], 0, t)])
     tiles, source = r.kernel_tiles
     stored = A.load_choices(A.machine_fields())
-    shape = (model.config.num_attention_heads, r.pool.k.shape[-2], r.pool.k.shape[-1], torch.float32, 2)
+    shape = (model.config.num_attention_heads, r.pool.k.shape[-2], r.pool.k.shape[-1], dtype, 2)
     if "avx512f" in A.cpu_flags():
         assert source == "measured" and tiles in (0, *K.TILE_BUCKETS)
         assert stored[K.tiles_key(*shape)]["tile_from"] == tiles

@@ -55,7 +55,7 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / n
 HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("vec_math.h", "kernels.h"))  # included by the sources
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)  # links libgomp by its soname: the process uses the copy torch loaded
-DTYPES = (torch.float32, torch.float64)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # pools the in-place attention reads
 
 
 class _Build:
@@ -217,7 +217,8 @@ def paged_attention_op(wait: bool = False, timeout: float | None = None):
     q_len, kv_len, scale, chunk=0, window=0, softcap=0.0, tile_from=4)`` once loaded, else None
     (`start` is called).
 
-    The op: ``q`` and ``out`` [T, H, D] (contiguous, float32 or float64, CPU); ``k_pool`` and
+    The op: ``q`` and ``out`` [T, H, D] (contiguous, float32, float64 or bfloat16, CPU: bfloat16
+    computed in float32 on the widened values and rounded once); ``k_pool`` and
     ``v_pool`` one layer's pool [slots, Hkv, D]; ``table`` [R, Lmax] int64: request r's key
     position l is in slot ``table[r, l]``; ``q_start``, ``q_len``, ``kv_len`` [R] int64: request
     r's queries are rows ``q_start[r]`` to ``q_start[r] + q_len[r] - 1`` of ``q`` and its query t
@@ -225,7 +226,7 @@ def paged_attention_op(wait: bool = False, timeout: float | None = None):
     keys per split-K task (0: the kernel picks, two tasks per thread at least, at most 2,048
     keys); ``window``: each query sees its last ``window`` keys (0: all); ``softcap``: scores
     capped to ``softcap * tanh(s / softcap)`` (0: none); ``tile_from``: a request of this many
-    queries or more (0: none) is scored 16 keys at a time (float32 with AVX-512: the same bits,
+    queries or more (0: none) is scored 16 keys at a time (float32 and bfloat16 with AVX-512: the same bits,
     faster for long extends; `kernel_choice.tile_choice` measures where). It writes those rows of
     ``out`` (others untouched). Raises RuntimeError on shapes, dtypes or lengths that do not fit.
 

@@ -166,7 +166,7 @@ class TorchRunner:
             has none; ``"transformers"``: the model's own transformers forward (no packed copy of
             the weights). Compiled and CUDA-graph steps run the transformers forward.
         kernels: the engine's C++ CPU kernels (`tokenrouter_sdk.backends.cpu_kernels`), for a
-            model on a CPU with float32 or float64 weights: decode and short-extend queries (at
+            model on a CPU with float32, float64 or bfloat16 weights: decode and short-extend queries (at
             most `cpu_kernel.MAX_QUERIES` tokens) attend their cached keys in place in the pool,
             with no per-step gather; float32 native steps also run their norms, rotary embedding
             and SiLU gating as fused ops. ``"auto"`` (default): once built, in the background from

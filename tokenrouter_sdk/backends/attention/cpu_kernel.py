@@ -1,8 +1,9 @@
 """The CPU kernel backend: decode and short-extend queries attend their cached keys in place in
 the pool (``csrc/paged_attention.cpp`` via `tokenrouter_sdk.backends.cpu_kernels`: no per-step
 gather, split-K over torch's thread pool), with the layer's window (only keys inside it are read:
-a decode at context 8,000 in a 512-key window reads 512 keys), soft-cap and scale. Float32 and
-float64 pools on a CPU; the step's other requests go to the gather backend."""
+a decode at context 8,000 in a 512-key window reads 512 keys), soft-cap and scale. Float32, float64
+and bfloat16 pools on a CPU (bfloat16 computed in float32 on the widened values); the step's other
+requests go to the gather backend."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ Kept in the machine's choices file (`tokenrouter_sdk.backends.autotune.choose`) 
 default) measures.
 
 The kernel's own second choice, from how many queries a request is scored 16 keys at a time
-(float32: the same bits as a dot per key; fewer loads and shuffles per score, but the tile order
+(float32 and bfloat16: the same bits as a dot per key; fewer loads and shuffles per score, but the tile order
 streams keys from memory more slowly, so it pays only with enough queries): measured by
 `measure_tiles` in the same step, each of `TILE_BUCKETS` with the extend's scores tiled and not,
 interleaved; ``tile_from`` is the smallest bucket from which tiles win at every larger bucket (0:
@@ -239,8 +239,9 @@ def tile_choice(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, lay
                 measure_fn=measure_tiles, fields: dict | None = None) -> tuple[int, str]:
     """From how many queries the kernel scores a request 16 keys at a time, for a model of these
     shapes: forced by ``TOKENROUTER_KERNEL_TILES``, else this machine's stored choice, else
-    measured and stored. Only float32 pools on a CPU with AVX-512 have tiles (the kernel is built
-    for the machine): another dtype or CPU gets 0 unmeasured.
+    measured and stored. Only float32 and bfloat16 pools on a CPU with AVX-512 have tiles (the
+    kernel is built for the machine; a bfloat16 tile's key rows are widened to float32 first):
+    another dtype or CPU gets 0 unmeasured.
 
     Returns:
         (queries >= 1, or 0: never; source: ``forced (...)``, ``cached``, ``measured``,
@@ -252,7 +253,7 @@ def tile_choice(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, lay
     forced = forced_tiles()
     if forced is not None:
         return forced, f"forced ({TILES_ENV}={forced})"
-    if dtype != torch.float32:
+    if dtype not in (torch.float32, torch.bfloat16):
         return 0, f"no tiles for {str(dtype).removeprefix('torch.')}"
     if "avx512f" not in autotune.cpu_flags():
         return 0, "no tiles without AVX-512"

@@ -11,6 +11,12 @@
 // attn_logit_softcapping), in that order, as transformers' eager attention computes them.
 // Grouped-query attention: query head h reads KV head h / (H / Hkv), as transformers' repeat_kv.
 //
+// dtypes: float64, float32, and bfloat16 (q, out and the pools; the computation in float32 on the
+// widened values, which a bfloat16 holds exactly, and the output rounded to bfloat16 once: the bits
+// of the float32 kernel, without tiles, run on the widened inputs). A bfloat16 pool is read in
+// place at half the bytes of a float32 one, where a gather would copy every request's keys and
+// values out of the pool at every step.
+//
 // Split-K (flash-decoding, Dao et al. 2023): each (request, chunk of keys) is one task of
 // at::parallel_for (torch's own thread pool); a task reads each of its keys' pool rows once,
 // all heads together (a row is contiguous: Hkv * D values), prefetching a few keys ahead both
@@ -26,10 +32,13 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -51,6 +60,28 @@ template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(T)); o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
+// 16 stored values as float32 lanes: a float32 load, or bfloat16 values widened (exact: a
+// bfloat16 is the upper half of a float32's bits)
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
+inline v16 load16(const c10::BFloat16* p) {
+  v16 r;
+#if defined(__AVX512F__)
+  __m512 w = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  std::memcpy(&r, &w, sizeof(r));
+#else
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
+#endif
+  return r;
+}
+
+// n stored values as float32 (exact)
+inline void widen(const c10::BFloat16* p, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) *reinterpret_cast<v16*>(out + i) = load16(p + i);
+  for (; i < n; ++i) out[i] = static_cast<float>(p[i]);
 }
 
 // the sum of v's 16 lanes: lanes 8 apart, then 4, 2 and 1 apart
@@ -121,8 +152,8 @@ struct Keys {
 // would load and store every head's sums.
 constexpr int64_t kTile = 32;
 
-template <int NV>
-void value_sums(const Shape& sh, const float* vc, const int64_t* slots, int64_t l0, int64_t q_len, const float* s,
+template <int NV, typename S>
+void value_sums(const Shape& sh, const S* vc, const int64_t* slots, int64_t l0, int64_t q_len, const float* s,
                 float* part, const Keys& keys) {
   constexpr int HP = std::min(8, std::max(1, 24 / NV));
   const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, P = D + 2;
@@ -141,10 +172,10 @@ void value_sums(const Shape& sh, const float* vc, const int64_t* slots, int64_t 
             for (int i = 0; i < NV; ++i)
               acc[j][i] = j < nh ? *reinterpret_cast<const v16*>(out + j * P + i * kLane) : (v16){};
           for (int64_t l = t0; l < t1; ++l) {
-            const float* vp = vc + slots[l0 + l] * row + kvh * D;
+            const S* vp = vc + slots[l0 + l] * row + kvh * D;
             v16 vv[NV];
 #pragma GCC unroll 8
-            for (int i = 0; i < NV; ++i) vv[i] = *reinterpret_cast<const v16*>(vp + i * kLane);
+            for (int i = 0; i < NV; ++i) vv[i] = load16(vp + i * kLane);
 #pragma GCC unroll 8
             for (int j = 0; j < HP; ++j) {
               if (j < nh) {
@@ -164,24 +195,34 @@ void value_sums(const Shape& sh, const float* vc, const int64_t* slots, int64_t 
   }
 }
 
-using ValueSumsFn = void (*)(const Shape&, const float*, const int64_t*, int64_t, int64_t, const float*, float*,
+template <typename S>
+using ValueSumsFn = void (*)(const Shape&, const S*, const int64_t*, int64_t, int64_t, const float*, float*,
                              const Keys&);
-constexpr ValueSumsFn kValueSums[9] = {nullptr, value_sums<1>, value_sums<2>, value_sums<3>, value_sums<4>,
-                                       value_sums<5>, value_sums<6>, value_sums<7>, value_sums<8>};
+template <typename S>
+constexpr ValueSumsFn<S> kValueSums[9] = {nullptr,          value_sums<1, S>, value_sums<2, S>,
+                                          value_sums<3, S>, value_sums<4, S>, value_sums<5, S>,
+                                          value_sums<6, S>, value_sums<7, S>, value_sums<8, S>};
 
 // The scores of one task, a dot per key: st[h * C + l] = (q_t[h] . k_l) * mul for each query t
 // and the keys l it sees, keys read in order, each row once for all queries, the key and value
 // rows fetched kPrefetchKeys keys ahead.
-template <typename T>
-void key_scores(const Shape& sh, const T* q, const T* kc, const T* vc, const int64_t* slots, int64_t q_len,
+template <typename T, typename S>
+void key_scores(const Shape& sh, const T* q, const S* kc, const S* vc, const int64_t* slots, int64_t q_len,
                 int64_t l0, T mul, T* s, const Keys& keys) {
   const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, n = keys.n;
+  std::vector<T> wide(std::is_same_v<S, T> ? 0 : row);  // a key row widened once for all its heads
   for (int64_t l = 0; l < n; ++l) {
     if (l + kPrefetchKeys < n) {
       prefetch_row(kc + slots[l0 + l + kPrefetchKeys] * row, row);
       prefetch_row(vc + slots[l0 + l + kPrefetchKeys] * row, row);
     }
-    const T* kr = kc + slots[l0 + l] * row;
+    const T* kr;
+    if constexpr (std::is_same_v<S, T>) {
+      kr = kc + slots[l0 + l] * row;
+    } else {
+      widen(kc + slots[l0 + l] * row, wide.data(), row);
+      kr = wide.data();
+    }
     for (int64_t t = 0; t < q_len; ++t) {
       if (l >= keys.seen(t) || l < keys.from(t)) continue;
       const T* qt = q + t * H * D;
@@ -250,18 +291,26 @@ inline void score16(const float* q, const float* const* k, int64_t ko, float mul
 // where the tile order reads them more slowly, and few queries leave too little work per key to
 // make up for it (cold pools, 30 layers, 2-core AMD EPYC: tiles 5% faster at 4 queries, 23-36% at
 // 8-32, 5-23% slower at 2-3); the runner measures the crossover per machine (`kernel_choice`).
-template <int NV>
-void tile_scores(const Shape& sh, const float* q, const float* kc, const float* vc, const int64_t* slots,
+template <int NV, typename S>
+void tile_scores(const Shape& sh, const float* q, const S* kc, const S* vc, const int64_t* slots,
                  int64_t q_len, int64_t l0, float mul, float* s, const Keys& keys) {
   const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, n = keys.n;
   const float* kr[16];
+  std::vector<float> wide(std::is_same_v<S, float> ? 0 : 16 * row);  // a tile's key rows widened
   for (int64_t l = 0; l < n; l += 16) {
     const int64_t e = std::min(n, l + 16);
     for (int64_t m = e; m < std::min(n, e + 16); ++m) {
       prefetch_row(kc + slots[l0 + m] * row, row);
       prefetch_row(vc + slots[l0 + m] * row, row);
     }
-    for (int64_t m = l; m < e; ++m) kr[m - l] = kc + slots[l0 + m] * row;
+    for (int64_t m = l; m < e; ++m) {
+      if constexpr (std::is_same_v<S, float>) {
+        kr[m - l] = kc + slots[l0 + m] * row;
+      } else {
+        widen(kc + slots[l0 + m] * row, wide.data() + (m - l) * row, row);
+        kr[m - l] = wide.data() + (m - l) * row;
+      }
+    }
     for (int64_t t = 0; t < q_len; ++t) {
       const int64_t a = std::max(keys.from(t), l), b = std::min(keys.seen(t), e);
       if (a >= b) continue;
@@ -278,16 +327,19 @@ void tile_scores(const Shape& sh, const float* q, const float* kc, const float* 
   }
 }
 
-using ScoresFn = void (*)(const Shape&, const float*, const float*, const float*, const int64_t*, int64_t, int64_t,
-                          float, float*, const Keys&);
-constexpr ScoresFn kTileScores[9] = {nullptr,         tile_scores<1>, tile_scores<2>, tile_scores<3>, tile_scores<4>,
-                                     tile_scores<5>, tile_scores<6>, tile_scores<7>, tile_scores<8>};
+template <typename S>
+using ScoresFn = void (*)(const Shape&, const float*, const S*, const S*, const int64_t*, int64_t, int64_t, float,
+                          float*, const Keys&);
+template <typename S>
+constexpr ScoresFn<S> kTileScores[9] = {nullptr,           tile_scores<1, S>, tile_scores<2, S>,
+                                        tile_scores<3, S>, tile_scores<4, S>, tile_scores<5, S>,
+                                        tile_scores<6, S>, tile_scores<7, S>, tile_scores<8, S>};
 #endif
 
-// One task: request r's queries against keys [l0, l1). part holds, per (query t, head h),
-// D + 2 values: max score, sum of exponentials, then the exp-weighted values.
-template <typename T>
-void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const int64_t* slots,
+// One task: request r's queries (as T) against keys [l0, l1) of pools stored as S. part holds, per
+// (query t, head h), D + 2 values: max score, sum of exponentials, then the exp-weighted values.
+template <typename T, typename S>
+void attend_chunk(const Shape& sh, const T* q, const S* kc, const S* vc, const int64_t* slots,
                   int64_t q_len, int64_t kv_len, int64_t l0, int64_t l1, T scale, T cap, T* s, T* part) {
   const int64_t H = sh.H, D = sh.D, g = H / sh.Hkv, row = sh.Hkv * D, C = sh.C, P = D + 2;
   const int64_t n = std::max<int64_t>(l1 - l0, 0);
@@ -298,10 +350,10 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
 #if defined(__AVX512F__)
   if constexpr (sizeof(T) == 4) {
     tiled = sh.tile_from > 0 && q_len >= sh.tile_from && D % kLane == 0 && D / kLane <= 8;
-    if (tiled) kTileScores[D / kLane](sh, q, kc, vc, slots, q_len, l0, mul, s, keys);
+    if (tiled) kTileScores<S>[D / kLane](sh, q, kc, vc, slots, q_len, l0, mul, s, keys);
   }
 #endif
-  if (!tiled) key_scores<T>(sh, q, kc, vc, slots, q_len, l0, mul, s, keys);
+  if (!tiled) key_scores<T, S>(sh, q, kc, vc, slots, q_len, l0, mul, s, keys);
   for (int64_t t = 0; t < q_len; ++t) {
     const int64_t a = keys.from(t), b = std::max(keys.seen(t), a);
     for (int64_t h = 0; h < H; ++h) {
@@ -327,29 +379,32 @@ void attend_chunk(const Shape& sh, const T* q, const T* kc, const T* vc, const i
   }
   if constexpr (sizeof(T) == 4) {
     if (D % kLane == 0 && D / kLane <= 8) {
-      kValueSums[D / kLane](sh, vc, slots, l0, q_len, s, part, keys);
+      kValueSums<S>[D / kLane](sh, vc, slots, l0, q_len, s, part, keys);
       return;
     }
   }
   for (int64_t l = 0; l < n; ++l) {
     if (l + kPrefetchKeys < n) prefetch_row(vc + slots[l0 + l + kPrefetchKeys] * row, row);
-    const T* vr = vc + slots[l0 + l] * row;
+    const S* vr = vc + slots[l0 + l] * row;
     for (int64_t t = 0; t < q_len; ++t) {
       if (l >= keys.seen(t) || l < keys.from(t)) continue;
       for (int64_t h = 0; h < H; ++h) {
         const T p = s[(t * H + h) * C + l];
-        const T* vp = vr + (h / g) * D;
+        const S* vp = vr + (h / g) * D;
         T* acc = part + (t * H + h) * P + 2;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += p * vp[d];
+        for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<T>(vp[d]);
       }
     }
   }
 }
 
-template <typename T>
-void attend(const Shape& sh, T* out, const T* q, const T* kc, const T* vc, const int64_t* table,
+// T: the arithmetic's type; S: q's, out's and the pools' (T, or bfloat16 with T float32: a request's
+// queries are widened once per task, its output rows rounded once)
+template <typename T, typename S>
+void attend(const Shape& sh, S* out, const S* q, const S* kc, const S* vc, const int64_t* table,
             const int64_t* q_start, const int64_t* q_len, const int64_t* kv_len, int64_t R, T scale, T cap) {
+  constexpr bool kSame = std::is_same_v<S, T>;
   const int64_t H = sh.H, D = sh.D, P = D + 2, nc = sh.nc;
   // request r's parts: nc chunks x q_len[r] queries x H heads x P values, from offset[r]
   std::vector<int64_t> offset(R + 1, 0);
@@ -357,14 +412,24 @@ void attend(const Shape& sh, T* out, const T* q, const T* kc, const T* vc, const
   std::vector<T> parts(offset[R]);
   at::parallel_for(0, R * nc, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> s(sh.Qmax * H * sh.C);
+    std::vector<T> qw(kSame ? 0 : sh.Qmax * H * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / nc, c = task % nc, l0 = first_key(q_len[r], kv_len[r], sh.W) + c * sh.C;
       const int64_t l1 = std::min(kv_len[r], l0 + sh.C);
-      attend_chunk<T>(sh, q + q_start[r] * H * D, kc, vc, table + r * sh.Lmax, q_len[r], kv_len[r], l0, l1,
-                      scale, cap, s.data(), parts.data() + offset[r] + c * q_len[r] * H * P);
+      const S* qr = q + q_start[r] * H * D;
+      const T* qt;
+      if constexpr (kSame) {
+        qt = qr;
+      } else {
+        for (int64_t i = 0; i < q_len[r] * H * D; ++i) qw[i] = static_cast<T>(qr[i]);
+        qt = qw.data();
+      }
+      attend_chunk<T, S>(sh, qt, kc, vc, table + r * sh.Lmax, q_len[r], kv_len[r], l0, l1, scale, cap, s.data(),
+                         parts.data() + offset[r] + c * q_len[r] * H * P);
     }
   });
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> ow(kSame ? 0 : D);
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t th = 0; th < q_len[r] * H; ++th) {
         T m = -INFINITY;
@@ -373,7 +438,9 @@ void attend(const Shape& sh, T* out, const T* q, const T* kc, const T* vc, const
           const T* p = parts.data() + offset[r] + c * stride + th * P;
           if (p[1] > 0) m = std::max(m, p[0]);
         }
-        T* o = out + q_start[r] * H * D + th * D;
+        S* os = out + q_start[r] * H * D + th * D;
+        T* o;
+        if constexpr (kSame) o = os; else o = ow.data();
         std::fill(o, o + D, T(0));
         T z = 0;
         for (int64_t c = 0; c < nc; ++c) {
@@ -387,6 +454,8 @@ void attend(const Shape& sh, T* out, const T* q, const T* kc, const T* vc, const
         const T inv = T(1) / z;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        if constexpr (!kSame)
+          for (int64_t d = 0; d < D; ++d) os[d] = static_cast<S>(o[d]);
       }
     }
   });
@@ -407,7 +476,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   table.is_contiguous(), "q, out, k_pool, v_pool and table must be contiguous");
   const auto dt = q.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "paged_attention supports float32 and float64, got ", dt);
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16,
+              "paged_attention supports float32, float64 and bfloat16, got ", dt);
   TORCH_CHECK(out.scalar_type() == dt && k_pool.scalar_type() == dt && v_pool.scalar_type() == dt,
               "q, out and the pools must share one dtype");
   for (const auto* t : {&table, &q_start, &q_len, &kv_len})
@@ -434,11 +504,17 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_po
   sh.C = chunk > 0 ? chunk : std::clamp<int64_t>(((span + want - 1) / want + 15) / 16 * 16, 32, kMaxChunk);
   sh.nc = (span + sh.C - 1) / sh.C;
   if (dt == at::kFloat)
-    attend<float>(sh, out.data_ptr<float>(), q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-                  table.data_ptr<int64_t>(), qs, ql, kl, R, static_cast<float>(scale), static_cast<float>(softcap));
+    attend<float, float>(sh, out.data_ptr<float>(), q.data_ptr<float>(), k_pool.data_ptr<float>(),
+                         v_pool.data_ptr<float>(), table.data_ptr<int64_t>(), qs, ql, kl, R, static_cast<float>(scale),
+                         static_cast<float>(softcap));
+  else if (dt == at::kBFloat16)
+    attend<float, c10::BFloat16>(sh, out.data_ptr<c10::BFloat16>(), q.data_ptr<c10::BFloat16>(),
+                                 k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(),
+                                 table.data_ptr<int64_t>(), qs, ql, kl, R, static_cast<float>(scale),
+                                 static_cast<float>(softcap));
   else
-    attend<double>(sh, out.data_ptr<double>(), q.data_ptr<double>(), k_pool.data_ptr<double>(),
-                   v_pool.data_ptr<double>(), table.data_ptr<int64_t>(), qs, ql, kl, R, scale, softcap);
+    attend<double, double>(sh, out.data_ptr<double>(), q.data_ptr<double>(), k_pool.data_ptr<double>(),
+                           v_pool.data_ptr<double>(), table.data_ptr<int64_t>(), qs, ql, kl, R, scale, softcap);
 }
 
 // Write a step's new keys and values into one layer's pool: k_pool[slots[t]] = k[t], the same
@@ -454,9 +530,9 @@ void store_kv(at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots, con
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "store_kv: slots must be a contiguous int64 [T]");
   const auto dt = k_pool.scalar_type();
-  TORCH_CHECK((dt == at::kFloat || dt == at::kDouble) && v_pool.scalar_type() == dt && k.scalar_type() == dt &&
-                  v.scalar_type() == dt,
-              "store_kv: the pools, k and v must share one dtype, float32 or float64");
+  TORCH_CHECK((dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16) && v_pool.scalar_type() == dt &&
+                  k.scalar_type() == dt && v.scalar_type() == dt,
+              "store_kv: the pools, k and v must share one dtype, float32, float64 or bfloat16");
   TORCH_CHECK(k_pool.device().is_cpu() && k.device().is_cpu() && slots.device().is_cpu(), "store_kv runs on the CPU");
   const int64_t T = k.size(0), H = k.size(1), D = k.size(2), S = k_pool.size(0);
   const int64_t* sl = slots.data_ptr<int64_t>();
