@@ -13,9 +13,9 @@
 //
 // dtypes: float64, float32, and bfloat16 (q, out and the pools; the computation in float32 on the
 // widened values, which a bfloat16 holds exactly, and the output rounded to bfloat16 once: the bits
-// of the float32 kernel, without tiles, run on the widened inputs). A bfloat16 pool is read in
-// place at half the bytes of a float32 one, where a gather would copy every request's keys and
-// values out of the pool at every step.
+// of the float32 kernel run on the widened inputs; each key row is widened once for all its heads).
+// A bfloat16 pool is read in place at half the bytes of a float32 one, where a gather would copy
+// every request's keys and values out of the pool at every step.
 //
 // Split-K (flash-decoding, Dao et al. 2023): each (request, chunk of keys) is one task of
 // at::parallel_for (torch's own thread pool); a task reads each of its keys' pool rows once,
@@ -25,8 +25,8 @@
 // otherwise), and keeps per query head the running max, the sum of exponentials and the
 // weighted values; the chunks are merged by their log-sum-exp. Chunks tile each request's keys from the
 // first one its window reaches, so a windowed layer reads W + q_len - 1 keys at most. A task of
-// tile_from queries or more (0: none) scores its keys 16 at a time (float32 with AVX-512), with
-// the same bits as the per-key loop.
+// tile_from queries or more (0: none) scores its keys 16 at a time (float32 and bfloat16 with
+// AVX-512; a bfloat16 tile's key rows widened first), with the same bits as the per-key loop.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
