@@ -282,12 +282,16 @@ def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtyp
 @pytest.mark.parametrize("model_impl", ["native", "transformers"])
 def test_bfloat16_steps_with_the_kernel_are_as_close_to_float64_as_the_aten_steps(op, model_impl, monkeypatch):
     """A bfloat16 model's steps (prefill, decodes, extends in the kernel and past it) attend in
-    place with the kernel, and their logits are as close to the float64 steps of the same weights
-    as the gather path's bfloat16 steps (worst and mean error within 1.5x of theirs), at every step."""
+    place with the kernel (native steps also run the fused bfloat16 step ops), and their logits are
+    as close to the float64 steps of the same weights as the ATen bfloat16 steps (worst and mean
+    error within 1.5x of theirs), at every step."""
     calls = []
     real = cpu_kernel.CpuKernel.attend
     monkeypatch.setattr(cpu_kernel.CpuKernel, "attend",
                         lambda self, kern, *a: calls.append(kern.q_len.tolist()) or real(self, kern, *a))
+    norms = []
+    real_norm = cpu_kernels.StepOps.rms_norm
+    monkeypatch.setattr(cpu_kernels.StepOps, "rms_norm", staticmethod(lambda x, n: norms.append(x.dtype) or real_norm(x, n)))
     monkeypatch.setenv(kernel_choice.ENV, str(cpu_kernel.MAX_QUERIES))
     monkeypatch.setenv(kernel_choice.TILES_ENV, "4")
     model = tiny_model(num_layers=3, seed=21, dtype=torch.bfloat16)
@@ -309,6 +313,7 @@ def test_bfloat16_steps_with_the_kernel_are_as_close_to_float64_as_the_aten_step
         assert err["wait"].mean() <= 1.5 * err["off"].mean() + 1e-4, (err["wait"].mean(), err["off"].mean())
         starts = [s + len(f) for s, f in zip(starts, feed)]
     assert any(n == 1 for c in calls for n in c) and any(n > 1 for c in calls for n in c), calls
+    assert (set(norms) == {torch.bfloat16}) == (model_impl == "native"), norms  # the fused step ops: native steps
 
 
 def test_kernels_choice_is_checked_and_passed_on(pair, tok):
@@ -348,10 +353,46 @@ def test_step_ops_equal_their_aten_formulas(op):
     gu = torch.randn(3, 2 * 40, generator=g)
     gate, up = gu.split(40, -1)
     torch.testing.assert_close(ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.silu_mul(gate.double(), up.double())
     with pytest.raises(RuntimeError, match="even head size"):
         ops.rope(torch.randn(2, 1, 5), torch.randn(2, 5), torch.randn(2, 5))
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The most bfloat16 steps between a and b (bfloat16 tensors of finite values), element-wise:
+    the distance of their bit patterns as ordered integers."""
+    def ordered(t):
+        i = t.view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -32768 - i, i)
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+def test_bfloat16_step_ops_take_the_roundings_of_the_aten_ops(op):
+    """bfloat16 step ops: rope has the ATen formula's bits (each product rounded, then the sum);
+    rms_norm equals the native forward's bfloat16 RMSNorm and silu_mul ATen's bfloat16 SiLU then
+    product within one bfloat16 step (their float32 parts add in another order), almost
+    everywhere the same bits; a float32 weight for a bfloat16 row is refused by name."""
+    from tokenrouter_sdk.backends.native_forward import rms_norm as aten_rms_norm
+    ops = cpu_kernels.step_ops()
+    g = torch.Generator().manual_seed(6)
+    bf = torch.bfloat16
+    t = torch.randn(6, 10, 3, 64, generator=g).to(bf)[:, :, 1]                 # [T, H, D], strided rows
+    cos, sin = torch.randn(6, 64, generator=g).to(bf), torch.randn(6, 64, generator=g).to(bf)
+    out = ops.rope(t, cos, sin)
+    assert out.dtype == bf and out.is_contiguous()
+    assert torch.equal(out, t * cos[:, None] + torch.roll(t, 32, -1) * sin[:, None])
+    norm = torch.nn.Module()
+    norm.weight, norm.variance_epsilon = torch.randn(576, generator=g).to(bf), 1e-5
+    x = (torch.randn(9, 3 * 576, generator=g) * 3).to(bf)[:, 576:1152]      # rows with a stride
+    got, want = ops.rms_norm(x, norm), aten_rms_norm(x, norm)
+    assert got.dtype == bf and _bf16_ulps(got, want) <= 1 and (got == want).float().mean() > 0.99
+    gu = (torch.randn(8, 2 * 1536, generator=g) * 4).to(bf)
+    gate, up = gu.split(1536, -1)
+    got, want = ops.silu_mul(gate, up), torch.nn.functional.silu(gate).mul_(up)
+    assert got.dtype == bf and _bf16_ulps(got, want) <= 1 and (got == want).float().mean() > 0.99
+    with pytest.raises(RuntimeError, match="of the first input's dtype"):
+        ops.rms_norm(x, type("N", (), {"weight": norm.weight.float(), "variance_epsilon": 1e-5})())
 
 
 def test_silu_gating_is_accurate_over_the_whole_float_range(op):

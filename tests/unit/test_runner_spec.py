@@ -176,8 +176,10 @@ def test_prefetch_starts_the_kernel_build_only_where_the_kernels_apply(small_pai
     TorchRunnerSpec(large).prefetch()
     assert started == [1]
     TorchRunnerSpec(large, kernels="off").prefetch()
-    TorchRunnerSpec(tiny_model(num_layers=1, seed=3).to(torch.bfloat16)).prefetch()
+    TorchRunnerSpec(tiny_model(num_layers=1, seed=3).to(torch.float16)).prefetch()  # no kernel takes float16
     assert started == [1]
+    TorchRunnerSpec(tiny_model(num_layers=1, seed=3).to(torch.bfloat16)).prefetch()
+    assert started == [1, 1]
 
 
 def test_the_router_prefetches_its_runner_specs(small_pair, tok, monkeypatch):

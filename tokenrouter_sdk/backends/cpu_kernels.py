@@ -1,7 +1,7 @@
 """The engine's C++ CPU kernels, built with `torch.utils.cpp_extension` at first use:
 ``csrc/paged_attention.cpp``, paged attention that reads keys and values in place from the KV
 pool and the one-call store of a step's new keys and values into it, ``csrc/step_ops.cpp``, the
-fused float32 norm, rotary and SiLU-gating ops of the
+fused float32 and bfloat16 norm, rotary and SiLU-gating ops of the
 native forward's eager steps (`StepOps`), and ``csrc/skinny_gemm.cpp``, float32 projections of a
 few rows over a weight packed for them (`tokenrouter_sdk.backends.projection`; whether they run
 is measured, `tokenrouter_sdk.backends.autotune`), and ``csrc/decoder_layer.cpp``, a whole decoder
@@ -56,6 +56,7 @@ HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("vec_math.h", "ke
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)  # links libgomp by its soname: the process uses the copy torch loaded
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # pools the in-place attention reads
+STEP_DTYPES = (torch.float32, torch.bfloat16)  # what the fused step ops take
 
 
 class _Build:
@@ -241,14 +242,16 @@ def paged_attention_op(wait: bool = False, timeout: float | None = None):
 
 
 class StepOps:
-    """The fused float32 ops of the native forward's eager steps (``csrc/step_ops.cpp``), in the
+    """The fused float32 and bfloat16 ops of the native forward's eager steps (``csrc/step_ops.cpp``;
+    bfloat16 with the roundings of the ATen ops they replace), in the
     form `tokenrouter_sdk.backends.native_forward.decoder_step` calls them. Each replaces several
     ATen calls (RMSNorm alone is about eight), whose fixed cost is most of the time between a
     decode step's GEMMs."""
 
     @staticmethod
     def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-        """``norm(x)`` of a Llama-family RMSNorm: x [..., C] float32; returns a new [..., C]."""
+        """``norm(x)`` of a Llama-family RMSNorm: x [..., C] float32 or bfloat16 (the weight's
+        dtype); returns a new [..., C]."""
         return torch.ops.tokenrouter_cpu.rms_norm(x, norm.weight, float(norm.variance_epsilon))
 
     @staticmethod

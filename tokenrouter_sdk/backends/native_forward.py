@@ -213,7 +213,7 @@ class NativeForward:
                  between=None, ops=None):
         """One step: ids [T] token ids, pos [T] positions, last [B] each request's last packed
         index, ``fb`` the step's `ForwardBatch`; ``between``: called between two layers; ``ops``:
-        fused float32 CPU ops (`tokenrouter_sdk.backends.cpu_kernels.step_ops`) or None. Returns
+        fused float32 or bfloat16 CPU ops (`tokenrouter_sdk.backends.cpu_kernels.step_ops`) or None. Returns
         (logits [B, V], hidden [B, H], the final hidden states of every fed position [T, H] when
         ``want_all``, else None). Call `prepare` first."""
         if ops is not None and not self._skinny_tuned:
@@ -246,7 +246,7 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
         ops: None (ATen ops), or fused ops for the work between the GEMMs, with ``rms_norm(x,
             norm)``, ``rope(t [T, H, D], cos [T, D], sin [T, D])`` (sin with rotate_half's signs
             folded in) and ``silu_mul(g, u)`` (`tokenrouter_sdk.backends.cpu_kernels.StepOps`:
-            float32 on a CPU; equal to the ATen ops within float32 rounding).
+            float32 or bfloat16 on a CPU; equal to the ATen ops within rounding).
         fused: None, or with ``ops``: ``fused(i, x [T, C], cos [T, D], sin [T, D])`` runs layer
             ``i`` in one call and returns its output, or returns None for the loop to run it
             (`tokenrouter_sdk.backends.fused_layers.LayerCalls.run`: the same kernels, the same bits).

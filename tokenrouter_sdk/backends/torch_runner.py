@@ -168,8 +168,8 @@ class TorchRunner:
         kernels: the engine's C++ CPU kernels (`tokenrouter_sdk.backends.cpu_kernels`), for a
             model on a CPU with float32, float64 or bfloat16 weights: decode and short-extend queries (at
             most `cpu_kernel.MAX_QUERIES` tokens) attend their cached keys in place in the pool,
-            with no per-step gather; float32 native steps also run their norms, rotary embedding
-            and SiLU gating as fused ops. ``"auto"`` (default): once built, in the background from
+            with no per-step gather; float32 and bfloat16 native steps also run their norms, rotary
+            embedding and SiLU gating as fused ops. ``"auto"`` (default): once built, in the background from
             the first construction in a process (the first build takes about 15-25 s on 2 cores;
             later processes load it from the disk cache in a fraction of a second), and ATen ops
             (gather + SDPA) until then or where they cannot be built; ``"wait"``: the first step
@@ -407,8 +407,8 @@ class TorchRunner:
         return op
 
     def _step_ops(self):
-        """The fused float32 ops of a native eager step (`cpu_kernels.StepOps`), or None."""
-        if self.dtype != torch.float32 or self._kernel() is None:
+        """The fused float32 or bfloat16 ops of a native eager step (`cpu_kernels.StepOps`), or None."""
+        if self.dtype not in cpu_kernels.STEP_DTYPES or self._kernel() is None:
             return None
         return cpu_kernels.step_ops()
 

@@ -1,6 +1,13 @@
-// Fused float32 operations of the native forward's eager step on a CPU (the work between its
-// GEMMs): each replaces several ATen calls, whose per-call cost dominates at decode sizes
-// (a few rows of 576-2048 values).
+// Fused operations of the native forward's eager step on a CPU (the work between its GEMMs), in
+// float32 or bfloat16: each replaces several ATen calls, whose per-call cost dominates at decode
+// sizes (a few rows of 576-2048 values).
+//
+// bfloat16 tensors take the roundings of the ATen ops they replace (the native forward's bfloat16
+// arithmetic, as transformers' modules compute it): rms_norm's statistics and normalised row in
+// float32, the row rounded to bfloat16 and then scaled by the weight (a bfloat16 product);
+// rope's two products each rounded to bfloat16, then their sum (the same bits as the ATen ops:
+// a product of two bfloat16 values is exact in float32); silu_mul's SiLU rounded to bfloat16, then
+// the product with u.
 //
 //   rms_norm(x [N, C], w [C], eps) -> [N, C]: w * x / sqrt(mean(x^2) + eps) per row (the
 //     Llama-family RMSNorm; statistics in float32, as transformers computes them).
@@ -14,16 +21,33 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels.h"
 #include "vec_math.h"
 
 namespace {
 
-void check_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+// t is a CPU tensor of dtype dt (float32 or bfloat16)
+void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dt) {
+  TORCH_CHECK(t.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16) && t.scalar_type() == dt, name,
+              " must be a float32 or bfloat16 CPU tensor of the first input's dtype, got ", t.scalar_type());
+}
+
+using bf16 = c10::BFloat16;
+
+// v rounded to T's precision (a no-op for float)
+template <typename T>
+inline float round_to(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return static_cast<float>(static_cast<T>(v));
+  }
 }
 
 int64_t grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row, 1)); }
@@ -32,84 +56,112 @@ int64_t grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_
 
 namespace tokenrouter_cpu {
 
+template <typename T>
+void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t N, int64_t C, float e) {
+  at::parallel_for(0, N, grain(C), [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      const T* r = xp + i * C;
+      float ss = 0;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t c = 0; c < C; ++c) ss += static_cast<float>(r[c]) * static_cast<float>(r[c]);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(C) + e);
+      T* o = op + i * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c)
+        o[c] = static_cast<T>(static_cast<float>(wp[c]) * round_to<T>(static_cast<float>(r[c]) * inv));
+    }
+  });
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_f32(x, "x");
-  check_f32(w, "w");
+  const auto dt = x.scalar_type();
+  check_dtype(x, "x", dt);
+  check_dtype(w, "w", dt);
   const int64_t C = x.size(-1);
   TORCH_CHECK(w.numel() == C && w.is_contiguous(), "w must be contiguous with x.size(-1) values");
   auto xc = x.contiguous();
   auto out = at::empty(xc.sizes(), xc.options());
   const int64_t N = xc.numel() / C;
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, N, grain(C), [&](int64_t b, int64_t end) {
-    for (int64_t i = b; i < end; ++i) {
-      const float* r = xp + i * C;
-      float ss = 0;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t c = 0; c < C; ++c) ss += r[c] * r[c];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(C) + e);
-      float* o = op + i * C;
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) o[c] = wp[c] * (r[c] * inv);
-    }
-  });
+  if (dt == at::kFloat)
+    rms_norm_rows<float>(xc.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), N, C, e);
+  else
+    rms_norm_rows<bf16>(xc.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<bf16>(), N, C, e);
   return out;
 }
 
+template <typename T>
+void rope_rows(const T* xp, const T* cp, const T* sp, T* op, int64_t T_, int64_t H, int64_t D, int64_t s0,
+               int64_t s1) {
+  const int64_t half = D / 2;
+  // a * b rounded to T, as one ATen product of T tensors
+  auto mul = [](T a, T b) { return round_to<T>(static_cast<float>(a) * static_cast<float>(b)); };
+  at::parallel_for(0, T_ * H, grain(D), [&](int64_t b, int64_t end) {
+    for (int64_t th = b; th < end; ++th) {
+      const int64_t t = th / H, h = th % H;
+      const T* r = xp + t * s0 + h * s1;
+      const T* c = cp + t * D;
+      const T* s = sp + t * D;
+      T* o = op + th * D;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) o[d] = static_cast<T>(mul(r[d], c[d]) + mul(r[d + half], s[d]));
+#pragma omp simd
+      for (int64_t d = half; d < D; ++d) o[d] = static_cast<T>(mul(r[d], c[d]) + mul(r[d - half], s[d]));
+    }
+  });
+}
+
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_f32(x, "x");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
+  const auto dt = x.scalar_type();
+  check_dtype(x, "x", dt);
+  check_dtype(cos, "cos", dt);
+  check_dtype(sin, "sin", dt);
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, H, D] with unit stride in D");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
   TORCH_CHECK(D % 2 == 0, "rope needs an even head size, got ", D);
   auto cc = cos.contiguous(), sc = sin.contiguous();
   TORCH_CHECK(cc.numel() == T * D && sc.numel() == T * D, "cos and sin must hold [T, D] values");
   auto out = at::empty({T, H, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* cp = cc.data_ptr<float>();
-  const float* sp = sc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  at::parallel_for(0, T * H, grain(D), [&](int64_t b, int64_t end) {
-    for (int64_t th = b; th < end; ++th) {
-      const int64_t t = th / H, h = th % H;
-      const float* r = xp + t * s0 + h * s1;
-      const float* c = cp + t * D;
-      const float* s = sp + t * D;
-      float* o = op + th * D;
-#pragma omp simd
-      for (int64_t d = 0; d < half; ++d) o[d] = r[d] * c[d] + r[d + half] * s[d];
-#pragma omp simd
-      for (int64_t d = half; d < D; ++d) o[d] = r[d] * c[d] + r[d - half] * s[d];
-    }
-  });
+  if (dt == at::kFloat)
+    rope_rows<float>(x.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<float>(), T, H,
+                     D, s0, s1);
+  else
+    rope_rows<bf16>(x.data_ptr<bf16>(), cc.data_ptr<bf16>(), sc.data_ptr<bf16>(), out.data_ptr<bf16>(), T, H, D,
+                    s0, s1);
   return out;
 }
 
+template <typename T>
+void silu_mul_rows(const T* gp, const T* up, T* op, int64_t N, int64_t F, int64_t gs, int64_t us) {
+  at::parallel_for(0, N, grain(F), [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      const T* gr = gp + i * gs;
+      const T* ur = up + i * us;
+      T* o = op + i * F;
+#pragma omp simd
+      for (int64_t f = 0; f < F; ++f) {
+        const float g = static_cast<float>(gr[f]);
+        o[f] = static_cast<T>(round_to<T>(g / (1.0f + tokenrouter_cpu::exp_f32(-g))) * static_cast<float>(ur[f]));
+      }
+    }
+  });
+}
+
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
-  check_f32(g, "g");
-  check_f32(u, "u");
+  const auto dt = g.scalar_type();
+  check_dtype(g, "g", dt);
+  check_dtype(u, "u", dt);
   TORCH_CHECK(g.sizes() == u.sizes() && g.dim() == 2 && g.stride(1) == 1 && u.stride(1) == 1,
               "g and u must be [N, F] of one shape with unit stride in F");
   const int64_t N = g.size(0), F = g.size(1);
   auto out = at::empty({N, F}, g.options());
-  const float* gp = g.data_ptr<float>();
-  const float* up = u.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t gs = g.stride(0), us = u.stride(0);
-  at::parallel_for(0, N, grain(F), [&](int64_t b, int64_t end) {
-    for (int64_t i = b; i < end; ++i) {
-      const float* gr = gp + i * gs;
-      const float* ur = up + i * us;
-      float* o = op + i * F;
-#pragma omp simd
-      for (int64_t f = 0; f < F; ++f) o[f] = gr[f] / (1.0f + tokenrouter_cpu::exp_f32(-gr[f])) * ur[f];
-    }
-  });
+  if (dt == at::kFloat)
+    silu_mul_rows<float>(g.data_ptr<float>(), u.data_ptr<float>(), out.data_ptr<float>(), N, F, g.stride(0),
+                         u.stride(0));
+  else
+    silu_mul_rows<bf16>(g.data_ptr<bf16>(), u.data_ptr<bf16>(), out.data_ptr<bf16>(), N, F, g.stride(0),
+                        u.stride(0));
   return out;
 }
 
