@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels.h"
@@ -40,14 +41,44 @@ void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dt) {
 
 using bf16 = c10::BFloat16;
 
+// bfloat16 conversions the compiler vectorizes inside `#pragma omp simd` loops (c10::BFloat16's
+// own are scalar): the bits of c10's round-to-nearest-even, a NaN as 0x7FC0
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : static_cast<uint16_t>(r);
+}
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// T's values as float32 and back; T's storage as the loops index it (bfloat16 as its 16 bits)
+template <typename T>
+using Raw = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+template <typename T>
+inline float ld(Raw<T> v) {
+  if constexpr (std::is_same_v<T, float>) return v; else return bf16_float(v);
+}
+template <typename T>
+inline Raw<T> st(float v) {
+  if constexpr (std::is_same_v<T, float>) return v; else return bf16_bits(v);
+}
 // v rounded to T's precision (a no-op for float)
 template <typename T>
 inline float round_to(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return static_cast<float>(static_cast<T>(v));
-  }
+  if constexpr (std::is_same_v<T, float>) return v; else return bf16_float(bf16_bits(v));
+}
+template <typename T>
+inline const Raw<T>* raw(const at::Tensor& t) {
+  return reinterpret_cast<const Raw<T>*>(t.data_ptr());
+}
+template <typename T>
+inline Raw<T>* raw_out(at::Tensor& t) {
+  return reinterpret_cast<Raw<T>*>(t.data_ptr());
 }
 
 int64_t grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row, 1)); }
@@ -57,18 +88,17 @@ int64_t grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_
 namespace tokenrouter_cpu {
 
 template <typename T>
-void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t N, int64_t C, float e) {
+void rms_norm_rows(const Raw<T>* xp, const Raw<T>* wp, Raw<T>* op, int64_t N, int64_t C, float e) {
   at::parallel_for(0, N, grain(C), [&](int64_t b, int64_t end) {
     for (int64_t i = b; i < end; ++i) {
-      const T* r = xp + i * C;
+      const Raw<T>* r = xp + i * C;
       float ss = 0;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t c = 0; c < C; ++c) ss += static_cast<float>(r[c]) * static_cast<float>(r[c]);
+      for (int64_t c = 0; c < C; ++c) ss += ld<T>(r[c]) * ld<T>(r[c]);
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(C) + e);
-      T* o = op + i * C;
+      Raw<T>* o = op + i * C;
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c)
-        o[c] = static_cast<T>(static_cast<float>(wp[c]) * round_to<T>(static_cast<float>(r[c]) * inv));
+      for (int64_t c = 0; c < C; ++c) o[c] = st<T>(ld<T>(wp[c]) * round_to<T>(ld<T>(r[c]) * inv));
     }
   });
 }
@@ -84,29 +114,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t N = xc.numel() / C;
   const float e = static_cast<float>(eps);
   if (dt == at::kFloat)
-    rms_norm_rows<float>(xc.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), N, C, e);
+    rms_norm_rows<float>(raw<float>(xc), raw<float>(w), raw_out<float>(out), N, C, e);
   else
-    rms_norm_rows<bf16>(xc.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<bf16>(), N, C, e);
+    rms_norm_rows<bf16>(raw<bf16>(xc), raw<bf16>(w), raw_out<bf16>(out), N, C, e);
   return out;
 }
 
 template <typename T>
-void rope_rows(const T* xp, const T* cp, const T* sp, T* op, int64_t T_, int64_t H, int64_t D, int64_t s0,
-               int64_t s1) {
+void rope_rows(const Raw<T>* xp, const Raw<T>* cp, const Raw<T>* sp, Raw<T>* op, int64_t T_, int64_t H, int64_t D,
+               int64_t s0, int64_t s1) {
   const int64_t half = D / 2;
-  // a * b rounded to T, as one ATen product of T tensors
-  auto mul = [](T a, T b) { return round_to<T>(static_cast<float>(a) * static_cast<float>(b)); };
   at::parallel_for(0, T_ * H, grain(D), [&](int64_t b, int64_t end) {
     for (int64_t th = b; th < end; ++th) {
       const int64_t t = th / H, h = th % H;
-      const T* r = xp + t * s0 + h * s1;
-      const T* c = cp + t * D;
-      const T* s = sp + t * D;
-      T* o = op + th * D;
+      const Raw<T>* r = xp + t * s0 + h * s1;
+      const Raw<T>* c = cp + t * D;
+      const Raw<T>* s = sp + t * D;
+      Raw<T>* o = op + th * D;
+      // each product rounded to T, as one ATen product of T tensors, then their sum
 #pragma omp simd
-      for (int64_t d = 0; d < half; ++d) o[d] = static_cast<T>(mul(r[d], c[d]) + mul(r[d + half], s[d]));
+      for (int64_t d = 0; d < half; ++d)
+        o[d] = st<T>(round_to<T>(ld<T>(r[d]) * ld<T>(c[d])) + round_to<T>(ld<T>(r[d + half]) * ld<T>(s[d])));
 #pragma omp simd
-      for (int64_t d = half; d < D; ++d) o[d] = static_cast<T>(mul(r[d], c[d]) + mul(r[d - half], s[d]));
+      for (int64_t d = half; d < D; ++d)
+        o[d] = st<T>(round_to<T>(ld<T>(r[d]) * ld<T>(c[d])) + round_to<T>(ld<T>(r[d - half]) * ld<T>(s[d])));
     }
   });
 }
@@ -124,25 +155,23 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   auto out = at::empty({T, H, D}, x.options());
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
   if (dt == at::kFloat)
-    rope_rows<float>(x.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<float>(), T, H,
-                     D, s0, s1);
+    rope_rows<float>(raw<float>(x), raw<float>(cc), raw<float>(sc), raw_out<float>(out), T, H, D, s0, s1);
   else
-    rope_rows<bf16>(x.data_ptr<bf16>(), cc.data_ptr<bf16>(), sc.data_ptr<bf16>(), out.data_ptr<bf16>(), T, H, D,
-                    s0, s1);
+    rope_rows<bf16>(raw<bf16>(x), raw<bf16>(cc), raw<bf16>(sc), raw_out<bf16>(out), T, H, D, s0, s1);
   return out;
 }
 
 template <typename T>
-void silu_mul_rows(const T* gp, const T* up, T* op, int64_t N, int64_t F, int64_t gs, int64_t us) {
+void silu_mul_rows(const Raw<T>* gp, const Raw<T>* up, Raw<T>* op, int64_t N, int64_t F, int64_t gs, int64_t us) {
   at::parallel_for(0, N, grain(F), [&](int64_t b, int64_t end) {
     for (int64_t i = b; i < end; ++i) {
-      const T* gr = gp + i * gs;
-      const T* ur = up + i * us;
-      T* o = op + i * F;
+      const Raw<T>* gr = gp + i * gs;
+      const Raw<T>* ur = up + i * us;
+      Raw<T>* o = op + i * F;
 #pragma omp simd
       for (int64_t f = 0; f < F; ++f) {
-        const float g = static_cast<float>(gr[f]);
-        o[f] = static_cast<T>(round_to<T>(g / (1.0f + tokenrouter_cpu::exp_f32(-g))) * static_cast<float>(ur[f]));
+        const float g = ld<T>(gr[f]);
+        o[f] = st<T>(round_to<T>(g / (1.0f + tokenrouter_cpu::exp_f32(-g))) * ld<T>(ur[f]));
       }
     }
   });
@@ -157,11 +186,9 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   const int64_t N = g.size(0), F = g.size(1);
   auto out = at::empty({N, F}, g.options());
   if (dt == at::kFloat)
-    silu_mul_rows<float>(g.data_ptr<float>(), u.data_ptr<float>(), out.data_ptr<float>(), N, F, g.stride(0),
-                         u.stride(0));
+    silu_mul_rows<float>(raw<float>(g), raw<float>(u), raw_out<float>(out), N, F, g.stride(0), u.stride(0));
   else
-    silu_mul_rows<bf16>(g.data_ptr<bf16>(), u.data_ptr<bf16>(), out.data_ptr<bf16>(), N, F, g.stride(0),
-                        u.stride(0));
+    silu_mul_rows<bf16>(raw<bf16>(g), raw<bf16>(u), raw_out<bf16>(out), N, F, g.stride(0), u.stride(0));
   return out;
 }
 
