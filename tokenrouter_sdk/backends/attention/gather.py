@@ -78,6 +78,17 @@ def attend_masked(q, k, v, mask, p: LayerParams) -> torch.Tensor:
     return sdpa(q, k, v, mask, False, p.scale).reshape(b, h, nq, d)
 
 
+def attend_folded(q, k, v, mask: torch.Tensor, p: LayerParams) -> torch.Tensor:
+    """`attend_masked` with its mask already folded and additive (`Tile.additive`), no soft-cap:
+    q [B, H, Q, D], k/v [B, Hkv, L, D], mask [g * Q, L] of q's dtype (g = H / Hkv); returns
+    [B, H, Q, D], the bits of `attend_masked` with the bool mask (SDPA makes the same additive
+    mask of it), without folding and converting the mask again in every layer (a quarter of a
+    bfloat16 extend's attention at 66 queries and 791 keys, 30 layers, 2-core Intel Xeon)."""
+    b, h, nq, d = q.shape
+    hkv = k.shape[1]
+    return sdpa(q.reshape(b, hkv, (h // hkv) * nq, d), k, v, mask, False, p.scale).reshape(b, h, nq, d)
+
+
 def attend_decodes(dv: DecodeView, p: LayerParams, kc: torch.Tensor, vc: torch.Tensor, qd: torch.Tensor) -> torch.Tensor:
     """Decode queries qd [Bd, H, Q, D] against each request's keys of ``dv`` (one layer's pool
     kc, vc [slots, Hkv, D]); returns [Bd, H, Q, D]."""
@@ -97,7 +108,9 @@ def _tile(qi, kc, vc, k, v, t: Tile, p: LayerParams) -> torch.Tensor:
         ka = kc.index_select(0, t.slots).transpose(0, 1).unsqueeze(0)
         va = vc.index_select(0, t.slots).transpose(0, 1).unsqueeze(0)
     if t.mask is not None:
-        return attend_masked(qa, ka, va, t.mask, p)
+        if p.softcap:
+            return scores_attend(qa, ka, va, t.mask, p)
+        return attend_folded(qa, ka, va, t.additive(qa.dtype, qa.shape[1] // ka.shape[1]), p)
     if p.softcap:
         return scores_attend(qa, ka, va, None, p, causal=True)
     return sdpa(qa, ka, va, None, t.q1 - t.q0 > 1, p.scale)

@@ -47,6 +47,18 @@ class Tile:
     k0: int
     k1: int
     mask: torch.Tensor | None
+    _additive: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def additive(self, dtype: torch.dtype, g: int) -> torch.Tensor:
+        """``mask`` as SDPA's additive mask for queries folded ``g`` times into the query
+        dimension (query head j*g + i of KV head j): [g * (q1 - q0), L] of ``dtype``, 0 where a
+        query attends and -inf elsewhere, what SDPA makes of a bool mask at every call. Made once
+        per dtype and fold and kept: every layer of the step's attention reads it."""
+        key = (dtype, g)
+        if key not in self._additive:
+            m = self.mask if g == 1 else self.mask.repeat(g, 1)
+            self._additive[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+        return self._additive[key]
 
 
 @dataclass
