@@ -247,6 +247,22 @@ def _feeds(rng, b, steps):
     return feeds
 
 
+def _steps(runners: dict, feeds):
+    """Each runner fed the same ``feeds`` (per step, one token list per request), each request in
+    blocks of its own: yields per step ``{name: the runner's step output}``."""
+    n = len(feeds[0])
+    tabs = {a: [[] for _ in range(n)] for a in runners}
+    starts = [0] * n
+    for feed in feeds:
+        outs = {}
+        for a, r in runners.items():
+            for t, s, f in zip(tabs[a], starts, feed):
+                blocks_of(r).ensure(t, s + len(f))
+            outs[a] = r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tabs[a])])
+        yield outs
+        starts = [s + len(f) for s, f in zip(starts, feed)]
+
+
 @pytest.mark.parametrize("model_impl,dtype,tol", [("native", torch.float64, 1e-11), ("transformers", torch.float64, 1e-11),
                                                   ("native", torch.float32, 1e-4)])
 def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtype, tol, monkeypatch):
@@ -261,19 +277,9 @@ def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtyp
     monkeypatch.setenv(kernel_choice.TILES_ENV, "4")  # forced: no measurement's extends among the calls
     model = tiny_model(num_layers=3, seed=21, dtype=dtype)
     runners = {a: TorchRunner(model, max_kv_tokens=8192, kernels=a, model_impl=model_impl) for a in ("wait", "off")}
-    rng = random.Random(3)
-    feeds = _feeds(rng, 4, 6)
-    tabs = {a: [[] for _ in range(4)] for a in runners}
-    starts = [0] * 4
-    for feed in feeds:
-        outs = {}
-        for a, r in runners.items():
-            for t, s, f in zip(tabs[a], starts, feed):
-                blocks_of(r).ensure(t, s + len(f))
-            outs[a] = r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tabs[a])])
+    for outs in _steps(runners, _feeds(random.Random(3), 4, 6)):
         torch.testing.assert_close(outs["wait"].logits, outs["off"].logits, rtol=tol, atol=tol)
         torch.testing.assert_close(outs["wait"].hidden, outs["off"].hidden, rtol=tol, atol=tol)
-        starts = [s + len(f) for s, f in zip(starts, feed)]
     assert calls, "the kernel never ran"
     assert all(n <= cpu_kernel.MAX_QUERIES for c in calls for n in c)
     assert any(n > 1 for c in calls for n in c), "no extend went through the kernel"
@@ -299,19 +305,10 @@ def test_bfloat16_steps_with_the_kernel_are_as_close_to_float64_as_the_aten_step
     runners = {"wait": TorchRunner(model, max_kv_tokens=8192, kernels="wait", model_impl=model_impl),
                "off": TorchRunner(model, max_kv_tokens=8192, kernels="off", model_impl=model_impl),
                "ref": TorchRunner(wide, max_kv_tokens=8192, kernels="off", model_impl=model_impl)}
-    feeds = _feeds(random.Random(3), 4, 6)
-    tabs = {a: [[] for _ in range(4)] for a in runners}
-    starts = [0] * 4
-    for feed in feeds:
-        logits = {}
-        for a, r in runners.items():
-            for t, s, f in zip(tabs[a], starts, feed):
-                blocks_of(r).ensure(t, s + len(f))
-            logits[a] = r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tabs[a])]).logits.double()
-        err = {a: (logits[a] - logits["ref"]).abs() for a in ("wait", "off")}
+    for outs in _steps(runners, _feeds(random.Random(3), 4, 6)):
+        err = {a: (outs[a].logits.double() - outs["ref"].logits.double()).abs() for a in ("wait", "off")}
         assert err["wait"].max() <= 1.5 * err["off"].max() + 1e-3, (err["wait"].max(), err["off"].max())
         assert err["wait"].mean() <= 1.5 * err["off"].mean() + 1e-4, (err["wait"].mean(), err["off"].mean())
-        starts = [s + len(f) for s, f in zip(starts, feed)]
     assert any(n == 1 for c in calls for n in c) and any(n > 1 for c in calls for n in c), calls
     assert (set(norms) == {torch.bfloat16}) == (model_impl == "native"), norms  # the fused step ops: native steps
 

@@ -72,7 +72,7 @@ inline v16 load16(const c10::BFloat16* p) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   std::memcpy(&r, &w, sizeof(r));
 #else
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
+  for (int i = 0; i < 16; ++i) r[i] = tokenrouter_cpu::bf16_float(p[i].x);
 #endif
   return r;
 }
@@ -81,7 +81,7 @@ inline v16 load16(const c10::BFloat16* p) {
 inline void widen(const c10::BFloat16* p, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) *reinterpret_cast<v16*>(out + i) = load16(p + i);
-  for (; i < n; ++i) out[i] = static_cast<float>(p[i]);
+  for (; i < n; ++i) out[i] = tokenrouter_cpu::bf16_float(p[i].x);
 }
 
 // the sum of v's 16 lanes: lanes 8 apart, then 4, 2 and 1 apart
@@ -421,7 +421,8 @@ void attend(const Shape& sh, S* out, const S* q, const S* kc, const S* vc, const
       if constexpr (kSame) {
         qt = qr;
       } else {
-        for (int64_t i = 0; i < q_len[r] * H * D; ++i) qw[i] = static_cast<T>(qr[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < q_len[r] * H * D; ++i) qw[i] = tokenrouter_cpu::bf16_float(qr[i].x);
         qt = qw.data();
       }
       attend_chunk<T, S>(sh, qt, kc, vc, table + r * sh.Lmax, q_len[r], kv_len[r], l0, l1, scale, cap, s.data(),
@@ -455,7 +456,7 @@ void attend(const Shape& sh, S* out, const S* q, const S* kc, const S* vc, const
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
         if constexpr (!kSame)
-          for (int64_t d = 0; d < D; ++d) os[d] = static_cast<S>(o[d]);
+          for (int64_t d = 0; d < D; ++d) os[d].x = tokenrouter_cpu::bf16_bits(o[d]);
       }
     }
   });

@@ -25,7 +25,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "kernels.h"
@@ -41,20 +40,8 @@ void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dt) {
 
 using bf16 = c10::BFloat16;
 
-// bfloat16 conversions the compiler vectorizes inside `#pragma omp simd` loops (c10::BFloat16's
-// own are scalar): the bits of c10's round-to-nearest-even, a NaN as 0x7FC0
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : static_cast<uint16_t>(r);
-}
-inline float bf16_float(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using tokenrouter_cpu::bf16_bits;
+using tokenrouter_cpu::bf16_float;
 
 // T's values as float32 and back; T's storage as the loops index it (bfloat16 as its 16 bits)
 template <typename T>

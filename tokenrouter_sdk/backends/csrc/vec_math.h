@@ -7,6 +7,9 @@
 //     x = n ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial for e^r (S. L. Moshier,
 //     Cephes Math Library, expf.c), scaled by 2^n through the exponent bits.
 //   exp_of<T>(x): exp_f32 for float, std::exp otherwise.
+//   bf16_float(b), bf16_bits(x): a bfloat16's 16 bits as float32 (exact: a bfloat16 is the upper
+//     half of a float32) and float32 to bfloat16 bits (c10::BFloat16's round-to-nearest-even, a
+//     NaN as 0x7FC0), in integer arithmetic (c10::BFloat16's own conversions are scalar).
 
 #pragma once
 
@@ -39,6 +42,20 @@ inline float exp_f32(float x) {
   std::memcpy(&sa, &abits, sizeof sa);
   std::memcpy(&sb, &bbits, sizeof sb);
   return under ? 0.0f : y * sa * sb;
+}
+
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : static_cast<uint16_t>(r);
 }
 
 template <typename T>
