@@ -1,9 +1,10 @@
-"""Decoder layers in one C++ call, or three around the Python attention
-(`tokenrouter_sdk.backends.fused_layers`): on every architecture with a native forward (Llama,
-Mistral with its window, Qwen2 with q/k/v biases and windows, Qwen3 with q/k norms), a float32
-step computes the same bits fused as with the Python layer loop (logits and the K/V written),
-whether the paged kernel attends every request (one call) or prefills and extends go to the
-gather backend (three); a layer whose projection runs another GEMM path runs the loop, and
+"""Decoder layers in one C++ call, or three around the Python attention, and every layer of a
+step in one call (`tokenrouter_sdk.backends.fused_layers`): on every architecture with a native
+forward (Llama, Mistral with its window, Qwen2 with q/k/v biases and windows, Qwen3 with q/k
+norms), a float32 step computes the same bits fused as with the Python layer loop (logits and the
+K/V written), whether the paged kernel attends every request (one call for the whole stack, or
+one a layer when core lending runs between layers) or prefills and extends go to the gather
+backend (three a layer); a layer whose projection runs another GEMM path runs the loop, and
 ``TOKENROUTER_FUSED_LAYERS=0`` turns it off."""
 
 import random
@@ -30,18 +31,37 @@ ARCHS = {
 }
 
 
+class Counted(list):
+    """Per layer run through `LayerCalls`, whether it ran fused (True) or was left to the loop;
+    ``stacks``: the steps whose every layer ran in one `LayerCalls.run_stack` call."""
+    stacks = 0
+
+    def clear(self):
+        super().clear()
+        self.stacks = 0
+
+
 @pytest.fixture
 def counted(monkeypatch):
-    """Per call of `LayerCalls.run`: whether it ran the layer (True) or left it to the loop."""
-    calls: list[bool] = []
-    real = fused_layers.LayerCalls.run
+    """`Counted` over `LayerCalls.run` (one entry a call) and `LayerCalls.run_stack` (one True a
+    layer when it ran them; nothing when it left them to `run`)."""
+    calls = Counted()
+    real, real_stack = fused_layers.LayerCalls.run, fused_layers.LayerCalls.run_stack
 
     def run(self, *a):
         y = real(self, *a)
         calls.append(y is not None)
         return y
 
+    def run_stack(self, *a):
+        y = real_stack(self, *a)
+        if y is not None:
+            calls.extend([True] * len(self.layers))
+            calls.stacks += 1
+        return y
+
     monkeypatch.setattr(fused_layers.LayerCalls, "run", run)
+    monkeypatch.setattr(fused_layers.LayerCalls, "run_stack", run_stack)
     return calls
 
 
@@ -81,8 +101,8 @@ def _both_ways(r, seqs):
 def test_fused_layers_equal_the_layer_loop_bit_for_bit(arch, kernel_extend, monkeypatch, counted):
     """Prefills, then decodes and extends of 2-9 tokens at contexts crossing the window, batches
     of 1-5: the same logits and the same K/V, every layer of every step fused. With the kernel
-    taking extends of up to 16 tokens, steps after the prefill are one call a layer; with 1,
-    extends and prefills are attended over gathered copies between two calls."""
+    taking extends of up to 16 tokens, steps after the prefill are one call for all layers; with
+    1, extends and prefills are attended over gathered copies between two calls a layer."""
     r = _runner(arch, monkeypatch, kernel_extend=kernel_extend)
     rng = random.Random(5)
     b = 5
@@ -112,6 +132,7 @@ def test_fused_layers_equal_the_layer_loop_bit_for_bit(arch, kernel_extend, monk
     assert max(starts) > 6  # the windowed cases attended past their window
     assert whole[0] is False  # the prefills: gathered
     assert all(whole[1:]) if kernel_extend == 16 else not any(whole[1:])  # with 1: an extend in every step
+    assert counted.stacks == (steps - 1 if kernel_extend == 16 else 0)
 
 
 def test_a_step_with_a_prefill_runs_three_calls_a_layer(monkeypatch, counted):
@@ -154,17 +175,32 @@ def test_the_environment_turns_fused_layers_off(monkeypatch, counted):
     assert r._native._layer_calls is None and counted == []
 
 
-def test_between_layers_is_called_after_every_fused_layer(monkeypatch, counted):
-    """Core lending's callback runs between fused layers as between the loop's."""
-    r = _runner("llama", monkeypatch)
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_between_layers_is_called_after_every_fused_layer(arch, monkeypatch, counted):
+    """Core lending's callback runs between fused layers as between the loop's: a decode step,
+    one call for the whole stack without it, runs one ``decoder_layer`` call a layer with it,
+    and computes the same bits either way."""
+    r = _runner(arch, monkeypatch)
     t = []
-    blocks_of(r).ensure(t, 8)
-    r.forward([SeqInput([5, 6, 7], 0, t)])
+    blocks_of(r).ensure(t, 16)
+    r.forward([SeqInput([5, 6, 7, 8, 9, 10, 11, 12], 0, t)])
+    ops = torch.ops.tokenrouter_cpu
+    n = {"layer": 0, "stack": 0}
+    real_layer, real_stack = ops.decoder_layer, ops.decoder_stack
+    monkeypatch.setattr(ops, "decoder_layer", lambda *a: n.__setitem__("layer", n["layer"] + 1) or real_layer(*a))
+    monkeypatch.setattr(ops, "decoder_stack", lambda *a: n.__setitem__("stack", n["stack"] + 1) or real_stack(*a))
+    counted.clear()
+    free = _both_ways(r, [SeqInput([13], 8, t)])
+    assert counted.stacks == 1 and n == {"layer": 0, "stack": 1}
     seen = []
     counted.clear()
     r.between_layers = lambda: seen.append(len(counted))
-    r.forward([SeqInput([8], 3, t)])
-    assert counted == [True] * 3 and seen == [1, 2, 3]
+    lent = _both_ways(r, [SeqInput([13], 8, t)])
+    assert counted == [True] * 3 and counted.stacks == 0 and seen == [1, 2, 3, 3, 3, 3]  # then the loop's 3
+    assert n == {"layer": 3, "stack": 1}
+    for a, b in zip(free, lent):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else all(map(torch.equal, a, b))
+    assert torch.equal(free[0], free[1])
 
 
 def test_a_wrapped_kernel_attend_is_called(monkeypatch, counted):
@@ -227,7 +263,8 @@ def test_an_epsilon_changed_between_steps_is_used(arch, monkeypatch, counted):
 
 def test_the_kernel_gets_the_runner_s_tile_threshold_and_prefetch_in_either_path(monkeypatch, counted):
     """The tile threshold and the few-row kernel's prefetch the runner chose (here forced) reach
-    the C++ in a one-call layer (``decoder_layer``'s last two arguments) and, when attention runs
+    the C++ in a one-call stack (``decoder_stack``'s last two arguments), in one-call layers
+    (``decoder_layer``'s, core lending between them) and, when attention runs
     in Python between the layer's calls (a spy on the kernel's ``attend``), as the kernel op's last
     argument and the last of ``layer_qkv`` and ``layer_mlp``."""
     monkeypatch.setenv(kernel_choice.TILES_ENV, "7")
@@ -235,17 +272,22 @@ def test_the_kernel_gets_the_runner_s_tile_threshold_and_prefetch_in_either_path
     r = _runner("llama", monkeypatch)
     assert all(p.prefetch == 3 for p in r._native.projections)
     ops = torch.ops.tokenrouter_cpu
-    got = {"layer": [], "op": [], "qkv": [], "mlp": []}
-    real_layer, real_qkv, real_mlp = ops.decoder_layer, ops.layer_qkv, ops.layer_mlp
+    got = {"stack": [], "layer": [], "op": [], "qkv": [], "mlp": []}
+    real_stack, real_layer, real_qkv, real_mlp = ops.decoder_stack, ops.decoder_layer, ops.layer_qkv, ops.layer_mlp
+    monkeypatch.setattr(ops, "decoder_stack", lambda *a: got["stack"].append(a[-2:]) or real_stack(*a))
     monkeypatch.setattr(ops, "decoder_layer", lambda *a: got["layer"].append(a[-2:]) or real_layer(*a))
     monkeypatch.setattr(ops, "layer_qkv", lambda *a: got["qkv"].append(a[-1]) or real_qkv(*a))
     monkeypatch.setattr(ops, "layer_mlp", lambda *a: got["mlp"].append(a[-1]) or real_mlp(*a))
     t = []
     blocks_of(r).ensure(t, 16)
     r.forward([SeqInput(list(range(5, 16)), 0, t)])
-    r.forward([SeqInput([20], 11, t)])  # a decode alone: whole layers in one call
+    r.forward([SeqInput([20], 11, t)])  # a decode alone: all layers in one call
     assert r.kernel_tiles == (7, f"forced ({kernel_choice.TILES_ENV}=7)")
-    assert got["layer"] == [(7, 3)] * 3
+    assert got["stack"] == [(7, 3)] and got["layer"] == []
+    r.between_layers = lambda: None
+    r.forward([SeqInput([21], 12, t)])  # core lending: one call a layer
+    r.between_layers = None
+    assert got["stack"] == [(7, 3)] and got["layer"] == [(7, 3)] * 3
     real_attend = cpu_kernel.CpuKernel.attend
 
     def attend(self, *a):  # the op this kernel calls, recorded for the call
@@ -256,6 +298,31 @@ def test_the_kernel_gets_the_runner_s_tile_threshold_and_prefetch_in_either_path
         finally:
             self.op = op
     monkeypatch.setattr(cpu_kernel.CpuKernel, "attend", attend)
-    r.forward([SeqInput([21], 12, t)])
+    r.forward([SeqInput([22], 13, t)])
     assert got["op"] == [7] * 3 and got["layer"] == [(7, 3)] * 3  # 3 layers, attention in Python
     assert got["qkv"] == [3] * 6 and got["mlp"] == [3] * 6  # the prefill's layers (split) and these
+
+
+def test_decoder_stack_names_what_does_not_fit(monkeypatch):
+    """The stack op's lists must hold one entry (or one group) a layer; a mismatch raises an
+    error that names the op and the list, before anything is written."""
+    r = _runner("llama", monkeypatch, layers=2)
+    t = []
+    blocks_of(r).ensure(t, 8)
+    r.forward([SeqInput([5, 6, 7], 0, t)])
+    calls = r._native._layer_calls
+    seen = {}
+    real = torch.ops.tokenrouter_cpu.decoder_stack
+    monkeypatch.setattr(torch.ops.tokenrouter_cpu, "decoder_stack", lambda *a: seen.setdefault("args", a) and None)
+    r.forward([SeqInput([8], 3, t)])
+    a = list(seen["args"])
+    assert torch.equal(real(*a), real(*a))  # a valid call runs (it stores the same K/V twice)
+    k = r.pool.k.clone()
+    for i, bad, why in [(1, a[1][:-1], "6 tensors a layer"), (2, a[2][:-1], "4 biases a layer"),
+                        (15, a[15][:1], "scale, window and softcap one a layer"),
+                        (9, [0, 7], "layer 7 is not in the pools")]:
+        b = list(a)
+        b[i] = bad
+        with pytest.raises(RuntimeError, match=why):
+            real(*b)
+    assert len(calls.layers) == 2 and torch.equal(r.pool.k, k)

@@ -3,6 +3,10 @@ eager float32 steps on a CPU where every projection of the layer runs the few-ro
 step's row count: one C++ call when the CPU paged kernel attends every request in place
 (decodes and short extends); otherwise one call for the work before attention (norm, q/k/v,
 rotary, the K/V store), `attend_tokens` as in the loop, and one call for the work after it.
+When every layer of a step takes one call and nothing runs between two layers (core lending's
+``between_layers``), the whole stack is one call (`LayerCalls.run_stack`, ``decoder_stack``): a
+batch-8 decode step of SmolLM2-135M (30 layers) on a 2-core Intel Xeon took 5% less time than
+with one call a layer (28.4 against 30.0 ms, medians of 40 interleaved pairs).
 
 The call runs the same kernels as the Python loop (`native_forward.decoder_step` with
 `cpu_kernels.StepOps`), in the same order on the same tensors, so a layer's output is the same
@@ -72,6 +76,46 @@ class LayerCalls:
                  and "attend" not in vars(k))
         return "whole" if whole else "split"
 
+    def _weights(self, i: int, rows: int) -> list | None:
+        """Layer ``i``'s few-row weights (q/k/v, o, gate/up, down), or None when one of its
+        projections does not run the few-row kernel at ``rows`` rows."""
+        ws = []
+        for p in self.layers[i][1]:
+            w = p.skinny  # read once: another runner sharing the projection may drop it meanwhile
+            if w is None or p._path(rows, w) != "skinny":
+                return None
+            ws.append(w)
+        return ws
+
+    def run_stack(self, fb: ForwardBatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Every layer of a step in one C++ call (``decoder_stack``: each layer as `run`'s one
+        call, in order): x [T, C] contiguous float32 -> the last layer's output [T, C]; cos, sin as
+        `run`'s. For a step where `mode` said ``"whole"`` and nothing runs between two layers.
+        Returns None, having done nothing, when a projection of some layer does not run the
+        few-row kernel at T rows or x is not contiguous (the caller runs the layers one by one)."""
+        rows = x.shape[0]
+        if not x.is_contiguous():
+            return None
+        w, b, eps, heads, layers, scale, window, softcap = [], [], [], [], [], [], [], []
+        for i, (layer, projs, norms, hs) in enumerate(self.layers):
+            ws = self._weights(i, rows)
+            if ws is None:
+                return None
+            w += [norms[0].weight, ws[0], ws[1], norms[1].weight, ws[2], ws[3], *(n.weight for n in norms[2:])]
+            b += [q.bias for q in projs]
+            eps += [float(n.variance_epsilon) for n in norms]  # read at every call, as the loop's norms do
+            heads += hs
+            layers.append(layer)
+            p = fb.layers[layer]
+            scale.append(p.scale)
+            window.append(p.window or 0)
+            softcap.append(p.softcap or 0.0)
+        kern = fb.kern
+        return torch.ops.tokenrouter_cpu.decoder_stack(
+            x, w, b, eps, heads, cos, sin, fb.pool.k, fb.pool.v, layers, fb.slot_mapping, kern.table, kern.q_start,
+            kern.q_len, kern.kv_len, scale, window, softcap, cpu_kernel.CHUNK, kern.backend.tile_from,
+            self.layers[0][1][0].prefetch)
+
     def run(self, fb: ForwardBatch, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, whole: bool):
         """Layer ``i`` of a step: x [T, C] contiguous float32 -> the layer's output [T, C]; cos,
         sin [T, D] (sin with rotate_half's signs folded in). ``whole``: `mode` said ``"whole"``
@@ -84,12 +128,9 @@ class LayerCalls:
         rows = x.shape[0]
         if not x.is_contiguous():
             return None
-        ws = []
-        for p in projs:
-            w = p.skinny  # read once: another runner sharing the projection may drop it meanwhile
-            if w is None or p._path(rows, w) != "skinny":
-                return None
-            ws.append(w)
+        ws = self._weights(i, rows)
+        if ws is None:
+            return None
         ops = torch.ops.tokenrouter_cpu
         pf = projs[0].prefetch  # one machine's measured locality: the same for every projection
         n0, n1 = norms[0].weight, norms[1].weight

@@ -218,7 +218,7 @@ class NativeForward:
         ``want_all``, else None). Call `prepare` first."""
         if ops is not None and not self._skinny_tuned:
             self.add_skinny()
-        fused = None
+        fused = stack = None
         calls = self._layer_calls
         mode = calls.mode(fb) if ops is not None and calls is not None and self.attend is attend_tokens else None
         if mode is not None:
@@ -226,13 +226,16 @@ class NativeForward:
 
             def fused(i, x, cos, sin):
                 return calls.run(fb, i, x, cos, sin, whole)
+            if whole and between is None:
+                def stack(x, cos, sin):
+                    return calls.run_stack(fb, x, cos, sin)
         logits, hidden, h = decoder_step(self.decoder, self.projections,
-                                         lambda *a: self.attend(fb, *a), ids, pos, last, between, ops, fused)
+                                         lambda *a: self.attend(fb, *a), ids, pos, last, between, ops, fused, stack)
         return logits, hidden, (h if want_all else None)
 
 
 def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor,
-                 between=None, ops=None, fused=None):
+                 between=None, ops=None, fused=None, stack=None):
     """The native forward's arithmetic, shared by eager steps (`NativeForward`) and compiled
     ones (`tokenrouter_sdk.backends.compiled_step`).
 
@@ -250,6 +253,9 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
         fused: None, or with ``ops``: ``fused(i, x [T, C], cos [T, D], sin [T, D])`` runs layer
             ``i`` in one call and returns its output, or returns None for the loop to run it
             (`tokenrouter_sdk.backends.fused_layers.LayerCalls.run`: the same kernels, the same bits).
+        stack: None, or with ``ops``: ``stack(x [T, C], cos [T, D], sin [T, D])`` runs every layer
+            in one call and returns the last one's output, or returns None for the layers to run
+            one by one (`tokenrouter_sdk.backends.fused_layers.LayerCalls.run_stack`: the same bits).
 
     Returns:
         (logits [B, V], hidden [B, H], final hidden states of every position [T, H]).
@@ -272,7 +278,10 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
             return ops.rope(t, cos2, sin2)
 
     n = x.shape[0]
-    for i, layer in enumerate(dec.layers):
+    y = stack(x, cos2, sin2) if stack is not None else None
+    if y is not None:
+        x = y
+    for i, layer in enumerate(dec.layers if y is None else ()):
         y = fused(i, x, cos2, sin2) if fused is not None else None
         if y is not None:
             x = y
