@@ -8,6 +8,8 @@ the process's main thread)."""
 import threading
 import time
 
+import pytest
+
 from tokenrouter_sdk.engine.cores import CoreShare, create_flags
 
 
@@ -138,3 +140,19 @@ def test_one_cpu_model_runs_in_a_process_by_default(monkeypatch):
     with Router({"large": tiny_model(num_layers=1, seed=4)}, LargeOnly(), tokenizer=tiny_tokenizer(),
                 max_kv_tokens=256) as r:
         assert not isinstance(r.engine.transport, ProcessTransport)
+
+
+@pytest.mark.parametrize("models, cores, lends", [(1, 2, False), (2, 1, False), (2, 2, True), (3, 4, True)])
+def test_only_a_share_that_can_lend_stops_a_step_between_layers(tmp_path, models, cores, lends):
+    """A model alone (or on one core) has nothing to give back: its runner gets no call between
+    layers, so a step can run its layers in one call; models that share cores get `give_back`."""
+    from types import SimpleNamespace
+
+    from tokenrouter_sdk.engine.process_child import lend_between_layers
+    shares, _ = _shares(tmp_path, models, cores)
+    assert shares[0].lends is lends
+    runner = SimpleNamespace(between_layers=None)
+    lend_between_layers(runner, shares[0])
+    assert runner.between_layers == (shares[0].give_back if lends else None)
+    lend_between_layers(runner := SimpleNamespace(between_layers=None), None)
+    assert runner.between_layers is None

@@ -126,6 +126,14 @@ class CoreShare:
             self.set_threads(want)
             self.threads = want
 
+    @property
+    def lends(self) -> bool:
+        """Whether cores can move between models: more than one model and more than one core.
+        Otherwise `give_back` never gives anything, and the runner needs no call between layers
+        (its step then runs every layer in one call where it can:
+        `tokenrouter_sdk.backends.fused_layers.LayerCalls.run_stack`)."""
+        return self.models > 1 and self.cores > 1
+
     def give_back(self) -> None:
         """Called between layers of a step (`TorchRunner.between_layers`): when this process
         holds more threads than its share and a peer waits for cores, drop to the share now,

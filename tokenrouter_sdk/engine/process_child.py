@@ -76,6 +76,14 @@ def _child_main(name: str, address: str, threads: int, channel, cores=None) -> N
     os._exit(code)
 
 
+def lend_between_layers(runner, cores) -> None:
+    """Give ``runner`` core lending's call between two layers of a step (``between_layers``:
+    `CoreShare.give_back`) where cores can move between models (`CoreShare.lends`); a model
+    alone, or on one core, gets none, so its steps run without a stop between layers."""
+    if cores is not None and cores.lends and hasattr(runner, "between_layers"):
+        runner.between_layers = cores.give_back
+
+
 def run_subserver(name: str, address: str, threads: int, receive, load, *, t_main: float, preloaded: bool = False,
                   watch_parent: bool = True, cores=None) -> int:
     """Run model ``name``'s sub-server until `Shutdown`: get its spec (``receive()`` -> data,
@@ -114,8 +122,7 @@ def run_subserver(name: str, address: str, threads: int, receive, load, *, t_mai
         if isinstance(spec, _LoadError):
             raise RuntimeError(spec.text)
         ss = build_subserver(spec)
-        if cores is not None and hasattr(ss.runner, "between_layers"):
-            ss.runner.between_layers = cores.give_back
+        lend_between_layers(ss.runner, cores)
         boot = {"pid": os.getpid(), "preloaded": preloaded, "main": t_main, "received": t_received,
                 "loaded": t_loaded, "built": time.perf_counter(), "runner": RunnerInfo.of(ss.runner).geometry()}
         rx = threading.Thread(target=_child_receive,
