@@ -20,11 +20,14 @@ median of `REPS`; packed wins a bucket when its median is lower. With SmolLM2-13
 takes 1-3 s per model once per machine.
 
 The few-row kernel wins a bucket when its median is within `SKINNY_MARGIN` (5%) of the faster of
-the other two, not only below it: a layer whose projections all run the kernel at a step's row
-count runs as one C++ call (`tokenrouter_sdk.backends.fused_layers`), which the per-projection
-timings do not see. On a 2-core Intel Xeon a 1% difference (0.81 against 0.82 ms over 30 layers)
-had put the o projection on MKL at 2 rows, so the long row's steps (2 requests) ran the Python
-layer loop: 25.5-26.6 ms a step, against 23.2-23.5 with every projection on the kernel.
+the other two, or within `SKINNY_SLACK_MS` (10 us) a projection of it, not only below it
+(`skinny_edge`): a layer whose projections all run the kernel at a step's row count runs as one
+C++ call, and a step whose every layer does runs as one (`tokenrouter_sdk.backends.fused_layers`),
+which the per-projection timings do not see. On a 2-core Intel Xeon a 1% difference (0.81
+against 0.82 ms over 30 layers) had put the o projection on MKL at 2 rows, so the long row's
+steps (2 requests) ran the Python layer loop: 25.5-26.6 ms a step, against 23.2-23.5 with every
+projection on the kernel; later a 5.2% difference (0.97 against 1.02 ms over 30 layers, about
+2 us a layer) did the same, where one call for the step saves about 50 us a layer.
 
 Where it is kept: ``<torch extension root>/tokenrouter/choices/<machine key>.json`` beside the
 compiled kernels (`tokenrouter_sdk.backends.cpu_kernels.build_directory`), keyed by the CPU model,
@@ -74,10 +77,18 @@ PREFETCH_HINTS = (0, 2)  # the candidates: non-temporal (prefetchnta), into L2 (
 PREFETCH_NAMES = {0: "non-temporal", 1: "into L3", 2: "into L2", 3: "into L1"}
 PREFETCH_ROWS = (1, 8)
 PREFETCH_KEY = "skinny prefetch float32"  # the prefix of a stored prefetch choice's key (`prefetch_key`)
-FORMAT = 4  # the layout and rules of a choices file; a file of another format is measured again
+FORMAT = 5  # the layout and rules of a choices file; a file of another format is measured again
 # the few-row kernel is chosen where it is within this factor of the fastest path: where every
 # projection of a layer takes it, the layer runs as one C++ call (`fused_layers`)
 SKINNY_MARGIN = 1.05
+SKINNY_SLACK_MS = 0.01  # ... or within this many ms a projection (a layer's or a step's one call saves more)
+
+
+def skinny_edge(best_ms: float, projections: int) -> float:
+    """The most a pass of the few-row kernel over ``projections`` projections may take (ms) and
+    still be chosen, when the faster of the other two paths takes ``best_ms``: within
+    `SKINNY_MARGIN` of it or `SKINNY_SLACK_MS` a projection of it, whichever is larger."""
+    return max(SKINNY_MARGIN * best_ms, best_ms + SKINNY_SLACK_MS * projections)
 
 
 @dataclass(frozen=True)
@@ -304,7 +315,7 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
     Returns:
         ``{"buckets": [...], "packed": [bool...], "packed_ms": [...], "plain_ms": [...],
         "layers": n}``: medians in ms of one pass over ``n`` projections; with the few-row
-        kernel also ``"skinny": [bool...]`` (within `SKINNY_MARGIN` of the faster other) and
+        kernel also ``"skinny": [bool...]`` (within `skinny_edge` of the faster other) and
         ``"skinny_ms"``.
     """
     w = projs[0].mods[0].weight
@@ -340,7 +351,7 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
     out = {"buckets": list(buckets), "packed": [a < b for a, b in zip(packed_ms, plain_ms)],
            "packed_ms": [round(v, 4) for v in packed_ms], "plain_ms": [round(v, 4) for v in plain_ms], "layers": n}
     if with_skinny:
-        out["skinny"] = [s <= SKINNY_MARGIN * min(a, b) for s, a, b in zip(skinny_ms, packed_ms, plain_ms)]
+        out["skinny"] = [s <= skinny_edge(min(a, b), n) for s, a, b in zip(skinny_ms, packed_ms, plain_ms)]
         out["skinny_ms"] = [round(v, 4) for v in skinny_ms]
     return out
 
