@@ -326,3 +326,38 @@ def test_decoder_stack_names_what_does_not_fit(monkeypatch):
         with pytest.raises(RuntimeError, match=why):
             real(*b)
     assert len(calls.layers) == 2 and torch.equal(r.pool.k, k)
+
+
+def test_the_stack_sees_a_changed_rule_few_row_weight_or_norm_weight(monkeypatch, counted):
+    """What the stack call keeps from step to step is made again when it changes: a projection
+    put on another path runs its layer in Python; its few-row weight dropped, the same; a norm
+    given a new weight is read at the next step; each step equals the loop."""
+    r = _runner("qwen3", monkeypatch)
+    t = []
+    blocks_of(r).ensure(t, 16)
+    r.forward([SeqInput(list(range(5, 12)), 0, t)])
+    pos = [7]
+
+    def step():
+        counted.clear()
+        fused, loop, _, _ = _both_ways(r, [SeqInput([20 + pos[0]], pos[0], t)])
+        pos[0] += 1
+        assert torch.equal(fused, loop)
+        return list(counted), counted.stacks, fused
+
+    assert step()[:2] == ([True] * 3, 1)
+    o = r._native._plan[2][1]
+    rule = o.rule
+    o.rule = PackRule.always(False, "test")
+    assert step()[:2] == ([True, True, False], 0)
+    o.rule = rule
+    assert step()[:2] == ([True] * 3, 1)
+    w = o.skinny
+    o.skinny = None
+    assert step()[:2] == ([True, True, False], 0)
+    o.skinny = w
+    assert step()[:2] == ([True] * 3, 1)
+    norm = r.model.model.layers[1].post_attention_layernorm
+    with torch.no_grad():
+        norm.weight = torch.nn.Parameter(norm.weight * 3)
+    assert step()[:2] == ([True] * 3, 1)  # equal to the loop, which reads the new weight

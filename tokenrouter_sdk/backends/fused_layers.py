@@ -20,6 +20,7 @@ its GEMMs and attention: see `docs/benchmarks.md`.
 
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
@@ -57,6 +58,10 @@ class LayerCalls:
             if hasattr(a, "q_norm"):
                 norms += [a.q_norm, a.k_norm]
             self.layers.append((a.layer_idx, (qkv, o, gate_up, down), norms, heads))
+        self._projs = [p for ly in self.layers for p in ly[1]]
+        self._norms = [n for ly in self.layers for n in ly[2]]
+        self._stack_held: tuple = ()  # what `_stack_args` was made from
+        self._stack_args: tuple | None = None
 
     @staticmethod
     def mode(fb: ForwardBatch) -> str | None:
@@ -87,34 +92,61 @@ class LayerCalls:
             ws.append(w)
         return ws
 
+    def _stack_parts(self, rows: int, layer_params) -> tuple | None:
+        """The step-invariant arguments of ``decoder_stack`` at ``rows`` rows: (per layer the
+        few-row weights [q/k/v, o, gate/up, down], the biases, the heads, the layer indices,
+        scale, window, softcap, the prefetch), or None when a projection does not run the few-row
+        kernel at ``rows`` rows. Made again when the rows, a projection's rule or few-row weight,
+        whether it has a packed weight, or the layers' parameters (``layer_params``:
+        `ForwardBatch.layers`) are other than last time."""
+        projs = self._projs
+        sk = [p.skinny for p in projs]  # read once: another runner sharing a projection may drop it meanwhile
+        rules = [p.rule for p in projs]
+        packed = [p.packed is None for p in projs]
+        held = self._stack_held
+        if (held and held[0] == rows and held[1] is layer_params and all(map(operator.is_, sk, held[2]))
+                and all(map(operator.is_, rules, held[3])) and packed == held[4]):
+            return self._stack_args
+        ws = [w for p, w in zip(projs, sk) if w is not None and p._path(rows, w) == "skinny"]
+        args = None
+        if len(ws) == len(projs):
+            b, heads, layers, scale, window, softcap = [], [], [], [], [], []
+            for layer, lp, _, hs in self.layers:
+                b += [q.bias for q in lp]
+                heads += hs
+                layers.append(layer)
+                p = layer_params[layer]
+                scale.append(p.scale)
+                window.append(p.window or 0)
+                softcap.append(p.softcap or 0.0)
+            args = (ws, b, heads, layers, scale, window, softcap, projs[0].prefetch)
+        self._stack_held, self._stack_args = (rows, layer_params, sk, rules, packed), args
+        return args
+
     def run_stack(self, fb: ForwardBatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Every layer of a step in one C++ call (``decoder_stack``: each layer as `run`'s one
         call, in order): x [T, C] contiguous float32 -> the last layer's output [T, C]; cos, sin as
         `run`'s. For a step where `mode` said ``"whole"`` and nothing runs between two layers.
+        The norms' weights and epsilons are read at every call, as the loop's norms read them.
         Returns None, having done nothing, when a projection of some layer does not run the
         few-row kernel at T rows or x is not contiguous (the caller runs the layers one by one)."""
-        rows = x.shape[0]
         if not x.is_contiguous():
             return None
-        w, b, eps, heads, layers, scale, window, softcap = [], [], [], [], [], [], [], []
-        for i, (layer, projs, norms, hs) in enumerate(self.layers):
-            ws = self._weights(i, rows)
-            if ws is None:
-                return None
-            w += [norms[0].weight, ws[0], ws[1], norms[1].weight, ws[2], ws[3], *(n.weight for n in norms[2:])]
-            b += [q.bias for q in projs]
-            eps += [float(n.variance_epsilon) for n in norms]  # read at every call, as the loop's norms do
-            heads += hs
-            layers.append(layer)
-            p = fb.layers[layer]
-            scale.append(p.scale)
-            window.append(p.window or 0)
-            softcap.append(p.softcap or 0.0)
+        parts = self._stack_parts(x.shape[0], fb.layers)
+        if parts is None:
+            return None
+        ws, b, heads, layers, scale, window, softcap, pf = parts
+        w, eps = [], []
+        i = 0
+        for _, _, norms, _ in self.layers:
+            nw = [n._parameters["weight"] for n in norms]  # what ``n.weight`` reads (a parameter is never elsewhere)
+            w += [nw[0], ws[i], ws[i + 1], nw[1], ws[i + 2], ws[i + 3], *nw[2:]]
+            i += 4
+        eps = [float(n.variance_epsilon) for n in self._norms]  # read at every call, as the loop's norms do
         kern = fb.kern
         return torch.ops.tokenrouter_cpu.decoder_stack(
             x, w, b, eps, heads, cos, sin, fb.pool.k, fb.pool.v, layers, fb.slot_mapping, kern.table, kern.q_start,
-            kern.q_len, kern.kv_len, scale, window, softcap, cpu_kernel.CHUNK, kern.backend.tile_from,
-            self.layers[0][1][0].prefetch)
+            kern.q_len, kern.kv_len, scale, window, softcap, cpu_kernel.CHUNK, kern.backend.tile_from, pf)
 
     def run(self, fb: ForwardBatch, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, whole: bool):
         """Layer ``i`` of a step: x [T, C] contiguous float32 -> the layer's output [T, C]; cos,
