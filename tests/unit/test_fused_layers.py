@@ -331,7 +331,8 @@ def test_decoder_stack_names_what_does_not_fit(monkeypatch):
 def test_the_stack_sees_a_changed_rule_few_row_weight_or_norm_weight(monkeypatch, counted):
     """What the stack call keeps from step to step is made again when it changes: a projection
     put on another path runs its layer in Python; its few-row weight dropped, the same; a norm
-    given a new weight is read at the next step; each step equals the loop."""
+    given a new weight and a prefetch measured again are read at the next step; each step
+    equals the loop."""
     r = _runner("qwen3", monkeypatch)
     t = []
     blocks_of(r).ensure(t, 16)
@@ -361,3 +362,10 @@ def test_the_stack_sees_a_changed_rule_few_row_weight_or_norm_weight(monkeypatch
     with torch.no_grad():
         norm.weight = torch.nn.Parameter(norm.weight * 3)
     assert step()[:2] == ([True] * 3, 1)  # equal to the loop, which reads the new weight
+    pf = 3 if o.prefetch != 3 else 2  # a prefetch measured again: the next call gets it
+    for p in r._native.projections:
+        p.prefetch = pf
+    ops, got = torch.ops.tokenrouter_cpu, []
+    real = ops.decoder_stack
+    monkeypatch.setattr(ops, "decoder_stack", lambda *a: got.append(a[-1]) or real(*a))
+    assert step()[:2] == ([True] * 3, 1) and got == [pf]

@@ -60,8 +60,9 @@ class LayerCalls:
             self.layers.append((a.layer_idx, (qkv, o, gate_up, down), norms, heads))
         self._projs = [p for ly in self.layers for p in ly[1]]
         self._norms = [n for ly in self.layers for n in ly[2]]
-        self._stack_held: tuple = ()  # what `_stack_args` was made from
-        self._stack_args: tuple | None = None
+        # (what `_stack_parts` made its arguments from, the arguments): one attribute, so that
+        # a reader never pairs one step's record with another step's arguments
+        self._stack: tuple = ((), None)
 
     @staticmethod
     def mode(fb: ForwardBatch) -> str | None:
@@ -95,7 +96,7 @@ class LayerCalls:
     def _stack_parts(self, rows: int, layer_params) -> tuple | None:
         """The step-invariant arguments of ``decoder_stack`` at ``rows`` rows: (per layer the
         few-row weights [q/k/v, o, gate/up, down], the biases, the heads, the layer indices,
-        scale, window, softcap, the prefetch), or None when a projection does not run the few-row
+        scale, window, softcap), or None when a projection does not run the few-row
         kernel at ``rows`` rows. Made again when the rows, a projection's rule or few-row weight,
         whether it has a packed weight, or the layers' parameters (``layer_params``:
         `ForwardBatch.layers`) are other than last time."""
@@ -103,10 +104,10 @@ class LayerCalls:
         sk = [p.skinny for p in projs]  # read once: another runner sharing a projection may drop it meanwhile
         rules = [p.rule for p in projs]
         packed = [p.packed is None for p in projs]
-        held = self._stack_held
+        held, kept = self._stack
         if (held and held[0] == rows and held[1] is layer_params and all(map(operator.is_, sk, held[2]))
                 and all(map(operator.is_, rules, held[3])) and packed == held[4]):
-            return self._stack_args
+            return kept
         ws = [w for p, w in zip(projs, sk) if w is not None and p._path(rows, w) == "skinny"]
         args = None
         if len(ws) == len(projs):
@@ -119,8 +120,8 @@ class LayerCalls:
                 scale.append(p.scale)
                 window.append(p.window or 0)
                 softcap.append(p.softcap or 0.0)
-            args = (ws, b, heads, layers, scale, window, softcap, projs[0].prefetch)
-        self._stack_held, self._stack_args = (rows, layer_params, sk, rules, packed), args
+            args = (ws, b, heads, layers, scale, window, softcap)
+        self._stack = ((rows, layer_params, sk, rules, packed), args)
         return args
 
     def run_stack(self, fb: ForwardBatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -135,7 +136,8 @@ class LayerCalls:
         parts = self._stack_parts(x.shape[0], fb.layers)
         if parts is None:
             return None
-        ws, b, heads, layers, scale, window, softcap, pf = parts
+        ws, b, heads, layers, scale, window, softcap = parts
+        pf = self._projs[0].prefetch  # one machine's measured locality: the same for every projection
         w, eps = [], []
         i = 0
         for _, _, norms, _ in self.layers:
