@@ -82,16 +82,18 @@ class LayerCalls:
                  and "attend" not in vars(k))
         return "whole" if whole else "split"
 
+    @staticmethod
+    def _skinny(p, w, rows: int) -> bool:
+        """Whether projection ``p`` runs the few-row kernel on ``w`` (its ``skinny`` as read once:
+        another runner sharing the projection may drop it meanwhile) at ``rows`` rows."""
+        return w is not None and p._path(rows, w) == "skinny"
+
     def _weights(self, i: int, rows: int) -> list | None:
         """Layer ``i``'s few-row weights (q/k/v, o, gate/up, down), or None when one of its
         projections does not run the few-row kernel at ``rows`` rows."""
-        ws = []
-        for p in self.layers[i][1]:
-            w = p.skinny  # read once: another runner sharing the projection may drop it meanwhile
-            if w is None or p._path(rows, w) != "skinny":
-                return None
-            ws.append(w)
-        return ws
+        projs = self.layers[i][1]
+        ws = [p.skinny for p in projs]
+        return ws if all(self._skinny(p, w, rows) for p, w in zip(projs, ws)) else None
 
     def _stack_parts(self, rows: int, layer_params) -> tuple | None:
         """The step-invariant arguments of ``decoder_stack`` at ``rows`` rows: (per layer the
@@ -108,9 +110,8 @@ class LayerCalls:
         if (held and held[0] == rows and held[1] is layer_params and all(map(operator.is_, sk, held[2]))
                 and all(map(operator.is_, rules, held[3])) and packed == held[4]):
             return kept
-        ws = [w for p, w in zip(projs, sk) if w is not None and p._path(rows, w) == "skinny"]
         args = None
-        if len(ws) == len(projs):
+        if all(self._skinny(p, w, rows) for p, w in zip(projs, sk)):
             b, heads, layers, scale, window, softcap = [], [], [], [], [], []
             for layer, lp, _, hs in self.layers:
                 b += [q.bias for q in lp]
@@ -120,7 +121,7 @@ class LayerCalls:
                 scale.append(p.scale)
                 window.append(p.window or 0)
                 softcap.append(p.softcap or 0.0)
-            args = (ws, b, heads, layers, scale, window, softcap)
+            args = (sk, b, heads, layers, scale, window, softcap)
         self._stack = ((rows, layer_params, sk, rules, packed), args)
         return args
 
@@ -138,12 +139,11 @@ class LayerCalls:
             return None
         ws, b, heads, layers, scale, window, softcap = parts
         pf = self._projs[0].prefetch  # one machine's measured locality: the same for every projection
-        w, eps = [], []
-        i = 0
-        for _, _, norms, _ in self.layers:
+        w = []
+        for j, (_, _, norms, _) in enumerate(self.layers):
             nw = [n._parameters["weight"] for n in norms]  # what ``n.weight`` reads (a parameter is never elsewhere)
-            w += [nw[0], ws[i], ws[i + 1], nw[1], ws[i + 2], ws[i + 3], *nw[2:]]
-            i += 4
+            q, o, gu, dn = ws[4 * j:4 * j + 4]
+            w += [nw[0], q, o, nw[1], gu, dn, *nw[2:]]
         eps = [float(n.variance_epsilon) for n in self._norms]  # read at every call, as the loop's norms do
         kern = fb.kern
         return torch.ops.tokenrouter_cpu.decoder_stack(
