@@ -270,7 +270,7 @@ def test_the_kernel_gets_the_runner_s_tile_threshold_and_prefetch_in_either_path
     monkeypatch.setenv(kernel_choice.TILES_ENV, "7")
     monkeypatch.setenv(A.PREFETCH_ENV, "3")
     r = _runner("llama", monkeypatch)
-    assert all(p.prefetch == 3 for p in r._native.projections)
+    assert all(p.prefetch == A.Prefetch(3, 3) for p in r._native.projections)
     ops = torch.ops.tokenrouter_cpu
     got = {"stack": [], "layer": [], "op": [], "qkv": [], "mlp": []}
     real_stack, real_layer, real_qkv, real_mlp = ops.decoder_stack, ops.decoder_layer, ops.layer_qkv, ops.layer_mlp
@@ -301,6 +301,35 @@ def test_the_kernel_gets_the_runner_s_tile_threshold_and_prefetch_in_either_path
     r.forward([SeqInput([22], 13, t)])
     assert got["op"] == [7] * 3 and got["layer"] == [(7, 3)] * 3  # 3 layers, attention in Python
     assert got["qkv"] == [3] * 6 and got["mlp"] == [3] * 6  # the prefill's layers (split) and these
+
+
+def test_a_step_s_calls_take_the_prefetch_of_its_row_count(monkeypatch, counted):
+    """Where the measured prefetch differs by step size (`autotune.Prefetch`), a step of one
+    decode passes ``few`` and a step of three decodes ``many`` to the stack call, and to each
+    layer's call with core lending between layers; the bits are the loop's either way."""
+    r = _runner("llama", monkeypatch)
+    for p in r._native.projections:
+        p.prefetch = A.Prefetch(1, 3)
+    ops, got = torch.ops.tokenrouter_cpu, {"stack": [], "layer": []}
+    real_stack, real_layer = ops.decoder_stack, ops.decoder_layer
+    monkeypatch.setattr(ops, "decoder_stack", lambda *a: got["stack"].append(a[-1]) or real_stack(*a))
+    monkeypatch.setattr(ops, "decoder_layer", lambda *a: got["layer"].append(a[-1]) or real_layer(*a))
+    ts = []
+    for i in range(3):
+        t = []
+        blocks_of(r).ensure(t, 16)
+        r.forward([SeqInput(list(range(5 + i, 12 + i)), 0, t)])
+        ts.append(t)
+    got["stack"].clear(), got["layer"].clear()
+    fused, loop, _, _ = _both_ways(r, [SeqInput([20], 7, ts[0])])
+    assert got["stack"] == [1] and torch.equal(fused, loop)
+    fused, loop, _, _ = _both_ways(r, [SeqInput([21 + i], pos, t) for i, (t, pos) in enumerate(zip(ts, (8, 7, 7)))])
+    assert got["stack"] == [1, 3] and torch.equal(fused, loop)
+    r.between_layers = lambda: None  # core lending: one call a layer
+    fused, loop, _, _ = _both_ways(r, [SeqInput([30], 9, ts[0])])
+    assert torch.equal(fused, loop)
+    fused, loop, _, _ = _both_ways(r, [SeqInput([31 + i], pos, t) for i, (t, pos) in enumerate(zip(ts, (10, 8, 8)))])
+    assert got["layer"] == [1] * 3 + [3] * 3 and torch.equal(fused, loop) and got["stack"] == [1, 3]
 
 
 def test_decoder_stack_names_what_does_not_fit(monkeypatch):
@@ -362,9 +391,9 @@ def test_the_stack_sees_a_changed_rule_few_row_weight_or_norm_weight(monkeypatch
     with torch.no_grad():
         norm.weight = torch.nn.Parameter(norm.weight * 3)
     assert step()[:2] == ([True] * 3, 1)  # equal to the loop, which reads the new weight
-    pf = 3 if o.prefetch != 3 else 2  # a prefetch measured again: the next call gets it
+    pf = 3 if o.prefetch.few != 3 else 2  # a prefetch measured again: the next call gets it
     for p in r._native.projections:
-        p.prefetch = pf
+        p.prefetch = A.Prefetch(pf, 0)
     ops, got = torch.ops.tokenrouter_cpu, []
     real = ops.decoder_stack
     monkeypatch.setattr(ops, "decoder_stack", lambda *a: got.append(a[-1]) or real(*a))

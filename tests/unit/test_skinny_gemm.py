@@ -122,7 +122,7 @@ def test_forced_skinny_runs_the_kernel_and_gives_the_logits_of_the_transformers_
         calls.clear()
         out = _step(runner, ids)
         projs = runner._native.projections
-        assert all(p.path(len(ids)) == "skinny" and p.skinny is not None and p.prefetch == 2 for p in projs)
+        assert all(p.path(len(ids)) == "skinny" and p.skinny is not None and p.prefetch == A.Prefetch(2, 2) for p in projs)
         assert calls.count(len(ids)) == 4 * 3 and set(calls) <= {len(ids), 1}  # 4 per layer; the head: 1 row
         want = _step(ref, ids)
         torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=1e-5)
@@ -173,7 +173,7 @@ def test_an_entry_measured_without_the_kernel_is_measured_again_once_it_is_there
     assert all(r.describe() == "skinny at 1-8, packed at 16-128 rows" for r in rules.values())
     stored = json.loads(A.choices_path(fields).read_text())["choices"]
     assert all("skinny_ms" in e for k, e in stored.items() if k.startswith("packing"))
-    assert stored[A.prefetch_key(projs)]["chosen"] in A.PREFETCH_HINTS  # measured once the kernel was there
+    assert all(h in A.PREFETCH_HINTS for h in stored[A.prefetch_key(projs)]["chosen"])  # measured once the kernel was there
     cached = FakeMeasure(upto=1)
     A.tune_packing(projs, measure=cached, fields=fields)
     assert cached.calls == [] and all(p.path(8) == "skinny" for p in projs)
@@ -315,8 +315,8 @@ def _kernel_projections() -> list:
 
 
 class PrefetchCost:
-    """A clock that advances by ``cost[prefetch]`` per kernel call (the kernel still runs), so
-    that `measure_prefetch` sees one locality as faster."""
+    """A clock that advances by ``cost[(rows, prefetch)]`` per kernel call (the kernel still
+    runs), so that `measure_prefetch` sees one locality as faster at a row count."""
 
     def __init__(self, monkeypatch, cost):
         self.now, self.cost, self.seen = 0.0, cost, set()
@@ -324,7 +324,7 @@ class PrefetchCost:
 
         def run(proj, x, residual=None, weight=None, prefetch=None):
             self.seen.add((x.shape[0], prefetch))
-            self.now += self.cost[prefetch]
+            self.now += self.cost[(x.shape[0], prefetch)]
             return real(proj, x, residual, weight, prefetch)
         monkeypatch.setattr(P.Projection, "run_skinny", run)
 
@@ -332,21 +332,52 @@ class PrefetchCost:
         return self.now
 
 
-@pytest.mark.parametrize("fast", A.PREFETCH_HINTS)
-def test_the_measurement_times_every_prefetch_at_every_row_count_and_picks_the_fastest(ops, monkeypatch, fast):
+@pytest.mark.parametrize("few,many", [(0, 0), (0, 2), (2, 0), (2, 2)])
+def test_the_measurement_times_every_prefetch_at_every_row_count_and_picks_the_fastest_at_each(ops, monkeypatch,
+                                                                                               few, many):
+    """Each measured row count gets its own fastest locality (`Prefetch`: one for steps of 1-2
+    rows, one from 3), and the passes stream at least `PREFETCH_MIN_BYTES` of weights (here all
+    of a tiny model's, however small its cache)."""
     projs = _kernel_projections()
-    cost = PrefetchCost(monkeypatch, {h: (1.0 if h == fast else 3.0) for h in A.PREFETCH_HINTS})
+    fast = dict(zip(A.PREFETCH_ROWS, (few, many)))
+    cost = PrefetchCost(monkeypatch, {(r, h): (1.0 if h == fast[r] else 3.0)
+                                      for r in A.PREFETCH_ROWS for h in A.PREFETCH_HINTS})
     entry = A.measure_prefetch(projs, clock=cost, llc_bytes=1)
-    assert entry["chosen"] == fast and entry["hints"] == list(A.PREFETCH_HINTS)
+    assert entry["chosen"] == [few, many] and entry["hints"] == list(A.PREFETCH_HINTS)
     assert cost.seen == {(r, h) for r in A.PREFETCH_ROWS for h in A.PREFETCH_HINTS}
-    assert entry["layers"] == 1  # the weights of one projection already pass twice a 1-byte cache
-    assert all(v == pytest.approx(1e3 * (1.0 if h == fast else 3.0)) for h, ms in zip(entry["hints"], entry["ms"])
-               for v in ms)
+    assert entry["layers"] == len(projs)  # all of them: far less than the least a measurement streams
+    assert all(v == pytest.approx(1e3 * len(projs) * (1.0 if h == fast[r] else 3.0))
+               for h, ms in zip(entry["hints"], entry["ms"]) for r, v in zip(entry["rows"], ms))
+
+
+@pytest.mark.parametrize("faster,chosen", [(0.97, 2), (0.94, 0), (1.02, 2), (1.2, 2)])
+def test_a_tie_goes_to_the_prefetch_into_l2(ops, monkeypatch, faster, chosen):
+    """The non-temporal prefetch ``faster`` times the prefetch into L2's time: within 5% it is a
+    tie, which goes to the prefetch into L2; beyond, the faster one is chosen."""
+    assert A.PREFETCH_TIE == (2, 0.05) and A.PREFETCH_HINTS == (0, 2)
+    projs = _kernel_projections()
+    cost = PrefetchCost(monkeypatch, {(r, h): (faster if h == 0 else 1.0) for r in A.PREFETCH_ROWS
+                                      for h in A.PREFETCH_HINTS})
+    assert A.measure_prefetch(projs, clock=cost)["chosen"] == [chosen, chosen]
+
+
+@pytest.mark.parametrize("few,many", [(0, 2), (2, 0), (1, 3)])
+def test_a_projection_runs_the_prefetch_of_its_step_s_row_count(ops, monkeypatch, few, many):
+    p = _kernel_projections()[0]
+    p.prefetch = A.Prefetch(few, many)
+    real = torch.ops.tokenrouter_cpu.skinny_linear
+    seen = []
+    monkeypatch.setattr(torch.ops.tokenrouter_cpu, "skinny_linear", lambda *a: seen.append((a[0].shape[0], a[-1]))
+                        or real(*a))
+    for rows in (1, 2, 3, 8, 16):
+        p.run_skinny(torch.randn(rows, p.mods[0].in_features))  # what each path on the kernel calls
+    assert seen == [(1, few), (2, few), (3, many), (8, many), (16, many)]
+    assert [A.Prefetch(few, many).at(r) for r in (1, A.PREFETCH_MANY_FROM - 1, A.PREFETCH_MANY_FROM)] == [few, few, many]
 
 
 class FakePrefetch:
-    def __init__(self, chosen):
-        self.chosen, self.calls = chosen, 0
+    def __init__(self, few, many=None):
+        self.chosen, self.calls = [few, few if many is None else many], 0
 
     def __call__(self, projs):
         self.calls += 1
@@ -357,20 +388,21 @@ class FakePrefetch:
 def test_the_prefetch_is_measured_once_stored_read_back_and_runs_in_every_path(store, ops, capsys):
     projs = _kernel_projections()
     fields = A.machine_fields()
-    first = FakePrefetch(2)
+    first = FakePrefetch(0, 2)
     A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields, prefetch=first)
-    assert first.calls == 1 and all(p.prefetch == 2 for p in projs)
-    again = FakePrefetch(0)
+    assert first.calls == 1 and all(p.prefetch == A.Prefetch(0, 2) for p in projs)
+    again = FakePrefetch(2)
     for p in projs:
-        p.prefetch = 0
+        p.prefetch = A.Prefetch()
     A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields, prefetch=again)
-    assert again.calls == 0 and all(p.prefetch == 2 for p in projs)  # read back
+    assert again.calls == 0 and all(p.prefetch == A.Prefetch(0, 2) for p in projs)  # read back
     from tokenrouter_sdk.cli.main import main
     assert main(["info"]) == 0
-    assert f"{A.prefetch_key(projs)}: the few-row kernel prefetches into L2" in capsys.readouterr().out
+    assert (f"{A.prefetch_key(projs)}: the few-row kernel prefetches non-temporal at 1-2 rows, into L2 from 3"
+            in capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("damage", ["chosen", "hints", "ms", "type", "foreign"])
+@pytest.mark.parametrize("damage", ["chosen", "one for every row count", "hints", "ms", "type", "foreign"])
 def test_a_broken_or_foreign_prefetch_entry_is_measured_again(store, ops, damage):
     projs = _kernel_projections()
     fields = A.machine_fields()
@@ -380,7 +412,9 @@ def test_a_broken_or_foreign_prefetch_entry_is_measured_again(store, ops, damage
     key = A.prefetch_key(projs)
     e = data["choices"][key]
     if damage == "chosen":
-        e["chosen"] = 5
+        e["chosen"] = [2, 5]
+    elif damage == "one for every row count":
+        e["chosen"] = 2  # one locality for every step size: what an older build stored
     elif damage == "hints":
         e["hints"] = [0, 1]  # measured over other candidates than these
     elif damage == "ms":
@@ -391,8 +425,8 @@ def test_a_broken_or_foreign_prefetch_entry_is_measured_again(store, ops, damage
     other = dict(fields, cpu="another CPU") if damage == "foreign" else fields
     again = FakePrefetch(0)
     A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=other, prefetch=again)
-    assert again.calls == 1 and all(p.prefetch == 0 for p in projs)
-    assert A.load_choices(other)[key]["chosen"] == 0
+    assert again.calls == 1 and all(p.prefetch == A.Prefetch(0, 0) for p in projs)
+    assert A.load_choices(other)[key]["chosen"] == [0, 0]
 
 
 def test_a_forced_prefetch_is_honoured_and_an_unknown_one_refused(store, ops, monkeypatch):
@@ -400,7 +434,7 @@ def test_a_forced_prefetch_is_honoured_and_an_unknown_one_refused(store, ops, mo
     monkeypatch.setenv(A.PREFETCH_ENV, "3")
     never = FakePrefetch(0)
     A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=A.machine_fields(), prefetch=never)
-    assert never.calls == 0 and all(p.prefetch == 3 for p in projs)
+    assert never.calls == 0 and all(p.prefetch == A.Prefetch(3, 3) for p in projs)
     assert not any(k.startswith(A.PREFETCH_KEY) for k in A.load_choices(A.machine_fields()))
     monkeypatch.setenv(A.PREFETCH_ENV, "nta")
     with pytest.raises(ValueError, match="TOKENROUTER_SKINNY_PREFETCH='nta': accepted values are auto, 0"):
@@ -415,13 +449,14 @@ def test_a_runner_measures_the_prefetch_for_real_and_its_steps_keep_their_bits(s
     runner = _runner(kernels="wait")
     out = _step(runner, ids)
     e = A.load_choices(A.machine_fields())[A.prefetch_key(runner._native.projections)]
-    assert e["chosen"] in A.PREFETCH_HINTS and all(v > 0 for ms in e["ms"] for v in ms)
-    assert all(p.prefetch == e["chosen"] and p.path(len(ids)) == "skinny" for p in runner._native.projections)
+    assert all(h in A.PREFETCH_HINTS for h in e["chosen"]) and all(v > 0 for ms in e["ms"] for v in ms)
+    assert all(p.prefetch == A.Prefetch(*e["chosen"]) and p.path(len(ids)) == "skinny"
+               for p in runner._native.projections)
     for h in range(4):
         monkeypatch.setenv(A.PREFETCH_ENV, str(h))
         other = _runner(kernels="wait", seed=5)
         got = _step(other, ids)
-        assert all(p.prefetch == h for p in other._native.projections)
+        assert all(p.prefetch == A.Prefetch(h, h) for p in other._native.projections)
         assert torch.equal(got.logits, out.logits)
 
 
@@ -470,6 +505,7 @@ def test_models_of_another_size_keep_their_own_prefetch_choice(store, ops):
     assert A.prefetch_key(bigger) != A.prefetch_key(small)
     other = FakePrefetch(2)
     A.tune_packing(bigger, measure=FakeMeasure(upto=8), fields=fields, prefetch=other)
-    assert other.calls == 1 and all(p.prefetch == 2 for p in bigger) and all(p.prefetch == 0 for p in small)
+    assert other.calls == 1 and all(p.prefetch == A.Prefetch(2, 2) for p in bigger)
+    assert all(p.prefetch == A.Prefetch(0, 0) for p in small)
     stored = A.load_choices(fields)
-    assert stored[A.prefetch_key(small)]["chosen"] == 0 and stored[A.prefetch_key(bigger)]["chosen"] == 2
+    assert stored[A.prefetch_key(small)]["chosen"] == [0, 0] and stored[A.prefetch_key(bigger)]["chosen"] == [2, 2]

@@ -46,8 +46,9 @@ faster depends on the CPU: on a 2-core AMD EPYC (Zen 5) the non-temporal prefetc
 bandwidth; on a 2-core Intel Xeon (family 6 model 207) it reads SmolLM2-135M's 538 MB of weights
 in 43 ms at one row, where the prefetch into L2 takes 17 (and 26 against 19 ms at 8 rows). So it is
 measured once per machine and model size (`tune_prefetch`: every candidate over the model's
-float32 projections at 1 and 8 rows, about 0.2-0.5 s) before the paths, whose kernel timings use
-it; stored as ``skinny prefetch float32 <n> projections <MB> MB`` (a model small enough to stay in
+float32 projections, or 512 MB of them, at 1 and 8 rows, about 0.2-0.5 s) before the paths, whose
+kernel timings use it, and chosen apart for steps of 1-2 rows and of 3 or more (`Prefetch`: on a
+2-core AMD EPYC Zen 4 the non-temporal one is faster at one row, the one into L2 at eight); stored as ``skinny prefetch float32 <n> projections <MB> MB`` (a model small enough to stay in
 the caches measures a tie that says nothing of one that streams from memory, so each size keeps
 its own); ``TOKENROUTER_SKINNY_PREFETCH=0..3`` forces it.
 """
@@ -64,7 +65,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -75,9 +76,13 @@ REPS = 3
 PREFETCH_ENV = "TOKENROUTER_SKINNY_PREFETCH"
 PREFETCH_HINTS = (0, 2)  # the candidates: non-temporal (prefetchnta), into L2 (prefetcht1)
 PREFETCH_NAMES = {0: "non-temporal", 1: "into L3", 2: "into L2", 3: "into L1"}
-PREFETCH_ROWS = (1, 8)
+PREFETCH_ROWS = (1, 8)  # the row counts measured: `Prefetch.few` at the first, `Prefetch.many` at the second
+PREFETCH_MANY_FROM = 3  # steps of this many rows or more take `Prefetch.many` (3 is nearer 8 than 1 in ratio)
+PREFETCH_MIN_BYTES = 512 << 20  # the weights a prefetch measurement streams at least (all, if fewer)
+PREFETCH_REPS = 7  # timed passes per locality and row count: two localities' streams differ by a few %
+PREFETCH_TIE = (2, 0.05)  # a tie (within 5%) goes to the prefetch into L2 (`measure_prefetch`)
 PREFETCH_KEY = "skinny prefetch float32"  # the prefix of a stored prefetch choice's key (`prefetch_key`)
-FORMAT = 5  # the layout and rules of a choices file; a file of another format is measured again
+FORMAT = 6  # the layout and rules of a choices file; a file of another format is measured again
 # the few-row kernel is chosen where it is within this factor of the fastest path: where every
 # projection of a layer takes it, the layer runs as one C++ call (`fused_layers`)
 SKINNY_MARGIN = 1.05
@@ -89,6 +94,21 @@ def skinny_edge(best_ms: float, projections: int) -> float:
     still be chosen, when the faster of the other two paths takes ``best_ms``: within
     `SKINNY_MARGIN` of it or `SKINNY_SLACK_MS` a projection of it, whichever is larger."""
     return max(SKINNY_MARGIN * best_ms, best_ms + SKINNY_SLACK_MS * projections)
+
+
+class Prefetch(NamedTuple):
+    """The few-row kernel's prefetch locality (0..3, as ``__builtin_prefetch``'s: 0 non-temporal,
+    2 into L2; it changes speed, never bits) by step size: ``few`` for steps of fewer than
+    `PREFETCH_MANY_FROM` rows, ``many`` from it. Measured per machine (`tune_prefetch`): on a
+    2-core AMD EPYC (Zen 4) at its faster memory rate the non-temporal prefetch streams 538 MB of
+    weights 5% faster at one row, and 12% slower at eight rows, than the prefetch into L2."""
+
+    few: int = 0
+    many: int = 0
+
+    def at(self, rows: int) -> int:
+        """The locality of a step of ``rows`` rows."""
+        return self.few if rows < PREFETCH_MANY_FROM else self.many
 
 
 @dataclass(frozen=True)
@@ -372,24 +392,37 @@ def forced_prefetch() -> int | None:
     return int(v)
 
 
-def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, reps: int = REPS,
+def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, reps: int = PREFETCH_REPS,
                      llc_bytes: int | None = None, clock=time.perf_counter) -> dict:
     """Time the few-row kernel with each prefetch locality over the projections' kernel weights.
 
     Args:
         projs: `Projection`s with their few-row kernel weight (``skinny``), in model order;
-            passes take them in order until their weights reach twice the last-level cache
-            (``llc_bytes``, default `last_level_cache_bytes`), or all.
+            passes take them in order until their weights reach four times the last-level cache
+            (``llc_bytes``, default `last_level_cache_bytes`) and `PREFETCH_MIN_BYTES`, or all.
+            A pass of two caches' worth (64 MB on a 32 MiB L3, 1-2 ms) measured a coin flip on a
+            2-core AMD EPYC (Zen 4): it chose the non-temporal prefetch in 5 runs of 6, where a
+            pass over the whole model (538 MB) found the prefetch into L2 12% faster at 8 rows
+            in all 6.
         hints: the localities to time (0..3).
-        rows: row counts to time at.
+        rows: row counts to time at (`PREFETCH_ROWS`: one for `Prefetch.few`, one for
+            `Prefetch.many`).
         reps: timed passes per locality and row count (after one untimed pass each), interleaved.
         clock: seconds.
 
     Returns:
         ``{"hints": [...], "rows": [...], "ms": [[median ms of one pass per row count] per
-        hint], "chosen": h, "layers": n}``: ``chosen`` has the least total over the row counts.
+        hint], "chosen": [h per row count], "layers": n}``: each row count's ``chosen`` is its
+        fastest locality, or `PREFETCH_TIE`'s (into L2) where that is within its margin (5%) of
+        the fastest. A 2-core VM's memory can read at two rates minutes apart, and the
+        measurement sees one: on an AMD EPYC (Zen 4) at the slow rate the non-temporal prefetch
+        measured 1-4% faster at 8 rows (17.9-18.8 against 18.3-19.5 ms a pass; the decode steps
+        equal), while at the fast one the prefetch into L2 is 12% faster at 8 rows (12.7 against
+        14.3) and 5% slower at one (11.6 against 11.0); on an Intel Xeon the non-temporal one is
+        1.3-2.4x slower. So a tie takes the one that was never far behind.
     """
     llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    budget = max(4 * llc, PREFETCH_MIN_BYTES)
     use, total = [], 0
     for p in projs:
         w = getattr(p, "skinny", None)
@@ -397,7 +430,7 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
             continue
         use.append((p, w))
         total += w.numel() * w.element_size()
-        if total >= 2 * llc:
+        if total >= budget:
             break
     ms = [[0.0] * len(rows) for _ in hints]
     with torch.inference_mode():
@@ -411,13 +444,20 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
                 return f
             for i, v in enumerate(_interleaved_ms([pass_with(h) for h in hints], reps, clock)):
                 ms[i][j] = round(v, 4)
-    best = min(range(len(hints)), key=lambda i: sum(ms[i]))
-    return {"hints": list(hints), "rows": list(rows), "ms": ms, "chosen": int(hints[best]), "layers": len(use)}
+    tie, margin = PREFETCH_TIE
+    chosen = []
+    for j in range(len(rows)):
+        best = min(range(len(hints)), key=lambda i: ms[i][j])
+        if tie in hints and ms[list(hints).index(tie)][j] <= (1 + margin) * ms[best][j]:
+            best = list(hints).index(tie)
+        chosen.append(int(hints[best]))
+    return {"hints": list(hints), "rows": list(rows), "ms": ms, "chosen": chosen, "layers": len(use)}
 
 
 def _prefetch_entry_valid(entry: dict) -> bool:
-    hints, rows, ms = entry["hints"], entry["rows"], entry["ms"]
-    return (list(hints) == list(PREFETCH_HINTS) and list(rows) == list(PREFETCH_ROWS) and entry["chosen"] in hints
+    hints, rows, ms, chosen = entry["hints"], entry["rows"], entry["ms"], entry["chosen"]
+    return (list(hints) == list(PREFETCH_HINTS) and list(rows) == list(PREFETCH_ROWS) and isinstance(chosen, list)
+            and len(chosen) == len(rows) and all(type(h) is int and h in hints for h in chosen)
             and len(ms) == len(hints) and all(len(r) == len(rows) for r in ms))
 
 
@@ -429,14 +469,14 @@ def prefetch_key(projs: list) -> str:
     return f"{PREFETCH_KEY} {len(ws)} projections {mb} MB"
 
 
-def tune_prefetch(projs: list, *, measure=measure_prefetch, fields: dict | None = None) -> tuple[int, str]:
-    """Set ``prefetch`` on every projection of ``projs``: forced by ``TOKENROUTER_SKINNY_PREFETCH``,
-    else this machine's stored choice for projections of this count and size (`prefetch_key`),
-    else measured (`measure_prefetch` over those of ``projs`` that have their few-row kernel
-    weight) and stored.
+def tune_prefetch(projs: list, *, measure=measure_prefetch, fields: dict | None = None) -> tuple[Prefetch, str]:
+    """Set ``prefetch`` (a `Prefetch`) on every projection of ``projs``: forced by
+    ``TOKENROUTER_SKINNY_PREFETCH`` (one locality at every row count), else this machine's
+    stored choice for projections of this count and size (`prefetch_key`), else measured
+    (`measure_prefetch` over those of ``projs`` that have their few-row kernel weight) and stored.
 
     Returns:
-        (locality, source): source is ``forced (...)``, ``cached``, ``measured`` or ``measured
+        (the `Prefetch`, source): source is ``forced (...)``, ``cached``, ``measured`` or ``measured
         (not stored)``.
 
     Raises:
@@ -444,13 +484,13 @@ def tune_prefetch(projs: list, *, measure=measure_prefetch, fields: dict | None 
     """
     forced = forced_prefetch()
     if forced is not None:
-        hint, source = forced, f"forced ({PREFETCH_ENV}={forced})"
+        choice, source = Prefetch(forced, forced), f"forced ({PREFETCH_ENV}={forced})"
     else:
         entry, source = choose(prefetch_key(projs), lambda: measure(projs), _prefetch_entry_valid, fields=fields)
-        hint = int(entry["chosen"])
+        choice = Prefetch(*entry["chosen"])
     for p in projs:
-        p.prefetch = hint
-    return hint, source
+        p.prefetch = choice
+    return choice, source
 
 
 def describe_prefetch(key: str, entry) -> str | None:
@@ -463,8 +503,10 @@ def describe_prefetch(key: str, entry) -> str | None:
         times = "; ".join(f"{PREFETCH_NAMES.get(h, h)}: " + ", ".join(f"{r} row{'s' * (r > 1)} {v:.2f}"
                                                                       for r, v in zip(entry["rows"], ms))
                           for h, ms in zip(entry["hints"], entry["ms"]))
-        return (f"{key}: the few-row kernel prefetches {PREFETCH_NAMES.get(entry['chosen'], entry['chosen'])} "
-                f"(ms per pass over {entry.get('layers', '?')} projections: {times})")
+        few, many = entry["chosen"]
+        return (f"{key}: the few-row kernel prefetches {PREFETCH_NAMES[few]} at 1-{PREFETCH_MANY_FROM - 1} rows, "
+                f"{PREFETCH_NAMES[many]} from {PREFETCH_MANY_FROM} (ms per pass over {entry.get('layers', '?')} "
+                f"projections: {times})")
     except (KeyError, TypeError, ValueError):
         return None
 

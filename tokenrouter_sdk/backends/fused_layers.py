@@ -138,7 +138,7 @@ class LayerCalls:
         if parts is None:
             return None
         ws, b, heads, layers, scale, window, softcap = parts
-        pf = self._projs[0].prefetch  # one machine's measured locality: the same for every projection
+        pf = self._projs[0].prefetch.at(x.shape[0])  # one machine's measured choice: the same for every projection
         w = []
         for j, (_, _, norms, _) in enumerate(self.layers):
             nw = [n._parameters["weight"] for n in norms]  # what ``n.weight`` reads (a parameter is never elsewhere)
@@ -166,7 +166,7 @@ class LayerCalls:
         if ws is None:
             return None
         ops = torch.ops.tokenrouter_cpu
-        pf = projs[0].prefetch  # one machine's measured locality: the same for every projection
+        pf = projs[0].prefetch.at(rows)  # one machine's measured choice: the same for every projection
         n0, n1 = norms[0].weight, norms[1].weight
         qk = [n.weight for n in norms[2:]]  # Qwen3's q/k norms, or none
         eps = [float(n.variance_epsilon) for n in norms]  # read at every call, as the loop's norms do

@@ -49,7 +49,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from .autotune import PackRule
+from .autotune import PackRule, Prefetch
 
 PACKABLE = (torch.float32, torch.bfloat16, torch.float16)  # weight dtypes with a oneDNN packed path
 DEFAULT_RULE = PackRule.always(True, "default")
@@ -89,8 +89,9 @@ class Projection:
         skinny: the merged weight packed for the few-row kernel (`add_skinny`), or None.
         rule: the `PackRule` that says, per step size (rows), whether ``packed`` runs (set by
             `tokenrouter_sdk.backends.autotune.tune_packing`; `DEFAULT_RULE` before).
-        prefetch: the few-row kernel's prefetch locality (0..3; it changes speed, not bits),
-            measured per machine by `tune_packing` (0, non-temporal, before).
+        prefetch: the few-row kernel's prefetch locality by step size (a `Prefetch`; it changes
+            speed, not bits), measured per machine by `tune_packing` (non-temporal at every row
+            count before).
         watched: the weights it was built from (`watch`); `stale` says whether one was replaced
             or changed in place, or a module gained or lost hooks, since (then the projection
             must be built again).
@@ -103,7 +104,7 @@ class Projection:
         self.sizes = [m.out_features if hasattr(m, "out_features") else None for m in self.mods]
         self.packed = self.bias = self.skinny = None
         self.rule = DEFAULT_RULE
-        self.prefetch = 0
+        self.prefetch = Prefetch()
         self.watched = self.watch()
         if not (self.plain and pack):
             return
@@ -193,11 +194,12 @@ class Projection:
                    prefetch: int | None = None) -> torch.Tensor:
         """``x`` [M, in] through the few-row kernel's weight (``weight``, a ``skinny`` taken
         earlier, else ``skinny``), plus ``residual`` [M, sum(sizes)] when given: [M, sum(sizes)].
-        Requires one of them. ``prefetch``: the kernel's prefetch locality (default ``self.prefetch``)."""
+        Requires one of them. ``prefetch``: the kernel's prefetch locality, 0..3 (default
+        ``self.prefetch`` at M rows)."""
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
         w = self.skinny if weight is None else weight
-        pf = self.prefetch if prefetch is None else prefetch
+        pf = self.prefetch.at(x.shape[0]) if prefetch is None else prefetch
         return torch.ops.tokenrouter_cpu.skinny_linear(x, w, sum(self.sizes), self.bias, residual, pf)
 
     def run_plain(self, x: torch.Tensor) -> list[torch.Tensor]:
