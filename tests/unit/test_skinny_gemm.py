@@ -350,15 +350,17 @@ def test_the_measurement_times_every_prefetch_at_every_row_count_and_picks_the_f
                for h, ms in zip(entry["hints"], entry["ms"]) for r, v in zip(entry["rows"], ms))
 
 
-@pytest.mark.parametrize("faster,chosen", [(0.97, 2), (0.94, 0), (1.02, 2), (1.2, 2)])
-def test_a_tie_goes_to_the_prefetch_into_l2(ops, monkeypatch, faster, chosen):
-    """The non-temporal prefetch ``faster`` times the prefetch into L2's time: within 5% it is a
-    tie, which goes to the prefetch into L2; beyond, the faster one is chosen."""
-    assert A.PREFETCH_TIE == (2, 0.05) and A.PREFETCH_HINTS == (0, 2)
+@pytest.mark.parametrize("faster,chosen", [(0.97, [0, 2]), (0.94, [0, 0]), (1.02, [0, 2]), (1.04, [0, 2]),
+                                           (1.07, [2, 2]), (1.2, [2, 2])])
+def test_a_tie_goes_to_the_row_count_s_own_prefetch(ops, monkeypatch, faster, chosen):
+    """The non-temporal prefetch takes ``faster`` times the prefetch into L2's time: within 5%
+    either way it is a tie, which goes to the non-temporal one at 1 row and to the one into L2
+    at 8; beyond, the faster one is chosen."""
+    assert A.PREFETCH_TIE == ((0, 2), 0.05) and A.PREFETCH_HINTS == (0, 2) and A.PREFETCH_ROWS == (1, 8)
     projs = _kernel_projections()
     cost = PrefetchCost(monkeypatch, {(r, h): (faster if h == 0 else 1.0) for r in A.PREFETCH_ROWS
                                       for h in A.PREFETCH_HINTS})
-    assert A.measure_prefetch(projs, clock=cost)["chosen"] == [chosen, chosen]
+    assert A.measure_prefetch(projs, clock=cost)["chosen"] == chosen
 
 
 @pytest.mark.parametrize("few,many", [(0, 2), (2, 0), (1, 3)])

@@ -80,7 +80,7 @@ PREFETCH_ROWS = (1, 8)  # the row counts measured: `Prefetch.few` at the first, 
 PREFETCH_MANY_FROM = 3  # steps of this many rows or more take `Prefetch.many` (3 is nearer 8 than 1 in ratio)
 PREFETCH_MIN_BYTES = 512 << 20  # the weights a prefetch measurement streams at least (all, if fewer)
 PREFETCH_REPS = 7  # timed passes per locality and row count: two localities' streams differ by a few %
-PREFETCH_TIE = (2, 0.05)  # a tie (within 5%) goes to the prefetch into L2 (`measure_prefetch`)
+PREFETCH_TIE = ((0, 2), 0.05)  # a tie (within 5%) at 1 row goes to non-temporal, at 8 to into L2 (`measure_prefetch`)
 PREFETCH_KEY = "skinny prefetch float32"  # the prefix of a stored prefetch choice's key (`prefetch_key`)
 FORMAT = 6  # the layout and rules of a choices file; a file of another format is measured again
 # the few-row kernel is chosen where it is within this factor of the fastest path: where every
@@ -413,13 +413,14 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
     Returns:
         ``{"hints": [...], "rows": [...], "ms": [[median ms of one pass per row count] per
         hint], "chosen": [h per row count], "layers": n}``: each row count's ``chosen`` is its
-        fastest locality, or `PREFETCH_TIE`'s (into L2) where that is within its margin (5%) of
-        the fastest. A 2-core VM's memory can read at two rates minutes apart, and the
-        measurement sees one: on an AMD EPYC (Zen 4) at the slow rate the non-temporal prefetch
-        measured 1-4% faster at 8 rows (17.9-18.8 against 18.3-19.5 ms a pass; the decode steps
+        fastest locality, or the row count's `PREFETCH_TIE` locality where that is within its margin
+        (5%) of the fastest. A 2-core VM's memory can read at two rates minutes apart, and the
+        measurement sees one: on an AMD EPYC (Zen 4) at the slow rate the two measured within
+        1-4% of each other (17.9-18.8 against 18.3-19.5 ms a pass at 8 rows; the decode steps
         equal), while at the fast one the prefetch into L2 is 12% faster at 8 rows (12.7 against
-        14.3) and 5% slower at one (11.6 against 11.0); on an Intel Xeon the non-temporal one is
-        1.3-2.4x slower. So a tie takes the one that was never far behind.
+        14.3) and the non-temporal one 5% faster at one (11.0 against 11.6); on an Intel Xeon the
+        non-temporal one is 1.3-2.4x slower at both (never a tie). So a tie takes, at each row
+        count, the one that was never far behind there.
     """
     llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
     budget = max(4 * llc, PREFETCH_MIN_BYTES)
@@ -444,10 +445,11 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
                 return f
             for i, v in enumerate(_interleaved_ms([pass_with(h) for h in hints], reps, clock)):
                 ms[i][j] = round(v, 4)
-    tie, margin = PREFETCH_TIE
+    ties, margin = PREFETCH_TIE
     chosen = []
-    for j in range(len(rows)):
+    for j, m in enumerate(rows):
         best = min(range(len(hints)), key=lambda i: ms[i][j])
+        tie = dict(zip(PREFETCH_ROWS, ties)).get(m)
         if tie in hints and ms[list(hints).index(tie)][j] <= (1 + margin) * ms[best][j]:
             best = list(hints).index(tie)
         chosen.append(int(hints[best]))
