@@ -11,7 +11,10 @@ What it measures, in one process:
               The sum is timed again just before and just after each (model, batch) cell's
               steps: a VM's memory can change its rate within minutes (this one read 41-52 or
               71-82 GB/s), so a cell is held to the highest rate of the three, and a cell whose
-              before and after differ by over 15% is flagged (``rate_changed``).
+              before and after differ by over 15% is flagged (``rate_changed``). The ratios
+              at the cell's own rate (the higher of its before and after: ``cell GB/s``) are
+              printed beside them: a cell that ran wholly at a slow rate after a first
+              measurement at a fast one is otherwise held to a rate it never saw.
   bound       weights bytes / read bandwidth: a decode step reads every weight once (the tied
               embedding once, through the LM head), so it cannot take less; ``bound+KV`` adds
               each request's cached keys and values (``--context`` tokens, every layer), read
@@ -245,6 +248,12 @@ def main(argv=None) -> int:
             row["kv_mb"] = round(kv_bytes / 1e6, 1)
             row["bound_kv_ms"] = round((wb + kv_bytes) / (read * 1e9) * 1e3, 2)
             row["eager_over_bound_kv"] = round(row["eager_ms"] / row["bound_kv_ms"], 2)
+            # the same at the cell's own rate (the higher of the sums just before and after its steps):
+            # a VM whose memory moved between the first measurement and the cell ran it at this one
+            cell = max(before, after)
+            row["cell_read_gb_s"] = round(cell, 1)
+            row["eager_over_cell_bound"] = round(row["eager_ms"] / (wb / (cell * 1e9) * 1e3), 2)
+            row["eager_over_cell_bound_kv"] = round(row["eager_ms"] / ((wb + kv_bytes) / (cell * 1e9) * 1e3), 2)
             row["compiled_over_bound_kv"] = round(row["compiled_ms"] / row["bound_kv_ms"], 2)
             row["compiled_over_bound"] = round(row["compiled_ms"] / cell_bound_ms, 2)
             row.update(gemm_floor(eager, b, a.gemm_reps))
@@ -259,7 +268,9 @@ def main(argv=None) -> int:
                   f"over bound {row['eager_over_bound']:.2f} / {row['compiled_over_bound']:.2f}; over bound+KV "
                   f"({row['kv_mb']:.0f} MB of KV) {row['eager_over_bound_kv']:.2f} / {row['compiled_over_bound_kv']:.2f}; "
                   f"GEMM floor {row['gemm_floor_ms']:.1f} ms ({row['gemm_gflops_best']:.0f} GFLOPS at best, weights "
-                  f"in cache), eager over the roofline {row['eager_over_roofline']:.2f}",
+                  f"in cache), eager over the roofline {row['eager_over_roofline']:.2f}; at the cell's own rate "
+                  f"({row['cell_read_gb_s']:.1f} GB/s) eager over bound {row['eager_over_cell_bound']:.2f}, over "
+                  f"bound+KV {row['eager_over_cell_bound_kv']:.2f}",
                   flush=True)
         for r in (hf, eager, nok, comp):
             r.release()
@@ -280,7 +291,9 @@ def main(argv=None) -> int:
                                ("eager_over_copy_bound", "eager/copy bound", ".2f"), ("bound_kv_ms", "bound+KV ms", ".1f"),
                                ("eager_over_bound_kv", "eager/bound+KV", ".2f"),
                                ("gemm_floor_ms", "GEMM floor ms", ".1f"),
-                               ("eager_over_roofline", "eager/roofline", ".2f")]))
+                               ("eager_over_roofline", "eager/roofline", ".2f"),
+                               ("cell_read_gb_s", "cell GB/s", ".1f"), ("eager_over_cell_bound", "eager/cell bound", ".2f"),
+                               ("eager_over_cell_bound_kv", "eager/cell bound+KV", ".2f")]))
     out = evalkit.Output(a, __file__, evalkit.cells_tag(a.dtype, b=a.batch))
     out.write(rows, bandwidth=bw, command=" ".join([sys.executable, *sys.argv]))
     return 0
