@@ -46,9 +46,10 @@ faster depends on the CPU: on a 2-core AMD EPYC (Zen 5) the non-temporal prefetc
 bandwidth; on a 2-core Intel Xeon (family 6 model 207) it reads SmolLM2-135M's 538 MB of weights
 in 43 ms at one row, where the prefetch into L2 takes 17 (and 26 against 19 ms at 8 rows). So it is
 measured once per machine and model size (`tune_prefetch`: every candidate over the model's
-float32 projections, or 512 MB of them, at 1 and 8 rows, about 0.2-0.5 s) before the paths, whose
+float32 projections, or 512 MB of them, at 1 and 8 rows, about 0.3-0.6 s) before the paths, whose
 kernel timings use it, and chosen apart for steps of 1-2 rows and of 3 or more (`Prefetch`: on a
-2-core AMD EPYC Zen 4 the non-temporal one is faster at one row, the one into L2 at eight); stored as ``skinny prefetch float32 <n> projections <MB> MB`` (a model small enough to stay in
+2-core AMD EPYC Zen 4 the non-temporal one is faster at one row, the one into L2 at eight);
+stored as ``skinny prefetch float32 <n> projections <MB> MB`` (a model small enough to stay in
 the caches measures a tie that says nothing of one that streams from memory, so each size keeps
 its own); ``TOKENROUTER_SKINNY_PREFETCH=0..3`` forces it.
 """
