@@ -447,12 +447,13 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
             for i, v in enumerate(_interleaved_ms([pass_with(h) for h in hints], reps, clock)):
                 ms[i][j] = round(v, 4)
     ties, margin = PREFETCH_TIE
+    tie_at, index = dict(zip(PREFETCH_ROWS, ties)), {h: i for i, h in enumerate(hints)}
     chosen = []
     for j, m in enumerate(rows):
         best = min(range(len(hints)), key=lambda i: ms[i][j])
-        tie = dict(zip(PREFETCH_ROWS, ties)).get(m)
-        if tie in hints and ms[list(hints).index(tie)][j] <= (1 + margin) * ms[best][j]:
-            best = list(hints).index(tie)
+        tie = index.get(tie_at.get(m))
+        if tie is not None and ms[tie][j] <= (1 + margin) * ms[best][j]:
+            best = tie
         chosen.append(int(hints[best]))
     return {"hints": list(hints), "rows": list(rows), "ms": ms, "chosen": chosen, "layers": len(use)}
 

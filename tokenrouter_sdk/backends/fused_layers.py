@@ -105,10 +105,10 @@ class LayerCalls:
         projs = self._projs
         sk = [p.skinny for p in projs]  # read once: another runner sharing a projection may drop it meanwhile
         rules = [p.rule for p in projs]
-        packed = [p.packed is None for p in projs]
+        unpacked = [p.packed is None for p in projs]
         held, kept = self._stack
         if (held and held[0] == rows and held[1] is layer_params and all(map(operator.is_, sk, held[2]))
-                and all(map(operator.is_, rules, held[3])) and packed == held[4]):
+                and all(map(operator.is_, rules, held[3])) and unpacked == held[4]):
             return kept
         args = None
         if all(self._skinny(p, w, rows) for p, w in zip(projs, sk)):
@@ -122,7 +122,7 @@ class LayerCalls:
                 window.append(p.window or 0)
                 softcap.append(p.softcap or 0.0)
             args = (sk, b, heads, layers, scale, window, softcap)
-        self._stack = ((rows, layer_params, sk, rules, packed), args)
+        self._stack = ((rows, layer_params, sk, rules, unpacked), args)
         return args
 
     def run_stack(self, fb: ForwardBatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
