@@ -83,7 +83,7 @@ PREFETCH_MIN_BYTES = 512 << 20  # the weights a prefetch measurement streams at 
 PREFETCH_REPS = 7  # timed passes per locality and row count: two localities' streams differ by a few %
 PREFETCH_TIE = ((0, 2), 0.05)  # a tie (within 5%) at 1 row goes to non-temporal, at 8 to into L2 (`measure_prefetch`)
 PREFETCH_KEY = "skinny prefetch float32"  # the prefix of a stored prefetch choice's key (`prefetch_key`)
-FORMAT = 6  # the layout and rules of a choices file; a file of another format is measured again
+FORMAT = 7  # the layout and rules of a choices file; a file of another format is measured again
 # the few-row kernel is chosen where it is within this factor of the fastest path: where every
 # projection of a layer takes it, the layer runs as one C++ call (`fused_layers`)
 SKINNY_MARGIN = 1.05
@@ -95,6 +95,21 @@ def skinny_edge(best_ms: float, projections: int) -> float:
     still be chosen, when the faster of the other two paths takes ``best_ms``: within
     `SKINNY_MARGIN` of it or `SKINNY_SLACK_MS` a projection of it, whichever is larger."""
     return max(SKINNY_MARGIN * best_ms, best_ms + SKINNY_SLACK_MS * projections)
+
+
+def kernel_ms_by_rows(skinny_ms: list[float]) -> list[float]:
+    """The few-row kernel's time (ms) at each bucket of ascending row counts, as the least
+    measured at that bucket or any larger one. A step of fewer rows streams the same weights
+    with fewer multiply-adds (and the prefetch measured fastest at its size, `Prefetch`), so it
+    takes no longer; a bucket measured slower than a larger one met the machine's noise. On a 2-core Intel Xeon VM whose memory changed rate during the
+    measurement, the o projection's 30 layers timed 1.55 ms at 1 row, 1.96 at 2 and 1.24 at 4
+    against MKL's 1.56 at 2: the raw time put it on MKL at 2 rows, and with it every step of 2
+    rows onto the Python layer loop."""
+    out, least = [], float("inf")
+    for v in reversed(skinny_ms):
+        least = min(least, v)
+        out.append(least)
+    return out[::-1]
 
 
 class Prefetch(NamedTuple):
@@ -336,8 +351,8 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
     Returns:
         ``{"buckets": [...], "packed": [bool...], "packed_ms": [...], "plain_ms": [...],
         "layers": n}``: medians in ms of one pass over ``n`` projections; with the few-row
-        kernel also ``"skinny": [bool...]`` (within `skinny_edge` of the faster other) and
-        ``"skinny_ms"``.
+        kernel also ``"skinny": [bool...]`` (its time by `kernel_ms_by_rows` within `skinny_edge`
+        of the faster other) and ``"skinny_ms"`` (as measured).
     """
     w = projs[0].mods[0].weight
     per = sum(m.weight.numel() for m in projs[0].mods) * w.element_size()
@@ -372,7 +387,8 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
     out = {"buckets": list(buckets), "packed": [a < b for a, b in zip(packed_ms, plain_ms)],
            "packed_ms": [round(v, 4) for v in packed_ms], "plain_ms": [round(v, 4) for v in plain_ms], "layers": n}
     if with_skinny:
-        out["skinny"] = [s <= skinny_edge(min(a, b), n) for s, a, b in zip(skinny_ms, packed_ms, plain_ms)]
+        out["skinny"] = [s <= skinny_edge(min(a, b), n)
+                         for s, a, b in zip(kernel_ms_by_rows(skinny_ms), packed_ms, plain_ms)]
         out["skinny_ms"] = [round(v, 4) for v in skinny_ms]
     return out
 
