@@ -134,6 +134,28 @@ constexpr int64_t kMaxChunk = 2048;
 
 constexpr int64_t kLane = 16;  // floats per vector
 
+// The largest of s[a .. b) (-inf when empty). Float32 with AVX-512: 16 lanes at a time, then the
+// rest one by one; a scalar loop's std::max keeps one chain of dependent maxss, whose order the
+// compiler must keep for NaNs, 10-18% of a step's attention over 8 decodes of 200 keys (2-core
+// Intel Xeon). The same value either way: a maximum is exact in any order, and a +-0 tie, the
+// one case the order could pick, gives the same exp(s - m).
+template <typename T>
+inline T max_of(const T* s, int64_t a, int64_t b) {
+  T m = -INFINITY;
+  int64_t l = a;
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) {
+    if (b - a >= kLane) {
+      __m512 v = _mm512_loadu_ps(s + a);
+      for (l = a + kLane; l + kLane <= b; l += kLane) v = _mm512_max_ps(v, _mm512_loadu_ps(s + l));
+      m = _mm512_reduce_max_ps(v);
+    }
+  }
+#endif
+  for (; l < b; ++l) m = std::max(m, s[l]);
+  return m;
+}
+
 // The keys [l0, l0 + n) of one task: query t (of q_len, the last at position kv_len - 1) sees
 // those in [from(t), seen(t)), relative to l0.
 struct Keys {
@@ -365,9 +387,8 @@ void attend_chunk(const Shape& sh, const T* q, const S* kc, const S* vc, const i
       if (cap > 0)
         for (int64_t l = a; l < b; ++l) si[l] = cap * std::tanh(si[l] * scale / cap);
       std::fill(pi + 2, pi + P, T(0));
-      T m = -INFINITY, z = 0;
-#pragma omp simd reduction(max : m)
-      for (int64_t l = a; l < b; ++l) m = std::max(m, si[l]);
+      const T m = max_of(si, a, b);
+      T z = 0;
 #pragma omp simd reduction(+ : z)
       for (int64_t l = a; l < b; ++l) {
         si[l] = tokenrouter_cpu::exp_of(si[l] - m);
