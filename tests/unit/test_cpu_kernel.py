@@ -94,6 +94,26 @@ def test_kernel_equals_attention_from_first_principles(op, dtype, tol, h, hkv, d
             assert (out[row] == 7.0).all(), row
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("chunk", [0, 2048])
+def test_the_softmax_maximum_is_found_wherever_the_largest_score_lies(op, dtype, chunk):
+    """One key scores 300 (its exponential overflows float32 unless the largest score is taken
+    off), every other 0: the output is that key's value row wherever it lies, in the 16-lane
+    part of a chunk's scores, at its edge, or in the rest past the last full 16."""
+    h, hkv, d, scale = 9, 3, 64, 0.125
+    for L in (1, 15, 16, 17, 31, 32, 33, 47, 200):
+        for p in sorted({0, L // 2, L - 1, max(0, L // 16 * 16 - 1), min(L - 1, L // 16 * 16)}):
+            q, kc, vc, table, q_start, q_len, kv_len = _case(dtype, h, hkv, d, [(1, L)], seed=L)
+            q.zero_()
+            q[:, :, 0] = 1
+            kc[:, :, 0] = 0
+            kc[table[0, p], :, 0] = 300 / scale
+            out = torch.full_like(q, 7.0)
+            op(out, q, kc, vc, table, q_start, q_len, kv_len, scale, chunk)
+            want = vc[table[0, p]].repeat_interleave(h // hkv, 0)
+            torch.testing.assert_close(out[int(q_start[0])], want, rtol=0, atol=0, msg=f"L={L}, p={p}")
+
+
 @pytest.mark.parametrize("softcap", [0.0, 2.5])
 @pytest.mark.parametrize("window", [1, 7, 64, 300])
 @pytest.mark.parametrize("chunk", [0, 5, 32])

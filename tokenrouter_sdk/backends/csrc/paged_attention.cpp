@@ -136,9 +136,10 @@ constexpr int64_t kLane = 16;  // floats per vector
 
 // The largest of s[a .. b) (-inf when empty). Float32 with AVX-512: 16 lanes at a time, then the
 // rest one by one; a scalar loop's std::max keeps one chain of dependent maxss, whose order the
-// compiler must keep for NaNs, 10-18% of a step's attention over 8 decodes of 200 keys (2-core
-// Intel Xeon). The same value either way: a maximum is exact in any order, and a +-0 tie, the
-// one case the order could pick, gives the same exp(s - m).
+// compiler must keep for NaNs: 18% of the samples of a task's work (perf), and 4-8% of the
+// attention's time over 8 decodes of 200 or 1,100 keys (2-core Intel Xeon). The same value
+// either way: a maximum is exact in any order, and a +-0 tie, the one case the order could pick,
+// gives the same exp(s - m).
 template <typename T>
 inline T max_of(const T* s, int64_t a, int64_t b) {
   T m = -INFINITY;
