@@ -43,6 +43,22 @@ def _cpu_kernel_built():
     cpu_kernels.paged_attention_op(wait=True, timeout=600)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _choices_of_the_session(tmp_path_factory):
+    """The run's measured choices (tiny models, one or two threads) go to a folder of its own,
+    not to the user's, which `tokenrouter info` lists; child processes inherit it."""
+    import os
+
+    from tokenrouter_sdk.backends import autotune
+    before = os.environ.get(autotune.CHOICES_ENV)
+    os.environ[autotune.CHOICES_ENV] = str(tmp_path_factory.mktemp("choices"))
+    yield
+    if before is None:
+        os.environ.pop(autotune.CHOICES_ENV, None)
+    else:
+        os.environ[autotune.CHOICES_ENV] = before
+
+
 @pytest.fixture(autouse=True)
 def _no_thread_leak():
     """A test leaves no thread of ours running that it started. A thread whose owner is garbage

@@ -3,6 +3,7 @@ machine and versions, forced by ``TOKENROUTER_PACKING``, and a broken or foreign
 measured again."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.skipif(not P.packing_available(torch.device("cpu"), tor
 def store(tmp_path, monkeypatch):
     """An empty extension root (the choices file lives there) and no forced choice."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENROUTER_CHOICES_DIR", raising=False)  # the store is this extension root's
     monkeypatch.delenv(A.PACKING_ENV, raising=False)
     return tmp_path
 
@@ -72,6 +74,31 @@ def test_measured_once_per_group_then_read_from_the_store(store):
     assert again.calls == [] and all(r.source == "cached" and not r(2) and r(4) for r in rules2.values())
     stored = json.loads(A.choices_path(fields).read_text())
     assert stored["fields"] == fields and set(stored["choices"]) == set(rules)
+
+
+def test_choices_go_to_the_folder_the_environment_names(store, monkeypatch):
+    """``TOKENROUTER_CHOICES_DIR`` holds the choices files (the test session keeps its tiny
+    models' there, out of the user's); unset, they live beside the kernels' build."""
+    _, projs = _projections(choice="packed")
+    fields = A.machine_fields()
+    beside = store / "tokenrouter" / "choices"
+    assert A.choices_path(fields).parent == beside
+    own = store / "elsewhere"
+    monkeypatch.setenv(A.CHOICES_ENV, str(own))
+    rules = A.tune_packing(projs, measure=FakeMeasure(), fields=fields)
+    assert A.choices_path(fields).parent == own
+    assert set(json.loads(A.choices_path(fields).read_text())["choices"]) == set(rules)
+    assert not beside.exists() or not list(beside.glob("*.json"))
+    monkeypatch.delenv(A.CHOICES_ENV)
+    assert A.load_choices(fields) == {}  # the other folder is not read
+
+
+def test_the_test_session_keeps_its_choices_out_of_the_user_s():
+    import os
+    folder = os.environ.get(A.CHOICES_ENV)
+    assert folder and A.choices_path(A.machine_fields()).parent == Path(folder)
+    from tokenrouter_sdk.backends.cpu_kernels import build_directory
+    assert Path(folder) != build_directory("choices")
 
 
 def test_another_machine_or_version_measures_anew(store):

@@ -32,7 +32,8 @@ projection on the kernel; later a 5.2% difference (0.97 against 1.02 ms over 30 
 Where it is kept: ``<torch extension root>/tokenrouter/choices/<machine key>.json`` beside the
 compiled kernels (`tokenrouter_sdk.backends.cpu_kernels.build_directory`), keyed by the CPU model,
 its flags, the last-level cache size, the threads, torch's and oneDNN's versions and the build of
-the engine's own kernels (`machine_fields`).
+the engine's own kernels (`machine_fields`); in ``$TOKENROUTER_CHOICES_DIR/<machine key>.json``
+where that is set (the test suite keeps its tiny models' choices there, out of the user's).
 A file that is corrupt or belongs to another machine or version is ignored, measured again and
 overwritten. `tokenrouter info` prints the choices and the timings behind them.
 
@@ -71,6 +72,7 @@ from typing import Callable, NamedTuple
 import torch
 
 PACKING_ENV = "TOKENROUTER_PACKING"
+CHOICES_ENV = "TOKENROUTER_CHOICES_DIR"  # a folder for the choices files instead of the kernels' build root
 PACKING_VALUES = ("auto", "packed", "plain", "skinny")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 REPS = 3
@@ -252,9 +254,12 @@ def machine_fields(threads: int | None = None) -> dict:
 
 
 def choices_path(fields: dict) -> Path:
+    """The choices file of the machine ``fields`` describe: ``<key>.json`` in the folder
+    ``TOKENROUTER_CHOICES_DIR`` names, else in ``<torch extension root>/tokenrouter/choices``."""
     from .cpu_kernels import build_directory
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
-    return build_directory("choices") / f"{key}.json"
+    folder = os.environ.get(CHOICES_ENV, "").strip()
+    return (Path(folder).expanduser() if folder else build_directory("choices")) / f"{key}.json"
 
 
 @contextlib.contextmanager
