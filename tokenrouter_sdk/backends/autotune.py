@@ -103,10 +103,10 @@ def kernel_ms_by_rows(skinny_ms: list[float]) -> list[float]:
     """The few-row kernel's time (ms) at each bucket of ascending row counts, as the least
     measured at that bucket or any larger one. A step of fewer rows streams the same weights
     with fewer multiply-adds (and the prefetch measured fastest at its size, `Prefetch`), so it
-    takes no longer; a bucket measured slower than a larger one met the machine's noise. On a 2-core Intel Xeon VM whose memory changed rate during the
-    measurement, the o projection's 30 layers timed 1.55 ms at 1 row, 1.96 at 2 and 1.24 at 4
-    against MKL's 1.56 at 2: the raw time put it on MKL at 2 rows, and with it every step of 2
-    rows onto the Python layer loop."""
+    takes no longer; a bucket measured slower than a larger one met the machine's noise. On a
+    2-core Intel Xeon VM whose memory changed rate during the measurement, the o projection's
+    30 layers timed 1.55 ms at 1 row, 1.96 at 2 and 1.24 at 4 against MKL's 1.56 at 2: the raw
+    time put it on MKL at 2 rows, and with it every step of 2 rows onto the Python layer loop."""
     out, least = [], float("inf")
     for v in reversed(skinny_ms):
         least = min(least, v)
