@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not P.packing_available(torch.device("cpu"), tor
 def store(tmp_path, monkeypatch):
     """An empty extension root (the choices file lives there) and no forced choice."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.delenv("TOKENROUTER_CHOICES_DIR", raising=False)  # the store is this extension root's
+    monkeypatch.delenv(A.CHOICES_ENV, raising=False)  # the store is this extension root's
     monkeypatch.delenv(A.PACKING_ENV, raising=False)
     return tmp_path
 

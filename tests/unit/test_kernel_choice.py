@@ -28,7 +28,7 @@ def op():
 def store(tmp_path, monkeypatch):
     """An empty choices folder and no forced limit."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.delenv("TOKENROUTER_CHOICES_DIR", raising=False)  # the store is this extension root's
+    monkeypatch.delenv(A.CHOICES_ENV, raising=False)  # the store is this extension root's
     monkeypatch.delenv(K.ENV, raising=False)
     monkeypatch.delenv(K.TILES_ENV, raising=False)
     return tmp_path

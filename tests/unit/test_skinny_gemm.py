@@ -35,7 +35,7 @@ def ops():
 def store(ops, tmp_path, monkeypatch):
     """An empty extension root for the choices (the kernels are loaded already) and no forced choice."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.delenv("TOKENROUTER_CHOICES_DIR", raising=False)  # the store is this extension root's
+    monkeypatch.delenv(A.CHOICES_ENV, raising=False)  # the store is this extension root's
     monkeypatch.delenv(A.PACKING_ENV, raising=False)
     monkeypatch.delenv(A.PREFETCH_ENV, raising=False)
     return tmp_path
