@@ -2,8 +2,9 @@
 alone and a routing policy, on one `Router`, as one comparison table (`tokenrouter demo`).
 
 Each run is one call (`Router.submit`): throughput is its committed tokens / its wall time
-(`tokenrouter_sdk.metrics`), and the final answers are compared with the large-only run's with
-`tokenrouter_sdk.eval.answers_agree`. `step_accounting` splits each model's step time into pure
+(`tokenrouter_sdk.metrics`); the final answers are checked against the benchmark's references
+(`tokenrouter_sdk.eval.is_correct`) where the prompts have them, and compared with the large-only
+run's (`tokenrouter_sdk.eval.answers_equal`: a missing answer agrees with nothing). `step_accounting` splits each model's step time into pure
 decode steps and steps that also fed a prefill or an extend (a request's first visit, or its
 return after the peer wrote tokens), which is where a routed run loses time.
 """
@@ -14,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from .engine import messages as M
-from .eval.answers import MATH, answers_agree, extract_answer
+from .eval.answers import MATH, answers_equal, extract_answer, is_correct
 from .metrics import Metrics
 from .policies import LargeOnly, SmallOnly
 from .policy import Policy
@@ -30,7 +31,10 @@ class DemoRun:
         metrics: the call's `Metrics` (throughput_tok_s, large_fraction, hop_rate, ...).
         outputs: the `RequestOutput`s, in prompt order.
         answers: the final answer extracted from each output (None: none found).
-        agree: per prompt, whether the answer agrees with the large-only run's.
+        agree: per prompt, whether the answer agrees with the large-only run's (a missing
+            answer on either side does not).
+        correct: per prompt, whether the answer equals the benchmark's reference (empty when
+            the prompts have none).
         steps: `step_accounting` of the call, per model.
         cpu_s: CPU seconds each model's sub-server process used during the run (None where
             it cannot be read: sub-servers in threads, or no ``/proc``).
@@ -42,6 +46,7 @@ class DemoRun:
     outputs: list
     answers: list
     agree: list = field(default_factory=list)
+    correct: list = field(default_factory=list)
     steps: dict = field(default_factory=dict)
     cpu_s: dict | None = None
 
@@ -49,6 +54,11 @@ class DemoRun:
     def agreement(self) -> float:
         """Share of prompts whose answer agrees with the large-only run's, in [0, 1]."""
         return sum(self.agree) / len(self.agree) if self.agree else 0.0
+
+    @property
+    def accuracy(self) -> float | None:
+        """Share of prompts answered as the reference says, in [0, 1]; None without references."""
+        return sum(self.correct) / len(self.correct) if self.correct else None
 
 
 def process_cpu_s(router) -> dict[str, float] | None:
@@ -107,14 +117,16 @@ def step_accounting(events: list, models: list[str]) -> dict[str, dict]:
 
 
 def run_comparison(router, prompts: list, policy: Policy, *, kind: str = MATH, baselines: bool = True,
-                   on_run=None, **sampling) -> list[DemoRun]:
+                   references: list | None = None, on_run=None, **sampling) -> list[DemoRun]:
     """Run ``prompts`` with `LargeOnly`, `SmallOnly` (``baselines``) and ``policy`` on ``router``.
 
     Args:
         router: a `Router` with at least two models (the last is "large").
         prompts: the prompts (strings, chat messages or token ids).
         policy: the routing policy.
-        kind: answer kind for the agreement check (``"math"`` or ``"choice"``).
+        kind: answer kind for the agreement and accuracy checks (``"math"`` or ``"choice"``).
+        references: the reference answer of each prompt (GSM8K's final numbers), for the
+            accuracy column; None: no accuracy.
         baselines: False runs ``policy`` only (no agreement column then).
         on_run: called with each `DemoRun` as it finishes (e.g. to print progress; its
             ``agree`` is filled once every run is done).
@@ -133,6 +145,8 @@ def run_comparison(router, prompts: list, policy: Policy, *, kind: str = MATH, b
         outs = call.outputs
         run = DemoRun(name, repr(pol), call.metrics(), outs,
                       [extract_answer(o.text, kind) if o.ok else None for o in outs],
+                      correct=[] if references is None else
+                      [o.ok and is_correct(o.text, str(ref), kind) for o, ref in zip(outs, references)],
                       steps=step_accounting(list(call.events), list(router.models)),
                       cpu_s=None if cpu0 is None or cpu1 is None else {m: cpu1[m] - cpu0[m] for m in cpu1})
         runs.append(run)
@@ -141,19 +155,20 @@ def run_comparison(router, prompts: list, policy: Policy, *, kind: str = MATH, b
     if baselines:
         ref = runs[0].answers
         for run in runs:
-            run.agree = [answers_agree(a, b, kind) for a, b in zip(run.answers, ref)]
+            run.agree = [a is not None and b is not None and answers_equal(a, b, kind) for a, b in zip(run.answers, ref)]
     return runs
 
 
-COLUMNS = ("run", "tok/s", "vs large", "large share", "hop rate", "agree w/ large", "tokens", "wall s",
+COLUMNS = ("run", "correct", "tok/s", "vs large", "large share", "hop rate", "agree w/ large", "tokens", "wall s",
            "tok/cpu-s")
 
 
 def format_comparison(runs: list[DemoRun]) -> str:
-    """The comparison table: per run, committed tokens/s, its ratio to the large-only run's,
-    the share of tokens the large model wrote, hops per committed token, how many final answers
-    agree with the large-only run's, committed tokens, wall seconds, and committed tokens per
-    CPU second of the sub-server processes (``-`` where unknown)."""
+    """The comparison table: per run, how many answers match the references (``-`` without
+    references), committed tokens/s, its ratio to the large-only run's, the share of tokens the
+    large model wrote, hops per committed token, how many final answers agree with the
+    large-only run's, committed tokens, wall seconds, and committed tokens per CPU second of the
+    sub-server processes (``-`` where unknown)."""
     base = next((r.metrics.throughput_tok_s for r in runs if r.name == "large-only"), None)
     rows = [COLUMNS]
     for r in runs:
@@ -161,7 +176,8 @@ def format_comparison(runs: list[DemoRun]) -> str:
         ratio = f"{m.throughput_tok_s / base:.2f}x" if base else "-"
         agree = f"{sum(r.agree)}/{len(r.agree)}" if r.agree else "-"
         cpu = sum(r.cpu_s.values()) if r.cpu_s else 0.0
-        rows.append((r.name, f"{m.throughput_tok_s:.1f}", ratio, f"{100 * m.large_fraction:.0f}%",
+        correct = f"{sum(r.correct)}/{len(r.correct)}" if r.correct else "-"
+        rows.append((r.name, correct, f"{m.throughput_tok_s:.1f}", ratio, f"{100 * m.large_fraction:.0f}%",
                      f"{m.hop_rate:.3f}", agree, str(m.committed_tokens), f"{m.wall_s:.1f}",
                      f"{m.committed_tokens / cpu:.1f}" if cpu > 0 else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]

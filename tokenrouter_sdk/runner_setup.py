@@ -78,6 +78,7 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
             (`tokenrouter_sdk.models.ModelLoadError`, `UnsupportedAttention`).
     """
     from .backends.torch_runner import TorchRunner, TorchRunnerSpec
+    from .deferred import DeferredModel, deferrable
     from .kv_sizing import KVSizing, plan
     from .models import check_same_tokenizer, load_model
     from .placement import AUTO, ModelSpec, resolve_device, resolve_dtype
@@ -96,6 +97,11 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
             m, spec = spec.source, None
         if spec is not None:
             dev, dt = spec.placed(devices[name], dtypes[name])
+            folder = deferrable(spec.source, spec.gguf_file, tps[name])
+            if folder is not None:  # loaded by its sub-server, where it runs
+                loaded[name] = deferred_model(folder, dt, dev)
+                toks[name] = load_tokenizer(folder)
+                continue
             m, toks[name] = load_model(spec.source, device=dev, dtype=dt, gguf_file=spec.gguf_file)
             loaded[name] = m
             src = os.path.expanduser(str(spec.source))
@@ -141,13 +147,17 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
         if ranks > 1:
             runners[name] = tp_runner(m, folders.get(name), ranks, sizing[name].tokens, config)
         else:  # built where its sub-server runs; checked here (a model the runner refuses raises now)
-            runners[name] = TorchRunnerSpec(m, max_kv_tokens=sizing[name].tokens, block_size=config.block_size,
-                                            cuda_graphs=config.cuda_graphs, compile=config.compile,
-                                            model_impl=config.model_impl, kernels=config.kernels,
-                                            allow_unknown_attention=config.allow_unknown_attention)
+            deferred = isinstance(m, DeferredModel)
+            runners[name] = TorchRunnerSpec(m.folder if deferred else m, max_kv_tokens=sizing[name].tokens,
+                                            block_size=config.block_size, cuda_graphs=config.cuda_graphs,
+                                            compile=config.compile, model_impl=config.model_impl,
+                                            kernels=config.kernels,
+                                            allow_unknown_attention=config.allow_unknown_attention,
+                                            **({"dtype": m.dtype, "device": m.device} if deferred else {}))
             runners[name].describe()
             runners[name].prefetch()
-        eos += token_ids(getattr(getattr(m, "generation_config", None), "eos_token_id", None))
+        eos += token_ids(m.eos_token_id if isinstance(m, DeferredModel)
+                         else getattr(getattr(m, "generation_config", None), "eos_token_id", None))
     kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
                                                    "runner") for n in names}
     if config.cuda_graphs and any(getattr(r, "device", None) is not None and r.device.type != "cuda"
@@ -158,6 +168,36 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
                       UserWarning, stacklevel=3)
     return RunnerSetup({n: runners[n] for n in models}, [int(i) for i in eos], router_tok, kv_sizing,
                        {n: loaded.get(n, runners.get(n)) for n in models})
+
+
+def deferred_model(folder: str, dtype, device):
+    """A `DeferredModel` of ``folder`` in ``dtype`` (``"auto"``: its ``config.json``'s) on ``device``."""
+    from .deferred import DeferredModel
+    from .placement import AUTO, resolve_dtype
+    want = resolve_dtype(dtype)
+    if want in (None, AUTO):
+        from transformers import AutoConfig
+        cfg = AutoConfig.from_pretrained(folder)
+        have = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        want = resolve_dtype(have) if have is not None else torch.float32
+        if not isinstance(want, torch.dtype):
+            want = torch.float32
+    return DeferredModel(folder, want, device)
+
+
+def load_tokenizer(folder: str):
+    """The tokenizer of a checkpoint folder.
+
+    Raises:
+        ModelLoadError: it cannot be loaded (names the folder and why).
+    """
+    from transformers import AutoTokenizer
+
+    from .models import ModelLoadError
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load the tokenizer of {folder!r}: {e}") from e
 
 
 def check_tp(name: str, tp, config: EngineConfig) -> int:

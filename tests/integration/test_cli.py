@@ -91,7 +91,7 @@ def test_eval_shards_launched_locally_and_merged(tmp_path):
     models in tests/unit/test_eval_shards.py)."""
     import json
     out = tmp_path / "sharded"
-    r = subprocess.run([sys.executable, "-m", "tokenrouter_sdk.cli", "eval", "--values", "0.3", "--limit", "2",
+    r = subprocess.run([sys.executable, "-m", "tokenrouter_sdk.cli", "eval", "--pair", "smollm2", "--values", "0.3", "--limit", "2",
                         "--max-new-tokens", "6", "--references", "large_only", "--no-progress", "--concurrency", "2",
                         "--repeats", "1", "--shards", "2", "--out", str(out)], capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stderr[-2000:]

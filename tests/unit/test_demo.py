@@ -31,11 +31,48 @@ def test_run_comparison_on_one_router(pair, tok):
     assert large.metrics.large_fraction == 1.0 and small.metrics.large_fraction == 0.0
     assert 0 < routed.metrics.large_fraction < 1 and routed.metrics.hops > 0
     assert all(run.metrics.committed_tokens == 32 and len(run.agree) == 4 for run in runs)
-    assert large.agreement == 1.0
+    assert large.agree == [a is not None for a in large.answers]  # a missing answer agrees with nothing
+    assert large.accuracy is None and large.correct == []  # no references given
     assert large.steps["small"]["steps"] == 0 and large.steps["large"]["tokens_fed"] == sum(map(len, prompts)) + 28
     table = format_comparison(runs).splitlines()
-    assert table[0].split()[:3] == ["run", "tok/s", "vs"] and [row.split()[0] for row in table[2:]] == [
+    assert table[0].split()[:4] == ["run", "correct", "tok/s", "vs"] and [row.split()[0] for row in table[2:]] == [
         "large-only", "small-only", "routed"]
-    assert table[2].split()[2:4] == ["1.00x", "100%"] and table[2].split()[-1] == "-"
+    assert table[2].split()[1] == "-" and table[2].split()[3:5] == ["1.00x", "100%"] and table[2].split()[-1] == "-"
     acc = format_accounting(runs)
     assert "routed      [large]" in acc and "large-only  [small]" not in acc
+
+
+class _Out:
+    def __init__(self, text):
+        self.text, self.ok = text, True
+
+
+def test_the_accuracy_column_counts_answers_equal_to_the_references(monkeypatch):
+    from tokenrouter_sdk import demo
+
+    class Call:
+        def __init__(self, texts):
+            self.outputs, self.events = [_Out(t) for t in texts], []
+
+        def wait(self):
+            return self
+
+        def metrics(self):
+            return None
+
+    texts = {"LargeOnly": ["so 18 dollars. The answer is 18", "The answer is 3", "no number here"],
+             "SmallOnly": ["The answer is 16", "The answer is 3", "nothing"],
+             "RandomRouting": ["#### 18", "I do not know", "The answer is 7"]}
+
+    class Router:
+        models = {"small": None, "large": None}
+        engine = type("Engine", (), {"transport": None})()
+
+        def submit(self, prompts, policy, **kw):
+            return Call(texts[type(policy).__name__])
+    monkeypatch.setattr(demo, "step_accounting", lambda events, models: {})
+    runs = demo.run_comparison(Router(), ["a", "b", "c"], RandomRouting(p=0.5), references=["18", "3", "7"])
+    assert [r.correct for r in runs] == [[True, True, False], [False, True, False], [True, False, True]]
+    assert [r.accuracy for r in runs] == [2 / 3, 1 / 3, 2 / 3]
+    # agreement with large-only: a missing answer (large-only's third, routed's second) agrees with nothing
+    assert [r.agree for r in runs] == [[True, True, False], [False, True, False], [True, False, False]]

@@ -593,6 +593,8 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
         for p in ps:
             if not fast[k] and getattr(p, "skinny", None) is not None and any(p.rule.skinny):
                 continue  # the weights and a rule with them came from a tune sharing p meanwhile
+            if getattr(p, "released", False):
+                continue  # its own weights are gone: it runs packed at every step size
             p.rule = rules[k]
             if fast[k] and getattr(p, "skinny", None) is not None and not any(rules[k].skinny):
                 p.skinny = None  # never chosen: its copy of the weights goes

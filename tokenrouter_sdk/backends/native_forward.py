@@ -96,16 +96,20 @@ class NativeForward:
         attend: the paged attention: ``attend(fb, layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D])
             -> [T, H, D]`` (the layer's parameters come with ``fb``).
         pack: prepack projection weights where it pays (`tokenrouter_sdk.backends.projection`).
+        release: free the model's own copy of each projection weight as soon as its packed copy
+            is made (`Projection.release_plain`; not for weights tied to another parameter), so the
+            build never holds two copies of the model: for a model only this forward reads.
 
     Raises:
         ValueError: ``model`` is not supported (`native_support`'s reason).
     """
 
-    def __init__(self, model, attend, *, pack: bool = True):
+    def __init__(self, model, attend, *, pack: bool = True, release: bool = False):
         why = native_support(model)
         if why is not None:
             raise ValueError(f"no native forward for {type(model).__name__}: {why}; use model_impl='transformers'")
-        self.model, self.attend, self.pack = model, attend, pack
+        self.model, self.attend, self.pack, self.release = model, attend, pack, release
+        self.released_bytes = 0  # the model's own projection weights freed (`release_plain`)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self._plan: list | None = None
         self._head = None
@@ -124,9 +128,13 @@ class NativeForward:
         over the same modules in this process), and what they were built from: the weights and
         the modules in place (`_valid` checks them before every step)."""
         dec, model = self.decoder, self.model
+        tied = self._tied_storages() if self.release else set()
 
         def proj(owner, *names):
-            return projection(owner, names, pack=self.pack)
+            p = projection(owner, names, pack=self.pack)
+            if self.release and not any(getattr(owner, n).weight.untyped_storage().data_ptr() in tied for n in names):
+                self.released_bytes += p.release_plain()
+            return p
 
         self._plan = [(proj(ly.self_attn, "q_proj", "k_proj", "v_proj"), proj(ly.self_attn, "o_proj"),
                        proj(ly.mlp, "gate_proj", "up_proj"), proj(ly.mlp, "down_proj")) for ly in dec.layers]
@@ -144,13 +152,20 @@ class NativeForward:
         self._classes = set(self._module_types)
         self._module_dicts = [m.__dict__ for m in self._modules]  # read directly: fewer lookups a step
         # the modules read, where they hang: a replaced one (a wrapper, a new layer list) rebuilds
-        places = [(model, name, out), (dec, "layers", dec.layers)] + [
-            (parent, child, mod) for parent in dec.modules() for child, mod in parent.named_children()]
-        self._watched = Watch((o, a, m, None) for o, a, m in places)
-        for p in projs:
-            self._watched.extend(p.watch())
+        self._head_name = name
+        self._build_watch()
         self._linears = {id(m) for p in projs for m in p.mods}
         self._hooked = {i for i in self._hooked_modules() if i in self._linears}
+
+    def _build_watch(self) -> None:
+        """What `_valid` checks: the modules in place and every projection's weights as they are."""
+        dec, model = self.decoder, self.model
+        out = model.get_output_embeddings()
+        places = [(model, self._head_name, out), (dec, "layers", dec.layers)] + [
+            (parent, child, mod) for parent in dec.modules() for child, mod in parent.named_children()]
+        self._watched = Watch((o, a, m, None) for o, a, m in places)
+        for p in self.projections:
+            self._watched.extend(p.watch())
 
     def _hooked_modules(self) -> set[int]:
         """Ids of the modules whose call this forward cannot stand in for: with forward hooks or
@@ -201,6 +216,27 @@ class NativeForward:
         projs = self.projections
         if any([p.add_skinny(ops) for p in projs]):
             tune_packing(projs)
+
+    def _tied_storages(self) -> set[int]:
+        """Storages that a module other than a linear also holds (tied input embeddings share
+        the LM head's weight)."""
+        return {t.untyped_storage().data_ptr() for m in self.model.modules() if not isinstance(m, torch.nn.Linear)
+                for t in [*m._parameters.values(), *m._buffers.values()] if isinstance(t, torch.Tensor)}
+
+    def release_plain(self) -> int:
+        """Free the model's own copy of every projection weight that has a packed copy
+        (`Projection.release_plain`), except weights whose storage another parameter or buffer
+        of the model shares (tied input embeddings). For a model only this forward reads:
+        afterwards the transformers forward, training and the naive reference cannot run on it.
+        Returns the bytes freed. Call `prepare` first."""
+        tied = self._tied_storages()
+        freed = 0
+        for p in self.projections:
+            if p.plain and not any(m.weight.untyped_storage().data_ptr() in tied for m in p.mods):
+                freed += p.release_plain()
+        self.released_bytes += freed
+        self._build_watch()
+        return freed
 
     @property
     def projections(self) -> list:

@@ -103,6 +103,7 @@ class Projection:
         self.plain = all(self.plain_mods)
         self.sizes = [m.out_features if hasattr(m, "out_features") else None for m in self.mods]
         self.packed = self.bias = self.skinny = None
+        self.released = False  # the modules' own weights freed (`release_plain`): packed at every step
         self.rule = DEFAULT_RULE
         self.prefetch = Prefetch()
         self.watched = self.watch()
@@ -128,9 +129,34 @@ class Projection:
         """Pack the merged weight for the few-row kernel (``ops``: ``torch.ops.tokenrouter_cpu``
         with ``skinny_pack``) when this projection has a packed path and float32 weights; returns
         whether it has one now. The rule decides when it runs."""
-        if self.skinny is None and self.packed is not None and self.mods[0].weight.dtype == torch.float32:
+        if (self.skinny is None and self.packed is not None and not self.released
+                and self.mods[0].weight.dtype == torch.float32):
             self.skinny = ops.skinny_pack(self._merged_weight())
         return self.skinny is not None
+
+    def release_plain(self) -> int:
+        """Free the modules' own weights (each parameter object stays, with its shape, over a
+        one-element storage: its values are gone) and run the packed weight at every step size
+        from now on. For a model no one else reads (a sub-server that loaded it itself): it then
+        holds one copy of these weights instead of two. Returns the bytes freed (0 when this
+        projection has no packed weight or is released already).
+
+        A weight that shares its storage with another tensor (tied embeddings) keeps that
+        tensor's values: check first with the owner's parameters, as `NativeForward.release_plain`
+        does.
+        """
+        if self.packed is None or self.released or not self.plain:
+            return 0
+        freed = 0
+        for m in self.mods:
+            w = m.weight
+            freed += w.untyped_storage().nbytes()
+            w.data = w.new_empty(1).expand(w.shape)
+        self.released = True
+        self.rule = PackRule(self.rule.buckets, (True,) * len(self.rule.packed),
+                             f"{self.rule.source}, plain weights released", self.rule.skinny)
+        self.watched = self.watch()
+        return freed
 
     def path(self, rows: int) -> str:
         """The path a step of ``rows`` tokens runs: ``"skinny"``, ``"packed"`` or ``"plain"``."""

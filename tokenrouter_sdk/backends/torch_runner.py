@@ -214,8 +214,9 @@ class TorchRunner:
     def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16, cuda_graphs: bool = False,
                  max_graph_batch: int = 64, compile: bool | str = False, model_impl: str = "auto",
                  kernels: str = "auto", allow_unknown_attention: bool = False,
-                 attention: AttentionSpec | None = None):
+                 attention: AttentionSpec | None = None, owns_model: bool = False):
         self.compile = _check_options(compile, kernels, model_impl)
+        self.owns_model = bool(owns_model)
         self.kernels = kernels
         self.model = model
         self.native_reason = _native_reason(model, model_impl)
@@ -414,7 +415,9 @@ class TorchRunner:
 
     def _native_forward(self) -> NativeForward:
         if self._native is None:
-            self._native = NativeForward(self.model, attend_tokens)
+            release = (self.owns_model and self.device.type == "cpu" and self.dtype != torch.float32
+                       and not self.compile and not self.cuda_graphs)
+            self._native = NativeForward(self.model, attend_tokens, release=release)
         return self._native
 
     @torch.inference_mode()
@@ -430,6 +433,31 @@ class TorchRunner:
             nf = self._native
             if self._step_ops() is not None and not nf._skinny_tuned:
                 nf.add_skinny()
+
+    @property
+    def plain_released(self) -> int:
+        """Bytes of the model's own projection weights freed (`release_plain_weights`); 0: none,
+        the model is whole."""
+        return self._native.released_bytes if self._native is not None else 0
+
+    def release_plain_weights(self) -> int:
+        """For a model this runner alone reads (``owns_model``: its spec loaded it from a folder
+        in this process): free the model's own copy of every projection weight that has a packed
+        copy, so the process holds its weights once (`NativeForward.release_plain`). A bfloat16
+        or float16 model on a CPU has them freed as each projection is packed (its peak is then
+        about its weights once); a float32 one here, once the few-row kernel's weights (made from
+        the model's own) exist. Does nothing (returns 0) unless the native forward runs on a
+        CPU, uncompiled. Returns the bytes freed. The transformers forward can no longer run this
+        model afterwards."""
+        if (not self.owns_model or self.impl != "native" or self.device.type != "cpu" or self.compile
+                or self.cuda_graphs or self.pool is None or self.pool.k is None or not self._native_ready()):
+            return 0
+        nf = self._native
+        if self.dtype == torch.float32 and self._step_ops() is not None and not nf._skinny_tuned:
+            nf.add_skinny()
+        if self.dtype == torch.float32 and not nf._skinny_tuned and self.kernels != "off":
+            return 0  # the kernels come later and make their weights from the model's own
+        return nf.release_plain()
 
     def _native_ready(self) -> bool:
         """Build the native forward in this process (once), bring it up to date with the model,
@@ -631,12 +659,16 @@ class TorchRunnerSpec:
                 `ValueError` for a bad option, `UnsupportedAttention`, out of memory for the pool).
         """
         model, attention = self.model, self.attention
-        if _is_source(model):
-            from ..models import load_model
-            model, _ = load_model(model, dtype=self.dtype if self.dtype is not None else "auto", device=str(self.device))
+        owned = _is_source(model)
+        if owned:
+            from ..models import load_private
+            model = load_private(model, dtype=self.dtype if self.dtype is not None else "auto", device=str(self.device))
         runner = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
                              cuda_graphs=self.cuda_graphs, max_graph_batch=self.max_graph_batch, compile=self.compile,
                              model_impl=self.model_impl, kernels=self.kernels,
-                             allow_unknown_attention=self.allow_unknown_attention, attention=attention)
+                             allow_unknown_attention=self.allow_unknown_attention, attention=attention,
+                             owns_model=owned)
         runner.prepare_steps()
+        if owned:  # no one else reads this model: its weights once, packed
+            runner.release_plain_weights()
         return runner

@@ -16,20 +16,28 @@ REGISTRY_HELP = ("a registry spec NAME[:k=v,...]: rstitch, random, large_only, s
                  "head=PATH), e.g. rstitch:tau=0.3,tau_back=0.02 or r2r:head=heads/r2r_head.pt")
 
 
-def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True) -> argparse.ArgumentParser:
-    """``--model``, ``--device``, ``--dtype``, ``--tp``, ``--model-impl``, ``--kernels``,
-    ``--allow-unknown-attention`` (and ``--small-layers`` for the packaged pair)."""
+def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True,
+                        pair_default: str = "smollm2") -> argparse.ArgumentParser:
+    """``--pair``, ``--model``, ``--device``, ``--dtype``, ``--tp``, ``--model-impl``, ``--kernels``,
+    ``--allow-unknown-attention`` (and ``--small-layers`` for the SmolLM2 pair); ``pair_default``:
+    the command's pair when neither ``--pair`` nor ``--model`` is given."""
+    from ..pairs import PAIRS
     g = p.add_argument_group("models")
+    g.add_argument("--pair", choices=sorted(PAIRS), default=None,
+                   help=f"a named pair (default {pair_default}): qwen2.5-coder = Qwen2.5-Coder 0.5B (small) and 1.5B "
+                        f"(large), fetched and converted once (about 1.6 GB); smollm2 = SmolLM2-135M-Instruct and "
+                        f"its self-draft (small and fast, for quick looks: near 0%% on GSM8K)")
+    p.set_defaults(pair_default=pair_default)
     g.add_argument("--model", action="append", metavar="NAME=SOURCE",
                    help="a model: a folder (with config.json), a .gguf file or a hub id, smallest first; repeat for "
-                        "each (default: the packaged pair, small = the SmolLM2-135M self-draft, large = "
-                        "SmolLM2-135M-Instruct)")
+                        "each (instead of --pair)")
     g.add_argument("--device", metavar="DEVICE|NAME=DEVICE,...",
                    help="where the models run: cpu, cuda, cuda:1, ... for all, or per model, e.g. "
                         "small=cuda:0,large=cuda:1 (default cpu)")
     g.add_argument("--dtype", metavar="DTYPE|NAME=DTYPE,...",
                    help="precision: auto (the checkpoint's own), bfloat16, float16, float32, for all or per model "
-                        "(default: auto for --model sources, float32 for the packaged pair)")
+                        "(default: auto for --model sources, float32 for the smollm2 pair, bfloat16 for "
+                        "qwen2.5-coder where the CPU has it)")
     g.add_argument("--tp", metavar="NAME=RANKS,...",
                    help="tensor-parallel ranks per model, e.g. large=2 (the model runs as that many processes, "
                         "collectives by torch.distributed: gloo on the CPU, NCCL on CUDA with rank r on cuda:r); its "
@@ -42,9 +50,28 @@ def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True
     add_attention_flag(g)
     if small_layers:
         g.add_argument("--small-layers", type=int, default=None,
-                       help="packaged pair only: small = plain truncation of the large model to this many layers "
+                       help="smollm2 pair only: small = plain truncation of the large model to this many layers "
                             "(default: the packaged self-draft)")
     return p
+
+
+def pair_of(args, prog: str) -> str | None:
+    """The named pair the flags ask for (``--pair``, else the command's default), or None when
+    ``--model`` names the models.
+
+    Raises:
+        SystemExit: ``--pair`` with ``--model``; ``--small-layers`` with a pair other than SmolLM2's.
+    """
+    from ..pairs import get_pair
+    given = getattr(args, "pair", None)
+    if getattr(args, "model", None):
+        if given is not None:
+            raise fail(prog, "give --pair or --model, not both")
+        return None
+    name = given or getattr(args, "pair_default", None) or "smollm2"
+    if getattr(args, "small_layers", None) is not None and get_pair(name).small is not None:
+        raise fail(prog, f"--small-layers truncates SmolLM2 (--pair smollm2); pair {name} has its own small model")
+    return name
 
 
 def add_policy_arguments(p: argparse.ArgumentParser, *, default: str | None = "rstitch", what: str = "the policy",
@@ -172,6 +199,7 @@ def build_router(args, prog: str, policy=None, **settings):
     Raises:
         SystemExit: a bad flag or a model that cannot load (names it and why).
     """
+    from ..pairs import get_pair
     from ..router import Router
     specs = model_specs(args, prog)
     if getattr(args, "model_impl", None):
@@ -182,12 +210,13 @@ def build_router(args, prog: str, policy=None, **settings):
         settings.setdefault("allow_unknown_attention", True)
     try:
         if specs is None:
-            per_model(getattr(args, "device", None), None, "--device", prog)
-            per_model(getattr(args, "dtype", None), None, "--dtype", prog)
+            pair = pair_of(args, prog)
+            names = ["small", "large"] if get_pair(pair).small is not None else None
+            dev = per_model(getattr(args, "device", None), names, "--device", prog)
+            dt = per_model(getattr(args, "dtype", None), names, "--dtype", prog)
             tp = tp_of(args, ["small", "large"], prog)
-            return Router.default(policy=policy, small_layers=getattr(args, "small_layers", None),
-                                  device=getattr(args, "device", None), dtype=getattr(args, "dtype", None),
-                                  **({"tp": tp} if tp else {}), **settings)
+            return Router.default(policy=policy, pair=pair, small_layers=getattr(args, "small_layers", None),
+                                  device=dev, dtype=dt, **({"tp": tp} if tp else {}), **settings)
         return Router(specs, policy, **settings)
     except _errors() as e:
         raise fail(prog, f"{type(e).__name__}: {e}") from None
@@ -201,15 +230,22 @@ def load_models(args, prog: str):
         SystemExit: as `build_router`.
     """
     from ..models import check_same_tokenizer, default_pair, load_model
+    from ..pairs import get_pair, pair_models
     specs = model_specs(args, prog)
     try:
         if specs is None:
-            per_model(getattr(args, "device", None), None, "--device", prog)
-            per_model(getattr(args, "dtype", None), None, "--dtype", prog)
-            large, small, tok = default_pair(small_layers=getattr(args, "small_layers", None),
-                                             device=getattr(args, "device", None) or "cpu",
-                                             dtype=getattr(args, "dtype", None))
-            return {"small": small, "large": large}, tok
+            pair = pair_of(args, prog)
+            if get_pair(pair).small is not None:
+                dev = per_model(getattr(args, "device", None), ["small", "large"], "--device", prog)
+                dt = per_model(getattr(args, "dtype", None), ["small", "large"], "--dtype", prog)
+                specs = pair_models(pair, dtype=dt, device=dev or "cpu")
+            else:
+                per_model(getattr(args, "device", None), None, "--device", prog)
+                per_model(getattr(args, "dtype", None), None, "--dtype", prog)
+                large, small, tok = default_pair(small_layers=getattr(args, "small_layers", None),
+                                                 device=getattr(args, "device", None) or "cpu",
+                                                 dtype=getattr(args, "dtype", None))
+                return {"small": small, "large": large}, tok
         models, toks = {}, {}
         for name, spec in specs.items():
             dev, dt = spec.placed()
@@ -228,7 +264,9 @@ def describe_pair(args) -> str:
     models = getattr(args, "model", None)
     if not models:
         from ..models import describe_default_pair
-        return describe_default_pair(getattr(args, "small_layers", None))
+        from ..pairs import get_pair
+        pair = get_pair(getattr(args, "pair", None) or getattr(args, "pair_default", None) or "smollm2")
+        return describe_default_pair(getattr(args, "small_layers", None)) if pair.small is None else pair.describe()
     parts = [item.replace("=", " = ", 1) for item in models]
     place = ", ".join(f"{flag} {v}" for flag, v in (("device", getattr(args, "device", None)),
                                                   ("dtype", getattr(args, "dtype", None))) if v)

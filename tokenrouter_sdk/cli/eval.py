@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
                    help="exit 0 even when requests failed (the results keep the failures)")
     p.add_argument("--transport", choices=["auto", "process", "thread"], default="auto",
                    help="sub-servers in processes or threads (default: processes for two torch models)")
-    add_model_arguments(p)
+    add_model_arguments(p, pair_default="qwen2.5-coder")
     p.add_argument("--mode", default="async", choices=["async", "delayed", "sync", "model_sync"],
                    help="schedule mode (default async)")
     from .common import add_prefix_cache_flag
@@ -122,6 +122,9 @@ def _one(registry, spec: str, values, args, prog: str):
         entry = registry.get({"query": "query_router"}.get(name.strip().lower(), name))
     except PolicySpecError as e:
         raise fail(prog, f"--policy: {e}") from None
+    pair = heads_pair(args, prog)
+    if pair is not None and "pair" in entry.params and not {"pair", "head"} & set(fixed):
+        fixed = dict(fixed, pair=pair)  # a learned policy without a head file: the evaluated pair's packaged head
     param = args.param or SWEPT.get(entry.name)
     if param is None:
         raise fail(prog, f"--param: policy '{entry.name}' has no known swept argument; name one of "
@@ -151,6 +154,15 @@ def _one(registry, spec: str, values, args, prog: str):
                                  f"({value!r}); give --values")
             values = [value]
     return entry.name, factory, param, list(values)
+
+
+def heads_pair(args, prog: str) -> str | None:
+    """The named pair whose packaged heads the learned policies load when their spec names no
+    head: the evaluated pair (``--pair``, or the command's default) unless it is SmolLM2's (the
+    policies' own default) or ``--model`` names the models (None)."""
+    from .common import pair_of
+    pair = pair_of(args, prog)
+    return None if pair in (None, "smollm2") else pair
 
 
 def sweeps(args, prog: str = "tokenrouter eval") -> list[tuple[str, object, str, list]]:
@@ -242,10 +254,13 @@ def cmd_eval(args) -> int:
         raise fail(prog, f"--repeats must be >= 1, got {args.repeats}")
     specs = model_specs(args, prog)
     if specs is None:
-        per_model(args.device, None, "--device", prog)
-        per_model(args.dtype, None, "--dtype", prog)
-        target, kwargs = "default", {"small_layers": args.small_layers, "mode": args.mode, "device": args.device,
-                                     "dtype": args.dtype}
+        from ..pairs import get_pair
+        from .common import pair_of
+        pair = pair_of(args, prog)
+        names = ["small", "large"] if get_pair(pair).small is not None else None
+        target, kwargs = "default", {"pair": pair, "small_layers": args.small_layers, "mode": args.mode,
+                                     "device": per_model(args.device, names, "--device", prog),
+                                     "dtype": per_model(args.dtype, names, "--dtype", prog)}
         tp = tp_of(args, ["small", "large"], prog)
         if tp:
             kwargs["tp"] = tp

@@ -68,16 +68,19 @@ def format_output(out, tokenizer, models: list[str], color: bool) -> str:
     return "".join(parts)
 
 
-def demo_inputs(prompt: list[str] | None, data: str | None, n: int) -> tuple[list[str], list[str], str, str]:
+def demo_inputs(prompt: list[str] | None, data: str | None, n: int
+                ) -> tuple[list[str], list[str], str, str, list[str] | None]:
     """`demo_prompts` plus the answer kind of the prompts (``"math"`` or ``"choice"``, from the
-    benchmark; math for ``--prompt`` and text files)."""
+    benchmark; math for ``--prompt`` and text files) and the reference answers (None for
+    ``--prompt`` and text files)."""
     if prompt:
-        return list(prompt), list(prompt), "--prompt", "math"
+        return list(prompt), list(prompt), "--prompt", "math", None
     if data is not None and Path(data).is_file() and Path(data).suffix not in JSONL_SUFFIXES:
         prompts = load_prompts(data, n)
-        return prompts, prompts, data, "math"
+        return prompts, prompts, data, "math", None
     bench = load(data or "gsm8k", n)
-    return bench.prompts, bench.questions, f"{bench.spec.name} ({bench.source})", bench.spec.kind
+    refs = list(bench.answers) if all(a not in (None, "") for a in bench.answers) else None
+    return bench.prompts, bench.questions, f"{bench.spec.name} ({bench.source})", bench.spec.kind, refs
 
 
 def demo_prompts(prompt: list[str] | None, data: str | None, n: int) -> tuple[list[str], list[str], str]:
@@ -92,13 +95,13 @@ def demo_prompts(prompt: list[str] | None, data: str | None, n: int) -> tuple[li
         FileNotFoundError: a ``data`` path that does not exist.
         ValueError: an unknown benchmark name, ``n < 1`` or a malformed JSONL file.
     """
-    return demo_inputs(prompt, data, n)[:3]
+    return demo_inputs(prompt, data, n)[:3]  # type: ignore[return-value]
 
 
 def cmd_demo(args) -> int:
     """Run the prompts large-only, small-only and routed; print the routed answers (coloured or
-    marked) beside the large-only answers, the comparison table, the step accounting and the
-    routed run's metrics."""
+    marked) beside the large-only answers and the references, the comparison table, the step
+    accounting and the routed run's metrics."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -106,24 +109,38 @@ def cmd_demo(args) -> int:
     from tokenrouter_sdk.policies import RandomRouting, RStitch
 
     from ..demo import format_accounting, format_comparison, run_comparison
-    from ..models import describe_default_pair
+    from ..models import ModelLoadError
+    from ..pairs import get_pair
 
     hf_logging.disable_progress_bar()
+    pair = get_pair(args.pair)
     try:
-        prompts, shown, source, kind = demo_inputs(args.prompt, args.data, args.num)
+        prompts, shown, source, kind, refs = demo_inputs(args.prompt, args.data, args.num)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"tokenrouter demo: {e}")
     if args.seed is not None and args.temperature == 0:
         sys.exit("tokenrouter demo: --seed seeds sampling, which --temperature 0 (greedy) does not do: give "
                  "--temperature > 0 or drop --seed")
+    if args.small_layers is not None and pair.small is not None:
+        sys.exit(f"tokenrouter demo: --small-layers truncates SmolLM2 (--pair smollm2); pair {pair.name} has its "
+                 f"own small model")
     color = sys.stdout.isatty() and not args.no_color
-    print(describe_default_pair(args.small_layers))
+    tau = pair.rstitch[0] if args.tau is None else args.tau
+    tau_back = pair.rstitch[1] if args.tau_back is None else args.tau_back
+    if args.small_layers is None:
+        print(pair.describe())
+    else:
+        from ..models import describe_default_pair
+        print(describe_default_pair(args.small_layers))
     t0 = time.perf_counter()
-    policy = RStitch(tau=args.tau, tau_back=args.tau_back)
-    router = Router.default(policy=policy, small_layers=args.small_layers, prefill_peers=not args.no_prefill_peers,
-                            prefix_cache=not args.no_prefix_cache,
-                            compile={"off": False, "wait": "wait", "background": "background"}[args.compile],
-                            model_impl=args.model_impl, kernels=args.kernels or "auto")
+    policy = RStitch(tau=tau, tau_back=tau_back)
+    try:
+        router = Router.default(policy=policy, pair=pair.name, small_layers=args.small_layers,
+                                prefill_peers=not args.no_prefill_peers, prefix_cache=not args.no_prefix_cache,
+                                compile={"off": False, "wait": "wait", "background": "background"}[args.compile],
+                                model_impl=args.model_impl, kernels=args.kernels or "wait")
+    except (ModelLoadError, ImportError) as e:
+        sys.exit(f"tokenrouter demo: {type(e).__name__}: {e}")
     with router:
         models = list(router.models)
         print(f"models : {', '.join(models)} (loaded in {time.perf_counter() - t0:.1f} s)")
@@ -138,7 +155,7 @@ def cmd_demo(args) -> int:
             print("legend : " + "  ".join(f"[{c}:...] = {m}" for m, c in model_label(models).items()))
         router.generate(prompts[:2], max_new_tokens=4, policy=RandomRouting(p=0.5, seed=0))  # warm both models up
         t1 = time.perf_counter()
-        runs = run_comparison(router, prompts, policy, kind=kind, baselines=not args.no_baselines,
+        runs = run_comparison(router, prompts, policy, kind=kind, baselines=not args.no_baselines, references=refs,
                               max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
                               temperature=args.temperature, seed=args.seed,
                               on_run=lambda r: print(f"ran    : {r.name} in {r.metrics.wall_s:.1f} s", flush=True))
@@ -150,11 +167,15 @@ def cmd_demo(args) -> int:
             print(format_output(out, router.tokenizer, models, color) if out.ok else f"ERROR: {out.error}")
             print(f"--- finish={out.finish_reason} tokens={len(out.token_ids)} hops={out.hops} "
                   f"large_fraction={large_frac:.2f} latency={out.latency_s or 0:.1f}s")
+            line = f"--- answer={routed.answers[i]}"
+            if refs is not None:
+                line += f" ({'right' if routed.correct[i] else 'wrong'}; reference {refs[i]})"
             if large is not None:
-                print(f"--- answer={routed.answers[i]} large-only answer={large.answers[i]} "
-                      f"({'agrees' if routed.agree[i] else 'differs'})")
+                line += (f" large-only answer={large.answers[i]}"
+                         + (f" ({'right' if large.correct[i] else 'wrong'})" if refs is not None else ""))
+            print(line)
         print(f"\n=== comparison ({gen_s:.1f} s generation, {time.perf_counter() - t0:.1f} s total; same prompts "
-              f"and Router; tok/s = committed tokens / wall time)")
+              f"and Router; correct = final answers equal to the references; tok/s = committed tokens / wall time)")
         print(format_comparison(runs))
         print("\n=== step accounting (forward time: pure decode steps vs steps that also fed a prefill or extend)")
         print(format_accounting(runs))
@@ -340,16 +361,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --data)")
     d.add_argument("-n", "--num", type=int, default=8, help="number of prompts from the data (default 8)")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--tau", type=float, default=0.3,
-                   help="R-Stitch: the small model hands off above this normalised entropy (default 0.3)")
-    d.add_argument("--tau-back", type=float, default=0.02,
-                   help="R-Stitch: the large model hands back at or below this normalised entropy (default 0.02)")
+    from ..pairs import DEFAULT_PAIR, PAIRS
+    d.add_argument("--pair", choices=sorted(PAIRS), default=DEFAULT_PAIR,
+                   help=f"the model pair (default {DEFAULT_PAIR}: Qwen2.5-Coder 0.5B -> 1.5B, fetched and converted "
+                        f"once, about 1.6 GB; smollm2: SmolLM2-135M and its self-draft, small and fast, near 0%% on "
+                        f"GSM8K)")
+    d.add_argument("--tau", type=float, default=None,
+                   help="R-Stitch: the small model hands off above this normalised entropy (default: the pair's "
+                        "operating point, " + ", ".join(f"{n} {p.rstitch[0]}" for n, p in sorted(PAIRS.items())) + ")")
+    d.add_argument("--tau-back", type=float, default=None,
+                   help="R-Stitch: the large model hands back at or below this normalised entropy (default: the "
+                        "pair's, " + ", ".join(f"{n} {p.rstitch[1]}" for n, p in sorted(PAIRS.items())) + ")")
     d.add_argument("--no-baselines", action="store_true", help="run the routed policy only (no large-only and "
                                                                "small-only runs)")
     d.add_argument("--no-prefill-peers", action="store_true",
                    help="prefill a prompt only on its entry model (a first handoff then prefills it on the peer)")
     d.add_argument("--small-layers", type=int, default=None,
-                   help="small = plain truncation to this many layers (default: the packaged self-draft)")
+                   help="--pair smollm2: small = plain truncation to this many layers (default: the packaged "
+                        "self-draft)")
     d.add_argument("--concurrency", type=int, default=1,
                    help="requests in flight (default 1: see the module docstring of tokenrouter_sdk.cli)")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

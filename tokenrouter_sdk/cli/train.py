@@ -52,8 +52,8 @@ def add_parser(sub) -> None:
                    help="skip the dataset's first N rows (GSM8K train: start at gsm8k-train-<N>) (default 0)")
     t.add_argument("--out", default="heads", help="output folder (default heads/)")
     t.add_argument("--package", action="store_true",
-                   help="also write the head (float16) and its record where the package looks for the default head "
-                        "(tokenrouter_sdk/assets/smollm2_<kind>_head.*); the float32 head stays in --out")
+                   help="also write the head (float16) and its record where the package looks for the pair's default "
+                        "head (tokenrouter_sdk/assets/<pair>_<kind>_head.*); the float32 head stays in --out")
     t.add_argument("--max-new-tokens", type=int, default=None,
                    help="response / answer length, tokens (r2r, query; citer and co_llm with --reference large)")
     t.add_argument("--branches", type=int, default=None, help="r2r: verified differing positions per response (8)")
@@ -180,13 +180,15 @@ def run(args) -> int:
     from .common import build_router, describe_pair
 
     from ..train.data import DEFAULT_DATA, load_examples
-    from tokenrouter_sdk.policies.r2r import EMBEDDING_SOURCE
+    from tokenrouter_sdk.policies.r2r import EMBEDDING_SOURCES
 
     from ..train.package import finalize, packaged_path
+    from .common import pair_of
     prog = "tokenrouter train"
     if args.package and (args.small_layers is not None or args.model or (args.data is not None and not _gsm8k(args.data))):
-        raise SystemExit("tokenrouter train: --package writes the default head of Router.default()'s pair on GSM8K "
+        raise SystemExit("tokenrouter train: --package writes the default head of a named pair (--pair) on GSM8K "
                          "(--data gsm8k_train, the default, or gsm8k); drop --small-layers/--model/--data or use --out")
+    pair = pair_of(args, prog)
     if not 0 < args.large_fraction < 1:
         raise SystemExit(f"{prog}: --large-fraction must be in (0, 1), got {args.large_fraction}")
     extra_policy = policy_kwargs(args, prog)
@@ -202,13 +204,14 @@ def run(args) -> int:
     with build_router(args, prog, processes=False) as router:
         res = fn(router, **kw)      # the trained head (float32) stays in --out
         calib = load_examples(args.data, args.calibrate, offset=args.offset)
-        dest = packaged_path(args.kind).parent if args.package else None
-        name = packaged_path(args.kind).stem if args.package else None
+        dest = packaged_path(args.kind, pair).parent if args.package else None
+        name = packaged_path(args.kind, pair).stem if args.package else None
         head, record, thr = finalize(res, router, target=args.large_fraction, calib_prompts=calib,
                                      max_new_tokens=args.calibrate_tokens, dest=dest, name=name,
                                      dtype=torch.float16 if args.package else None,
                                      embedding=router.models[list(router.models)[0]],
-                                     config=({"embedding_source": EMBEDDING_SOURCE} if args.kind == "r2r" else None),
+                                     config=({"embedding_source": EMBEDDING_SOURCES[pair]}
+                                             if args.kind == "r2r" and pair in EMBEDDING_SOURCES else None),
                                      policy_kwargs=extra_policy)
     print(f"head      {head}\nrecord    {record}\nthreshold {thr:.6g} (default; large fraction target "
           f"{args.large_fraction})")

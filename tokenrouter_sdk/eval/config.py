@@ -35,12 +35,14 @@ def describe_model(model) -> dict:
     cfg = getattr(model, "config", None)
     if cfg is None:
         return {"repr": repr(model)}
+    from ..deferred import DeferredModel
     try:
-        p = next(model.parameters())
+        p = model if isinstance(model, DeferredModel) else next(model.parameters())
         dtype, device = str(p.dtype).removeprefix("torch."), str(p.device)
     except (StopIteration, AttributeError, TypeError):
         dtype = device = None
-    return {"class": type(model).__name__, "name_or_path": str(getattr(cfg, "_name_or_path", "")),
+    cls = (cfg.architectures or ["?"])[0] if isinstance(model, DeferredModel) else type(model).__name__
+    return {"class": cls, "name_or_path": str(getattr(cfg, "_name_or_path", "")),
             "model_type": getattr(cfg, "model_type", None),
             "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
             "hidden_size": getattr(cfg, "hidden_size", None), "vocab_size": getattr(cfg, "vocab_size", None),
@@ -50,7 +52,8 @@ def describe_model(model) -> dict:
 def describe_router(router) -> dict:
     """Models (smallest first) and engine settings of a `Router`."""
     eng = router.engine
-    return {"models": {n: describe_model(m) for n, m in router.models.items()},
+    info = getattr(router.models, "info", router.models.__getitem__)  # a model loaded elsewhere stays there
+    return {"models": {n: describe_model(info(n)) for n in router.models},
             "tokenizer": type(router.tokenizer).__name__ + ":" + str(getattr(router.tokenizer, "name_or_path", "")),
             "mode": eng.config.mode, "retain_kv": eng.config.retain_kv, "prefix_cache": eng.config.prefix_cache,
             "thresholds": _jsonable(dict(eng.thresholds or {})), "max_batch_tokens": eng.config.max_batch_tokens,

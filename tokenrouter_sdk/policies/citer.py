@@ -71,13 +71,16 @@ class CITER(HeadRecord, DeferOneToken):
             head file (the packaged head's sends about 0.7 of the tokens to the large model),
             else 0.95 (CITER's default, see the module docstring).
         small, large: model names (default: first and last model).
+        pair: with ``head=None``, the named pair whose packaged head to load (``"smollm2"``,
+            the default, or ``"qwen2.5-coder"``).
     """
 
     needs = Needs(hidden=True)
 
-    def __init__(self, head=None, tau: float | None = None, small: str | None = None, large: str | None = None):
-        self.head = head_label(head, "citer")
-        sd, cfg, self._head_meta = resolve_head(head, "citer", _citer_state_dict)
+    def __init__(self, head=None, tau: float | None = None, small: str | None = None, large: str | None = None,
+                 pair: str | None = None):
+        self.head = head_label(head, "citer", pair)
+        sd, cfg, self._head_meta = resolve_head(head, "citer", _citer_state_dict, pair)
         if tau is None:
             tau = cfg.get("threshold", 0.95)
         if "linear.weight" not in sd:

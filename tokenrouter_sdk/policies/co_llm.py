@@ -90,14 +90,16 @@ class CoLLM(HeadRecord, DeferOneToken):
         warmup: threshold schedule, one of ``constant`` (default), ``linear``, ``cosine``,
             ``exponential``, from 1.0 to eta over ``warmup_steps`` (default 15) output tokens.
         small, large: model names (default: first and last model).
+        pair: with ``head=None``, the named pair whose packaged head to load (``"smollm2"``,
+            the default, or ``"qwen2.5-coder"``).
     """
 
     def __init__(self, head=None, eta: float | None = None, compose: bool = False, warmup: str = "constant",
-                 warmup_steps: int = 15, small: str | None = None, large: str | None = None):
+                 warmup_steps: int = 15, small: str | None = None, large: str | None = None, pair: str | None = None):
         if warmup not in WARMUPS:
             raise ValueError(f"CoLLM: warmup must be one of {WARMUPS}, got {warmup!r}")
-        self.head = head_label(head, "co_llm")
-        sd, cfg, self._head_meta = resolve_head(head, "co_llm")
+        self.head = head_label(head, "co_llm", pair)
+        sd, cfg, self._head_meta = resolve_head(head, "co_llm", pair=pair)
         if eta is None:
             eta = cfg.get("threshold", 0.5)
         if set(sd) != {"g", "b"}:

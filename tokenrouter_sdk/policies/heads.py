@@ -10,11 +10,13 @@ File format: ``torch.save`` of a plain dict, read back with ``torch.load(weights
 so that the weights-only loader accepts them. Foreign formats (the CITER trainer's raw state
 dict, R2R's ``default_router.pt``) are read by the policy that knows them.
 
-Packaged heads: the package ships one head per kind for `Router.default`'s pair (SmolLM2-135M-Instruct
-and its self-draft, hidden size 576), ``tokenrouter_sdk/assets/smollm2_<kind>_head.pt`` (float16)
-with its record ``smollm2_<kind>_head.json`` (command, data ids, seed, library versions, training
-and held-out metrics). A learned policy built without a head (``head=None``) loads it, and its
-threshold defaults to the one stored there. ``tokenrouter train <kind> --package`` rebuilds them.
+Packaged heads: the package ships one head per kind for each named pair (`tokenrouter_sdk.pairs`):
+``tokenrouter_sdk/assets/<pair>_<kind>_head.pt`` (float16) with its record
+``<pair>_<kind>_head.json`` (command, data ids, seed, library versions, training and held-out
+metrics), for ``smollm2`` (SmolLM2-135M-Instruct and its self-draft, hidden size 576) and
+``qwen2.5-coder`` (Qwen2.5-Coder 0.5B and 1.5B, hidden size 896). A learned policy built without
+a head (``head=None``) loads its ``pair``'s (default ``smollm2``), and its threshold defaults to
+the one stored there. ``tokenrouter train <kind> --pair <pair> --package`` rebuilds them.
 """
 
 from __future__ import annotations
@@ -47,16 +49,34 @@ KINDS = {
 }
 
 
-PACKAGED_PAIR = "Router.default()'s pair (SmolLM2-135M-Instruct and its self-draft, hidden size 576)"
+PACKAGED_PAIR = "the packaged pairs (smollm2: hidden size 576; qwen2.5-coder: 896)"
+HEAD_PAIRS = ("smollm2", "qwen2.5-coder")  # the pairs with packaged heads
 
 
-def packaged_head_path(kind: str) -> Path:
-    """The packaged head of ``kind`` for `Router.default`'s pair:
-    ``tokenrouter_sdk/assets/smollm2_<kind>_head.pt`` (it may be absent in a source tree where it
-    was never built)."""
+def head_pair(pair: str | None) -> str:
+    """The pair whose packaged heads ``pair`` names (None: ``smollm2``).
+
+    Raises:
+        ValueError: a pair without packaged heads (lists those with them).
+    """
+    name = "smollm2" if pair is None else str(pair)
+    if name not in HEAD_PAIRS:
+        raise ValueError(f"no packaged heads for pair {pair!r}; the pairs with packaged heads are "
+                         f"{', '.join(HEAD_PAIRS)} (or pass head=<a .pt file> trained with tokenrouter train)")
+    return name
+
+
+def packaged_head_path(kind: str, pair: str | None = None) -> Path:
+    """The packaged head of ``kind`` for a named pair (None: ``smollm2``):
+    ``tokenrouter_sdk/assets/<pair>_<kind>_head.pt`` (it may be absent in a source tree where it
+    was never built).
+
+    Raises:
+        ValueError: an unknown kind, or a pair without packaged heads.
+    """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
-    return Path(__file__).resolve().parent.parent / "assets" / f"smollm2_{kind}_head.pt"
+    return Path(__file__).resolve().parent.parent / "assets" / f"{head_pair(pair)}_{kind}_head.pt"
 
 
 class HeadMissingError(FileNotFoundError):
@@ -110,11 +130,11 @@ def load_head(path, kind: str, foreign: Callable[[object], tuple] | None = None)
     return _unpack(torch.load(path, map_location="cpu", weights_only=True), kind, str(path), foreign)
 
 
-def head_label(head, kind: str) -> str:
-    """How a policy's repr names its head: the file path, the packaged head's path for None, or
-    ``"<in memory>"`` for a module or state dict."""
+def head_label(head, kind: str, pair: str | None = None) -> str:
+    """How a policy's repr names its head: the file path, the packaged head's path (of ``pair``)
+    for None, or ``"<in memory>"`` for a module or state dict."""
     if head is None:
-        return str(packaged_head_path(kind))
+        return str(packaged_head_path(kind, pair))
     if isinstance(head, (str, os.PathLike)):
         return str(head)
     return "<in memory>"
@@ -131,15 +151,19 @@ class HeadRecord:
         return self._head_meta
 
 
-def resolve_head(head, kind: str, foreign: Callable[[object], tuple] | None = None) -> tuple[dict, dict, dict]:
+def resolve_head(head, kind: str, foreign: Callable[[object], tuple] | None = None,
+                 pair: str | None = None) -> tuple[dict, dict, dict]:
     """``head`` as given to a policy (a path, an ``nn.Module`` or a state dict) -> ``(state_dict, config, meta)``;
-    None = the packaged head (`packaged_head_path`).
+    None = the packaged head of ``pair`` (`packaged_head_path`).
 
     Raises:
         HeadMissingError: the file (or, for None, the packaged head) does not exist.
+        ValueError: ``pair`` with a head given (the head decides), or a pair without packaged heads.
     """
+    if head is not None and pair is not None:
+        raise ValueError(f"{KINDS[kind][0]}: give head=<a file> or pair=<a packaged pair>, not both")
     if head is None:
-        path = packaged_head_path(kind)
+        path = packaged_head_path(kind, pair)
         if not path.exists():
             raise HeadMissingError(kind, path, packaged=True)
         return load_head(path, kind, foreign)

@@ -69,12 +69,12 @@ def load_query_head(head) -> QueryHead:
     return _query_head(head)[0]
 
 
-def _query_head(head) -> tuple[QueryHead, dict, dict]:
-    """(head, its file's config, its file's meta) from a path, None (the packaged head) or a
-    `QueryHead`."""
+def _query_head(head, pair: str | None = None) -> tuple[QueryHead, dict, dict]:
+    """(head, its file's config, its file's meta) from a path, None (the packaged head of
+    ``pair``) or a `QueryHead`."""
     if isinstance(head, QueryHead):
         return head, {}, {}
-    sd, config, meta = resolve_head(head, "query")
+    sd, config, meta = resolve_head(head, "query", pair=pair)
     q = QueryHead(**{k: config[k] for k in ("hidden_size", "hidden_dim") if k in config})
     q.load_state_dict(sd)
     return q.eval().requires_grad_(False), config, meta
@@ -93,6 +93,8 @@ class QueryRouter(HeadRecord, Policy):
         pooling: the prompt feature: ``"last"`` (h at the last prompt token, default; the packaged
             head's) or ``"mean"`` (h averaged over every prompt position).
         small, large: model names (default: first and last model).
+        pair: with ``head=None``, the named pair whose packaged head to load (``"smollm2"``,
+            the default, or ``"qwen2.5-coder"``).
 
     Per-request state: ``p_small`` (the head's p, set at position 0 on S).
 
@@ -107,12 +109,15 @@ class QueryRouter(HeadRecord, Policy):
         return Needs(hidden=True) if self.pooling == "last" else Needs(prompt_hidden=True)
 
     def __init__(self, head: str | os.PathLike | QueryHead | None = None, threshold: float | None = None,
-                 small: str | None = None, large: str | None = None, pooling: str = "last"):
+                 small: str | None = None, large: str | None = None, pooling: str = "last",
+                 pair: str | None = None):
         if pooling not in self.POOLINGS:
             raise ValueError(f"QueryRouter: pooling must be one of {self.POOLINGS}, got {pooling!r}")
-        self._head, config, self._head_meta = _query_head(head)
+        if head is not None and pair is not None and not isinstance(head, QueryHead):
+            raise ValueError("QueryRouter: give head=<a file> or pair=<a packaged pair>, not both")
+        self._head, config, self._head_meta = _query_head(head, pair)
         self.head = ("<in memory>" if isinstance(head, QueryHead) else
-                     str(packaged_head_path("query")) if head is None else str(head))
+                     str(packaged_head_path("query", pair)) if head is None else str(head))
         if threshold is None:
             threshold = config.get("threshold", 0.5)
         self.threshold, self.small, self.large = threshold, small, large

@@ -51,28 +51,32 @@ from .heads import DeferOneToken, HeadRecord, check_hidden, head_label, on_devic
 
 MODEL_TYPE = "HiddenStatesTokenLMHeadLogitsClassifier"
 INPUT_TYPE = ["hidden_states", "token", "logits"]
-EMBEDDING_SOURCE = "smollm2-135m-instruct"   # the packaged pair's token table, in the model cache
+EMBEDDING_SOURCE = "smollm2-135m-instruct"   # the smollm2 pair's token table, in the model cache
+# per named pair, the cache folder of the small model whose token table its packaged router reads
+EMBEDDING_SOURCES = {"smollm2": EMBEDDING_SOURCE, "qwen2.5-coder": "qwen2.5-coder-0.5b-instruct"}
+_BUILDERS = {"smollm2-135m-instruct": "tokenrouter_sdk.models.smollm2_folder()",
+             "qwen2.5-coder-0.5b-instruct": "Router.default(pair='qwen2.5-coder')"}
 
 
 def source_embedding(source: str) -> torch.Tensor:
     """The input embedding table [V, E] (float32) a head names in ``config["embedding_source"]``,
-    read from the model cache (``<cache>/smollm2-135m-instruct/model.safetensors``).
+    read from the model cache (``<cache>/<source>/model.safetensors``; the sources are the small
+    models of the named pairs, `EMBEDDING_SOURCES`).
 
     Raises:
         ValueError: an unknown source.
         FileNotFoundError: the cached model is absent (names how to build it).
     """
-    if source != EMBEDDING_SOURCE:
+    if source not in _BUILDERS:
         raise ValueError(f"R2R: unknown embedding_source {source!r} in the head's config (known: "
-                         f"{EMBEDDING_SOURCE!r}); pass embedding=<the small model>")
+                         f"{', '.join(sorted(_BUILDERS))}); pass embedding=<the small model>")
     from safetensors import safe_open
 
     from tokenrouter_sdk.models import cache_dir
     path = cache_dir() / source / "model.safetensors"
     if not path.exists():
-        raise FileNotFoundError(f"R2R: the head reads SmolLM2-135M-Instruct's token embeddings from {path}, which is "
-                                "missing: build it once with tokenrouter_sdk.models.smollm2_folder() (Router.default() "
-                                "does), or pass embedding=<the small model>")
+        raise FileNotFoundError(f"R2R: the head reads the token embeddings of {source} from {path}, which is "
+                                f"missing: build it once with {_BUILDERS[source]}, or pass embedding=<the small model>")
     with safe_open(str(path), "pt") as f:
         return f.get_tensor("model.embed_tokens.weight").float()
 
@@ -180,12 +184,14 @@ class R2R(HeadRecord, DeferOneToken):
         tau: route when p >= tau; default: the threshold stored in the checkpoint (the packaged
             router's sends about 0.7 of the tokens to the large model).
         small, large: model names (default: first and last model).
+        pair: with ``head=None``, the named pair whose packaged router to load (``"smollm2"``,
+            the default, or ``"qwen2.5-coder"``: it reads Qwen2.5-Coder-0.5B's token table).
     """
 
     def __init__(self, head=None, embedding=None, tau: float | None = None,
-                 small: str | None = None, large: str | None = None):
-        self.head = head_label(head, "r2r")
-        sd, cfg, self._head_meta = resolve_head(head, "r2r", _published)
+                 small: str | None = None, large: str | None = None, pair: str | None = None):
+        self.head = head_label(head, "r2r", pair)
+        sd, cfg, self._head_meta = resolve_head(head, "r2r", _published, pair)
         sd = dict(sd)
         table = sd.pop("token_embeddings.weight", None)
         self._net = RouterNet.from_state_dict(sd)

