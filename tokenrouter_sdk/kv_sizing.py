@@ -93,8 +93,9 @@ def kv_bytes_per_token(model) -> int:
 
 
 def _deferred(model) -> bool:
-    from .deferred import DeferredModel
-    return isinstance(model, DeferredModel)
+    """Whether ``model`` is loaded elsewhere later (a `tokenrouter_sdk.deferred.DeferredModel`:
+    its size, device and dtype, no parameters here)."""
+    return isinstance(getattr(model, "nbytes", None), int) and not hasattr(model, "parameters")
 
 
 def model_device(model) -> torch.device:
@@ -190,6 +191,8 @@ def plan(models: dict, *, block_size: int, max_kv_tokens: int | None = None, fra
                     for n in names}
             continue
         left = (probe or memory_left)(dev)
+        if left is not None:  # what a model loaded where it runs will take there, not free yet
+            left = max(0, left - sum(models[n].nbytes for n in names if _deferred(models[n])))
         if left is None:
             out |= {n: KVSizing(n, tokens=8192, rule="no_memory_info", kv_bytes_per_token=per[n], **common)
                     for n in names}

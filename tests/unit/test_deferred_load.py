@@ -97,3 +97,14 @@ def test_load_private_reads_the_weights_into_this_process_without_mapping_the_fi
     mapped, _ = load_model(folder, dtype="bfloat16")  # transformers' own load maps the file
     assert _mapped(folder)
     del mapped
+
+
+def test_kv_pools_are_planned_on_the_memory_left_after_a_deferred_model_loads(tmp_path):
+    from tokenrouter_sdk.kv_sizing import kv_bytes_per_token, plan
+    folder, model = _save(tmp_path, "m")
+    d = DeferredModel(folder, torch.float32, "cpu")
+    per = kv_bytes_per_token(d)
+    assert per == kv_bytes_per_token(model)
+    left = d.nbytes + 1000 * per  # after the load, room for 1,000 tokens at fraction 1
+    got = plan({"m": d}, block_size=16, fraction=1.0, probe=lambda dev: left)["m"]
+    assert got.tokens == 992 and got.weights_bytes == d.nbytes  # whole blocks of 16 within 1,000 tokens

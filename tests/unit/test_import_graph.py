@@ -87,7 +87,7 @@ def test_the_check_finds_a_circle_when_there_is_one(tmp_path):
 # Each name is a top-level module or folder of the package (``engine`` is ``engine/``).
 LAYERS = (
     ("request", "placement", "kv_sizing", "random_models", "self_draft", "benchmarks", "tables", "prompts"),
-    ("policy",), ("models",), ("policies",),
+    ("policy",), ("models", "pairs", "deferred"), ("policies",),
     ("engine",), ("metrics",), ("viz",), ("result",),
     ("backends",), ("planner",), ("reference",), ("runner_setup",),
     ("router",), ("serve",), ("eval",), ("demo",), ("bench",), ("train",),

@@ -223,8 +223,9 @@ def build_router(args, prog: str, policy=None, **settings):
 
 
 def load_models(args, prog: str):
-    """``(models, tokenizer)``: the loaded models the flags name (name -> model, smallest first)
-    and their shared tokenizer, for commands that build several Routers on them (``bench``).
+    """``(models, tokenizer)``: the models the flags name (name -> model, smallest first) and their
+    shared tokenizer, for commands that build several Routers on them (``bench``): loaded here,
+    or for a named pair with weight folders its `ModelSpec`s (each Router's sub-servers load them).
 
     Raises:
         SystemExit: as `build_router`.
@@ -235,10 +236,12 @@ def load_models(args, prog: str):
     try:
         if specs is None:
             pair = pair_of(args, prog)
-            if get_pair(pair).small is not None:
+            if get_pair(pair).small is not None:  # each Router's sub-servers load the pair's folders
+                from ..runner_setup import load_tokenizer
                 dev = per_model(getattr(args, "device", None), ["small", "large"], "--device", prog)
                 dt = per_model(getattr(args, "dtype", None), ["small", "large"], "--dtype", prog)
                 specs = pair_models(pair, dtype=dt, device=dev or "cpu")
+                return specs, load_tokenizer(specs["large"].source)
             else:
                 per_model(getattr(args, "device", None), None, "--device", prog)
                 per_model(getattr(args, "dtype", None), None, "--dtype", prog)

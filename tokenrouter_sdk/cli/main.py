@@ -197,11 +197,18 @@ def cmd_info(args) -> int:
 
     import tokenrouter_sdk
     from tokenrouter_sdk.models import cache_dir
-    done = (cache_dir() / "smollm2-135m-instruct" / "config.json").exists()
+    from tokenrouter_sdk.pairs import PAIRS, cpu_has_bfloat16, pair_dtype
     print(f"tokenrouter_sdk {tokenrouter_sdk.__version__} ({Path(tokenrouter_sdk.__file__).parent})")
     print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"torch threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}")
-    print(f"cache dir {cache_dir()} (default model {'converted' if done else 'not converted yet'})")
+    print(f"torch threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}, "
+          f"native bfloat16 {cpu_has_bfloat16()}")
+    print(f"cache dir {cache_dir()}")
+    for name, pair in sorted(PAIRS.items()):
+        folders = ["smollm2-135m-instruct"] if pair.small is None else [pair.small.folder, pair.large.folder]
+        done = all((cache_dir() / f / "config.json").exists() for f in folders)
+        dtype = "float32" if pair.small is None else str(pair_dtype()).removeprefix("torch.")
+        print(f"pair {name}: {'converted' if done else 'not converted yet (fetched at first use)'}, runs in {dtype}"
+              f" ({pair.summary})")
     try:
         data = load("gsm8k", 1).source
     except (FileNotFoundError, ValueError) as e:
