@@ -92,7 +92,8 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
     for name, m in models.items():
         spec = ModelSpec.of(m)
         if spec is not None and spec.runner != "torch":
-            engines[name], toks[name], ids = engine_runner_spec(name, spec, devices[name], dtypes[name], tps[name],
+            tp_here = spec.tp if spec.tp is not None else tps[name]
+            engines[name], toks[name], ids = engine_runner_spec(name, spec, devices[name], dtypes[name], tp_here,
                                                                 config)
             eos += ids
             continue
