@@ -93,8 +93,10 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
         spec = ModelSpec.of(m)
         if spec is not None and spec.runner != "torch":
             tp_here = spec.tp if spec.tp is not None else tps[name]
-            engines[name], toks[name], ids = engine_runner_spec(name, spec, devices[name], dtypes[name], tp_here,
-                                                                config)
+            engines[name], tok, ids = engine_runner_spec(name, spec, devices[name], dtypes[name], tp_here, config,
+                                                         with_tokenizer=tokenizer is None)
+            if tok is not None:
+                toks[name] = tok
             eos += ids
             continue
         if spec is not None and spec.tp is not None:
@@ -147,8 +149,9 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
         check_same_tokenizer(router_tok, "router tokenizer" if tokenizer is not None else next(iter(loaded)),
                              toks.get(name, router_tok), name)
     for name in engines:
-        check_same_tokenizer(router_tok, "router tokenizer" if tokenizer is not None else next(iter(toks)),
-                             toks[name], name)
+        if name in toks:
+            check_same_tokenizer(router_tok, "router tokenizer" if tokenizer is not None else next(iter(toks)),
+                                 toks[name], name)
     if not loaded and not engines and (config.max_kv_tokens is not None or config.kv_memory_fraction is not None):
         raise ValueError("every model is a runner object with its own KV pool: max_kv_tokens and "
                          "kv_memory_fraction do not apply (size the runners' pools instead)")
@@ -216,11 +219,12 @@ def load_tokenizer(folder: str):
         raise ModelLoadError(f"could not load the tokenizer of {folder!r}: {e}") from e
 
 
-def engine_runner_spec(name: str, spec, device, dtype, tp, config: EngineConfig):
+def engine_runner_spec(name: str, spec, device, dtype, tp, config: EngineConfig, with_tokenizer: bool = True):
     """``(runner spec, tokenizer, eos ids)`` of a `ModelSpec` whose ``runner`` is ``"vllm"`` or
     ``"sglang"``: the engine's runner spec (its KV size set later by the planner), the source's
-    tokenizer and the end-of-sequence ids of its generation config. Nothing is loaded here but
-    the tokenizer and the config. The Router's ``compile``, ``cuda_graphs``, ``model_impl`` and
+    tokenizer (None without ``with_tokenizer``: the Router was given one) and the
+    end-of-sequence ids of its generation config. Nothing is loaded here but the tokenizer and
+    the config. The Router's ``compile``, ``cuda_graphs``, ``model_impl`` and
     ``kernels`` configure our torch runner only (the engine's own come with ``engine_args``).
 
     Raises:
@@ -251,11 +255,12 @@ def engine_runner_spec(name: str, spec, device, dtype, tp, config: EngineConfig)
         from .backends.sglang_runner import SGLangRunnerSpec
         rs = SGLangRunnerSpec(src, **common)
     rs.describe()  # the engine installed, the config readable: fail here, not in the sub-server
-    try:
-        tok = AutoTokenizer.from_pretrained(src)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{what}: could not load the tokenizer of {str(spec.source)!r}: {e}") from e
-    ids = []
+    tok = None
+    if with_tokenizer:
+        try:
+            tok = AutoTokenizer.from_pretrained(src)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{what}: could not load the tokenizer of {str(spec.source)!r}: {e}") from e
     try:
         from transformers import GenerationConfig
         ids = token_ids(GenerationConfig.from_pretrained(src).eos_token_id)

@@ -75,3 +75,14 @@ def test_the_runner_flag_per_model_and_for_all():
         model_specs(p.parse_args(["--model", "small=a", "--runner", "small=onnx"]), "t")
     with pytest.raises(SystemExit, match="not models of --model"):
         model_specs(p.parse_args(["--model", "small=a", "--runner", "big=vllm"]), "t")
+
+
+def test_sglang_names_what_it_needs(folder, monkeypatch):
+    from tokenrouter_sdk.backends import sglang_runner
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    with pytest.raises(RuntimeError, match=r"runner='sglang' needs SGLang.*pip install 'sglang"):
+        Router({"small": ModelSpec(folder), "large": ModelSpec(folder, runner="sglang")}, RandomRouting())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
+    assert "sgl_kernel built from source" in sglang_runner.sglang_missing(torch.device("cpu"))
+    assert sglang_runner.sglang_missing(torch.device("cuda")) is None
