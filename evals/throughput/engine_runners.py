@@ -4,8 +4,10 @@ packaged pair (SmolLM2-135M-Instruct and its self-draft, float32) and the Qwen2.
 (0.5B / 1.5B, `pair_dtype`). Scheduling, handoffs and KV retention are the engine's either way;
 only who runs the model step changes (``ModelSpec(source, runner="vllm")``, both models on it).
 
-Each cell runs once per runner, the two runners alternating cell by cell (so a change in the
-machine's load hits both alike); a cell is committed tokens / wall seconds over ``2 * c`` GSM8K
+Each cell runs once per runner; with ``--together`` the two runners' Routers are open at once and
+alternate cell by cell (a change in the machine's load hits both alike; twice the memory),
+otherwise one runner's cells run, its Router closes, then the other's. A cell is committed tokens
+/ wall seconds over ``2 * c`` GSM8K
 prompts at concurrency ``c``, after an unmeasured 8-token warm-up of the same batch on the same Router.
 The other processes' share of the CPUs is recorded per cell (`tokenrouter_sdk.eval.machine`).
 
@@ -85,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--runners", nargs="+", default=["ours", "vllm"], choices=["ours", "vllm"])
+    ap.add_argument("--together", action="store_true",
+                    help="keep both runners' Routers open and alternate them cell by cell (twice the memory)")
     args = ap.parse_args(argv)
     out = evalkit.Output(args, __file__, evalkit.cells_tag(*args.pairs, c=args.concurrency, t=args.max_new_tokens))
 
@@ -96,24 +100,26 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="engine-runners-") as tmp:
         for pair in args.pairs:
             cells = [(p, c) for p in POLICIES for c in args.concurrency]
-            routers = {}
-            try:
-                for r in args.runners:  # both open at once: the cells alternate between them
-                    t = time.perf_counter()
-                    routers[r] = Router(PAIRS[pair](Path(tmp), r), policy_of("large_only"), max_kv_tokens=8192)
-                    print(f"{pair}: {r} Router started in {time.perf_counter() - t:.1f} s", flush=True)
-                for pol, c in cells:
-                    for r in args.runners:
-                        row = {"pair": pair, "runner": r, "policy": pol, "concurrency": c,
-                               "max_new_tokens": args.max_new_tokens,
-                               **measure(routers[r], prompts, pol, c, args.max_new_tokens)}
-                        rows.append(row)
-                        print(f"{pair} {pol:10s} c={c:<2d} {r:5s} {row['tok_s']:8.2f} tok/s  large "
-                              f"{row['large_fraction']:.2f}  other CPU share {row['other_share'] or 0:.2f}  "
-                              f"load {row['load_1m']:.2f}", flush=True)
-            finally:
-                for router in routers.values():
-                    router.close()
+            groups = [args.runners] if args.together else [[r] for r in args.runners]
+            for group in groups:
+                routers = {}
+                try:
+                    for r in group:
+                        t = time.perf_counter()
+                        routers[r] = Router(PAIRS[pair](Path(tmp), r), policy_of("large_only"), max_kv_tokens=8192)
+                        print(f"{pair}: {r} Router started in {time.perf_counter() - t:.1f} s", flush=True)
+                    for pol, c in cells:
+                        for r in group:
+                            row = {"pair": pair, "runner": r, "policy": pol, "concurrency": c,
+                                   "max_new_tokens": args.max_new_tokens,
+                                   **measure(routers[r], prompts, pol, c, args.max_new_tokens)}
+                            rows.append(row)
+                            print(f"{pair} {pol:10s} c={c:<2d} {r:5s} {row['tok_s']:8.2f} tok/s  large "
+                                  f"{row['large_fraction']:.2f}  other CPU share {row['other_share'] or 0:.2f}  "
+                                  f"load {row['load_1m']:.2f}", flush=True)
+                finally:
+                    for router in routers.values():
+                        router.close()
     ratios = []
     for pair in args.pairs:
         for pol in POLICIES:
