@@ -11,9 +11,12 @@ otherwise one runner's cells run, its Router closes, then the other's. A cell is
 prompts at concurrency ``c``, after an unmeasured 8-token warm-up of the same batch on the same Router.
 The other processes' share of the CPUs is recorded per cell (`tokenrouter_sdk.eval.machine`).
 
-Run (the Qwen pair takes about 8 GB: one at a time on a shared machine):
+Needs ``pip install 'tokenrouter-sdk[vllm]'``; the Qwen pair takes about 4 GB per runner (8 GB
+with ``--together``), so on a shared machine it runs under a lock. Writes
+``<out>/engine_runners_<cells>.json/.csv``.
+
+Run:
     flock /tmp/heavy.lock .venv/bin/python evals/throughput/engine_runners.py --max-new-tokens 64
-Needs ``pip install 'tokenrouter-sdk[vllm]'``. Writes ``<out>/engine_runners_<cells>.json/.csv``.
 """
 
 from __future__ import annotations
