@@ -163,7 +163,7 @@ def test_mixed_pair_small_on_ours_large_on_vllm(tiny_folders, reference_models, 
     folders = tiny_folders["llama"]
     models = {"small": ModelSpec(folders["small"]), "large": ModelSpec(folders["large"], runner="vllm")}
     with _routed(models, reference_models["llama"], processes) as r:
-        assert r.engine.runners["small"].impl in ("native", "transformers")
+        assert getattr(r.engine.runners["small"], "impl", "torch") != "vllm"
         assert r.engine.runners["large"].impl == "vllm"
 
 
