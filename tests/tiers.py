@@ -1,7 +1,8 @@
 """Run the suite tier by tier, fastest first, and report the unit tier as soon as it ends.
 
 Tiers are the folders under tests/: ``unit`` (tiny models, seconds each), then ``integration``
-(the real SmolLM2 pair), ``ray`` (a simulated Ray cluster; skipped without Ray), ``notebooks``,
+(the real SmolLM2 pair), ``ray`` (a simulated Ray cluster; skipped without Ray), ``engines``
+(models run by vLLM's runner; skipped without the ``vllm`` extra), ``notebooks``,
 ``docs`` and ``browser``. `TierReport` sorts the collected
 items by tier (stable: the order inside a tier is unchanged) and, when the last unit item
 finishes, prints one line, e.g. ``unit tier: 412 passed, 0 failed in 95.2 s``, before the slow
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "integration", "ray", "notebooks", "docs", "browser")
+TIERS = ("unit", "integration", "ray", "engines", "notebooks", "docs", "browser")
 
 
 def tier_of(path: Path, root: Path) -> str:

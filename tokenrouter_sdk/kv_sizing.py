@@ -14,6 +14,11 @@ every model there gets the same number of tokens T, with T * sum_m (KV bytes per
 ``max_new_tokens`` on every model (``kv_admission="reserve"``), so the smallest pool bounds the
 requests in flight. ``max_kv_tokens`` sets T for every model instead. `KVSizing` records, per
 model, how its size was chosen (`Router.kv_stats` shows it).
+
+A model that an engine's runner loads where it is built (a runner spec such as vLLM's: it has
+``device``, ``kv_bytes_per_token()`` and ``weights_bytes()``) is planned with the others; its
+weights' bytes are taken off the memory left, since they are not loaded yet when the pools are
+planned.
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ def gib(n: int | None) -> str:
 
 def kv_bytes_per_token(model) -> int:
     """KV bytes one token takes in ``model``'s pool (what `TorchRunner` allocates): 2 (K and V) *
-    layers * KV heads * head dim * bytes of the model's dtype."""
+    layers * KV heads * head dim * bytes of the model's dtype (an engine's runner spec says its own)."""
+    if _engine(model):
+        return int(model.kv_bytes_per_token())
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -98,8 +105,16 @@ def _deferred(model) -> bool:
     return isinstance(getattr(model, "nbytes", None), int) and not hasattr(model, "parameters")
 
 
+def _engine(model) -> bool:
+    """Whether ``model`` is an engine's runner spec (it loads its weights where it is built)."""
+    return not isinstance(model, torch.nn.Module) and hasattr(model, "kv_bytes_per_token")
+
+
 def model_device(model) -> torch.device:
-    """The device of a loaded model's weights, or where a `DeferredModel` will load."""
+    """The device of a loaded model's weights, or where a `DeferredModel` or an engine's runner
+    spec will load."""
+    if _engine(model):
+        return torch.device(model.device)
     return model.device if _deferred(model) else next(model.parameters()).device
 
 
@@ -110,6 +125,9 @@ def weights_bytes(models) -> int:
     for m in models:
         if _deferred(m):
             total += m.nbytes
+            continue
+        if _engine(m):
+            total += int(m.weights_bytes())
             continue
         for t in [*m.parameters(), *m.buffers()]:
             st = t.untyped_storage()
@@ -165,8 +183,9 @@ def memory_left(device: torch.device) -> int | None:
 
 def plan(models: dict, *, block_size: int, max_kv_tokens: int | None = None, fraction: float | None = None,
          probe=None) -> dict[str, KVSizing]:
-    """The `KVSizing` of every model of ``models`` (name -> loaded torch model), see the module
-    docstring. ``probe(device)`` gives the memory left there (bytes or None; default `memory_left`).
+    """The `KVSizing` of every model of ``models`` (name -> loaded torch model, `DeferredModel`
+    or an engine's runner spec), see the module docstring. ``probe(device)`` gives the memory
+    left there (bytes or None; default `memory_left`).
 
     Raises:
         ValueError: both ``max_kv_tokens`` and ``fraction``; ``fraction`` outside (0, 1]; a
@@ -191,8 +210,11 @@ def plan(models: dict, *, block_size: int, max_kv_tokens: int | None = None, fra
                     for n in names}
             continue
         left = (probe or memory_left)(dev)
-        if left is not None:  # what a model loaded where it runs will take there, not free yet
-            left = max(0, left - sum(models[n].nbytes for n in names if _deferred(models[n])))
+        # what a model loaded where it runs (a folder, an engine's runner spec) takes there: not free yet
+        to_load = sum(int(models[n].weights_bytes()) if _engine(models[n]) else models[n].nbytes
+                      for n in names if _engine(models[n]) or _deferred(models[n]))
+        if left is not None:
+            left = max(0, left - to_load)
         if left is None:
             out |= {n: KVSizing(n, tokens=8192, rule="no_memory_info", kv_bytes_per_token=per[n], **common)
                     for n in names}

@@ -5,7 +5,7 @@ names the fix (e.g. the command that installs a CUDA build of torch)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -15,6 +15,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
 AUTO = "auto"
+RUNNERS = ("torch", "vllm", "sglang")  # who runs a model's forward (`ModelSpec.runner`)
 CUDA_WHEELS = "https://download.pytorch.org/whl/cu128"
 
 
@@ -115,6 +116,15 @@ class ModelSpec:
             sub-server's runner is rank 0 of ``tp`` processes, each holding ``1/tp`` of the
             attention heads, KV heads and MLP width (all must divide by ``tp``); on CUDA rank r
             uses ``cuda:r``. None: the Router's ``tp`` for this model (1 by default).
+        runner: who runs its forward: ``"torch"`` (default: our torch runner,
+            `tokenrouter_sdk.backends.torch_runner`), ``"vllm"`` (vLLM's model classes, weight
+            loader, attention kernels and paged KV: `tokenrouter_sdk.backends.vllm_runner`; needs
+            ``pip install 'tokenrouter-sdk[vllm]'``) or ``"sglang"`` (SGLang's:
+            `tokenrouter_sdk.backends.sglang_runner`). Scheduling, handoffs, KV retention and the
+            policy are the engine's whichever runs the forward; a pair may mix runners. See
+            docs/own-models.md for which to choose.
+        engine_args: further settings of the ``"vllm"`` or ``"sglang"`` runner's engine config
+            (e.g. ``{"quantization": "awq"}``); empty for ``"torch"``.
 
     ``source`` may also be a loaded model (a ``transformers`` causal LM, or ``(model, tokenizer)``)
     to give it a ``tp``: ``ModelSpec(model, tp=2)``.
@@ -125,11 +135,21 @@ class ModelSpec:
     dtype: Any = None
     gguf_file: str | None = None
     tp: int | None = None
+    runner: str = "torch"
+    engine_args: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.runner not in RUNNERS:
+            raise ValueError(f"ModelSpec.runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.engine_args and self.runner == "torch":
+            raise ValueError("ModelSpec.engine_args configures the 'vllm' or 'sglang' runner's engine; "
+                             "the torch runner takes none (set runner='vllm' or drop engine_args)")
 
     @classmethod
     def of(cls, value) -> "ModelSpec | None":
         """``value`` as a `ModelSpec` when it names a source: a `ModelSpec`, a source string or
-        path, or a dict with ``source`` (and optionally ``device``, ``dtype``, ``gguf_file``);
+        path, or a dict with ``source`` (and optionally ``device``, ``dtype``, ``gguf_file``,
+        ``tp``, ``runner``, ``engine_args``);
         None for anything else (a loaded model, a runner, a ``(model, tokenizer)`` pair).
 
         Raises:
@@ -141,10 +161,11 @@ class ModelSpec:
             return cls(value)
         if isinstance(value, Mapping):
             keys = set(value)
-            unknown = sorted(keys - {"source", "device", "dtype", "gguf_file", "tp"})
+            unknown = sorted(keys - {"source", "device", "dtype", "gguf_file", "tp", "runner", "engine_args"})
             if "source" not in keys or unknown:
                 raise TypeError(f"a model given as a dict takes 'source' (folder, GGUF file or hub id) and optionally "
-                                f"'device', 'dtype', 'gguf_file', 'tp'; got keys {sorted(keys)}")
+                                f"'device', 'dtype', 'gguf_file', 'tp', 'runner', 'engine_args'; got keys "
+                                f"{sorted(keys)}")
             return cls(**value)
         return None
 

@@ -1,8 +1,10 @@
 """The runners of a Router's models: each model loaded from its source (or taken as given: a
 loaded model, a runner object), checked against the device, dtype and tensor-parallel settings
 asked for, its KV pool sized (`tokenrouter_sdk.kv_sizing`), and made a `TorchRunnerSpec` (built
-where its sub-server runs), a `TensorParallelRunner`, or kept as the runner object given; or,
-for ``backend="sim"``, a `SimRunner` per latency model."""
+where its sub-server runs), a `TensorParallelRunner`, or kept as the runner object given; a
+`ModelSpec` with ``runner="vllm"`` or ``"sglang"`` becomes that engine's runner spec (the model
+is loaded by the engine where its sub-server runs, never here: only its tokenizer and config are
+read here); or, for ``backend="sim"``, a `SimRunner` per latency model."""
 
 from __future__ import annotations
 
@@ -86,8 +88,17 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
     devices, dtypes = per_model(device, names, "device"), per_model(dtype, names, "dtype")
     tps = per_model(tp, names, "tp")
     loaded, toks, runners, eos, folders = {}, {}, {}, [], {}
+    engines = {}
     for name, m in models.items():
         spec = ModelSpec.of(m)
+        if spec is not None and spec.runner != "torch":
+            tp_here = spec.tp if spec.tp is not None else tps[name]
+            engines[name], tok, ids = engine_runner_spec(name, spec, devices[name], dtypes[name], tp_here, config,
+                                                         with_tokenizer=tokenizer is None)
+            if tok is not None:
+                toks[name] = tok
+            eos += ids
+            continue
         if spec is not None and spec.tp is not None:
             tps[name] = spec.tp
         if spec is not None and spec.loaded:
@@ -137,11 +148,19 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
     for name in loaded:
         check_same_tokenizer(router_tok, "router tokenizer" if tokenizer is not None else next(iter(loaded)),
                              toks.get(name, router_tok), name)
-    if not loaded and (config.max_kv_tokens is not None or config.kv_memory_fraction is not None):
+    for name in engines:
+        if name in toks:
+            check_same_tokenizer(router_tok, "router tokenizer" if tokenizer is not None else next(iter(toks)),
+                                 toks[name], name)
+    if not loaded and not engines and (config.max_kv_tokens is not None or config.kv_memory_fraction is not None):
         raise ValueError("every model is a runner object with its own KV pool: max_kv_tokens and "
                          "kv_memory_fraction do not apply (size the runners' pools instead)")
-    sizing = plan(loaded, block_size=config.block_size, max_kv_tokens=config.max_kv_tokens,
-                  fraction=config.kv_memory_fraction) if loaded else {}
+    sizing = plan({**loaded, **engines}, block_size=config.block_size, max_kv_tokens=config.max_kv_tokens,
+                  fraction=config.kv_memory_fraction) if loaded or engines else {}
+    for name, rs in engines.items():
+        rs.max_kv_tokens = sizing[name].tokens
+        rs.describe()
+        runners[name] = rs
     for name, m in loaded.items():
         ranks = check_tp(name, tps[name], config)
         if ranks > 1:
@@ -198,6 +217,56 @@ def load_tokenizer(folder: str):
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load the tokenizer of {folder!r}: {e}") from e
+
+
+def engine_runner_spec(name: str, spec, device, dtype, tp, config: EngineConfig, with_tokenizer: bool = True):
+    """``(runner spec, tokenizer, eos ids)`` of a `ModelSpec` whose ``runner`` is ``"vllm"`` or
+    ``"sglang"``: the engine's runner spec (its KV size set later by the planner), the source's
+    tokenizer (None without ``with_tokenizer``: the Router was given one) and the
+    end-of-sequence ids of its generation config. Nothing is loaded here but the tokenizer and
+    the config. The Router's ``compile``, ``cuda_graphs``, ``model_impl`` and
+    ``kernels`` configure our torch runner only (the engine's own come with ``engine_args``).
+
+    Raises:
+        ValueError: a loaded model, a GGUF file name or tp > 1 with an engine runner.
+        RuntimeError: the engine is not installed (names the extra to install).
+        ModelLoadError: the source's tokenizer or config cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    from .models import ModelLoadError
+    what = f"model '{name}' (runner={spec.runner!r})"
+    if spec.loaded:
+        raise ValueError(f"{what}: the engine loads the model itself; give its source (a folder or hub id), not "
+                         f"a loaded model")
+    if spec.gguf_file is not None:
+        raise ValueError(f"{what}: gguf_file does not apply; give the .gguf file's path as the source")
+    if tp not in (None, 1):
+        raise ValueError(f"{what}: tp={tp} is not served behind this runner yet; use runner='torch' for a "
+                         f"tensor-parallel model")
+    dev, dt = spec.placed(device, dtype)
+    src = os.path.expanduser(str(spec.source))
+    common = dict(max_kv_tokens=config.max_kv_tokens or 8192, block_size=config.block_size, dtype=dt, device=dev,
+                  engine_args=dict(spec.engine_args))
+    if spec.runner == "vllm":
+        from .backends.vllm_runner import VLLMRunnerSpec
+        rs = VLLMRunnerSpec(src, **common)
+    else:
+        from .backends.sglang_runner import SGLangRunnerSpec
+        rs = SGLangRunnerSpec(src, **common)
+    rs.describe()  # the engine installed, the config readable: fail here, not in the sub-server
+    tok = None
+    if with_tokenizer:
+        try:
+            tok = AutoTokenizer.from_pretrained(src)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{what}: could not load the tokenizer of {str(spec.source)!r}: {e}") from e
+    try:
+        from transformers import GenerationConfig
+        ids = token_ids(GenerationConfig.from_pretrained(src).eos_token_id)
+    except (OSError, ValueError):
+        ids = token_ids(getattr(tok, "eos_token_id", None))
+    return rs, tok, ids
 
 
 def check_tp(name: str, tp, config: EngineConfig) -> int:

@@ -55,7 +55,7 @@ def run(suite: Path, *args: str) -> tuple[str, list[str]]:
 
 def test_unit_tier_runs_first_and_reports_before_the_slow_tiers(fake_suite):
     out, order = run(fake_suite, "-q", str(fake_suite))  # the README's command is quiet
-    assert order == ["unit"] * 3 + ["integration", "ray", "notebooks", "docs", "browser"], order
+    assert order == ["unit"] * 3 + ["integration", "ray", "engines", "notebooks", "docs", "browser"], order
     m = re.search(r"^unit tier: 2 passed, 1 failed in \d+\.\d s, 1 skipped$", out, re.M)
     assert m, out
     # before the line: the four unit results (pass, fail, skip, pass), after it the other four tiers

@@ -44,12 +44,15 @@ class TensorParallelError(ValueError):
 
 def tp_plan(model) -> dict[str, str]:
     """The model's tensor-parallel plan: module path pattern (relative to the decoder) ->
-    ``"colwise"`` or ``"rowwise"``; the Llama-style plan when the config declares none.
+    ``"colwise"`` or ``"rowwise"``; the Llama-style plan when the config declares none. An
+    ``"embedding_rowwise"`` entry (transformers before 5.20 adds one for ``embed_tokens``) is
+    left out: the embedding stays whole on every rank, as with the plans of later releases.
 
     Raises:
         TensorParallelError: the plan uses a style other than colwise and rowwise.
     """
-    plan = dict(getattr(model.config, "base_model_tp_plan", None) or DEFAULT_PLAN)
+    plan = {k: v for k, v in dict(getattr(model.config, "base_model_tp_plan", None) or DEFAULT_PLAN).items()
+            if v != "embedding_rowwise"}
     bad = {k: v for k, v in plan.items() if v not in ("colwise", "rowwise")}
     if bad:
         raise TensorParallelError(f"tensor parallelism supports colwise and rowwise layers; the model's plan has "

@@ -18,8 +18,8 @@ REGISTRY_HELP = ("a registry spec NAME[:k=v,...]: rstitch, random, large_only, s
 
 def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True,
                         pair_default: str = "smollm2") -> argparse.ArgumentParser:
-    """``--pair``, ``--model``, ``--device``, ``--dtype``, ``--tp``, ``--model-impl``, ``--kernels``,
-    ``--allow-unknown-attention`` (and ``--small-layers`` for the SmolLM2 pair); ``pair_default``:
+    """``--pair``, ``--model``, ``--device``, ``--dtype``, ``--tp``, ``--runner``, ``--model-impl``,
+    ``--kernels``, ``--allow-unknown-attention`` (and ``--small-layers`` for the SmolLM2 pair); ``pair_default``:
     the command's pair when neither ``--pair`` nor ``--model`` is given."""
     from ..pairs import PAIRS
     g = p.add_argument_group("models")
@@ -42,6 +42,10 @@ def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True
                    help="tensor-parallel ranks per model, e.g. large=2 (the model runs as that many processes, "
                         "collectives by torch.distributed: gloo on the CPU, NCCL on CUDA with rank r on cuda:r); its "
                         "heads and KV heads must divide by it; the packaged pair's large model takes large=3")
+    g.add_argument("--runner", metavar="RUNNER|NAME=RUNNER,...",
+                   help="who runs each --model's forward: torch (default: ours), vllm (vLLM's model classes, "
+                        "kernels and paged KV; pip install 'tokenrouter-sdk[vllm]') or sglang, for all or per model, "
+                        "e.g. small=torch,large=vllm (see docs/own-models.md)")
     g.add_argument("--model-impl", choices=["auto", "native", "transformers"], default=None,
                    help="the forward of torch models (EngineConfig.model_impl): auto (default: the native forward "
                         "for Llama, Mistral, Qwen2 and Qwen3, with merged and, on a CPU, prepacked projections; "
@@ -166,8 +170,25 @@ def model_specs(args, prog: str) -> dict | None:
     dev = per_model(getattr(args, "device", None), list(models), "--device", prog)
     dt = per_model(getattr(args, "dtype", None), list(models), "--dtype", prog)
     tp = tp_of(args, list(models), prog) or {}
+    run = per_model(getattr(args, "runner", None), list(models), "--runner", prog)
     pick = lambda v, n: v.get(n) if isinstance(v, dict) else v  # noqa: E731
-    return {n: ModelSpec(src, pick(dev, n), pick(dt, n), tp=tp.get(n)) for n, src in models.items()}
+    try:
+        return {n: ModelSpec(src, pick(dev, n), pick(dt, n), tp=tp.get(n), runner=pick(run, n) or "torch")
+                for n, src in models.items()}
+    except ValueError as e:
+        raise fail(prog, f"--runner: {e}") from None
+
+
+def no_runner_flag(args, prog: str) -> None:
+    """Refuse ``--runner`` without ``--model`` (a named pair runs on ours; give its folders with
+    ``--model`` to run it on an engine).
+
+    Raises:
+        SystemExit: ``--runner`` other than torch without ``--model``.
+    """
+    if getattr(args, "runner", None) not in (None, "torch"):
+        raise fail(prog, "--runner applies to --model sources (the engine loads each from its folder); a --pair "
+                         "runs on ours: give --model small=FOLDER --model large=FOLDER to run it elsewhere")
 
 
 def _errors():
@@ -214,6 +235,7 @@ def build_router(args, prog: str, policy=None, **settings):
             names = ["small", "large"] if get_pair(pair).small is not None else None
             dev = per_model(getattr(args, "device", None), names, "--device", prog)
             dt = per_model(getattr(args, "dtype", None), names, "--dtype", prog)
+            no_runner_flag(args, prog)
             tp = tp_of(args, ["small", "large"], prog)
             return Router.default(policy=policy, pair=pair, small_layers=getattr(args, "small_layers", None),
                                   device=dev, dtype=dt, **({"tp": tp} if tp else {}), **settings)
@@ -236,6 +258,7 @@ def load_models(args, prog: str):
     try:
         if specs is None:
             pair = pair_of(args, prog)
+            no_runner_flag(args, prog)
             if get_pair(pair).small is not None:  # each Router's sub-servers load the pair's folders
                 from ..runner_setup import load_tokenizer
                 dev = per_model(getattr(args, "device", None), ["small", "large"], "--device", prog)
@@ -251,6 +274,10 @@ def load_models(args, prog: str):
                 return {"small": small, "large": large}, tok
         models, toks = {}, {}
         for name, spec in specs.items():
+            if spec.runner != "torch":
+                raise fail(prog, f"--runner {spec.runner} for {name!r}: this command loads the models into this "
+                                 f"process, which only our torch runner does; use a command that builds a Router "
+                                 f"(run, serve, eval)")
             dev, dt = spec.placed()
             models[name], toks[name] = load_model(spec.source, device=dev, dtype=dt)
         first = next(iter(toks))
