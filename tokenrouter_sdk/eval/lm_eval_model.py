@@ -34,6 +34,9 @@ Model arguments (``--model_args k=v,...``); every one takes effect or raises:
         block_size, prefill_peers, cuda_graphs: engine settings.
     concurrency: requests in flight; default: lm-eval's ``batch_size`` (an int; ``auto``: all
         requests at once, bounded by the KV pools, at most ``max_batch_size``), else 32.
+    add_bos_token: encode lm-eval's text contexts with the tokenizer's special tokens (its
+        BOS); default as lm-eval's ``hf`` and ``vllm`` models: True for Gemma tokenizers (which
+        need their BOS), else False.
     max_gen_toks: default generation length (256); chat: apply the chat template to each
         context of generation tasks (default False: lm-eval's ``--apply_chat_template``
         renders it instead); chat_template_kwargs (a dict, or JSON text) and enable_thinking:
@@ -87,6 +90,20 @@ def _concurrency(concurrency, batch_size, max_batch_size) -> int | None:
         raise ValueError(f"batch_size must be an int or 'auto', got {batch_size!r}") from None
 
 
+def _flag(value) -> bool:
+    """A model argument as a bool (``--model_args`` values may arrive as text)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _is_gemma(tokenizer) -> bool:
+    """Whether ``tokenizer`` is a Gemma one (its class or its source names Gemma): lm-eval's
+    ``hf`` and ``vllm`` models add the BOS to every context for Gemma, which degrades without it."""
+    names = (type(tokenizer).__name__, str(getattr(tokenizer, "name_or_path", "") or ""))
+    return any("gemma" in n.lower() for n in names)
+
+
 @register_model("tokenrouter")
 class TokenRouterLM(TemplateLM):
     """lm-eval's view of a `Router` (see the module docstring for the arguments).
@@ -102,7 +119,7 @@ class TokenRouterLM(TemplateLM):
                  chat: bool = False, router=None, batch_size=None, max_batch_size=None, device=None, dtype=None,
                  small_device=None, large_device=None, small_dtype=None, large_dtype=None,
                  chat_template_kwargs=None, enable_thinking: bool | None = None, route_context: bool = False,
-                 **kwargs):
+                 add_bos_token: bool | None = None, **kwargs):
         super().__init__()
         engine = {k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_KEYS}
         models = {k: v for k, v in dict(small_model=small_model, large_model=large_model, small_layers=small_layers,
@@ -130,6 +147,7 @@ class TokenRouterLM(TemplateLM):
             self.policy = builtin_registry().build(self.policy_spec)
             self.router, self._own = self._build(models, engine), True
         self.max_gen_toks, self.chat, self.route_context = int(max_gen_toks), bool(chat), bool(route_context)
+        self.add_bos_token = _is_gemma(self.router.tokenizer) if add_bos_token is None else _flag(add_bos_token)
         self.totals = {"committed_tokens": 0, "hops": 0, "large_tokens": 0, "generate_s": 0.0, "requests": 0,
                        "failed": 0}
 
@@ -169,7 +187,9 @@ class TokenRouterLM(TemplateLM):
         return int(self.router.max_context)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return list(self.router.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens)))
+        """Token ids of a text; ``add_special_tokens`` None: ``add_bos_token`` (lm-eval's rule)."""
+        add = self.add_bos_token if add_special_tokens is None else bool(add_special_tokens)
+        return list(self.router.tokenizer.encode(string, add_special_tokens=add))
 
     # -- log-likelihoods ----------------------------------------------------------------------------
     def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list:
@@ -273,7 +293,8 @@ class TokenRouterLM(TemplateLM):
             prompts = [requests[i].args[0] for i in idx]
             t0 = time.perf_counter()
             outs = self.router.generate(prompts, policy=self.policy, chat=self.chat, concurrency=self.concurrency,
-                                        progress=not disable_tqdm, **extra, **sampling[idx[0]])
+                                        progress=not disable_tqdm, add_special_tokens=self.add_bos_token, **extra,
+                                        **sampling[idx[0]])
             self._account(outs, time.perf_counter() - t0)
             for i, out in zip(idx, outs):
                 texts[i] = out.text if out.ok else ""
