@@ -89,7 +89,8 @@ class Router:
     """Token-level routing over several models that share one tokenizer.
 
     Args:
-        models: name -> model, smallest first (the last one counts as "large" in metrics).
+        models: name -> model, smallest first (the last one counts as "large" in metrics; a
+            model with more parameters before one with fewer warns).
             A model is a source (a local folder, a GGUF file or a hub id, loaded by
             `tokenrouter_sdk.models.load_model`), a `tokenrouter_sdk.placement.ModelSpec` or a
             dict ``{"source", "device", "dtype"}`` (a source with its own device and dtype), a

@@ -47,6 +47,8 @@ Model arguments (``--model_args k=v,...``); every one takes effect or raises:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -64,6 +66,19 @@ ENGINE_KEYS = ("mode", "thresholds", "max_kv_tokens", "kv_memory_fraction", "max
 MODEL_KEYS = ("small_model", "large_model", "small_layers", "device", "dtype", "small_device", "large_device",
               "small_dtype", "large_dtype")
 DEFAULT_CONCURRENCY = 32
+_COLLECTING: contextvars.ContextVar[list | None] = contextvars.ContextVar("tokenrouter_lm_eval_models", default=None)
+
+
+@contextlib.contextmanager
+def collect_models():
+    """Within the block, every `TokenRouterLM` built is appended to the yielded list (what the
+    command-line wrapper reads the routing of after lm-eval's table); outside it none is kept."""
+    made: list = []
+    token = _COLLECTING.set(made)
+    try:
+        yield made
+    finally:
+        _COLLECTING.reset(token)
 
 
 def _concurrency(concurrency, batch_size, max_batch_size) -> int | None:
@@ -150,6 +165,23 @@ class TokenRouterLM(TemplateLM):
         self.add_bos_token = _is_gemma(self.router.tokenizer) if add_bos_token is None else _flag(add_bos_token)
         self.totals = {"committed_tokens": 0, "hops": 0, "large_tokens": 0, "generate_s": 0.0, "requests": 0,
                        "failed": 0}
+        made = _COLLECTING.get()
+        if made is not None:
+            made.append(self)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lm-eval's constructor from ``--model_args``, with lm-eval's own settings
+        (``batch_size``, ``max_batch_size``, ``device``) in ``additional_config``: a ``device``
+        in the model arguments wins over ``--device``."""
+        from lm_eval import utils
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """As `create_from_arg_string`, from a dict of model arguments."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     def _build(self, models: dict, engine: dict):
         from ..placement import ModelSpec
@@ -323,6 +355,16 @@ class TokenRouterLM(TemplateLM):
                 "failed": t["failed"], "committed_tokens": n, "hops": t["hops"],
                 "hop_rate": t["hops"] / n if n else 0.0, "large_fraction": t["large_tokens"] / n if n else 0.0,
                 "generate_s": t["generate_s"], "committed_tok_s": n / t["generate_s"] if t["generate_s"] else 0.0}
+
+    def routing_table(self) -> str:
+        """`routing` as a Markdown table, the shape of lm-eval's results table: what the
+        command-line wrapper prints after it."""
+        r = self.routing()
+        head = ["policy", "requests", "failed", "committed tokens", "hop rate", "large share", "committed tok/s"]
+        row = [r["policy"], r["requests"], r["failed"], r["committed_tokens"], f"{r['hop_rate']:.4f}",
+               f"{r['large_fraction']:.3f}", f"{r['committed_tok_s']:.1f}"]
+        cells = [[str(c).replace("|", "/") for c in x] for x in (head, row)]
+        return "\n".join(["|" + "|".join(c) + "|" for c in (cells[0], ["---"] * len(head), cells[1])])
 
     def get_model_info(self) -> dict:
         """Added to the results' ``config`` by lm-eval after the evaluation."""
