@@ -66,12 +66,14 @@ def test_policies_without_arguments_run_as_one_point(folders, tmp_path):
     assert isinstance(pol, LargeOnly) and param is None and values == [None]
     out = tmp_path / "eval"
     argv = ["--model", f"small={folders[0]}", "--model", f"large={folders[1]}", "--dtype", "float64",
-            "--policy", "small_only", "--policy", "rstitch:tau=0.3,0.6", "--limit", "2", "--max-new-tokens", "3",
-            "--references", "large_only", "--no-progress", "--concurrency", "2", "--repeats", "1",
+            "--policy", "large_only", "--policy", "rstitch:tau=0.3,0.6", "--limit", "2", "--max-new-tokens", "3",
+            "--references", "large_only,small_only", "--no-progress", "--concurrency", "2", "--repeats", "1",
             "--transport", "thread", "--out", str(out)]
     assert cmd_eval(eval_args(argv)) == 0
-    labels = [r["label"] for r in json.loads((out / "results.json").read_text())["records"]]
-    assert labels == ["large_only", "small_only", "rstitch(tau=0.3)", "rstitch(tau=0.6)"]
+    recs = {r["label"]: r for r in json.loads((out / "results.json").read_text())["records"]}
+    assert list(recs) == ["large_only", "small_only", "large_only (policy)", "rstitch(tau=0.3)", "rstitch(tau=0.6)"]
+    mine = recs["large_only (policy)"]
+    assert mine["kind"] == "sweep" and mine["large_fraction"] == 1.0 and mine["param"] is None
 
 
 # -- eval's inputs and help ----------------------------------------------------------------------

@@ -640,8 +640,9 @@ _EVALUATE_KWARGS = ("dataset", "limit", "seed", "max_new_tokens", "temperature",
 
 
 def _label(entry: _Entry, pol, v) -> str:
-    if entry.param is None:  # one point of a policy as it is
-        return entry.name or type(pol).__name__
+    if entry.param is None:  # one point of a policy as it is (beside a reference of the same name: marked)
+        name = entry.name or type(pol).__name__
+        return f"{name} (policy)" if name in REFERENCES else name
     pname = entry.label_param or entry.param
     return f"{entry.name or type(pol).__name__}({pname}={v:g})"
 
