@@ -64,6 +64,14 @@ def test_policies_without_arguments_run_as_one_point(folders, tmp_path):
     got = by_name(["--policy", "large_only", "--policy", "rstitch@0.3"])
     pol, param, values = got["large_only"]
     assert isinstance(pol, LargeOnly) and param is None and values == [None]
+    (tmp_path / "p.py").write_text("from tokenrouter_sdk import Policy\n\nclass Mine(Policy):\n"
+                                   "    def __init__(self, start: int = 0):\n        self.start = start\n")
+    own = ["--policy-file", f"{tmp_path / 'p.py'}:Mine"]
+    pol, param, values = by_name(own)["Mine"]  # an argument, none named to sweep: the class as it is
+    assert type(pol).__name__ == "Mine" and pol.start == 0 and (param, values) == (None, [None])
+    assert by_name([*own, "--param", "start", "--values", "0,1"])["Mine"][1:] == ("start", [0.0, 1.0])
+    with pytest.raises(SystemExit, match="--param"):
+        by_name([*own, "--values", "0,1"])  # values for an argument it cannot guess
     out = tmp_path / "eval"
     argv = ["--model", f"small={folders[0]}", "--model", f"large={folders[1]}", "--dtype", "float64",
             "--policy", "large_only", "--policy", "rstitch:tau=0.3,0.6", "--limit", "2", "--max-new-tokens", "3",
