@@ -181,15 +181,12 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
 
 
 def _prompt_tokens(tokenizer, prompt) -> int:
-    """Tokens of ``prompt`` as a Router encodes it by default (chat template for text when the
-    tokenizer has one)."""
+    """Tokens of ``prompt`` as a Router encodes it by default (`tokenrouter_sdk.prompts`: the
+    chat template for text when the tokenizer has one, else the text with its special tokens)."""
     if not isinstance(prompt, str):
         return len(prompt)
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return len(tokenizer.encode(prompt, add_special_tokens=False))
+    from .prompts import PromptEncoder
+    return len(PromptEncoder(tokenizer).encode(prompt))
 
 
 def _ratios(out: list[Cell]) -> None:

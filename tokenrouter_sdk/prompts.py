@@ -1,5 +1,6 @@
 """Prompts to token ids: a string (with the chat template when the tokenizer has one and the
-string does not hold the template's markers yet), chat messages, or token ids as they are."""
+string does not hold the template's markers yet; else as text, with the tokenizer's special
+tokens such as a BOS unless told not to), chat messages, or token ids as they are."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ class PromptEncoder:
                              f"own variables (e.g. enable_thinking)")
         return dict(kwargs)
 
-    def encode(self, prompt, chat: bool | None = None, *, chat_template_kwargs: dict | None = None) -> list[int]:
+    def encode(self, prompt, chat: bool | None = None, *, chat_template_kwargs: dict | None = None,
+               add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``prompt``: the arguments, the rules and the errors are those of
         `tokenrouter_sdk.router.Router.encode`."""
         tok = self.tokenizer
@@ -80,18 +82,23 @@ class PromptEncoder:
                              "template's markers)")
         if isinstance(prompt, str):
             if not self.renders(prompt, chat):
-                return list(tok.encode(prompt, add_special_tokens=False))
+                ids = tok.encode(prompt, add_special_tokens=bool(add_special_tokens))
+                return self._single_bos([int(i) for i in ids])
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, **extra)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            ids = [int(i) for i in ids]
-            bos = getattr(tok, "bos_token_id", None)
-            if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
-                ids = ids[1:]
-            return ids
+            return self._single_bos([int(i) for i in ids])
         if isinstance(prompt, (list, tuple)):
             return [int(i) for i in prompt]
         raise TypeError(f"a prompt must be a str, a list of chat messages or a list of token ids, "
                         f"got {type(prompt).__name__}")
+
+    def _single_bos(self, ids: list[int]) -> list[int]:
+        """``ids`` with one BOS where they begin with two (a text that holds its own BOS encoded
+        with the special tokens, or a template that writes one the tokenizer adds again)."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+            return ids[1:]
+        return ids

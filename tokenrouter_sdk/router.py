@@ -89,7 +89,8 @@ class Router:
     """Token-level routing over several models that share one tokenizer.
 
     Args:
-        models: name -> model, smallest first (the last one counts as "large" in metrics).
+        models: name -> model, smallest first (the last one counts as "large" in metrics; a
+            model with more parameters before one with fewer warns).
             A model is a source (a local folder, a GGUF file or a hub id, loaded by
             `tokenrouter_sdk.models.load_model`), a `tokenrouter_sdk.placement.ModelSpec` or a
             dict ``{"source", "device", "dtype"}`` (a source with its own device and dtype), a
@@ -243,7 +244,8 @@ class Router:
         return cls({"small": small, "large": large}, policy, tokenizer=tok, **kwargs)
 
     # -- prompts --------------------------------------------------------------------------
-    def encode(self, prompt, chat: bool | None = None, *, chat_template_kwargs: dict | None = None) -> list[int]:
+    def encode(self, prompt, chat: bool | None = None, *, chat_template_kwargs: dict | None = None,
+               add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt.
 
         Args:
@@ -255,6 +257,12 @@ class Router:
                 second template or a second BOS).
             chat_template_kwargs: variables for the chat template (vLLM's field of the same
                 name), e.g. ``{"enable_thinking": False}`` for Qwen3's template.
+            add_special_tokens: encode a string that is not rendered with the chat template
+                with the tokenizer's special tokens (e.g. Gemma's and Llama's BOS), as
+                ``tokenizer(text)``, transformers' pipelines and vLLM do (default True; a string
+                that already begins with the BOS keeps one). False: the text's own tokens only.
+                Chat-rendered prompts carry the template's special tokens either way; token ids
+                are used as they are.
 
         Raises:
             TypeError: ``prompt`` is none of these, or ``chat_template_kwargs`` is not a dict.
@@ -262,13 +270,16 @@ class Router:
                 template (token ids, ``chat=False``, a string already rendered), or naming a
                 variable the Router sets itself (``add_generation_prompt``, ``tokenize``, ...).
         """
-        return self._prompts.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs)
+        return self._prompts.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs,
+                                    add_special_tokens=add_special_tokens)
 
-    def _check_prompt(self, prompt, chat, chat_template_kwargs=None) -> tuple[list[int] | None, str | None]:
+    def _check_prompt(self, prompt, chat, chat_template_kwargs=None,
+                      add_special_tokens: bool = True) -> tuple[list[int] | None, str | None]:
         if isinstance(prompt, str) and not prompt.strip():
             return None, "the prompt is empty: give at least one character of text"
         try:
-            ids = self.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs)
+            ids = self.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs,
+                              add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001
             return None, f"the prompt could not be tokenized: {type(e).__name__}: {e}"
         if not ids:
@@ -294,8 +305,9 @@ class Router:
         return list(sampling)
 
     def requests(self, prompts: Sequence, *, sampling=None, chat: bool | None = None, keys=None,
-                 chat_template_kwargs: dict | None = None, **kw) -> list[RequestInput]:
-        """The engine's inputs for ``prompts``: encoded and checked (a bad prompt or bad sampling
+                 chat_template_kwargs: dict | None = None, add_special_tokens: bool = True,
+                 **kw) -> list[RequestInput]:
+        """The engine's inputs for ``prompts``: encoded (`encode`) and checked (a bad prompt or bad sampling
         value gives an input with its ``error``, which fails that request alone); a prompt with
         ``n > 1`` gives ``n`` inputs (sample ``j``: key ``f"{key}#{j}"`` for a user's key, else
         derived from the prompt and its place; seed ``seed + j``).
@@ -317,7 +329,7 @@ class Router:
                                  f"the template's markers)")
         out = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            ids, err = self._check_prompt(prompt, chat, chat_template_kwargs)
+            ids, err = self._check_prompt(prompt, chat, chat_template_kwargs, add_special_tokens)
             if err is None:
                 try:
                     p.validate()
@@ -333,19 +345,20 @@ class Router:
     # -- calls ------------------------------------------------------------------------------
     def submit(self, prompts: Sequence, *, sampling=None, policy: Policy | None = None, chat: bool | None = None,
                concurrency: int | None = None, keys=None, listener=None, chat_template_kwargs: dict | None = None,
-               **kw) -> Call:
+               add_special_tokens: bool = True, **kw) -> Call:
         """Submit prompts without waiting; returns the `Call` (a sequence of `RequestHandle`:
         ``handle.done``, ``handle.output``, ``handle.abort()``; ``call.wait()``). Keyword
         arguments are `SamplingParams` fields (max_new_tokens, temperature, top_p, top_k, seed,
         stop, stop_token_ids, ignore_eos, logprobs, n); ``keys`` give each request's
-        `RequestView.key`; ``chat_template_kwargs`` the chat template's variables (`encode`).
+        `RequestView.key`; ``chat_template_kwargs`` the chat template's variables and
+        ``add_special_tokens`` whether text gets the tokenizer's special tokens (`encode`).
 
         Raises:
             ValueError: a bad sampling argument, before anything runs.
             EngineDeadError: a sub-server died (names it); build a new Router.
         """
         reqs = self.requests(prompts, sampling=sampling, chat=chat, keys=keys,
-                             chat_template_kwargs=chat_template_kwargs, **kw)
+                             chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens, **kw)
         return self.submit_inputs(reqs, policy, concurrency, listener)
 
     def submit_inputs(self, reqs: list[RequestInput], policy: Policy | None = None, concurrency: int | None = None,
@@ -371,7 +384,7 @@ class Router:
     def generate(self, prompts, *, sampling=None, policy: Policy | None = None, concurrency: int | None = None,
                  chat: bool | None = None, timeout: float | None = None, progress: bool = False,
                  live: bool | str = False, keys=None, chat_template_kwargs: dict | None = None,
-                 **kw) -> list[RequestOutput] | RequestOutput:
+                 add_special_tokens: bool = True, **kw) -> list[RequestOutput] | RequestOutput:
         """Generate answers; blocks until every request ends.
 
         Args:
@@ -392,6 +405,9 @@ class Router:
             keys: per prompt, a key for seeded policy randomness (`RequestView.key`).
             chat_template_kwargs: variables for the chat template, e.g.
                 ``{"enable_thinking": False}`` (see `encode`).
+            add_special_tokens: text prompts not rendered with the chat template get the
+                tokenizer's special tokens, e.g. a BOS (default True, as ``tokenizer(text)`` and
+                vLLM; see `encode`).
 
         Returns:
             one `RequestOutput` per prompt (``n`` per prompt with ``n > 1``: prompt i's samples
@@ -407,7 +423,7 @@ class Router:
         """
         single, plist = self._as_list(prompts)
         call = self.submit(plist, sampling=sampling, policy=policy, chat=chat, concurrency=concurrency, keys=keys,
-                           chat_template_kwargs=chat_template_kwargs, **kw)
+                           chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens, **kw)
         try:
             outs = self._run_call(call, timeout, progress, live)
         except BaseException:
@@ -417,7 +433,7 @@ class Router:
 
     def score(self, prompts: Sequence, continuations: Sequence, *, policy: Policy | None = None, logprobs: int = 1,
               concurrency: int | None = None, chat: bool | None = False, keys=None, timeout: float | None = None,
-              progress: bool = False):
+              progress: bool = False, add_special_tokens: bool = True):
         """Routed log-likelihood of each continuation after its prompt, by teacher forcing.
 
         Each prompt is prefilled by its entry model as in `generate`; then, position by position,
@@ -430,7 +446,8 @@ class Router:
         per continuation token (prompts prefill in one step).
 
         Args:
-            prompts: prompts as for `generate` (default ``chat=False``: text is encoded as is).
+            prompts: prompts as for `generate` (default ``chat=False``: text is not rendered with
+                the chat template; ``add_special_tokens`` as for `generate`).
             continuations: per prompt, the tokens to score: token ids, or text (encoded without
                 special tokens).
             policy: the routing policy (default: the Router's).
@@ -456,7 +473,7 @@ class Router:
             raise ValueError(f"logprobs must be an int >= 0, got {logprobs!r}")
         vocab, reqs = self.engine.vocab_limit, []
         for i, (prompt, cont) in enumerate(zip(prompts, continuations)):
-            ids, err = self._check_prompt(prompt, chat)
+            ids, err = self._check_prompt(prompt, chat, None, add_special_tokens)
             forced = (list(self.tokenizer.encode(cont, add_special_tokens=False)) if isinstance(cont, str)
                       else [int(t) for t in cont])
             if err is None and not forced:

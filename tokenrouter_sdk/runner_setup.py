@@ -152,6 +152,7 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
         if name in toks:
             check_same_tokenizer(router_tok, "router tokenizer" if tokenizer is not None else next(iter(toks)),
                                  toks[name], name)
+    check_order(loaded, names)
     if not loaded and not engines and (config.max_kv_tokens is not None or config.kv_memory_fraction is not None):
         raise ValueError("every model is a runner object with its own KV pool: max_kv_tokens and "
                          "kv_memory_fraction do not apply (size the runners' pools instead)")
@@ -267,6 +268,35 @@ def engine_runner_spec(name: str, spec, device, dtype, tp, config: EngineConfig,
     except (OSError, ValueError):
         ids = token_ids(getattr(tok, "eos_token_id", None))
     return rs, tok, ids
+
+
+def parameter_count(model) -> int:
+    """Parameters of a torch model (each tensor once, shared ones included), or of a
+    `DeferredModel` (from its safetensors headers; 0 when it has none)."""
+    from .deferred import DeferredModel
+    from .deferred import parameter_count as folder_count
+    if isinstance(model, DeferredModel):
+        return folder_count(model.folder)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def check_order(loaded: dict, names: list[str]) -> None:
+    """Warn when the models are not given smallest first, by parameter count: the last model is
+    the one metrics and policies count as "large" (`Router`'s ``models``), so a larger model
+    before a smaller one swaps what every large fraction means. Runner objects are not
+    counted."""
+    counts = [(n, parameter_count(loaded[n])) for n in names if n in loaded]
+    counts = [(n, c) for n, c in counts if c > 0]
+    for i, (a, na) in enumerate(counts):
+        bigger = next(((b, nb) for b, nb in counts[i + 1:] if nb < na), None)
+        if bigger is not None:
+            b, nb = bigger
+            order = ", ".join(f"'{n}'" for n, _ in sorted(counts, key=lambda c: c[1]))
+            warnings.warn(f"Router models are given smallest first, but '{a}' ({na / 1e6:.3g}M parameters) comes "
+                          f"before the smaller '{b}' ({nb / 1e6:.3g}M): the last model is the one metrics, large "
+                          f"fractions and policies count as large. Give them in the order {order}",
+                          UserWarning, stacklevel=4)
+            return
 
 
 def check_tp(name: str, tp, config: EngineConfig) -> int:

@@ -83,3 +83,21 @@ def test_routed_with_its_first_layers_equals_the_reference(gemma):
     assert set(out.token_models) == {"small", "large"} and out.hops >= 4
     assert out.token_ids == got["token_ids"] and out.token_models == got["token_models"]
     assert out.logprobs == pytest.approx(got["logprobs"], abs=1e-3)
+
+
+def test_a_text_prompt_gets_the_bos_and_reads_as_transformers_generate(gemma):
+    """Gemma's tokenizer has no chat template and adds ``<bos>`` to a text; without it the model
+    writes garbage. A text prompt is encoded as ``tok(text)`` and its greedy output equals
+    transformers' ``generate`` on ``tok(text)``; ``add_special_tokens=False`` drops the BOS."""
+    model, tok = gemma
+    text = "The capital of France is"
+    ids = tok(text).input_ids
+    assert not tok.chat_template and ids[0] == tok.bos_token_id
+    pristine = copy.deepcopy(model)
+    with torch.inference_mode():
+        want = pristine.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    with Router({"large": model}, SingleModel("large"), tokenizer=tok) as r:
+        assert r.encode(text) == ids and r.encode(text, add_special_tokens=False) == ids[1:]
+        out = r.generate(text, max_new_tokens=12)
+    assert out.token_ids == want[:len(out.token_ids)] and (len(out.token_ids) == 12 or out.finish_reason == "eos")
+    assert "France" in out.text or "Paris" in out.text, out.text

@@ -178,8 +178,10 @@ def test_eval_sweeps_learned_heads_and_your_class(tmp_path):
     own = ["--policy-file", f"{tmp_path / 'p.py'}:EveryOther"]
     factory, param, values = sweep(eval_args([*own, "--param", "start", "--values", "0,1"]))
     assert [factory(v).start for v in values] == [0, 1] and type(factory(0)).__name__ == "EveryOther"
+    pol, param, values = sweep(eval_args(own))  # nothing named to sweep: one point, the class as it is
+    assert type(pol).__name__ == "EveryOther" and pol.start == 0 and (param, values) == (None, [None])
     with pytest.raises(SystemExit, match="--param"):
-        sweep(eval_args(own))
+        sweep(eval_args([*own, "--values", "0,1"]))
     with pytest.raises(SystemExit, match="fixes tau"):
         sweep(eval_args(["--policy", "rstitch:tau=0.1", "--values", "0.2"]))
 

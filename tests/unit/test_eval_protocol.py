@@ -59,7 +59,8 @@ def test_failed_requests_are_counted_not_scored(pair, tok, bench):
     assert small["failed"] == 0 and small["agreement_n"] == 4
     # the table's failed column and a note say so
     table = res.table()
-    assert "failed" in table.splitlines()[0] and "1/4 !" in table
+    assert table.splitlines()[0].startswith("questions: 4 of tiny")  # the question set, above the table
+    assert "failed" in table.splitlines()[1] and "1/4 !" in table
     assert any(line.startswith("FAILED: FailsOnSeven(value=0): 1 of 4 requests failed") for line in res.notes())
     assert res.failures == [{"label": bad["label"], "failed": 1, "n": 4, "first_error": bad["first_error"]}]
     fig = res.plot()
@@ -224,12 +225,12 @@ def test_paired_statistics_summaries_and_token_agreement_follow_their_definition
     assert d["n"] == 4 and d["diff"] == 0.5 and 0.0 <= d["ci_low"] < 0.5 < d["ci_high"] <= 1.0
     assert paired_bootstrap([1, 1, 1, 0], [0, 1, 0, 0]) == d  # seeded
     assert paired_bootstrap([1, 0], [1, 0]) == {"n": 2, "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0}
-    s = gain_summary([(0.5, 0.5)], small=0.0, large=1.0)  # the straight line: APGR 0.5
-    assert s["apgr"] == pytest.approx(0.5) and s["large_fraction_50"] == pytest.approx(0.5)
-    assert s["large_fraction_80"] == pytest.approx(0.8)
-    s = gain_summary([(0.25, 0.8)], small=0.0, large=1.0)  # 80% of the gain at a quarter large
-    assert s["large_fraction_80"] == pytest.approx(0.25) and s["large_fraction_50"] == pytest.approx(0.25 * 5 / 8)
-    assert s["apgr"] == pytest.approx(0.25 * 0.4 + 0.75 * 0.9)
+    s = gain_summary([(0.5, 0.5)], small=0.0, large=1.0)  # one point on the straight line
+    assert s["large_fraction_50"] == pytest.approx(0.5)  # reached at the point itself
+    assert s["apgr"] is None and s["large_fraction_80"] is None  # the rest would be the line, not the policy
+    s = gain_summary([(0.25, 0.8), (0.8, 0.9)], small=0.0, large=1.0)  # 80% of the gain at a quarter large
+    assert s["large_fraction_80"] == pytest.approx(0.25) and s["large_fraction_50"] is None  # below its first point
+    assert s["apgr"] == pytest.approx(0.25 * 0.4 + 0.55 * 0.85 + 0.2 * 0.95)
     assert gain_summary([(0.5, 0.5)], small=0.6, large=0.6)["apgr"] is None
     assert token_agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == (0.5, 0.75)
     assert token_agreement([[1, 2]], [[1, 2, 3, 4]]) == (0.5, 0.5)

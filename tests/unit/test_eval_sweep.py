@@ -58,7 +58,8 @@ def test_sweep_records_references_resume_and_config(pair, tok, bench, tmp_path):
     L, S = recs["large_only"], recs["small_only"]
     assert L["n"] == 4 and L["correct"] == n_right and L["accuracy"] == n_right / 4
     assert L["acc_ci_low"] < L["accuracy"] < L["acc_ci_high"] or n_right in (0, 4)
-    assert L["agreement"] == 1.0 and L["large_fraction"] == 1.0 and L["hop_rate"] == 0.0
+    assert L["agreement"] == L["extracted"]  # agrees with itself where it wrote an answer (a missing one never agrees)
+    assert L["no_answer"] == 1 - L["extracted"] and L["large_fraction"] == 1.0 and L["hop_rate"] == 0.0
     assert S["large_fraction"] == 0.0 and S["hop_rate"] == 0.0
     for x in res.records:
         ans = res.answers[x["label"]]
@@ -101,7 +102,7 @@ def test_sweep_records_references_resume_and_config(pair, tok, bench, tmp_path):
     assert back.records == again.records and back.config["dataset"]["ids"] == cfg["dataset"]["ids"]
     df = back.to_pandas()
     assert list(df["label"]) == [x["label"] for x in again.records] and "agreement" in df.columns
-    assert "RStitch(tau=0.8)" in back.table() and "agree_L" in back.table()
+    assert "RStitch(tau=0.8)" in back.table() and "ans_agree" in back.table()
     for x in ("throughput", "large_fraction"):
         fig = back.plot(x=x)
         names = [t.name for t in fig.data]

@@ -5,9 +5,13 @@ The swept policy is a registry spec (``--policy rstitch:tau_back=0.02``, a learn
 swept argument (default: the policy's threshold, see ``SWEPT``) and ``--values`` its values
 (default: ``DEFAULT_VALUES`` for the training-free policies; for the others one point at the
 policy's own value, e.g. a learned head's calibrated threshold). ``--policy`` repeated compares
-several policies on one question set with one set of references (`evaluate_policies`); a spec
-may end with ``@V1,V2`` for its own values. The pair is the packaged one or ``--model
-NAME=SOURCE`` with ``--device`` and ``--dtype``.
+several policies on one question set with one set of references (`evaluate_policies`). Each spec
+may sweep its own argument: ``NAME:ARG=V1,V2,...`` (an argument given several comma-separated
+values is the swept one; ``rstitch:tau=0.05,0.1,tau_back=0.02`` sweeps tau with tau_back fixed)
+or ``NAME@V1,V2`` (values of its default swept argument); ``--param`` and ``--values`` apply to
+the specs that sweep nothing of their own. A policy with nothing to sweep (no arguments, e.g.
+``large_only``, or none known and no ``--param``) runs as one point as it is. The pair is the
+packaged one or ``--model NAME=SOURCE`` with ``--device`` and ``--dtype``.
 
 The command exits 1 when any point or reference had failed requests (the table's ``failed``
 column and the notes under it say which and why), unless ``--allow-failures``.
@@ -42,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     """The ``eval`` options (shared by the subcommand and ``evals/quality/hop_rate_sweep.py``);
     ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, the output folder)."""
     add_policy_arguments(p, default="rstitch", what="the swept policy; repeat to compare several on one question set "
-                                                    "(a spec may end with @V1,V2: its own values)", repeat=True)
+                                                    "(a spec sweeps its own argument with NAME:ARG=V1,V2,... or "
+                                                    "NAME@V1,V2 for its default one; a policy with nothing to sweep "
+                                                    "runs as one point)", repeat=True)
     p.add_argument("--param", default=None,
                    help="the swept argument of the policy (default: its threshold: " +
                         ", ".join(f"{k} {v}" for k, v in SWEPT.items()) + ")")
@@ -57,9 +63,10 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     p.add_argument("--limit", type=int, default=64, help="questions (default 64)")
     p.add_argument("--seed", type=int, default=0, help="subset shuffle seed "
                    "(-1: first --limit questions in file order)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight per point")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per question at most "
+                                                                    "(default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight per point (default 16)")
     p.add_argument("--no-references", action="store_true", help="skip large-only, small-only and the random references")
     p.add_argument("--references", default=None,
                    help="comma-separated subset of large_only,small_only,random,random_span,random_query")
@@ -79,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     from .common import add_prefix_cache_flag
     add_prefix_cache_flag(p)
     if out:
-        p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html")
+        p.add_argument("--out", default="eval_out", help="output folder (resumable): results.csv/json, plot.html, "
+                                                         "figures/*.png|pdf")
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("sweeps over several workers (docs/distributed.md)")
     g.add_argument("--shard", metavar="I/N", help="run only the I-th of N shares of the points into --out "
@@ -114,33 +122,81 @@ def _split_values(spec: str, prog: str) -> tuple[str, list[float] | None]:
                          f"rstitch@0.05,0.1") from None
 
 
+def parse_sweep_spec(spec: str) -> tuple[str, dict[str, str], str | None, list[str] | None]:
+    """``"name:a=1,b=0.1,0.2,0.4"`` -> ``("name", {"a": "1"}, "b", ["0.1", "0.2", "0.4"])``: the
+    fixed arguments and the one argument given several comma-separated values (its values as
+    text), or ``(name, fixed, None, None)`` when every argument has one value.
+
+    Raises:
+        PolicySpecError: an empty name, a value before any ``key=``, or several swept arguments.
+    """
+    from ..policies.registry import PolicySpecError, _split_top
+    name, _, rest = spec.strip().partition(":")
+    if not name.strip():
+        raise PolicySpecError(f"empty policy name in {spec!r}; write e.g. 'rstitch:tau=0.05,0.1'")
+    args: dict[str, list[str]] = {}
+    key = None
+    for item in _split_top(rest, ",") if rest.strip() else []:
+        k, eq, value = item.partition("=")
+        if eq and k.strip():
+            key = k.strip()
+            args[key] = [value.strip()]
+        elif key is not None and item.strip():
+            args[key].append(item.strip())  # one more value of the argument before it: swept
+        else:
+            raise PolicySpecError(f"policy argument {item!r} in {spec!r} is not key=value; write e.g. "
+                                  f"'{name.strip()}:tau=0.05,0.1' (several values sweep that argument)")
+    swept = [k for k, v in args.items() if len(v) > 1]
+    if len(swept) > 1:
+        raise PolicySpecError(f"{spec!r} gives several values to {swept}: a policy sweeps one argument; fix the "
+                              f"others to one value, or give the policy twice with different names")
+    fixed = {k: v[0] for k, v in args.items() if len(v) == 1}
+    return name.strip(), fixed, (swept[0] if swept else None), (args[swept[0]] if swept else None)
+
+
 def _one(registry, spec: str, values, args, prog: str):
-    """``(name, factory, param, values)`` of one ``--policy`` spec."""
-    from ..policies.registry import PolicySpecError, parse_spec
+    """``(name, factory, param, values)`` of one ``--policy`` spec; a policy that runs as one
+    point as it is (no argument to sweep) gives ``(name, policy, None, [None])``."""
+    from ..policies.registry import PolicySpecError
     try:
-        name, fixed = parse_spec(spec)
+        name, fixed, own_param, own_values = parse_sweep_spec(spec)
         entry = registry.get({"query": "query_router"}.get(name.strip().lower(), name))
     except PolicySpecError as e:
         raise fail(prog, f"--policy: {e}") from None
     pair = heads_pair(args, prog)
     if pair is not None and "pair" in entry.params and not {"pair", "head"} & set(fixed):
         fixed = dict(fixed, pair=pair)  # a learned policy without a head file: the evaluated pair's packaged head
+    if own_param is not None:  # the spec sweeps its own argument: --param and --values are for the others
+        if values is not None and values is not args.values:
+            raise fail(prog, f"--policy {spec!r}: sweep {own_param} with its values in the spec or with @V1,V2, "
+                             f"not both")
+        if own_param not in entry.params:
+            raise fail(prog, f"--policy: policy '{entry.name}' has no argument {own_param!r}; its arguments: "
+                             f"{list(entry.params) or 'none'}")
+        try:
+            values = [float(v) for v in own_values]
+        except ValueError:
+            raise fail(prog, f"--policy {spec!r}: the values of {own_param} must be numbers, e.g. "
+                             f"{entry.name}:{own_param}=0.05,0.1") from None
+        return _sweep(registry, entry, fixed, own_param, values, prog)
     param = args.param or SWEPT.get(entry.name)
+    if param is None and values is not None and values is not args.values:
+        raise fail(prog, f"--policy {spec!r}: policy '{entry.name}' has no known swept argument for @V1,V2; name "
+                         f"it in the spec ({entry.name}:ARG=V1,V2; its arguments: {list(entry.params) or 'none'})")
+    if param is None and (values is None or not entry.params):
+        try:  # nothing to sweep: the policy as given, one point
+            pol = registry.build({"name": entry.name, **fixed})
+        except PolicySpecError as e:
+            raise fail(prog, f"--policy: {e}") from None
+        return entry.name, pol, None, [None]
     if param is None:
         raise fail(prog, f"--param: policy '{entry.name}' has no known swept argument; name one of "
-                         f"{list(entry.params)}")
+                         f"{list(entry.params)} (or sweep it in the spec: {entry.name}:ARG=V1,V2)")
     if param not in entry.params:
         raise fail(prog, f"--param: policy '{entry.name}' has no argument {param!r}; its arguments: "
                          f"{list(entry.params)}")
     if param in fixed and values is not None:
         raise fail(prog, f"--policy fixes {param}={fixed[param]} and --values sweeps it: give one of them")
-
-    def factory(v, _name=entry.name, _fixed=dict(fixed), _param=param):
-        try:
-            v = int(v) if isinstance(v, float) and v.is_integer() else v  # 1.0 fits an int argument too
-            return registry.build({"name": _name, **_fixed, _param: v})
-        except PolicySpecError as e:
-            raise fail(prog, f"--policy: {e}") from None
     if values is None:
         values = DEFAULT_VALUES.get(entry.name) if param not in fixed and not args.param else None
         if values is None:  # one point: the policy as given (a learned head at its calibrated threshold)
@@ -153,6 +209,19 @@ def _one(registry, spec: str, values, args, prog: str):
                 raise fail(prog, f"--values: policy '{entry.name}' has no number {param} of its own "
                                  f"({value!r}); give --values")
             values = [value]
+    return _sweep(registry, entry, fixed, param, values, prog)
+
+
+def _sweep(registry, entry, fixed: dict, param: str, values, prog: str):
+    """``(name, factory value -> policy, param, values)`` of a policy swept over ``param``."""
+    from ..policies.registry import PolicySpecError
+
+    def factory(v, _name=entry.name, _fixed=dict(fixed), _param=param):
+        try:
+            v = int(v) if isinstance(v, float) and v.is_integer() else v  # 1.0 fits an int argument too
+            return registry.build({"name": _name, **_fixed, _param: v})
+        except PolicySpecError as e:
+            raise fail(prog, f"--policy: {e}") from None
     return entry.name, factory, param, list(values)
 
 
@@ -168,8 +237,10 @@ def heads_pair(args, prog: str) -> str | None:
 def sweeps(args, prog: str = "tokenrouter eval") -> list[tuple[str, object, str, list]]:
     """``[(name, factory value -> policy, swept argument, values), ...]``, one per ``--policy``
     (default: the ``--policy-file`` class, else rstitch), with ``--param`` and ``--values`` (a
-    spec's own ``@V1,V2`` values win). Names are the registry names, or the spec when two
-    policies share one.
+    spec's own sweep, ``NAME:ARG=V1,V2,...`` or ``NAME@V1,V2``, wins). A policy with nothing to
+    sweep (no arguments, or none known and no ``--param``) gives ``(name, the policy, None,
+    [None])``: one point, as it is. Names are the registry names, or the spec when two policies
+    share one.
 
     Raises:
         SystemExit: an unknown policy or argument, no known swept argument without ``--param``,
@@ -191,6 +262,26 @@ def sweep(args, prog: str = "tokenrouter eval"):
     `sweeps`)."""
     _, factory, param, values = sweeps(args, prog)[0]
     return factory, param, values
+
+
+def _check_dataset(args, prog: str) -> None:
+    """Load ``--dataset`` (its ``--limit`` and ``--seed`` draw) before any model loads.
+
+    Raises:
+        SystemExit: one line naming the dataset and the fix (an empty name, an unknown
+            benchmark, a missing or empty file, rows without an answer).
+    """
+    from ..eval.datasets import load_benchmark
+    name = (args.dataset or "").strip()
+    if args.limit is not None and args.limit < 1:
+        raise fail(prog, f"--limit must be >= 1 (questions), got {args.limit}")
+    if not name:
+        raise fail(prog, "--dataset is empty: give a benchmark (gsm8k, math500, aime24, amc23, commonsenseqa) or the "
+                         "path of a JSONL file with {id, question, answer} rows")
+    try:
+        load_benchmark(name, limit=args.limit, seed=None if args.seed < 0 else args.seed)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise fail(prog, f"--dataset {name!r}: {e}") from None
 
 
 def _shard_launch_argv(args) -> list[str]:
@@ -226,6 +317,8 @@ def cmd_eval(args) -> int:
     if args.shard and (args.shards or args.merge):
         raise SystemExit("tokenrouter eval: --shard runs one shard; --shards N launches all of them and --merge "
                          "merges finished ones: give one of them")
+    if args.shards or not args.merge:
+        _check_dataset(args, prog)
     if args.shards or args.merge:
         if args.shards:
             from ..eval.shards import run_local, run_ray
@@ -243,13 +336,13 @@ def cmd_eval(args) -> int:
             raise SystemExit(f"tokenrouter eval: {e}")
         print(res.table())
         print(f"\n{len(res.records)} points from {res.config['shards']} shards merged; wrote {args.out}/results.csv, "
-              f"results.json, plot.html")
+              f"results.json, plot.html{_figures_text(args.out)}")
         return _exit(res, args, prog)
     entries = sweeps(args, prog)
     if args.transport != "thread":
         from .common import check_shippable
-        for _, factory, _, values in entries:
-            check_shippable(factory(values[0]), prog)
+        for _, factory, param, values in entries:
+            check_shippable(factory if param is None else factory(values[0]), prog)
     if args.repeats < 1:
         raise fail(prog, f"--repeats must be >= 1, got {args.repeats}")
     specs = model_specs(args, prog)
@@ -287,10 +380,11 @@ def cmd_eval(args) -> int:
     try:
         if len(entries) == 1:
             _, factory, param, values = entries[0]
-            res = evaluate_policy(target, factory, values, param=param, **common)
+            res = (evaluate_policy(target, factory, **common) if param is None else
+                   evaluate_policy(target, factory, values, param=param, **common))
         else:
-            res = evaluate_policies(target, {name: (factory, values, param) for name, factory, param, values in entries},
-                                    **common)
+            res = evaluate_policies(target, {name: factory if param is None else (factory, values, param)
+                                             for name, factory, param, values in entries}, **common)
     except (DeviceError, ModelLoadError) as e:
         raise fail(prog, f"{type(e).__name__}: {e}") from None
     print(res.table())
@@ -304,8 +398,20 @@ def cmd_eval(args) -> int:
               f"finished shards with: tokenrouter eval --merge --out {args.out}")
         return _exit(res, args, prog)
     print(f"{len(res.records)} points ({resumed} resumed from {args.out}/points), "
-          f"{res.config['elapsed_s']:.0f} s; wrote {args.out}/results.csv, results.json, plot.html")
+          f"{res.config['elapsed_s']:.0f} s; wrote {args.out}/results.csv, results.json, plot.html"
+          f"{_figures_text(args.out)}")
     return _exit(res, args, prog)
+
+
+def _figures_text(out) -> str:
+    """How the static figures were written: the files under ``out/figures``, or how to get them."""
+    from pathlib import Path
+
+    from ..eval.result import FIGURES_DIR
+    files = sorted(p.name for p in (Path(out) / FIGURES_DIR).glob("*.*"))
+    if files:
+        return f" and {len(files)} figures in {Path(out) / FIGURES_DIR} ({', '.join(files)})"
+    return " (no PNG/PDF figures: pip install 'tokenrouter-sdk[figures]' for them)"
 
 
 def _exit(res, args, prog: str) -> int:

@@ -86,13 +86,24 @@ DEFAULT_POLICY = "rstitch"
 
 
 def cmd_serve(args) -> int:
-    """Build the Router, print the URL, serve until Ctrl-C, then close the Router."""
+    """Build the Router, print the URL, serve until Ctrl-C (or SIGTERM), then close the Router.
+
+    Returns:
+        0 after serving ends (Ctrl-C included: one line says so, no traceback); 130 when Ctrl-C
+        came while the models were loading.
+    """
     from ..serve.server import serve_forever
-    router, app, sock, url = build(args)
+    try:
+        router, app, sock, url = build(args)
+    except KeyboardInterrupt:
+        print("tokenrouter serve: interrupted while loading the models", file=sys.stderr, flush=True)
+        return 130
     try:
         print(f"tokenrouter serve: {url} (OpenAI base_url {url}/v1); models {list(router.models)}; model id "
               f"'{args.served_model_name}'; policy {app.state.tr.policy_label}", flush=True)
         serve_forever(app, sock, log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn shut down on Ctrl-C, then re-raised it
+        print("tokenrouter serve: stopped (Ctrl-C)", file=sys.stderr, flush=True)
     finally:
         router.close()
     return 0

@@ -34,6 +34,9 @@ Model arguments (``--model_args k=v,...``); every one takes effect or raises:
         block_size, prefill_peers, cuda_graphs: engine settings.
     concurrency: requests in flight; default: lm-eval's ``batch_size`` (an int; ``auto``: all
         requests at once, bounded by the KV pools, at most ``max_batch_size``), else 32.
+    add_bos_token: encode lm-eval's text contexts with the tokenizer's special tokens (its
+        BOS); default as lm-eval's ``hf`` and ``vllm`` models: True for Gemma tokenizers (which
+        need their BOS), else False.
     max_gen_toks: default generation length (256); chat: apply the chat template to each
         context of generation tasks (default False: lm-eval's ``--apply_chat_template``
         renders it instead); chat_template_kwargs (a dict, or JSON text) and enable_thinking:
@@ -44,6 +47,8 @@ Model arguments (``--model_args k=v,...``); every one takes effect or raises:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -61,6 +66,19 @@ ENGINE_KEYS = ("mode", "thresholds", "max_kv_tokens", "kv_memory_fraction", "max
 MODEL_KEYS = ("small_model", "large_model", "small_layers", "device", "dtype", "small_device", "large_device",
               "small_dtype", "large_dtype")
 DEFAULT_CONCURRENCY = 32
+_COLLECTING: contextvars.ContextVar[list | None] = contextvars.ContextVar("tokenrouter_lm_eval_models", default=None)
+
+
+@contextlib.contextmanager
+def collect_models():
+    """Within the block, every `TokenRouterLM` built is appended to the yielded list (what the
+    command-line wrapper reads the routing of after lm-eval's table); outside it none is kept."""
+    made: list = []
+    token = _COLLECTING.set(made)
+    try:
+        yield made
+    finally:
+        _COLLECTING.reset(token)
 
 
 def _concurrency(concurrency, batch_size, max_batch_size) -> int | None:
@@ -87,6 +105,20 @@ def _concurrency(concurrency, batch_size, max_batch_size) -> int | None:
         raise ValueError(f"batch_size must be an int or 'auto', got {batch_size!r}") from None
 
 
+def _flag(value) -> bool:
+    """A model argument as a bool (``--model_args`` values may arrive as text)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _is_gemma(tokenizer) -> bool:
+    """Whether ``tokenizer`` is a Gemma one (its class or its source names Gemma): lm-eval's
+    ``hf`` and ``vllm`` models add the BOS to every context for Gemma, which degrades without it."""
+    names = (type(tokenizer).__name__, str(getattr(tokenizer, "name_or_path", "") or ""))
+    return any("gemma" in n.lower() for n in names)
+
+
 @register_model("tokenrouter")
 class TokenRouterLM(TemplateLM):
     """lm-eval's view of a `Router` (see the module docstring for the arguments).
@@ -102,7 +134,7 @@ class TokenRouterLM(TemplateLM):
                  chat: bool = False, router=None, batch_size=None, max_batch_size=None, device=None, dtype=None,
                  small_device=None, large_device=None, small_dtype=None, large_dtype=None,
                  chat_template_kwargs=None, enable_thinking: bool | None = None, route_context: bool = False,
-                 **kwargs):
+                 add_bos_token: bool | None = None, **kwargs):
         super().__init__()
         engine = {k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_KEYS}
         models = {k: v for k, v in dict(small_model=small_model, large_model=large_model, small_layers=small_layers,
@@ -130,8 +162,26 @@ class TokenRouterLM(TemplateLM):
             self.policy = builtin_registry().build(self.policy_spec)
             self.router, self._own = self._build(models, engine), True
         self.max_gen_toks, self.chat, self.route_context = int(max_gen_toks), bool(chat), bool(route_context)
+        self.add_bos_token = _is_gemma(self.router.tokenizer) if add_bos_token is None else _flag(add_bos_token)
         self.totals = {"committed_tokens": 0, "hops": 0, "large_tokens": 0, "generate_s": 0.0, "requests": 0,
                        "failed": 0}
+        made = _COLLECTING.get()
+        if made is not None:
+            made.append(self)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lm-eval's constructor from ``--model_args``, with lm-eval's own settings
+        (``batch_size``, ``max_batch_size``, ``device``) in ``additional_config``: a ``device``
+        in the model arguments wins over ``--device``."""
+        from lm_eval import utils
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """As `create_from_arg_string`, from a dict of model arguments."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     def _build(self, models: dict, engine: dict):
         from ..placement import ModelSpec
@@ -169,7 +219,9 @@ class TokenRouterLM(TemplateLM):
         return int(self.router.max_context)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return list(self.router.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens)))
+        """Token ids of a text; ``add_special_tokens`` None: ``add_bos_token`` (lm-eval's rule)."""
+        add = self.add_bos_token if add_special_tokens is None else bool(add_special_tokens)
+        return list(self.router.tokenizer.encode(string, add_special_tokens=add))
 
     # -- log-likelihoods ----------------------------------------------------------------------------
     def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list:
@@ -273,7 +325,8 @@ class TokenRouterLM(TemplateLM):
             prompts = [requests[i].args[0] for i in idx]
             t0 = time.perf_counter()
             outs = self.router.generate(prompts, policy=self.policy, chat=self.chat, concurrency=self.concurrency,
-                                        progress=not disable_tqdm, **extra, **sampling[idx[0]])
+                                        progress=not disable_tqdm, add_special_tokens=self.add_bos_token, **extra,
+                                        **sampling[idx[0]])
             self._account(outs, time.perf_counter() - t0)
             for i, out in zip(idx, outs):
                 texts[i] = out.text if out.ok else ""
@@ -302,6 +355,16 @@ class TokenRouterLM(TemplateLM):
                 "failed": t["failed"], "committed_tokens": n, "hops": t["hops"],
                 "hop_rate": t["hops"] / n if n else 0.0, "large_fraction": t["large_tokens"] / n if n else 0.0,
                 "generate_s": t["generate_s"], "committed_tok_s": n / t["generate_s"] if t["generate_s"] else 0.0}
+
+    def routing_table(self) -> str:
+        """`routing` as a Markdown table, the shape of lm-eval's results table: what the
+        command-line wrapper prints after it."""
+        r = self.routing()
+        head = ["policy", "requests", "failed", "committed tokens", "hop rate", "large share", "committed tok/s"]
+        row = [r["policy"], r["requests"], r["failed"], r["committed_tokens"], f"{r['hop_rate']:.4f}",
+               f"{r['large_fraction']:.3f}", f"{r['committed_tok_s']:.1f}"]
+        cells = [[str(c).replace("|", "/") for c in x] for x in (head, row)]
+        return "\n".join(["|" + "|".join(c) + "|" for c in (cells[0], ["---"] * len(head), cells[1])])
 
     def get_model_info(self) -> dict:
         """Added to the results' ``config`` by lm-eval after the evaluation."""

@@ -63,7 +63,7 @@ def quality_figure(records: list[dict], x: str = "throughput", y: str = "accurac
             continue
         for name in dict.fromkeys(r.get("policy_name") or r["policy"] for r in rs):
             g = [r for r in rs if (r.get("policy_name") or r["policy"]) == name]
-            groups.append((kind, g, f"{name} ({g[0]['param']})"))
+            groups.append((kind, g, f"{name} ({g[0]['param']})" if g[0].get("param") else str(name)))
     for kind, rs, name in groups:
         rs.sort(key=lambda r: r[xcol])
         symbol, color = STYLE[kind]
@@ -74,7 +74,7 @@ def quality_figure(records: list[dict], x: str = "throughput", y: str = "accurac
         fig.add_trace(go.Scatter(
             x=[r[xcol] for r in rs], y=[r[ycol] for r in rs], name=name,
             mode="lines+markers+text" if kind == "sweep" else "markers",
-            text=[f"{r['value']:g}" if kind == "sweep" and r.get("value") is not None else "" for r in rs],
+            text=[f"{r['value']:.3g}" if kind == "sweep" and r.get("value") is not None else "" for r in rs],
             textposition="top center", error_y=err,
             marker=dict(symbol=symbol, size=11 if kind != "sweep" else 9, **({"color": color} if color else {})),
             customdata=[[r["label"], _num(r.get("hop_rate")), _num(r.get("large_fraction")),

@@ -10,12 +10,14 @@ from pathlib import Path
 
 # (record key, header, format); "acc_ci" and "tok_s" are drawn from several keys
 TABLE_COLUMNS = [("label", "point", "{}"), ("failed", "failed", "{}"), ("accuracy", "acc", "{:.3f}"),
-                 ("acc_ci", "95% CI", "{}"), ("agreement", "agree_L", "{:.3f}"),
+                 ("acc_ci", "95% CI", "{}"), ("no_answer", "no_ans", "{:.3f}"), ("agreement", "ans_agree", "{:.3f}"),
                  ("token_agreement_prefix", "tok_agree", "{:.3f}"), ("hop_rate", "hop_rate", "{:.4f}"),
                  ("writer_change_rate", "writer_chg", "{:.4f}"), ("large_fraction", "large_frac", "{:.3f}"),
                  ("tok_s", "tok/s (min-max)", "{}"), ("tok_per_cpu_s", "tok/cpu_s", "{:.1f}"),
                  ("mean_latency_s", "latency_s", "{:.2f}"), ("tokens_per_answer", "tok/ans", "{:.1f}")]
-RESULTS_JSON, RESULTS_CSV, PLOT_HTML = "results.json", "results.csv", "plot.html"
+SUMMARY_KEYS = ("apgr", "large_fraction_50", "large_fraction_80")
+SUMMARY_NAMES = {"apgr": "APGR", "large_fraction_50": "large_frac@50%", "large_fraction_80": "large_frac@80%"}
+RESULTS_JSON, RESULTS_CSV, PLOT_HTML, FIGURES_DIR = "results.json", "results.csv", "plot.html", "figures"
 _CSV_SKIP = ("throughput_runs", "prompt_fed_runs", "matched_points", "targets")  # lists: in results.json only
 
 
@@ -31,9 +33,11 @@ class EvalResult:
             ``answered`` (requests that finished), ``failed`` (failed or aborted), ``flagged``
             (any failed) and ``first_error``; over the answered requests ``correct``,
             ``accuracy`` with its Wilson 95% interval ``acc_ci_low`` / ``acc_ci_high`` (None when
-            none was answered), ``extracted`` (share with a final answer found),
+            none was answered), ``extracted`` (share with a final answer found) and
+            ``no_answer`` (share without one: never correct, never agreeing),
             ``agreement`` (share of the questions both answered whose extracted answer equals
-            large-only's; ``agreement_n`` of them; None without large-only),
+            large-only's, a missing answer on either side counting as a disagreement;
+            ``agreement_n`` of them; None without large-only),
             ``token_agreement_prefix`` and ``token_agreement`` (positions equal to large-only's
             output before the first divergence, and overall, per position of the longer
             output), ``hops`` and ``hop_rate`` (handoffs per committed token, docs/metrics.md),
@@ -112,39 +116,88 @@ class EvalResult:
         return rows
 
     def table(self) -> str:
-        """Plain-text table: point, failed requests, accuracy with 95% CI, agreement with
-        large-only (answers, tokens), hop rate, writer changes per token, large fraction,
+        """Plain-text table: point, failed requests, accuracy with 95% CI, share without an
+        extracted answer, agreement with large-only (answers, then tokens), hop rate, writer changes per token, large fraction,
         throughput (median tokens/s with its min-max over the repeats), tokens per CPU-second,
         mean latency (s), tokens per answer; the RouteLLM summaries and paired differences; then
         the `notes`."""
         from ..tables import text_table
         head, *rows = self._table_rows()
-        parts = [text_table(head, rows, align="l" + "r" * (len(head) - 1))]
+        top = self.question_lines()
+        parts = top + [text_table(head, rows, align="l" + "r" * (len(head) - 1))]
         if self.summaries:
             parts.append("\n" + self.summary_table())
         if self.paired:
             parts.append("\n" + self.paired_table())
-        notes = self.notes()
+        notes = [n for n in self.notes() if n not in top]
         if notes:
             parts.append("\n" + "\n".join(notes))
         return "\n".join(parts)
+
+    def question_set(self) -> str | None:
+        """A short fingerprint of the question ids every point was scored on (the first 8 hex
+        digits of their sha256): two results with the same fingerprint scored the same
+        questions. None when the configuration holds no ids."""
+        ids = (self.config.get("dataset") or {}).get("ids")
+        if not ids:
+            return None
+        import hashlib
+        return hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:8]
+
+    def question_lines(self) -> list[str]:
+        """The lines printed above the table: the questions every point and reference was scored
+        on (how many, of which benchmark, the draw and the set's fingerprint), and the questions
+        left out for the learned heads' training data (or scored although a head saw them)."""
+        ds = self.config.get("dataset") or {}
+        if not ds:
+            return []
+        seed = ds.get("seed")
+        draw = "file order" if seed is None else f"seed {seed}"
+        out = [f"questions: {ds.get('n', '?')} of {ds.get('name', 'the benchmark')} ({draw}; set "
+               f"{self.question_set() or '?'}), the same for every point and reference"]
+        ex, ov = self.config.get("excluded"), self.config.get("head_overlap")
+        if ex:
+            heads = ", ".join(f"{k} ({v} ids)" for k, v in ex["heads"].items())
+            out.append(f"questions: {ds.get('n', '?')} of {ds.get('name', 'the benchmark')}, leaving out "
+                       f"{ex['in_draw']} of the {ex['draw']} first drawn that the learned heads were trained, "
+                       f"validated or calibrated on ({heads}); the next questions in the same order took their "
+                       f"places, for every policy and reference alike")
+        if ov:
+            out.append(f"questions: {ov['n']} of the {ds.get('n', '?')} scored were used to make the learned heads "
+                       f"(exclude_head_questions=False)")
+        return out
 
     def _summary_rows(self):
         head = ["policy", "quality", "points", "failed", "APGR", "large_frac@50%", "large_frac@80%"]
         rows = []
         for s in self.summaries:
             rows.append([s["policy"], s["metric"], s["points"], s["failed"],
-                         *("-" if s.get(k) is None else f"{s[k]:.3f}" for k in ("apgr", "large_fraction_50",
-                                                                               "large_fraction_80"))])
+                         *("n/a" if s.get(k) is None else f"{s[k]:.3f}" for k in SUMMARY_KEYS)])
         return head, rows
+
+    def summary_reasons(self) -> list[str]:
+        """Why each ``n/a`` of the summary table is not a number (one line per policy, quality
+        measure and reason)."""
+        out = []
+        for s in self.summaries:
+            why = s.get("why_na") or ({k: s["why"] for k in SUMMARY_KEYS} if s.get("why") else {})
+            reasons: dict[str, list[str]] = {}
+            for k in SUMMARY_KEYS:
+                if s.get(k) is None and why.get(k):
+                    reasons.setdefault(why[k], []).append(SUMMARY_NAMES[k])
+            out += [f"n/a: {s['policy']} {s['metric']} {', '.join(names)}: {text}" for text, names in reasons.items()]
+        return out
 
     def summary_table(self) -> str:
         """Per policy and quality measure: RouteLLM's APGR (the average share of the large-only
         gain recovered over the large fraction) and the large fraction that reaches 50% and 80%
-        of that gain (arXiv 2406.18665, section 5.1)."""
+        of that gain (arXiv 2406.18665, section 5.1), each ``n/a`` where the policy's points do
+        not carry it, with the reason under the table (`tokenrouter_sdk.eval.stats.gain_summary`)."""
         from ..tables import text_table
         head, rows = self._summary_rows()
-        return "RouteLLM summaries (cost = large fraction)\n" + text_table(head, rows, align="llrrrrr")
+        reasons = self.summary_reasons()
+        return ("RouteLLM summaries (cost = large fraction)\n" + text_table(head, rows, align="llrrrrr")
+                + ("\n" + "\n".join(reasons) if reasons else ""))
 
     def _paired_rows(self):
         head = ["point", "vs", "n", "failed", "acc diff [95% CI]", "agree diff [95% CI]"]
@@ -173,7 +226,7 @@ class EvalResult:
         """Lines on what was measured: points with failed requests, references skipped or off
         their target, questions left out for the heads' training data (or scored although a
         head saw them), the timing protocol and the machine's load."""
-        out, ds = [], self.config.get("dataset", {})
+        out = []
         for r in self.records:
             if r.get("failed"):
                 out.append(f"FAILED: {r['label']}: {r['failed']} of {r.get('n', '?')} requests failed; its numbers are "
@@ -182,15 +235,7 @@ class EvalResult:
             out.append(f"references {', '.join(s['references'])} not run for {s['point']}: {s['why']}")
         if self.records and not any(r.get("kind") == "large_only" for r in self.records):
             out.append("agreement: not measured (it needs the large_only reference)")
-        ex, ov = self.config.get("excluded"), self.config.get("head_overlap")
-        if ex:
-            heads = ", ".join(f"{k} ({v} ids)" for k, v in ex["heads"].items())
-            out.append(f"questions: {ds.get('n', '?')} of {ds.get('name', 'the benchmark')}, leaving out "
-                       f"{ex['in_draw']} of the {ex['draw']} first drawn that the learned heads were trained, "
-                       f"validated or calibrated on ({heads})")
-        if ov:
-            out.append(f"questions: {ov['n']} of the {ds.get('n', '?')} scored were used to make the learned heads "
-                       f"(exclude_head_questions=False)")
+        out += self.question_lines()[1:]
         for r in self.records:
             if r.get("matches_target") is False:
                 lo, hi = r["target_range"]
@@ -221,9 +266,41 @@ class EvalResult:
         many. Shows inline in a notebook, and in exported notebooks and the docs (a
         `tokenrouter_sdk.viz.nbfigure.NotebookFigure`: plotly's JSON with an HTML form)."""
         from .plots import quality_figure
+        return quality_figure(self.records, x=x, y=y, title=self._title(x, y))
+
+    def plots(self) -> list[tuple[str, str]]:
+        """The ``(x, y)`` of every plot the sweep's files hold: accuracy against throughput and
+        against large fraction, and the same for agreement when large-only was run."""
+        out = [("throughput", "accuracy"), ("large_fraction", "accuracy")]
+        if any(r.get("agreement") is not None for r in self.records):
+            out += [("throughput", "agreement"), ("large_fraction", "agreement")]
+        return out
+
+    def _title(self, x: str, y: str) -> str:
         ds = self.config.get("dataset", {})
-        title = f"{ds.get('name', '')} (n={ds.get('n', '?')}): {y} vs {x}"
-        return quality_figure(self.records, x=x, y=y, title=title)
+        return f"{ds.get('name', '')} (n={ds.get('n', '?')}): {y} vs {x}"
+
+    def static_plot(self, x: str = "throughput", y: str = "accuracy"):
+        """`plot` as a static matplotlib Figure, for a paper (``fig.savefig("acc.pdf")``; see
+        `tokenrouter_sdk.eval.static_plots.static_figure`).
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'tokenrouter-sdk[figures]'``).
+        """
+        from .static_plots import static_figure
+        return static_figure(self.records, x=x, y=y, title=self._title(x, y))
+
+    def save_figures(self, folder, formats=("png", "pdf")) -> list[Path]:
+        """Write every plot of `plots` as a static figure into ``folder``, one file per plot and
+        format: ``accuracy_vs_throughput.png``, ``accuracy_vs_throughput.pdf``, ... (formats
+        among png, pdf, svg). Returns the paths.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'tokenrouter-sdk[figures]'``).
+            ValueError: an unknown format.
+        """
+        from .static_plots import save_static
+        return save_static(self.records, folder, self.plots(), formats=formats, title_of=self._title)
 
     def frontier(self, x: str = "throughput", y: str = "accuracy") -> list[str]:
         """Labels of the Pareto-optimal points (see `tokenrouter_sdk.eval.plots.pareto_frontier`)."""
@@ -233,8 +310,11 @@ class EvalResult:
         return [rows[i]["label"] for i in pareto_frontier([(r[xcol], r[y]) for r in rows], higher)]
 
     def save(self, folder) -> Path:
-        """Write ``results.csv``, ``results.json`` (records, config, answers, stats) and
-        ``plot.html`` (the plots, plotly.js inlined: opens offline). Returns the folder."""
+        """Write ``results.csv``, ``results.json`` (records, config, answers, stats),
+        ``plot.html`` (the plots, plotly.js inlined: opens offline; needs plotly) and every
+        plot as PNG and PDF under ``figures/`` (`save_figures`; needs matplotlib, the
+        ``figures`` extra). What an optional library's absence leaves out is skipped. Returns
+        the folder."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         keys = [k for k in dict.fromkeys(k for r in self.records for k in r) if k not in _CSV_SKIP]
@@ -247,11 +327,13 @@ class EvalResult:
                                    "stats": self.stats}, indent=1, default=str), encoding="utf-8")
         tmp.replace(folder / RESULTS_JSON)
         try:
-            figs = [self.plot("throughput"), self.plot("large_fraction")]
+            self.save_figures(folder / FIGURES_DIR)
+        except ImportError:  # matplotlib is an optional extra
+            pass
+        try:
+            figs = [self.plot(x, y) for x, y in self.plots()]
         except ImportError:  # plotly is an optional extra
             return folder
-        if any(r.get("agreement") is not None for r in self.records):
-            figs += [self.plot("throughput", "agreement"), self.plot("large_fraction", "agreement")]
         body = "".join(f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
         import html as _html
         (folder / PLOT_HTML).write_text(f"<html><head><meta charset='utf-8'><title>quality at hop rate</title>"
@@ -283,15 +365,20 @@ class EvalResult:
         from ..tables import html_table
         head, *rows = self._table_rows()
         ds = self.config.get("dataset", {})
-        out = html_table(head, rows, caption=f"{ds.get('name', 'sweep')} (n={ds.get('n', '?')}): "
-                                              f"{len(self.records)} points")
+        top = self.question_lines()
+        out = "".join(f"<p>{_html.escape(line)}</p>" for line in top)
+        out += html_table(head, rows, caption=f"{ds.get('name', 'sweep')} (n={ds.get('n', '?')}): "
+                                               f"{len(self.records)} points")
         if self.summaries:
             h, r = self._summary_rows()
             out += html_table(h, r, caption="RouteLLM summaries (cost = large fraction)", align="llrrrrr")
+            reasons = self.summary_reasons()
+            if reasons:
+                out += "<ul>" + "".join(f"<li>{_html.escape(n)}</li>" for n in reasons) + "</ul>"
         if self.paired:
             h, r = self._paired_rows()
             out += html_table(h, r, caption="paired differences on the same questions (point - vs)", align="llrrrr")
-        notes = self.notes()
+        notes = [n for n in self.notes() if n not in top]
         if notes:
             out += "<ul>" + "".join(f"<li>{_html.escape(n)}</li>" for n in notes) + "</ul>"
         return out

@@ -160,33 +160,79 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], *, resamples: int =
 
 
 # -- RouteLLM summaries --------------------------------------------------------------------------
+APGR_MAX_BRIDGE = 0.5
+"""At most this share of the cost axis (large fraction 0 to 1) may lie outside the range of a
+policy's own points for `gain_summary` to report its APGR: beyond it the area would be mostly the
+straight lines to the small-only and large-only references, not the policy's curve."""
+
+
 def gain_summary(points: Sequence[tuple[float, float]], small: float, large: float) -> dict:
     """RouteLLM's summaries of a quality-vs-cost curve (Ong et al., RouteLLM, arXiv 2406.18665,
     section 5.1), with cost = the large fraction: the performance gap recovered PGR(f) =
-    (q(f) - q_small) / (q_large - q_small) along the piecewise-linear curve through the points
-    ``(large fraction, quality)``, small-only at (0, ``small``) and large-only at (1, ``large``)
-    (points at one fraction averaged); ``apgr`` its mean over f in [0, 1] (the area under it);
-    ``large_fraction_50`` / ``large_fraction_80`` the least large fraction where the curve reaches
-    50% / 80% of the gain (None if it never does). Without a gain (``large <= small``) every
-    summary is None and ``why`` says so."""
+    (q(f) - q_small) / (q_large - q_small) along the piecewise-linear curve through the policy's
+    points ``(large fraction, quality)``, small-only at (0, ``small``) and large-only at (1,
+    ``large``) (points at one fraction averaged); ``apgr`` its mean over f in [0, 1] (the area
+    under it); ``large_fraction_50`` / ``large_fraction_80`` the least large fraction where the
+    curve reaches 50% / 80% of the gain.
+
+    A summary is given only where the policy's own points carry it, else it is None and
+    ``why_na[key]`` says why: APGR needs two points at distinct large fractions strictly between
+    0 and 1 that span all but `APGR_MAX_BRIDGE` of the axis; a large fraction at a share of the
+    gain needs the crossing to fall at or between the policy's points (one found only on the
+    straight line to a reference, or before the first point, is not the policy's). Without a gain
+    (``large <= small``) every summary is None and ``why`` says so.
+
+    Returns:
+        ``{"gain", "apgr", "large_fraction_50", "large_fraction_80", "why", "why_na",
+        "span"}``; ``span`` = the policy's (least, greatest) large fraction in (0, 1), or None.
+    """
     gain = large - small
-    out = {"gain": gain, "apgr": None, "large_fraction_50": None, "large_fraction_80": None, "why": None}
+    keys = ("apgr", "large_fraction_50", "large_fraction_80")
+    out = {"gain": gain, "apgr": None, "large_fraction_50": None, "large_fraction_80": None, "why": None,
+           "why_na": {}, "span": None}
     if not gain > 0:
         out["why"] = f"large-only ({large:.3g}) is not above small-only ({small:.3g}): there is no gain to recover"
+        out["why_na"] = dict.fromkeys(keys, out["why"])
         return out
     by: dict[float, list[float]] = {0.0: [small], 1.0: [large]}
     for f, q in points:
         if f is not None and q is not None and 0.0 < f < 1.0:
             by.setdefault(float(f), []).append(float(q))
+    mine = sorted(x for x in by if 0.0 < x < 1.0)
+    if not mine:
+        out["why"] = "no point of the policy has a large fraction strictly between 0 and 1"
+        out["why_na"] = dict.fromkeys(keys, out["why"])
+        return out
+    lo, hi = mine[0], mine[-1]
+    out["span"] = (lo, hi)
     xs = sorted(by)
     ys = [(sum(by[x]) / len(by[x]) - small) / gain for x in xs]
-    out["apgr"] = sum((x1 - x0) * (y0 + y1) / 2 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]))
+    bridged = lo + (1.0 - hi)
+    if len(mine) < 2:
+        out["why_na"]["apgr"] = (f"one point (large fraction {lo:.3g}): the area would be the straight lines to the "
+                                 f"references; sweep more values")
+    elif bridged > APGR_MAX_BRIDGE:
+        out["why_na"]["apgr"] = (f"the points span large fractions {lo:.3g} to {hi:.3g}: {bridged:.0%} of the axis "
+                                 f"would be the straight lines to the references (at most "
+                                 f"{APGR_MAX_BRIDGE:.0%}); sweep values that reach further")
+    else:
+        out["apgr"] = sum((x1 - x0) * (y0 + y1) / 2 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]))
     for share, key in ((0.5, "large_fraction_50"), (0.8, "large_fraction_80")):
+        cross = None
         for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]):
             if y0 >= share:
-                out[key] = x0
+                cross = x0
                 break
             if y1 >= share:
-                out[key] = x0 + (x1 - x0) * (share - y0) / (y1 - y0)
+                cross = x0 + (x1 - x0) * (share - y0) / (y1 - y0)
                 break
+        if cross is not None and lo <= cross <= hi:
+            out[key] = cross
+        elif cross is not None and cross < lo:
+            out["why_na"][key] = (f"reached below the policy's least large fraction {lo:.3g}, on the line from "
+                                  f"small-only; sweep values with a smaller large fraction")
+        else:
+            out["why_na"][key] = (f"not reached within the policy's points (large fraction up to {hi:.3g})"
+                                  + (f"; the straight line to large-only would put it at {cross:.3g}"
+                                     if cross is not None else "") + "; sweep values with a larger large fraction")
     return out

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from .answers import answers_agree, answers_equal, extract_answer, extract_choice
+from .answers import answers_equal, extract_answer, extract_choice
 from .config import config_hash, describe_policy, describe_router, library_versions, wilson_interval
 from .datasets import Benchmark, load_benchmark
 from .head_data import excluded_ids
@@ -168,8 +168,15 @@ class _Entry:
 
 def _entry(name: str | None, spec, values=None, param: str | None = None) -> _Entry:
     """An `_Entry` from ``spec``: a policy factory (a built-in name, a Policy class, a callable
-    value -> Policy), a tuple ``(factory, values)`` / ``(factory, values, param)``, or a dict
-    with ``policy``, ``values`` and ``param``."""
+    value -> Policy), a tuple ``(factory, values)`` / ``(factory, values, param)``, a dict
+    with ``policy``, ``values`` and ``param``, or a `Policy` instance (one point, as it is,
+    labelled by its name)."""
+    from ..policy import Policy
+    if isinstance(spec, Policy):
+        if values is not None or param is not None:
+            raise ValueError(f"policy {name or type(spec).__name__!r} is an instance: it runs as one point as it is; "
+                             f"give a factory (a class or value -> Policy) to sweep values")
+        return _Entry(name, lambda v, _p=spec: _p, None, [None], explicit_param=False)
     if isinstance(spec, Mapping):
         spec, values, param = spec.get("policy"), spec.get("values", values), spec.get("param", param)
     elif isinstance(spec, tuple):
@@ -389,7 +396,8 @@ def record_of(ans: list[dict], large: str) -> dict:
     requests with a final answer found), ``hops``, ``hop_rate``, ``writer_changes``,
     ``writer_change_rate``, ``large_fraction``, ``mean_large_visit``, ``mean_small_visit``
     (`stats.mean_visits`), ``tokens_per_answer``, ``committed_tokens``, ``flagged`` and
-    ``first_error``."""
+    ``first_error``. An answered request without an extracted answer is never correct
+    (``no_answer``: their share, ``1 - extracted``)."""
     ok = [a for a in ans if a.get("ok", a.get("error") is None)]
     n, m = len(ans), len(ok)
     k = sum(bool(a["correct"]) for a in ok)
@@ -401,6 +409,7 @@ def record_of(ans: list[dict], large: str) -> dict:
             "acc_ci_low": lo, "acc_ci_high": hi, "agreement": None, "agreement_n": 0,
             "token_agreement_prefix": None, "token_agreement": None,
             "extracted": sum(a["pred"] is not None for a in ok) / m if m else None,
+            "no_answer": sum(a["pred"] is None for a in ok) / m if m else None,
             "hops": sum(a["hops"] for a in ok), "hop_rate": sum(a["hops"] for a in ok) / tokens if tokens else None,
             "writer_changes": sum(a.get("writer_changes", 0) for a in ok),
             "writer_change_rate": sum(a.get("writer_changes", 0) for a in ok) / tokens if tokens else None,
@@ -432,7 +441,9 @@ def _timing(rec: dict, runs: list[dict]) -> None:
 def _agreement(records: list[dict], answers: dict, kind: str) -> None:
     """Each record's ``agreement`` with the large-only point's answers (and ``agreement_n``, the
     questions both answered), token agreement with its outputs, and each answer's ``agrees``
-    (None where either request failed), in place; None without a large-only point."""
+    (None where either request failed), in place; None without a large-only point. A question
+    where either side extracted no answer never agrees (two missing answers are not a match: the
+    ``no_answer`` column counts them)."""
     large = next((r for r in records if r["kind"] == "large_only"), None)
     if large is None:
         return
@@ -442,7 +453,7 @@ def _agreement(records: list[dict], answers: dict, kind: str) -> None:
         pairs = []
         for a, b in zip(ans, ref):
             both = a.get("ok", True) and b.get("ok", True)
-            a["agrees"] = answers_agree(a["pred"], b["pred"], kind) if both else None
+            a["agrees"] = answers_equal(a["pred"], b["pred"], kind) if both else None
             if both:
                 pairs.append((a, b))
         rec["agreement_n"] = len(pairs)
@@ -480,7 +491,8 @@ def _paired(records: list[dict], answers: dict) -> list[dict]:
 
 def _summaries(records: list[dict]) -> list[dict]:
     """RouteLLM's APGR and large fraction at 50% / 80% of the large-only gain, per policy and
-    quality measure (accuracy; agreement with large-only)."""
+    quality measure (accuracy; agreement with large-only), each only where the policy's points
+    carry it (`stats.gain_summary`; ``why_na`` says why not)."""
     small = next((r for r in records if r["kind"] == "small_only"), None)
     large = next((r for r in records if r["kind"] == "large_only"), None)
     groups: dict[str, list[dict]] = {}
@@ -494,9 +506,10 @@ def _summaries(records: list[dict]) -> list[dict]:
             lo = small.get(metric) if small else None
             hi = large.get(metric) if large else None
             if lo is None or hi is None:
-                row.update(gain=None, apgr=None, large_fraction_50=None, large_fraction_80=None,
-                           why="needs the small_only and large_only references" + (" and answered requests"
-                                                                                 if small and large else ""))
+                why = "needs the small_only and large_only references" + (" and answered requests"
+                                                                           if small and large else "")
+                row.update(gain=None, apgr=None, large_fraction_50=None, large_fraction_80=None, why=why,
+                           why_na=dict.fromkeys(("apgr", "large_fraction_50", "large_fraction_80"), why))
             else:
                 row.update(gain_summary([(r["large_fraction"], r.get(metric)) for r in recs if r["answered"]], lo, hi))
             out.append(row)
@@ -540,7 +553,8 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] | 
             first; give ``tokenizer``) or ``"default"``/None for `Router.default()`; a Router
             built here is closed at the end.
         policy_factory: value -> `Policy` (a callable), a Policy class (called with the value,
-            as ``param=value`` when ``param`` is given), or a built-in name: ``"rstitch"`` (tau),
+            as ``param=value`` when ``param`` is given), a `Policy` instance (one point as it
+            is: no ``values`` or ``param``), or a built-in name: ``"rstitch"`` (tau),
             ``"random"`` (p), ``"random_query"`` (p), ``"r2r_entropy"`` (threshold), and with
             their packaged heads ``"r2r"`` (tau), ``"citer"`` (tau), ``"co_llm"`` (eta),
             ``"query"`` (threshold).
@@ -595,8 +609,10 @@ def evaluate_policies(router_or_models, policies: Mapping[str, Any], **kwargs) -
         router_or_models: as in `evaluate_policy`.
         policies: name -> a policy factory (a built-in name, a Policy class, a callable value ->
             Policy), ``(factory, values)``, ``(factory, values, param)`` or ``{"policy": factory,
-            "values": [...], "param": "..."}``. Without values an entry runs `default_values`
-            (a learned head: its calibrated point). Labels are ``name(param=value)``.
+            "values": [...], "param": "..."}``, or a `Policy` instance (one point as it is, e.g.
+            ``LargeOnly()`` or a policy without arguments; labelled ``name``). Without values an
+            entry runs `default_values` (a learned head: its calibrated point). Labels are
+            ``name(param=value)``.
         **kwargs: every other argument of `evaluate_policy` (``dataset``, ``limit``, ``repeats``,
             ``references``, ``out_dir``, ...), the same defaults.
 
@@ -624,6 +640,9 @@ _EVALUATE_KWARGS = ("dataset", "limit", "seed", "max_new_tokens", "temperature",
 
 
 def _label(entry: _Entry, pol, v) -> str:
+    if entry.param is None:  # one point of a policy as it is (beside a reference of the same name: marked)
+        name = entry.name or type(pol).__name__
+        return f"{name} (policy)" if name in REFERENCES else name
     pname = entry.label_param or entry.param
     return f"{entry.name or type(pol).__name__}({pname}={v:g})"
 
@@ -697,7 +716,7 @@ def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit
                 deferred.append((UserWarning, f"{who}: the policy for {e.param}={v:g} has a learned head of its "
                                               f"own that saw {len(seen)} of the questions scored (the questions "
                                               f"were chosen by the first value's head); sweep one head per policy"))
-            if e.param == "value" and not e.explicit_param:  # name it after the attribute holding v
+            if e.param == "value" and not e.explicit_param and v is not None:  # name it after the attribute holding v
                 e.label_param = next((k for k, a in vars(pol).items() if not k.startswith("_")
                                       and isinstance(a, (int, float)) and not isinstance(a, bool) and a == v), "value")
             label = _label(e, pol, v)

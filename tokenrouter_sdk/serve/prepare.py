@@ -107,9 +107,12 @@ def _check_ids(router, ids: list[int], param: str) -> list[int]:
     return ids
 
 
-def completion_prompts(router, prompt, chat_template_kwargs: dict | None = None) -> list[list[int]]:
-    """Token ids of a completions ``prompt`` (raw text: no chat template), one list per prompt; a
-    list of chat messages is rendered with the chat template (and ``chat_template_kwargs``).
+def completion_prompts(router, prompt, chat_template_kwargs: dict | None = None,
+                       add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of a completions ``prompt`` (raw text: no chat template; with the tokenizer's
+    special tokens, e.g. a BOS, unless ``add_special_tokens`` is False, as vLLM does), one list
+    per prompt; a list of chat messages is rendered with the chat template (and
+    ``chat_template_kwargs``).
 
     Raises:
         APIError: 400 naming ``prompt`` (empty, out-of-vocabulary ids, longer than the context),
@@ -137,7 +140,7 @@ def completion_prompts(router, prompt, chat_template_kwargs: dict | None = None)
         if isinstance(p, str):
             if not p:
                 raise bad_request("prompt", "prompt is empty: give at least one character of text")
-            ids = router.encode(p, chat=False)
+            ids = router.encode(p, chat=False, add_special_tokens=add_special_tokens)
         else:
             ids = [int(i) for i in p]
         out.append(_check_ids(router, ids, "prompt"))
@@ -254,7 +257,7 @@ def prepare(state: ServeState, req: CompletionRequest | ChatCompletionRequest) -
         prompts = [chat_prompt(router, req.messages, "messages", req.chat_template_kwargs)]
         default_max = None
     else:
-        prompts = completion_prompts(router, req.prompt, req.chat_template_kwargs)
+        prompts = completion_prompts(router, req.prompt, req.chat_template_kwargs, bool(req.add_special_tokens))
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
     n = int(req.n or 1)
     if n * len(prompts) > MAX_CHOICES:

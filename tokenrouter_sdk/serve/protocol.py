@@ -1,6 +1,7 @@
 """The request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI's fields, plus
 the extensions ``top_k``, ``policy``, ``ignore_eos``, ``stop_token_ids`` and vLLM's
-``chat_template_kwargs`` and ``return_tokens_as_token_ids``), validated with
+``chat_template_kwargs``, ``return_tokens_as_token_ids`` and, for completions,
+``add_special_tokens``), validated with
 pydantic. Unknown fields are ignored, as OpenAI does; a field of the wrong type is a 400 naming
 it. Range checks (max_tokens against the context, temperature, top_p, ...) live in
 `tokenrouter_sdk.serve.prepare`, where the context is known."""
@@ -49,9 +50,12 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or
     a list of token-id lists (one choice per prompt); a list of chat messages is rendered with the
-    chat template (what lm-evaluation-harness sends with ``--apply_chat_template``)."""
+    chat template (what lm-evaluation-harness sends with ``--apply_chat_template``). A text
+    prompt is encoded with the tokenizer's special tokens (e.g. a BOS) unless
+    ``add_special_tokens`` is false (vLLM's field and default)."""
 
     prompt: Union[str, list[int], list[str], list[list[int]], list[dict[str, Any]]]
+    add_special_tokens: bool = True
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None

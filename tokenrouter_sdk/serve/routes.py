@@ -203,8 +203,7 @@ async def tokenize(request: Request):
         raise bad_request(None, "the body must be a JSON object with 'prompt' or 'messages'")
     router = st.router
     if isinstance(data.get("prompt"), str):
-        tok = router.tokenizer
-        ids = list(tok.encode(data["prompt"], add_special_tokens=bool(data.get("add_special_tokens", False))))
+        ids = router.encode(data["prompt"], chat=False, add_special_tokens=bool(data.get("add_special_tokens", True)))
     elif isinstance(data.get("messages"), list) or isinstance(data.get("prompt"), list):
         messages = data.get("messages") or data.get("prompt")  # lm-eval's remote tokenizer sends chats as prompt
         if not messages or not all(isinstance(m, dict) for m in messages):
