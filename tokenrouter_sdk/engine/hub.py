@@ -68,7 +68,9 @@ class Started(Protocol):
 
     def sentinels(self) -> list:
         """File descriptors (or objects with ``fileno``) that turn readable when it may have
-        ended; the hub then asks `ended`."""
+        ended; the hub then asks `ended`, and keeps asking on every turn of its loop (at least
+        every 0.1 s) until it says True: a sentinel may turn readable a moment before `ended`
+        does (a process's pipes close before its exit status is there)."""
 
     def ended(self) -> bool:
         """Whether it has ended (non-blocking)."""
@@ -224,6 +226,10 @@ class HubTransport:
         self._started = False
         self._hold_lock = threading.Lock()
         self._holding = 0
+        self._poller = None  # the hub thread's zmq.Poller
+        self._sentinels: dict[int, str] = {}  # a watched sentinel's fd -> its model (hub thread only)
+        self._ending: set[str] = set()  # models a sentinel of which turned readable, not yet ended (hub thread)
+        self._control: collections.deque = collections.deque()  # callables the hub thread runs (a restart)
 
     @property
     def start_method(self) -> str | None:
@@ -613,21 +619,51 @@ class HubTransport:
         if not self._closing:
             self._bounce(name, held)
 
+    def _watch(self, name: str, p: Started) -> None:
+        """Watch ``p``'s sentinels for ``name``'s end (hub thread)."""
+        import zmq
+        for s in p.sentinels():
+            fd = s if isinstance(s, int) else s.fileno()
+            self._sentinels[fd] = name
+            self._poller.register(fd, zmq.POLLIN)
+
+    def _unwatch(self, name: str, fds=None) -> None:
+        """Stop watching ``name``'s sentinels (``fds``: only those)."""
+        for fd in [f for f, n in self._sentinels.items() if n == name and (fds is None or f in fds)]:
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(fd)
+            del self._sentinels[fd]
+
+    def _check_ends(self, ready: dict) -> None:
+        """A sub-server's end: one of its sentinels turned readable (it stays readable, so it is
+        watched no more) and `Started.ended` says so. A sentinel may turn readable before
+        `ended` does (a fork server's death closes a status pipe too; a process's pipes close
+        before its exit status is there), so a model whose sentinel fired is asked again on every
+        turn until it has ended: its death is never lost."""
+        fired = [fd for fd in self._sentinels if fd in ready]
+        for fd in fired:
+            name = self._sentinels.get(fd)
+            if name is not None:
+                self._unwatch(name, {fd})
+                self._ending.add(name)
+        for name in sorted(self._ending):
+            if name in self._dead or self._ended(name):
+                self._ending.discard(name)
+                self._unwatch(name)
+                if name not in self._dead:
+                    self._on_death(name)
+
     def _hub_loop(self) -> None:
         import zmq
-        poller = zmq.Poller()
+        self._poller = poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        # a sub-server's end: any of its sentinels turns readable (then `ended` is asked, since a
-        # fork server's death closes a status pipe too)
-        sentinels = {}
         for name, p in self.procs.items():
-            for s in p.sentinels():
-                sentinels[s if isinstance(s, int) else s.fileno()] = name
-        for fd in sentinels:
-            poller.register(fd, zmq.POLLIN)
+            self._watch(name, p)
         try:
             while not self._closed:
+                while self._control:
+                    self._control.popleft()()
                 self._drain_out()
                 ready = dict(poller.poll(100))
                 if self._router in ready:
@@ -636,14 +672,7 @@ class HubTransport:
                     with contextlib.suppress(OSError):
                         while os.read(self._wake_r, 4096):
                             pass
-                for fd, name in list(sentinels.items()):
-                    if fd in ready and fd in sentinels:
-                        ended = self._ended(name)
-                        for other in [f for f, n in sentinels.items() if n == name and (ended or f == fd)]:
-                            poller.unregister(other)
-                            del sentinels[other]
-                        if ended:
-                            self._on_death(name)
+                self._check_ends(ready)
             self._drain_out()
         except Exception as e:  # noqa: BLE001 - the hub is broken: fail everything, say why
             traceback.print_exc()
