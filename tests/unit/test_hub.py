@@ -67,8 +67,10 @@ class ThreadStarted:
 class ThreadLauncher:
     kind, what, threads = "test-threads", "the test's sub-server threads", 1
 
-    def __init__(self, shift: float = 0.0, crash: str | None = None, lag: float = 0.0):
-        self.shift, self.crash, self.lag = shift, crash, lag
+    def __init__(self, shift: float = 0.0, crash: str | None = None, lag: float = 0.0, times: int = 1 << 30):
+        self.shift, self.crash, self.lag, self.times = shift, crash, lag, times
+        self.crashes: dict[str, int] = {}  # model -> starts that crashed
+        self.relaunch_s = 0.0  # a restart's launch returns this late (its sub-server may say hi first)
         self.calls: list[str] = []
 
     def prepare(self, specs):
@@ -81,7 +83,8 @@ class ThreadLauncher:
             payload = cloudpickle.dumps(_child_spec(spec))
 
             def serve(name=name, payload=payload):
-                if name == self.crash:
+                if name == self.crash and self.crashes.get(name, 0) < self.times:
+                    self.crashes[name] = self.crashes.get(name, 0) + 1
                     time.sleep(0.3)
                     report(name, "the test ended it")
                     return 7
@@ -89,6 +92,8 @@ class ThreadLauncher:
                                      t_main=time.perf_counter(), watch_parent=False)
 
             started[name] = ThreadStarted(name, serve, self.lag if name == self.crash else 0.0)
+            if self.calls.count("launch") > 1:  # a restart: return late, as a Ray actor's start does
+                time.sleep(self.relaunch_s)
 
     def deliver(self, specs):
         self.calls.append("deliver")
@@ -209,6 +214,31 @@ def test_the_crash_report_survives_a_cpu_hog(models, tok):
         for h in hogs:
             h.kill()
             h.wait()
+
+
+@pytest.mark.parametrize("relaunch_s", [0.0, 1.0])
+def test_a_sub_server_that_ended_is_restarted_by_the_launcher_and_serves(models, tok, relaunch_s):
+    """The hub restarts a dead sub-server with its launcher (one more `launch` of that model),
+    watches the new one, sends it the policies first, and the engine serves the reference again;
+    also when the new sub-server says hi before its launch returned."""
+    launcher = ThreadLauncher(crash="large", times=1)
+    launcher.relaunch_s = relaunch_s
+    engine = Engine({n: TorchRunnerSpec(m, max_kv_tokens=512) for n, m in models.items()}, tok,
+                    transport=HubTransport(launcher, start_timeout=None))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    try:
+        outs = _run(engine, [[5, 6, 7], [8, 9]], RandomRouting(p=0.9, seed=1), params)
+        assert all(o.finish_reason == "failed" for o in outs) and set(engine.dead) == {"large"}
+        engine.restart("large", timeout=60)
+        assert not engine.dead and launcher.calls == ["prepare", "launch", "deliver", "launch", "deliver"]
+        outs = _run(engine, mixed_prompts(4, seed=8), RandomRouting(p=0.4, seed=3), params)
+    finally:
+        engine.close()
+    for o in outs:
+        assert o.finish_reason == "length", o.error
+        ref = reference_generate(models, o.prompt, RandomRouting(p=0.4, seed=3), params, rid=o.rid)
+        assert (o.token_ids, o.token_models) == (ref["token_ids"], ref["token_models"]), o.rid
+    assert {m for o in outs for m in o.token_models} == {"small", "large"}
 
 
 def test_process_and_ray_transports_only_pass_their_launcher_in():

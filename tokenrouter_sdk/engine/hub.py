@@ -369,9 +369,8 @@ class HubTransport:
                 with contextlib.suppress(Exception):
                     self.procs[model].close()
                 self.procs[model] = started[model]
-                for table in (self._errors, self._dead_why, self._geometry, self.boot):
+                for table in (self._errors, self._dead_why):
                     table.pop(model, None)
-                self._ready.discard(model)
                 with self._lock:
                     for key in [k for k in self._policy_cache if k[0] == model]:
                         del self._policy_cache[key]
@@ -381,6 +380,8 @@ class HubTransport:
                 self._buffer[model] = [data[0] for data in held]
                 self._watch(model, started[model])
                 self._dead.discard(model)
+                if model in self._ready:  # its hi came first (a launcher that hands the spec at launch)
+                    self._deliver(model, self._buffer.pop(model, []))
             except BaseException as e:  # noqa: BLE001 - reported to the caller, never the hub's end
                 failed.append(e)
             finally:
@@ -714,6 +715,7 @@ class HubTransport:
         if not self._closing:
             self._emit(M.ModelDied(name, text, time.perf_counter()))
         self._dead.add(name)  # after the report: alive() turns False only once the engine knows why
+        self._ready.discard(name)  # a restarted sub-server is ready once its own hi arrives
         if not self._closing:
             self._bounce(name, held)
 
