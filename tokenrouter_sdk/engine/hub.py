@@ -403,7 +403,9 @@ class HubTransport:
             if model in self._dead:
                 raise RuntimeError(f"restart('{model}'): the new sub-server died while starting: "
                                    f"{self._dead_why.get(model, 'no reason given')}")
-            if time.monotonic() > deadline or self._closed:
+            if self._closed or self._closing:
+                raise RuntimeError(f"restart('{model}'): the Router was closed while the sub-server started")
+            if time.monotonic() > deadline:
                 started[model].signal(signal.SIGKILL)
                 raise RuntimeError(f"restart('{model}'): the new sub-server did not connect within {limit} s; "
                                    f"it was ended")
