@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 MAX_EXPANSIONS = 3  # times the search widens its upper bound (x4 the width) to reach the target
+FEW_PROMPTS = 16  # fewer calibration prompts: a warning (the share on other questions may be far off)
 
 
 class CalibrationError(ValueError):
@@ -204,6 +205,11 @@ def calibrate_large_share(router, policy_factory, prompts: list, target: float, 
         raise ValueError(f"rounds must be an int >= 2 (the two bounds are run first), got {rounds!r}")
     if not prompts:
         raise ValueError("calibrate_large_share: no calibration prompts")
+    if len(prompts) < FEW_PROMPTS:
+        import warnings
+        warnings.warn(f"calibrating on {len(prompts)} prompt(s), fewer than {FEW_PROMPTS}: the large share the "
+                      f"threshold realises on other questions may be far from the target {target:g}; calibrate on "
+                      f"more (calibration=N, --calibration N)", UserWarning, stacklevel=2)
     factory, pname = _factory(policy_factory, param)
 
     def run(v: float) -> dict:
