@@ -9,6 +9,7 @@ import math
 import pytest
 
 from tokenrouter_sdk import Router
+from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.eval import calibrate_large_share, evaluate_policy
 from tokenrouter_sdk.eval.calibrate import CalibrationError, _bisect, search_threshold
 
@@ -50,14 +51,17 @@ def test_the_bisection_says_when_the_target_is_out_of_reach():
 def test_a_policy_is_calibrated_in_the_engine(pair, tok):
     prompts = mixed_prompts(8, seed=3)
     with Router(pair, tokenizer=tok, processes=False) as r:
-        cal = calibrate_large_share(r, "random", prompts, 0.3, max_new_tokens=16, tol=0.03, concurrency=8)
+        cal = calibrate_large_share(r, RandomRouting, prompts, 0.3, param="p", max_new_tokens=16, tol=0.03,
+                                    concurrency=8)
     assert cal.param == "p" and cal.n_prompts == 8 and cal.target == 0.3
     assert cal.within_tol and abs(cal.large_fraction - 0.3) <= 0.03, cal.rounds
     assert cal.rounds[0]["threshold"] == 0.0 and cal.rounds[0]["large_fraction"] == 0.0
     assert cal.rounds[1]["threshold"] == 1.0 and cal.rounds[1]["large_fraction"] > 0.5
     assert all(0 < r["tokens"] <= 8 * 16 and r["failed"] == 0 for r in cal.rounds)
     with pytest.raises(ValueError, match=r"target_large_share must be in \(0, 1\)"):
-        calibrate_large_share(None, "random", prompts, 1.2)
+        calibrate_large_share(None, RandomRouting, prompts, 1.2, param="p")
+    with pytest.raises(TypeError, match="a Policy class needs param="):
+        calibrate_large_share(None, RandomRouting, prompts, 0.3)
 
 
 @pytest.fixture(scope="module")

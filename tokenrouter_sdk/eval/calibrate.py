@@ -173,9 +173,9 @@ def calibrate_large_share(router, policy_factory, prompts: list, target: float, 
 
     Args:
         router: a `Router` (sub-servers in threads or processes).
-        policy_factory: value -> `Policy` (a callable), a Policy class (called with
-            ``param=value``) or a built-in name (``"rstitch"``: tau, ``"random"``: p, ...; see
-            `tokenrouter_sdk.eval.sweep.POLICIES`).
+        policy_factory: value -> `Policy` (a callable, e.g. ``lambda t: RStitch(tau=t)``) or a
+            Policy class (called with ``param=value``). `evaluate_policy` also takes the built-in
+            names (``"rstitch"``, ...).
         prompts: calibration prompts (text or token ids), held out from any evaluation.
         target: the wanted share of committed tokens written by the largest model, in (0, 1).
         param: the threshold's argument name (for the class form and the record).
@@ -191,11 +191,11 @@ def calibrate_large_share(router, policy_factory, prompts: list, target: float, 
     Raises:
         ValueError: ``target`` outside (0, 1), ``bounds`` not lo < hi, ``rounds < 2``, no
             prompts.
+        TypeError: ``policy_factory`` is neither callable nor a class with ``param``.
         CalibrationError: the threshold changes nothing between the bounds, or no threshold in
             reach realises the target (names the shares realised).
         RuntimeError: a calibration run failed every request.
     """
-    from .sweep import _factory
     if not (isinstance(target, numbers.Real) and 0 < target < 1):
         raise ValueError(f"target_large_share must be in (0, 1) (a share of committed tokens), got {target!r}")
     lo, hi = (float(b) for b in bounds)
@@ -210,7 +210,17 @@ def calibrate_large_share(router, policy_factory, prompts: list, target: float, 
         warnings.warn(f"calibrating on {len(prompts)} prompt(s), fewer than {FEW_PROMPTS}: the large share the "
                       f"threshold realises on other questions may be far from the target {target:g}; calibrate on "
                       f"more (calibration=N, --calibration N)", UserWarning, stacklevel=2)
-    factory, pname = _factory(policy_factory, param)
+    if isinstance(policy_factory, type):
+        if not param:
+            raise TypeError(f"calibrate_large_share: a Policy class needs param= (the threshold argument of "
+                            f"{policy_factory.__name__}), or give a callable value -> Policy")
+        cls = policy_factory
+        factory, pname = (lambda v: cls(**{param: v})), param
+    elif callable(policy_factory):
+        factory, pname = policy_factory, param or "value"
+    else:
+        raise TypeError(f"calibrate_large_share: policy_factory must be a callable value -> Policy or a Policy "
+                        f"class, got {type(policy_factory).__name__}")
 
     def run(v: float) -> dict:
         return measure_share(router, factory(v), prompts, max_new_tokens=max_new_tokens, temperature=temperature,
