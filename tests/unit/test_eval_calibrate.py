@@ -105,3 +105,15 @@ def test_the_cli_takes_target_shares():
     for bad in ("1.5", "x", "0"):
         with pytest.raises(SystemExit):
             p.parse_args(["--target-large-share", bad])
+
+
+def test_several_policies_are_each_calibrated_on_the_same_held_out_questions(pair, tok, questions):
+    from tokenrouter_sdk.eval import evaluate_policies
+    with Router(pair, tokenizer=tok, processes=False) as r:
+        res = evaluate_policies(r, {"a": "random", "b": (lambda p: RandomRouting(p=p, seed=7), [0.5], "p")},
+                                target_large_share=0.4, dataset=str(questions), limit=4, seed=None, calibration=6,
+                                references=False, repeats=1, max_new_tokens=12, concurrency=4, progress=False)
+    swept = {x["policy_name"]: x for x in res.records}
+    assert set(swept) == {"a", "b"} and all(x["target_large_share"] == 0.4 for x in swept.values())
+    assert swept["a"]["value"] != swept["b"]["value"]  # each its own threshold (other draws)
+    assert set(res.config["calibration"]["policies"]) == {"a", "b"}
