@@ -36,15 +36,22 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Needs:
-    """Per-step data a policy opts in to. A step computes only what a policy in it declared, and
-    reading anything else raises `NeedsError` naming the flag to set. The sampled token, the
+    """Per-step data a policy opts in to: what must be kept for it or travel with a request.
+    What a step computes from its own logits (the logits and log-probabilities, entropy,
+    normalised entropy, max probability, top-k) is there for every policy, computed when a
+    policy first reads it in that step, once per step, so a step whose policy reads none of it
+    pays nothing. Reading data of a flag not declared (``hidden``, ``handoff_logits``,
+    ``prompt_hidden``) raises `NeedsError` naming the flag to set. The sampled token, the
     request (`RequestView`) and its state are always there.
 
     Attributes:
-        entropy: next-token entropy (nats), normalised entropy and max probability.
-        topk: how many top logits (values and indices) `StepBatch.topk` may return; 0 = none.
-        logits: the full last-position logits, shape [V], and log-probabilities (implies
-            ``entropy`` and any ``topk``).
+        entropy: accepted for older policies (entropy, normalised entropy and max probability
+            are computed when read).
+        topk: the largest k the policy reads: the first `StepBatch.topk` call of a step takes
+            the top max(k, topk) once, so smaller reads share it (a larger k is computed when
+            read); 0 = the k asked.
+        logits: accepted for older policies (the last-position logits [V] and log-probabilities
+            are there when read).
         hidden: the last-layer hidden state of the position that produced the token, shape [H].
         handoff_logits: a handoff that discards the sampled token (``keep_sampled=False``)
             carries the source's logits of that position (shape [V], ~4 bytes x V on the wire),
@@ -197,7 +204,8 @@ class StepBatch:
         requests: the requests, length B.
         tokenizer: the shared tokenizer (for text-level rules such as step boundaries), or None.
         needs: what the policy declared (None: everything may be read, e.g. in the reference).
-        logits: last-position logits, shape [B, V] (``Needs(logits=True)``).
+        logits: last-position logits, shape [B, V] (with ``logprobs``, ``entropy``, ``norm_entropy``,
+            ``max_prob`` and ``topk(k)``: computed when read, once per step).
         hidden: last-layer hidden states (after the final norm) of those positions, shape [B, H]
             (``Needs(hidden=True)``).
         peer_logits: per request, the logits [V] the handing-off model had for the position
@@ -226,6 +234,7 @@ class StepBatch:
         self._hidden: torch.Tensor | None = None
         self._logp: torch.Tensor | None = None
         self._entropy: torch.Tensor | None = None
+        self._max_prob: torch.Tensor | None = None
         self._lse: torch.Tensor | None = None
         self._topk: dict = topk_cache if topk_cache is not None else {}
         n = len(requests)
@@ -249,8 +258,7 @@ class StepBatch:
 
     @property
     def logits(self) -> torch.Tensor:
-        """Last-position logits, shape [B, V]."""
-        self._require(self.needs is None or self.needs.logits, "step.logits", "logits=True")
+        """Last-position logits, shape [B, V] (this step's own: a view, no copy for the whole batch)."""
         return self._raw_logits()
 
     def _raw_logits(self) -> torch.Tensor:
@@ -270,8 +278,7 @@ class StepBatch:
 
     @property
     def logprobs(self) -> torch.Tensor:
-        """Log-softmax of the logits, shape [B, V] (float32)."""
-        self._require(self.needs is None or self.needs.logits, "step.logprobs", "logits=True")
+        """Log-softmax of the logits, shape [B, V] (float32; computed once per step when read)."""
         return self._log_softmax()
 
     def _log_softmax(self) -> torch.Tensor:
@@ -279,13 +286,10 @@ class StepBatch:
             self._logp = torch.log_softmax(self._raw_logits().float(), dim=-1)
         return self._logp
 
-    def _entropy_ok(self, what: str) -> None:
-        self._require(self.needs is None or self.needs.entropy or self.needs.logits, what, "entropy=True")
-
     @property
     def entropy(self) -> torch.Tensor:
-        """Shannon entropy of the next-token distribution, nats, shape [B]."""
-        self._entropy_ok("step.entropy")
+        """Shannon entropy of the next-token distribution, nats, shape [B] (computed once per
+        step when read)."""
         if self._entropy is None:
             lp = self._log_softmax()
             self._entropy = -(lp.exp() * lp).nan_to_num().sum(-1)
@@ -294,21 +298,25 @@ class StepBatch:
     @property
     def norm_entropy(self) -> torch.Tensor:
         """Entropy divided by log V, in [0, 1], shape [B] (R-Stitch, arXiv 2507.17307)."""
-        self._entropy_ok("step.norm_entropy")
         return self.entropy / math.log(self._logits_all.shape[-1])
 
     @property
     def max_prob(self) -> torch.Tensor:
-        """Probability of the most likely token, shape [B]."""
-        self._entropy_ok("step.max_prob")
-        return self._log_softmax().max(-1).values.exp()
+        """Probability of the most likely token, shape [B] (computed once per step when read)."""
+        if self._max_prob is None:
+            self._max_prob = self._log_softmax().amax(-1).exp()
+        return self._max_prob
 
     def topk(self, k: int) -> TopK:
         """The top-k tokens per request: a `TopK` that unpacks as ``(logits, indices)``, each shape
-        [B, k], sorted descending, with ``.probs`` / ``.logprobs`` (softmax over all V logits)
-        (computed once per step for the largest k its policies declared)."""
-        self._require(self.needs is None or self.needs.logits or self.needs.topk >= k, f"step.topk({k})",
-                      f"topk={k}")
+        [B, k], sorted descending, with ``.probs`` / ``.logprobs`` (softmax over all V logits);
+        computed when read, once per step for the largest k read or declared (``Needs(topk=)``).
+
+        Raises:
+            ValueError: ``k`` is not an int >= 1."""
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"step.topk(k): k must be an int >= 1 (how many tokens), got {k!r}")
+        k = min(int(k), self._logits_all.shape[-1])
         hit = next((kk for kk in sorted(self._topk) if kk >= k), None)
         if hit is None:
             kk = max(k, self.needs.topk if self.needs is not None else 0)
@@ -316,8 +324,9 @@ class StepBatch:
             self._topk[kk] = torch.topk(self._raw_logits(), kk, dim=-1)
             hit = kk
         v, i = self._topk[hit]
-        if self._lse is None:
-            self._lse = torch.logsumexp(self._raw_logits().float(), dim=-1)
+        if self._lse is None:  # log-sum-exp of each row: from the log-softmax when a read made it
+            self._lse = (v[:, 0].float() - self._logp.gather(-1, i[:, :1]).squeeze(-1) if self._logp is not None
+                         else torch.logsumexp(self._raw_logits().float(), dim=-1))
         return TopK(v[:, :k], i[:, :k], self._lse)
 
     @property
@@ -388,10 +397,11 @@ class Step:
             else the Router served (`request_draw` ``(seed, step.request, i)``).
         state: the request's per-request dict (``step.request.state``); it travels with
             handoffs.
-        entropy, norm_entropy, max_prob: of the next-token distribution (``Needs(entropy=True)``).
-        topk(k): the k most likely tokens with their logits and probabilities
-            (``Needs(topk=k)``, a `TopK`).
-        logits, logprobs, hidden: shape [V], [V], [H] (``Needs(logits=True)``, ``Needs(hidden=True)``).
+        entropy, norm_entropy, max_prob: of the next-token distribution (computed when read).
+        topk(k): the k most likely tokens with their logits and probabilities (a `TopK`,
+            computed when read).
+        logits, logprobs: shape [V] (this step's own, when read); hidden: shape [H]
+            (``Needs(hidden=True)``).
     """
 
     __slots__ = ("batch", "i")
@@ -428,7 +438,7 @@ class Step:
     def topk(self, k: int) -> TopK:
         """The top-k tokens of this step: a `TopK` that unpacks as ``(logits, indices)``, each
         shape [k], most likely first; ``.probs`` gives their probabilities (softmax over all V
-        logits), e.g. ``step.topk(2).probs[1]`` is the runner-up's. Needs ``Needs(topk=k)``."""
+        logits), e.g. ``step.topk(2).probs[1]`` is the runner-up's (computed when read)."""
         t = self.batch.topk(k)
         return TopK(t[0][self.i], t[1][self.i], t._lse[self.i])
 

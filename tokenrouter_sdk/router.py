@@ -355,7 +355,7 @@ class Router:
 
         Raises:
             ValueError: a bad sampling argument, before anything runs.
-            EngineDeadError: a sub-server died (names it); build a new Router.
+            EngineDeadError: a sub-server died (names it); `restart` it, or build a new Router.
         """
         reqs = self.requests(prompts, sampling=sampling, chat=chat, keys=keys,
                              chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens, **kw)
@@ -368,7 +368,7 @@ class Router:
 
         Raises:
             ValueError: delayed thresholds infeasible for the concurrency.
-            EngineDeadError: a sub-server died (names it); build a new Router.
+            EngineDeadError: a sub-server died (names it); `restart` it, or build a new Router.
         """
         pol = policy if policy is not None else self.policy
         n = len(reqs) if concurrency is None else min(len(reqs), concurrency)
@@ -652,6 +652,31 @@ class Router:
         rid = target.rid if isinstance(target, (RequestHandle, RequestOutput)) else int(target)
         self.engine.abort(rid, reason)
 
+    def restart(self, model: str | None = None, *, timeout: float | None = None) -> list[str]:
+        """Start a dead model's sub-server again (``model``; None: every dead one), from the spec
+        it started with (a fresh KV pool), and serve new requests again; returns the models
+        restarted. The requests a sub-server held when it died (it owned them, or kept their
+        KV) failed then, each with its own error; requests that never reached it go on.
+
+        Args:
+            model: the model to restart, or None for every dead one.
+            timeout: seconds to wait for a sub-server process (or Ray actor) to connect (None:
+                the transport's start timeout).
+
+        Raises:
+            ValueError: no model of that name.
+            RuntimeError: the Router is closed; ``model`` is running; the transport cannot
+                restart (the simulated one); the new sub-server failed to start (the model stays
+                dead, the error says why).
+        """
+        if self.closed:
+            raise RuntimeError("restart: this Router is closed; create a new one")
+        self.engine.check_alive()
+        names = [model] if model is not None else list(self.engine.dead)
+        for name in names:
+            self.engine.restart(name, timeout=timeout)
+        return names
+
     def _plan(self, policy, n: int) -> None:
         key = (id(policy), n)
         if key not in self._plans:
@@ -728,7 +753,7 @@ class Router:
         return KVStats(self.engine.kv_stats(timeout), sizing=getattr(self, "kv_sizing", None))
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, *, policy=None, model_id: str = "tokenrouter",
-              log_level: str = "warning") -> str:
+              log_level: str = "warning", restart_limit: int = 0) -> str:
         """Serve this Router over HTTP, OpenAI-compatible, in the background; returns its URL.
 
         uvicorn runs in a thread with its own event loop (so it works inside Jupyter, whose loop
@@ -745,6 +770,9 @@ class Router:
                 Router's policy.
             model_id: the ``model`` id of routed generation (each sub-model's name is served too).
             log_level: uvicorn's log level.
+            restart_limit: restart a sub-server that died, at most this many times per model
+                (logged on the ``tokenrouter.serve`` logger); 0 (default): never (`restart` it
+                by hand).
 
         Returns:
             the base URL, e.g. ``"http://127.0.0.1:41235"`` (the OpenAI base_url is it + ``/v1``).
@@ -764,7 +792,7 @@ class Router:
             from .serve.server import BackgroundServer
         except ImportError as e:
             raise ImportError(f"Router.serve needs the serve extra: pip install 'tokenrouter-sdk[serve]' ({e})") from e
-        app = create_app(self, policy=policy, model_id=model_id)
+        app = create_app(self, policy=policy, model_id=model_id, restart_limit=restart_limit)
         try:
             self._server = BackgroundServer(app, host, port, log_level=log_level).start()
         except BaseException:

@@ -1,11 +1,12 @@
 """What a policy's per-step data costs: per-step time and message size with and without `Needs`.
 
-Two policies make the same routing decisions (RandomRouting's draws, so the workloads are equal):
-``lean`` declares ``Needs()`` and reads nothing but the token; ``rich`` declares
-``Needs(entropy=True, logits=True, hidden=True, topk=K)`` and reads entropy, log-probabilities,
-top-K and the hidden state of every request at every step, as a learned router does. They run
-alternately on one Router (the packaged pair, sub-servers in processes), so the machine's drift
-hits both. Per model it reports the median step time, the median time of a step outside the model
+Three policies make the same routing decisions (RandomRouting's draws, so the workloads are equal):
+``lean`` declares ``Needs()`` and reads nothing but the token; ``signals`` declares ``Needs()``
+too and reads the step's entropy, max probability and top-5 (computed when read, no declaration);
+``rich`` declares ``Needs(entropy=True, logits=True, hidden=True, topk=K)`` and reads entropy,
+log-probabilities, top-K and the hidden state of every request at every step, as a learned router
+does. They run alternately on one Router (the packaged pair, sub-servers in processes), so the
+machine's drift hits all. Per model it reports the median step time, the median time of a step outside the model
 forward (batch building, sampling, the policy, events) and committed tokens/s. Message size: the
 encoded bytes (`engine.codec`) of a `HandoffMsg` (what travels per hop between sub-server
 processes) with an empty policy state, with a generator in the state (what a seeded policy used
@@ -71,13 +72,20 @@ def main() -> None:
             batch.entropy, batch.logprobs, batch.topk(args.topk), batch.hidden.norm(dim=-1)
             return super().route_batch(batch)
 
+    class Signals(RandomRouting):
+        needs = Needs()
+
+        def route_batch(self, batch):
+            batch.entropy, batch.max_prob, batch.topk(5)
+            return super().route_batch(batch)
+
     prompts = load_prompts("gsm8k", 2 * args.concurrency)
     rows = []
     with Router.default() as router:
         vocab = router.engine.vocab_limit
         router.generate(prompts[:2], max_new_tokens=8, ignore_eos=True)  # warm-up
         for rnd in range(args.rounds):
-            for name, pol in (("lean", Lean(args.p)), ("rich", Rich(args.p))):
+            for name, pol in (("lean", Lean(args.p)), ("signals", Signals(args.p)), ("rich", Rich(args.p))):
                 outs = router.generate(prompts, policy=pol, max_new_tokens=args.tokens, ignore_eos=True,
                                        concurrency=args.concurrency)
                 m = outs.metrics()
@@ -94,12 +102,18 @@ def main() -> None:
                                ("outside_forward_ms", "outside fwd ms", ".2f"), ("tok_s", "tok/s", ".1f"),
                                ("large_fraction", "large", ".2f")]))
     summary = {}
-    for model in {r["model"] for r in rows}:
-        lean = st.median(r["outside_forward_ms"] for r in rows if r["model"] == model and r["policy"] == "lean")
-        rich = st.median(r["outside_forward_ms"] for r in rows if r["model"] == model and r["policy"] == "rich")
-        summary[model] = {"outside_forward_ms_lean": lean, "outside_forward_ms_rich": rich, "saved_ms": rich - lean}
-        print(f"{model}: outside the forward, lean {lean:.2f} ms vs rich {rich:.2f} ms per step "
-              f"({rich - lean:+.2f} ms the data costs)")
+    for model in sorted({r["model"] for r in rows}):
+        med = {name: st.median(r["outside_forward_ms"] for r in rows if r["model"] == model and r["policy"] == name)
+               for name in ("lean", "signals", "rich")}
+        step = {name: st.median(r["step_ms"] for r in rows if r["model"] == model and r["policy"] == name)
+                for name in ("lean", "signals", "rich")}
+        summary[model] = {"outside_forward_ms_lean": med["lean"], "outside_forward_ms_signals": med["signals"],
+                          "outside_forward_ms_rich": med["rich"], "saved_ms": med["rich"] - med["lean"],
+                          "step_ms_lean": step["lean"], "step_ms_signals": step["signals"],
+                          "step_ms_rich": step["rich"]}
+        print(f"{model}: outside the forward, lean {med['lean']:.2f} ms, signals {med['signals']:.2f} ms, rich "
+              f"{med['rich']:.2f} ms per step; whole step {step['lean']:.1f} / {step['signals']:.1f} / "
+              f"{step['rich']:.1f} ms")
     sizes = message_sizes(vocab)
     print("bytes per message: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
     evalkit.Output(args, __file__, evalkit.cells_tag(c=args.concurrency, t=args.tokens)).write(

@@ -64,3 +64,18 @@ def test_a_sweep_of_a_packaged_head_scores_none_of_its_training_questions(router
     res = evaluate_policy(router, "r2r", [tau], limit=4, seed=0, max_new_tokens=4, concurrency=4,
                           references=False, progress=False, exclude_head_questions=False, repeats=1)
     assert res.config["head_overlap"]["n"] == 2
+
+
+def test_a_target_large_share_is_reached_on_held_out_questions(router):
+    """R-Stitch calibrated to a large share of 0.3 on 8 held-out GSM8K questions realises it within
+    5 points there, and is evaluated at that threshold on 8 other questions, with the target beside
+    the share realised on them."""
+    from tokenrouter_sdk.eval import evaluate_policy
+    res = evaluate_policy(router, "rstitch", target_large_share=0.3, dataset="gsm8k", limit=8, calibration=8,
+                          max_new_tokens=24, references=False, repeats=1, progress=False)
+    (rec,) = [x for x in res.records if x["kind"] == "sweep"]
+    cal = rec["calibration"]
+    assert abs(cal["large_fraction"] - 0.3) <= 0.05, cal["rounds"]
+    assert rec["target_large_share"] == 0.3 and rec["value"] == cal["threshold"] and 0 < cal["threshold"] < 1
+    assert abs(rec["large_fraction"] - 0.3) <= 0.15  # the evaluated questions: near the target, not on it
+    assert not set(res.config["calibration"]["ids"]) & set(res.config["dataset"]["ids"])

@@ -56,6 +56,7 @@ def test_serve_flags_take_effect(folders, tmp_path):
         pol = app.state.tr.policy
         assert (type(pol).__name__, pol.tau, pol.tau_back) == ("RStitch", 0.3, 0.02)
         assert router.kv_sizing["large"].rule == "kv_memory_fraction" and router.kv_sizing["large"].fraction == 0.01
+        assert app.state.tr.restarts.limit == 3  # a dead sub-server is restarted up to 3 times by default
     finally:
         sock.close()
         router.close()
@@ -127,6 +128,7 @@ def test_tp_flag_makes_the_model_tensor_parallel_loaded_from_its_folder(folders)
     (["--policy", "rstitch:speed=1"], "has no argument 'speed'"),
     (["--tp", "large=two"], "--tp takes NAME=RANKS"),
     (["--tp", "huge=2"], "--tp names"),
+    (["--restart-limit", "-1"], "--restart-limit must be >= 0"),
 ])
 def test_serve_bad_flags_stop_naming_them(argv, msg):
     pytest.importorskip("fastapi")

@@ -180,6 +180,65 @@ def test_dead_sub_server_fails_only_its_requests(tok):
             r.generate([[1, 2]], max_new_tokens=3)
 
 
+class DiesAt(ScriptedRunner):
+    """Its sub-server dies at its ``n``-th forward (once: a restarted one serves)."""
+
+    def __init__(self, *a, n: int, **kw):
+        super().__init__(*a, **kw)
+        self.n = n
+
+    def forward(self, seqs):
+        if self.forwards + 1 == self.n:
+            self.forwards += 1
+            raise SystemExit("the large model's worker died")
+        return super().forward(seqs)
+
+
+class VisitOnce(Policy):
+    """Small writes position 0, large position 1 (keeping the token), small the rest."""
+
+    def route(self, step):
+        return "large" if step.model == "small" and step.position == 0 else "small"
+
+    def send(self, req, target):
+        return Handoff(keep_sampled=True)
+
+
+def test_a_dead_sub_server_restarted_serves_again(tok):
+    """The large sub-server dies at its second forward: the request that routed there fails, so
+    does one whose KV it kept (pending: it visited and went back), one that never reached it
+    goes on; new requests get a clear error until `Router.restart`, then are served, and every
+    pool is whole."""
+    pair = {"small": ScriptedRunner(lambda p: 70, delay_s=0.005), "large": DiesAt(lambda p: 71, n=2)}
+    with Router(pair, StayOn("small"), tokenizer=tok) as r:
+        initial = {m: (n, n) for m, (_, n) in pools_free(r).items()}
+        bystander = r.submit([[3, 4]], max_new_tokens=120, ignore_eos=True)
+        pending = r.submit([[5, 6]], max_new_tokens=120, ignore_eos=True, policy=VisitOnce())
+        deadline = time.monotonic() + 10
+        while len(pending[0].output.token_ids) < 3:  # visited large and came back: its KV waits there
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        doomed = r.submit([[9, 9]], max_new_tokens=40, ignore_eos=True, policy=HandTo("large", after=1))
+        for call in (bystander, pending, doomed):
+            call.wait(timeout=10)
+        assert bystander[0].output.finish_reason == "length"
+        assert doomed[0].output.finish_reason == "failed" and "'large'" in doomed[0].output.error
+        out = pending[0].output
+        assert out.finish_reason == "failed" and "model 'large' died while it held this request" in out.error
+        with pytest.raises(RuntimeError, match=r"router.restart\('large'\)"):
+            r.generate([[1, 2]], max_new_tokens=3)
+        assert r.restart() == ["large"]
+        outs = r.generate([[5, 6], [7, 8]], policy=VisitOnce(), max_new_tokens=6, ignore_eos=True)
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        assert [o.token_models for o in outs] == [["small", "large", "small", "small", "small", "small"]] * 2
+        assert all(s.alive for s in r.kv_stats().values())
+        assert pools_free(r) == initial
+        with pytest.raises(RuntimeError, match="is running; only a dead one is restarted"):
+            r.restart("large")
+        with pytest.raises(ValueError, match="no model 'huge'"):
+            r.restart("huge")
+
+
 # ---- per-call settings, keys, memory -------------------------------------------------------
 def test_concurrent_calls_keep_their_own_concurrency_and_metrics(tok):
     with Router(scripted_pair(delay_s=0.002), Alternate(), tokenizer=tok) as r:

@@ -219,6 +219,35 @@ class Slow(Policy):
         return step.model
 
 
+def test_a_killed_sub_server_is_restarted_and_serves_the_reference(pair, tok):
+    """SIGKILL the large sub-server process mid-run (as the kernel's OOM killer does): its
+    requests fail naming it, `Router.restart` starts a new process from the same spec, and the
+    Router serves the reference's tokens again with every pool whole."""
+    policy = RandomRouting(p=0.5, seed=3)
+    with Router(pair, policy, tokenizer=tok, processes=True) as r:
+        tr = r.engine.transport
+        old = tr.pids()["large"]
+        handles = r.submit(mixed_prompts(2, seed=2), policy=Slow(), max_new_tokens=200, ignore_eos=True)
+        handles2 = r.submit(mixed_prompts(2, seed=5), max_new_tokens=400, ignore_eos=True)  # routed there too
+        deadline = time.monotonic() + 60
+        while not handles2[0].output.hops:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(old, signal.SIGKILL)
+        handles2.wait(timeout=30)
+        for h in handles2:
+            assert h.output.finish_reason == "failed" and "sub-server process 'large' died" in h.output.error
+        with pytest.raises(EngineDeadError, match=r"router.restart\('large'\)"):
+            r.generate(mixed_prompts(1), max_new_tokens=4, timeout=30)
+        assert r.restart("large", timeout=60) == ["large"]
+        assert tr.pids()["large"] != old and tr.alive("large") and _gone(old)
+        handles.wait(timeout=60)  # never routed to large: served through the death and the restart
+        assert all(h.output.finish_reason == "length" for h in handles)
+        _check(r, pair, policy, mixed_prompts(3, seed=4))
+        stats = r.kv_stats(timeout=30)
+        assert all(s.alive and s.free_blocks == s.num_blocks for s in stats.values()), stats
+
+
 def test_killed_subserver_fails_its_requests_and_close_ends_the_rest(routers):
     r = routers.pop("async")
     tr = r.engine.transport

@@ -42,6 +42,17 @@ def _floats(s: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"--values must be comma-separated numbers, e.g. 0.02,0.05,0.1; got {s!r}")
 
 
+def _shares(s: str) -> list[float]:
+    try:
+        out = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or not all(0 < x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"--target-large-share takes shares in (0, 1), comma-separated, e.g. 0.3 "
+                                         f"or 0.1,0.3; got {s!r}")
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.ArgumentParser:
     """The ``eval`` options (shared by the subcommand and ``evals/quality/hop_rate_sweep.py``);
     ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, the output folder)."""
@@ -55,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser, *, out: bool = True) -> argparse.A
     p.add_argument("--values", type=_floats, default=None,
                    help="comma-separated values of the swept argument (default 0.02,0.05,0.1,0.2,0.4 for rstitch, "
                         "random, random_query, r2r_entropy; else one point at the policy's own value)")
+    p.add_argument("--target-large-share", type=_shares, default=None, metavar="SHARE[,SHARE...]",
+                   help="calibrate each policy's threshold to these shares of tokens written by the large model "
+                        "on held-out questions (a bisection between 0, 1 and --values), then evaluate each; the "
+                        "table shows the target beside the realised share")
+    p.add_argument("--calibration", type=int, default=32, metavar="N",
+                   help="held-out questions --target-large-share calibrates on (default 32; drawn after the "
+                        "evaluated ones)")
     p.add_argument("--include-head-questions", action="store_true",
                    help="score a learned policy also on the questions its head was trained, validated or "
                         "calibrated on (default: they are left out, and the output says how many)")
@@ -370,6 +388,7 @@ def cmd_eval(args) -> int:
         kwargs["allow_unknown_attention"] = True
     print(describe_pair(args), flush=True)
     refs = False if args.no_references else (args.references.split(",") if args.references else True)
+    from ..eval.calibrate import CalibrationError
     from ..models import ModelLoadError
     from ..placement import DeviceError
     common = dict(dataset=args.dataset, limit=args.limit, seed=None if args.seed < 0 else args.seed,
@@ -377,6 +396,8 @@ def cmd_eval(args) -> int:
                   references=refs, out_dir=args.out, progress=not args.no_progress, router_kwargs=kwargs,
                   exclude_head_questions=not args.include_head_questions, shard=args.shard, repeats=args.repeats,
                   cache=args.cache)
+    if args.target_large_share:  # each point's threshold calibrated to its share on held-out questions
+        common.update(target_large_share=args.target_large_share, calibration=args.calibration)
     try:
         if len(entries) == 1:
             _, factory, param, values = entries[0]
@@ -387,6 +408,8 @@ def cmd_eval(args) -> int:
                                              for name, factory, param, values in entries}, **common)
     except (DeviceError, ModelLoadError) as e:
         raise fail(prog, f"{type(e).__name__}: {e}") from None
+    except CalibrationError as e:
+        raise fail(prog, f"--target-large-share: {e}") from None
     print(res.table())
     resumed = sum(r["resumed"] for r in res.records)
     ran = [r for r in res.records if not r["resumed"]]

@@ -50,6 +50,8 @@ def build(args):
     policy = build_policy(registry, policy_label, prog, transport=args.transport)
     if args.thresholds is not None and args.mode != "delayed":
         raise SystemExit(f"{prog}: --thresholds apply to --mode delayed (delayed batching), not --mode {args.mode}")
+    if args.restart_limit < 0:
+        raise SystemExit(f"{prog}: --restart-limit must be >= 0 (restarts per model; 0: never), got {args.restart_limit}")
     settings = {"mode": args.mode}
     if args.thresholds is not None:
         settings["thresholds"] = _thresholds(args.thresholds)
@@ -78,7 +80,7 @@ def build(args):
         sock.close()
         raise
     app = create_app(router, policy=policy, policy_label=policy_label, registry=registry, model_id=args.served_model_name,
-                     max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+                     max_body_bytes=int(args.max_body_mb * 1024 * 1024), restart_limit=args.restart_limit)
     return router, app, sock, url_of(sock)
 
 
@@ -140,6 +142,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="placement of the sub-servers on the Ray cluster (default PACK)")
     s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default 4 MiB)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--restart-limit", type=int, default=3, metavar="N",
+                   help="restart a sub-server that died (its requests fail with the reason), at most N times per "
+                        "model, each logged (default 3; 0: never, /health answers 503 from the death on)")
     from .common import add_prefix_cache_flag
     add_prefix_cache_flag(s)
     s.set_defaults(fn=cmd_serve)

@@ -195,7 +195,8 @@ class Engine:
         if self._dead:
             m, why = next(iter(self._dead.items()))
             raise EngineDeadError(f"the sub-server of model '{m}' is dead ({why}); this Router cannot serve new "
-                                  f"requests: close it and build a new Router")
+                                  f"requests until it is restarted: router.restart('{m}'), or close it and build "
+                                  f"a new Router")
         if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
             raise ValueError(f"concurrency must be None or an int >= 1, got {concurrency!r}")
         PC.check_policy(policy)
@@ -301,6 +302,7 @@ class Engine:
         if self.config.mode.batches_delayed:
             self._broadcast_inflight()
         peers = tuple(m for m in h.peers if m not in self._dead)
+        h.visited = {h.entry, *peers}
         for m in peers:  # before the Admit: the entry's first handoff can only come after it
             self.transport.send(m, M.Prefill(h.config, h.entry))
         self.transport.send(h.entry, M.Admit(h.config, h.t_admit, h.state, peers))
@@ -452,6 +454,7 @@ class Engine:
         out = h.output
         self._record(h.call, ev)
         h.owner = ev.dst
+        h.visited.add(ev.dst)
         if ev.dst in self._dead:
             self._end(h, "failed", f"model '{ev.dst}' is dead ({self._dead[ev.dst]}): the request was routed "
                       f"to it", ev.t)
@@ -540,11 +543,14 @@ class Engine:
                 self.handle_event(M.ModelDied(m, f"sub-server '{m}' is not running", self.clock()))
 
     def _model_died(self, model: str, error: str) -> None:
+        """Fail every request ``model`` held (it owned it, or kept its KV pending: a return there
+        would find none, also on a restarted sub-server), free what the live models hold of
+        them, fail the queued requests that enter on it; observers see the `ModelDied`."""
         if model in self._dead or self._closed:
             return
         self._dead[model] = error
         for h in list(self.handles.values()):
-            if h.t_admit is not None and h.owner == model and not h.done.is_set():
+            if h.t_admit is not None and model in h.visited and not h.done.is_set():
                 self._end(h, "failed", f"model '{model}' died while it held this request: {error}", self.clock())
                 self._release_live(h.rid)
         for call in list(self._calls):
@@ -553,6 +559,54 @@ class Engine:
                 self._fail_before_admission(h, f"model '{model}' is dead: {error}")
         self._awaiting.discard(model)
         if not self._awaiting:
+            self._kick()
+        ev = M.ModelDied(model, error, self.clock())
+        for fn in self._observers:
+            fn(ev)
+
+    def restart(self, model: str, timeout: float | None = None) -> None:
+        """Start the sub-server of dead model ``model`` again, from the spec it started with: a
+        fresh KV pool, the policies of the calls still running and the current thresholds; the
+        engine then serves new requests again. The requests the dead sub-server held were failed
+        when it died (`EngineDeadError` is no longer raised once every model lives).
+
+        Args:
+            timeout: seconds to wait for a sub-server elsewhere to connect (None: the
+                transport's start timeout).
+
+        Raises:
+            RuntimeError: the engine is closed; ``model`` is running; the transport cannot
+                restart a sub-server (names it); the new sub-server failed to start or reported
+                its runner built otherwise than planned (the model stays dead).
+            ValueError: no model of that name.
+            Exception: what building its runner raised (sub-servers in threads).
+        """
+        if self._closed:
+            raise RuntimeError("restart: this Router is closed; create a new one")
+        if model not in self.models:
+            raise ValueError(f"restart: no model {model!r}; the models are {self.models}")
+        self.check_alive()
+        if model not in self._dead:
+            raise RuntimeError(f"restart('{model}'): its sub-server is running; only a dead one is restarted")
+        restart = getattr(self.transport, "restart", None)
+        if restart is None:
+            raise RuntimeError(f"restart('{model}'): {type(self.transport).__name__} cannot restart a sub-server; "
+                               f"close this Router and build a new one")
+        with self._lock:
+            first = [M.RegisterPolicy(k, pol) for k, (pol, _) in self._policies.items()]
+            first.append(M.SetThresholds(dict(self.thresholds)))
+            if self.config.mode.batches_delayed:
+                first.append(M.SetInflight(self._inflight))
+        restart(model, first, timeout)
+        reported = getattr(self.transport, "reported", None)
+        got = (reported() if reported is not None else {}).get(model)
+        want = self.info[model].geometry()
+        if got is not None and got != want:
+            self.transport.send(model, M.Shutdown())
+            raise RuntimeError(f"restart('{model}'): its runner was built as {got} in its new sub-server, but its "
+                               f"spec described {want}")
+        with self._lock:
+            self._dead.pop(model, None)
             self._kick()
 
     def _release_live(self, rid: int) -> None:

@@ -52,7 +52,7 @@ from typing import Callable, Protocol
 from . import messages as M
 from .codec import FRAMES, Frame, decode, encode, split_result
 from .runner import dead_letter
-from .wire import policy_blob
+from .wire import _child_spec, policy_blob
 
 
 class Started(Protocol):
@@ -68,7 +68,9 @@ class Started(Protocol):
 
     def sentinels(self) -> list:
         """File descriptors (or objects with ``fileno``) that turn readable when it may have
-        ended; the hub then asks `ended`."""
+        ended; the hub then asks `ended`, and keeps asking on every turn of its loop (at least
+        every 0.1 s) until it says True: a sentinel may turn readable a moment before `ended`
+        does (a process's pipes close before its exit status is there)."""
 
     def ended(self) -> bool:
         """Whether it has ended (non-blocking)."""
@@ -224,6 +226,11 @@ class HubTransport:
         self._started = False
         self._hold_lock = threading.Lock()
         self._holding = 0
+        self._poller = None  # the hub thread's zmq.Poller
+        self._sentinels: dict[int, str] = {}  # a watched sentinel's fd -> its model (hub thread only)
+        self._ending: set[str] = set()  # models a sentinel of which turned readable, not yet ended (hub thread)
+        self._control: collections.deque = collections.deque()  # callables the hub thread runs (a restart)
+        self._specs: dict[str, dict] = {}  # model -> its spec as a restarted sub-server gets it
 
     @property
     def start_method(self) -> str | None:
@@ -286,6 +293,7 @@ class HubTransport:
             raise RuntimeError(f"{type(self).__name__}.start was called twice")
         self._started = True
         self._on_event = on_event
+        self._specs = {name: _child_spec(spec) for name, spec in specs.items()}  # before the pools are released
         try:
             address = self.launcher.prepare(specs)
             self._open_hub(address or self.address_spec)
@@ -313,6 +321,102 @@ class HubTransport:
             self.close()
             raise RuntimeError(f"{self.launcher.what} could not start (each must connect within "
                                f"{self.start_timeout} s): {why}")
+
+    def restart(self, model: str, first=(), timeout: float | None = None) -> None:
+        """Start ``model``'s sub-server again after it died, from the spec it started with (a
+        fresh KV pool, nothing of the dead one's requests), and return once it has connected.
+        ``first``: messages it handles before anything else sent to it (the policies in use,
+        the thresholds). Until it connects, what is sent to it waits in the hub; a death while
+        it starts is reported as any death.
+
+        Args:
+            timeout: seconds to wait for it to connect (None: ``start_timeout``, else 600).
+
+        Raises:
+            RuntimeError: the transport is closed, ``model`` is running, or the new sub-server
+                died while starting or did not connect in time (it is ended; the model stays
+                dead); what the launcher raised starting it (names the fix).
+            KeyError: no model of that name.
+        """
+        if self._closed or self._closing or not self._started:
+            raise RuntimeError(f"restart('{model}'): the {self.launcher.what} are closed")
+        if model not in self.procs:
+            raise KeyError(f"restart: no model {model!r}; the models are {list(self.procs)}")
+        if model not in self._dead:
+            raise RuntimeError(f"restart('{model}'): its sub-server is running; only a dead one is restarted")
+        if self._hub is None or not self._hub.is_alive():
+            raise RuntimeError(f"restart('{model}'): the sub-server message hub has stopped; build a new Router")
+        spec = self._specs[model]
+        started: dict[str, Started] = {}
+        try:
+            self.launcher.launch({model: spec}, self._connect_address(), self._report, started)
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                self.launcher.kill_all(started)
+            err = self.launcher.start_error(e)
+            if err is not e:
+                raise err from e
+            raise
+        adopted, failed = threading.Event(), []
+        try:
+            held = [self._encode_first(model, msg) for msg in first]
+        except BaseException:
+            self.launcher.kill_all(started)
+            raise
+
+        def adopt():  # on the hub thread: nothing is delivered to the model meanwhile
+            try:
+                with contextlib.suppress(Exception):
+                    self.procs[model].close()
+                self.procs[model] = started[model]
+                for table in (self._errors, self._dead_why):
+                    table.pop(model, None)
+                with self._lock:
+                    for key in [k for k in self._policy_cache if k[0] == model]:
+                        del self._policy_cache[key]
+                    for msg, data in zip(first, held):
+                        if isinstance(msg, M.RegisterPolicy):
+                            self._policy_cache[(model, msg.key)] = data[1]
+                self._buffer[model] = [data[0] for data in held]
+                self._watch(model, started[model])
+                self._dead.discard(model)
+                if model in self._ready:  # its hi came first (a launcher that hands the spec at launch)
+                    self._deliver(model, self._buffer.pop(model, []))
+            except BaseException as e:  # noqa: BLE001 - reported to the caller, never the hub's end
+                failed.append(e)
+            finally:
+                adopted.set()
+
+        self._control.append(adopt)
+        self._wake()
+        while not adopted.wait(0.1):
+            if not self._hub.is_alive():
+                failed.append(RuntimeError("the sub-server message hub stopped"))
+                break
+        if failed:
+            self.launcher.kill_all(started)
+            raise RuntimeError(f"restart('{model}'): {type(failed[0]).__name__}: {failed[0]}") from failed[0]
+        self.launcher.deliver({model: spec})
+        limit = timeout if timeout is not None else self.start_timeout if self.start_timeout is not None else 600.0
+        deadline = time.monotonic() + limit
+        while model not in self._ready:
+            if model in self._dead:
+                raise RuntimeError(f"restart('{model}'): the new sub-server died while starting: "
+                                   f"{self._dead_why.get(model, 'no reason given')}")
+            if self._closed or self._closing:
+                raise RuntimeError(f"restart('{model}'): the Router was closed while the sub-server started")
+            if time.monotonic() > deadline:
+                started[model].signal(signal.SIGKILL)
+                raise RuntimeError(f"restart('{model}'): the new sub-server did not connect within {limit} s; "
+                                   f"it was ended")
+            time.sleep(0.01)
+
+    def _encode_first(self, model: str, msg) -> tuple[bytes, bytes | None]:
+        """(wire bytes of ``msg`` for a restarted ``model``, the policy bytes it then holds)."""
+        if isinstance(msg, M.RegisterPolicy):
+            blob = policy_blob(msg.key, msg.policy)
+            return encode(blob), blob.data
+        return encode(msg), None
 
     def alive(self, model: str) -> bool:
         """Whether the model's sub-server serves. The hub watches every sub-server and reports a
@@ -387,7 +491,8 @@ class HubTransport:
         import zmq
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
-        for opt, val in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.LINGER, 0)):
+        for opt, val in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.LINGER, 0),
+                         (zmq.ROUTER_HANDOVER, 1)):  # a restarted sub-server takes its identities over
             self._router.setsockopt(opt, val)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -453,6 +558,8 @@ class HubTransport:
                                 f"sub-servers in threads with Router(..., processes=False)") from e
         with self._lock:
             self._last_policy = (msg, blob)
+            if model in self._dead:  # bounced: a restarted sub-server gets its policies anew
+                return encode(blob)
             if self._policy_cache.get((model, msg.key)) == blob.data:
                 return None
             self._policy_cache[(model, msg.key)] = blob.data
@@ -610,24 +717,55 @@ class HubTransport:
         if not self._closing:
             self._emit(M.ModelDied(name, text, time.perf_counter()))
         self._dead.add(name)  # after the report: alive() turns False only once the engine knows why
+        self._ready.discard(name)  # a restarted sub-server is ready once its own hi arrives
         if not self._closing:
             self._bounce(name, held)
 
+    def _watch(self, name: str, p: Started) -> None:
+        """Watch ``p``'s sentinels for ``name``'s end (hub thread)."""
+        import zmq
+        for s in p.sentinels():
+            fd = s if isinstance(s, int) else s.fileno()
+            self._sentinels[fd] = name
+            self._poller.register(fd, zmq.POLLIN)
+
+    def _unwatch(self, name: str, fds=None) -> None:
+        """Stop watching ``name``'s sentinels (``fds``: only those)."""
+        for fd in [f for f, n in self._sentinels.items() if n == name and (fds is None or f in fds)]:
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(fd)
+            del self._sentinels[fd]
+
+    def _check_ends(self, ready: dict) -> None:
+        """A sub-server's end: one of its sentinels turned readable (it stays readable, so it is
+        watched no more) and `Started.ended` says so. A sentinel may turn readable before
+        `ended` does (a fork server's death closes a status pipe too; a process's pipes close
+        before its exit status is there), so a model whose sentinel fired is asked again on every
+        turn until it has ended: its death is never lost."""
+        fired = [fd for fd in self._sentinels if fd in ready]
+        for fd in fired:
+            name = self._sentinels.get(fd)
+            if name is not None:
+                self._unwatch(name, {fd})
+                self._ending.add(name)
+        for name in sorted(self._ending):
+            if name in self._dead or self._ended(name):
+                self._ending.discard(name)
+                self._unwatch(name)
+                if name not in self._dead:
+                    self._on_death(name)
+
     def _hub_loop(self) -> None:
         import zmq
-        poller = zmq.Poller()
+        self._poller = poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        # a sub-server's end: any of its sentinels turns readable (then `ended` is asked, since a
-        # fork server's death closes a status pipe too)
-        sentinels = {}
         for name, p in self.procs.items():
-            for s in p.sentinels():
-                sentinels[s if isinstance(s, int) else s.fileno()] = name
-        for fd in sentinels:
-            poller.register(fd, zmq.POLLIN)
+            self._watch(name, p)
         try:
             while not self._closed:
+                while self._control:
+                    self._control.popleft()()
                 self._drain_out()
                 ready = dict(poller.poll(100))
                 if self._router in ready:
@@ -636,14 +774,7 @@ class HubTransport:
                     with contextlib.suppress(OSError):
                         while os.read(self._wake_r, 4096):
                             pass
-                for fd, name in list(sentinels.items()):
-                    if fd in ready and fd in sentinels:
-                        ended = self._ended(name)
-                        for other in [f for f, n in sentinels.items() if n == name and (ended or f == fd)]:
-                            poller.unregister(other)
-                            del sentinels[other]
-                        if ended:
-                            self._on_death(name)
+                self._check_ends(ready)
             self._drain_out()
         except Exception as e:  # noqa: BLE001 - the hub is broken: fail everything, say why
             traceback.print_exc()

@@ -157,6 +157,7 @@ class RayLauncher:
         self.start_timeout = start_timeout
         self.nodes: dict[str, dict] = {}
         self.actors: dict = {}
+        self._bundle: dict[str, int] = {}  # model -> its bundle of the placement group (a restart reuses it)
         self.placement_group = None
         self.launched: dict[str, tuple[float, float]] = {}
         self.pickled: dict[str, tuple[float, float]] = {}
@@ -182,6 +183,7 @@ class RayLauncher:
             self._own_ray = True
         bundles = [{"CPU": self.threads, **self.resources.get(name, {})} for name in specs]
         self.placement_group = placement_group(bundles, strategy=self.strategy)
+        self._bundle = {name: i for i, name in enumerate(specs)}
         try:
             ray.get(self.placement_group.ready(), timeout=self.start_timeout)
         except Exception as e:  # noqa: BLE001 - cannot be placed: say what was asked
@@ -204,7 +206,8 @@ class RayLauncher:
             t0 = time.perf_counter()
             payload = cloudpickle.dumps(_child_spec(spec))
             self.pickled[name] = (t0, time.perf_counter())
-            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i)
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group,
+                                                        placement_group_bundle_index=self._bundle.get(name, i))
             actor = cls.options(scheduling_strategy=strategy, name=None).remote()
             self.actors[name] = actor
             refs[name] = (actor, actor.node.remote(), payload)

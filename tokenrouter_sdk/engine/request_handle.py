@@ -51,6 +51,7 @@ class RequestHandle:
         self.state: dict = {}  # the policy state entry() started
         self.error: str | None = None  # bad input found before admission
         self.peers: tuple[str, ...] = ()  # models that prefill the prompt at admission (prefill_peers)
+        self.visited: set[str] = set()  # models that hold (or held) KV of it: its entry, peers, hop targets
 
     @property
     def rid(self) -> int:

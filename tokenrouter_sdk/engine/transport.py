@@ -19,7 +19,7 @@ import traceback
 from typing import Callable
 
 from . import messages as M
-from .runner import RunnerInfo, build_runner, dead_letter
+from .runner import RunnerInfo, RunnerSpec, build_runner, dead_letter
 
 
 class ThreadTransport:
@@ -77,6 +77,7 @@ class ThreadTransport:
         """
         self.inboxes = {name: queue.Queue() for name in specs}
         self._on_event = on_event
+        self._specs = dict(specs)
         built: dict[str, list] = {name: [threading.Event(), None, None] for name in specs}  # done, sub-server, error
         for name, spec in specs.items():
             t = threading.Thread(target=self._host, args=(name, spec, built[name]), name=f"tokenrouter-{name}",
@@ -145,6 +146,45 @@ class ThreadTransport:
                 ev = dead_letter(ss.name, msg, why, self.clock())
                 if ev is not None:
                     self.events.put(ev)
+
+    def restart(self, model: str, first=(), timeout: float | None = None) -> None:
+        """Start ``model``'s sub-server again after it crashed: a runner built from its spec is
+        built anew (the dead one's KV storage released first); a runner object given is served
+        again with the dead sub-server's blocks freed and its prefix cache emptied. ``first``:
+        messages it handles before anything else sent to it. Returns once it is built.
+        ``timeout`` is not used (building happens here).
+
+        Raises:
+            RuntimeError: ``model`` is running.
+            KeyError: no model of that name.
+            Exception: what building its runner or sub-server raised (the model stays dead).
+        """
+        if model not in self.inboxes:
+            raise KeyError(f"restart: no model {model!r}; the models are {list(self.inboxes)}")
+        if model not in self._dead:
+            raise RuntimeError(f"restart('{model}'): its sub-server is running; only a dead one is restarted")
+        spec, old = self._specs[model], self.subservers.get(model)
+        if old is not None:
+            if isinstance(spec["runner"], RunnerSpec):
+                release = getattr(old.runner, "release", None)
+                release() if release is not None else old.runner.pool.release()
+            else:  # the same runner object serves again: give back what the dead sub-server held
+                for rid in list(old.sched.seqs):
+                    old.sched.remove(rid)
+                old.sched.blocks.clear_prefix_cache()
+        inbox: queue.Queue = queue.Queue()
+        for msg in first:
+            inbox.put(msg)
+        self.inboxes[model] = inbox  # before the thread serves: it reads its inbox here
+        box = [threading.Event(), None, None]
+        t = threading.Thread(target=self._host, args=(model, spec, box), name=f"tokenrouter-{model}", daemon=True)
+        t.start()
+        box[0].wait()
+        if box[2] is not None:
+            raise box[2]
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        self.subservers[model] = box[1]
+        del self._dead[model]  # what is sent from now on reaches the new inbox
 
     def reported(self) -> dict[str, dict]:
         """Per model, its runner as built in its sub-server thread (`RunnerInfo.geometry`)."""

@@ -18,7 +18,8 @@ TABLE_COLUMNS = [("label", "point", "{}"), ("failed", "failed", "{}"), ("accurac
 SUMMARY_KEYS = ("apgr", "large_fraction_50", "large_fraction_80")
 SUMMARY_NAMES = {"apgr": "APGR", "large_fraction_50": "large_frac@50%", "large_fraction_80": "large_frac@80%"}
 RESULTS_JSON, RESULTS_CSV, PLOT_HTML, FIGURES_DIR = "results.json", "results.csv", "plot.html", "figures"
-_CSV_SKIP = ("throughput_runs", "prompt_fed_runs", "matched_points", "targets")  # lists: in results.json only
+_CSV_SKIP = ("throughput_runs", "prompt_fed_runs", "matched_points", "targets",
+             "calibration")  # lists and dicts: in results.json only
 
 
 @dataclass
@@ -52,7 +53,10 @@ class EvalResult:
             model, prompt tokens prefilled: the cache state each run found),
             ``repeat_mismatches``; references' ``matched_to``, ``matched_points``, ``targets``
             and their checks (``target``, ``realised``, ``target_range``, ``matches_target``);
-            ``config_hash``, ``resumed``.
+            ``config_hash``, ``resumed``; a point calibrated to a large share
+            (``target_large_share=``): ``target_large_share`` and ``calibration``
+            (`tokenrouter_sdk.eval.calibrate.Calibration` as a dict, less its ids: the threshold,
+            the share realised on the held-out questions, its runs).
         config: the full configuration (models, engine, dataset + ids, sampling, concurrency,
             timing protocol, machine load, library versions, policy per point, skipped
             references, the order the runs were timed in).
@@ -92,11 +96,20 @@ class EvalResult:
         return [{"label": r["label"], "failed": r["failed"], "n": r.get("n"), "first_error": r.get("first_error")}
                 for r in self.records if r.get("failed")]
 
+    def _columns(self) -> list[tuple]:
+        """`TABLE_COLUMNS`, with the target large share beside the realised one when a point was
+        calibrated to one (``target_large_share``)."""
+        if not any(r.get("target_large_share") is not None for r in self.records):
+            return TABLE_COLUMNS
+        k = next(n for n, c in enumerate(TABLE_COLUMNS) if c[0] == "large_fraction")
+        return [*TABLE_COLUMNS[:k + 1], ("target_large_share", "target", "{:.3f}"), *TABLE_COLUMNS[k + 1:]]
+
     def _table_rows(self) -> list[list[str]]:
-        rows = [[h for _, h, _ in TABLE_COLUMNS]]
+        cols = self._columns()
+        rows = [[h for _, h, _ in cols]]
         for r in self.records:
             row = []
-            for key, _, fmt in TABLE_COLUMNS:
+            for key, _, fmt in cols:
                 if key == "acc_ci":
                     lo, hi = r.get("acc_ci_low"), r.get("acc_ci_high")
                     row.append("-" if lo is None or hi is None else f"[{lo:.2f},{hi:.2f}]")
@@ -117,7 +130,8 @@ class EvalResult:
 
     def table(self) -> str:
         """Plain-text table: point, failed requests, accuracy with 95% CI, share without an
-        extracted answer, agreement with large-only (answers, then tokens), hop rate, writer changes per token, large fraction,
+        extracted answer, agreement with large-only (answers, then tokens), hop rate, writer
+        changes per token, large fraction (and the target large share of calibrated points),
         throughput (median tokens/s with its min-max over the repeats), tokens per CPU-second,
         mean latency (s), tokens per answer; the RouteLLM summaries and paired differences; then
         the `notes`."""
@@ -244,6 +258,15 @@ class EvalResult:
                     f"ranges {r.get('large_visit_range')} / {r.get('small_visit_range')}")
                 out.append(f"reference {r['label']} realised {r['realised']:.3g}, 95% range [{lo:.3g}, {hi:.3g}] of its "
                            f"target {r['target']:g}{extra}: it does not match {r['matched_to']}")
+        for r in self.records:
+            cal = r.get("calibration")
+            if cal:
+                got = r.get("large_fraction")
+                out.append(f"calibrated: {r['label']}: {cal['param']}={cal['threshold']:g} for a large share of "
+                           f"{cal['target']:g}: {cal['large_fraction']:.3f} on the {cal['n_prompts']} held-out "
+                           f"calibration questions ({len(cal['rounds'])} runs"
+                           + ("" if cal["within_tol"] else f", none within {cal['tol']:g}") + "), "
+                           + ("-" if got is None else f"{got:.3f}") + " on the questions evaluated")
         mism = [r["label"] for r in self.records if r.get("repeat_mismatches")]
         if mism:
             out.append(f"repeats wrote other tokens than the first run for {', '.join(mism)} (answers are the first "

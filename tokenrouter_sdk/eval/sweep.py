@@ -75,6 +75,7 @@ from .machine import CpuWindow, load_summary
 from .references import KINDS as MATCHED, check_reference, matched_references
 from .result import EvalResult
 from .stats import gain_summary, mean_visits, paired_bootstrap, token_agreement, visit_counts, visits_from_trace
+from .calibrate import CALIBRATION_QUESTIONS, calibrate_entries, check_targets
 
 # name -> (policy class name in tokenrouter_sdk.policies, swept parameter)
 POLICIES = {"rstitch": ("RStitch", "tau"), "random": ("RandomRouting", "p"),
@@ -544,7 +545,8 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] | 
                     concurrency: int | None = 16, references: bool | Iterable[str] = True, out_dir=None,
                     param: str | None = None, tokenizer=None, router_kwargs: dict | None = None,
                     progress: bool = True, exclude_head_questions: bool = True, shard=None,
-                    repeats: int = DEFAULT_REPEATS, cache: str = "clear") -> EvalResult:
+                    repeats: int = DEFAULT_REPEATS, cache: str = "clear", target_large_share=None,
+                    calibration=CALIBRATION_QUESTIONS) -> EvalResult:
     """Sweep one policy over ``values`` on a benchmark; quality next to hop rate and throughput
     (`evaluate_policies` with one policy; the module docstring says what is measured and how).
 
@@ -581,6 +583,17 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] | 
         repeats: timed runs per point (>= 1), interleaved; the throughput is their median.
         cache: ``"clear"`` (default): every timed run starts with empty prefix caches;
             ``"keep"``: as the previous run left them.
+        target_large_share: a share (or a list of shares) of committed tokens the large model
+            should write: instead of ``values``, each point's threshold is calibrated for it on
+            held-out questions (`tokenrouter_sdk.eval.calibrate.calibrate_large_share`: a
+            bisection between the smallest and largest of ``values`` and 0 and 1), then
+            evaluated; its record has ``target_large_share`` and ``calibration`` (the threshold,
+            the share it realised on the calibration questions, the runs) beside the
+            ``large_fraction`` realised on the evaluated questions. One threshold argument per
+            policy (``param``).
+        calibration: the held-out questions: their number (default 32), drawn from the same
+            benchmark in the same order after leaving out the evaluated ones and the learned
+            heads' (the ids are recorded), or a `Benchmark` / a list of prompts.
 
     Returns:
         an `EvalResult` (records in run order: large_only, small_only, the swept values, then the
@@ -596,7 +609,8 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] | 
                      max_new_tokens=max_new_tokens, temperature=temperature, sampling_seed=sampling_seed,
                      concurrency=concurrency, references=references, out_dir=out_dir, tokenizer=tokenizer,
                      router_kwargs=router_kwargs, progress=progress, exclude_head_questions=exclude_head_questions,
-                     shard=shard, repeats=repeats, cache=cache, who="evaluate_policy")
+                     shard=shard, repeats=repeats, cache=cache, target_large_share=target_large_share,
+                     calibration=calibration, who="evaluate_policy")
 
 
 def evaluate_policies(router_or_models, policies: Mapping[str, Any], **kwargs) -> EvalResult:
@@ -636,7 +650,7 @@ def evaluate_policies(router_or_models, policies: Mapping[str, Any], **kwargs) -
 
 _EVALUATE_KWARGS = ("dataset", "limit", "seed", "max_new_tokens", "temperature", "sampling_seed", "concurrency",
                     "references", "out_dir", "tokenizer", "router_kwargs", "progress", "exclude_head_questions",
-                    "shard", "repeats", "cache")
+                    "shard", "repeats", "cache", "target_large_share", "calibration")
 
 
 def _label(entry: _Entry, pol, v) -> str:
@@ -650,7 +664,8 @@ def _label(entry: _Entry, pol, v) -> str:
 def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit=64, seed=0, max_new_tokens=256,
               temperature=0.0, sampling_seed=0, concurrency=16, references=True, out_dir=None, tokenizer=None,
               router_kwargs=None, progress=True, exclude_head_questions=True, shard=None,
-              repeats=DEFAULT_REPEATS, cache="clear", who="evaluate_policy") -> EvalResult:
+              repeats=DEFAULT_REPEATS, cache="clear", target_large_share=None, calibration=None,
+              who="evaluate_policy") -> EvalResult:
     refs = set(REFERENCES if references is True else () if references is False else references)
     if refs - set(REFERENCES):
         raise ValueError(f"unknown references {sorted(refs - set(REFERENCES))}; choose from {list(REFERENCES)}")
@@ -659,6 +674,7 @@ def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit
     if cache not in CACHE_MODES:
         raise ValueError(f"cache must be one of {list(CACHE_MODES)} ('clear': every timed run starts with empty "
                          f"prefix caches), got {cache!r}")
+    targets = check_targets(target_large_share)
     for e in entries:  # each first policy's head decides the questions (the others are built as they run)
         e.first = e.factory(e.values[0])
     head_ids, per_head = excluded_ids([e.first for e in entries])
@@ -691,6 +707,11 @@ def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit
     try:
         common = {"router": describe_router(router), "dataset": bench.describe(), "sampling": sampling,
                   "concurrency": concurrency}
+        calibrated = {}
+        if targets:  # every point's threshold from its target, on held-out questions
+            calibrated, extra_cal = calibrate_entries(router, entries, targets, bench, dataset, calibration, drop,
+                                                      seed, sampling, concurrency, who)
+            common["calibration"] = extra_cal
         fixed = [k for k in ("large_only", "small_only") if k in refs]
         units = fixed + [("sweep", i, j) for i, e in enumerate(entries) for j in range(len(e.values))]
         mine = [u for k, u in enumerate(units) if k % n_shards == index]  # shard i runs the units u with u % n == i
@@ -720,11 +741,16 @@ def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit
                 e.label_param = next((k for k, a in vars(pol).items() if not k.startswith("_")
                                       and isinstance(a, (int, float)) and not isinstance(a, bool) and a == v), "value")
             label = _label(e, pol, v)
+            if (i, j) in calibrated:
+                label = f"{label[:-1]}, target={calibrated[(i, j)]['target_large_share']:g})"
             if label in labels:
                 raise ValueError(f"{who}: two operating points are both labelled {label!r}; give each policy its own "
                                  f"name and each value once")
             labels.add(label)
             run.first(_Point(label, "sweep", pol, e.label_param or e.param, v, None, e.name))
+            if (i, j) in calibrated:
+                run.records[label].update(calibrated[(i, j)])
+                run._save(label)
             swept.append(label)
         ref_points, skipped = _reference_points(run, swept, refs)
         if bar is not None:

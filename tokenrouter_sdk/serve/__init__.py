@@ -7,6 +7,7 @@ starts it in the background of a notebook on the Router's own engine. Endpoints,
 - `create_app` (`tokenrouter_sdk.serve.app`): the FastAPI app of a Router.
 - `BackgroundServer`, `serve_forever` (`tokenrouter_sdk.serve.server`): running it.
 - `ServerMetrics` (`tokenrouter_sdk.serve.metrics`): its Prometheus registry.
+- `AutoRestart` (`tokenrouter_sdk.serve.restart`): a dead sub-server restarted, up to a limit.
 
 The ``tokenrouter`` model type of lm-evaluation-harness is `tokenrouter_sdk.eval.lm_eval_model`.
 
@@ -16,7 +17,7 @@ Importing this package imports neither FastAPI nor uvicorn; the names above load
 from __future__ import annotations
 
 _LAZY = {"create_app": "app", "close_app": "app", "BackgroundServer": "server", "serve_forever": "server",
-         "ServerMetrics": "metrics"}
+         "ServerMetrics": "metrics", "AutoRestart": "restart"}
 
 __all__ = list(_LAZY)
 

@@ -12,7 +12,7 @@ from .state import MAX_BODY_BYTES, PolicyCache, ServeState
 
 def create_app(router, *, policy: Policy | str | None = None, policy_label: str | None = None,
                registry: PolicyRegistry | None = None, model_id: str = "tokenrouter",
-               max_body_bytes: int = MAX_BODY_BYTES):
+               max_body_bytes: int = MAX_BODY_BYTES, restart_limit: int = 0):
     """The OpenAI-compatible app of ``router``.
 
     Args:
@@ -25,9 +25,14 @@ def create_app(router, *, policy: Policy | str | None = None, policy_label: str 
         model_id: the ``model`` id clients use for routed generation; each sub-model's name
             is served too (all tokens from that model).
         max_body_bytes: larger request bodies are refused with 413 before parsing.
+        restart_limit: a sub-server that dies is restarted (`Router.restart`), at most this many
+            times per model, each logged on the ``tokenrouter.serve`` logger
+            (`tokenrouter_sdk.serve.restart.AutoRestart`); 0 (default): none, ``/health``
+            answers 503 from the death on.
 
     Raises:
         PolicySpecError: ``policy`` is a spec naming no policy of ``registry`` or a bad argument.
+        ValueError: ``restart_limit`` is not an int >= 0.
 
     Returns:
         a FastAPI app; ``app.state.tr`` is its `ServeState`. Call `close_app` when done with it
@@ -37,6 +42,7 @@ def create_app(router, *, policy: Policy | str | None = None, policy_label: str 
 
     from .errors import install_handlers
     from .metrics import ServerMetrics
+    from .restart import AutoRestart
     from .routes import api
 
     registry = registry if registry is not None else builtin_registry()
@@ -44,12 +50,14 @@ def create_app(router, *, policy: Policy | str | None = None, policy_label: str 
         policy_label = policy_label or policy
         policy = registry.build(policy)
     pol = policy if policy is not None else router.policy
+    restarts = AutoRestart(router, restart_limit)  # first: a bad limit leaves nothing behind
     app = FastAPI(title="tokenrouter", description="OpenAI-compatible token-level routing server",
                   docs_url="/docs", redoc_url=None)
     app.state.tr = ServeState(router=router, model_id=model_id, policy=pol,
                               policy_label=policy_label or repr(pol),
                               policies=PolicyCache(registry),
-                              metrics=ServerMetrics(router), max_body_bytes=max_body_bytes)
+                              metrics=ServerMetrics(router), max_body_bytes=max_body_bytes,
+                              restarts=restarts)
     app.state.started = time.time()
     install_handlers(app)
     app.include_router(api)
@@ -57,8 +65,11 @@ def create_app(router, *, policy: Policy | str | None = None, policy_label: str 
 
 
 def close_app(app, reason: str = "the server is stopping") -> None:
-    """Abort the requests ``app`` is serving and stop its metrics observer. Idempotent."""
+    """Abort the requests ``app`` is serving, stop its metrics observer and its restarts (waiting
+    for one under way). Idempotent."""
     st: ServeState = app.state.tr
     for gen in list(st.active):
         gen.abort(reason)
     st.metrics.close()
+    if st.restarts is not None:
+        st.restarts.close()

@@ -73,6 +73,7 @@ class ServeState:
         metrics: the server's `tokenrouter_sdk.serve.metrics.ServerMetrics`.
         max_body_bytes: larger request bodies are refused (413) before parsing.
         active: the `Generation` objects of requests being served (aborted when the server stops).
+        restarts: its `tokenrouter_sdk.serve.restart.AutoRestart` (restarts of dead sub-servers).
     """
 
     router: Any
@@ -83,6 +84,7 @@ class ServeState:
     metrics: Any
     max_body_bytes: int = MAX_BODY_BYTES
     active: set = field(default_factory=set)
+    restarts: Any = None
 
     def resolve(self, model: str | None, spec) -> tuple[Policy, str]:
         """The policy of a request from its ``model`` and ``policy`` fields: a sub-model's name as

@@ -27,7 +27,10 @@ from pathlib import Path
 
 import torch
 
+from ..eval.calibrate import next_threshold, search_threshold
 from .common import plain, threshold_for_rate
+
+__all__ = ["calibrate_threshold", "calibrate_defer", "next_threshold", "finalize", "make_policy", "packaged_path"]
 
 MIN_CALIBRATION_PROMPTS = 16  # fewer: a warning (the threshold then follows a handful of answers)
 
@@ -104,14 +107,16 @@ def calibrate_defer(router, factory, score, prompts: list[str], target: float, *
                       UserWarning, stacklevel=3)
     if getattr(router.engine.config, "processes", False):
         raise ValueError("calibration records scores in this process: use Router(..., processes=False)")
-    value, hist = float(start), []
-    for _ in range(rounds):
-        pol = factory(value)
-        defer, scores = pol.defer, []
+    scores: list = []  # the last run's scores
 
-        def recording(batch, _pol=pol, _defer=defer, _scores=scores):
+    def run(value: float) -> dict:
+        pol = factory(value)
+        defer = pol.defer
+        scores.clear()
+
+        def recording(batch, _pol=pol, _defer=defer):
             with torch.no_grad():
-                _scores.append(score(_pol, batch).detach().float().cpu())
+                scores.append(score(_pol, batch).detach().float().cpu())
             return _defer(batch)
 
         pol.defer = recording
@@ -121,26 +126,14 @@ def calibrate_defer(router, factory, score, prompts: list[str], target: float, *
         if bad:
             raise RuntimeError(f"calibration run failed: {bad[0].error}")
         m = router.metrics()
-        hist.append({"threshold": value, "large_fraction": m.large_fraction, "tokens": m.committed_tokens,
-                     "hop_rate": m.hop_rate})
-        if abs(m.large_fraction - target) <= tol or not scores:
-            break
-        value = next_threshold(hist, target) or threshold_for_rate(torch.cat(scores), target, above=above)
-    best = min(hist, key=lambda h: abs(h["large_fraction"] - target))
-    return best["threshold"], hist
+        return {"large_fraction": m.large_fraction, "tokens": m.committed_tokens, "hop_rate": m.hop_rate}
 
+    def propose(hist: list[dict]) -> float | None:
+        if not scores:  # the policy decided no step: nothing to take a quantile of
+            return None
+        return next_threshold(hist, target) or threshold_for_rate(torch.cat(scores), target, above=above)
 
-def next_threshold(hist: list[dict], target: float) -> float | None:
-    """The threshold interpolated linearly between the two runs closest to ``target`` on either
-    side of it (``hist``: ``{"threshold", "large_fraction"}`` per run), or None while no two runs
-    bracket the target."""
-    lo = [h for h in hist if h["large_fraction"] < target]
-    hi = [h for h in hist if h["large_fraction"] > target]
-    if not lo or not hi:
-        return None
-    a, b = max(lo, key=lambda h: h["large_fraction"]), min(hi, key=lambda h: h["large_fraction"])
-    w = (target - a["large_fraction"]) / (b["large_fraction"] - a["large_fraction"])
-    return a["threshold"] + w * (b["threshold"] - a["threshold"])
+    return search_threshold(run, target, [float(start)], propose, rounds=rounds, tol=tol)
 
 
 def packaged_path(kind: str, pair: str | None = None) -> Path:
