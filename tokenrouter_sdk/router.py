@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 from .deferred import LazyModels
 from .engine.config import EngineConfig
 from .engine.engine import Call, Engine, RequestHandle
-from .engine.policy_calls import check_policy
+from .engine.policy_calls import check_policy, check_vocabulary
 from .engine.runner import Runner
 from .metrics import Metrics
 from .policy import Policy
@@ -86,7 +86,15 @@ def _shutdown(engine: Engine) -> None:
 
 
 class Router:
-    """Token-level routing over several models that share one tokenizer.
+    """Token-level routing over several models.
+
+    Models that share one tokenizer route tokens. Models that do not (e.g. SmolLM2 with Qwen2.5
+    or Gemma 3) share text: the committed output is bytes, each model reads the prompt rendered
+    by its own chat template and keeps its own tokens of the output, re-encoding only the end of
+    its view when a request comes back to it; ``max_new_tokens`` counts the last model's tokens
+    of the text, each model's own EOS ids end a request, stop strings apply to the text, and
+    policies see their own model's tokens (docs/mixed-vocabularies.md). A policy that needs one
+    vocabulary (a learned head, ``Needs(handoff_logits=True)``) is refused for such models.
 
     Args:
         models: name -> model, smallest first (the last one counts as "large" in metrics; a
@@ -99,7 +107,8 @@ class Router:
             `LatencyModel` (or a dict of its fields, or None).
         policy: the default `Policy` (``generate(policy=...)`` overrides it per call). None: a
             base `Policy`, which keeps every request on the first model.
-        tokenizer: the shared tokenizer; required when ``models`` are model or runner objects.
+        tokenizer: the shared tokenizer; required when ``models`` are model or runner objects
+            (give ``(model, tokenizer)`` pairs for models with different tokenizers).
         config: an `EngineConfig`; keyword settings below override its fields.
         device: where models given as sources load (``"cpu"``, ``"cuda"``, ``"cuda:1"``), or a
             dict name -> device; a `ModelSpec`'s own device wins. None: ``"cpu"``. Loaded models
@@ -133,9 +142,17 @@ class Router:
     Attributes:
         kv_sizing: per model, how its KV pool was sized (`tokenrouter_sdk.kv_sizing.KVSizing`;
             `kv_stats` shows it).
+        tokenizer: the shared tokenizer (for models that do not share one: the last model's).
+        tokenizers: per model, its tokenizer.
+        text: for models that do not share a tokenizer, their
+            `tokenrouter_sdk.engine.text_mode.Vocabularies` (each one's `ByteVocab`, EOS ids);
+            else None.
 
     Raises:
-        TokenizerMismatchError: two models do not share a vocabulary (names both).
+        TokenizerMismatchError: models with different tokenizers where one cannot share text
+            (`tokenrouter_sdk.byte_vocab.TokenizerBytesError`: not a fast tokenizer, no byte
+            tokens, a tokenizer that changes text; names the models and the problem).
+        ValueError: for models with different tokenizers, a ``policy`` that needs one vocabulary.
         DeviceError: a device that cannot be used here (a CUDA device with a CPU-only torch: names
             the command that installs a CUDA build; an index that does not exist: lists the devices).
         ModelLoadError: a source that cannot be loaded.
@@ -187,15 +204,19 @@ class Router:
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
             elif transport is None:  # sub-servers in threads: rank 0 of a tensor-parallel model runs here
                 start_ranks(setup.runners)
-        self.tokenizer, self.kv_sizing = setup.tokenizer, setup.kv_sizing
+        self.tokenizer, self.kv_sizing, self.text = setup.tokenizer, setup.kv_sizing, setup.text
+        self.tokenizers = dict(setup.text.tokenizers) if setup.text is not None else dict.fromkeys(models, self.tokenizer)
         self.policy = policy if policy is not None else Policy()
-        self.engine = Engine(setup.runners, self.tokenizer, config, transport=transport, eos_ids=setup.eos_ids)
+        check_vocabulary(self.policy, list(models), setup.text is not None)
+        self.engine = Engine(setup.runners, self.tokenizer, config, transport=transport, eos_ids=setup.eos_ids,
+                             text=setup.text)
         engine_ref = weakref.ref(self.engine)
         self.models = LazyModels(setup.models, local=lambda name: _local_model(engine_ref, name))
         self.max_context = self.engine.max_context
         self._local = threading.local()
         self._plans: dict = {}
         self._prompts = PromptEncoder(self.tokenizer)
+        self._encoders = {m: PromptEncoder(t) for m, t in self.tokenizers.items()} if self.text is not None else {}
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
 
     @classmethod
@@ -245,8 +266,9 @@ class Router:
 
     # -- prompts --------------------------------------------------------------------------
     def encode(self, prompt, chat: bool | None = None, *, chat_template_kwargs: dict | None = None,
-               add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt.
+               add_special_tokens: bool = True, model: str | None = None) -> list[int]:
+        """Token ids of a prompt (for models that do not share a tokenizer: in ``model``'s
+        vocabulary with its chat template; default the last model's).
 
         Args:
             prompt: a string, a list of chat messages (``{"role", "content"}`` dicts) or a list
@@ -263,6 +285,8 @@ class Router:
                 that already begins with the BOS keeps one). False: the text's own tokens only.
                 Chat-rendered prompts carry the template's special tokens either way; token ids
                 are used as they are.
+            model: the model whose tokenizer and chat template encode the prompt, for models
+                that do not share a tokenizer (default: the last model's).
 
         Raises:
             TypeError: ``prompt`` is none of these, or ``chat_template_kwargs`` is not a dict.
@@ -270,27 +294,57 @@ class Router:
                 template (token ids, ``chat=False``, a string already rendered), or naming a
                 variable the Router sets itself (``add_generation_prompt``, ``tokenize``, ...).
         """
-        return self._prompts.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs,
-                                    add_special_tokens=add_special_tokens)
+        enc = self._prompts
+        if model is not None:
+            if model not in self.tokenizers:
+                raise ValueError(f"encode: no model {model!r}; the models are {list(self.tokenizers)}")
+            enc = self._encoders.get(model, enc)
+        return enc.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs,
+                          add_special_tokens=add_special_tokens)
 
     def _check_prompt(self, prompt, chat, chat_template_kwargs=None,
                       add_special_tokens: bool = True) -> tuple[list[int] | None, str | None]:
+        if self.text is not None:
+            ids, _, err = self._check_prompts(prompt, chat, chat_template_kwargs, add_special_tokens)
+            return ids, err
+        return self._check_with(None, prompt, chat, chat_template_kwargs, self.engine.vocab_limit, self.max_context,
+                                add_special_tokens)
+
+    def _check_with(self, model, prompt, chat, chat_template_kwargs, vocab: int,
+                    context: int, add_special_tokens: bool = True) -> tuple[list[int] | None, str | None]:
+        """``prompt`` encoded for ``model`` (None: the shared tokenizer) and checked against its
+        vocabulary size and context: ``(ids, None)`` or ``(None, why not)``."""
         if isinstance(prompt, str) and not prompt.strip():
             return None, "the prompt is empty: give at least one character of text"
         try:
-            ids = self.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs,
+            ids = self.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs, model=model,
                               add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001
             return None, f"the prompt could not be tokenized: {type(e).__name__}: {e}"
         if not ids:
             return None, "the prompt is empty: give at least one token"
-        vocab = self.engine.vocab_limit
         if any(i < 0 or i >= vocab for i in ids):
             return None, f"the prompt has token ids outside the vocabulary [0, {vocab})"
-        if len(ids) >= self.max_context:
-            return None, (f"the prompt has {len(ids)} tokens, the models' context is {self.max_context}: "
-                          f"shorten the prompt to at most {self.max_context - 1} tokens")
+        if len(ids) >= context:
+            return None, (f"the prompt has {len(ids)} tokens, the models' context is {context}: "
+                          f"shorten the prompt to at most {context - 1} tokens")
         return ids, None
+
+    def _check_prompts(self, prompt, chat, chat_template_kwargs=None, add_special_tokens: bool = True):
+        """Models that do not share a tokenizer: ``(the last model's ids, per model its ids,
+        None)`` for ``prompt`` rendered by each model's own chat template, or ``(None, None, why
+        not)``."""
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
+            return None, None, ("a prompt of token ids means different text in each model's vocabulary (the models "
+                                "do not share a tokenizer): give the prompt as text or chat messages")
+        prompts = {}
+        for m in self.tokenizers:
+            ids, err = self._check_with(m, prompt, chat, chat_template_kwargs, self.engine.vocab_limits[m],
+                                        self.engine.info[m].max_context, add_special_tokens)
+            if err is not None:
+                return None, None, f"model '{m}': {err}"
+            prompts[m] = ids
+        return prompts[self.engine.models[-1]], prompts, None
 
     def _params(self, n: int, sampling, kw: dict) -> list[SamplingParams]:
         if sampling is None:
@@ -329,17 +383,23 @@ class Router:
                                  f"the template's markers)")
         out = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            ids, err = self._check_prompt(prompt, chat, chat_template_kwargs, add_special_tokens)
+            if self.text is not None:
+                ids, per_model, err = self._check_prompts(prompt, chat, chat_template_kwargs, add_special_tokens)
+            else:
+                (ids, err), per_model = self._check_prompt(prompt, chat, chat_template_kwargs, add_special_tokens), None
             if err is None:
                 try:
                     p.validate()
                 except ValueError as e:
                     err = str(e)
+            if err is None and self.text is not None and p.stop_token_ids:
+                err = ("stop_token_ids name different tokens in each model's vocabulary (the models do not share a "
+                       "tokenizer): use stop strings (stop=...); each model's own end-of-sequence ids end a request")
             n = p.n if err is None else 1
             for j in range(n):
                 pj = p if n == 1 else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                 key = None if keys is None else keys[i] if j == 0 else f"{keys[i]}#{j}"
-                out.append(RequestInput(ids, pj, prompt, key, err, sample=j))
+                out.append(RequestInput(ids, pj, prompt, key, err, sample=j, prompts=per_model))
         return out
 
     # -- calls ------------------------------------------------------------------------------
@@ -471,6 +531,10 @@ class Router:
             raise ValueError(f"got {len(keys)} keys for {len(prompts)} prompts")
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
             raise ValueError(f"logprobs must be an int >= 0, got {logprobs!r}")
+        if self.text is not None:
+            raise ValueError("score forces a continuation's tokens, which are tokens of one vocabulary; the models "
+                             f"{list(self.models)} do not share a tokenizer. Score each model alone, or a pair of "
+                             "one family")
         vocab, reqs = self.engine.vocab_limit, []
         for i, (prompt, cont) in enumerate(zip(prompts, continuations)):
             ids, err = self._check_prompt(prompt, chat, None, add_special_tokens)
@@ -555,7 +619,7 @@ class Router:
                           f"and the pools hold {cap} tokens; raise max_kv_tokens, lower max_new_tokens, or use "
                           f"kv_admission='optimistic' (preempts instead)", RuntimeWarning, stacklevel=stacklevel)
         run = RunResult(call.outputs, call.events, list(self.models), self.tokenizer,
-                        {h.rid: h.entry for h in call})
+                        {h.rid: h.entry for h in call}, vocabs=self.text.vocabs if self.text is not None else None)
         self._local.last_run = run
         return run
 

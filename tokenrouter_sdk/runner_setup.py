@@ -27,9 +27,11 @@ class RunnerSetup:
     Attributes:
         runners: model name -> runner object or `RunnerSpec`, in the models' order.
         eos_ids: end-of-sequence ids the models declare (generation configs, runner objects).
-        tokenizer: the Router's tokenizer (the one given, else the first model's).
+        tokenizer: the Router's tokenizer (the one given, else the first model's; the last
+            model's when the models do not share one).
         kv_sizing: model name -> `tokenrouter_sdk.kv_sizing.KVSizing` (how its pool was sized).
         models: model name -> the loaded model (or the runner object given).
+        text: the models' `Vocabularies` when they do not share a tokenizer, else None.
     """
 
     runners: dict
@@ -37,6 +39,7 @@ class RunnerSetup:
     tokenizer: Any
     kv_sizing: dict
     models: dict
+    text: Any = None
 
 
 def per_model(value, names: list[str], what: str) -> dict:
@@ -74,21 +77,23 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
 
     Raises:
         ValueError: a setting that does not apply to a model (device or dtype of a loaded model
-            or runner, tp of a runner, KV sizes with runner objects only), a missing tokenizer,
-            or tokenizers that differ.
+            or runner, tp of a runner, KV sizes with runner objects only), a missing tokenizer.
+        TokenizerBytesError: models with different tokenizers, one of which cannot be read as
+            bytes (`tokenrouter_sdk.byte_vocab.ByteVocab`; names the models and the problem).
         Exception: what loading a model or checking it for the runner raises
             (`tokenrouter_sdk.models.ModelLoadError`, `UnsupportedAttention`).
     """
     from .backends.torch_runner import TorchRunner, TorchRunnerSpec
     from .deferred import DeferredModel, deferrable
     from .kv_sizing import KVSizing, plan
-    from .models import check_same_tokenizer, load_model
+    from .models import load_model, same_tokenizer
     from .placement import AUTO, ModelSpec, resolve_device, resolve_dtype
     names = list(models)
     devices, dtypes = per_model(device, names, "device"), per_model(dtype, names, "dtype")
     tps = per_model(tp, names, "tp")
     loaded, toks, runners, eos, folders = {}, {}, {}, [], {}
     engines = {}
+    own_eos: dict[str, list[int]] = {n: [] for n in names}
     for name, m in models.items():
         spec = ModelSpec.of(m)
         if spec is not None and spec.runner != "torch":
@@ -98,6 +103,7 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
             if tok is not None:
                 toks[name] = tok
             eos += ids
+            own_eos[name] += ids
             continue
         if spec is not None and spec.tp is not None:
             tps[name] = spec.tp
@@ -140,18 +146,14 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
                                  f"the model or its source)")
             runners[name] = m
             eos += list(getattr(m, "eos_token_ids", ()) or ())
+            own_eos[name] += list(getattr(m, "eos_token_ids", ()) or ())
         else:
             loaded[name] = m
     if tokenizer is None and not toks:
         raise ValueError("the models were given as runner objects: pass tokenizer=... too")
     router_tok = tokenizer if tokenizer is not None else next(iter(toks.values()))
-    for name in loaded:
-        check_same_tokenizer(router_tok, "router tokenizer" if tokenizer is not None else next(iter(loaded)),
-                             toks.get(name, router_tok), name)
-    for name in engines:
-        if name in toks:
-            check_same_tokenizer(router_tok, "router tokenizer" if tokenizer is not None else next(iter(toks)),
-                                 toks[name], name)
+    model_toks = {n: toks.get(n, router_tok) for n in names}
+    mixed = not all(same_tokenizer(model_toks[names[0]], model_toks[n]) for n in names[1:])
     check_order(loaded, names)
     if not loaded and not engines and (config.max_kv_tokens is not None or config.kv_memory_fraction is not None):
         raise ValueError("every model is a runner object with its own KV pool: max_kv_tokens and "
@@ -176,8 +178,10 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
                                             **({"dtype": m.dtype, "device": m.device} if deferred else {}))
             runners[name].describe()
             runners[name].prefetch()
-        eos += token_ids(m.eos_token_id if isinstance(m, DeferredModel)
-                         else getattr(getattr(m, "generation_config", None), "eos_token_id", None))
+        gen_eos = token_ids(m.eos_token_id if isinstance(m, DeferredModel)
+                            else getattr(getattr(m, "generation_config", None), "eos_token_id", None))
+        eos += gen_eos
+        own_eos[name] += gen_eos
     kv_sizing = {n: sizing.get(n) or KVSizing(n, str(runners[n].device), runners[n].pool.capacity_tokens,
                                                    "runner") for n in names}
     if config.cuda_graphs and any(getattr(r, "device", None) is not None and r.device.type != "cuda"
@@ -186,8 +190,14 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
                       "fixed-shape path without capture (what the tests check), which pads batches and "
                       "is slower than the default; move the models to a GPU or leave cuda_graphs off",
                       UserWarning, stacklevel=3)
+    text = None
+    if mixed:  # models that share text, not tokens
+        from .engine.text_mode import Vocabularies
+        text = Vocabularies.build(model_toks, {n: tuple(dict.fromkeys(
+            int(i) for i in [*token_ids(getattr(model_toks[n], "eos_token_id", None)), *own_eos[n]])) for n in names})
+        router_tok = model_toks[names[-1]]
     return RunnerSetup({n: runners[n] for n in models}, [int(i) for i in eos], router_tok, kv_sizing,
-                       {n: loaded.get(n, runners.get(n)) for n in models})
+                       {n: loaded.get(n, runners.get(n)) for n in models}, text)
 
 
 def deferred_model(folder: str, dtype, device):

@@ -86,10 +86,11 @@ def test_the_check_finds_a_circle_when_there_is_one(tmp_path):
 # The package's layers, lowest first: a module may import its own layer and the ones below.
 # Each name is a top-level module or folder of the package (``engine`` is ``engine/``).
 LAYERS = (
-    ("request", "placement", "kv_sizing", "random_models", "self_draft", "benchmarks", "tables", "prompts"),
+    ("request", "placement", "kv_sizing", "random_models", "self_draft", "benchmarks", "tables", "prompts",
+     "byte_vocab"),
     ("policy",), ("models", "pairs", "deferred"), ("policies",),
     ("engine",), ("metrics",), ("viz",), ("result",),
-    ("backends",), ("planner",), ("reference",), ("runner_setup",),
+    ("backends",), ("planner",), ("reference", "reference_mixed"), ("runner_setup",),
     ("router",), ("serve",), ("eval",), ("demo",), ("bench",), ("train",),
     ("cli",),
 )

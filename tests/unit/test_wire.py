@@ -52,7 +52,18 @@ SAMPLES = {
     M.ModelDied: M.ModelDied("large", "exit code -9", 4.0),
     M.Stats: M.Stats("small", 2, 10, 20, 16, 1, 2, 3, 4, True, None, True, 5, 1, 64, 128),
     codec.PolicyBlob: codec.PolicyBlob(4, b"\x80\x05.", "Alternate()", {"f": ("<cell 3>", None)}),
+    M.Retokenized: M.Retokenized(3, "large", 2, 5, 40, 4.5),
 }
+# models that do not share a tokenizer: per-model prompts, committed bytes, byte counts, characters
+MIXED_CFG = dataclasses.replace(CFG, prompts={"small": [1, 2], "large": [7, 8, 9]})
+MIXED = [
+    M.Admit(MIXED_CFG, 1.5, {}, ()),
+    M.HandoffMsg(3, "small", [], M.RequestState({"small": 5, "large": 1}, 2, 3, seen_bytes={"small": 7, "large": 2},
+                                                n_bytes=7, units=3, unit_at=2, unit_base=1),
+                 True, MIXED_CFG, b"\xe4\xbd\xa0a\xe4"),
+    M.Committed(3, "small", [300], 2.0, False, None, 1, None),
+    M.Committed(3, "large", [9], 2.5, True, None, 0, 17),
+]
 
 
 def test_every_message_type_has_a_sample():
@@ -76,6 +87,12 @@ def test_every_message_round_trips(cls):
             assert type(b) is type(a)
         else:
             assert b == a and type(b) is type(a), f.name
+
+
+@pytest.mark.parametrize("msg", MIXED, ids=lambda m: type(m).__name__)
+def test_the_fields_of_models_without_one_tokenizer_round_trip(msg):
+    back = codec.decode(codec.encode(msg))
+    assert back == msg and type(back) is type(msg)
 
 
 def test_a_step_result_round_trips_as_frames():

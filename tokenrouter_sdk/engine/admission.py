@@ -31,15 +31,24 @@ class KVReservation:
         self.reserved = {m: 0 for m in capacity}  # blocks of requests' own, per model
         self.shared = {m: collections.Counter() for m in capacity}  # prompt block key -> requests holding it
 
-    def need(self, ids: list[int], max_new_tokens: int) -> tuple[dict[str, int], dict[str, list]]:
+    def need(self, ids, max_new_tokens: int) -> tuple[dict[str, int], dict[str, list]]:
         """Per model, (blocks of the request's own, prefix-cache keys of the prompt blocks it may
-        share) for a prompt ``ids`` growing by up to ``max_new_tokens`` tokens."""
-        tokens = min(len(ids) + max_new_tokens, self.max_context)
+        share) for a prompt ``ids`` growing by up to ``max_new_tokens`` tokens. ``ids``: the
+        prompt's token ids, or per model its own (models that do not share a tokenizer; their
+        output is counted as ``max_new_tokens`` tokens on each, an estimate: a model's tokens of
+        the text may be more than the unit model's, and a request that outgrows its reservation
+        takes free blocks or preempts)."""
         need, shared = {}, {}
+        per_model = isinstance(ids, dict)
         for m, (_, bs) in self.capacity.items():
-            n_shared = max(0, min(len(ids) - 1, tokens) // bs) if self.prefix_cache else 0
+            if per_model:
+                ids_m = ids[m]
+            else:
+                ids_m = ids
+            tokens = min(len(ids_m) + max_new_tokens, self.max_context)
+            n_shared = max(0, min(len(ids_m) - 1, tokens) // bs) if self.prefix_cache else 0
             need[m] = -(-tokens // bs) - n_shared
-            shared[m] = chain_keys(ids, bs, n_shared) if n_shared else []
+            shared[m] = chain_keys(ids_m, bs, n_shared) if n_shared else []
         return need, shared
 
     def fits(self, need: dict[str, int], shared: dict[str, list]) -> bool:

@@ -65,7 +65,7 @@ MESSAGES: tuple[type, ...] = (
     M.Admit, M.Prefill, M.HandoffMsg, M.Release, M.Abort, M.RegisterPolicy, M.UnregisterPolicy, M.Shutdown,
     M.Go, M.SetThresholds, M.SetInflight, M.StatsQuery,
     M.Admitted, M.Committed, M.Hopped, M.Resampled, M.Finished, M.StepDone, M.Idle, M.ModelDied, M.Stats,
-    PolicyBlob, M.ClearPrefixCache,
+    PolicyBlob, M.ClearPrefixCache, M.Retokenized,
 )
 """Every type that travels, in tag order (append new ones at the end)."""
 

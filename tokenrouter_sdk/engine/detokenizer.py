@@ -7,10 +7,14 @@ bytes are split across tokens). The window's first tokens are decoded twice, alo
 the new ones, so tokenizers that drop a leading space at the start of a decode (SentencePiece)
 give the same text as one decode of everything. Special tokens are skipped, as in the final
 text. `StopMatcher` finds stop strings in that text and says how much of its end must be held
-back from a stream because it may be the start of one.
+back from a stream because it may be the start of one. `ByteDetokenizer` is the text of models
+that do not share a tokenizer: each writer's tokens are read as their bytes and the bytes
+decoded as UTF-8 as they arrive.
 """
 
 from __future__ import annotations
+
+import codecs
 
 REPLACEMENT = "\ufffd"
 
@@ -37,8 +41,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""
 
-    def add(self, ids) -> str:
-        """Append token ids; return the text that became stable (possibly "")."""
+    def add(self, ids, model: str | None = None) -> str:
+        """Append token ids; return the text that became stable (possibly ""). ``model`` (the
+        writer) is not needed: every model shares the tokenizer."""
         self.ids.extend(int(i) for i in ids)
         before = self._decode(self.ids[self._prefix:self._read])
         now = self._decode(self.ids[self._prefix:])
@@ -49,7 +54,7 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
-    def extend(self, ids) -> None:
+    def extend(self, ids, model: str | None = None) -> None:
         """Append token ids without decoding (text nobody streams: `flush` decodes it once)."""
         self.ids.extend(int(i) for i in ids)
 
@@ -62,6 +67,47 @@ class IncrementalDetokenizer:
         self._prefix = self._read = len(self.ids)
         self.text += delta
         return delta
+
+
+class ByteDetokenizer:
+    """Stable text of a committed output written by models with different tokenizers: each
+    token's bytes (`tokenrouter_sdk.byte_vocab.ByteVocab.table` of its writer) join one byte
+    string, decoded as UTF-8 as it grows (a character whose bytes are not all there yet is held
+    back; an invalid byte becomes U+FFFD, as ``bytes.decode(errors="replace")`` of the whole).
+
+    Args:
+        vocabs: model name -> its `ByteVocab`.
+
+    Attributes:
+        text: the stable text so far.
+        data: every byte added.
+    """
+
+    def __init__(self, vocabs: dict):
+        self.vocabs = vocabs
+        self.data = bytearray()
+        self.text = ""
+        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self._read = 0  # bytes up to here went through the decoder
+
+    def _decode(self, final: bool = False) -> str:
+        delta = self._dec.decode(bytes(self.data[self._read:]), final=final)
+        self._read = len(self.data)
+        self.text += delta
+        return delta
+
+    def add(self, ids, model: str) -> str:
+        """Append the bytes of ``model``'s token ids; return the text that became stable."""
+        self.data += self.vocabs[model].bytes_of(ids)
+        return self._decode()
+
+    def extend(self, ids, model: str) -> None:
+        """Append the bytes of ``model``'s token ids without decoding them yet."""
+        self.data += self.vocabs[model].bytes_of(ids)
+
+    def flush(self) -> str:
+        """Decode every byte not yet released (an incomplete character at the end as U+FFFD)."""
+        return self._decode(final=True)
 
 
 class StopMatcher:

@@ -29,6 +29,7 @@ from .request_handle import RequestHandle
 from .admission import KVReservation
 from .runner import RemoteRunner, RunnerInfo, RunnerSpec
 from .step_result import dispatch
+from .text_mode import Vocabularies
 from .transport import ThreadTransport
 
 RECENT_EVENTS = 4096  # events kept engine-wide for the planner's history and Router-wide views
@@ -46,12 +47,16 @@ class Engine:
             `tokenrouter_sdk.engine.runner.Runner` object (it travels to its sub-server as it
             is), or a `tokenrouter_sdk.engine.runner.RunnerSpec` (built where its sub-server
             runs: the sub-server thread, process or Ray actor).
-        tokenizer: the shared tokenizer (text, stop strings, EOS id).
+        tokenizer: the shared tokenizer (text, stop strings, EOS id); with ``text``, the unit
+            model's.
         config: the `EngineConfig`.
         transport: how sub-servers run and talk (`ThreadTransport` by default; `SimTransport`
             for the sim backend, `ProcessTransport` for processes).
         eos_ids: token ids that end a request besides the tokenizer's EOS (e.g. every model's
             ``generation_config.eos_token_id``).
+        text: models that do not share a tokenizer: their `Vocabularies` (each sub-server gets
+            its model's tokenizer and `TextMode`; the output text is made from bytes). None: one
+            shared tokenizer.
 
     Attributes:
         info: per model, its `tokenrouter_sdk.engine.runner.RunnerInfo` (what the engine plans
@@ -72,17 +77,22 @@ class Engine:
     """
 
     def __init__(self, runners: dict, tokenizer, config: EngineConfig | None = None, *, transport=None,
-                 eos_ids: Sequence[int] = ()):
+                 eos_ids: Sequence[int] = (), text: Vocabularies | None = None):
         self.config = config or EngineConfig()
         self.models = list(runners)
         self.info = {m: RunnerInfo.of(r) for m, r in runners.items()}
         self._views = {m: RemoteRunner(r, self.info[m]) if isinstance(r, RunnerSpec) else r
                        for m, r in runners.items()}
-        self.tokenizer = tokenizer
+        self.tokenizer, self.text = tokenizer, text
         tok_eos = token_ids(getattr(tokenizer, "eos_token_id", None))
         self.eos_ids = tuple(dict.fromkeys(int(i) for i in [*tok_eos, *eos_ids]))
-        vocabs = [int(i.vocab_size) for i in self.info.values()]
-        self.vocab_limit = min(vocabs + ([len(tokenizer)] if tokenizer is not None else []))
+        if text is not None:  # per model: its logits rows up to its own tokenizer's size
+            self.vocab_limits = {m: min(int(i.vocab_size), len(text.tokenizers[m])) for m, i in self.info.items()}
+        else:
+            vocabs = [int(i.vocab_size) for i in self.info.values()]
+            limit = min(vocabs + ([len(tokenizer)] if tokenizer is not None else []))
+            self.vocab_limits = dict.fromkeys(self.models, limit)
+        self.vocab_limit = self.vocab_limits[self.models[-1]]
         self.max_context = min(int(i.max_context) for i in self.info.values())
         self.capacity = {m: (i.pool.num_blocks, i.pool.block_size) for m, i in self.info.items()}
         self.thresholds = self.config.threshold_map(self.models)
@@ -103,15 +113,17 @@ class Engine:
         self._event_handlers = {
             M.StepDone: self._on_step_done, M.Idle: self._on_idle, M.Stats: self._on_stats,
             M.ModelDied: self._on_died, M.Committed: self._on_committed, M.Hopped: self._on_hopped,
-            M.Resampled: self._on_resampled, M.Finished: self._on_finished,
+            M.Resampled: self._on_resampled, M.Finished: self._on_finished, M.Retokenized: self._on_retokenized,
         }
         self._next_token = 0
         self._round, self._awaiting, self._rr = 0, set(), 0
         self._done_waiters: dict[int, list[Callable[[], None]]] = {}
         self.transport = transport if transport is not None else ThreadTransport()
         self.clock = self.transport.clock
-        specs = {name: dict(name=name, models=self.models, runner=r, tokenizer=tokenizer, config=self.config,
-                            thresholds=self.thresholds, vocab_limit=self.vocab_limit)
+        specs = {name: dict(name=name, models=self.models, runner=r, config=self.config, thresholds=self.thresholds,
+                            vocab_limit=self.vocab_limits[name],
+                            **(dict(tokenizer=text.tokenizers[name], text=text.mode(name)) if text is not None
+                               else dict(tokenizer=tokenizer)))
                  for name, r in runners.items()}
         self.transport.start(specs, self.handle_event)
         self._check_reported()
@@ -184,6 +196,8 @@ class Engine:
             ValueError: ``concurrency < 1``.
             TypeError: ``policy`` is not a `Policy` instance (e.g. the class itself) or its
                 ``needs`` is not a `Needs` (`tokenrouter_sdk.engine.policy_calls.check_policy`).
+            ValueError: a policy that needs one vocabulary for models that do not share a
+                tokenizer (`tokenrouter_sdk.engine.policy_calls.check_vocabulary`).
 
         A policy hook (``entry``, ``may_use`` here; ``route``, ``send``, ``receive`` on the
         sub-servers) that raises or returns a value it may not fails only its request, with an
@@ -200,6 +214,7 @@ class Engine:
         if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
             raise ValueError(f"concurrency must be None or an int >= 1, got {concurrency!r}")
         PC.check_policy(policy)
+        PC.check_vocabulary(policy, self.models, self.text is not None)
         pname = PC.policy_text(policy)
         key = self._register(policy)
         call = Call(self, concurrency, key, listener)
@@ -216,7 +231,8 @@ class Engine:
             with self._lock:
                 rid = self._next_rid
                 self._next_rid += 1
-            cfg = RequestConfig(rid, ids, req.params, key, self.eos_ids, rkey, tuple(req.forced or ()))
+            cfg = RequestConfig(rid, ids, req.params, key, self.eos_ids, rkey, tuple(req.forced or ()),
+                                prompts=req.prompts if self.text is not None else None)
             error, entry, state = req.error, self.models[0], {}
             if error is None:
                 try:
@@ -240,11 +256,15 @@ class Engine:
                 except Exception as ex:  # noqa: BLE001
                     error = f"policy {pname}.may_use raised {type(ex).__name__}: {ex} (request {rid})"
             p = req.params
-            stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
-            h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids)
+            if self.text is not None:  # per writer: its own EOS ids are not part of the text
+                stop_ids = {m: frozenset() if p.ignore_eos else frozenset(e) for m, e in self.text.eos.items()}
+            else:
+                stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
+            h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids,
+                              vocabs=self.text.vocabs if self.text is not None else None)
             h.output.sample = req.sample
             h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
-            h.need, h.shared = self.kv.need(ids, p.max_new_tokens)
+            h.need, h.shared = self.kv.need(cfg.prompts or ids, p.max_new_tokens)
             handles.append(h)
         call.handles = handles
         with self.transport.hold(), self._lock:
@@ -443,7 +463,7 @@ class Engine:
             out.logprobs.extend(lp for lp, _ in ev.logprobs)
             if out.top_logprobs is not None:
                 out.top_logprobs.extend(dict(top) for _, top in ev.logprobs)
-        piece = h._add_text(ev.tokens, ev.last)
+        piece = h._add_text(ev.tokens, ev.last, ev.model)
         if h.call.listener is not None:
             h.call.listener("tokens", h, (ev, piece))
 
@@ -466,6 +486,11 @@ class Engine:
             out.discarded_log.append((len(out.token_ids), ev.token, ev.src))
         if h.call.listener is not None:
             h.call.listener("hop", h, ev)
+
+    def _on_retokenized(self, ev: M.Retokenized) -> None:
+        h = self._live_handle(ev)
+        if h is not None:
+            self._record(h.call, ev)
 
     def _on_resampled(self, ev: M.Resampled) -> None:
         h = self._live_handle(ev)

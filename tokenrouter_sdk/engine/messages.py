@@ -54,6 +54,15 @@ class RequestState:
         peer_logits: the handing-off model's logits [V] of the position the receiver writes next
             (a discarding handoff of a policy with ``Needs(handoff_logits=True)``), read by the
             receiver's next step only, else None.
+
+    Models that do not share a tokenizer (the committed output is bytes; `docs/mixed-vocabularies.md`):
+        seen_bytes: per model that received a handoff of it, how many committed output bytes it
+            has seen (``seen`` then only says which models hold it).
+        n_bytes: committed output bytes.
+        units: tokens of the committed text in the unit model's vocabulary (the last model's:
+            the unit of ``max_new_tokens``), as last counted; unit_at, unit_base: the count's
+            stable boundary, ``unit_base`` tokens encode the first ``unit_at`` bytes
+            (`tokenrouter_sdk.byte_vocab.ByteVocab.count`).
     """
 
     seen: dict[str, int] = field(default_factory=dict)
@@ -66,6 +75,11 @@ class RequestState:
     return_to: str | None = None
     greedy: bool = False
     peer_logits: object = None  # torch.Tensor [V] or None
+    seen_bytes: dict[str, int] = field(default_factory=dict)
+    n_bytes: int = 0
+    units: int = 0
+    unit_at: int = 0
+    unit_base: int = 0
 
 
 @dataclass
@@ -80,6 +94,8 @@ class HandoffMsg:
             ``request.seen[target] == len(prompt + committed)``).
         keep_sampled: whether the source committed its sampled token.
         config: the request config, sent only on the target's first visit.
+        data: models that do not share a tokenizer: the committed output bytes the target has
+            not seen (``suffix`` is then empty; the target encodes them in its own tokens).
     """
 
     rid: int
@@ -88,6 +104,7 @@ class HandoffMsg:
     request: RequestState
     keep_sampled: bool
     config: RequestConfig | None = None
+    data: bytes = b""
 
 
 @dataclass
@@ -178,7 +195,10 @@ class Committed:
     """Tokens committed to a request's output by ``model`` at time ``t`` (seconds); ``last``:
     the request ends with them (its `Finished` follows). ``logprobs`` (requests with
     ``SamplingParams.logprobs`` set): per token ``(logprob, ((token_id, logprob), ...))``, its
-    log-probability under ``model`` and the top alternatives, most likely first."""
+    log-probability under ``model`` and the top alternatives, most likely first. Models that
+    do not share a tokenizer: ``chars``, the characters that begin in the tokens' bytes, and
+    ``units``, the committed text's length in the unit model's tokens after them where it was
+    counted (always on the last); None otherwise."""
 
     rid: int
     model: str
@@ -186,6 +206,8 @@ class Committed:
     t: float
     last: bool = False
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
+    chars: int | None = None
+    units: int | None = None
 
 
 @dataclass
@@ -199,6 +221,26 @@ class Hopped:
     kept: bool
     t: float
     token: int | None = None
+
+
+@dataclass
+class Retokenized:
+    """Models that do not share a tokenizer: ``model`` received request ``rid`` at ``t`` and
+    encoded the committed text it had not seen in its own tokens (`docs/mixed-vocabularies.md`).
+
+    Attributes:
+        refed: tokens it had in KV whose encoding changed with the new text (the KV was rewound
+            before them and they are fed again).
+        fed: tokens its next step feeds for the request (``refed`` + the new text's tokens).
+        context: its tokens of prompt + output: what feeding it all again would cost.
+    """
+
+    rid: int
+    model: str
+    refed: int
+    fed: int
+    context: int
+    t: float
 
 
 @dataclass
@@ -331,4 +373,4 @@ class Stats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
-EVENTS = (Admitted, Committed, Hopped, Resampled, Finished, StepDone)
+EVENTS = (Admitted, Committed, Hopped, Resampled, Finished, StepDone, Retokenized)

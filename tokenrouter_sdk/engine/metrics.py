@@ -10,7 +10,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-from .messages import Admitted, Committed, Finished, Hopped, Resampled, StepDone
+from .messages import Admitted, Committed, Finished, Hopped, Resampled, Retokenized, StepDone
 
 
 @dataclass
@@ -35,6 +35,7 @@ class ModelMetrics:
             so ``prefix_query_tokens - prefix_hit_tokens`` were prefilled; prefix_hit_rate: their
             ratio (0.0 without arrivals).
         kv_cached_blocks: blocks in the prefix cache after the last step.
+        committed_chars: characters this model wrote (models that do not share a tokenizer).
     """
 
     steps: int = 0
@@ -52,6 +53,7 @@ class ModelMetrics:
     prefix_query_tokens: int = 0
     prefix_hit_rate: float = 0.0
     kv_cached_blocks: int = 0
+    committed_chars: int = 0
 
 
 @dataclass
@@ -77,6 +79,20 @@ class Metrics:
         discarded_tokens: sampled tokens dropped on handoffs and resamples.
         preemptions: KV evictions over all models.
         per_model: name -> `ModelMetrics`.
+
+    Models that do not share a tokenizer (0 otherwise; docs/mixed-vocabularies.md):
+    ``committed_tokens`` then counts each writer's own tokens, and the one-unit numbers are:
+        committed_chars: characters of the committed text; throughput_chars_s: per second;
+            large_fraction_chars: characters written by the largest model / all.
+        large_tokens: the committed text's length in the largest model's tokens (summed over
+            requests; a request's count as it ended); throughput_large_tok_s: per second;
+            large_fraction_large_tok: tokens the largest model wrote / ``large_tokens`` (at most
+            1); hop_rate_large_tok: hops per large-model token.
+        retokenized: handoffs received with the text re-encoded (`Retokenized` events);
+            refed_per_hop_mean, refed_per_hop_max: tokens a receiving model had in KV and fed
+            again because their encoding changed with the new text; fed_per_hop_mean: tokens
+            fed on receiving (the re-fed and the new text's); context_per_hop_mean: tokens of
+            prompt + output the receiver holds, what re-feeding the whole context would cost.
     """
 
     requests: int = 0
@@ -97,13 +113,31 @@ class Metrics:
     discarded_tokens: int = 0
     preemptions: int = 0
     per_model: dict = field(default_factory=dict)
+    committed_chars: int = 0
+    throughput_chars_s: float = 0.0
+    large_fraction_chars: float = 0.0
+    large_tokens: int = 0
+    throughput_large_tok_s: float = 0.0
+    large_fraction_large_tok: float = 0.0
+    hop_rate_large_tok: float = 0.0
+    retokenized: int = 0
+    refed_per_hop_mean: float = 0.0
+    refed_per_hop_max: int = 0
+    fed_per_hop_mean: float = 0.0
+    context_per_hop_mean: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def _rows(self) -> list[tuple[str, object]]:
+        """The run-level numbers (the ones of models without one shared tokenizer only when
+        there were such)."""
+        shown = self.committed_chars or self.retokenized
+        return [(k, v) for k, v in asdict(self).items() if k != "per_model" and (shown or k not in MIXED_FIELDS)]
+
     def table(self) -> str:
         """A plain-text table of the run-level numbers and one line per model."""
-        rows = [(k, v) for k, v in asdict(self).items() if k != "per_model"]
+        rows = self._rows()
         lines = [f"{k:<20} {v:.4g}" if isinstance(v, float) else f"{k:<20} {v}" for k, v in rows]
         for name, m in self.per_model.items():
             lines.append(f"[{name}] steps={m.steps} busy={m.busy_fraction:.2f} fwd_frac={m.forward_fraction:.2f} "
@@ -120,7 +154,7 @@ class Metrics:
     def _repr_html_(self) -> str:
         """Two tables: the run-level numbers, and one row per model."""
         from ..tables import html_table
-        run = html_table(("metric", "value"), [(k, v) for k, v in asdict(self).items() if k != "per_model"],
+        run = html_table(("metric", "value"), self._rows(),
                          caption=f"Metrics of {self.requests} requests (_s: seconds, _tok_s: tokens/s)")
         if not self.per_model:
             return run
@@ -130,6 +164,12 @@ class Metrics:
                  m.committed_tokens, m.preemptions, m.prefix_hit_rate,
                  ", ".join(f"{b}×{c}" for b, c in sorted(m.batch_size_hist.items()))) for n, m in self.per_model.items()]
         return run + html_table(cols, rows, caption="per model")
+
+
+MIXED_FIELDS = frozenset({"committed_chars", "throughput_chars_s", "large_fraction_chars", "large_tokens",
+                          "throughput_large_tok_s", "large_fraction_large_tok", "hop_rate_large_tok", "retokenized",
+                          "refed_per_hop_mean", "refed_per_hop_max", "fed_per_hop_mean", "context_per_hop_mean"})
+"""The `Metrics` fields of models that do not share a tokenizer."""
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -147,6 +187,7 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
     """
     admit, first, end, n_tok, failed = {}, {}, {}, Counter(), 0
     per_model_tok, hops, discarded, writer, changes = Counter(), 0, 0, {}, 0
+    chars, units, retok = Counter(), {}, []
     steps_all = []
     for ev in trace:
         if isinstance(ev, StepDone):
@@ -163,6 +204,12 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
             if ev.tokens:
                 changes += writer.get(ev.rid, ev.model) != ev.model
                 writer[ev.rid] = ev.model
+            if ev.chars is not None:
+                chars[ev.model] += ev.chars
+            if ev.units is not None:
+                units[ev.rid] = ev.units
+        elif isinstance(ev, Retokenized):
+            retok.append(ev)
         elif isinstance(ev, Hopped):
             hops += 1
             discarded += 0 if ev.kept else 1
@@ -191,6 +238,19 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
     m.writer_changes = changes
     m.writer_change_rate = changes / m.committed_tokens if m.committed_tokens else 0.0
     m.large_fraction = per_model_tok[models[-1]] / m.committed_tokens if m.committed_tokens else 0.0
+    m.committed_chars = sum(chars.values())
+    m.throughput_chars_s = m.committed_chars / m.wall_s if m.wall_s > 0 else 0.0
+    m.large_fraction_chars = chars[models[-1]] / m.committed_chars if m.committed_chars else 0.0
+    m.large_tokens = sum(units.values())
+    m.throughput_large_tok_s = m.large_tokens / m.wall_s if m.wall_s > 0 else 0.0
+    m.large_fraction_large_tok = min(1.0, per_model_tok[models[-1]] / m.large_tokens) if m.large_tokens else 0.0
+    m.hop_rate_large_tok = hops / m.large_tokens if m.large_tokens else 0.0
+    if retok:
+        m.retokenized = len(retok)
+        m.refed_per_hop_mean = statistics.fmean(e.refed for e in retok)
+        m.refed_per_hop_max = max(e.refed for e in retok)
+        m.fed_per_hop_mean = statistics.fmean(e.fed for e in retok)
+        m.context_per_hop_mean = statistics.fmean(e.context for e in retok)
     steps = defaultdict(list)
     for s in steps_all:
         if t0 <= s.t_start <= t1:
@@ -209,7 +269,7 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
             kv_pending_blocks_peak=max((s.kv_pending_blocks for s in ss), default=0),
             prefix_hit_tokens=sum(s.cache_hit_tokens for s in ss),
             prefix_query_tokens=sum(s.cache_query_tokens for s in ss),
-            kv_cached_blocks=ss[-1].kv_cached_blocks if ss else 0)
+            kv_cached_blocks=ss[-1].kv_cached_blocks if ss else 0, committed_chars=chars[name])
         pm = m.per_model[name]
         pm.prefix_hit_rate = pm.prefix_hit_tokens / pm.prefix_query_tokens if pm.prefix_query_tokens else 0.0
         m.preemptions += m.per_model[name].preemptions

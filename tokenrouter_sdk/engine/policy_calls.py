@@ -88,6 +88,28 @@ def check_policy(policy) -> None:
                         f"e.g. needs = Needs(entropy=True) as a class attribute")
 
 
+def check_vocabulary(policy, models: Sequence[str], mixed: bool) -> None:
+    """Refuse a policy that needs one shared vocabulary (``Policy.one_vocabulary``: a learned
+    head over one vocabulary's tokens; ``Needs(handoff_logits=True)``: a peer's logits) for
+    models that do not share a tokenizer (``mixed``).
+
+    Raises:
+        ValueError: naming the policy, why, and the policies that work across vocabularies.
+    """
+    if not mixed:
+        return
+    if getattr(policy, "one_vocabulary", False):
+        why = "its learned head was trained on the tokens of one vocabulary"
+    elif getattr(getattr(policy, "needs", None), "handoff_logits", False):
+        why = "it reads the handing-off model's logits (Needs(handoff_logits=True)), which are over another vocabulary"
+    else:
+        return
+    raise ValueError(f"policy {policy_text(policy)} needs models that share one tokenizer: {why}; the models "
+                     f"{list(models)} have different tokenizers. Route them with a policy that reads each model's "
+                     f"own step (RStitch, an entropy or confidence threshold, RandomRouting, TokenEnsemble), or pick "
+                     f"models of one family")
+
+
 def _name(value, models: Sequence[str]) -> str | None:
     """``value`` as one of ``models`` (a str equal to one of them), else None."""
     if isinstance(value, str):

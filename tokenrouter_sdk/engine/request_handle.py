@@ -12,7 +12,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..request import RequestConfig, RequestOutput
-from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .detokenizer import ByteDetokenizer, IncrementalDetokenizer, StopMatcher
 
 if TYPE_CHECKING:
     from .handle_link import CallLink
@@ -29,7 +29,7 @@ class RequestHandle:
     """
 
     def __init__(self, config: RequestConfig, prompt, entry: str, call: "CallLink", index: int, tokenizer,
-                 stop_ids: frozenset):
+                 stop_ids: frozenset | dict, vocabs: dict | None = None):
         self.config, self.entry, self.owner, self.call = config, entry, entry, call
         self.output = RequestOutput(rid=config.rid, prompt=prompt, index=index, key=config.key)
         if config.params.logprobs is not None:
@@ -43,9 +43,12 @@ class RequestHandle:
         self.done = threading.Event()
         self.need: dict[str, int] = {}  # KV blocks reserved per model while admitted (its own)
         self.shared: dict[str, list] = {}  # per model, prefix-cache keys of its prompt blocks others may share
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        if vocabs is not None:  # models that do not share a tokenizer: text from each writer's bytes
+            self.detok = ByteDetokenizer(vocabs)
+        else:
+            self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(config.params.stop) if config.params.stop else None
-        self.stop_ids = stop_ids  # ids that end the request: their text is not part of it
+        self.stop_ids = stop_ids  # ids that end the request (per writer, a dict): their text is not part of it
         self.released = 0  # characters of text given to streams
         self.final_text: str | None = None
         self.state: dict = {}  # the policy state entry() started
@@ -67,18 +70,19 @@ class RequestHandle:
         self.call.engine.abort(self.rid, reason)
 
     # -- text -------------------------------------------------------------------------------
-    def _add_text(self, tokens: list[int], last: bool) -> str:
-        """Feed committed tokens to the detokenizer; return the text that became safe to stream:
-        stable, before any stop string, and not possibly the start of one. With ``last`` (the
-        request ends with these tokens) everything up to the final text's end."""
+    def _add_text(self, tokens: list[int], last: bool, model: str | None = None) -> str:
+        """Feed committed tokens (written by ``model``) to the detokenizer; return the text that
+        became safe to stream: stable, before any stop string, and not possibly the start of one.
+        With ``last`` (the request ends with these tokens) everything up to the final text's end."""
         if self.detok is None:
             return ""
-        ids = [t for t in tokens if t not in self.stop_ids]
+        stop_ids = self.stop_ids.get(model, ()) if isinstance(self.stop_ids, dict) else self.stop_ids
+        ids = [t for t in tokens if t not in stop_ids]
         if self.call.listener is None:  # nobody streams: decode once at the end
-            self.detok.extend(ids)
+            self.detok.extend(ids, model)
             return self._take(len(self._finalize())) if last else ""
         if ids:
-            self.detok.add(ids)
+            self.detok.add(ids, model)
         if last:
             return self._take(len(self._finalize()))
         text = self.detok.text

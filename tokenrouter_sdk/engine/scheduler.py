@@ -54,6 +54,9 @@ class Seq:
         reuse: whether a lookup in the prefix cache may stand in for feeding its tokens (False
             when a policy reads every prompt position's hidden state).
         arrived: its tokens on arrival here (with no KV) were counted in ``query_tokens``.
+        prompt_len: its prompt's tokens on this model (the first ``prompt_len`` of ``tokens``).
+        text: models that do not share a tokenizer: its `TextView` here (the committed bytes
+            this model has seen, its token boundaries), else None.
     """
 
     config: RequestConfig
@@ -69,6 +72,12 @@ class Seq:
     n_cached: int = 0
     reuse: bool = True
     arrived: bool = False
+    prompt_len: int = -1
+    text: object = None
+
+    def __post_init__(self):
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.config.prompt_ids)
 
     @property
     def rid(self) -> int:
@@ -76,7 +85,7 @@ class Seq:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[len(self.config.prompt_ids):]
+        return self.tokens[self.prompt_len:]
 
 
 class Scheduler:
@@ -87,6 +96,9 @@ class Scheduler:
         max_batch_tokens: tokens fed per step at most (a longer single prompt still runs alone).
         max_batch_size: requests per step at most.
         prefix_cache: share full blocks of equal prefixes through the allocator's prefix cache.
+        cache_hold: a request's last ``cache_hold`` tokens in KV are not cached yet (models that
+            do not share a tokenizer re-encode the end of their tokens on a handoff; a rewind
+            into a shared block would recompute the whole block).
 
     Attributes:
         hit_tokens, query_tokens: tokens reused from the prefix cache by the last `schedule`,
@@ -96,8 +108,8 @@ class Scheduler:
     """
 
     def __init__(self, blocks: BlockAllocator, max_batch_tokens: int = 4096, max_batch_size: int = 256,
-                 prefix_cache: bool = False):
-        self.blocks = blocks
+                 prefix_cache: bool = False, cache_hold: int = 0):
+        self.blocks, self.cache_hold = blocks, cache_hold
         if prefix_cache:
             blocks.enable_prefix_cache()
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
@@ -143,6 +155,14 @@ class Scheduler:
             seq.n_cached = n // bs
             n = seq.n_cached * bs
         seq.kv_len = min(seq.kv_len, n)
+
+    def replaced_from(self, seq: Seq, n: int) -> None:
+        """``seq.tokens`` changed from position ``n`` on (a re-encoding of its text): forget the
+        prefix-cache keys of the blocks that hold those positions and keep only the first ``n``
+        tokens in KV (`rewind`)."""
+        del seq.keys[n // self.blocks.block_size:]
+        if seq.kv_len > n:
+            self.rewind(seq, n)
 
     def _evict(self, seq: Seq) -> None:
         self.drop_kv(seq)
@@ -194,7 +214,7 @@ class Scheduler:
         if blocks.cache is None:
             return
         for seq in batch:
-            full = seq.kv_len // blocks.block_size
+            full = max(0, seq.kv_len - self.cache_hold) // blocks.block_size
             if full > seq.n_cached:
                 blocks.register(seq.table, seq.tokens, seq.keys, seq.n_cached, full)
                 seq.n_cached = full

@@ -6,11 +6,19 @@ the requests it owns. It learns about requests only from messages (`Admit`, `Han
 `StepDone`), so the same loop runs in a thread, in a process or in simulated time.
 
 One step (`SubServer.step`): schedule a batch (prefill, decode and extend mixed), one forward,
-mask the vocabulary to the shared tokenizer's, sample (greedily after a ``Handoff(greedy=True)``),
+mask the vocabulary to the tokenizer's, sample (greedily after a ``Handoff(greedy=True)``),
 ask the policy where each request goes (it may set the token written, or `Resample` it: a new
 draw from the same distribution, routed again), then commit (and check the stop rules) or hand
 off (the request stays pending here, KV kept). Requests prefilled at admission for a later
 handoff (`Prefill`, ``EngineConfig.prefill_peers``) are fed and then wait pending, unrouted.
+
+Models that do not share a tokenizer (``text``, a `TextMode`): the committed output is bytes.
+A commit appends the bytes of this model's token (`TextView`); a handoff carries the bytes the
+target has not seen; a receipt re-encodes the end of this model's tokens of the text with those
+bytes (`ByteVocab.retokenize`), rewinds the KV to the first token that changed and feeds from
+there (a `Retokenized` event says how many). Its own EOS ids end a request, stop strings are
+searched in the bytes, and ``max_new_tokens`` counts the text's tokens in the unit model's
+vocabulary (docs/mixed-vocabularies.md).
 
 A sub-server is a step machine and knows no transport: feed it messages (`SubServer.handle`),
 call `SubServer.step`, and read the `StepResult` it returns (the events for the engine in
@@ -29,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from ..byte_vocab import char_count
 from ..policy import Handoff, Policy, Resample, StepBatch
 from ..request import RequestView, SamplingParams
 from . import messages as M
@@ -39,9 +48,11 @@ from .runner import ForwardOut, RunnerDied, SeqInput
 from .sampler import make_generator, sample
 from .scheduler import RequestState, Scheduler, Seq
 from .step_result import StepResult, UnknownMessage, dispatch
+from .text_mode import TextMode, TextView
 
 ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
 GREEDY = SamplingParams()  # how a request samples after a Handoff(greedy=True)
+TEXT_CACHE_HOLD = 8  # models without one tokenizer: a request's last tokens stay out of the prefix cache
 
 __all__ = ["SubServer", "StepResult", "UnknownMessage", "RequestFailed", "MODES", "Mode", "serve"]
 
@@ -66,29 +77,35 @@ class SubServer:
         models: all model names, smallest first.
         runner: the model's `tokenrouter_sdk.engine.runner.Runner` (owns the KV storage; its
             ``pool`` gives the geometry the block ids are allocated over: `blocks_of`).
-        tokenizer: the shared tokenizer (stop strings; ``step.tokenizer`` for policies).
+        tokenizer: the model's tokenizer, shared by every model unless ``text`` is given (stop
+            strings; ``step.tokenizer`` for policies).
         config: the `EngineConfig` (mode, retain_kv, batch limits, ...).
         thresholds: delayed batching thresholds B_i per model (``delayed`` mode).
         vocab_limit: token ids at or above it are never sampled (the shared tokenizer's size:
             a model's extra logits rows, e.g. Qwen's padding to 151,936, are cut off).
         clock: seconds; ``time.perf_counter`` (or a simulated clock for the sim backend).
+        text: models that do not share a tokenizer: this model's `TextMode` (its byte table,
+            the unit model's, its EOS ids, the ids it never writes); None for one tokenizer.
 
     Not thread-safe: one thread calls `handle`, `take` and `step`.
     """
 
     def __init__(self, name: str, models: list[str], runner, tokenizer, config: EngineConfig,
                  thresholds: dict[str, int] | None = None, vocab_limit: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, text: TextMode | None = None):
         self.name, self.models, self.index = name, list(models), list(models).index(name)
+        self.text = text
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.sched = Scheduler(blocks_of(runner), config.max_batch_tokens, config.max_batch_size,
-                               prefix_cache=config.prefix_cache)
+                               prefix_cache=config.prefix_cache, cache_hold=TEXT_CACHE_HOLD if text is not None else 0)
         self.policies: dict[int, Policy] = {}
         self.aborted: collections.OrderedDict[int, tuple[str, str | None]] = collections.OrderedDict()
         self._running = True
         self.mode, self.retain_kv = config.mode, config.retain_kv
         self.thresholds = dict(thresholds or {})
         self.vocab_limit = int(vocab_limit or runner.vocab_size)
+        banned = [i for i in (text.banned if text is not None else ()) if i < self.vocab_limit]
+        self._banned = torch.tensor(banned, dtype=torch.long) if banned else None
         self.inflight = 0
         self._go: list[int] = []
         self._out = StepResult()  # what handling and stepping produced since the last take/step
@@ -133,15 +150,20 @@ class SubServer:
 
     def _admit(self, msg: M.Admit) -> None:
         cfg = msg.config
-        seen = dict.fromkeys([*msg.peers, self.name], len(cfg.prompt_ids))
-        seq = Seq(cfg, list(cfg.prompt_ids), RequestState(seen=seen, state=msg.state),
-                  generator=make_generator(cfg.params.seed, self.index, self.runner.device))
+        prompt = cfg.prompt_of(self.name)
+        seen = dict.fromkeys([*msg.peers, self.name], len(prompt))
+        rs = RequestState(seen=seen, state=msg.state, seen_bytes={self.name: 0} if self.text is not None else {})
+        seq = Seq(cfg, list(prompt), rs, generator=make_generator(cfg.params.seed, self.index, self.runner.device),
+                  prompt_len=len(prompt), text=self._text_view())
         pol = self.policies.get(cfg.policy_key)
         seq.reuse = not (pol is not None and getattr(pol.needs, "prompt_hidden", False))
         if cfg.rid in self.aborted:
             self._end_aborted(seq)
         else:
             self._own(seq)
+
+    def _text_view(self) -> TextView | None:
+        return TextView() if self.text is not None else None
 
     def _release(self, msg: M.Release) -> None:
         self.sched.remove(msg.rid)
@@ -189,9 +211,11 @@ class SubServer:
         cfg = msg.config
         if cfg.rid in self.aborted or cfg.rid in self.sched.seqs:
             return
-        n = len(cfg.prompt_ids)
-        seq = Seq(cfg, list(cfg.prompt_ids), RequestState(seen={msg.entry: n, self.name: n}), prefill_only=True,
-                  generator=make_generator(cfg.params.seed, self.index, self.runner.device))
+        prompt = cfg.prompt_of(self.name)
+        n = len(prompt)
+        seq = Seq(cfg, list(prompt), RequestState(seen={msg.entry: n, self.name: n}), prefill_only=True,
+                  generator=make_generator(cfg.params.seed, self.index, self.runner.device), prompt_len=n,
+                  text=self._text_view())
         if not self.sched.too_big(seq):
             self.sched.add_owned(seq)
 
@@ -232,15 +256,18 @@ class SubServer:
 
     def _receive(self, msg: M.HandoffMsg) -> None:
         seq = self.sched.seqs.get(msg.rid)
+        if seq is None and msg.config is None:  # our KV of it was freed by an abort meanwhile
+            if msg.rid in self.aborted:
+                reason, error = self.aborted.pop(msg.rid)
+                self._emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
+                for m, n in msg.request.seen.items():
+                    if m != self.name and n > 0:
+                        self._send(m, M.Release(msg.rid))
+            return
+        if self.text is not None:
+            self._receive_text(seq, msg)
+            return
         if seq is None:
-            if msg.config is None:  # our KV of it was freed by an abort meanwhile
-                if msg.rid in self.aborted:
-                    reason, error = self.aborted.pop(msg.rid)
-                    self._emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
-                    for m, n in msg.request.seen.items():
-                        if m != self.name and n > 0:
-                            self._send(m, M.Release(msg.rid))
-                return
             known = msg.request.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
             seq = Seq(msg.config, list(msg.config.prompt_ids[:known]),
                       generator=make_generator(msg.config.params.seed, self.index, self.runner.device))
@@ -263,6 +290,39 @@ class SubServer:
             self._finish(seq, "failed", f"model '{msg.src}' wrote token id {bad[0]}, outside model '{self.name}'s "
                          f"vocabulary [0, {self.runner.vocab_size}); the models must share one tokenizer")
             return
+        self._take_over(seq, msg)
+
+    def _receive_text(self, seq: Seq | None, msg: M.HandoffMsg) -> None:
+        """A handoff between models that do not share a tokenizer: encode the committed bytes
+        this model has not seen (``msg.data``) in its tokens, re-encoding the end of its view as
+        far back as the token boundary requires (`TextView.receive`); rewind the KV to the first
+        token that changed, so the next step feeds the rest."""
+        if seq is None:
+            prompt = msg.config.prompt_of(self.name)
+            seq = Seq(msg.config, list(prompt), generator=make_generator(msg.config.params.seed, self.index,
+                                                                        self.runner.device),
+                      prompt_len=len(prompt), text=TextView())
+        seq.prefill_only = False
+        p, kv = seq.prompt_len, seq.kv_len
+        keep, view = seq.text.receive(self.text.vocab, seq.tokens[p:], msg.data)
+        seq.tokens[p:] = view
+        self.sched.replaced_from(seq, p + keep)
+        if seq.kv_len >= len(seq.tokens):  # nothing new to feed (the peer discarded and bounced back)
+            self.sched.rewind(seq, len(seq.tokens) - 1)
+        seq.rs, seq.resamples = msg.request, 0
+        self._emit(M.Retokenized(seq.rid, self.name, max(0, kv - seq.kv_len), len(seq.tokens) - seq.kv_len,
+                                 len(seq.tokens), self.clock()))
+        if msg.rid in self.aborted:
+            self._end_aborted(seq)
+            return
+        if len(seq.tokens) >= self.runner.max_context:
+            self.sched.seqs[seq.rid] = seq
+            self._finish(seq, "length", None)
+            return
+        self._take_over(seq, msg)
+
+    def _take_over(self, seq: Seq, msg: M.HandoffMsg) -> None:
+        """The policy's ``receive`` hook, then this model owns ``seq``."""
         pol = self.policies.get(seq.config.policy_key)
         try:
             if pol is None:
@@ -404,7 +464,9 @@ class SubServer:
         if batch:
             if logits.shape[-1] > self.vocab_limit:
                 logits = logits[:, :self.vocab_limit]
-            prompt_hidden = [None if h is None else h[:len(s.config.prompt_ids)] for s, h in zip(batch, fed_hidden)]
+            if self._banned is not None:  # tokens writing bytes a peer's vocabulary cannot spell
+                logits = logits.index_fill(1, self._banned.to(logits.device), float("-inf"))
+            prompt_hidden = [None if h is None else h[:s.prompt_len] for s, h in zip(batch, fed_hidden)]
             tokens = self._sample(batch, logits, range(len(batch)))
             decisions = self._route(batch, tokens, logits, hidden, prompt_hidden, range(len(batch)))
             self._resample(batch, tokens, logits, hidden, prompt_hidden, decisions)
@@ -481,8 +543,13 @@ class SubServer:
 
     # -- routing --------------------------------------------------------------------------
     def _view(self, s: Seq) -> RequestView:
-        return RequestView(s.rid, s.config.prompt_ids, s.output_ids, self.name, s.rs.state, s.rs.hops, tuple(self.models),
-                           s.config.key)
+        if s.text is not None:
+            text = s.text.text
+        else:
+            tok = self.tokenizer
+            text = (lambda: tok.decode(s.output_ids, skip_special_tokens=True)) if tok is not None else ""
+        return RequestView(s.rid, s.config.prompt_of(self.name), s.output_ids, self.name, s.rs.state, s.rs.hops,
+                           tuple(self.models), s.config.key, text)
 
     def _policy_error(self, s: Seq, fn: str, e: Exception) -> tuple[str, str]:
         """(message, formatted traceback) of policy method ``fn`` raising ``e`` for ``s``: the
@@ -608,6 +675,8 @@ class SubServer:
     def _commit(self, s: Seq, tok: int, lp: tuple | None = None) -> bool:
         """Commit ``tok`` (``lp``: its log-probabilities, see `_logprobs`); return True if the
         request finished. Inside a forced output only the length ends it."""
+        if self.text is not None:
+            return self._commit_text(s, tok, lp)
         s.tokens.append(tok)
         s.rs.seen[self.name] = len(s.tokens)
         s.rs.n_committed += 1
@@ -630,6 +699,55 @@ class SubServer:
             self._finish(s, reason, None, stop_reason=why)
             return True
         return False
+
+    def _commit_text(self, s: Seq, tok: int, lp: tuple | None) -> bool:
+        """`_commit` for models that do not share a tokenizer: the token's bytes join the
+        committed output; this model's EOS ids, the stop strings (in the text), the context and
+        ``max_new_tokens`` (the unit model's tokens of the text) end the request, in that order."""
+        data = self.text.vocab.table[tok]
+        s.tokens.append(tok)
+        s.text.append(data)
+        rs = s.rs
+        rs.n_bytes += len(data)
+        rs.seen_bytes[self.name] = rs.n_bytes
+        rs.seen[self.name] = len(s.tokens)
+        rs.n_committed += 1
+        rs.hops_since_commit = s.resamples = 0
+        p = s.config.params
+        reason, why, units = None, None, None
+        if tok in self.text.eos_ids and not p.ignore_eos:
+            reason = "eos"
+        elif p.stop and (why := self._hit_stop_text(s, len(data))) is not None:
+            reason = "stop"
+        elif len(s.tokens) >= self.runner.max_context:
+            reason = "length"
+        elif rs.n_bytes >= p.max_new_tokens:  # a token writes at least one byte: fewer bytes, fewer tokens
+            units = self._count_units(s)
+            reason = "length" if units >= p.max_new_tokens else None
+        if reason is not None and units is None:
+            units = self._count_units(s)
+        self._emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp],
+                               chars=char_count(data), units=units))
+        if reason:
+            self._finish(s, reason, None, stop_reason=why)
+            return True
+        return False
+
+    def _count_units(self, s: Seq) -> int:
+        """The committed text's tokens in the unit model's vocabulary (`ByteVocab.count`; the
+        count's stable boundary travels with the request)."""
+        rs = s.rs
+        rs.units, rs.unit_at, rs.unit_base = self.text.unit.count(s.text.data, rs.unit_at, rs.unit_base)
+        return rs.units
+
+    def _hit_stop_text(self, s: Seq, added: int) -> str | None:
+        """The stop string the committed text now holds in its end (the last ``added`` bytes
+        plus enough before them to hold the longest stop string), or None."""
+        stops = s.config.params.stop
+        span = max(len(x.encode("utf-8")) for x in stops) + added + 3
+        tail = bytes(s.text.data[-span:]).decode("utf-8", "replace")
+        hits = [(tail.find(x), x) for x in stops if x in tail]
+        return min(hits)[1] if hits else None
 
     def _hit_stop(self, s: Seq) -> str | None:
         """The stop string the output's text now contains (decoded as the final text is: special
@@ -659,12 +777,21 @@ class SubServer:
         t_seen = s.rs.seen.get(target, 0)
         seen = dict(s.rs.seen)
         seen[target] = len(s.tokens)
+        seen_bytes = dict(s.rs.seen_bytes)
         self._emit(M.Hopped(s.rid, self.name, target, committed, self.clock(), token))
+        if self.text is not None:  # the committed bytes the target has not seen
+            b_seen = seen_bytes.get(target)
+            seen_bytes[target] = s.rs.n_bytes
+            suffix, data = [], bytes(s.text.data[b_seen or 0:])
+            config = s.config if b_seen is None else None
+        else:
+            suffix, data = s.tokens[t_seen:], b""
+            config = s.config if t_seen <= len(s.config.prompt_ids) else None
         travels = dataclasses.replace(s.rs, seen=seen, span=h.span, return_to=self.name if h.span is not None else None,
-                                      greedy=bool(h.greedy), peer_logits=peer_logits)
-        msg = M.HandoffMsg(s.rid, self.name, s.tokens[t_seen:], travels, h.keep_sampled,
-                           config=s.config if t_seen <= len(s.config.prompt_ids) else None)
-        s.rs = dataclasses.replace(s.rs, seen=dict(seen), span=None, return_to=None, greedy=False, peer_logits=None)
+                                      greedy=bool(h.greedy), peer_logits=peer_logits, seen_bytes=seen_bytes)
+        msg = M.HandoffMsg(s.rid, self.name, suffix, travels, h.keep_sampled, config=config, data=data)
+        s.rs = dataclasses.replace(s.rs, seen=dict(seen), span=None, return_to=None, greedy=False, peer_logits=None,
+                                   seen_bytes=dict(seen_bytes))
         s.resamples = 0
         self.sched.set_pending(s)
         if not self.retain_kv:  # baseline: forget the KV, the return re-prefills (what the prefix cache lacks)

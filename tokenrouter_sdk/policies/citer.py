@@ -76,6 +76,7 @@ class CITER(HeadRecord, DeferOneToken):
     """
 
     needs = Needs(hidden=True)
+    one_vocabulary = True  # the head learned when the small model's token agrees with the large one's
 
     def __init__(self, head=None, tau: float | None = None, small: str | None = None, large: str | None = None,
                  pair: str | None = None):

@@ -94,6 +94,8 @@ class CoLLM(HeadRecord, DeferOneToken):
             the default, or ``"qwen2.5-coder"``).
     """
 
+    one_vocabulary = True  # the head learned deferral over one vocabulary; compose mixes both models' logits
+
     def __init__(self, head=None, eta: float | None = None, compose: bool = False, warmup: str = "constant",
                  warmup_steps: int = 15, small: str | None = None, large: str | None = None, pair: str | None = None):
         if warmup not in WARMUPS:

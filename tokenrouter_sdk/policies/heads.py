@@ -142,7 +142,9 @@ def head_label(head, kind: str, pair: str | None = None) -> str:
 
 class HeadRecord:
     """Mixin of the learned policies: ``head_meta``, the JSON record stored with the head (how it
-    was made, its metrics; ``{}`` when it has none), kept out of the policy's repr."""
+    was made, its metrics; ``{}`` when it has none), kept out of the policy's repr. The token-level
+    heads (CITER, Co-LLM, R2R) learned where one vocabulary's tokens of the two models agree:
+    they set ``Policy.one_vocabulary``, so models with different tokenizers refuse them."""
 
     _head_meta: dict = {}
 

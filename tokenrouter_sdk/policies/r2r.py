@@ -188,6 +188,8 @@ class R2R(HeadRecord, DeferOneToken):
             the default, or ``"qwen2.5-coder"``: it reads Qwen2.5-Coder-0.5B's token table).
     """
 
+    one_vocabulary = True  # the router learned where the small model's tokens diverge from the large one's
+
     def __init__(self, head=None, embedding=None, tau: float | None = None,
                  small: str | None = None, large: str | None = None, pair: str | None = None):
         self.head = head_label(head, "r2r", pair)

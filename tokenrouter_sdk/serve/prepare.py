@@ -42,6 +42,10 @@ class Prepared:
             of the model the policy routes it to); else None.
         token_ids_as_text: tokens in ``logprobs`` are shown as ``"token_id:<id>"`` (vLLM's
             ``return_tokens_as_token_ids``: unique, where two tokens may decode to one text).
+        sources: served models that do not share a tokenizer: each prompt as sent (text, or
+            chat messages), which the engine renders for each model in its own vocabulary and
+            chat template (``prompts`` and ``prompt_ids`` are then the last model's tokens, for
+            the length checks and usage); else None.
     """
 
     prompts: list[list[int]]
@@ -58,6 +62,7 @@ class Prepared:
     prompt_ids: list[list[int]] | None = None
     forced: list[list[int]] | None = None
     token_ids_as_text: bool = False
+    sources: list | None = None
 
 
 def _unsupported(req, chat: bool) -> None:
@@ -155,6 +160,28 @@ def chat_prompt(router, messages, param: str = "messages", chat_template_kwargs:
         APIError: 400 naming ``messages`` (none, a non-text part, no template, too long) or
             ``chat_template_kwargs`` (a variable the server sets itself).
     """
+    plain = plain_messages(messages, param)
+    if not getattr(router.tokenizer, "chat_template", None):
+        raise bad_request(param, "the served tokenizer has no chat template: use /v1/completions with a "
+                                      "prompt string instead")
+    try:
+        PromptEncoder.check_template_kwargs(chat_template_kwargs)
+    except (TypeError, ValueError) as e:
+        raise bad_request("chat_template_kwargs", str(e)) from None
+    try:
+        ids = router.encode(plain, chat_template_kwargs=chat_template_kwargs)
+    except Exception as e:  # noqa: BLE001 - the template refused the conversation (e.g. role order)
+        raise bad_request(param, f"messages could not be rendered with the chat template: "
+                                      f"{type(e).__name__}: {e}") from None
+    return _check_ids(router, ids, param)
+
+
+def plain_messages(messages, param: str = "messages") -> list[dict]:
+    """Chat ``messages`` as ``{"role", "content"}`` dicts with text content (text parts joined).
+
+    Raises:
+        APIError: 400 naming ``param`` (none, a non-text part, every message empty).
+    """
     if not messages:
         raise bad_request(param, f"{param} is empty: give at least one {{'role': 'user', 'content': ...}}")
     plain = []
@@ -171,19 +198,34 @@ def chat_prompt(router, messages, param: str = "messages", chat_template_kwargs:
         plain.append({"role": m.role, "content": content or ""})
     if not any(p["content"] for p in plain):
         raise bad_request(param, "every message is empty: give some text in at least one message")
-    if not getattr(router.tokenizer, "chat_template", None):
-        raise bad_request(param, "the served tokenizer has no chat template: use /v1/completions with a "
-                                      "prompt string instead")
-    try:
-        PromptEncoder.check_template_kwargs(chat_template_kwargs)
-    except (TypeError, ValueError) as e:
-        raise bad_request("chat_template_kwargs", str(e)) from None
-    try:
-        ids = router.encode(plain, chat_template_kwargs=chat_template_kwargs)
-    except Exception as e:  # noqa: BLE001 - the template refused the conversation (e.g. role order)
-        raise bad_request(param, f"messages could not be rendered with the chat template: "
-                                      f"{type(e).__name__}: {e}") from None
-    return _check_ids(router, ids, param)
+    return plain
+
+
+def mixed_sources(router, req, chat: bool) -> list:
+    """Served models that do not share a tokenizer: each prompt of ``req`` as sent (a string,
+    or chat messages), for the engine to render for each model.
+
+    Raises:
+        APIError: 400 for what only one vocabulary can mean: token-id prompts, stop token ids,
+            logprobs (each token shown as text of one tokenizer).
+    """
+    if (req.logprobs if chat else req.logprobs is not None):
+        raise bad_request("logprobs", "logprobs name each token's text, and the served models do not share a "
+                                      "tokenizer; leave logprobs out (Router.generate(logprobs=...) gives them per "
+                                      "writer)")
+    if getattr(req, "stop_token_ids", None):
+        raise bad_request("stop_token_ids", "stop_token_ids name different tokens in each served model's vocabulary "
+                                            "(they do not share a tokenizer): use stop strings")
+    if chat:
+        return [plain_messages(req.messages, "messages")]
+    prompt = req.prompt
+    if prompt and isinstance(prompt, list) and isinstance(prompt[0], dict):
+        return [plain_messages(prompt, "prompt")]
+    items = [prompt] if isinstance(prompt, str) else list(prompt or [])
+    if any(not isinstance(p, str) for p in items):
+        raise bad_request("prompt", "prompt: token ids mean different text in each served model's vocabulary (they "
+                                    "do not share a tokenizer): send the prompt as text")
+    return items
 
 
 def sampling(router, req, prompts: list[list[int]], default_max: int | None) -> SamplingParams:
@@ -269,7 +311,8 @@ def prepare(state: ServeState, req: CompletionRequest | ChatCompletionRequest) -
     echo = bool(getattr(req, "echo", False))
     prep = Prepared(prompts, params, policy, label, stream, include_usage, req.model or state.model_id, chat, n=n,
                     logprobs=params.logprobs, echo=echo, prompt_ids=[list(p) for p in prompts],
-                    token_ids_as_text=bool(req.return_tokens_as_token_ids))
+                    token_ids_as_text=bool(req.return_tokens_as_token_ids),
+                    sources=mixed_sources(router, req, chat) if router.text is not None else None)
     if echo and params.logprobs is not None:  # score the prompt: its tokens after the first are teacher-forced
         max_tokens = 0 if req.max_tokens == 0 else params.max_new_tokens
         prep.forced = [p[1:] for p in prompts]

@@ -28,7 +28,7 @@ import sys
 import time
 import uuid
 
-from .tokens import _piece_at, answer_html, page_html, token_pieces
+from .tokens import _piece_at, answer_html, byte_pieces, page_html, token_pieces
 from .trace import TraceState
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -86,6 +86,8 @@ class LiveView:
             raise ValueError(f"live view interval must be > 0 seconds, got {interval!r}")
         self.engine, self.call, self.handles = router.engine, handles, list(handles)
         self.tokenizer, self.models = router.tokenizer, list(router.models)
+        text = getattr(router, "text", None)
+        self.vocabs = text.vocabs if text is not None else None  # models without one shared tokenizer
         self.interval, self.out = interval, out
         self.displayed = in_notebook()
         self.kind = ("widget" if self.displayed else "text") if kind == "auto" else kind
@@ -215,10 +217,14 @@ class LiveView:
             if self._n_seen.get(rid) == key:
                 continue
             pieces = self._pieces[rid]
-            if len(ids) > len(pieces):
-                pieces.extend(token_pieces(tok, ids, start=len(pieces)))
             dpieces = self._dpieces.setdefault(rid, [])
-            dpieces.extend(_piece_at(tok, ids, pos, t) for pos, t, _m in log[len(dpieces):])
+            if self.vocabs is not None:
+                pieces[:] = byte_pieces(ids, token_models[:len(ids)], self.vocabs)
+                dpieces.extend(self.vocabs[m].table[t].decode("utf-8", "replace") for _p, t, m in log[len(dpieces):])
+            else:
+                if len(ids) > len(pieces):
+                    pieces.extend(token_pieces(tok, ids, start=len(pieces)))
+                dpieces.extend(_piece_at(tok, ids, pos, t) for pos, t, _m in log[len(dpieces):])
             title = f"req {self._index[rid]} · {reason or 'running'} · {len(pieces)} tokens · {hops} hops"
             self._html[rid] = answer_html(pieces, token_models[:len(pieces)], models, log, dpieces, title)
             self._n_seen[rid] = key

@@ -102,9 +102,26 @@ def page_html(answers: list[str], models: list[str], toggle_id: str = "tr-toggle
             f'<div class="tr-answers">{"".join(answers)}</div></div>')
 
 
-def output_pieces(out, tokenizer) -> tuple[list[str], list[str]]:
-    """(text of each committed token, text of each discarded token) of a `RequestOutput`."""
+def byte_pieces(ids: list[int], writers: list[str], vocabs: dict) -> list[str]:
+    """Text of each token of an output written by models that do not share a tokenizer: each
+    token's bytes (its writer's `tokenrouter_sdk.byte_vocab.ByteVocab`) through one incremental
+    UTF-8 decoder, so a token that ends inside a character gets ``""`` and the one completing it
+    carries it; the pieces join to the output's text."""
+    import codecs
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    out = [dec.decode(vocabs[m].table[t]) for t, m in zip(ids, writers)]
+    if out:
+        out[-1] += dec.decode(b"", final=True)
+    return out
+
+
+def output_pieces(out, tokenizer, vocabs: dict | None = None) -> tuple[list[str], list[str]]:
+    """(text of each committed token, text of each discarded token) of a `RequestOutput`;
+    ``vocabs`` (model -> `ByteVocab`) for models that do not share a tokenizer."""
     log = list(getattr(out, "discarded_log", ()) or ())
+    if vocabs is not None:
+        return (byte_pieces(list(out.token_ids), list(out.token_models), vocabs),
+                [vocabs[m].table[tok].decode("utf-8", "replace") for _pos, tok, m in log])
     return (token_pieces(tokenizer, list(out.token_ids)),
             [_piece_at(tokenizer, out.token_ids, pos, tok) for pos, tok, _m in log])
 
