@@ -108,9 +108,11 @@ def load_model(source, *, dtype="auto", device="cpu", gguf_file=None):
         load_kw["dtype"] = dt
     if dev.type != "cpu" and _has_accelerate():
         load_kw["device_map"] = str(dev)
+    from .build_lock import MODEL_BUILD
     try:
         tok = AutoTokenizer.from_pretrained(where, **kw)
-        model = AutoModelForCausalLM.from_pretrained(where, **load_kw)
+        with MODEL_BUILD:  # from_pretrained sets the process's default dtype while it loads
+            model = AutoModelForCausalLM.from_pretrained(where, **load_kw)
     except (OSError, HFValidationError) as e:
         if local:
             raise ModelLoadError(f"could not load model from {str(source)!r}: {e}") from e
@@ -161,7 +163,9 @@ def load_private(folder, *, dtype="auto", device="cpu"):
         have = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
         dt = resolve_dtype(have) if have is not None else torch.float32
         dt = dt if isinstance(dt, torch.dtype) else torch.float32
-    model = cls.from_pretrained(None, config=cfg, state_dict=state, dtype=dt)
+    from .build_lock import MODEL_BUILD
+    with MODEL_BUILD:  # from_pretrained sets the process's default dtype while it loads
+        model = cls.from_pretrained(None, config=cfg, state_dict=state, dtype=dt)
     del state
     return model.to(dtype=dt).eval().requires_grad_(False)
 

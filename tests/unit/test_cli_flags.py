@@ -172,7 +172,7 @@ def test_eval_runs_your_pair_with_a_registry_spec(folders, tmp_path):
 
 def test_eval_sweeps_learned_heads_and_your_class(tmp_path):
     from tokenrouter_sdk.cli.eval import sweep
-    factory, param, values = sweep(eval_args(["--policy", "citer"]))  # one point: the head's calibrated tau
+    factory, param, values = sweep(eval_args(["--pair", "smollm2", "--policy", "citer"]))  # the head's calibrated tau
     assert param == "tau" and values == [pytest.approx(factory(values[0]).tau)] and 0 < values[0] < 1
     factory, param, values = sweep(eval_args(["--policy", "rstitch:tau_back=0.05"]))
     assert values == [0.02, 0.05, 0.1, 0.2, 0.4] and factory(0.2).tau_back == 0.05 and factory(0.2).tau == 0.2

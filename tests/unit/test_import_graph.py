@@ -86,7 +86,7 @@ def test_the_check_finds_a_circle_when_there_is_one(tmp_path):
 # The package's layers, lowest first: a module may import its own layer and the ones below.
 # Each name is a top-level module or folder of the package (``engine`` is ``engine/``).
 LAYERS = (
-    ("request", "placement", "kv_sizing", "random_models", "self_draft", "benchmarks", "tables", "prompts",
+    ("request", "build_lock", "placement", "kv_sizing", "random_models", "self_draft", "benchmarks", "tables", "prompts",
      "byte_vocab"),
     ("policy",), ("models", "pairs", "deferred"), ("policies",),
     ("engine",), ("metrics",), ("viz",), ("result",),

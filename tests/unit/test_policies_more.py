@@ -236,8 +236,9 @@ def small_prompt_hidden(pair, prompt):
 
 def test_query_router_refuses_without_head(tmp_path, monkeypatch):
     from tokenrouter_sdk.policies import heads
-    monkeypatch.setattr(heads, "packaged_head_path", lambda k: tmp_path / f"smollm2_{k}_head.pt")
-    with pytest.raises(HeadMissingError, match="packaged head .* is missing.*tokenrouter train query.*random_head"):
+    monkeypatch.setattr(heads, "packaged_head_path", lambda k, pair=None: tmp_path / f"smollm2_{k}_head.pt")
+    with pytest.raises(HeadMissingError, match="no packaged query head .* is missing.*tokenrouter train query --pair "
+                                               "smollm2 --package.*random_head"):
         QueryRouter()
     monkeypatch.undo()
     with pytest.raises(HeadMissingError, match="nope.pt' does not exist"):

@@ -179,8 +179,13 @@ class RunnerSpec(Protocol):
 
 def build_runner(runner):
     """``runner.build()`` when ``runner`` is a `RunnerSpec`, else ``runner`` itself (a runner
-    object travels as it is)."""
-    return runner.build() if isinstance(runner, RunnerSpec) else runner
+    object travels as it is). Builds in one process run one at a time (`tokenrouter_sdk.build_lock`:
+    loading a model changes torch's process-wide default dtype for its duration)."""
+    if not isinstance(runner, RunnerSpec):
+        return runner
+    from ..build_lock import MODEL_BUILD
+    with MODEL_BUILD:
+        return runner.build()
 
 
 _NOT_DELEGATED = frozenset({"build", "describe", "forward"})  # a view is neither a spec nor a runner

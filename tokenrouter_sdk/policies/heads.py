@@ -82,11 +82,13 @@ def packaged_head_path(kind: str, pair: str | None = None) -> Path:
 class HeadMissingError(FileNotFoundError):
     """A learned policy's head file is absent: the path given, or (``head=None``) the packaged head."""
 
-    def __init__(self, kind: str, path=None, packaged: bool = False):
+    def __init__(self, kind: str, path=None, packaged: bool = False, pair: str | None = None):
         cls, what, where = KINDS[kind]
         if packaged:
-            given = (f"no head was given (head=None) and the packaged head {str(path)!r} is missing (reinstall "
-                     f"tokenrouter-sdk, or rebuild it: `tokenrouter train {kind} --package`)")
+            pair = pair or "smollm2"
+            given = (f"no head was given (head=None) and pair {pair!r} has no packaged {kind} head ({str(path)!r} "
+                     f"is missing; build it with `tokenrouter train {kind} --pair {pair} --package`, or route the "
+                     f"pair that has one: pair='smollm2')")
         elif path is None:
             given = "no head was given"
         else:
@@ -167,7 +169,7 @@ def resolve_head(head, kind: str, foreign: Callable[[object], tuple] | None = No
     if head is None:
         path = packaged_head_path(kind, pair)
         if not path.exists():
-            raise HeadMissingError(kind, path, packaged=True)
+            raise HeadMissingError(kind, path, packaged=True, pair=head_pair(pair))
         return load_head(path, kind, foreign)
     if isinstance(head, (str, os.PathLike)):
         return load_head(head, kind, foreign)
