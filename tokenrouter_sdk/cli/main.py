@@ -1,30 +1,32 @@
 """The ``tokenrouter`` command line.
 
 ``tokenrouter demo`` runs the first GSM8K questions (shipped with the package, in the GSM8K
-template of `tokenrouter_sdk.benchmarks`) on the packaged CPU pair three times, with the large
-model alone, the small model alone and routed by R-Stitch (`tokenrouter_sdk.demo`), prints each
-routed answer with the tokens of each model told apart (colours on a terminal, ``[S:...]`` /
-``[L:...]`` markers otherwise) beside the large-only answer, then one comparison table
-(committed tokens/s and its ratio to large-only, large share, hop rate, answers agreeing with
-large-only), the step accounting of each run and the routed run's metrics table.
+template of `tokenrouter_sdk.benchmarks`) on a named pair (``--pair``, default ``qwen2.5-coder``:
+Qwen2.5-Coder-0.5B-Instruct -> -1.5B-Instruct; ``smollm2``: SmolLM2-135M and its self-draft)
+three times, with the large model alone, the small model alone and routed by R-Stitch
+(`tokenrouter_sdk.demo`), prints each routed answer with the tokens of each model told apart
+(colours on a terminal, ``[S:...]`` / ``[L:...]`` markers otherwise) beside the large-only
+answer, then one comparison table (committed tokens/s and its ratio to large-only, large share,
+hop rate, answers agreeing with large-only, answers equal to the reference), the step
+accounting of each run and the routed run's metrics table.
 
-The demo's operating point: R-Stitch ``tau = 0.3`` (small -> large above normalised entropy
-0.3), ``tau_back = 0.02`` (large -> small once the large model's normalised entropy is at most
-0.02), one request at a time (``--concurrency 1``) and ``prefill_peers`` on. R-Stitch's default
-(0.1 both ways) sends ~90% of the tokens through the large model with about one hop per token,
-slower than the large model alone; this point lets each model write a clear share (about a
-third large on the GSM8K questions) with a hop every ~10 tokens. One request at a time because
-on a CPU a decode step costs nearly the same for 2 or 8 requests (and a 1-request step is the
-cheapest, a matrix-vector product): at concurrency 8 routing splits each model's batch, so the
-pair spends about twice the CPU per committed token of the large model alone, and it is faster
-only where the two sub-server processes get a core each; one request at a time, a routed token
-costs less CPU than a large-only one (the small model's step is ~0.55 of the large's) and the
-routed run is faster wherever it runs. The table's last column (committed tokens per CPU
-second of the sub-servers) is what a shared machine cannot skew. ``tokenrouter info`` prints versions,
+The demo's operating point is the pair's (`tokenrouter_sdk.pairs.Pair.rstitch`): R-Stitch hands
+small -> large above a normalised entropy ``tau`` and back once the large model's is at most
+``tau_back`` (qwen2.5-coder: 0.05 and 0.02; smollm2: 0.3 and 0.02), one request at a time
+(``--concurrency 1``) and ``prefill_peers`` on. A threshold does not carry across pairs: tau 0.3
+routes about a third of the tokens to the large model on the SmolLM2 pair and 0.1% on the Qwen
+pair, whose small model is far more certain. One request at a time because on a CPU a decode
+step costs nearly the same for 2 or 8 requests (and a 1-request step is the cheapest, a
+matrix-vector product): at concurrency 8 routing splits each model's batch, so the pair spends
+more CPU per committed token than the large model alone; one request at a time, a routed token
+costs less than a large-only one (the Qwen pair's small step is about a third of the large's).
+The table's last column (committed tokens per CPU second of the sub-servers) is what a shared
+machine cannot skew. ``tokenrouter info`` prints versions,
 torch threads and the cache folder. ``tokenrouter eval`` sweeps a policy's threshold on a
-benchmark (quality at hop rate; `tokenrouter_sdk.cli.eval`). ``demo``, ``bench``, ``eval`` and
-``train`` all default to the same pair, the packaged self-draft (``--small-layers K``: the plain
-truncation to K layers), and each prints one ``pair: ...`` line naming it.
+benchmark (quality at hop rate; `tokenrouter_sdk.cli.eval`). ``demo`` and ``eval`` default to the
+Qwen2.5-Coder pair, ``bench``, ``train`` and ``serve`` to the SmolLM2 pair (``--pair`` on each;
+``--small-layers K``: the plain truncation of SmolLM2 to K layers), and each prints one
+``pair: ...`` line naming it.
 """
 
 from __future__ import annotations
@@ -366,8 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "'question' field, or a text file with one prompt per line (default: the GSM8K "
                                   "test set shipped with the package)")
     d.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --data)")
-    d.add_argument("-n", "--num", type=int, default=8, help="number of prompts from the data (default 8)")
-    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("-n", "--num", type=int, default=4, help="number of prompts from the data (default 4)")
+    d.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
     from ..pairs import DEFAULT_PAIR, PAIRS
     d.add_argument("--pair", choices=sorted(PAIRS), default=DEFAULT_PAIR,
                    help=f"the model pair (default {DEFAULT_PAIR}: Qwen2.5-Coder 0.5B -> 1.5B, fetched and converted "
