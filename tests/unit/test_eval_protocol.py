@@ -214,7 +214,7 @@ def test_python_defaults_are_the_command_line_defaults():
     assert default_values("r2r") == [R2R().tau]
     assert default_values("rstitch") == DEFAULT_VALUES["rstitch"]
     cli = {name: values for name, _, _, values in
-           sweeps(add_arguments(argparse.ArgumentParser()).parse_args(["--policy", "r2r", "--policy", "rstitch"]))}
+           sweeps(add_arguments(argparse.ArgumentParser()).parse_args(["--pair", "smollm2", "--policy", "r2r", "--policy", "rstitch"]))}
     assert cli == {"r2r": default_values("r2r"), "rstitch": default_values("rstitch")}
     with pytest.raises(ValueError, match="give values"):
         default_values(lambda v: RandomRouting(p=v))

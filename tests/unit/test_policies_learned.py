@@ -248,8 +248,8 @@ def test_refuses_to_run_without_a_head(cls, kind, tmp_path, monkeypatch):
     if kind == "r2r":
         assert "nics-efc/R2R_router_collections" in msg
     # head=None loads the packaged head; where it is missing the error says how to rebuild it
-    monkeypatch.setattr(heads, "packaged_head_path", lambda k: tmp_path / f"smollm2_{k}_head.pt")
-    with pytest.raises(HeadMissingError, match=f"head=None.*`tokenrouter train {kind} --package`"):
+    monkeypatch.setattr(heads, "packaged_head_path", lambda k, pair=None: tmp_path / f"smollm2_{k}_head.pt")
+    with pytest.raises(HeadMissingError, match=f"head=None.*`tokenrouter train {kind} --pair smollm2 --package`"):
         cls()
 
 
@@ -291,10 +291,10 @@ def test_defaults_match_the_spec():
         return {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not p.empty}
 
     # thresholds: the one stored in the head file, else the paper's default
-    assert defaults(CITER) == {"head": None, "tau": None, "small": None, "large": None}
+    assert defaults(CITER) == {"head": None, "tau": None, "small": None, "large": None, "pair": None}
     assert CITER(CITER.random_head(H)).tau == 0.95             # token_route.py --threshold (README: 0.9)
     assert defaults(CoLLM) == {"head": None, "eta": None, "compose": False, "warmup": "constant", "warmup_steps": 15,
-                               "small": None, "large": None}
+                               "small": None, "large": None, "pair": None}
     assert CoLLM(CoLLM.random_head(H)).eta == 0.5
     assert defaults(R2R)["tau"] is None                        # tau stored in the checkpoint
     assert defaults(R2REntropy)["threshold"] == 0.45
