@@ -14,7 +14,8 @@ import pytest
 from tokenrouter_sdk import Handoff, Needs, Policy, Router, SamplingParams
 from tokenrouter_sdk.byte_vocab import char_count
 from tokenrouter_sdk.engine.messages import Retokenized
-from tokenrouter_sdk.policies import CITER, RandomRouting, RStitch
+from tokenrouter_sdk.policies import (CITER, R2R, CoLLM, GlimpRouter, R2RAleatoric, R2REntropy, RandomRouting,
+                                     RandomSpanRouting, RStitch, TokenEnsemble)
 from tokenrouter_sdk.reference_mixed import reference_generate_text
 
 from ..helpers import byte_level_toy, pools_free, sentencepiece_toy, toy_lm
@@ -229,3 +230,33 @@ def test_a_tiny_gemma3_and_llama_share_text(toys):
         outs = r.generate(PROMPTS[:3], sampling=params, concurrency=3)
     assert_equal_to_reference(r, pair, outs, lambda: RandomRouting(p=0.5, seed=9), params)
     assert sum(o.hops for o in outs) > 0
+
+
+TRAINING_FREE = {
+    "r2r_entropy": lambda: R2REntropy(threshold=2.0),
+    "r2r_aleatoric": lambda: R2RAleatoric(threshold=1.52, k=5),
+    "random_span": lambda: RandomSpanRouting(large_visit=2.0, small_visit=3.0, seed=3),
+    "ensemble": lambda: TokenEnsemble([0.5, 0.5], seed=2),
+    "glimprouter": lambda: GlimpRouter(theta=1.0, separator=" "),
+}
+
+
+@pytest.mark.parametrize("name", list(TRAINING_FREE))
+def test_the_training_free_policies_equal_the_reference(toys, name):
+    """The other training-free policies read their own model's distribution (entropy, top-k
+    aleatoric uncertainty) or draw writers at random, so they route text as RStitch and
+    RandomRouting do: equal to the reference, with both models writing."""
+    make = TRAINING_FREE[name]
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=7)
+    with Router(toys, make(), processes=False) as r:
+        outs = r.generate(PROMPTS[:4], sampling=params, concurrency=4)
+        assert all(f == u for f, u in pools_free(r).values())
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    assert_equal_to_reference(r, toys, outs, make, params)
+    assert sum(o.hops for o in outs) > 0 and {m for o in outs for m in o.token_models} == {"small", "large"}
+
+
+@pytest.mark.parametrize("head", [CITER, CoLLM, R2R])
+def test_each_learned_head_is_refused_at_construction(toys, head):
+    with pytest.raises(ValueError, match=f"{head.__name__}.*share one tokenizer.*learned head"):
+        Router(toys, head(), processes=False)
