@@ -53,8 +53,8 @@ def test_info(capsys):
 @pytest.mark.integration
 def test_demo_subprocess():
     exe = Path(sys.executable).parent / "tokenrouter"
-    r = subprocess.run([str(exe), "demo", "--prompt", "What is 7 + 5?", "-n", "1", "--max-new-tokens", "16",
-                        "--no-color"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([str(exe), "demo", "--pair", "smollm2", "--prompt", "What is 7 + 5?", "-n", "1",
+                        "--max-new-tokens", "16", "--no-color"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "[S:" in out or "[L:" in out, out
@@ -66,20 +66,21 @@ def test_demo_subprocess():
     # hop rate and answer agreement with large-only
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("run ") and "vs large" in line)
-    assert lines[head].split() == ["run", "tok/s", "vs", "large", "large", "share", "hop", "rate", "agree", "w/",
+    assert lines[head].split() == ["run", "correct", "tok/s", "vs", "large", "large", "share", "hop", "rate", "agree", "w/",
                                    "large", "tokens", "wall", "s", "tok/cpu-s"], lines[head]
     rows = {cells[0]: cells for cells in (line.split() for line in lines[head + 2:head + 5])}
     assert list(rows) == ["large-only", "small-only", "routed"], lines[head:head + 5]
     for name, cells in rows.items():
-        tok_s, ratio, share, hop, agree, tokens, wall = cells[1:8]
+        correct, tok_s, ratio, share, hop, agree, tokens, wall = cells[1:9]
+        assert correct == "-"  # a prompt of one's own has no reference answer
         assert float(tok_s) > 0 and float(wall) > 0 and 1 <= int(tokens) <= 16
         # the ratio is computed from unrounded throughputs: it must lie within what the printed
         # one-decimal throughputs (each +-0.05) and its own two decimals (+-0.005) allow
-        a, b, x = float(tok_s), float(rows["large-only"][1]), float(ratio[:-1])
+        a, b, x = float(tok_s), float(rows["large-only"][2]), float(ratio[:-1])
         assert ratio.endswith("x") and (a - 0.05) / (b + 0.05) - 0.005 <= x <= (a + 0.05) / max(b - 0.05, 1e-9) + 0.005
         assert agree.endswith("/1") and 0 <= float(hop) <= 2
-    assert rows["large-only"][2:4] == ["1.00x", "100%"] and rows["large-only"][5] == "1/1"
-    assert rows["small-only"][3] == "0%" and rows["small-only"][4] == "0.000"
+    assert rows["large-only"][3:5] == ["1.00x", "100%"] and rows["large-only"][6] == "1/1"
+    assert rows["small-only"][4] == "0%" and rows["small-only"][5] == "0.000"
     assert "=== step accounting" in out and "routed      [small] steps=" in out, out
     assert "large-only answer=" in out, out
 
