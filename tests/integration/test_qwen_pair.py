@@ -55,9 +55,11 @@ def test_a_routed_run_equals_the_naive_reference_and_logprobs_are_the_writers(fo
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=2)
     pol = RStitch(tau=0.05, tau_back=0.02)
     spec = {n: {"source": f, "dtype": "float32"} for n, f in folders.items()}
-    with Router(spec, pol, max_kv_tokens=4096) as r:
+    # kernels="off": a float32 projection keeps a oneDNN-packed and a few-row-kernel copy of its
+    # weight, so the 1.5B model's process would peak near 17 GB beside the 0.5B one's
+    with Router(spec, pol, max_kv_tokens=4096, kernels="off") as r:
         outs = r.generate(PROMPTS[:2], sampling=params, concurrency=2)
-        prompts = [o.prompt for o in outs]
+        prompts = [r.encode(p) for p in PROMPTS[:2]]
     assert sum(o.hops for o in outs) > 0 and {"small", "large"} <= {m for o in outs for m in o.token_models}
     models = {n: load_model(f, dtype="float32")[0] for n, f in folders.items()}
     try:
