@@ -50,7 +50,7 @@ KINDS = {
 
 
 PACKAGED_PAIR = "the packaged pairs (smollm2: hidden size 576; qwen2.5-coder: 896)"
-HEAD_PAIRS = ("smollm2", "qwen2.5-coder")  # the pairs with packaged heads
+HEAD_PAIRS = ("smollm2", "qwen2.5-coder")  # the pairs a packaged head may be built for (assets/<pair>_<kind>_head.pt)
 
 
 def head_pair(pair: str | None) -> str:
