@@ -9,23 +9,26 @@ median milliseconds per step and the ratio to bfloat16. What the numbers leave o
 norms and the LM head (the same for every format here), and the engine's fused C++ step, which
 runs float32 and bfloat16 only.
 
+Run:
     .venv/bin/python evals/throughput/weight_formats.py --rows 1 8 --repeats 7
+
+Writes ``<out>/weight_formats_<cells>.json`` and ``.csv`` (one row per format and row count).
 """
-
-from __future__ import annotations
-
-import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
+import evalkit  # noqa: E402
 
 LAYERS = 28
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # (out, in) per layer
 
 
-def make(fmt: str, g: torch.Generator):
+def make(fmt: str, g):
     """One layer's weights in ``fmt`` and the function that applies one: (weights, apply)."""
+    import torch
     ws = [torch.randn(o, i, generator=g) * 0.02 for o, i in SHAPES]
     if fmt in ("float32", "bfloat16"):
         dt = getattr(torch, fmt)
@@ -53,11 +56,12 @@ def make(fmt: str, g: torch.Generator):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = evalkit.parser(__file__, __doc__)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--formats", nargs="+", default=["float32", "bfloat16", "int8", "int4"])
     args = ap.parse_args()
+    import torch
     g = torch.Generator().manual_seed(0)
     layers = {}
     for fmt in args.formats:
@@ -66,6 +70,7 @@ def main() -> None:
         except (RuntimeError, AttributeError) as e:
             print(f"{fmt}: not available here ({type(e).__name__}: {str(e)[:120]})")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {LAYERS} layers of projections per step")
+    rows = []
     for m in args.rows:
         times = {f: [] for f in layers}
         with torch.inference_mode():
@@ -84,6 +89,9 @@ def main() -> None:
         for fmt, ts in times.items():
             med = statistics.median(ts)
             print(f"rows={m:<3d} {fmt:<9s} {1e3 * med:8.1f} ms/step  {med / base:5.2f}x bfloat16's time")
+            rows.append({"rows": m, "format": fmt, "median_ms": 1e3 * med, "vs_bfloat16": med / base,
+                         "runs_ms": [1e3 * t for t in ts]})
+    evalkit.Output(args, __file__, evalkit.cells_tag(m=args.rows)).write(rows)
 
 
 if __name__ == "__main__":
