@@ -32,45 +32,46 @@ def folders():
     return {name: spec.source for name, spec in specs.items()}
 
 
-def test_the_large_model_alone_equals_transformers_generate(folders):
-    with Router({"large": {"source": folders["large"], "dtype": "float32"}}, LargeOnly(),
-                max_kv_tokens=4096) as r:
-        outs = r.generate(PROMPTS, max_new_tokens=32, ignore_eos=True, concurrency=3)
-        ids = [r.encode(p) for p in PROMPTS]
-        pad = r.tokenizer.pad_token_id
-    assert all(o.ok and len(o.token_ids) == 32 for o in outs)
-    model, _ = load_model(folders["large"], dtype="float32")
-    try:
-        for p, o in zip(ids, outs):
-            g = model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=pad,
-                               eos_token_id=None)
-            assert o.token_ids == g[0, len(p):].tolist(), o.text
-    finally:
-        del model
-        gc.collect()
-    assert "12" in outs[0].text and "apples" in outs[1].text and "def " in outs[2].text
+PARAMS = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=2)
 
 
-def test_a_routed_run_equals_the_naive_reference_and_logprobs_are_the_writers(folders):
-    params = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=2)
-    pol = RStitch(tau=0.05, tau_back=0.02)
+@pytest.fixture(scope="module")
+def runs(folders):
+    """One Router of the pair in float32: the large model alone on three prompts (32 tokens) and
+    R-Stitch on two (20 tokens, logprobs); then the two models loaded by transformers for the
+    references (after the Router closed: both at once would not fit beside it)."""
     spec = {n: {"source": f, "dtype": "float32"} for n, f in folders.items()}
     # kernels="off": a float32 projection keeps a oneDNN-packed and a few-row-kernel copy of its
     # weight, so the 1.5B model's process would peak near 17 GB beside the 0.5B one's
-    with Router(spec, pol, max_kv_tokens=4096, kernels="off") as r:
-        outs = r.generate(PROMPTS[:2], sampling=params, concurrency=2)
-        prompts = [r.encode(p) for p in PROMPTS[:2]]
-    assert sum(o.hops for o in outs) > 0 and {"small", "large"} <= {m for o in outs for m in o.token_models}
+    with Router(spec, RStitch(tau=0.05, tau_back=0.02), max_kv_tokens=4096, kernels="off") as r:
+        large = r.generate(PROMPTS, max_new_tokens=32, ignore_eos=True, concurrency=3, policy=LargeOnly())
+        routed = r.generate(PROMPTS[:2], sampling=PARAMS, concurrency=2)
+        ids = [r.encode(p) for p in PROMPTS]
+        pad = r.tokenizer.pad_token_id
     models = {n: load_model(f, dtype="float32")[0] for n, f in folders.items()}
-    try:
-        for p, o in zip(prompts, outs):
-            ref = reference_generate(models, list(p), RStitch(tau=0.05, tau_back=0.02), params, rid=o.rid)
-            assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
-            assert o.hops == ref["hops"]
-            assert o.logprobs == pytest.approx(ref["logprobs"], abs=1e-3)
-            scratch = reference_logprobs(models, list(p), o.token_ids, o.token_models, top=2)
-            assert o.logprobs == pytest.approx([lp for lp, _ in scratch], abs=1e-3)
-            assert [list(t) for t in o.top_logprobs] == [[i for i, _ in alts] for _, alts in scratch]
-    finally:
-        del models
-        gc.collect()
+    yield {"large": large, "routed": routed, "ids": ids, "pad": pad, "models": models}
+    del models
+    gc.collect()
+
+
+def test_the_large_model_alone_equals_transformers_generate(runs):
+    outs, model = runs["large"], runs["models"]["large"]
+    assert all(o.ok and len(o.token_ids) == 32 and set(o.token_models) == {"large"} for o in outs)
+    for p, o in zip(runs["ids"], outs):
+        g = model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=runs["pad"],
+                           eos_token_id=None)
+        assert o.token_ids == g[0, len(p):].tolist(), o.text
+    assert "12" in outs[0].text and "apples" in outs[1].text and "def " in outs[2].text
+
+
+def test_a_routed_run_equals_the_naive_reference_and_logprobs_are_the_writers(runs):
+    outs, models = runs["routed"], runs["models"]
+    assert sum(o.hops for o in outs) > 0 and {"small", "large"} <= {m for o in outs for m in o.token_models}
+    for p, o in zip(runs["ids"], outs):
+        ref = reference_generate(models, list(p), RStitch(tau=0.05, tau_back=0.02), PARAMS, rid=o.rid)
+        assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
+        assert o.hops == ref["hops"]
+        assert o.logprobs == pytest.approx(ref["logprobs"], abs=1e-3)
+        scratch = reference_logprobs(models, list(p), o.token_ids, o.token_models, top=2)
+        assert o.logprobs == pytest.approx([lp for lp, _ in scratch], abs=1e-3)
+        assert [list(t) for t in o.top_logprobs] == [[i for i, _ in alts] for _, alts in scratch]

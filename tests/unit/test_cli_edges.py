@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 import warnings
 
 import pytest
@@ -126,6 +128,17 @@ def test_ctrl_c_stops_the_server_without_a_traceback(folders):
     try:
         line = p.stdout.readline()
         assert line.startswith("tokenrouter serve: http://127.0.0.1:"), (line, p.stderr.read() if p.poll() else "")
+        url = line.split()[2]
+        deadline = time.monotonic() + 60
+        while True:  # Ctrl-C on a server that serves (the URL is printed just before uvicorn starts)
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server never answered /health"
+            time.sleep(0.2)
         os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole process group
         out, err = p.communicate(timeout=60)
     finally:
