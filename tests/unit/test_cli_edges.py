@@ -124,6 +124,7 @@ def test_ctrl_c_stops_the_server_without_a_traceback(folders):
     pytest.importorskip("fastapi")
     env = {k: v for k, v in os.environ.items() if k != "TOKENROUTER_PROCESSES"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT then prints every thread's stack (where a stop hangs)
     p = subprocess.Popen([sys.executable, "-m", "tokenrouter_sdk.cli", "serve", "--model", f"small={folders[0]}",
                           "--model", f"large={folders[1]}", "--transport", "thread", "--max-kv-tokens", "512",
                           "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -143,7 +144,12 @@ def test_ctrl_c_stops_the_server_without_a_traceback(folders):
             assert time.monotonic() < deadline, "the server never answered /health"
             time.sleep(0.2)
         os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole process group
-        out, err = p.communicate(timeout=60)
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGABRT)
+            out, err = p.communicate(timeout=30)
+            pytest.fail(f"the server did not stop within 60 s of Ctrl-C; its threads then:\n{err[-6000:]}")
     finally:
         if p.poll() is None:
             p.kill()
