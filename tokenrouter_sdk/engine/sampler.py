@@ -5,7 +5,9 @@ same seed gives the same draws.
 draws with one argmax. The draw is the exponential race that ``torch.multinomial(probs, 1)``
 runs (ATen's ``multinomial``: ``argmax(probs / q)`` with ``q ~ Exponential(1)`` drawn into a
 tensor shaped like one row), so each row consumes its generator exactly as a per-row
-``torch.multinomial`` call does and a seed gives the same tokens as a row-by-row sampler.
+``torch.multinomial`` call does. On the CPU the filtered logits are bit for bit those of filtering
+each row alone (the same rounding of the temperature, the same sort order among equal values), so
+a seed gives the same tokens as a row-by-row sampler.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """Sample one token per row.
 
     Greedy rows (``temperature == 0``) take the argmax of ``logits`` as given. The other rows are
-    computed in float32: logits / temperature; top-k keeps every value >= the k-th largest (ties
-    at the k-th value stay; ``top_k`` 0 or >= V keeps all); top-p keeps the smallest prefix of
-    the descending order whose mass is >= ``top_p`` (Holtzman et al. 2020, "The Curious Case of
-    Neural Text Degeneration", section 3.1; ``top_p`` 1 keeps all); then one draw from the
-    softmax with the row's generator (None: the device's global generator).
+    computed in float32: logits / temperature; top-k (Fan et al. 2018, "Hierarchical Neural Story
+    Generation") keeps every value >= the k-th largest (ties at the k-th value stay; ``top_k`` 0
+    or >= V keeps all); top-p keeps the smallest prefix of the descending order whose mass is
+    >= ``top_p`` (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", section
+    3.1; ``top_p`` 1 keeps all); then one draw from the softmax with the row's generator (None:
+    the device's global generator).
 
     Args:
         logits: shape [B, V], any floating dtype, on the generators' device.
