@@ -262,7 +262,8 @@ class Engine:
         if error is None:
             entry, error = self.host.entry(policy, RequestView(rid, cfg.prompt_ids, [], "", state, 0, models, rkey))
         if error is None and self.config.prefill_peers:
-            peers, error = self.host.may_use(policy, RequestView(rid, cfg.prompt_ids, [], entry, state, 0, models, rkey))
+            peers, error = self.host.may_use(policy, RequestView(rid, cfg.prompt_ids, [], entry, state, 0, models,
+                                                                 rkey))
         p = req.params
         if self.text is not None:  # per writer: its own EOS ids are not part of the text
             stop_ids = {m: frozenset() if p.ignore_eos else frozenset(e) for m, e in self.text.eos.items()}

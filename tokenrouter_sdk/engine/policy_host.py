@@ -367,7 +367,8 @@ class PolicyHost:
         except PolicyReturnError as ex:
             return self.models[0], f"policy {policy_text(policy)}.entry {ex} (request {req.rid})"
         except Exception as ex:  # noqa: BLE001 - a policy error fails this request only
-            return self.models[0], f"policy {policy_text(policy)}.entry raised {type(ex).__name__}: {ex} (request {req.rid})"
+            return self.models[0], (f"policy {policy_text(policy)}.entry raised {type(ex).__name__}: {ex} "
+                                    f"(request {req.rid})")
 
     def may_use(self, policy: Policy, req: RequestView) -> tuple[tuple[str, ...], str | None]:
         """``(peers, error)`` of a request entering on ``req.owner``: the models ``may_use``
@@ -379,7 +380,8 @@ class PolicyHost:
         except PolicyReturnError as ex:
             return (), f"policy {policy_text(policy)}.may_use {ex} (request {req.rid})"
         except Exception as ex:  # noqa: BLE001 - a policy error fails this request only
-            return (), f"policy {policy_text(policy)}.may_use raised {type(ex).__name__}: {ex} (request {req.rid})"
+            return (), (f"policy {policy_text(policy)}.may_use raised {type(ex).__name__}: {ex} "
+                        f"(request {req.rid})")
 
     # -- the error wording of a sub-server's hooks -------------------------------------------
     def name(self, s: Seq) -> str:
@@ -528,6 +530,19 @@ class PolicyHost:
             for k, i in enumerate(rows_i):
                 tokens[i] = forced[k]
         return res, fn
+
+    def check_hops(self, s: Seq, limit: int) -> None:
+        """Fail ``s`` when its policy handed it off more than ``limit`` times in a row without
+        a commit (``s.rs.hops_since_commit``, counted by the caller).
+
+        Raises:
+            RequestFailed: naming the policy, the request, the count and the fix.
+        """
+        if s.rs.hops_since_commit > limit:
+            raise RequestFailed(
+                f"policy {self.name(s)} handed request {s.rid} off "
+                f"{s.rs.hops_since_commit} times in a row without committing a token (ping-pong between "
+                f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay")
 
     def send(self, s: Seq, target: str) -> Handoff:
         """The `Handoff` the policy of ``s`` gives for handing it to ``target``.

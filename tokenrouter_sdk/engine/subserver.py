@@ -1,29 +1,28 @@
 """A sub-server: everything that serves one model.
 
-It owns a scheduler, a runner with its private KV storage and the block allocator over it, and runs the policy's per-step code for
-the requests it owns. It learns about requests only from messages (`Admit`, `HandoffMsg`,
-`Release`, `Abort`) and reports only through events (`Committed`, `Hopped`, `Finished`,
-`StepDone`), so the same loop runs in a thread, in a process or in simulated time.
+It owns a scheduler, a runner with its private KV storage and the block allocator over it, and
+the `PolicyHost` that runs the policies of the requests it owns. It learns about requests only
+from messages (`Admit`, `HandoffMsg`, `Release`, `Abort`) and reports only through events
+(`Committed`, `Hopped`, `Finished`, `StepDone`), so the same loop runs in a thread, in a process
+or in simulated time.
 
-One step (`SubServer.step`): schedule a batch (prefill, decode and extend mixed), one forward,
-mask the vocabulary to the tokenizer's, sample (greedily after a ``Handoff(greedy=True)``),
-ask the policy where each request goes (it may set the token written, or `Resample` it: a new
-draw from the same distribution, routed again), then commit (and check the stop rules) or hand
-off (the request stays pending here, KV kept). Requests prefilled at admission for a later
-handoff (`Prefill`, ``EngineConfig.prefill_peers``) are fed and then wait pending, unrouted.
+One step (`SubServer.step`): schedule a batch (prefill, decode and extend mixed), one forward
+(`forward_each`), mask the vocabulary to the tokenizer's, sample (greedily after a
+``Handoff(greedy=True)``), take each request's decision from the policy host (it may set the
+token written, or `Resample` it: a new draw from the same distribution, routed again), then
+commit (`commit_rules`: the stop rules) or hand off (the request stays pending here, KV kept).
+Requests prefilled at admission for a later handoff (`Prefill`, ``EngineConfig.prefill_peers``)
+are fed and then wait pending, unrouted.
 
-Models that do not share a tokenizer (``text``, a `TextMode`): the committed output is bytes.
-A commit appends the bytes of this model's token (`TextView`); a handoff carries the bytes the
-target has not seen; a receipt re-encodes the end of this model's tokens of the text with those
-bytes (`ByteVocab.retokenize`), rewinds the KV to the first token that changed and feeds from
-there (a `Retokenized` event says how many). Its own EOS ids end a request, stop strings are
-searched in the bytes, and ``max_new_tokens`` counts the text's tokens in the unit model's
-vocabulary (docs/mixed-vocabularies.md).
+Models that do not share a tokenizer (``text``, a `TextMode`): the committed output is bytes
+(`TextView`); a handoff carries the bytes the target has not seen; a receipt re-encodes the end
+of this model's tokens of the text with them, rewinds the KV to the first token that changed and
+feeds from there (a `Retokenized` event says how many); docs/mixed-vocabularies.md.
 
 A sub-server is a step machine and knows no transport: feed it messages (`SubServer.handle`),
 call `SubServer.step`, and read the `StepResult` it returns (the events for the engine in
-order, then the messages for peers). `serve` is the loop the thread and process transports run
-around it; the sim transport drives the same two calls in simulated time.
+order, then the messages for peers). `serve_loop.serve` is the loop the thread and process
+transports run around it; the sim transport drives the same two calls in simulated time.
 """
 
 from __future__ import annotations
@@ -42,13 +41,13 @@ from . import messages as M
 from .block_allocator import blocks_of
 from .commit_rules import commit_text, commit_token, given_tokens, logprobs
 from .config import MODES, EngineConfig, Mode
-from .policy_host import PolicyHost, RequestFailed
 from .forward import forward_each
+from .policy_host import PolicyHost, RequestFailed
 from .runner import SeqInput
 from .sampler import make_generator, sample
 from .scheduler import RequestState, Scheduler, Seq
 from .step_result import StepResult, UnknownMessage, dispatch
-from .text_mode import TextMode, TextView
+from .text_mode import TextMode, TextView, retokenize
 
 ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
 GREEDY = SamplingParams()  # how a request samples after a Handoff(greedy=True)
@@ -104,10 +103,12 @@ class SubServer:
                           if self.mode.batches_delayed else (lambda: bool(self.sched.owned)))
         self._handlers = {
             M.Admit: self._admit, M.Prefill: self._prefill, M.HandoffMsg: self._receive,
-            M.Release: self._release, M.Abort: self._abort, M.RegisterPolicy: self._register,
-            M.UnregisterPolicy: self._unregister, M.Shutdown: self._shutdown, M.Go: self._go_msg,
+            M.Release: self._release, M.Abort: self._abort, M.Shutdown: self._shutdown,
+            M.RegisterPolicy: lambda m: self.host.add(m.key, m.policy),
+            M.UnregisterPolicy: lambda m: self.host.remove(m.key), M.Go: lambda m: self._go.append(m.round),
             M.SetInflight: self._set_inflight, M.SetThresholds: self._set_thresholds,
-            M.StatsQuery: self._stats_query, M.ClearPrefixCache: self._clear_prefix_cache,
+            M.StatsQuery: lambda m: self._emit(self.stats(m.token)),
+            M.ClearPrefixCache: lambda m: self.sched.blocks.clear_prefix_cache(),
         }
 
     @property
@@ -143,31 +144,19 @@ class SubServer:
         seen = dict.fromkeys([*msg.peers, self.name], len(prompt))
         rs = RequestState(seen=seen, state=msg.state, seen_bytes={self.name: 0} if self.text is not None else {})
         seq = Seq(cfg, list(prompt), rs, generator=make_generator(cfg.params.seed, self.index, self.runner.device),
-                  prompt_len=len(prompt), text=self._text_view())
+                  prompt_len=len(prompt), text=TextView() if self.text is not None else None)
         seq.reuse = not self.host.needs(cfg.policy_key, "prompt_hidden")
         if cfg.rid in self.aborted:
             self._end_aborted(seq)
         else:
             self._own(seq)
 
-    def _text_view(self) -> TextView | None:
-        return TextView() if self.text is not None else None
-
     def _release(self, msg: M.Release) -> None:
         self.sched.remove(msg.rid)
         self.aborted.pop(msg.rid, None)  # it ended: no handoff of it can follow
 
-    def _register(self, msg: M.RegisterPolicy) -> None:
-        self.host.add(msg.key, msg.policy)
-
-    def _unregister(self, msg: M.UnregisterPolicy) -> None:
-        self.host.remove(msg.key)
-
     def _shutdown(self, msg: M.Shutdown) -> None:
         self._running = False
-
-    def _go_msg(self, msg: M.Go) -> None:
-        self._go.append(msg.round)
 
     def _set_inflight(self, msg: M.SetInflight) -> None:
         self.inflight = msg.n
@@ -175,22 +164,9 @@ class SubServer:
     def _set_thresholds(self, msg: M.SetThresholds) -> None:
         self.thresholds = dict(msg.thresholds)
 
-    def _clear_prefix_cache(self, msg: M.ClearPrefixCache) -> None:
-        self.sched.blocks.clear_prefix_cache()
-
-    def _stats_query(self, msg: M.StatsQuery) -> None:
-        self._emit(self.stats(msg.token))
-
     def stats(self, token: int = 0) -> M.Stats:
-        """This sub-server's KV pool and request counts, as a `Stats` event."""
-        blocks, seqs, owned = self.sched.blocks, self.sched.seqs, self.sched.owned
-        run = sum(len(s.table) for s in owned.values())
-        pend = sum(len(s.table) for r, s in seqs.items() if r not in owned)
-        return M.Stats(self.name, token, blocks.num_free, blocks.num_blocks, blocks.block_size, len(owned),
-                       len(seqs) - len(owned), run, pend, cached_blocks=blocks.cached_blocks,
-                       idle_cached_blocks=blocks.idle_cached_blocks,
-                       prefix_hit_tokens=self.sched.total_hit_tokens, prefix_query_tokens=self.sched.total_query_tokens,
-                       prefix_cache=blocks.cache is not None)
+        """This sub-server's KV pool and request counts, as a `Stats` event (`Scheduler.stats`)."""
+        return self.sched.stats(self.name, token)
 
     def _prefill(self, msg: M.Prefill) -> None:
         """Admission prefill of a peer: feed the prompt in a coming step, then keep it pending.
@@ -203,7 +179,7 @@ class SubServer:
         n = len(prompt)
         seq = Seq(cfg, list(prompt), RequestState(seen={msg.entry: n, self.name: n}), prefill_only=True,
                   generator=make_generator(cfg.params.seed, self.index, self.runner.device), prompt_len=n,
-                  text=self._text_view())
+                  text=TextView() if self.text is not None else None)
         if not self.sched.too_big(seq):
             self.sched.add_owned(seq)
 
@@ -227,20 +203,9 @@ class SubServer:
     def _own(self, seq: Seq) -> None:
         if self.sched.too_big(seq):
             self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", self._kv_error(seq))
+            self._finish(seq, "failed", self.sched.kv_error(seq, self.name))
             return
         self.sched.add_owned(seq)
-
-    def _kv_error(self, seq: Seq) -> str:
-        blocks, have = self.sched.blocks, self.sched.blocks.capacity_tokens
-        if not self.sched.too_big(seq):
-            return (f"KV pool of model '{self.name}' has {blocks.num_free} free blocks and request {seq.rid} needs "
-                    f"{blocks.blocks_for(len(seq.tokens)) - len(seq.table)} more, but no request of this model holds "
-                    f"the others: the pool is used by another engine (a runner object given to two Routers?) "
-                    f"or leaked; give each Router its own runners")
-        return (f"KV pool of model '{self.name}' is too small for request {seq.rid}: it needs {len(seq.tokens)} "
-                f"tokens of KV, the pool holds {have} tokens; raise max_kv_tokens (Router(..., max_kv_tokens=...)), "
-                f"lower max_new_tokens or shorten the prompt")
 
     def _receive(self, msg: M.HandoffMsg) -> None:
         seq = self.sched.seqs.get(msg.rid)
@@ -291,12 +256,8 @@ class SubServer:
                                                                         self.runner.device),
                       prompt_len=len(prompt), text=TextView())
         seq.prefill_only = False
-        p, kv = seq.prompt_len, seq.kv_len
-        keep, view = seq.text.receive(self.text.vocab, seq.tokens[p:], msg.data)
-        seq.tokens[p:] = view
-        self.sched.replaced_from(seq, p + keep)
-        if seq.kv_len >= len(seq.tokens):  # nothing new to feed (the peer discarded and bounced back)
-            self.sched.rewind(seq, len(seq.tokens) - 1)
+        kv = seq.kv_len
+        retokenize(seq, self.text.vocab, msg.data, self.sched)
         seq.rs, seq.resamples = msg.request, 0
         self._emit(M.Retokenized(seq.rid, self.name, max(0, kv - seq.kv_len), len(seq.tokens) - seq.kv_len,
                                  len(seq.tokens), self.clock()))
@@ -355,7 +316,7 @@ class SubServer:
         pre = self.sched.preemptions
         batch = self.sched.schedule()
         for seq in self.sched.unfit:
-            self._finish(seq, "failed", self._kv_error(seq))
+            self._finish(seq, "failed", self.sched.kv_error(seq, self.name))
         if batch:
             self._late = []
             try:
@@ -496,11 +457,7 @@ class SubServer:
                  peer_logits: torch.Tensor | None = None) -> None:
         s.rs.hops += 1
         s.rs.hops_since_commit = 0 if committed else s.rs.hops_since_commit + 1
-        if s.rs.hops_since_commit > self.config.max_hops_without_commit:
-            raise RequestFailed(
-                f"policy {self.host.name(s)} handed request {s.rid} off "
-                f"{s.rs.hops_since_commit} times in a row without committing a token (ping-pong between "
-                f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay")
+        self.host.check_hops(s, self.config.max_hops_without_commit)
         t_seen = s.rs.seen.get(target, 0)
         seen = dict(s.rs.seen)
         seen[target] = len(s.tokens)
