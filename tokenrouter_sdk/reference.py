@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine import policy_calls as PC
+from .engine import policy_host as PH
 from .engine.sampler import make_generator, sample
 from .policy import Policy, Resample, StepBatch
 from .request import RequestView, SamplingParams, prompt_key
@@ -87,8 +87,8 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     hops = discarded = 0
     span, return_to = None, None
     all_logits = []
-    owner = PC.entry_model(PC.call_entry(policy, RequestView(rid, list(prompt_ids), [], "", state, 0, tuple(names),
-                                                             key), names), names) or names[0]
+    owner = PH.call_entry(policy, RequestView(rid, list(prompt_ids), [], "", state, 0, tuple(names),
+                                              key), names) or names[0]
 
     def view():
         return RequestView(rid, list(prompt_ids), list(out), owner, state, hops, tuple(names), key)
@@ -136,7 +136,7 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
             sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()], tokenizer,
                            needs=policy.needs, policy=repr(policy), peer_logits=[step_peer],
                            prompt_hidden=[prompt_h])
-            dec = PC.route_batch_decisions(policy.route_batch(sb), 1)[0]
+            dec = PH.call_route_batch(policy, sb, 1)[0]
             if isinstance(dec, BaseException):
                 raise dec
             tok = forced[len(out)] if given else int(sb.tokens[0])
@@ -149,13 +149,13 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
                 raise RuntimeError(f"policy resampled {resamples} times in a row")
             discarded += 1
             tok = int(sample(logits[None], [p], [gens[owner]])[0])
-        dec = PC.route_decision(dec, names, owner)
+        dec = PH.route_decision(dec, names, owner)
         if dec == owner:
             reason = commit(tok)
             if reason:
                 break
             continue
-        h = PC.handoff(policy.send(view(), dec))
+        h = PH.call_send(policy, view(), dec)
         if h.keep_sampled:
             reason = commit(tok)
             if reason:
@@ -169,7 +169,7 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
         owner = dec
         hops += 1
         greedy = bool(h.greedy)
-        PC.receive_result(policy.receive(h, view()))
+        PH.call_receive(policy, h, view())
     return {"token_ids": out, "token_models": who, "hops": hops, "discarded": discarded,
             "finish_reason": reason, "logits": all_logits, "logprobs": lps}
 

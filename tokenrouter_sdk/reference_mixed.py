@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine import policy_calls as PC
+from .engine import policy_host as PH
 from .engine.sampler import make_generator, sample
 from .policy import Policy, Resample, StepBatch
 from .reference import GREEDY, MAX_RESAMPLES, _last
@@ -64,8 +64,8 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
     hops = discarded = 0
     span, return_to = None, None
     stop_reason = None
-    owner = PC.entry_model(PC.call_entry(policy, RequestView(rid, list(prompts[names[-1]]), [], "", state, 0,
-                                                             tuple(names), key), names), names) or names[0]
+    owner = PH.call_entry(policy, RequestView(rid, list(prompts[names[-1]]), [], "", state, 0,
+                                              tuple(names), key), names) or names[0]
     views[owner] = []
 
     def view():
@@ -125,7 +125,7 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
             sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()],
                            text.tokenizers[owner], needs=policy.needs, policy=repr(policy), peer_logits=[None],
                            prompt_hidden=[prompt_h])
-            dec = PC.route_batch_decisions(policy.route_batch(sb), 1)[0]
+            dec = PH.call_route_batch(policy, sb, 1)[0]
             if isinstance(dec, BaseException):
                 raise dec
             tok = int(sb.tokens[0])
@@ -136,13 +136,13 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
                 raise RuntimeError(f"policy resampled {resamples} times in a row")
             discarded += 1
             tok = int(sample(logits[None], [p], [gens[owner]])[0])
-        dec = PC.route_decision(dec, names, owner)
+        dec = PH.route_decision(dec, names, owner)
         if dec == owner:
             reason = commit(tok)
             if reason:
                 break
             continue
-        h = PC.handoff(policy.send(view(), dec))
+        h = PH.call_send(policy, view(), dec)
         if h.keep_sampled:
             reason = commit(tok)
             if reason:
@@ -157,7 +157,7 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
         reason = receive(owner)
         if reason:
             break
-        PC.receive_result(policy.receive(h, view()))
+        PH.call_receive(policy, h, view())
     shown = bytearray()
     for t, m in zip(out, who):
         if params.ignore_eos or t not in text.eos[m]:

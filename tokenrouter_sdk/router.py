@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 from .deferred import LazyModels
 from .engine.config import EngineConfig
 from .engine.engine import Call, Engine, RequestHandle
-from .engine.policy_calls import check_policy, check_vocabulary
+from .engine.policy_host import check_policy, check_vocabulary
 from .engine.runner import Runner
 from .metrics import Metrics
 from .policy import Policy

@@ -22,8 +22,8 @@ from typing import Callable, Sequence
 from ..policy import Policy
 from ..request import RequestConfig, RequestInput, RequestView, prompt_key, token_ids
 from . import messages as M
-from . import policy_calls as PC
 from .config import EngineConfig, valid_thresholds
+from .policy_host import PolicyHost, check_policy, check_vocabulary
 from .call import Call
 from .request_handle import RequestHandle
 from .admission import KVReservation
@@ -104,6 +104,7 @@ class Engine:
         self.kv = KVReservation(self.capacity, self.max_context, self.config.prefix_cache)  # under _lock
         self._next_rid = 0
         self._policies: dict[int, list] = {}  # key -> [policy, calls using it]
+        self.host = PolicyHost("", self.models)  # runs entry and may_use at submission
         self._next_key = 0
         self._observers: list[Callable[[object], None]] = []
         self._dead: dict[str, str] = {}
@@ -195,77 +196,21 @@ class Engine:
             EngineDeadError: a sub-server is dead (names it and why).
             ValueError: ``concurrency < 1``.
             TypeError: ``policy`` is not a `Policy` instance (e.g. the class itself) or its
-                ``needs`` is not a `Needs` (`tokenrouter_sdk.engine.policy_calls.check_policy`).
+                ``needs`` is not a `Needs` (`tokenrouter_sdk.engine.policy_host.check_policy`).
             ValueError: a policy that needs one vocabulary for models that do not share a
-                tokenizer (`tokenrouter_sdk.engine.policy_calls.check_vocabulary`).
+                tokenizer (`tokenrouter_sdk.engine.policy_host.check_vocabulary`).
 
         A policy hook (``entry``, ``may_use`` here; ``route``, ``send``, ``receive`` on the
         sub-servers) that raises or returns a value it may not fails only its request, with an
         error naming the policy, the hook, the value and what is accepted.
         """
-        if self._closed:
-            raise RuntimeError("this Router is closed; create a new one")
-        self.check_alive()
-        if self._dead:
-            m, why = next(iter(self._dead.items()))
-            raise EngineDeadError(f"the sub-server of model '{m}' is dead ({why}); this Router cannot serve new "
-                                  f"requests until it is restarted: router.restart('{m}'), or close it and build "
-                                  f"a new Router")
-        if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
-            raise ValueError(f"concurrency must be None or an int >= 1, got {concurrency!r}")
-        PC.check_policy(policy)
-        PC.check_vocabulary(policy, self.models, self.text is not None)
-        pname = PC.policy_text(policy)
+        self._check_open(concurrency)
+        check_policy(policy)
+        check_vocabulary(policy, self.models, self.text is not None)
         key = self._register(policy)
         call = Call(self, concurrency, key, listener)
         seen: collections.Counter = collections.Counter()
-        handles = []
-        for i, req in enumerate(requests):
-            ids = list(req.prompt_ids or [])
-            rkey = req.key
-            if rkey is None:  # from the tokens given: the prompt, and the forced output of a scored request
-                given = tuple(ids) + tuple(req.forced or ())
-                occ = seen[given]
-                seen[given] += 1
-                rkey = prompt_key(list(given), occ)
-            with self._lock:
-                rid = self._next_rid
-                self._next_rid += 1
-            cfg = RequestConfig(rid, ids, req.params, key, self.eos_ids, rkey, tuple(req.forced or ()),
-                                prompts=req.prompts if self.text is not None else None)
-            error, entry, state = req.error, self.models[0], {}
-            if error is None:
-                try:
-                    e = PC.entry_model(PC.call_entry(policy, RequestView(rid, cfg.prompt_ids, [], "", state, 0,
-                                                                         tuple(self.models), rkey), self.models),
-                                       self.models)
-                    entry = e if e is not None else entry
-                except PC.PolicyReturnError as ex:
-                    error = f"policy {pname}.entry {ex} (request {rid})"
-                except Exception as ex:  # noqa: BLE001
-                    error = f"policy {pname}.entry raised {type(ex).__name__}: {ex} (request {rid})"
-            peers: tuple[str, ...] = ()
-            if error is None and self.config.prefill_peers:
-                try:
-                    use = PC.may_use_models(policy.may_use(RequestView(rid, cfg.prompt_ids, [], entry, state, 0,
-                                                                       tuple(self.models), rkey), self.models),
-                                            self.models)
-                    peers = tuple(m for m in self.models if m in use and m != entry)
-                except PC.PolicyReturnError as ex:
-                    error = f"policy {pname}.may_use {ex} (request {rid})"
-                except Exception as ex:  # noqa: BLE001
-                    error = f"policy {pname}.may_use raised {type(ex).__name__}: {ex} (request {rid})"
-            p = req.params
-            if self.text is not None:  # per writer: its own EOS ids are not part of the text
-                stop_ids = {m: frozenset() if p.ignore_eos else frozenset(e) for m, e in self.text.eos.items()}
-            else:
-                stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
-            h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids,
-                              vocabs=self.text.vocabs if self.text is not None else None)
-            h.output.sample = req.sample
-            h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
-            h.need, h.shared = self.kv.need(cfg.prompts or ids, p.max_new_tokens)
-            handles.append(h)
+        handles = [self._new_handle(i, req, policy, call, key, seen) for i, req in enumerate(requests)]
         call.handles = handles
         with self.transport.hold(), self._lock:
             call.open = len(handles)
@@ -280,6 +225,56 @@ class Engine:
             if call.open == 0:
                 self._call_ended(call)
         return call
+
+    def _check_open(self, concurrency: int | None) -> None:
+        """Raise unless the engine can take a submission (`submit` lists the errors)."""
+        if self._closed:
+            raise RuntimeError("this Router is closed; create a new one")
+        self.check_alive()
+        if self._dead:
+            m, why = next(iter(self._dead.items()))
+            raise EngineDeadError(f"the sub-server of model '{m}' is dead ({why}); this Router cannot serve new "
+                                  f"requests until it is restarted: router.restart('{m}'), or close it and build "
+                                  f"a new Router")
+        if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+            raise ValueError(f"concurrency must be None or an int >= 1, got {concurrency!r}")
+
+    def _new_handle(self, i: int, req: RequestInput, policy: Policy, call: Call, key: int,
+                    seen: collections.Counter) -> RequestHandle:
+        """The handle of request ``i`` of ``call`` (policy ``key``): its id and request key (``seen``:
+        how many of each given token sequence came before it in the call), its entry model and
+        the peers it prefills (the policy's ``entry`` and ``may_use``, run by the host: an error
+        there fails it before admission), its stop ids and its KV need."""
+        ids = list(req.prompt_ids or [])
+        rkey = req.key
+        if rkey is None:  # from the tokens given: the prompt, and the forced output of a scored request
+            given = tuple(ids) + tuple(req.forced or ())
+            occ = seen[given]
+            seen[given] += 1
+            rkey = prompt_key(list(given), occ)
+        with self._lock:
+            rid = self._next_rid
+            self._next_rid += 1
+        cfg = RequestConfig(rid, ids, req.params, key, self.eos_ids, rkey, tuple(req.forced or ()),
+                            prompts=req.prompts if self.text is not None else None)
+        error, entry, state, peers = req.error, self.models[0], {}, ()
+        models = tuple(self.models)
+        if error is None:
+            entry, error = self.host.entry(policy, RequestView(rid, cfg.prompt_ids, [], "", state, 0, models, rkey))
+        if error is None and self.config.prefill_peers:
+            peers, error = self.host.may_use(policy, RequestView(rid, cfg.prompt_ids, [], entry, state, 0, models,
+                                                                 rkey))
+        p = req.params
+        if self.text is not None:  # per writer: its own EOS ids are not part of the text
+            stop_ids = {m: frozenset() if p.ignore_eos else frozenset(e) for m, e in self.text.eos.items()}
+        else:
+            stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
+        h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids,
+                          vocabs=self.text.vocabs if self.text is not None else None)
+        h.output.sample = req.sample
+        h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
+        h.need, h.shared = self.kv.need(cfg.prompts or ids, p.max_new_tokens)
+        return h
 
     def _fail_before_admission(self, h: RequestHandle, error: str) -> None:
         ev = M.Admitted(h.rid, h.entry, self.clock())

@@ -1,7 +1,7 @@
 """The sub-server process: its entry point (`_child_main`) and its receiver thread.
 
 Receives its spec over the spec channel (`wire.recv_spec`), builds a `SubServer` from it
-(`build_subserver`) and serves it (`subserver.serve`): each `StepResult` goes to the hub as one
+(`build_subserver`) and serves it (`serve_loop.serve`): each `StepResult` goes to the hub as one
 ``Frame.RESULT`` (`wire.encode_result`). A receiver thread turns hub messages into the inbox
 (one hub batch at once), and stops the sub-server when the parent process dies. The first
 frame to the hub (``Frame.HELLO``) carries the process's start-up times (`ProcessTransport.boot`).
@@ -20,7 +20,8 @@ import time
 import traceback
 
 from . import messages as M
-from .subserver import SubServer, serve
+from .serve_loop import serve
+from .subserver import SubServer
 from .codec import Frame, PolicyBlob, decode, encode_result
 from .runner import RunnerInfo, RunnerSpec
 from .wire import _LoadError, load_policy, load_spec, recv_spec
@@ -40,7 +41,7 @@ def build_subserver(spec: dict) -> SubServer:
     sends them); its clock is ``time.perf_counter``. A `RunnerSpec` is built here (the runner
     and its KV pool are made in this process); a runner object gets its per-process setup. A
     host of sub-servers other than this module's process (e.g. a Ray actor that got the spec
-    by another route) builds it the same way and serves it with `subserver.serve`.
+    by another route) builds it the same way and serves it with `serve_loop.serve`.
 
     Raises:
         whatever building the runner raises (e.g. out of memory for its KV pool).
@@ -88,7 +89,7 @@ def run_subserver(name: str, address: str, threads: int, receive, load, *, t_mai
                   watch_parent: bool = True, cores=None) -> int:
     """Run model ``name``'s sub-server until `Shutdown`: get its spec (``receive()`` -> data,
     ``load(*data)`` -> the spec dict or a `_LoadError`), connect to the hub at ``address``, build
-    the `SubServer` (`build_subserver`) and serve it (`subserver.serve`). Returns the exit code
+    the `SubServer` (`build_subserver`) and serve it (`serve_loop.serve`). Returns the exit code
     (0: shut down, 1: crashed, reported to the hub as ``Frame.ERROR``). ``watch_parent``: also stop when the parent process ends (for a
     process started by `ProcessTransport`; a Ray actor ends with its owner instead). ``cores``:
     a `tokenrouter_sdk.engine.cores.CoreShare`: the thread count follows it step by step."""

@@ -27,7 +27,7 @@ import torch
 
 from ..request import RequestConfig
 from .block_allocator import BlockAllocator, KVPoolFull
-from .messages import RequestState
+from .messages import RequestState, Stats
 from .prefix_cache import chain_keys
 
 
@@ -220,6 +220,32 @@ class Scheduler:
                 seq.n_cached = full
 
     # -- scheduling -----------------------------------------------------------------------
+    def kv_error(self, seq: Seq, model: str) -> str:
+        """Why ``seq`` cannot get its KV on ``model``: the pool is too small for it (`too_big`),
+        or blocks are missing that no request of this scheduler holds (the pool is shared or
+        leaked). Names the model, the request, the numbers and the fix."""
+        blocks, have = self.blocks, self.blocks.capacity_tokens
+        if not self.too_big(seq):
+            return (f"KV pool of model '{model}' has {blocks.num_free} free blocks and request {seq.rid} needs "
+                    f"{blocks.blocks_for(len(seq.tokens)) - len(seq.table)} more, but no request of this model holds "
+                    f"the others: the pool is used by another engine (a runner object given to two Routers?) "
+                    f"or leaked; give each Router its own runners")
+        return (f"KV pool of model '{model}' is too small for request {seq.rid}: it needs {len(seq.tokens)} "
+                f"tokens of KV, the pool holds {have} tokens; raise max_kv_tokens (Router(..., max_kv_tokens=...)), "
+                f"lower max_new_tokens or shorten the prompt")
+
+    def stats(self, model: str, token: int = 0) -> Stats:
+        """The KV pool and request counts of ``model``'s scheduler, as a `Stats` event
+        (``token``: the query's, echoed)."""
+        blocks, seqs, owned = self.blocks, self.seqs, self.owned
+        run = sum(len(s.table) for s in owned.values())
+        pend = sum(len(s.table) for r, s in seqs.items() if r not in owned)
+        return Stats(model, token, blocks.num_free, blocks.num_blocks, blocks.block_size, len(owned),
+                     len(seqs) - len(owned), run, pend, cached_blocks=blocks.cached_blocks,
+                     idle_cached_blocks=blocks.idle_cached_blocks,
+                     prefix_hit_tokens=self.total_hit_tokens, prefix_query_tokens=self.total_query_tokens,
+                     prefix_cache=blocks.cache is not None)
+
     def too_big(self, seq: Seq) -> bool:
         return self.blocks.blocks_for(len(seq.tokens)) > self.blocks.num_blocks
 

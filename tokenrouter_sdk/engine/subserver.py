@@ -1,72 +1,59 @@
 """A sub-server: everything that serves one model.
 
-It owns a scheduler, a runner with its private KV storage and the block allocator over it, and runs the policy's per-step code for
-the requests it owns. It learns about requests only from messages (`Admit`, `HandoffMsg`,
-`Release`, `Abort`) and reports only through events (`Committed`, `Hopped`, `Finished`,
-`StepDone`), so the same loop runs in a thread, in a process or in simulated time.
+It owns a scheduler, a runner with its private KV storage and the block allocator over it, and
+the `PolicyHost` that runs the policies of the requests it owns. It learns about requests only
+from messages (`Admit`, `HandoffMsg`, `Release`, `Abort`) and reports only through events
+(`Committed`, `Hopped`, `Finished`, `StepDone`), so the same loop runs in a thread, in a process
+or in simulated time.
 
-One step (`SubServer.step`): schedule a batch (prefill, decode and extend mixed), one forward,
-mask the vocabulary to the tokenizer's, sample (greedily after a ``Handoff(greedy=True)``),
-ask the policy where each request goes (it may set the token written, or `Resample` it: a new
-draw from the same distribution, routed again), then commit (and check the stop rules) or hand
-off (the request stays pending here, KV kept). Requests prefilled at admission for a later
-handoff (`Prefill`, ``EngineConfig.prefill_peers``) are fed and then wait pending, unrouted.
+One step (`SubServer.step`): schedule a batch (prefill, decode and extend mixed), one forward
+(`forward_each`), mask the vocabulary to the tokenizer's, sample (greedily after a
+``Handoff(greedy=True)``), take each request's decision from the policy host (it may set the
+token written, or `Resample` it: a new draw from the same distribution, routed again), then
+commit (`commit_rules`: the stop rules) or hand off (the request stays pending here, KV kept).
+Requests prefilled at admission for a later handoff (`Prefill`, ``EngineConfig.prefill_peers``)
+are fed and then wait pending, unrouted.
 
-Models that do not share a tokenizer (``text``, a `TextMode`): the committed output is bytes.
-A commit appends the bytes of this model's token (`TextView`); a handoff carries the bytes the
-target has not seen; a receipt re-encodes the end of this model's tokens of the text with those
-bytes (`ByteVocab.retokenize`), rewinds the KV to the first token that changed and feeds from
-there (a `Retokenized` event says how many). Its own EOS ids end a request, stop strings are
-searched in the bytes, and ``max_new_tokens`` counts the text's tokens in the unit model's
-vocabulary (docs/mixed-vocabularies.md).
+Models that do not share a tokenizer (``text``, a `TextMode`): the committed output is bytes
+(`TextView`); a handoff carries the bytes the target has not seen; a receipt re-encodes the end
+of this model's tokens of the text with them, rewinds the KV to the first token that changed and
+feeds from there (a `Retokenized` event says how many); docs/mixed-vocabularies.md.
 
 A sub-server is a step machine and knows no transport: feed it messages (`SubServer.handle`),
 call `SubServer.step`, and read the `StepResult` it returns (the events for the engine in
-order, then the messages for peers). `serve` is the loop the thread and process transports run
-around it; the sim transport drives the same two calls in simulated time.
+order, then the messages for peers). `serve_loop.serve` is the loop the thread and process
+transports run around it; the sim transport drives the same two calls in simulated time.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import queue
 import time
 import traceback
 from typing import Callable
 
 import torch
 
-from ..byte_vocab import char_count
-from ..policy import Handoff, Policy, Resample, StepBatch
-from ..request import RequestView, SamplingParams
+from ..policy import Handoff
+from ..request import SamplingParams
 from . import messages as M
-from . import policy_calls as PC
 from .block_allocator import blocks_of
+from .commit_rules import commit_text, commit_token, given_tokens, logprobs
 from .config import MODES, EngineConfig, Mode
-from .runner import ForwardOut, RunnerDied, SeqInput
+from .forward import forward_each
+from .policy_host import PolicyHost, RequestFailed
+from .runner import SeqInput
 from .sampler import make_generator, sample
 from .scheduler import RequestState, Scheduler, Seq
 from .step_result import StepResult, UnknownMessage, dispatch
-from .text_mode import TextMode, TextView
+from .text_mode import TextMode, TextView, retokenize
 
 ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
 GREEDY = SamplingParams()  # how a request samples after a Handoff(greedy=True)
 TEXT_CACHE_HOLD = 8  # models without one tokenizer: a request's last tokens stay out of the prefix cache
 
-__all__ = ["SubServer", "StepResult", "UnknownMessage", "RequestFailed", "MODES", "Mode", "serve"]
-
-
-def _policy_frame(filename: str) -> bool:
-    """Whether a traceback frame is the policy's own code (not the SDK around it; the built-in
-    policies count as the policy's). The generated ``__init__`` of a dataclass (file
-    ``<string>``, e.g. `Handoff` checking its fields) is left out by the caller."""
-    f = filename.replace("\\", "/")
-    return "tokenrouter_sdk/" not in f or "tokenrouter_sdk/policies/" in f
-
-
-class RequestFailed(Exception):
-    """A request-level error: fails that request only."""
+__all__ = ["SubServer", "StepResult", "UnknownMessage", "RequestFailed", "MODES", "Mode"]
 
 
 class SubServer:
@@ -98,7 +85,8 @@ class SubServer:
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.sched = Scheduler(blocks_of(runner), config.max_batch_tokens, config.max_batch_size,
                                prefix_cache=config.prefix_cache, cache_hold=TEXT_CACHE_HOLD if text is not None else 0)
-        self.policies: dict[int, Policy] = {}
+        self.host = PolicyHost(name, models, tokenizer)
+        self.policies = self.host.policies  # key -> Policy, registered by RegisterPolicy
         self.aborted: collections.OrderedDict[int, tuple[str, str | None]] = collections.OrderedDict()
         self._running = True
         self.mode, self.retain_kv = config.mode, config.retain_kv
@@ -115,10 +103,12 @@ class SubServer:
                           if self.mode.batches_delayed else (lambda: bool(self.sched.owned)))
         self._handlers = {
             M.Admit: self._admit, M.Prefill: self._prefill, M.HandoffMsg: self._receive,
-            M.Release: self._release, M.Abort: self._abort, M.RegisterPolicy: self._register,
-            M.UnregisterPolicy: self._unregister, M.Shutdown: self._shutdown, M.Go: self._go_msg,
+            M.Release: self._release, M.Abort: self._abort, M.Shutdown: self._shutdown,
+            M.RegisterPolicy: lambda m: self.host.add(m.key, m.policy),
+            M.UnregisterPolicy: lambda m: self.host.remove(m.key), M.Go: lambda m: self._go.append(m.round),
             M.SetInflight: self._set_inflight, M.SetThresholds: self._set_thresholds,
-            M.StatsQuery: self._stats_query, M.ClearPrefixCache: self._clear_prefix_cache,
+            M.StatsQuery: lambda m: self._emit(self.stats(m.token)),
+            M.ClearPrefixCache: lambda m: self.sched.blocks.clear_prefix_cache(),
         }
 
     @property
@@ -154,32 +144,19 @@ class SubServer:
         seen = dict.fromkeys([*msg.peers, self.name], len(prompt))
         rs = RequestState(seen=seen, state=msg.state, seen_bytes={self.name: 0} if self.text is not None else {})
         seq = Seq(cfg, list(prompt), rs, generator=make_generator(cfg.params.seed, self.index, self.runner.device),
-                  prompt_len=len(prompt), text=self._text_view())
-        pol = self.policies.get(cfg.policy_key)
-        seq.reuse = not (pol is not None and getattr(pol.needs, "prompt_hidden", False))
+                  prompt_len=len(prompt), text=TextView() if self.text is not None else None)
+        seq.reuse = not self.host.needs(cfg.policy_key, "prompt_hidden")
         if cfg.rid in self.aborted:
             self._end_aborted(seq)
         else:
             self._own(seq)
 
-    def _text_view(self) -> TextView | None:
-        return TextView() if self.text is not None else None
-
     def _release(self, msg: M.Release) -> None:
         self.sched.remove(msg.rid)
         self.aborted.pop(msg.rid, None)  # it ended: no handoff of it can follow
 
-    def _register(self, msg: M.RegisterPolicy) -> None:
-        self.policies[msg.key] = msg.policy
-
-    def _unregister(self, msg: M.UnregisterPolicy) -> None:
-        self.policies.pop(msg.key, None)
-
     def _shutdown(self, msg: M.Shutdown) -> None:
         self._running = False
-
-    def _go_msg(self, msg: M.Go) -> None:
-        self._go.append(msg.round)
 
     def _set_inflight(self, msg: M.SetInflight) -> None:
         self.inflight = msg.n
@@ -187,22 +164,9 @@ class SubServer:
     def _set_thresholds(self, msg: M.SetThresholds) -> None:
         self.thresholds = dict(msg.thresholds)
 
-    def _clear_prefix_cache(self, msg: M.ClearPrefixCache) -> None:
-        self.sched.blocks.clear_prefix_cache()
-
-    def _stats_query(self, msg: M.StatsQuery) -> None:
-        self._emit(self.stats(msg.token))
-
     def stats(self, token: int = 0) -> M.Stats:
-        """This sub-server's KV pool and request counts, as a `Stats` event."""
-        blocks, seqs, owned = self.sched.blocks, self.sched.seqs, self.sched.owned
-        run = sum(len(s.table) for s in owned.values())
-        pend = sum(len(s.table) for r, s in seqs.items() if r not in owned)
-        return M.Stats(self.name, token, blocks.num_free, blocks.num_blocks, blocks.block_size, len(owned),
-                       len(seqs) - len(owned), run, pend, cached_blocks=blocks.cached_blocks,
-                       idle_cached_blocks=blocks.idle_cached_blocks,
-                       prefix_hit_tokens=self.sched.total_hit_tokens, prefix_query_tokens=self.sched.total_query_tokens,
-                       prefix_cache=blocks.cache is not None)
+        """This sub-server's KV pool and request counts, as a `Stats` event (`Scheduler.stats`)."""
+        return self.sched.stats(self.name, token)
 
     def _prefill(self, msg: M.Prefill) -> None:
         """Admission prefill of a peer: feed the prompt in a coming step, then keep it pending.
@@ -215,7 +179,7 @@ class SubServer:
         n = len(prompt)
         seq = Seq(cfg, list(prompt), RequestState(seen={msg.entry: n, self.name: n}), prefill_only=True,
                   generator=make_generator(cfg.params.seed, self.index, self.runner.device), prompt_len=n,
-                  text=self._text_view())
+                  text=TextView() if self.text is not None else None)
         if not self.sched.too_big(seq):
             self.sched.add_owned(seq)
 
@@ -239,20 +203,9 @@ class SubServer:
     def _own(self, seq: Seq) -> None:
         if self.sched.too_big(seq):
             self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", self._kv_error(seq))
+            self._finish(seq, "failed", self.sched.kv_error(seq, self.name))
             return
         self.sched.add_owned(seq)
-
-    def _kv_error(self, seq: Seq) -> str:
-        blocks, have = self.sched.blocks, self.sched.blocks.capacity_tokens
-        if not self.sched.too_big(seq):
-            return (f"KV pool of model '{self.name}' has {blocks.num_free} free blocks and request {seq.rid} needs "
-                    f"{blocks.blocks_for(len(seq.tokens)) - len(seq.table)} more, but no request of this model holds "
-                    f"the others: the pool is used by another engine (a runner object given to two Routers?) "
-                    f"or leaked; give each Router its own runners")
-        return (f"KV pool of model '{self.name}' is too small for request {seq.rid}: it needs {len(seq.tokens)} "
-                f"tokens of KV, the pool holds {have} tokens; raise max_kv_tokens (Router(..., max_kv_tokens=...)), "
-                f"lower max_new_tokens or shorten the prompt")
 
     def _receive(self, msg: M.HandoffMsg) -> None:
         seq = self.sched.seqs.get(msg.rid)
@@ -303,12 +256,8 @@ class SubServer:
                                                                         self.runner.device),
                       prompt_len=len(prompt), text=TextView())
         seq.prefill_only = False
-        p, kv = seq.prompt_len, seq.kv_len
-        keep, view = seq.text.receive(self.text.vocab, seq.tokens[p:], msg.data)
-        seq.tokens[p:] = view
-        self.sched.replaced_from(seq, p + keep)
-        if seq.kv_len >= len(seq.tokens):  # nothing new to feed (the peer discarded and bounced back)
-            self.sched.rewind(seq, len(seq.tokens) - 1)
+        kv = seq.kv_len
+        retokenize(seq, self.text.vocab, msg.data, self.sched)
         seq.rs, seq.resamples = msg.request, 0
         self._emit(M.Retokenized(seq.rid, self.name, max(0, kv - seq.kv_len), len(seq.tokens) - seq.kv_len,
                                  len(seq.tokens), self.clock()))
@@ -323,18 +272,10 @@ class SubServer:
 
     def _take_over(self, seq: Seq, msg: M.HandoffMsg) -> None:
         """The policy's ``receive`` hook, then this model owns ``seq``."""
-        pol = self.policies.get(seq.config.policy_key)
-        try:
-            if pol is None:
-                raise RuntimeError("the request's policy is no longer registered")
-            PC.receive_result(pol.receive(Handoff(msg.keep_sampled, seq.rs.span, seq.rs.greedy), self._view(seq)))
-        except PC.PolicyReturnError as e:
+        error = self.host.receive(seq, msg.keep_sampled)
+        if error is not None:
             self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", self._return_error(seq, "receive", e))
-            return
-        except Exception as e:  # noqa: BLE001 - a policy error fails this request only
-            self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", *self._policy_error(seq, "receive", e))
+            self._finish(seq, "failed", *error)
             return
         self._own(seq)
 
@@ -375,7 +316,7 @@ class SubServer:
         pre = self.sched.preemptions
         batch = self.sched.schedule()
         for seq in self.sched.unfit:
-            self._finish(seq, "failed", self._kv_error(seq))
+            self._finish(seq, "failed", self.sched.kv_error(seq, self.name))
         if batch:
             self._late = []
             try:
@@ -393,48 +334,18 @@ class SubServer:
         step (on its entry model, from position 0) under a policy with ``Needs(prompt_hidden)``."""
         if s.prefill_only or s.rs.hops or s.rs.n_committed or s.kv_len:
             return False
-        pol = self.policies.get(s.config.policy_key)
-        return pol is not None and getattr(pol.needs, "prompt_hidden", False)
-
-    def _run(self, inputs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """One runner forward: (logits [B, V], hidden [B, H], per input the hidden states of every
-        fed position [n, H] where it asked (``all_hidden``), else None)."""
-        out = self.runner.forward(inputs)
-        if not isinstance(out, ForwardOut):
-            raise TypeError(f"{type(self.runner).__name__}.forward returned {type(out).__name__}; a Runner.forward "
-                            f"returns tokenrouter_sdk.engine.runner.ForwardOut(logits, hidden, fed_hidden)")
-        fed = list(out.fed_hidden) if out.fed_hidden is not None else [None] * len(inputs)
-        return out.logits, out.hidden, fed
+        return self.host.needs(s.config.policy_key, "prompt_hidden")
 
     def _forward(self, batch: list[Seq]) -> tuple[list[Seq], torch.Tensor | None, torch.Tensor | None, list]:
-        """The forward; when it raises, each request is run alone so that only the ones whose own
-        inputs fail are failed (their KV slots are rewritten by the retry). Returns the requests
-        that ran, their logits and hidden states, and per request the hidden states of every
-        fed position where asked (else None)."""
+        """The forward (`forward_each`: a request whose own inputs fail fails alone). Returns the
+        requests that ran, their logits and hidden states, and per request the hidden states of
+        every fed position where asked (else None)."""
         inputs = [SeqInput(s.tokens[s.kv_len:], s.kv_len, s.table, all_hidden=self._wants_prompt_hidden(s))
                   for s in batch]
-        try:
-            logits, hidden, fed = self._run(inputs)
-            return batch, logits, hidden, fed
-        except RunnerDied:
-            raise
-        except Exception as e:  # noqa: BLE001
-            if len(batch) == 1:
-                self._fail_forward(batch[0], e)
-                return [], None, None, []
-        ok, ls, hs, fs = [], [], [], []
-        for s, inp in zip(batch, inputs):
-            try:
-                lg, hd, fd = self._run([inp])
-            except RunnerDied:
-                raise
-            except Exception as e:  # noqa: BLE001
-                self._fail_forward(s, e)
-                continue
-            ok.append(s), ls.append(lg), hs.append(hd), fs.extend(fd)
-        if not ok:
-            return [], None, None, []
-        return ok, torch.cat(ls), torch.cat(hs), fs
+        ok, logits, hidden, fed, failed = forward_each(self.runner, inputs)
+        for i, e in failed:
+            self._fail_forward(batch[i], e)
+        return [batch[i] for i in ok], logits, hidden, fed
 
     def _fail_forward(self, s: Seq, e: Exception) -> None:
         s.kv_len = 0
@@ -468,8 +379,9 @@ class SubServer:
                 logits = logits.index_fill(1, self._banned.to(logits.device), float("-inf"))
             prompt_hidden = [None if h is None else h[:s.prompt_len] for s, h in zip(batch, fed_hidden)]
             tokens = self._sample(batch, logits, range(len(batch)))
-            decisions = self._route(batch, tokens, logits, hidden, prompt_hidden, range(len(batch)))
-            self._resample(batch, tokens, logits, hidden, prompt_hidden, decisions)
+            decisions = self.host.decide(batch, tokens, logits, hidden, prompt_hidden,
+                                         lambda idx: self._sample(batch, logits, idx), self._resampled,
+                                         self.config.max_hops_without_commit)
             for s in batch:
                 s.rs.peer_logits = None  # read by this step's route only
             for i, (s, tok, dec) in enumerate(zip(batch, tokens, decisions)):
@@ -483,7 +395,7 @@ class SubServer:
                 except Exception as e:  # noqa: BLE001 - never let one request stop the sub-server
                     if s.rid in self.sched.seqs:
                         self._finish(s, "failed", f"internal error while applying the decision {dec!r} of policy "
-                                     f"{self._pname(s)} to request {s.rid} on model '{self.name}': "
+                                     f"{self.host.name(s)} to request {s.rid} on model '{self.name}': "
                                      f"{type(e).__name__}: {e}",
                                      "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         blocks, owned = self.sched.blocks, self.sched.owned
@@ -499,142 +411,13 @@ class SubServer:
         rows = logits if len(idx) == len(batch) else logits[torch.tensor(idx, dtype=torch.long)]
         params = [GREEDY if batch[i].rs.greedy else batch[i].config.params for i in idx]
         tokens = sample(rows, params, [batch[i].generator for i in idx]).tolist()
-        return self._force(batch, tokens, idx)
+        return given_tokens(batch, tokens, idx)
 
-    @staticmethod
-    def _force(batch: list[Seq], tokens: list[int], idx) -> list[int]:
-        """``tokens`` (one per row of ``idx``) with the given token of every request still inside
-        its forced output (`RequestConfig.forced`: teacher forcing) in place of the drawn one."""
-        for j, i in enumerate(idx):
-            forced, pos = batch[i].config.forced, batch[i].rs.n_committed
-            if pos < len(forced):
-                tokens[j] = forced[pos]
-        return tokens
-
-    def _resample(self, batch, tokens: list[int], logits, hidden, prompt_hidden, decisions: list) -> None:
-        """Apply `Resample` decisions: discard the token, draw the position again from the same
-        logits and route the new token (in place in ``tokens`` and ``decisions``)."""
-        limit = self.config.max_hops_without_commit
-        while True:
-            redo = []
-            for i, d in enumerate(decisions):
-                if not isinstance(d, Resample):
-                    continue
-                s = batch[i]
-                if s.rs.n_committed < len(s.config.forced):  # a given token: nothing to draw again
-                    decisions[i] = self.name
-                    continue
-                s.resamples += 1
-                if s.resamples > limit:
-                    decisions[i] = RequestFailed(
-                        f"policy {self._pname(s)} resampled output position {s.rs.n_committed} "
-                        f"of request {s.rid} {s.resamples} times in a row on model '{self.name}'; let a draw "
-                        f"stand (return the model) after at most {limit}")
-                    continue
-                s.rs.discarded += 1
-                self._emit(M.Resampled(s.rid, self.name, tokens[i], s.rs.n_committed, self.clock()))
-                redo.append(i)
-            if not redo:
-                return
-            for i, t in zip(redo, self._sample(batch, logits, redo)):
-                tokens[i] = t
-            for i, d in zip(redo, self._route(batch, tokens, logits, hidden, prompt_hidden, redo)):
-                decisions[i] = d
-
-    # -- routing --------------------------------------------------------------------------
-    def _view(self, s: Seq) -> RequestView:
-        if s.text is not None:
-            text = s.text.text
-        else:
-            tok = self.tokenizer
-            text = (lambda: tok.decode(s.output_ids, skip_special_tokens=True)) if tok is not None else ""
-        return RequestView(s.rid, s.config.prompt_of(self.name), s.output_ids, self.name, s.rs.state, s.rs.hops,
-                           tuple(self.models), s.config.key, text)
-
-    def _policy_error(self, s: Seq, fn: str, e: Exception) -> tuple[str, str]:
-        """(message, formatted traceback) of policy method ``fn`` raising ``e`` for ``s``: the
-        message names the policy, its source file and line, the model and the position."""
-        frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ else []
-        own = [f for f in frames if _policy_frame(f.filename) and not (f.filename == "<string>" and f.name == "__init__")]
-        where = (own or frames or [None])[-1]
-        loc = f" at {where.filename}:{where.lineno}" if where else ""
-        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        try:
-            text = str(e)
-        except Exception:  # noqa: BLE001 - an exception whose __str__ raises
-            text = "<unprintable>"
-        return (f"policy {self._pname(s)}.{fn} raised {type(e).__name__}: {text}{loc} on model '{self.name}' "
-                f"at output position {s.rs.n_committed} of request {s.rid}", tb)
-
-    def _pname(self, s: Seq) -> str:
-        """How errors name the policy of ``s`` (its repr; never raises)."""
-        return PC.policy_text(self.policies.get(s.config.policy_key))
-
-    def _return_error(self, s: Seq, fn: str, e: Exception) -> str:
-        """The message of policy method ``fn`` returning a value it may not (`PolicyReturnError`)."""
-        return (f"policy {self._pname(s)}.{fn} {e} (on model '{self.name}' at output position {s.rs.n_committed} "
-                f"of request {s.rid})")
-
-    def _route(self, batch, tokens: list[int], logits, hidden, prompt_hidden, idx) -> list:
-        """Policy decisions for the requests of ``batch`` at rows ``idx``: a model name, a
-        `Resample`, or a `RequestFailed` that fails it. A token a policy set (`Step.set_token`)
-        replaces the sampled one in ``tokens``."""
-        idx = list(idx)
-        out: list = [None] * len(idx)
-        groups: dict[int, list[int]] = {}
-        for j, i in enumerate(idx):
-            s = batch[i]
-            if s.rs.span is not None:
-                out[j] = s.rs.return_to if s.rs.span <= 1 else self.name
-            else:
-                groups.setdefault(s.config.policy_key, []).append(j)
-        for key, js in groups.items():
-            rows_i = [idx[j] for j in js]
-            pol = self.policies.get(key)
-            if pol is None:
-                for j in js:
-                    out[j] = RequestFailed(f"request {batch[idx[j]].rid}: its policy is no longer registered")
-                continue
-            rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
-            sb = StepBatch(self.name, self.models, torch.tensor([tokens[i] for i in rows_i]), logits, hidden,
-                           [self._view(batch[i]) for i in rows_i], self.tokenizer, needs=pol.needs, rows=rows,
-                           policy=PC.policy_text(pol), peer_logits=[batch[i].rs.peer_logits for i in rows_i],
-                           prompt_hidden=[prompt_hidden[i] for i in rows_i])
-            fn = "route" if type(pol).route_batch is Policy.route_batch else "route_batch"  # the default calls route
-            try:  # once: never re-run for a request because another one failed (state changes apply once)
-                res = PC.route_batch_decisions(pol.route_batch(sb), len(js))
-            except PC.PolicyReturnError as e:
-                res = [RequestFailed(self._return_error(batch[i], "route_batch", e)
-                                     + f"; the {len(js)} requests of this batch fail with it") for i in rows_i]
-            except Exception as e:  # noqa: BLE001 - one vectorised decision: every request of it fails
-                res = []
-                for i in rows_i:
-                    msg, tb = self._policy_error(batch[i], "route_batch", e)
-                    res.append(RequestFailed(msg + f"; the {len(js)} requests of this batch fail with it (route_batch "
-                                             f"is not run again request by request; to fail one request alone, put "
-                                             f"the exception in its place in the returned list, or raise in route "
-                                             f"with the default route_batch)", tb))
-            if sb._tokens_owned:
-                for k, i in enumerate(rows_i):
-                    tokens[i] = int(sb.tokens[k])
-                forced = self._force(batch, [tokens[i] for i in rows_i], rows_i)
-                for k, i in enumerate(rows_i):
-                    tokens[i] = forced[k]
-            for k, j in enumerate(js):
-                s, d = batch[idx[j]], res[k]
-                if isinstance(d, RequestFailed):
-                    out[j] = d
-                elif isinstance(d, BaseException):
-                    out[j] = RequestFailed(*self._policy_error(s, fn, d))
-                else:
-                    try:
-                        out[j] = PC.route_decision(d, self.models, self.name)
-                    except PC.PolicyReturnError as e:
-                        out[j] = RequestFailed(self._return_error(s, fn, e))
-        return out
+    def _resampled(self, s: Seq, tok: int) -> None:
+        self._emit(M.Resampled(s.rid, self.name, tok, s.rs.n_committed, self.clock()))
 
     def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
-        lp = None if s.config.params.logprobs is None else self._logprobs(logits[row], tok, s.config.params.logprobs)
+        lp = None if s.config.params.logprobs is None else logprobs(logits[row], tok, s.config.params.logprobs)
         if s.rs.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
             s.rs.span -= 1
             if self._commit(s, tok, lp) or target == self.name:
@@ -644,136 +427,37 @@ class SubServer:
         if target == self.name:
             self._commit(s, tok, lp)
             return
-        pol = self.policies[s.config.policy_key]
-        try:
-            h = PC.handoff(pol.send(self._view(s), target))
-        except PC.PolicyReturnError as e:
-            raise RequestFailed(self._return_error(s, "send", e)) from e
-        except Exception as e:  # noqa: BLE001
-            raise RequestFailed(*self._policy_error(s, "send", e)) from e
+        h = self.host.send(s, target)
         if h.keep_sampled:
             if self._commit(s, tok, lp):
                 return
         else:
             s.rs.discarded += 1
         peer = None
-        if not h.keep_sampled and getattr(pol.needs, "handoff_logits", False):
+        if not h.keep_sampled and self.host.needs(s.config.policy_key, "handoff_logits"):
             peer = logits[row].detach().cpu()  # only here: a torch op lets peer threads run
         self._handoff(s, target, h, committed=h.keep_sampled, token=None if h.keep_sampled else tok, peer_logits=peer)
 
-    @staticmethod
-    def _logprobs(row: torch.Tensor, tok: int, k: int) -> tuple:
-        """``(log-probability of tok, ((token, logprob), ...) of the k most likely)`` under the
-        logits ``row`` [V] (natural log; float64 logits stay float64)."""
-        lp = torch.log_softmax(row if row.dtype == torch.float64 else row.float(), -1)
-        top = ()
-        if k:
-            vals, ids = torch.topk(lp, min(k, lp.numel()))
-            top = tuple(zip(ids.tolist(), vals.tolist()))
-        return float(lp[tok]), top
-
     def _commit(self, s: Seq, tok: int, lp: tuple | None = None) -> bool:
-        """Commit ``tok`` (``lp``: its log-probabilities, see `_logprobs`); return True if the
-        request finished. Inside a forced output only the length ends it."""
+        """Commit ``tok`` (``lp``: its log-probabilities, `logprobs`); return True if the request
+        finished (`commit_token`, `commit_text`: the stop rules)."""
+        chars = units = None
         if self.text is not None:
-            return self._commit_text(s, tok, lp)
-        s.tokens.append(tok)
-        s.rs.seen[self.name] = len(s.tokens)
-        s.rs.n_committed += 1
-        s.rs.hops_since_commit = s.resamples = 0
-        p = s.config.params
-        reason, why = None, None
-        if s.rs.n_committed <= len(s.config.forced):
-            if s.rs.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
-                reason = "length"
-        elif tok in p.stop_token_ids:
-            reason, why = "stop", tok
-        elif tok in s.config.eos_ids and not p.ignore_eos:
-            reason = "eos"
-        elif p.stop and (why := self._hit_stop(s)) is not None:
-            reason = "stop"
-        elif s.rs.n_committed >= p.max_new_tokens or len(s.tokens) >= self.runner.max_context:
-            reason = "length"
-        self._emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp]))
-        if reason:
-            self._finish(s, reason, None, stop_reason=why)
-            return True
-        return False
-
-    def _commit_text(self, s: Seq, tok: int, lp: tuple | None) -> bool:
-        """`_commit` for models that do not share a tokenizer: the token's bytes join the
-        committed output; this model's EOS ids, the stop strings (in the text), the context and
-        ``max_new_tokens`` (the unit model's tokens of the text) end the request, in that order."""
-        data = self.text.vocab.table[tok]
-        s.tokens.append(tok)
-        s.text.append(data)
-        rs = s.rs
-        rs.n_bytes += len(data)
-        rs.seen_bytes[self.name] = rs.n_bytes
-        rs.seen[self.name] = len(s.tokens)
-        rs.n_committed += 1
-        rs.hops_since_commit = s.resamples = 0
-        p = s.config.params
-        reason, why, units = None, None, None
-        if tok in self.text.eos_ids and not p.ignore_eos:
-            reason = "eos"
-        elif p.stop and (why := self._hit_stop_text(s, len(data))) is not None:
-            reason = "stop"
-        elif len(s.tokens) >= self.runner.max_context:
-            reason = "length"
-        elif rs.n_bytes >= p.max_new_tokens:  # a token writes at least one byte: fewer bytes, fewer tokens
-            units = self._count_units(s)
-            reason = "length" if units >= p.max_new_tokens else None
-        if reason is not None and units is None:
-            units = self._count_units(s)
+            reason, why, chars, units = commit_text(self.text, s, tok, self.name, self.runner.max_context)
+        else:
+            reason, why = commit_token(s, tok, self.name, self.runner.max_context, self.tokenizer)
         self._emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp],
-                               chars=char_count(data), units=units))
+                               chars=chars, units=units))
         if reason:
             self._finish(s, reason, None, stop_reason=why)
             return True
         return False
-
-    def _count_units(self, s: Seq) -> int:
-        """The committed text's tokens in the unit model's vocabulary (`ByteVocab.count`; the
-        count's stable boundary travels with the request)."""
-        rs = s.rs
-        rs.units, rs.unit_at, rs.unit_base = self.text.unit.count(s.text.data, rs.unit_at, rs.unit_base)
-        return rs.units
-
-    def _hit_stop_text(self, s: Seq, added: int) -> str | None:
-        """The stop string the committed text now holds in its end (the last ``added`` bytes
-        plus enough before them to hold the longest stop string), or None."""
-        stops = s.config.params.stop
-        span = max(len(x.encode("utf-8")) for x in stops) + added + 3
-        tail = bytes(s.text.data[-span:]).decode("utf-8", "replace")
-        hits = [(tail.find(x), x) for x in stops if x in tail]
-        return min(hits)[1] if hits else None
-
-    def _hit_stop(self, s: Seq) -> str | None:
-        """The stop string the output's text now contains (decoded as the final text is: special
-        tokens skipped), or None. Only the tail is decoded: enough tokens to hold the longest
-        stop string plus the characters one token may add."""
-        stops = s.config.params.stop
-        longest = max(len(x) for x in stops)
-        out = s.output_ids
-        n = longest + 8
-        while True:
-            tail = self.tokenizer.decode(out[-n:], skip_special_tokens=True)
-            if len(tail) >= longest + 8 or n >= len(out):
-                break
-            n *= 2
-        hits = [(tail.find(x), x) for x in stops if x in tail]
-        return min(hits)[1] if hits else None
 
     def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool, token: int | None = None,
                  peer_logits: torch.Tensor | None = None) -> None:
         s.rs.hops += 1
         s.rs.hops_since_commit = 0 if committed else s.rs.hops_since_commit + 1
-        if s.rs.hops_since_commit > self.config.max_hops_without_commit:
-            raise RequestFailed(
-                f"policy {self._pname(s)} handed request {s.rid} off "
-                f"{s.rs.hops_since_commit} times in a row without committing a token (ping-pong between "
-                f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay")
+        self.host.check_hops(s, self.config.max_hops_without_commit)
         t_seen = s.rs.seen.get(target, 0)
         seen = dict(s.rs.seen)
         seen[target] = len(s.tokens)
@@ -809,34 +493,3 @@ class SubServer:
                 self._send(m, M.Release(s.rid))
         self.sched.remove(s.rid)
 
-
-def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], None], cores=None) -> None:
-    """Serve ``ss`` until `Shutdown`: handle every message waiting in ``inbox`` (block when it
-    cannot step), hand what handling produced to ``deliver``, run one step and hand its
-    `StepResult` to ``deliver`` (only non-empty results are delivered). The thread transport
-    and the sub-server process run this loop; ``deliver`` must keep the order of `StepResult`
-    (events before the messages they caused reach a peer's reaction). ``cores``: a
-    `tokenrouter_sdk.engine.cores.CoreShare` marked idle before the loop waits and busy (threads
-    set to its share) before a step.
-
-    Raises:
-        RunnerDied, or whatever a step raises outside a request: the caller reports the model dead.
-    """
-    while ss.running:
-        try:
-            wait = not ss.can_step()
-            if wait and cores is not None:
-                cores.idle(len(ss.sched.seqs))
-            ss.handle(inbox.get(block=wait))
-            while True:
-                ss.handle(inbox.get_nowait())
-        except queue.Empty:
-            pass
-        res = ss.take()
-        if res:
-            deliver(res)
-        if cores is not None and ss.can_step():
-            cores.busy()
-        res = ss.step()
-        if res:
-            deliver(res)

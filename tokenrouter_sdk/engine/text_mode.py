@@ -4,7 +4,8 @@ own tokens of it (docs/mixed-vocabularies.md).
 `Vocabularies` is what the Router learns of such a group once (per model its tokenizer, its
 `ByteVocab`, its end-of-sequence ids, the tokens it must never write); `TextMode` is one model's
 share of it, handed to its sub-server; `TextView` is one request's bytes and token boundaries on
-one model, and re-encodes what the model has not seen when the request comes back.
+one model, and re-encodes what the model has not seen when the request comes back
+(`retokenize`: on the request's sub-server, with its KV rewound to the first token that changed).
 """
 
 from __future__ import annotations
@@ -120,3 +121,17 @@ class TextView:
     def text(self) -> str:
         """The bytes seen, as text (an incomplete or invalid sequence as U+FFFD)."""
         return self.data.decode("utf-8", "replace")
+
+
+def retokenize(seq, vocab: ByteVocab, data: bytes, sched) -> None:
+    """A request ``seq`` (a scheduler `Seq` with a `TextView`) comes back with the committed
+    bytes ``data`` its model has not seen: re-encode the end of its output tokens with them
+    (`TextView.receive`), drop the KV from the first token that changed
+    (``sched.replaced_from``) and, when nothing new is left to feed (the peer discarded and
+    bounced back), recompute the last position (``sched.rewind``)."""
+    p = seq.prompt_len
+    keep, view = seq.text.receive(vocab, seq.tokens[p:], data)
+    seq.tokens[p:] = view
+    sched.replaced_from(seq, p + keep)
+    if seq.kv_len >= len(seq.tokens):
+        sched.rewind(seq, len(seq.tokens) - 1)

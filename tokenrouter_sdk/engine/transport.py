@@ -25,7 +25,7 @@ from .runner import RunnerInfo, RunnerSpec, build_runner, dead_letter
 class ThreadTransport:
     """Sub-servers in threads of this process; one collector thread hands events to the engine.
 
-    Each sub-server thread runs `tokenrouter_sdk.engine.subserver.serve` and delivers each
+    Each sub-server thread runs `tokenrouter_sdk.engine.serve_loop.serve` and delivers each
     `StepResult` under ``_order``: its events go to the engine's queue, then its messages to
     the peers' inboxes. The collector takes ``_order`` (and lets it go) before it hands an
     event on, so the result's messages are in the peers' inboxes before the engine reacts to
@@ -130,7 +130,7 @@ class ThreadTransport:
                 traceback.print_exc()
 
     def _serve(self, ss) -> None:
-        from .subserver import serve
+        from .serve_loop import serve
         inbox = self.inboxes[ss.name]
         try:
             serve(ss, inbox, self._deliver)
