@@ -1,10 +1,9 @@
 """Choices of the CPU step made by measuring the candidates on the machine itself, at first use,
 on the model's own weights, and kept on disk per machine and library versions.
 
-The fastest way to run a projection depends on the CPU (its model, caches and memory), on
-oneDNN's version and on the shapes, so nothing here is fixed per vendor: every choice is measured
-where it runs. What the candidates measured on the CPUs this project ran on is in
-``docs/benchmarks.md`` ("CPU step choices (autotune)").
+The fastest way to run a projection depends on the CPU, oneDNN's version and the shapes, so
+every choice is measured where it runs (what it measured on the CPUs this project ran on:
+``docs/benchmarks.md``, "CPU step choices (autotune)").
 
 What is chosen: for each group of projections of one shape and dtype (a model's merged q/k/v of
 every layer, o, gate/up, down, the LM head), per row bucket (`BUCKETS`, the tokens of a step),
@@ -15,8 +14,7 @@ row count between two buckets takes the next larger bucket's choice; past the la
 How it is measured: one pass runs the group's projections over enough layers that their weights
 are at least twice the last-level cache (so the weights stream from memory, as in a real step;
 all layers when the model is smaller), at each bucket, packed and plain passes interleaved, the
-median of `REPS`; packed wins a bucket when its median is lower. It runs once per model shape
-and machine, at a model's first step (`measure_group`).
+median of `REPS` (`measure_group`); packed wins a bucket when its median is lower.
 
 The few-row kernel wins a bucket when its median is within `SKINNY_MARGIN` of the faster of the
 other two, or within `SKINNY_SLACK_MS` a projection of it, not only below it (`skinny_edge`),
@@ -40,17 +38,13 @@ Forcing: ``TOKENROUTER_PACKING=packed``, ``plain`` or ``skinny`` (every bucket; 
 the kernels are loaded, packed until then), ``auto`` (measure; the default). The value is read at
 each model's first step; any other value raises ValueError naming the accepted ones.
 
-The few-row kernel's prefetch: the locality of the kernel's weight-stream prefetch
-(``__builtin_prefetch``: 0 non-temporal, 2 into L2) changes its speed, never its bits, and which
-is faster depends on the CPU and on the row count. So it is measured once per machine and model
-size before the paths, whose kernel timings use it (`tune_prefetch`: every candidate of
-`PREFETCH_HINTS` over the model's float32 projections, at least `PREFETCH_MIN_BYTES` of them or
-all, at each of `PREFETCH_ROWS`), and chosen apart for steps of fewer than `PREFETCH_MANY_FROM`
-rows and of more (`Prefetch`); a tie within `PREFETCH_TIE`'s margin takes that row count's
-preferred locality. It is stored as ``skinny prefetch float32 <n> projections <MB> MB``
-(`prefetch_key`: a model small enough to stay in the caches measures a tie that says nothing of
-one that streams from memory, so each size keeps its own); ``TOKENROUTER_SKINNY_PREFETCH=0..3``
-forces it.
+The few-row kernel's prefetch locality (``__builtin_prefetch``: 0 non-temporal, 2 into L2)
+changes its speed, never its bits, and which is faster depends on the CPU and the row count: it
+is measured once per machine and model size, before the paths whose kernel timings use it
+(`tune_prefetch`, `measure_prefetch`), chosen apart for few-row and many-row steps (`Prefetch`),
+and stored under `prefetch_key` (each model size keeps its own: a model that fits the caches
+measures a tie that says nothing of one that streams from memory);
+``TOKENROUTER_SKINNY_PREFETCH=0..3`` forces it.
 """
 
 from __future__ import annotations
