@@ -1,11 +1,9 @@
 """Choices of the CPU step made by measuring the candidates on the machine itself, at first use,
 on the model's own weights, and kept on disk per machine and library versions.
 
-Why: the fastest way to run a projection depends on the CPU, not on its vendor. Measured on two
-2-core CPUs (all 30 layers of SmolLM2-135M, float32): on an Intel Xeon MKL's plain GEMV of one
-or two rows streams the weights as fast as oneDNN's packed kernel and beats it at 128 rows; on
-an AMD EPYC the packed kernel is 1.6-2.6x faster at every row count (the tables in
-`tokenrouter_sdk.backends.projection`). A third CPU may differ again, and so may a new oneDNN.
+The fastest way to run a projection depends on the CPU, oneDNN's version and the shapes, so
+every choice is measured where it runs (what it measured on the CPUs this project ran on:
+``docs/benchmarks.md``, "CPU step choices (autotune)").
 
 What is chosen: for each group of projections of one shape and dtype (a model's merged q/k/v of
 every layer, o, gate/up, down, the LM head), per row bucket (`BUCKETS`, the tokens of a step),
@@ -16,43 +14,37 @@ row count between two buckets takes the next larger bucket's choice; past the la
 How it is measured: one pass runs the group's projections over enough layers that their weights
 are at least twice the last-level cache (so the weights stream from memory, as in a real step;
 all layers when the model is smaller), at each bucket, packed and plain passes interleaved, the
-median of `REPS`; packed wins a bucket when its median is lower. With SmolLM2-135M's shapes this
-takes 1-3 s per model once per machine.
+median of `REPS` (`measure_group`); packed wins a bucket when its median is lower.
 
-The few-row kernel wins a bucket when its median is within `SKINNY_MARGIN` (5%) of the faster of
-the other two, or within `SKINNY_SLACK_MS` (10 us) a projection of it, not only below it
-(`skinny_edge`): a layer whose projections all run the kernel at a step's row count runs as one
-C++ call, and a step whose every layer does runs as one (`tokenrouter_sdk.backends.fused_layers`),
-which the per-projection timings do not see. On a 2-core Intel Xeon a 1% difference (0.81
-against 0.82 ms over 30 layers) had put the o projection on MKL at 2 rows, so the long row's
-steps (2 requests) ran the Python layer loop: 25.5-26.6 ms a step, against 23.2-23.5 with every
-projection on the kernel; later a 5.2% difference (0.97 against 1.02 ms over 30 layers, about
-2 us a layer) did the same, where one call for the step saves about 50 us a layer.
+The few-row kernel wins a bucket when its median is within `SKINNY_MARGIN` of the faster of the
+other two, or within `SKINNY_SLACK_MS` a projection of it, not only below it (`skinny_edge`),
+its time at a bucket being the least measured there or at any larger bucket
+(`kernel_ms_by_rows`): a layer whose projections all run the kernel at a step's row count runs
+as one C++ call, and a step whose every layer does runs as one
+(`tokenrouter_sdk.backends.fused_layers`), a saving the per-projection timings do not see.
 
 Where it is kept: ``<torch extension root>/tokenrouter/choices/<machine key>.json`` beside the
 compiled kernels (`tokenrouter_sdk.backends.cpu_kernels.build_directory`), keyed by the CPU model,
 its flags, the last-level cache size, the threads, torch's and oneDNN's versions and the build of
 the engine's own kernels (`machine_fields`); in ``$TOKENROUTER_CHOICES_DIR/<machine key>.json``
 where that is set (the test suite keeps its tiny models' choices there, out of the user's).
-A file that is corrupt or belongs to another machine or version is ignored, measured again and
-overwritten. `tokenrouter info` prints the choices and the timings behind them.
+One process measures at a time (an OS lock on the folder); a file that is corrupt or belongs to
+another machine or version is ignored, measured again and overwritten; a folder that cannot be
+written gives choices measured and not stored. `tokenrouter info` prints the choices and the
+timings behind them (`report`). Other modules keep their own measured choices in the same file
+(`choose`).
 
 Forcing: ``TOKENROUTER_PACKING=packed``, ``plain`` or ``skinny`` (every bucket; ``skinny`` where
 the kernels are loaded, packed until then), ``auto`` (measure; the default). The value is read at
-each model's first step.
+each model's first step; any other value raises ValueError naming the accepted ones.
 
-The few-row kernel's prefetch: how the kernel prefetches its weight stream (the locality of
-``__builtin_prefetch``: 0 non-temporal, 2 into L2) changes its speed, not its bits, and which is
-faster depends on the CPU: on a 2-core AMD EPYC (Zen 5) the non-temporal prefetch reads at the
-bandwidth; on a 2-core Intel Xeon (family 6 model 207) it reads SmolLM2-135M's 538 MB of weights
-in 43 ms at one row, where the prefetch into L2 takes 17 (and 26 against 19 ms at 8 rows). So it is
-measured once per machine and model size (`tune_prefetch`: every candidate over the model's
-float32 projections, or 512 MB of them, at 1 and 8 rows, about 0.3-0.6 s) before the paths, whose
-kernel timings use it, and chosen apart for steps of 1-2 rows and of 3 or more (`Prefetch`: on a
-2-core AMD EPYC Zen 4 the non-temporal one is faster at one row, the one into L2 at eight);
-stored as ``skinny prefetch float32 <n> projections <MB> MB`` (a model small enough to stay in
-the caches measures a tie that says nothing of one that streams from memory, so each size keeps
-its own); ``TOKENROUTER_SKINNY_PREFETCH=0..3`` forces it.
+The few-row kernel's prefetch locality (``__builtin_prefetch``: 0 non-temporal, 2 into L2)
+changes its speed, never its bits, and which is faster depends on the CPU and the row count: it
+is measured once per machine and model size, before the paths whose kernel timings use it
+(`tune_prefetch`, `measure_prefetch`), chosen apart for few-row and many-row steps (`Prefetch`),
+and stored under `prefetch_key` (each model size keeps its own: a model that fits the caches
+measures a tie that says nothing of one that streams from memory);
+``TOKENROUTER_SKINNY_PREFETCH=0..3`` forces it.
 """
 
 from __future__ import annotations
@@ -104,19 +96,17 @@ def kernel_ms_by_rows(skinny_ms: list[float]) -> list[float]:
     """The few-row kernel's time (ms) at each bucket of ascending row counts, as the least
     measured at that bucket or any larger one. A step of fewer rows streams the same weights
     with fewer multiply-adds (and the prefetch measured fastest at its size, `Prefetch`), so it
-    takes no longer; a bucket measured slower than a larger one met the machine's noise. On a
-    2-core Intel Xeon VM whose memory changed rate during the measurement, the o projection's
-    30 layers timed 1.55 ms at 1 row, 1.96 at 2 and 1.24 at 4 against MKL's 1.56 at 2: the raw
-    time put it on MKL at 2 rows, and with it every step of 2 rows onto the Python layer loop."""
+    takes no longer; a bucket measured slower than a larger one met the machine's noise (a
+    memory that changes rate during the measurement), which would otherwise put that bucket's
+    steps off the kernel and onto the Python layer loop."""
     return list(itertools.accumulate(reversed(skinny_ms), min))[::-1]
 
 
 class Prefetch(NamedTuple):
     """The few-row kernel's prefetch locality (0..3, as ``__builtin_prefetch``'s: 0 non-temporal,
     2 into L2; it changes speed, never bits) by step size: ``few`` for steps of fewer than
-    `PREFETCH_MANY_FROM` rows, ``many`` from it. Measured per machine (`tune_prefetch`): on a
-    2-core AMD EPYC (Zen 4) at its faster memory rate the non-temporal prefetch streams 538 MB of
-    weights 5% faster at one row, and 12% slower at eight rows, than the prefetch into L2."""
+    `PREFETCH_MANY_FROM` rows, ``many`` from it. Measured per machine (`tune_prefetch`): one
+    CPU can stream fastest with one locality at one row and with another at eight."""
 
     few: int = 0
     many: int = 0
@@ -418,11 +408,8 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
     Args:
         projs: `Projection`s with their few-row kernel weight (``skinny``), in model order;
             passes take them in order until their weights reach four times the last-level cache
-            (``llc_bytes``, default `last_level_cache_bytes`) and `PREFETCH_MIN_BYTES`, or all.
-            A pass of two caches' worth (64 MB on a 32 MiB L3, 1-2 ms) measured a coin flip on a
-            2-core AMD EPYC (Zen 4): it chose the non-temporal prefetch in 5 runs of 6, where a
-            pass over the whole model (538 MB) found the prefetch into L2 12% faster at 8 rows
-            in all 6.
+            (``llc_bytes``, default `last_level_cache_bytes`) and `PREFETCH_MIN_BYTES`, or all
+            (a pass that fits a few caches measures a coin flip between the localities).
         hints: the localities to time (0..3).
         rows: row counts to time at (`PREFETCH_ROWS`: one for `Prefetch.few`, one for
             `Prefetch.many`).
@@ -433,13 +420,9 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
         ``{"hints": [...], "rows": [...], "ms": [[median ms of one pass per row count] per
         hint], "chosen": [h per row count], "layers": n}``: each row count's ``chosen`` is its
         fastest locality, or the row count's `PREFETCH_TIE` locality where that is within its margin
-        (5%) of the fastest. A 2-core VM's memory can read at two rates minutes apart, and the
-        measurement sees one: on an AMD EPYC (Zen 4) at the slow rate the two measured within
-        1-4% of each other (17.9-18.8 against 18.3-19.5 ms a pass at 8 rows; the decode steps
-        equal), while at the fast one the prefetch into L2 is 12% faster at 8 rows (12.7 against
-        14.3) and the non-temporal one 5% faster at one (11.0 against 11.6); on an Intel Xeon the
-        non-temporal one is 1.3-2.4x slower at both (never a tie). So a tie takes, at each row
-        count, the one that was never far behind there.
+        (5%) of the fastest: a machine whose memory reads at two rates minutes apart measures
+        a tie at its slow rate, and the tie takes, at each row count, the locality that is
+        never far behind there.
     """
     llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
     budget = max(4 * llc, PREFETCH_MIN_BYTES)

@@ -12,11 +12,11 @@ Two forwards compile, whichever the runner's ``model_impl`` runs:
 vLLM compiles its forward the same way and keeps attention out of the graph as a custom op (its
 ``unified_attention``) that reads the step's attention metadata from a forward context.
 
-What it gains on a CPU (SmolLM2-135M fp32, 2 cores, `evals/throughput/step_bound.py`): for the
-transformers forward, mostly the prepacked GEMMs, which the native forward already has eagerly;
-for the native forward, the fused pointwise work, a few percent at batch 8 and a loss at batch 1
-(a compiled step pads one request to two). On CUDA a compiled forward is the path to graph
-replay. Numbers in `docs/benchmarks.md`.
+What it gains on a CPU: for the transformers forward, mostly the prepacked GEMMs, which the
+native forward already has eagerly; for the native forward, the fused pointwise work (a
+compiled step pads one request to two, so a batch of one does more work). On CUDA a compiled
+forward is the path to graph replay. Measurements in ``docs/benchmarks.md`` ("Compiled steps
+and the bandwidth bound (CPU)").
 
 How: `CompiledForward` wraps the forward in ``torch.compile`` with the token and request
 dimensions dynamic: one graph per model serves every batch size and token count (prefill, decode,
@@ -29,8 +29,8 @@ attention as the eager step, with the layer's window, soft-cap and scale from th
 and eager steps differ only by the fused arithmetic. The final-logit soft-cap is applied by the
 runner after the compiled call, as after an eager one.
 
-Compile cost (2-core CPU, SmolLM2-135M, `docs/benchmarks.md`): about 20 s cold for the native
-forward, a minute or two for the transformers one; inductor's on-disk caches (under
+Compile cost (measured in ``docs/benchmarks.md``): the transformers forward's graph is larger
+and compiles longer than the native one's; inductor's on-disk caches (under
 ``TORCHINDUCTOR_CACHE_DIR``) make a later process's compile cheaper (dynamo still traces), and in
 one process every runner of the same model object reuses the compiled callable
 (`compiled_forward`). `TorchRunner` runs the compile in a background thread by default and serves

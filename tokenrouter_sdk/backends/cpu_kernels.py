@@ -7,37 +7,33 @@ few rows over a weight packed for them (`tokenrouter_sdk.backends.projection`; w
 is measured, `tokenrouter_sdk.backends.autotune`), and ``csrc/decoder_layer.cpp``, a whole decoder
 layer in one call over those kernels (`tokenrouter_sdk.backends.fused_layers`; ``csrc/kernels.h``
 declares what one source calls from another). ``csrc/vec_math.h`` holds the float32
-exponential both attention's softmax and SiLU gating use, which the compiler vectorizes (with a
-scalar ``expf`` per element, gating 8 x 1,536 values took about 30 us, now about 5, and a batch
-of 8 decodes at 220 keys spent a fifth more in attention).
+exponential both attention's softmax and SiLU gating use, written so that the compiler
+vectorizes it (a scalar ``expf`` per element does not vectorize).
 
-Why, attention: without the kernel a decode or extend step gathers every request's whole
-cached K/V into a padded copy in each layer (``index_select``) and runs SDPA over the copy, so
-it reads and writes its cache three times. On a CPU whose last-level cache is smaller than that
-copy, the gather and the second read cost about as much as the GEMMs at long contexts: on a
-2-core AMD EPYC (32 MiB L3), SmolLM2-135M with 2 requests of 1,100 keys, about 18 ms of a 56 ms
-step. The kernel reads each key's pool row once (all heads at once, prefetched a few keys
-ahead) and splits long contexts into chunks merged by their log-sum-exp (split-K, as
-flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023), on torch's own
-thread pool (``at::parallel_for``, so `torch.set_num_threads` and core lending apply).
+Attention: without the kernel a decode or extend step gathers every request's whole cached K/V
+into a padded copy in each layer (``index_select``) and runs SDPA over the copy, so it reads and
+writes its cache three times. The kernel reads each key's pool row once (all heads at once,
+prefetched a few keys ahead) and splits long contexts into chunks merged by their log-sum-exp
+(split-K, as flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023), on
+torch's own thread pool (``at::parallel_for``, so `torch.set_num_threads` and core lending apply).
 
-Why, step ops: between a decode step's GEMMs the eager native forward made about 30 ATen calls
-per layer (RMSNorm alone is about eight on a CPU), each a few to tens of microseconds at decode
-sizes; one fused call each for RMSNorm, the rotary embedding of q and of k, and SiLU gating
-leaves about 3 ms of such work in that 56 ms step. vLLM's CPU backend has its own ops for the
-same work; `torch.compile` (``compile=True``) fuses it too, at a compile cost.
+Step ops: one fused call each for RMSNorm, the rotary embedding of q and of k, and SiLU gating,
+each in place of several ATen calls whose fixed cost dominates at decode sizes. vLLM's CPU
+backend has its own ops for the same work; `torch.compile` (``compile=True``) fuses it too, at a
+compile cost. What the kernels save on the CPUs this project ran on is in ``docs/benchmarks.md``
+("The C++ CPU kernels (cpu_kernels)").
 
-How: the first `paged_attention_op` call (a runner's first CPU step, or `start`) builds the
+Build: the first `paged_attention_op` call (a runner's first CPU step, or `start`) builds the
 extension in a background thread with the C++ compiler (``c++``) and ninja (the ``ninja``
 wheel), under torch's extension directory (`build_directory`; ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), one process at a time (an OS lock, so a builder killed mid-build
-never blocks the next one): about 8-25 s on 2 cores; a later process loads the cached
-library in well under a second. The name of the build hashes the sources, the flags, the torch
-version and the CPU's flags (it is compiled with ``-march=native``), so a changed source or
-another CPU gets its own build; it compiles copies of the sources kept in its own folder, so two
-checkouts of the same sources share one build instead of rebuilding it in turn. Until the kernels are loaded, and wherever they cannot be (no
+never blocks the next one); a later process loads the cached library. The name of the build
+hashes the sources, the flags, the torch version and the CPU's flags (it is compiled with
+``-march=native``), so a changed source or another CPU gets its own build; it compiles copies of
+the sources kept in its own folder, so two checkouts of the same sources share one build instead
+of rebuilding it in turn. Until the kernels are loaded, and wherever they cannot be (no
 compiler, another platform), `paged_attention_op` and `step_ops` return None and steps run
-ATen ops as before; `error` says why. The state is per process, as the loaded library is.
+ATen ops; `error` says why. The state is per process, as the loaded library is.
 """
 
 from __future__ import annotations

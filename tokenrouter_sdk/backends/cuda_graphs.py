@@ -1,8 +1,7 @@
 """Decode and short-extend steps replayed from captured CUDA graphs, one graph per bucket.
 
-Why: on a GPU a decode step of a small model is host-bound. Measured on an H200 with
-random-weight Qwen3-0.6B / Qwen3-8B (`evals/investigations/gpu_step_profile.py`, evals/results/gpu_h200/): the
-GPU works 4 to 9 ms of a 32 to 58 ms step; the rest is Python and about 1,500 kernel launches.
+Why: on a GPU a decode step of a small model is host-bound: most of the step is Python and
+kernel launches, not GPU work (measured in ``docs/benchmarks.md``, "Recorded results", GPU).
 vLLM and SGLang capture decode steps as CUDA graphs for this reason (nano-vllm's
 ``capture_cudagraph`` is the smallest example); this module does the same for `TorchRunner`.
 Routing adds short extends: a model that takes a request back feeds the tokens its peer wrote

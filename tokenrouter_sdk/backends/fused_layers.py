@@ -4,15 +4,12 @@ step's row count: one C++ call when the CPU paged kernel attends every request i
 (decodes and short extends); otherwise one call for the work before attention (norm, q/k/v,
 rotary, the K/V store), `attend_tokens` as in the loop, and one call for the work after it.
 When every layer of a step takes one call and nothing runs between two layers (core lending's
-``between_layers``), the whole stack is one call (`LayerCalls.run_stack`, ``decoder_stack``): a
-batch-8 decode step of SmolLM2-135M (30 layers) on a 2-core Intel Xeon took 5% less time than
-with one call a layer (28.4 against 30.0 ms, medians of 40 interleaved pairs).
+``between_layers``), the whole stack is one call (`LayerCalls.run_stack`, ``decoder_stack``).
 
 The call runs the same kernels as the Python loop (`native_forward.decoder_step` with
 `cpu_kernels.StepOps`), in the same order on the same tensors, so a layer's output is the same
 bits either way; what it removes is the loop's Python and the dispatch of its ops (eleven a layer).
-Measured on a 2-core AMD EPYC (Zen 5), SmolLM2-135M, the step's Python and op dispatch between
-its GEMMs and attention: see `docs/benchmarks.md`.
+What that saves is measured in ``docs/benchmarks.md`` ("By CPU family").
 
 ``TOKENROUTER_FUSED_LAYERS=0`` turns it off (for A/B measurements); it is read when a
 `LayerCalls` is made, once per native forward.

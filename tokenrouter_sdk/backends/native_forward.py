@@ -16,8 +16,8 @@ vLLM, SGLang and nano-vllm run their own model implementations for the same reas
 QKV and gate-up linears, fused residual adds); transformers remains the fallback here for every
 other architecture (`native_support` says why a model is not taken).
 
-Measured on this project's 2-core CPU, SmolLM2-135M float32, one decode step
-(`evals/throughput/step_bound.py`): see `docs/benchmarks.md`.
+What it saves per step is measured in ``docs/benchmarks.md`` ("The native forward, processes and
+core lending (CPU)").
 """
 
 from __future__ import annotations

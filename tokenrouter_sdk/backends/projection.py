@@ -3,39 +3,22 @@ the linears that read one input (q/k/v, gate/up) run as one GEMM over their merg
 prepacked for oneDNN on a CPU where that measured faster.
 
 Why: a decode step of a small model on a CPU is bound by how its GEMMs read the weights. At a
-few rows, the plain ``F.linear`` (MKL) of float32 weights reads them at about half the memory
+few rows, the plain ``F.linear`` (MKL) of float32 weights can read them well below the memory
 bandwidth, while oneDNN's matmul over weights reordered once into its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's ``freezing`` does and what vLLM's
-CPU backend does with its own oneDNN binding) streams them faster; bfloat16 weights go through
-oneDNN's AMX/avx512_bf16 kernels. Measured on two 2-core CPUs, all 30 layers of SmolLM2-135M
-with merged projections, median ms of the projections alone (`evals/throughput/step_bound.py`
-measures the whole step):
-
-    Intel Xeon (AMX, 480 MiB L3)  rows    1     2     4     8     16    64    128
-    float32 plain  (MKL)                16.2  17.3  27.6  33.5  37.9  62.2  91.3
-    float32 packed (oneDNN)             19.9  19.8  21.3  24.6  29.2  61.1  93.8
-    bfloat16 plain                      16.8  16.4  16.2  16.3  16.4  22.2  28.7
-    bfloat16 packed                     10.7  10.0   9.7   9.5  10.0  14.7  21.5
-
-    AMD EPYC (Zen 4, 32 MiB L3)   rows    1     2     4     8     16    64    512
-    float32 plain  (MKL)                43.9  68.9  55.4  56.2  77.0 136.3 659.5
-    float32 packed (oneDNN)             27.2  24.6  16.1  21.6  29.2  83.2 533.5
-    bfloat16 plain                      25.6  31.1  27.5  29.3  30.6  59.3     -
-    bfloat16 packed                     17.0  17.1  17.7  19.3  19.9  46.2     -
-
-MKL's float32 kernels were fast on the Intel CPU and slow at every shape on the AMD one, so which
-path runs is measured on the machine itself, per shape and row count, at a model's first step
-(`tokenrouter_sdk.backends.autotune`; ``TOKENROUTER_PACKING=packed|plain`` forces it). A
+CPU backend does with its own oneDNN binding) can stream them faster; bfloat16 weights go through
+oneDNN's AMX/avx512_bf16 kernels. Which of the two is faster depends on the CPU, the shape and
+the row count (on one CPU MKL's float32 GEMV keeps up with oneDNN, on another it is slower at
+every shape; tables in ``docs/benchmarks.md``, "Projection paths (projection)"), so which path
+runs is measured on the machine itself, per shape and row count, at a model's first step
+(`tokenrouter_sdk.backends.autotune`; ``TOKENROUTER_PACKING=packed|plain|skinny`` forces it). A
 projection that was not tuned runs its packed weight at every row count.
 
 A third path, once the C++ CPU kernels are loaded: float32 steps of a few rows through the
 engine's own kernel (``csrc/skinny_gemm.cpp``: the weight packed into column blocks of 32 and
-streamed once, x's rows broadcast into register accumulators). On the 2-core AMD EPYC Zen 5 the
-30 layers' gate/up projections (212 MB) read at 62-64 GB/s through it at eight rows and 85-90 at
-one, against 48-49 and 65-66 GB/s through oneDNN's packed weights (one run, side by side). Whether it runs is measured
+streamed once, x's rows broadcast into register accumulators). Whether it runs is measured
 like the others (`Projection.add_skinny` makes its weight; `autotune` times it), and so is how it
-prefetches its weight stream (non-temporal on that EPYC; into L2 on a 2-core Intel Xeon, where
-the non-temporal prefetch reads at less than half the bandwidth).
+prefetches its weight stream (`autotune.tune_prefetch`).
 
 Memory: a packed projection holds one more copy of its weights (the model keeps its own, which
 the transformers forward, training and the naive reference read); a projection whose measured

@@ -50,10 +50,10 @@ def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 def _configure_sdpa(device: torch.device) -> None:
     """On CUDA, turn the cuDNN SDPA backend off for this process (flash, memory-efficient and
     math kernels stay): cuDNN builds an execution plan for every new query/key shape, and a decode
-    step's key length changes every step (measured on an H200 with random-weight Qwen3-0.6B: about
-    1.4 ms of host time per attention call, half of the step; `evals/investigations/gpu_step_profile.py`). Set
-    once, not with the ``sdpa_kernel`` context per call: its flags are process-wide, and two
-    sub-servers in threads entering and leaving it would undo each other's setting mid-step."""
+    step's key length changes every step, so the plans would cost host time at every attention
+    call (measured in ``docs/benchmarks.md``, "Runner choices (torch_runner)"). Set once, not
+    with the ``sdpa_kernel`` context per call: its flags are process-wide, and two sub-servers
+    in threads entering and leaving it would undo each other's setting mid-step."""
     if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
         torch.backends.cuda.enable_cudnn_sdp(False)
 
@@ -170,8 +170,8 @@ class TorchRunner:
             most `cpu_kernel.MAX_QUERIES` tokens) attend their cached keys in place in the pool,
             with no per-step gather; float32 and bfloat16 native steps also run their norms, rotary
             embedding and SiLU gating as fused ops. ``"auto"`` (default): once built, in the background from
-            the first construction in a process (the first build takes about 15-25 s on 2 cores;
-            later processes load it from the disk cache in a fraction of a second), and ATen ops
+            the first construction in a process (the first build compiles the sources; later
+            processes load it from the disk cache), and ATen ops
             (gather + SDPA) until then or where they cannot be built; ``"wait"``: the first step
             waits for them and raises RuntimeError if they cannot be built; ``"off"``: never.
             Outputs agree within floating-point rounding (float64 attention: about 1e-15).
@@ -396,7 +396,7 @@ class TorchRunner:
         else:
             op = cpu_kernels.paged_attention_op()
             if op is None and not self.__dict__.get("_waited_for_cached"):
-                # a library built before loads in well under a second: the first step waits for it,
+                # a library already built on disk loads in under a second: the first step waits for it,
                 # so steps do not change path (and the projections their weights) while serving
                 self._waited_for_cached = True
                 if cpu_kernels.cached():

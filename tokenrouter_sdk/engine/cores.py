@@ -5,9 +5,8 @@ Why: routed generation at low concurrency runs one model at a time (a request is
 one model while the other writes), so with a fixed share of the cores per process (cores /
 models) half of a 2-core machine idles through a routed answer; with every process on all
 cores, two busy models oversubscribe the cores and every step slows down several times
-(OpenMP teams spin-wait for each other). Measured on this project's 2-core CPU with the
-packaged pair under R-Stitch: one request at a time, 23.9 tok/s with one core per process
-against 33.6 with two; sixteen in flight, 163 against 50 tok/s.
+(OpenMP teams spin-wait for each other). Lending gives a lone busy model every core and two
+busy models a share each (measured in ``docs/benchmarks.md``, "Core lending (cores)").
 
 How: each sub-server process marks itself busy in a small shared file (one byte per model)
 before a step and idle before it waits for messages; before each step it takes ``cores //
@@ -60,8 +59,7 @@ class CoreShare:
             anyway (a peer that died holding cores must not stall this one).
         settle_s: a peer idle for less than this still counts as busy (it often gets work back
             at once: a handoff's return, the next batch), so a short gap does not move cores to
-            and fro. Measured with the packaged pair, R-Stitch, 2 cores: without it, sixteen
-            requests in flight ran 6% slower than with fixed threads; with 0.02 s, 2-4% faster.
+            and fro.
         set_threads: what sets this process's thread count (``torch.set_num_threads``).
 
     Attributes:

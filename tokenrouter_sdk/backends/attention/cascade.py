@@ -1,11 +1,13 @@
 """The cascade backend: decode attention in two parts merged by their log-sum-exp (cascade
 attention, as FlashInfer and vLLM do for shared prefixes): every query against the keys all
 decode requests share (``DecodeView.shared`` columns, prefix-cache blocks their tables share),
-read once, then each request against its own keys. A batch of 16 requests behind one 735-token
-prefix then reads the prefix's K/V once per layer instead of 16 times. Scores are scaled and
+read once, then each request against its own keys: a batch of B requests behind one shared
+prefix reads the prefix's K/V once per layer instead of B times. Scores are scaled and
 soft-capped as the layer's `LayerParams` say; the view's mask applies to the requests' own keys
 (the shared columns are never masked: every row reads all of them, which is why a windowed view,
-whose rows start at different positions, has none)."""
+whose rows start at different positions, has none). A step takes it only where it saves at least
+`MIN_SAVED` key reads, with one query per request, on a CPU (`pays`); the measurements behind
+that threshold are in ``docs/benchmarks.md`` ("Cascade attention (cascade)")."""
 
 from __future__ import annotations
 
@@ -15,10 +17,8 @@ from .metadata import DecodeView
 from .spec import LayerParams
 
 # Shared key reads a decode step must save, (requests - 1) x shared positions, before it attends
-# the shared keys once for all: its unfused arithmetic costs about twice one padded SDPA call, so
-# it pays only when the saved copies are many (30 layers of SmolLM2-135M's shapes on 2 CPU cores,
-# `evals/investigations/paged_gather_cost.py`: 2 requests x 1,200 keys, 32 shared, 29 against
-# 92 ms; 4 x 800, 736 shared, 84 against 39 ms; 16 x 800, 276 against 72).
+# the shared keys once for all: its unfused arithmetic costs more than one padded SDPA call, so
+# it pays only when the saved copies are many.
 MIN_SAVED = 2048
 
 

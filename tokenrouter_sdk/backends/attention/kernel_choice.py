@@ -4,11 +4,10 @@ An extend (a request fed several tokens at once past its cached prefix: a hop re
 model, a chat turn, a prompt behind a cached prefix) can be attended by the CPU kernel, which
 reads each cached key once per chunk but computes every query's scores in its own loops, or by
 the gather backend, which copies the request's keys once and runs one SDPA call whose GEMMs
-serve all its queries. Which is faster for ``q`` queries depends on the CPU and the kernel: on a
-2-core Zen 5 EPYC, in this measurement's step for the large SmolLM2-135M (30 layers), the kernel
-scoring a key at a time was ahead up to 8 queries and behind from 16 (10.6 against 9.0 ms at
-16); scoring extends 16 keys at a time, it is ahead at every bucket up to 32 (7.7 against 10.4
-ms at 16, 13.6 against 15.7 at 32).
+serve all its queries. Which is faster for ``q`` queries depends on the CPU and on how the
+kernel scores the extend (a key at a time or 16 at a time), so it is measured on the machine
+(what it measured on the CPUs this project ran on: ``docs/benchmarks.md``, "Extend limit and
+tiles (kernel_choice)").
 
 What is measured: a step's attention (every layer of a pool of the model's shapes, 3 decode
 requests and one extend of ``q`` queries, ``CONTEXT`` cached keys each, the kernel attending the
@@ -19,14 +18,15 @@ extend of a count between two buckets takes the lower bucket's verdict.
 
 Kept in the machine's choices file (`tokenrouter_sdk.backends.autotune.choose`) under
 `choice_key`; ``TOKENROUTER_KERNEL_EXTEND=<n>`` forces a limit of n queries, ``auto`` (the
-default) measures.
+default) measures; any other value raises ValueError naming the accepted ones.
 
 The kernel's own second choice, from how many queries a request is scored 16 keys at a time
 (float32 and bfloat16: the same bits as a dot per key; fewer loads and shuffles per score, but the tile order
 streams keys from memory more slowly, so it pays only with enough queries): measured by
 `measure_tiles` in the same step, each of `TILE_BUCKETS` with the extend's scores tiled and not,
 interleaved; ``tile_from`` is the smallest bucket from which tiles win at every larger bucket (0:
-they lose at the largest; never). On a 2-core Zen 5 EPYC: 4. Kept under `tiles_key`;
+they lose at the largest; never). Only float32 and bfloat16 pools on a CPU with AVX-512 have
+tiles; any other gets 0 unmeasured. Kept under `tiles_key`;
 ``TOKENROUTER_KERNEL_TILES=<n>`` forces n (0: never), ``auto`` measures. The extend limit is
 measured with the chosen tiles.
 """
