@@ -70,12 +70,6 @@ class Needs:
     handoff_logits: bool = False
     prompt_hidden: bool = False
 
-    def union(self, other: "Needs") -> "Needs":
-        """What either asks for."""
-        return Needs(self.entropy or other.entropy, max(self.topk, other.topk), self.logits or other.logits,
-                     self.hidden or other.hidden, self.handoff_logits or other.handoff_logits,
-                     self.prompt_hidden or other.prompt_hidden)
-
 
 class NeedsError(RuntimeError):
     """A policy read per-step data it did not declare in its ``needs``."""

@@ -285,13 +285,6 @@ class RequestOutput:
         m = self.token_models
         return sum(a != b for a, b in zip(m, m[1:]))
 
-    def raise_for_error(self) -> "RequestOutput":
-        """Raise ``RuntimeError`` with the request's own error if it failed; else return self."""
-        if self.finish_reason == "failed":
-            raise RuntimeError(f"request {self.index} failed: {self.error}"
-                               + (f"\n{self.traceback}" if self.traceback else ""))
-        return self
-
     def segments(self) -> list[tuple[str, list[int]]]:
         """Consecutive runs of tokens written by one model: ``[(model, [ids...]), ...]``."""
         out: list[tuple[str, list[int]]] = []

@@ -180,17 +180,6 @@ def forced_path() -> str | None:
     return None if v == "auto" else v
 
 
-def forced_packing() -> bool | None:
-    """The choice forced by ``TOKENROUTER_PACKING`` between the oneDNN-packed and the model's
-    own weight: True (``packed`` or ``skinny``), False (``plain``) or None (measure).
-
-    Raises:
-        ValueError: another value (names the accepted ones).
-    """
-    v = forced_path()
-    return None if v is None else v != "plain"
-
-
 def _cpu_field(name: str) -> str:
     try:
         with open("/proc/cpuinfo") as f:

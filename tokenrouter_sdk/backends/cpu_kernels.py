@@ -64,7 +64,6 @@ class _Build:
         self.done = threading.Event()
         self.op = None
         self.error: str | None = None
-        self.seconds: float | None = None
 
     def start(self) -> None:
         with self.lock:
@@ -74,8 +73,6 @@ class _Build:
             self.thread.start()
 
     def _run(self) -> None:
-        import time
-        t0 = time.perf_counter()
         try:
             if not _loaded():
                 _find_ninja()
@@ -83,7 +80,6 @@ class _Build:
             self.op = torch.ops.tokenrouter_cpu.paged_attention
         except Exception as e:  # no compiler or ninja, another platform: steps keep gathering
             self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        self.seconds = time.perf_counter() - t0
         self.done.set()
 
 
@@ -273,8 +269,3 @@ def step_ops() -> StepOps | None:
 def error() -> str | None:
     """Why the kernel is not available in this process (None while building or once loaded)."""
     return _BUILD.error
-
-
-def build_seconds() -> float | None:
-    """Seconds this process spent building or loading the kernel, None before it finished."""
-    return _BUILD.seconds

@@ -72,7 +72,3 @@ class KVReservation:
                 counts[k] -= 1
                 if counts[k] <= 0:
                     del counts[k]
-
-    def reserved_blocks(self) -> dict[str, int]:
-        """Per model, blocks held back now (own blocks plus each shared prompt block once)."""
-        return {m: self.reserved[m] + len(self.shared[m]) for m in self.capacity}

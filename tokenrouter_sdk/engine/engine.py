@@ -647,12 +647,6 @@ class Engine:
         of calls, handles and outputs agree with each other. Keep it short: the engine waits."""
         return self._lock
 
-    def kv_reserved(self) -> dict[str, int]:
-        """Per model, KV blocks the requests in flight hold back (``kv_admission="reserve"``; see
-        `tokenrouter_sdk.engine.admission`)."""
-        with self._lock:
-            return self.kv.reserved_blocks()
-
     def recent_events(self) -> list:
         """A snapshot of the last `RECENT_EVENTS` events engine-wide (oldest first)."""
         with self._lock:

@@ -125,10 +125,6 @@ def measure_share(router, policy, prompts: list, *, max_new_tokens: int, tempera
             "failed": len(outs) - len(ok)}
 
 
-def _between(t: float, a: float, b: float) -> bool:
-    return min(a, b) <= t <= max(a, b)
-
-
 def _bisect(target: float, lo: float, hi: float, param: str, tol: float) -> Callable[[list[dict]], float | None]:
     """The ``propose`` of the bisection: once the runs at ``lo`` and ``hi`` are in, the next
     threshold inside the bracket of the target; the upper bound widened (x4, at most

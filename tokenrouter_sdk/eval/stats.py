@@ -76,12 +76,6 @@ def mean_visits(per_answer: Sequence[dict]) -> dict:
     return tot
 
 
-def writers_of(answer: dict) -> list[str]:
-    """The model that wrote each committed token of a recorded answer (from its ``visits``,
-    ``[model, tokens]`` in order)."""
-    return [m for m, n in answer.get("visits") or () for _ in range(n)]
-
-
 # -- token agreement ---------------------------------------------------------------------------
 def token_agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> tuple[float, float] | None:
     """``(prefix, overall)`` agreement of token outputs with the reference outputs (large-only's),

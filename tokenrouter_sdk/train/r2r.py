@@ -19,7 +19,6 @@ Labelling, per training prompt:
 Default verifier (`rule_verifier`, a cheap stated rule instead of R2R's 72B LLM judge): the
 branches are *divergent* unless they carry the same numbers in the same order AND either their
 normalised words (lower-case alphanumerics) are equal or they re-converge (same last two words).
-`LargeJudge` asks the large model instead (Yes/No logit comparison; weak for small models).
 Any callable ``verifier(context, a, b) -> bool`` (True = divergent) works.
 
 Training: BCE-with-logits, AdamW (R2R: lr 5e-5, wd 5e-4, batch 1024, 50 epochs, patience 10 on
@@ -77,31 +76,6 @@ def rule_verifier(context: str, a: str, b: str) -> bool:
     if wa == wb:
         return False
     return not (len(wa) >= 2 and len(wb) >= 2 and wa[-2:] == wb[-2:])
-
-
-class LargeJudge:
-    """Verifier that asks a model (normally the large one) whether two continuations differ in
-    meaning: divergent iff logit(first token of " Yes") > logit(first token of " No") after the
-    question (R2R uses Qwen2.5-72B-Instruct with a similar 0/1 prompt)."""
-
-    PROMPT = ("Context: {c}\nContinuation A: {a}\nContinuation B: {b}\n"
-              "Do A and B differ in meaning, numbers or conclusion? Answer Yes or No.")
-
-    def __init__(self, model, tokenizer, context_chars: int = 400):
-        self.model, self.tok, self.context_chars = model, tokenizer, context_chars
-        self.yes = tokenizer.encode(" Yes", add_special_tokens=False)[0]
-        self.no = tokenizer.encode(" No", add_special_tokens=False)[0]
-
-    def __call__(self, context: str, a: str, b: str) -> bool:
-        text = self.PROMPT.format(c=context[-self.context_chars:], a=a, b=b)
-        if getattr(self.tok, "chat_template", None):
-            ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        else:
-            ids = self.tok.encode(text, add_special_tokens=False)
-        _, logits = forward_features(self.model, ids)
-        return bool(logits[-1, self.yes] > logits[-1, self.no])
 
 
 @dataclass

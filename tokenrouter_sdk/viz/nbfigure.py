@@ -23,9 +23,3 @@ class NotebookFigure(go.Figure):
     def _ipython_display_(self) -> None:
         from IPython.display import display
         display(figure_bundle(self), raw=True)
-
-
-def notebook_figure(fig) -> NotebookFigure:
-    """``fig`` (a plotly Figure) as a `NotebookFigure`: the same traces, layout and subplot grid
-    (a copy; ``fig`` itself when it already is one)."""
-    return fig if isinstance(fig, NotebookFigure) else NotebookFigure(fig)
