@@ -45,7 +45,6 @@ class KVStats(dict):
         p.text(repr(self))
 
     def _repr_html_(self) -> str:
-        import html
         table = html_table(KV_COLUMNS, self.rows(), caption="KV pools (blocks of tokens; owned/pending: requests)")
         lines = "".join(f"<li>{html.escape(line)}</li>" for line in self.sizing_lines())
         return table + (f"<p>pool sizes:</p><ul>{lines}</ul>" if lines else "")
