@@ -240,6 +240,12 @@ class StepBatch:
     def __len__(self) -> int:
         return len(self.requests)
 
+    @property
+    def tokens_changed(self) -> bool:
+        """Whether `set_token` wrote a token into this batch (then ``tokens`` is the batch's own
+        copy, holding the written tokens; the tensor it was built with is unchanged)."""
+        return self._tokens_owned
+
     def _require(self, ok: bool, what: str, flag: str) -> None:
         if self.needs is not None and not ok:
             who = self.policy or "the policy"

@@ -132,18 +132,16 @@ class Engine:
     @property
     def runners(self) -> dict:
         """Per model, its runner for inspection (see the class docstring)."""
-        local = getattr(self.transport, "local_runner", None)
         out = {}
         for m, view in self._views.items():
-            built = local(m) if local is not None and isinstance(view, RemoteRunner) else None
+            built = self.transport.local_runner(m) if isinstance(view, RemoteRunner) else None
             out[m] = built if built is not None else view
         return out
 
     def _check_reported(self) -> None:
         """Compare what each sub-server reported of its built runner (the transport's
         ``reported()``) with what the engine plans with; a difference closes the engine."""
-        reported = getattr(self.transport, "reported", None)
-        for m, got in (reported() if reported is not None else {}).items():
+        for m, got in self.transport.reported().items():
             want = self.info[m].geometry()
             if got != want:
                 self.transport.close()
@@ -458,7 +456,7 @@ class Engine:
             out.logprobs.extend(lp for lp, _ in ev.logprobs)
             if out.top_logprobs is not None:
                 out.top_logprobs.extend(dict(top) for _, top in ev.logprobs)
-        piece = h._add_text(ev.tokens, ev.last, ev.model)
+        piece = h.add_text(ev.tokens, ev.last, ev.model)
         if h.call.listener is not None:
             h.call.listener("tokens", h, (ev, piece))
 
@@ -508,7 +506,7 @@ class Engine:
         """Make ``h``'s output final (first end wins) and free its place."""
         out = h.output
         out.finish_reason, out.error, out.stop_reason, out.traceback = reason, error, stop_reason, tb
-        out.text = h._finalize()
+        out.text = h.finalize_text()
         h.t_end = t
         t0 = h.t_admit if h.t_admit is not None else h.t_submit
         out.latency_s = t - t0
@@ -522,7 +520,7 @@ class Engine:
             if self.config.mode.batches_delayed:
                 self._broadcast_inflight()
         self.handles.pop(h.rid, None)
-        piece = h._take(len(out.text))
+        piece = h.take_text(len(out.text))
         h.done.set()
         if call.listener is not None:
             call.listener("finish", h, piece)
@@ -608,18 +606,13 @@ class Engine:
         self.check_alive()
         if model not in self._dead:
             raise RuntimeError(f"restart('{model}'): its sub-server is running; only a dead one is restarted")
-        restart = getattr(self.transport, "restart", None)
-        if restart is None:
-            raise RuntimeError(f"restart('{model}'): {type(self.transport).__name__} cannot restart a sub-server; "
-                               f"close this Router and build a new one")
         with self._lock:
             first = [M.RegisterPolicy(k, pol) for k, (pol, _) in self._policies.items()]
             first.append(M.SetThresholds(dict(self.thresholds)))
             if self.config.mode.batches_delayed:
                 first.append(M.SetInflight(self._inflight))
-        restart(model, first, timeout)
-        reported = getattr(self.transport, "reported", None)
-        got = (reported() if reported is not None else {}).get(model)
+        self.transport.restart(model, first, timeout)
+        got = self.transport.reported().get(model)
         want = self.info[model].geometry()
         if got is not None and got != want:
             self.transport.send(model, M.Shutdown())

@@ -523,7 +523,7 @@ class PolicyHost:
                                          f"is not run again request by request; to fail one request alone, put "
                                          f"the exception in its place in the returned list, or raise in route "
                                          f"with the default route_batch)", tb))
-        if sb._tokens_owned:
+        if sb.tokens_changed:
             for k, i in enumerate(rows_i):
                 tokens[i] = int(sb.tokens[k])
             forced = given_tokens(batch, [tokens[i] for i in rows_i], rows_i)

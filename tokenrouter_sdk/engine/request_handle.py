@@ -1,8 +1,8 @@
 """`RequestHandle`: one submitted request's growing output, its text and streams, and its end.
 
 Locking: a handle is written only by the engine while it holds its lock (event handling,
-admission, abort); its text methods (`RequestHandle._add_text`, ``_take``, ``_finalize``) run
-there. Readers outside the engine read ``output`` once ``done`` is set, or under
+admission, abort); its text methods (`RequestHandle.add_text`, ``take_text``, ``finalize_text``)
+run there. Readers outside the engine read ``output`` once ``done`` is set, or under
 `Engine.consistent`.
 """
 
@@ -70,29 +70,44 @@ class RequestHandle:
         self.call.engine.abort(self.rid, reason)
 
     # -- text -------------------------------------------------------------------------------
-    def _add_text(self, tokens: list[int], last: bool, model: str | None = None) -> str:
+    def add_text(self, tokens: list[int], last: bool, model: str | None = None) -> str:
         """Feed committed tokens (written by ``model``) to the detokenizer; return the text that
         became safe to stream: stable, before any stop string, and not possibly the start of one.
-        With ``last`` (the request ends with these tokens) everything up to the final text's end."""
+        With ``last`` (the request ends with these tokens) everything up to the final text's end.
+        Called by the engine under its lock, once per `Committed` event of this request, in order.
+
+        Args:
+            tokens: the committed token ids, in order (ids that end the request are left out of
+                the text).
+            last: whether the request ends with these tokens.
+            model: the model that wrote them (picks its stop ids and, with models that do not
+                share a tokenizer, its vocabulary).
+
+        Returns:
+            The new text to stream ("" when none, or without a tokenizer).
+        """
         if self.detok is None:
             return ""
         stop_ids = self.stop_ids.get(model, ()) if isinstance(self.stop_ids, dict) else self.stop_ids
         ids = [t for t in tokens if t not in stop_ids]
         if self.call.listener is None:  # nobody streams: decode once at the end
             self.detok.extend(ids, model)
-            return self._take(len(self._finalize())) if last else ""
+            return self.take_text(len(self.finalize_text())) if last else ""
         if ids:
             self.detok.add(ids, model)
         if last:
-            return self._take(len(self._finalize()))
+            return self.take_text(len(self.finalize_text()))
         text = self.detok.text
         limit = len(text)
         if self.stops is not None:
             hit = self.stops.find(text)
             limit = hit[0] if hit else len(text) - self.stops.held(text)
-        return self._take(limit)
+        return self.take_text(limit)
 
-    def _take(self, limit: int) -> str:
+    def take_text(self, limit: int) -> str:
+        """The text from the last character given out to character ``limit`` of the final text
+        (once known; else of the text decoded so far), marked as given out; "" when ``limit``
+        is not past what was given. Called by the engine under its lock."""
         text = self.final_text if self.final_text is not None else self.detok.text
         if limit <= self.released:
             return ""
@@ -100,9 +115,10 @@ class RequestHandle:
         self.released = limit
         return piece
 
-    def _finalize(self) -> str:
+    def finalize_text(self) -> str:
         """The final text: every token decoded (special tokens skipped), cut before the first
-        stop string."""
+        stop string; computed once (later calls return the same string), "" without a
+        tokenizer. Called by the engine under its lock when the request ends."""
         if self.final_text is None:
             if self.detok is None:
                 self.final_text = ""

@@ -247,7 +247,9 @@ class Transport(Protocol):
     message to a sub-server (in order per sender); ``hold()`` is a batch submission (delivered
     whole); ``clock()`` is the time; ``alive(model)`` whether it serves; ``close()`` stops all.
     A message to a dead sub-server that carries a request (`Admit`, `HandoffMsg`) is answered
-    with that request's ``Finished(failed)``.
+    with that request's ``Finished(failed)``. The engine calls every method below; a transport
+    that cannot do one (`SimTransport` cannot ``restart``) raises ``RuntimeError`` naming
+    itself, and one that has nothing to say returns the neutral answer its docstring names.
     """
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None: ...
@@ -261,6 +263,33 @@ class Transport(Protocol):
     def alive(self, model: str) -> bool: ...
 
     def close(self) -> None: ...
+
+    def restart(self, model: str, first=(), timeout: float | None = None) -> None:
+        """Start dead ``model``'s sub-server again from its spec; ``first``: messages it handles
+        before anything else sent to it; returns once it serves (``timeout``: seconds to wait
+        for that, where the transport waits; None: its default).
+
+        Raises:
+            RuntimeError: ``model`` is running, the new sub-server failed to start, or the
+                transport cannot restart a sub-server (the message names it and says to build a
+                new Router).
+            KeyError: no model of that name.
+        """
+        ...
+
+    def reported(self) -> dict[str, dict]:
+        """Per model whose sub-server has been built, its runner as built there
+        (`RunnerInfo.geometry`); ``{}`` from a transport that learns nothing of it."""
+        ...
+
+    def local_runner(self, model: str):
+        """``model``'s runner object when it lives in this process, else None."""
+        ...
+
+    def pending(self, model: str) -> bool:
+        """Whether messages for ``model`` wait to be delivered in this process (False when its
+        sub-server lives elsewhere)."""
+        ...
 
 
 def dead_letter(model: str, msg, why: str, t: float):

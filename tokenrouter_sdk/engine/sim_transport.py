@@ -138,14 +138,23 @@ class SimTransport:
     def alive(self, model: str) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def restart(self, model: str, first=(), timeout: float | None = None) -> None:
+        """Not possible in simulated time: one thread runs every sub-server and the engine.
+
+        Raises:
+            RuntimeError: always (names this transport and the way on: a new Router).
+        """
+        raise RuntimeError(f"restart('{model}'): {type(self).__name__} cannot restart a sub-server; "
+                           f"close this Router and build a new one")
+
     def reported(self) -> dict[str, dict]:
         """Per model, its runner as built (`RunnerInfo.geometry`)."""
-        return {name: RunnerInfo.of(ss.runner._runner).geometry() for name, ss in self.subservers.items()}
+        return {name: RunnerInfo.of(ss.runner.wrapped).geometry() for name, ss in self.subservers.items()}
 
     def local_runner(self, model: str):
         """``model``'s runner object (it lives in this process), or None."""
         ss = self.subservers.get(model)
-        return None if ss is None else ss.runner._runner
+        return None if ss is None else ss.runner.wrapped
 
     def close(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -154,7 +163,7 @@ class SimTransport:
         if self._thread is not None:
             self._thread.join(timeout)
         for ss in self.subservers.values():  # the runners live here: their KV storage ends with them
-            runner = ss.runner._runner
+            runner = ss.runner.wrapped
             release = getattr(runner, "release", None)
             release() if release is not None else runner.pool.release()
 
@@ -166,6 +175,11 @@ class _TimedRunner:
 
     def __init__(self, runner, done: Callable[[float], None]):
         self.__dict__["_runner"], self.__dict__["_done"] = runner, done
+
+    @property
+    def wrapped(self):
+        """The runner this one times (the object the spec built)."""
+        return self._runner
 
     def forward(self, seqs):
         out = self._runner.forward(seqs)
