@@ -87,11 +87,13 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     hops = discarded = 0
     span, return_to = None, None
     all_logits = []
-    owner = PH.call_entry(policy, RequestView(rid, list(prompt_ids), [], "", state, 0, tuple(names),
-                                              key), names) or names[0]
+    entry_view = RequestView(rid=rid, prompt_ids=list(prompt_ids), output_ids=[], owner="", state=state, hops=0,
+                             models=tuple(names), key=key)
+    owner = PH.call_entry(policy, entry_view, names) or names[0]
 
     def view():
-        return RequestView(rid, list(prompt_ids), list(out), owner, state, hops, tuple(names), key)
+        return RequestView(rid=rid, prompt_ids=list(prompt_ids), output_ids=list(out), owner=owner, state=state,
+                           hops=hops, models=tuple(names), key=key)
 
     def commit(tok) -> str | None:
         out.append(tok)

@@ -64,13 +64,15 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
     hops = discarded = 0
     span, return_to = None, None
     stop_reason = None
-    owner = PH.call_entry(policy, RequestView(rid, list(prompts[names[-1]]), [], "", state, 0,
-                                              tuple(names), key), names) or names[0]
+    entry_view = RequestView(rid=rid, prompt_ids=list(prompts[names[-1]]), output_ids=[], owner="", state=state, hops=0,
+                             models=tuple(names), key=key)
+    owner = PH.call_entry(policy, entry_view, names) or names[0]
     views[owner] = []
 
     def view():
-        return RequestView(rid, list(prompts[owner]), list(views[owner]), owner, state, hops, tuple(names), key,
-                           data.decode("utf-8", "replace"))
+        return RequestView(rid=rid, prompt_ids=list(prompts[owner]), output_ids=list(views[owner]), owner=owner,
+                           state=state, hops=hops, models=tuple(names), key=key,
+                           text_of=data.decode("utf-8", "replace"))
 
     def commit(tok) -> str | None:
         nonlocal stop_reason

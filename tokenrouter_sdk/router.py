@@ -346,17 +346,31 @@ class Router:
             prompts[m] = ids
         return prompts[self.engine.models[-1]], prompts, None
 
-    def _params(self, n: int, sampling, kw: dict) -> list[SamplingParams]:
+    def _params(self, n: int, sampling, kw: dict) -> tuple[list[SamplingParams], list[str | None]]:
+        """The sampling values of ``n`` prompts, each validated here once, and per prompt the
+        error of its own values (None when valid).
+
+        Raises:
+            ValueError: a bad global value (``**kw`` or one ``SamplingParams`` for every
+                prompt), or a list whose length is not ``n``.
+            TypeError: both ``sampling`` and sampling keywords.
+        """
         if sampling is None:
-            p = SamplingParams(**kw).validate()  # a bad global argument raises at once
-            return [p] * n
+            return [SamplingParams(**kw).validate()] * n, [None] * n  # a bad global argument raises at once
         if kw:
             raise TypeError(f"pass sampling keywords {sorted(kw)} or sampling=..., not both")
         if isinstance(sampling, SamplingParams):
-            return [sampling.validate()] * n
+            return [sampling.validate()] * n, [None] * n
         if len(sampling) != n:
             raise ValueError(f"got {len(sampling)} SamplingParams for {n} prompts")
-        return list(sampling)
+        errors: list[str | None] = []
+        for p in sampling:  # one prompt's bad values fail that request alone
+            try:
+                p.validate()
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        return list(sampling), errors
 
     def requests(self, prompts: Sequence, *, sampling=None, chat: bool | None = None, keys=None,
                  chat_template_kwargs: dict | None = None, add_special_tokens: bool = True,
@@ -371,7 +385,7 @@ class Router:
                 (names its index), a bad global sampling argument, or a key count that is not
                 the prompt count.
         """
-        params = self._params(len(prompts), sampling, kw)
+        params, param_errors = self._params(len(prompts), sampling, kw)
         if keys is not None and len(keys) != len(prompts):
             raise ValueError(f"got {len(keys)} keys for {len(prompts)} prompts")
         if chat_template_kwargs:
@@ -388,10 +402,7 @@ class Router:
             else:
                 (ids, err), per_model = self._check_prompt(prompt, chat, chat_template_kwargs, add_special_tokens), None
             if err is None:
-                try:
-                    p.validate()
-                except ValueError as e:
-                    err = str(e)
+                err = param_errors[i]
             if err is None and self.text is not None and p.stop_token_ids:
                 err = ("stop_token_ids name different tokens in each model's vocabulary (the models do not share a "
                        "tokenizer): use stop strings (stop=...); each model's own end-of-sequence ids end a request")

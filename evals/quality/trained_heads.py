@@ -68,7 +68,8 @@ def calibrate(router, res, prompts, rate: float, max_new_tokens: int) -> float:
         ids = router.encode(p)
         h, lg = forward_features(small, ids + o.token_ids)
         P, n = len(ids), len(o.token_ids)
-        views = [RequestView(i, [1], [], "small", {}, 0, ("small", "large")) for i in range(n)]
+        views = [RequestView(rid=i, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0,
+                             models=("small", "large")) for i in range(n)]
         b = StepBatch("small", ("small", "large"), torch.tensor(o.token_ids), lg[P - 1:P - 1 + n], h[P - 1:P - 1 + n],
                       views)
         with torch.no_grad():

@@ -43,8 +43,10 @@ def message_sizes(vocab: int) -> dict:
     rng.random()
     return {"handoff_empty_state": handoff({}), "handoff_generator_state": handoff({"rng": rng}),
             "handoff_distribution_state": handoff({"p": torch.softmax(torch.randn(vocab), -1)}),
-            "step_done_batch8": len(codec.encode(M.StepDone("small", 1.0, 1.1, 0.09, 8, 8, {i: 1 for i in range(8)},
-                                                            0, None, 100, 3, 20))),
+            "step_done_batch8": len(codec.encode(M.StepDone(
+                model="small", t_start=1.0, t_end=1.1, forward_s=0.09, batch_size=8, tokens_fed=8,
+                fed={i: 1 for i in range(8)}, preempted=0, round=None, kv_used_blocks=100, queued=3,
+                kv_pending_blocks=20))),
             "committed_one_token": len(codec.encode(M.Committed(7, "small", [101], 1.05)))}
 
 

@@ -10,9 +10,11 @@ from ..helpers import mixed_prompts
 
 
 def test_step_accounting_splits_decode_from_prefill_and_extend():
-    ev = [StepDone("small", 0, 1, 0.5, 2, 40, {0: 20, 1: 20}), StepDone("small", 1, 2, 0.1, 2, 2, {0: 1, 1: 1}),
-          StepDone("large", 2, 3, 0.3, 1, 6, {0: 6}), StepDone("large", 3, 4, 0.0, 0, 0, {}),
-          StepDone("other", 0, 1, 9.0, 1, 1, {0: 1})]
+    ev = [StepDone(model="small", t_start=0, t_end=1, forward_s=0.5, batch_size=2, tokens_fed=40, fed={0: 20, 1: 20}),
+          StepDone(model="small", t_start=1, t_end=2, forward_s=0.1, batch_size=2, tokens_fed=2, fed={0: 1, 1: 1}),
+          StepDone(model="large", t_start=2, t_end=3, forward_s=0.3, batch_size=1, tokens_fed=6, fed={0: 6}),
+          StepDone(model="large", t_start=3, t_end=4, forward_s=0.0, batch_size=0, tokens_fed=0, fed={}),
+          StepDone(model="other", t_start=0, t_end=1, forward_s=9.0, batch_size=1, tokens_fed=1, fed={0: 1})]
     a = step_accounting(ev, ["small", "large"])
     assert a["small"] == dict(steps=2, forward_s=0.6, step_s=2.0, decode_steps=1, decode_s=0.1, mixed_steps=1,
                               mixed_s=0.5, mixed_fed=38, tokens_fed=42, mean_batch=2.0, batch_hist={2: 2})

@@ -54,6 +54,24 @@ def test_max_new_tokens_not_positive(pair, tok):
     check_others_ok(outs, 2)
 
 
+def test_sampling_values_are_validated_once(pair, tok, monkeypatch):
+    """One check per SamplingParams given: a global one raises at once, one of a list fails its
+    request alone (after the prompt's own error, which comes first)."""
+    calls = []
+    real = SamplingParams.validate
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: calls.append(self) or real(self))
+    with Router(pair, RandomRouting(0.3), tokenizer=tok) as r:
+        shared = SamplingParams(max_new_tokens=3)
+        assert len(r.requests(GOOD * 2, sampling=shared)) == 4 and calls == [shared]
+        calls.clear()
+        assert len(r.requests(GOOD, max_new_tokens=3)) == 2 and len(calls) == 1
+        calls.clear()
+        own = [SamplingParams(max_new_tokens=3), SamplingParams(top_p=0.0), SamplingParams(top_k=-1)]
+        ins = r.requests([GOOD[0], GOOD[1], []], sampling=own)
+        assert calls == own
+        assert ins[0].error is None and "top_p must be in (0, 1]" in ins[1].error and "empty" in ins[2].error
+
+
 class FailFor(Policy):
     """Misbehaves only for requests whose prompt starts with token 99."""
 

@@ -17,7 +17,9 @@ from ..helpers import mixed_prompts
 def batch(needs, b=3, v=11, h=5, rows=None):
     g = torch.Generator().manual_seed(0)
     logits, hidden = torch.randn(b, v, generator=g), torch.randn(b, h, generator=g)
-    reqs = [RequestView(i, [1], [], "small", {}, 0, ("small", "large")) for i in range(b)]
+    reqs = [RequestView(rid=i, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0,
+                        models=("small", "large"))
+            for i in range(b)]
     n = b if rows is None else len(rows)
     return StepBatch("small", ["small", "large"], torch.zeros(n, dtype=torch.long), logits, hidden,
                      reqs[:n], needs=needs, rows=None if rows is None else torch.tensor(rows), policy="P()"), logits

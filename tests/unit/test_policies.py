@@ -16,7 +16,7 @@ MODELS = ["small", "large"]
 
 def step_with(model, probs):
     p = torch.tensor(probs, dtype=torch.float64)
-    view = RequestView(0, [1], [], model, {}, 0, tuple(MODELS))
+    view = RequestView(rid=0, prompt_ids=[1], output_ids=[], owner=model, state={}, hops=0, models=tuple(MODELS))
     return StepBatch(model, MODELS, torch.tensor([0]), p.log()[None], torch.zeros(1, 4), [view])[0]
 
 
@@ -35,7 +35,8 @@ def test_rstitch_directions_and_commit_rule():
     assert pol.route(step_with("small", flat)) == "large"
     assert pol.route(step_with("large", flat)) == "large"       # large stays while uncertain
     assert pol.route(step_with("large", peaked)) == "small"     # and hands back when confident
-    view = lambda owner: RequestView(0, [1], [], owner, {}, 0, tuple(MODELS))  # noqa: E731
+    view = lambda owner: RequestView(rid=0, prompt_ids=[1], output_ids=[], owner=owner, state={}, hops=0,  # noqa: E731
+                                     models=tuple(MODELS))
     assert pol.send(view("small"), "large").keep_sampled is False   # small token discarded
     assert pol.send(view("large"), "small").keep_sampled is True    # large token kept
     mp = RStitch(tau=0.6, signal="max_prob", tau_back=0.9)

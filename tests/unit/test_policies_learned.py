@@ -26,7 +26,8 @@ H, N_NEW, MODELS = 64, 24, ("small", "large")
 # -- helpers -------------------------------------------------------------------------------------
 def batch_of(model, hidden, logits, tokens=None, states=None):
     n = hidden.shape[0]
-    views = [RequestView(i, [1], [], model, {} if states is None else states[i], 0, MODELS) for i in range(n)]
+    views = [RequestView(rid=i, prompt_ids=[1], output_ids=[], owner=model, state={} if states is None else states[i],
+                         hops=0, models=MODELS) for i in range(n)]
     tokens = logits.argmax(-1) if tokens is None else torch.as_tensor(tokens)
     return StepBatch(model, MODELS, tokens, logits, hidden, views)
 
@@ -186,7 +187,8 @@ def test_co_llm_compose_decisions():
     token, the base model's, or a third token; the assistant hands back keeping it."""
     pol = CoLLM({"g": torch.zeros(H), "b": torch.tensor(0.0)}, eta=0.4, compose=True)  # pi = 0.5
     h = torch.zeros(1, H)
-    view = lambda owner, st: RequestView(0, [1], [], owner, st, 0, MODELS)  # noqa: E731
+    view = lambda owner, st: RequestView(rid=0, prompt_ids=[1], output_ids=[], owner=owner, state=st,  # noqa: E731
+                                         hops=0, models=MODELS)
     cases = {"assistant": ([.6, .2, .1, .1], [.5, .3, .1, .1], 0),
              "base": ([.9, .05, .03, .02], [.2, .4, .2, .2], 0),
              "third": ([.45, 0, .4, .15], [0, .45, .4, .15], 2)}
@@ -299,7 +301,7 @@ def test_defaults_match_the_spec():
     assert defaults(R2R)["tau"] is None                        # tau stored in the checkpoint
     assert defaults(R2REntropy)["threshold"] == 0.45
     assert (defaults(R2RAleatoric)["threshold"], defaults(R2RAleatoric)["k"]) == (2.275, 10)
-    view = RequestView(0, [1], [], "small", {}, 0, MODELS)
+    view = RequestView(rid=0, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0, models=MODELS)
     for pol in (CITER(CITER.random_head(H)), CoLLM(CoLLM.random_head(H)), R2REntropy(), R2RAleatoric(),
                 R2R(published_checkpoint(), embedding=torch.zeros(259, H))):
         h = pol.send(view, "large")  # all discard the small token; the large model writes one token
@@ -330,7 +332,8 @@ def test_co_llm_threshold_warmup():
     with torch.no_grad():
         head.b.fill_(0.85)  # pi = 0.70
     pol = CoLLM(head, eta=0.5, warmup="linear", warmup_steps=10)
-    views = [RequestView(0, [1], [0] * n, "small", {}, 0, MODELS) for n in (0, 1, 9, 10)]
+    views = [RequestView(rid=0, prompt_ids=[1], output_ids=[0] * n, owner="small", state={}, hops=0, models=MODELS)
+             for n in (0, 1, 9, 10)]
     b = StepBatch("small", MODELS, torch.zeros(4, dtype=torch.long), torch.zeros(4, 5), torch.zeros(4, H), views)
     assert pol.route_batch(b) == ["small", "small", "large", "large"]  # eta_t = 1.0, 0.95, 0.55, 0.5
     with pytest.raises(ValueError, match="warmup must be one of"):

@@ -21,7 +21,8 @@ from ..helpers import mixed_prompts
 
 def view_of(o):
     """The `RequestView` key a policy saw for output ``o`` (the default key of a unique prompt)."""
-    return RequestView(o.rid, list(o.prompt), [], "", {}, 0, (), prompt_key(o.prompt))
+    return RequestView(rid=o.rid, prompt_ids=list(o.prompt), output_ids=[], owner="", state={}, hops=0, models=(),
+                       key=prompt_key(o.prompt))
 
 MODELS = ("small", "large")
 N_NEW = 24
@@ -51,7 +52,7 @@ PEAKED = torch.full((V,), -30.0, dtype=torch.float64).index_fill(0, torch.tensor
 
 
 def one_step(model, token, out, state, logits, tok):
-    view = RequestView(0, [1], list(out), model, state, 0, MODELS)
+    view = RequestView(rid=0, prompt_ids=[1], output_ids=list(out), owner=model, state=state, hops=0, models=MODELS)
     return StepBatch(model, list(MODELS), torch.tensor([token]), logits[None], torch.zeros(1, 4), [view], tok)[0]
 
 
@@ -63,7 +64,8 @@ def drive(pol, tok, script, flat=()):
     while len(out) < len(ids):
         i, t = len(out), ids[len(out)]
         dec = pol.route(one_step(owner, t, out, st, FLAT if owner == "small" and i in flat else PEAKED, tok))
-        keep = dec == owner or pol.send(RequestView(0, [1], out, owner, st, 0, MODELS), dec).keep_sampled
+        view = RequestView(rid=0, prompt_ids=[1], output_ids=out, owner=owner, state=st, hops=0, models=MODELS)
+        keep = dec == owner or pol.send(view, dec).keep_sampled
         if keep:
             out.append(t)
             who += owner[0].upper()

@@ -107,7 +107,9 @@ def test_train_r2r_end_to_end(pair, tmp_path):
     assert pol.tau == pytest.approx(res.threshold)
     logits = torch.full((len(va.label), len(tok)), -1e4)
     logits[:, :va.topk.shape[1]] = va.topk
-    views = [RequestView(i, [1], [], "small", {}, 0, ("small", "large")) for i in range(len(va.label))]
+    views = [RequestView(rid=i, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0,
+                         models=("small", "large"))
+             for i in range(len(va.label))]
     batch = StepBatch("small", ("small", "large"), va.token, logits, va.hidden.double(), views)
     routed = pol.defer(batch)
     assert va.label.sum() > 0

@@ -135,11 +135,12 @@ def test_to_html_inlines_plotly(run, tmp_path):
 def test_trace_state_batch_queue_and_pending():
     st = TraceState(["small", "large"])
     st.feed([Admitted(0, None, 0.0), Admitted(1, None, 0.0),
-             StepDone("small", 0.0, 1.0, 0.9, 1, 5, {0: 5}),  # req 1 waits: queue 1
+             # req 1 waits: queue 1
+             StepDone(model="small", t_start=0.0, t_end=1.0, forward_s=0.9, batch_size=1, tokens_fed=5, fed={0: 5}),
              Committed(0, "small", [7], 1.0),
              Hopped(0, "small", "large", False, 1.0),
-             StepDone("small", 1.0, 2.0, 0.9, 1, 3, {1: 3}),
-             StepDone("large", 1.0, 2.0, 0.9, 1, 6, {0: 6}),
+             StepDone(model="small", t_start=1.0, t_end=2.0, forward_s=0.9, batch_size=1, tokens_fed=3, fed={1: 3}),
+             StepDone(model="large", t_start=1.0, t_end=2.0, forward_s=0.9, batch_size=1, tokens_fed=6, fed={0: 6}),
              Committed(0, "large", [8], 2.0), Committed(1, "small", [9], 2.0),
              Finished(0, "large", "length", None, 2.0), Finished(1, "small", "length", None, 3.0)])
     assert st.series["small"].batch == [1, 1] and st.series["small"].queue == [1, 0]

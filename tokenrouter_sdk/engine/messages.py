@@ -282,8 +282,8 @@ class StepDone:
         preempted: KV evictions made to schedule this step.
         round: the gated-mode round it answered, or None.
         kv_used_blocks: blocks of this model's pool in use after the step.
-        kv_pending_blocks: block references held by requests pending here (handed off, KV kept).
         queued: requests this model owned that were not in the step.
+        kv_pending_blocks: block references held by requests pending here (handed off, KV kept).
         cache_hit_tokens: tokens this step's requests took from the prefix cache instead of
             feeding them; cache_query_tokens: tokens its requests brought when they arrived with
             no KV here (new, first visit, admission prefill, preempted; counted with the cache

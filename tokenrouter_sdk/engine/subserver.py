@@ -400,10 +400,13 @@ class SubServer:
                                      "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         blocks, owned = self.sched.blocks, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
-        self._emit(M.StepDone(self.name, t0, self.clock(), self.runner.last_forward_s if ran else 0.0,
-                             len(fed), sum(fed.values()), fed, preempted, round,
-                             blocks.num_blocks - blocks.num_free, max(0, len(owned) - len(batch)), pending,
-                             self.sched.hit_tokens, self.sched.query_tokens, blocks.cached_blocks))
+        self._emit(M.StepDone(model=self.name, t_start=t0, t_end=self.clock(),
+                              forward_s=self.runner.last_forward_s if ran else 0.0, batch_size=len(fed),
+                              tokens_fed=sum(fed.values()), fed=fed, preempted=preempted, round=round,
+                              kv_used_blocks=blocks.num_blocks - blocks.num_free,
+                              queued=max(0, len(owned) - len(batch)), kv_pending_blocks=pending,
+                              cache_hit_tokens=self.sched.hit_tokens, cache_query_tokens=self.sched.query_tokens,
+                              kv_cached_blocks=blocks.cached_blocks))
 
     def _sample(self, batch: list[Seq], logits: torch.Tensor, idx) -> list[int]:
         """A token per request of ``batch`` at rows ``idx`` (greedy after ``Handoff(greedy=True)``)."""
