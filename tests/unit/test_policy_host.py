@@ -57,7 +57,8 @@ def route(host, batch, draw=None, limit=4):
 
 
 def view(owner=""):
-    return RequestView(11, [5, 6, 7], [], owner, {}, 0, tuple(MODELS), 0)
+    return RequestView(rid=11, prompt_ids=[5, 6, 7], output_ids=[], owner=owner, state={}, hops=0,
+                       models=tuple(MODELS), key=0)
 
 
 def test_submission_hooks_give_the_entry_and_peers_or_the_error_that_fails_the_request():

@@ -8,9 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = {"StepDone", "RequestView"}
-# (file, function) still building a record positionally, left to the policy host's owner
-PENDING = {("tokenrouter_sdk/engine/policy_host.py", "view"), ("tokenrouter_sdk/engine/engine.py", "_new_handle"),
-           ("tests/unit/test_policy_host.py", "view")}
+PENDING: set[tuple[str, str]] = set()  # (file, function) of constructions still positional
 
 
 def positional_constructions(path: Path) -> list[tuple[int, str, str | None]]:

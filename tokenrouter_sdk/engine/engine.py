@@ -258,10 +258,12 @@ class Engine:
         error, entry, state, peers = req.error, self.models[0], {}, ()
         models = tuple(self.models)
         if error is None:
-            entry, error = self.host.entry(policy, RequestView(rid, cfg.prompt_ids, [], "", state, 0, models, rkey))
+            entry, error = self.host.entry(policy, RequestView(rid=rid, prompt_ids=cfg.prompt_ids, output_ids=[],
+                                                               owner="", state=state, hops=0, models=models, key=rkey))
         if error is None and self.config.prefill_peers:
-            peers, error = self.host.may_use(policy, RequestView(rid, cfg.prompt_ids, [], entry, state, 0, models,
-                                                                 rkey))
+            peers, error = self.host.may_use(policy, RequestView(rid=rid, prompt_ids=cfg.prompt_ids, output_ids=[],
+                                                                 owner=entry, state=state, hops=0, models=models,
+                                                                 key=rkey))
         p = req.params
         if self.text is not None:  # per writer: its own EOS ids are not part of the text
             stop_ids = {m: frozenset() if p.ignore_eos else frozenset(e) for m, e in self.text.eos.items()}

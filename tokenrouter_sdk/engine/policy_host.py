@@ -415,8 +415,9 @@ class PolicyHost:
         else:
             tok = self.tokenizer
             text = (lambda: tok.decode(s.output_ids, skip_special_tokens=True)) if tok is not None else ""
-        return RequestView(s.rid, s.config.prompt_of(self.model), s.output_ids, self.model, s.rs.state, s.rs.hops,
-                           tuple(self.models), s.config.key, text)
+        return RequestView(rid=s.rid, prompt_ids=s.config.prompt_of(self.model), output_ids=s.output_ids,
+                           owner=self.model, state=s.rs.state, hops=s.rs.hops, models=tuple(self.models),
+                           key=s.config.key, text_of=text)
 
     # -- a sub-server's hooks: route, send, receive ------------------------------------------
     def decide(self, batch: list[Seq], tokens: list[int], logits: torch.Tensor, hidden: torch.Tensor,
