@@ -499,7 +499,7 @@ class Policy:
     Errors: a hook that raises, or returns a value it may not (a wrong type, an unknown
     model, a `Handoff` with a bad field), fails that request only, with an error naming the
     policy, the hook, the value, what is accepted, the model and the position; other requests
-    go on (the accepted values of each hook: `tokenrouter_sdk.engine.policy_host`). A
+    go on (the accepted values of each hook: `tokenrouter_sdk.engine.core.policy_host`). A
     `route_batch` that raises fails every request of its batch. Each request's decision is
     computed once per step (``route`` is never re-run for a request because a batch-mate
     failed).

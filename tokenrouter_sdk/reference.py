@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .engine import policy_host as PH
-from .engine.sampler import make_generator, sample
+from .engine.core import policy_host as PH
+from .engine.core.sampler import make_generator, sample
 from .policy import Policy, Resample, StepBatch
 from .request import RequestView, SamplingParams, prompt_key
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .engine import policy_host as PH
-from .engine.sampler import make_generator, sample
+from .engine.core import policy_host as PH
+from .engine.core.sampler import make_generator, sample
 from .policy import Policy, Resample, StepBatch
 from .reference import GREEDY, MAX_RESAMPLES, _last
 from .request import RequestView, SamplingParams, prompt_key
@@ -29,7 +29,7 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
 
     Args:
         models: name -> model, smallest first (as given to the Router).
-        text: the models' `tokenrouter_sdk.engine.text_mode.Vocabularies` (``router.text``:
+        text: the models' `tokenrouter_sdk.engine.core.text_mode.Vocabularies` (``router.text``:
             per model its tokenizer, `ByteVocab`, EOS ids and the ids it never writes).
         prompts: per model its prompt ids (``Router.encode(prompt, model=m)``).
         policy: the policy (its per-request state starts empty).

@@ -4,7 +4,7 @@ Synchronous ``generate`` (safe inside Jupyter, where an event loop already runs:
 lives in background threads, nothing here needs the caller's loop), ``agenerate`` for
 ``await``, ``stream``/``astream`` for text as it is written, ``abort``, ``metrics`` of a call,
 and ``close`` (idempotent; also a context manager, and called when the Router is
-garbage-collected). Every call is one `tokenrouter_sdk.engine.engine.Call` with its own
+garbage-collected). Every call is one `tokenrouter_sdk.engine.front.engine.Call` with its own
 concurrency and events, so calls from several threads do not interfere; leaving a call early
 (an exception, Ctrl-C, a cancelled task, a closed stream) aborts its requests.
 """
@@ -24,8 +24,8 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 from .deferred import LazyModels
 from .engine.config import EngineConfig
-from .engine.engine import Call, Engine, RequestHandle
-from .engine.policy_host import check_policy, check_vocabulary
+from .engine.front.engine import Call, Engine, RequestHandle
+from .engine.core.policy_host import check_policy, check_vocabulary
 from .engine.runner import Runner
 from .metrics import Metrics
 from .policy import Policy
@@ -126,7 +126,7 @@ class Router:
             must divide by ``tp``. Not with ``compile`` or ``cuda_graphs`` yet.
         cluster: ``"ray"``: host each sub-server in a Ray actor, on any node of the Ray cluster
             this process is connected to (or a local one), placed by one placement group per
-            Router (`tokenrouter_sdk.engine.ray_transport.RayTransport`; ``pip install
+            Router (`tokenrouter_sdk.engine.transports.ray_transport.RayTransport`; ``pip install
             'tokenrouter-sdk[ray]'``); or a dict of its options: ``address`` (the Ray cluster),
             ``resources`` (per model, e.g. ``{"large": {"GPU": 2}}``), ``strategy``
             (``"PACK"``, ``"SPREAD"``, ...), ``threads``. None (default): this machine.
@@ -145,7 +145,7 @@ class Router:
         tokenizer: the shared tokenizer (for models that do not share one: the last model's).
         tokenizers: per model, its tokenizer.
         text: for models that do not share a tokenizer, their
-            `tokenrouter_sdk.engine.text_mode.Vocabularies` (each one's `ByteVocab`, EOS ids);
+            `tokenrouter_sdk.engine.core.text_mode.Vocabularies` (each one's `ByteVocab`, EOS ids);
             else None.
 
     Raises:
@@ -175,7 +175,7 @@ class Router:
         self.config = config
         transport = None
         if config.backend == "sim":
-            from .engine.sim_transport import SimTransport
+            from .engine.transports.sim_transport import SimTransport
             if config.processes or cluster is not None:
                 raise ValueError("backend='sim' runs in simulated time in one thread: processes=True and cluster "
                                  "are not available with it")
@@ -192,7 +192,7 @@ class Router:
                     raise ValueError(f"cluster must be 'ray' or a dict of RayTransport options, got {cluster!r}")
                 if processes is False:
                     raise ValueError("cluster='ray' runs sub-servers in Ray actors: processes=False cannot apply")
-                from .engine.ray_transport import RayTransport
+                from .engine.transports.ray_transport import RayTransport
                 transport = RayTransport(**(dict(cluster) if isinstance(cluster, Mapping) else {}))
                 processes = None
             elif processes is None:
@@ -200,7 +200,7 @@ class Router:
                 processes = {"0": False, "false": False, "no": False, "off": False,
                              "1": True, "true": True, "yes": True, "on": True}.get(env, _processes_by_default(models, setup.runners))
             if transport is None and (isinstance(processes, dict) or processes):
-                from .engine.process_transport import ProcessTransport
+                from .engine.transports.process_transport import ProcessTransport
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
             elif transport is None:  # sub-servers in threads: rank 0 of a tensor-parallel model runs here
                 start_ranks(setup.runners)
@@ -248,7 +248,7 @@ class Router:
             DeviceError: the device cannot be used here.
             ModelLoadError: a pair's weights cannot be fetched or do not match their checksums.
         """
-        from .engine.process_start import prestart_for
+        from .engine.transports.process_start import prestart_for
         from .pairs import get_pair, pair_models
         if get_pair(pair).small is not None:
             if small_layers is not None or draft is not None:

@@ -192,7 +192,7 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
                       UserWarning, stacklevel=3)
     text = None
     if mixed:  # models that share text, not tokens
-        from .engine.text_mode import Vocabularies
+        from .engine.core.text_mode import Vocabularies
         text = Vocabularies.build(model_toks, {n: tuple(dict.fromkeys(
             int(i) for i in [*token_ids(getattr(model_toks[n], "eos_token_id", None)), *own_eos[n]])) for n in names})
         router_tok = model_toks[names[-1]]

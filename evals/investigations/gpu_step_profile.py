@@ -80,7 +80,7 @@ def paged(model, dev, b: int, ctx: int, vocab: int, steps: int = 10, profile: bo
     step and of building its batch, and (``profile``) a torch.profiler table of one step."""
     import torch
 
-    from tokenrouter_sdk.engine.block_allocator import blocks_of
+    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.engine.runner import SeqInput
     r = TorchRunner(model, max_kv_tokens=(b + 1) * (ctx + steps + 8))

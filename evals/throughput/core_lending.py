@@ -3,7 +3,7 @@
 The packaged pair under R-Stitch (tau 0.3, tau_back 0.02, prefill_peers), sub-servers in
 processes: ``fixed`` gives each process the CPUs divided by the models (``processes={"threads":
 N}``, what the engine did before core lending), ``lending`` is the default (each process takes
-``cores // busy models`` threads step by step, `tokenrouter_sdk.engine.cores`). Each repeat
+``cores // busy models`` threads step by step, `tokenrouter_sdk.engine.transports.cores`). Each repeat
 builds one Router per setting, in turn, and generates GSM8K questions at every concurrency
 (``--concurrency``; max(4, c) questions, ``--tokens`` tokens each, ``ignore_eos``); committed
 tokens/s = tokens / wall time of the call. The table shows medians over repeats and the ratio
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
 
     from tokenrouter_sdk import Router
     from tokenrouter_sdk.benchmarks import load_prompts
-    from tokenrouter_sdk.engine.cores import cpu_count
+    from tokenrouter_sdk.engine.transports.cores import cpu_count
     from tokenrouter_sdk.policies import RStitch
 
     print(evalkit.environment(), flush=True)

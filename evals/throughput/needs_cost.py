@@ -28,12 +28,12 @@ import evalkit  # noqa: E402
 
 def message_sizes(vocab: int) -> dict:
     """Bytes on the wire of the per-hop and per-step messages, as the process transport encodes
-    them (`tokenrouter_sdk.engine.codec.encode`)."""
+    them (`tokenrouter_sdk.engine.transports.codec.encode`)."""
     import random
 
     import torch
 
-    from tokenrouter_sdk.engine import codec
+    from tokenrouter_sdk.engine.transports import codec
     from tokenrouter_sdk.engine import messages as M
 
     def handoff(state):

@@ -91,7 +91,7 @@ def _child(cfg: dict, builds: int) -> dict:
     t0 = time.perf_counter()
     import tokenrouter_sdk.models as models
     from tokenrouter_sdk import Router
-    from tokenrouter_sdk.engine import process_transport
+    from tokenrouter_sdk.engine.transports import process_transport
     from tokenrouter_sdk.policies import RandomRouting
     import_s = time.perf_counter() - t0
 
@@ -111,7 +111,7 @@ def _child(cfg: dict, builds: int) -> dict:
 
     timed(models, "default_pair", "load")
     if cfg.get("prestart") is False:  # the fork server starts with the first transport, not before the load
-        from tokenrouter_sdk.engine import process_start
+        from tokenrouter_sdk.engine.transports import process_start
         process_start.prestart_for = lambda *a, **k: None
     timed(process_transport.ProcessTransport, "start", "start")
     kwargs = {}

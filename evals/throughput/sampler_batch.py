@@ -1,4 +1,4 @@
-"""Time of one sampling call: the batched sampler (`tokenrouter_sdk.engine.sampler.sample`: tensor
+"""Time of one sampling call: the batched sampler (`tokenrouter_sdk.engine.core.sampler.sample`: tensor
 ops over the batch, one argmax) against a row-by-row sampler (each row filtered alone, then
 ``torch.multinomial``; the sampler the engine used before), on random logits.
 
@@ -62,7 +62,7 @@ def main() -> None:
 
     import torch
 
-    from tokenrouter_sdk.engine.sampler import make_generator, sample
+    from tokenrouter_sdk.engine.core.sampler import make_generator, sample
     from tokenrouter_sdk.request import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from tokenrouter_sdk.engine.block_allocator import blocks_of
+    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.engine.runner import SeqInput
 

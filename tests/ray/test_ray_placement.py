@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tokenrouter_sdk import Router, SamplingParams
-from tokenrouter_sdk.engine.engine import EngineDeadError
+from tokenrouter_sdk.engine.front.engine import EngineDeadError
 from tokenrouter_sdk.policies import RandomRouting
 
 from ..helpers import DiscardTwoBack, assert_matches_reference, mixed_prompts

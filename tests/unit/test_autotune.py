@@ -13,7 +13,7 @@ from tokenrouter_sdk.backends import projection as P
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
-from tokenrouter_sdk.engine.block_allocator import blocks_of
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 pytestmark = pytest.mark.skipif(not P.packing_available(torch.device("cpu"), torch.float32),
                                 reason="no oneDNN packing in this torch")

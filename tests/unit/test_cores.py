@@ -1,4 +1,4 @@
-"""Core lending (`tokenrouter_sdk.engine.cores`): a model alone at work takes every core, busy
+"""Core lending (`tokenrouter_sdk.engine.transports.cores`): a model alone at work takes every core, busy
 models split them (the remainder to the first by index), a model that just went idle still
 counts as busy for ``settle_s``, a model that wants cores a peer holds waits for the peer's next
 step (at most ``wait_s``), and the sub-server processes of a Router mark themselves busy and
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tokenrouter_sdk.engine.cores import CoreShare, create_flags
+from tokenrouter_sdk.engine.transports.cores import CoreShare, create_flags
 
 
 def _shares(tmp_path, models, cores, **kw):
@@ -126,7 +126,7 @@ def test_sub_server_processes_mark_busy_and_idle():
 
 def test_one_cpu_model_runs_in_a_process_by_default(monkeypatch):
     from tokenrouter_sdk import Router
-    from tokenrouter_sdk.engine.process_transport import ProcessTransport
+    from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
     from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
     from tokenrouter_sdk.policies import LargeOnly
 
@@ -148,7 +148,7 @@ def test_only_a_share_that_can_lend_stops_a_step_between_layers(tmp_path, models
     layers, so a step can run its layers in one call; models that share cores get `give_back`."""
     from types import SimpleNamespace
 
-    from tokenrouter_sdk.engine.process_child import lend_between_layers
+    from tokenrouter_sdk.engine.transports.process_child import lend_between_layers
     shares, _ = _shares(tmp_path, models, cores)
     assert shares[0].lends is lends
     runner = SimpleNamespace(between_layers=None)

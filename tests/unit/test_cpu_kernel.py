@@ -19,7 +19,7 @@ from tokenrouter_sdk.engine.config import EngineConfig
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
-from tokenrouter_sdk.engine.block_allocator import blocks_of
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 from .test_native_forward import routed_float32_run_equals_reference
 

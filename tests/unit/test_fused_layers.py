@@ -16,7 +16,7 @@ from tokenrouter_sdk.backends import autotune as A, cpu_kernels, fused_layers
 from tokenrouter_sdk.backends.attention import cpu_kernel, kernel_choice
 from tokenrouter_sdk.backends.autotune import PackRule
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
-from tokenrouter_sdk.engine.block_allocator import blocks_of
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 

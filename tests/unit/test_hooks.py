@@ -141,7 +141,7 @@ def test_composed_token_may_be_neither_models(pair, tok):
 
 
 def test_handoff_logits_travel_only_when_declared(pair, tok, monkeypatch):
-    from tokenrouter_sdk.engine import subserver
+    from tokenrouter_sdk.engine.core import subserver
     sent = []
     orig = subserver.SubServer._handoff
 

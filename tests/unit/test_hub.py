@@ -1,4 +1,4 @@
-"""The hub is one data path under any launcher (`tokenrouter_sdk.engine.hub`): a launcher
+"""The hub is one data path under any launcher (`tokenrouter_sdk.engine.transports.hub`): a launcher
 written against the `Launcher` protocol alone, whose sub-servers run in threads of this process
 and connect to the hub's socket, serves a routed run equal to the reference; the hub keeps what
 the launcher says of each start-up, shows the engine events as the launcher adjusts them, and
@@ -16,12 +16,12 @@ import pytest
 from tokenrouter_sdk import SamplingParams
 from tokenrouter_sdk.backends.torch_runner import TorchRunnerSpec
 from tokenrouter_sdk.engine import messages as M
-from tokenrouter_sdk.engine.engine import Engine
-from tokenrouter_sdk.engine.hub import HubTransport
-from tokenrouter_sdk.engine.process_child import run_subserver
-from tokenrouter_sdk.engine.process_transport import ProcessTransport
-from tokenrouter_sdk.engine.ray_transport import RayLauncher
-from tokenrouter_sdk.engine.wire import _child_spec
+from tokenrouter_sdk.engine.front.engine import Engine
+from tokenrouter_sdk.engine.transports.hub import HubTransport
+from tokenrouter_sdk.engine.transports.process_child import run_subserver
+from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
+from tokenrouter_sdk.engine.transports.ray_transport import RayLauncher
+from tokenrouter_sdk.engine.transports.wire import _child_spec
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
@@ -243,7 +243,7 @@ def test_a_sub_server_that_ended_is_restarted_by_the_launcher_and_serves(models,
 
 def test_process_and_ray_transports_only_pass_their_launcher_in():
     """Both are a `HubTransport` with a launcher: neither overrides the hub's methods."""
-    from tokenrouter_sdk.engine.ray_transport import RayTransport
+    from tokenrouter_sdk.engine.transports.ray_transport import RayTransport
     for cls in (ProcessTransport, RayTransport):
         own = {k for k, v in vars(cls).items() if callable(v) or isinstance(v, property)}
         assert own <= {"__init__", "nodes", "actors", "placement_group"}, (cls, own)

@@ -133,9 +133,39 @@ def test_imports_go_down_the_layers_but_for_at_most_two_named_edges():
 
 
 def test_the_layer_check_sees_an_import_that_goes_up(tmp_path):
-    graph = {"tokenrouter_sdk.engine.call": {"tokenrouter_sdk.metrics"},
+    graph = {"tokenrouter_sdk.engine.front.call": {"tokenrouter_sdk.metrics"},
              "tokenrouter_sdk.metrics": {"tokenrouter_sdk.engine.messages"},
              "tokenrouter_sdk.engine.messages": set()}
-    assert upward_edges(graph) == [("tokenrouter_sdk.engine.call", "tokenrouter_sdk.metrics")]
+    assert upward_edges(graph) == [("tokenrouter_sdk.engine.front.call", "tokenrouter_sdk.metrics")]
     with pytest.raises(AssertionError, match="'mystery' is in no layer"):
         upward_edges({"tokenrouter_sdk.mystery": {"tokenrouter_sdk.engine"}, "tokenrouter_sdk.engine": set()})
+
+
+ENGINE_ROOMS = (("config", "messages", "runner", "step_result"), ("core",), ("transports",), ("front",))
+
+
+def engine_room_of(module: str) -> int | None:
+    """The index in `ENGINE_ROOMS` of a module of ``tokenrouter_sdk.engine`` (None: elsewhere, or
+    the package's ``__init__``)."""
+    parts = module.split(".")
+    if parts[:2] != ["tokenrouter_sdk", "engine"] or len(parts) < 3:
+        return None
+    for i, names in enumerate(ENGINE_ROOMS):
+        if parts[2] in names:
+            return i
+    raise AssertionError(f"{module}: {parts[2]!r} is in no room of ENGINE_ROOMS: add it")
+
+
+def test_the_engine_rooms_import_down_seam_core_transports_front():
+    graph = module_graph()
+    rooms = {m for m in graph if engine_room_of(m) is not None}
+    assert {m.split(".")[2] for m in rooms} >= {"core", "transports", "front", "messages", "runner"}
+    up = sorted((a, b) for a in rooms for b in graph[a]
+                if engine_room_of(b) is not None and engine_room_of(b) > engine_room_of(a))
+    assert up == []
+
+
+def test_the_room_check_sees_an_import_that_goes_up():
+    assert engine_room_of("tokenrouter_sdk.engine.core.subserver") < engine_room_of("tokenrouter_sdk.engine.front.engine")
+    with pytest.raises(AssertionError, match="'attic' is in no room"):
+        engine_room_of("tokenrouter_sdk.engine.attic.x")

@@ -4,8 +4,8 @@ suffix), pending keeps KV, nothing lost under a full pool."""
 import pytest
 
 from tokenrouter_sdk import Handoff, Policy, Router, SamplingParams
-from tokenrouter_sdk.engine.block_allocator import BlockAllocator, KVPoolFull
-from tokenrouter_sdk.engine.kv_pool import KVPool
+from tokenrouter_sdk.engine.core.block_allocator import BlockAllocator, KVPoolFull
+from tokenrouter_sdk.engine.core.kv_pool import KVPool
 from tokenrouter_sdk.engine.messages import StepDone
 from tokenrouter_sdk.policies import RandomRouting
 

@@ -22,7 +22,7 @@ from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
-from tokenrouter_sdk.engine.block_allocator import blocks_of
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 from ..helpers import mixed_prompts
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tokenrouter_sdk.backends.attention import AttentionSpec, KernelPart, LayerParams, attend_tokens, pack
-from tokenrouter_sdk.engine.block_allocator import BlockAllocator
-from tokenrouter_sdk.engine.kv_pool import KVPool
+from tokenrouter_sdk.engine.core.block_allocator import BlockAllocator
+from tokenrouter_sdk.engine.core.kv_pool import KVPool
 from tokenrouter_sdk.engine.runner import SeqInput
 
 

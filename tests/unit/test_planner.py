@@ -12,7 +12,7 @@ from tokenrouter_sdk.planner import (Plan, StateSpaceTooLarge, _gmres_stationary
                                      estimate_extra_tokens, estimate_keep, estimate_routing, feasible_thresholds,
                                      plan_from_trace, plan_thresholds, profile_latency)
 from tokenrouter_sdk.policies import RandomRouting
-from tokenrouter_sdk.engine.block_allocator import blocks_of
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 from ..helpers import mixed_prompts
 

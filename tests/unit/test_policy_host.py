@@ -4,8 +4,8 @@ the request)."""
 
 import torch
 
-from tokenrouter_sdk.engine.policy_host import PolicyHost, RequestFailed
-from tokenrouter_sdk.engine.scheduler import Seq
+from tokenrouter_sdk.engine.core.policy_host import PolicyHost, RequestFailed
+from tokenrouter_sdk.engine.core.scheduler import Seq
 from tokenrouter_sdk.policy import Handoff, Policy, Resample
 from tokenrouter_sdk.request import RequestConfig, RequestView, SamplingParams
 

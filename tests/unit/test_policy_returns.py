@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tokenrouter_sdk import Handoff, Policy, Router, SamplingParams
-from tokenrouter_sdk.engine.engine import EngineDeadError
+from tokenrouter_sdk.engine.front.engine import EngineDeadError
 from tokenrouter_sdk.reference import reference_generate
 
 from ..helpers import pools_free

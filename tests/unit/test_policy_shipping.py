@@ -52,7 +52,7 @@ def test_serve_answers_with_a_policy_file_class_in_sub_server_processes(folders,
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from tokenrouter_sdk.engine.process_transport import ProcessTransport
+    from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
     from tokenrouter_sdk.cli.serve import add_parser, build
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers(dest="cmd", required=True))
@@ -101,8 +101,8 @@ def test_a_policy_that_cannot_be_shipped_stops_the_command_naming_the_fix():
 def test_a_policy_the_children_cannot_load_fails_in_route_not_route_batch(pair, tok, tmp_path, monkeypatch):
     """A stand-in for a policy the child could not load fails each request in the hook the user
     wrote (route), not in route_batch, which the user never wrote."""
-    from tokenrouter_sdk.engine.codec import PolicyBlob
-    from tokenrouter_sdk.engine.wire import load_policy
+    from tokenrouter_sdk.engine.transports.codec import PolicyBlob
+    from tokenrouter_sdk.engine.transports.wire import load_policy
     stand_in = load_policy(PolicyBlob(1, b"not a pickle", "Mine()", {}), "small").policy
     assert type(stand_in).route_batch is Policy.route_batch
     with Router(pair, stand_in, tokenizer=tok) as r:

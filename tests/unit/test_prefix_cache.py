@@ -14,10 +14,10 @@ import time
 import pytest
 
 from tokenrouter_sdk import Handoff, Needs, Policy, Router, SamplingParams
-from tokenrouter_sdk.engine.block_allocator import BlockAllocator, KVPoolFull
+from tokenrouter_sdk.engine.core.block_allocator import BlockAllocator, KVPoolFull
 from tokenrouter_sdk.engine.messages import Admitted, Finished, StepDone
-from tokenrouter_sdk.engine.prefix_cache import block_key, chain_keys
-from tokenrouter_sdk.engine.scheduler import Scheduler, Seq
+from tokenrouter_sdk.engine.core.prefix_cache import block_key, chain_keys
+from tokenrouter_sdk.engine.core.scheduler import Scheduler, Seq
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 from tokenrouter_sdk.request import RequestConfig, prompt_key

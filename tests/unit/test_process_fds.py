@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tokenrouter_sdk.engine.wire import pack_shared
+from tokenrouter_sdk.engine.transports.wire import pack_shared
 from tokenrouter_sdk.models import tiny_model, truncate
 
 from ..helpers import run_script

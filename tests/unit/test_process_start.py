@@ -1,4 +1,4 @@
-"""How sub-server processes start (`tokenrouter_sdk.engine.process_start`, `wire.send_spec`):
+"""How sub-server processes start (`tokenrouter_sdk.engine.transports.process_start`, `wire.send_spec`):
 forked from a fork server that imported torch and transformers once, a fresh process per Router
 (nothing of an earlier Router's sub-server survives), weights mapped from shared memory (not
 copied), more storages than multiprocessing passes descriptors for, a killed fork server
@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tokenrouter_sdk import Policy, Router, SamplingParams
-from tokenrouter_sdk.engine.process_transport import ProcessTransport
+from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.reference import reference_generate
 
@@ -246,7 +246,7 @@ def test_a_cpu_kv_pool_takes_memory_only_when_used():
     """A sub-server allocates its KV pool when it starts (and the Router did too, before
     handing the runner over): zero pages the kernel fills on first touch, not a fill of the
     whole pool, so hundreds of MB cost neither time nor memory until blocks are written."""
-    from tokenrouter_sdk.engine.kv_pool import KVPool
+    from tokenrouter_sdk.engine.core.kv_pool import KVPool
     before = _rss_bytes()
     pool = KVPool(num_layers=16, kv_heads=4, head_dim=64, num_blocks=512, block_size=16)  # 2 x 128 MiB
     grown = _rss_bytes() - before
@@ -273,7 +273,7 @@ def test_pickling_error_names_the_model_and_leaves_nothing_behind(tok):
 def test_router_default_starts_the_fork_server_early_only_for_processes(monkeypatch, processes, env, started):
     """`Router.default` starts the fork server before loading the pair (its imports overlap the
     load) when the Router will fork sub-servers from it, and not otherwise."""
-    from tokenrouter_sdk.engine import process_start
+    from tokenrouter_sdk.engine.transports import process_start
     calls = []
     monkeypatch.setattr(process_start, "prestart", lambda method=None, modules=(): calls.append((method, modules)))
     if env is None:

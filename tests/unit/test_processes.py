@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tokenrouter_sdk import Handoff, Policy, Router, SamplingParams
-from tokenrouter_sdk.engine.engine import EngineDeadError
+from tokenrouter_sdk.engine.front.engine import EngineDeadError
 from tokenrouter_sdk.engine.messages import Admitted, Committed, Finished
-from tokenrouter_sdk.engine.process_transport import ProcessTransport
+from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 

@@ -10,11 +10,11 @@ import torch
 
 from tokenrouter_sdk import Router, SamplingParams
 from tokenrouter_sdk.backends.torch_runner import TorchRunner, TorchRunnerSpec
-from tokenrouter_sdk.engine import wire
-from tokenrouter_sdk.engine.process_transport import ProcessTransport
-from tokenrouter_sdk.engine.engine import Engine
+from tokenrouter_sdk.engine.transports import wire
+from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
+from tokenrouter_sdk.engine.front.engine import Engine
 from tokenrouter_sdk.engine.runner import PoolShape, RemoteRunner, RunnerInfo, RunnerSpec
-from tokenrouter_sdk.engine.transport import ThreadTransport
+from tokenrouter_sdk.engine.transports.transport import ThreadTransport
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
@@ -42,7 +42,7 @@ def test_process_children_get_runner_specs_not_runners(small_pair, tok, monkeypa
         return dump(spec)
 
     monkeypatch.setattr(TorchRunner, "__getstate__", _no_pickling)
-    monkeypatch.setattr("tokenrouter_sdk.engine.process_transport.dump_spec", recording_dump)
+    monkeypatch.setattr("tokenrouter_sdk.engine.transports.process_transport.dump_spec", recording_dump)
     with Router(small_pair, RandomRouting(p=0.5, seed=2), tokenizer=tok, processes=True, max_kv_tokens=256) as r:
         assert isinstance(r.engine.transport, ProcessTransport)
         assert sorted(s["name"] for s in shipped) == ["large", "small"]

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tokenrouter_sdk.engine.sampler import _scale, _top_k, _top_p, make_generator, sample
+from tokenrouter_sdk.engine.core.sampler import _scale, _top_k, _top_p, make_generator, sample
 from tokenrouter_sdk.request import SamplingParams
 
 V = 96

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenrouter_sdk.engine.block_allocator import BlockAllocator
-from tokenrouter_sdk.engine.scheduler import Scheduler, Seq
+from tokenrouter_sdk.engine.core.block_allocator import BlockAllocator
+from tokenrouter_sdk.engine.core.scheduler import Scheduler, Seq
 from tokenrouter_sdk.request import RequestConfig, SamplingParams
 
 BLOCK = 4

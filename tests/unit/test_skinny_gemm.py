@@ -17,7 +17,7 @@ from tokenrouter_sdk.backends import autotune as A
 from tokenrouter_sdk.backends import cpu_kernels
 from tokenrouter_sdk.backends import projection as P
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
-from tokenrouter_sdk.engine.block_allocator import blocks_of
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 

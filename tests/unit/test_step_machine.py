@@ -5,7 +5,7 @@ import pytest
 from tokenrouter_sdk.engine import messages as M
 from tokenrouter_sdk.engine.config import EngineConfig
 from tokenrouter_sdk.engine.step_result import StepResult, UnknownMessage
-from tokenrouter_sdk.engine.subserver import SubServer
+from tokenrouter_sdk.engine.core.subserver import SubServer
 from tokenrouter_sdk.request import RequestConfig, SamplingParams
 from tests.helpers import Alternate, ScriptedRunner, StayOn
 

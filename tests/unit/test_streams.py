@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from tokenrouter_sdk import Router
-from tokenrouter_sdk.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from tokenrouter_sdk.engine.front.detokenizer import IncrementalDetokenizer, StopMatcher
 from tokenrouter_sdk.models import tiny_model
 
 from ..helpers import Alternate, ScriptedRunner, StayOn

@@ -14,11 +14,11 @@ import torch
 from tokenrouter_sdk import ModelSpec, Router, SamplingParams
 from tokenrouter_sdk.backends.tensor_parallel import (ModelRecipe, TensorParallelError, TensorParallelRunner)
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
-from tokenrouter_sdk.engine.engine import EngineDeadError
+from tokenrouter_sdk.engine.front.engine import EngineDeadError
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
-from tokenrouter_sdk.engine.block_allocator import blocks_of
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 from ..helpers import DiscardTwoBack, assert_matches_reference, mixed_prompts, process_gone
 

@@ -6,13 +6,13 @@ import pytest
 
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
-from tokenrouter_sdk.engine import engine as engine_module
-from tokenrouter_sdk.engine.hub import HubTransport
-from tokenrouter_sdk.engine.process_transport import ProcessTransport
-from tokenrouter_sdk.engine.ray_transport import RayTransport
+from tokenrouter_sdk.engine.front import engine as engine_module
+from tokenrouter_sdk.engine.transports.hub import HubTransport
+from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
+from tokenrouter_sdk.engine.transports.ray_transport import RayTransport
 from tokenrouter_sdk.engine.runner import Transport
-from tokenrouter_sdk.engine.sim_transport import SimTransport
-from tokenrouter_sdk.engine.transport import ThreadTransport
+from tokenrouter_sdk.engine.transports.sim_transport import SimTransport
+from tokenrouter_sdk.engine.transports.transport import ThreadTransport
 from tokenrouter_sdk.policies import LargeOnly
 
 ENGINE_CALLS = {"start", "send", "hold", "clock", "alive", "close", "restart", "reported", "local_runner", "pending"}

@@ -7,10 +7,10 @@ import msgspec
 import pytest
 import torch
 
-from tokenrouter_sdk.engine import codec
+from tokenrouter_sdk.engine.transports import codec
 from tokenrouter_sdk.engine import messages as M
 from tokenrouter_sdk.engine.step_result import StepResult, UnknownMessage
-from tokenrouter_sdk.engine.wire import load_policy, policy_blob
+from tokenrouter_sdk.engine.transports.wire import load_policy, policy_blob
 from tokenrouter_sdk.request import RequestConfig, SamplingParams
 from tests.helpers import Alternate
 

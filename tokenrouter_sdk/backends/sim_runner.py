@@ -1,5 +1,5 @@
 """The simulated backend: a runner whose step takes the time a latency model says. With
-`tokenrouter_sdk.engine.sim_transport.SimTransport` the real sub-servers and engine run in
+`tokenrouter_sdk.engine.transports.sim_transport.SimTransport` the real sub-servers and engine run in
 simulated (not slept) time.
 
 It is the test bed for the scheduler and the planner: the same `SubServer` code (scheduling,

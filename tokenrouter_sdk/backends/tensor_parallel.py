@@ -280,7 +280,7 @@ class TensorParallelRunner:
     def __init__(self, recipe: ModelRecipe, tp: int, *, max_kv_tokens: int = 8192, block_size: int = 16,
                  threads: int = 1, timeout_s: float = 120.0, start: bool = False, model_impl: str = "auto",
                  kernels: str = "auto", allow_unknown_attention: bool = False):
-        from ..engine.kv_pool import KVPool
+        from ..engine.core.kv_pool import KVPool
         if tp < 2:
             raise TensorParallelError(f"TensorParallelRunner needs tp >= 2, got {tp} (tp = 1: use TorchRunner)")
         self.recipe, self.tp, self.timeout_s, self.threads = recipe, tp, timeout_s, threads

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..engine.config import KERNEL_MODES, MODEL_IMPLS
-from ..engine.kv_pool import KVPool
+from ..engine.core.kv_pool import KVPool
 from ..engine.runner import ForwardOut, PoolShape, RunnerInfo, SeqInput
 from . import cpu_kernels
 from .attention import AttentionSpec, PadSeq, attend_tokens, pack, paged_mask, read_spec, register_attention
@@ -202,7 +202,7 @@ class TorchRunner:
         impl: the forward eager steps run, ``"native"`` or ``"transformers"``; ``native_reason``:
             why not native (None when native).
         between_layers: None, or a callable the native forward calls between two layers of a
-            step (set in a sub-server process for core lending: `tokenrouter_sdk.engine.cores`).
+            step (set in a sub-server process for core lending: `tokenrouter_sdk.engine.transports.cores`).
         last_impl: the forward the last step ran: ``"native"``, ``"transformers"`` (also a native
             runner's step while forward hooks the native forward would bypass are registered on
             the model's modules), ``"compiled"`` or ``"cuda_graphs"``.
@@ -540,7 +540,7 @@ class TorchRunnerSpec:
     """The recipe of a `TorchRunner` (a `tokenrouter_sdk.engine.runner.RunnerSpec`): picklable,
     shipped to the process that serves the model, where `build` makes the runner and its KV
     pool. A loaded model travels as itself (a process transport maps its weights from shared
-    memory, `tokenrouter_sdk.engine.wire.pack_shared`); a folder is loaded where `build` runs.
+    memory, `tokenrouter_sdk.engine.transports.wire.pack_shared`); a folder is loaded where `build` runs.
 
     Args:
         model: a loaded `transformers` causal LM, or a checkpoint folder with ``config.json``

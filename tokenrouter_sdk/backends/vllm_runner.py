@@ -336,7 +336,7 @@ class VLLMRunner:
         per-layer cache spec (e.g. full and sliding-window layers)."""
         from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
 
-        from ..engine.kv_pool import _zeros
+        from ..engine.core.kv_pool import _zeros
         cfg, bs = self.vllm_config, self.spec.block_size
         total = num_blocks + VLLMKVCaches.scratch_blocks
         by_spec: dict = {}

@@ -344,12 +344,12 @@ def build_policy(registry, spec, prog: str, transport: str = "auto"):
 
 def check_shippable(policy, prog: str) -> None:
     """Stop the command at start when ``policy`` cannot be sent to sub-server processes (or Ray
-    actors), rather than failing every request that uses it (`tokenrouter_sdk.engine.wire.shipping_problem`).
+    actors), rather than failing every request that uses it (`tokenrouter_sdk.engine.transports.wire.shipping_problem`).
 
     Raises:
         SystemExit: names the policy, why, and the fixes.
     """
-    from ..engine.wire import shipping_problem
+    from ..engine.transports.wire import shipping_problem
     why = shipping_problem(policy)
     if why is not None:
         raise fail(prog, f"policy {policy!r} cannot be sent to the sub-server processes: {why}. Keep locks, open "

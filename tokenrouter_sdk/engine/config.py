@@ -133,7 +133,7 @@ class EngineConfig:
         prefix_cache: each model keeps full KV blocks of committed tokens indexed by content
             and reuses them for every request whose tokens start the same (shared prompts,
             sweeps over the same questions, multi-turn chats), across calls; see
-            `tokenrouter_sdk.engine.prefix_cache`. False: every request feeds all its tokens
+            `tokenrouter_sdk.engine.core.prefix_cache`. False: every request feeds all its tokens
             (to measure what the cache saves). With ``retain_kv=False`` a return re-prefills
             only what the cache no longer holds; turn both off for the full re-prefill baseline.
 

@@ -50,8 +50,8 @@ class ForwardOut(NamedTuple):
 class KVGeometry(Protocol):
     """The shape of a runner's paged KV storage, the only KV contract between a runner and its
     sub-server: block ids ``0..num_blocks-1`` of ``block_size`` tokens each, which the
-    sub-server's `tokenrouter_sdk.engine.block_allocator.BlockAllocator` hands out. Our torch
-    runners' `tokenrouter_sdk.engine.kv_pool.KVPool` (the tensors) and `PoolShape` (geometry
+    sub-server's `tokenrouter_sdk.engine.core.block_allocator.BlockAllocator` hands out. Our torch
+    runners' `tokenrouter_sdk.engine.core.kv_pool.KVPool` (the tensors) and `PoolShape` (geometry
     only: a runner whose storage is elsewhere, or that has none) have it.
 
     Attributes:

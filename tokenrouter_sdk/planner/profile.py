@@ -39,7 +39,7 @@ def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 1
     import torch
 
     from ..backends.torch_runner import TorchRunner
-    from ..engine.block_allocator import blocks_of
+    from ..engine.core.block_allocator import blocks_of
     from ..engine.runner import SeqInput
 
     runner = runner_or_model

@@ -62,7 +62,7 @@ class LiveView:
     Args:
         router: the `Router` (its tokenizer, models and engine are read; the view does not keep
             the Router).
-        handles: the call (`tokenrouter_sdk.engine.engine.Call`: its handles and events).
+        handles: the call (`tokenrouter_sdk.engine.front.engine.Call`: its handles and events).
         kind: ``"auto"`` (widgets in a notebook, else text), ``"widget"`` or ``"text"``.
             ``"widget"`` outside a notebook builds and updates the widgets without displaying
             them (used to measure the view's cost). ``"auto"`` in a notebook without

@@ -138,8 +138,8 @@ def _timed(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int,
     """Per bucket q, ms per step (median of ``reps``, after one untimed step each) of a step of
     `DECODES` decodes and one extend of q queries at `CONTEXT` cached keys, attended with each of
     ``backends(q)`` (paged kernels) in turn, interleaved."""
-    from ...engine.block_allocator import BlockAllocator
-    from ...engine.kv_pool import KVPool
+    from ...engine.core.block_allocator import BlockAllocator
+    from ...engine.core.kv_pool import KVPool
     from ...engine.runner import SeqInput
     from .batch import pack
     from .interface import attend_tokens

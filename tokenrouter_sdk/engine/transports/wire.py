@@ -30,9 +30,9 @@ import threading
 import traceback
 from collections import ChainMap
 
-from ..policy import Policy
+from ...policy import Policy
 from .codec import PolicyBlob
-from .messages import RegisterPolicy
+from ..messages import RegisterPolicy
 
 _PROTO = pickle.HIGHEST_PROTOCOL
 
@@ -436,7 +436,7 @@ class _FreshPool:
                      getattr(pool, "scratch_blocks", 0))
 
     def __reduce__(self):
-        from .kv_pool import KVPool
+        from ..core.kv_pool import KVPool
         return KVPool, self.args
 
 
@@ -447,7 +447,7 @@ def _child_spec(spec: dict) -> dict:
     pool: the child builds the runner)."""
     import copy
 
-    from .kv_pool import KVPool
+    from ..core.kv_pool import KVPool
     spec = dict(spec)
     runner = spec.get("runner")
     fresh_pool = isinstance(getattr(runner, "pool", None), KVPool) and runner.pool.k is not None

@@ -19,7 +19,7 @@ import threading
 import traceback
 from typing import Callable
 
-from .runner import RunnerInfo, build_runner
+from ..runner import RunnerInfo, build_runner
 
 
 class SimTransport:
@@ -77,7 +77,7 @@ class SimTransport:
             return any(dest == model for _, _, dest, _ in self._heap)
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
-        from .subserver import SubServer
+        from ..core.subserver import SubServer
         self.subservers = {}
         for name, spec in specs.items():
             spec = dict(spec, runner=_TimedRunner(build_runner(spec["runner"]), self._forwarded(name)))

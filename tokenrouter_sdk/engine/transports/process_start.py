@@ -33,7 +33,7 @@ import threading
 START_METHODS = ("forkserver", "spawn")
 
 # imported once by the fork server: everything a sub-server needs before it can unpickle its spec
-PRELOAD = ("torch", "transformers", "tokenrouter_sdk.engine.process_child", "tokenrouter_sdk.engine.subserver",
+PRELOAD = ("torch", "transformers", "tokenrouter_sdk.engine.transports.process_child", "tokenrouter_sdk.engine.core.subserver",
            "tokenrouter_sdk.backends.torch_runner")
 # packages whose modules named by a spec (model classes, tokenizers, runners) are preloaded too
 PRELOAD_PACKAGES = ("torch", "transformers", "tokenizers", "tokenrouter_sdk")

@@ -10,7 +10,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-from .messages import Admitted, Committed, Finished, Hopped, Resampled, Retokenized, StepDone
+from ..messages import Admitted, Committed, Finished, Hopped, Resampled, Retokenized, StepDone
 
 
 @dataclass
@@ -153,7 +153,7 @@ class Metrics:
 
     def _repr_html_(self) -> str:
         """Two tables: the run-level numbers, and one row per model."""
-        from ..tables import html_table
+        from ...tables import html_table
         run = html_table(("metric", "value"), self._rows(),
                          caption=f"Metrics of {self.requests} requests (_s: seconds, _tok_s: tokens/s)")
         if not self.per_model:

@@ -6,7 +6,7 @@ table is a list of block ids; token position p of the request lives in slot
 ``table[p // block_size] * block_size + p % block_size``.
 
 Which blocks each request holds is not kept here: the sub-server's
-`tokenrouter_sdk.engine.block_allocator.BlockAllocator` hands out block ids (free list,
+`tokenrouter_sdk.engine.core.block_allocator.BlockAllocator` hands out block ids (free list,
 reference counts, prefix cache) over the geometry the runner reports (``num_blocks``,
 ``block_size``).
 """

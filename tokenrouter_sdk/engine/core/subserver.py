@@ -35,18 +35,18 @@ from typing import Callable
 
 import torch
 
-from ..policy import Handoff
-from ..request import SamplingParams
-from . import messages as M
+from ...policy import Handoff
+from ...request import SamplingParams
+from .. import messages as M
 from .block_allocator import blocks_of
 from .commit_rules import commit_text, commit_token, given_tokens, logprobs
-from .config import MODES, EngineConfig, Mode
+from ..config import MODES, EngineConfig, Mode
 from .forward import forward_each
 from .policy_host import PolicyHost, RequestFailed
-from .runner import SeqInput
+from ..runner import SeqInput
 from .sampler import make_generator, sample
 from .scheduler import RequestState, Scheduler, Seq
-from .step_result import StepResult, UnknownMessage, dispatch
+from ..step_result import StepResult, UnknownMessage, dispatch
 from .text_mode import TextMode, TextView, retokenize
 
 ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight

@@ -19,11 +19,11 @@ import threading
 import time
 import traceback
 
-from . import messages as M
-from .serve_loop import serve
-from .subserver import SubServer
+from .. import messages as M
+from ..core.serve_loop import serve
+from ..core.subserver import SubServer
 from .codec import Frame, PolicyBlob, decode, encode_result
-from .runner import RunnerInfo, RunnerSpec
+from ..runner import RunnerInfo, RunnerSpec
 from .wire import _LoadError, load_policy, load_spec, recv_spec
 
 _IMPORTED_IN = os.getpid()  # another pid in a sub-server: this module came with a fork server's fork
@@ -92,7 +92,7 @@ def run_subserver(name: str, address: str, threads: int, receive, load, *, t_mai
     the `SubServer` (`build_subserver`) and serve it (`serve_loop.serve`). Returns the exit code
     (0: shut down, 1: crashed, reported to the hub as ``Frame.ERROR``). ``watch_parent``: also stop when the parent process ends (for a
     process started by `ProcessTransport`; a Ray actor ends with its owner instead). ``cores``:
-    a `tokenrouter_sdk.engine.cores.CoreShare`: the thread count follows it step by step."""
+    a `tokenrouter_sdk.engine.transports.cores.CoreShare`: the thread count follows it step by step."""
     import torch
     import zmq
 

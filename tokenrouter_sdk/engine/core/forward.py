@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .runner import ForwardOut, RunnerDied, SeqInput
+from ..runner import ForwardOut, RunnerDied, SeqInput
 
 __all__ = ["forward", "forward_each"]
 

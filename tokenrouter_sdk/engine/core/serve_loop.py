@@ -8,7 +8,7 @@ from __future__ import annotations
 import queue
 from typing import TYPE_CHECKING, Callable
 
-from .step_result import StepResult
+from ..step_result import StepResult
 
 if TYPE_CHECKING:
     from .subserver import SubServer
@@ -22,7 +22,7 @@ def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], Non
     `StepResult` to ``deliver`` (only non-empty results are delivered). The thread transport
     and the sub-server process run this loop; ``deliver`` must keep the order of `StepResult`
     (events before the messages they caused reach a peer's reaction). ``cores``: a
-    `tokenrouter_sdk.engine.cores.CoreShare` marked idle before the loop waits and busy (threads
+    `tokenrouter_sdk.engine.transports.cores.CoreShare` marked idle before the loop waits and busy (threads
     set to its share) before a step.
 
     Raises:

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from ..request import RequestOutput
+from ...request import RequestOutput
 from .request_handle import RequestHandle
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Which KV blocks of one model each request holds: the free list, reference counts and the
 prefix cache, over block ids only. It owns no KV tensors: the runner owns its storage
-(`tokenrouter_sdk.engine.kv_pool.KVPool` for the torch runners) and reports its geometry (blocks,
+(`tokenrouter_sdk.engine.core.kv_pool.KVPool` for the torch runners) and reports its geometry (blocks,
 block size); the sub-server's scheduler allocates block ids here and passes block tables to the
 runner's ``forward``. Block ids are the only KV contract between the two.
 
@@ -9,7 +9,7 @@ A request's block table is a list of block ids; token position p of the request 
 
 Blocks are reference-counted: a block is in the tables of ``refs[b]`` requests. With the prefix
 cache on (`BlockAllocator.enable_prefix_cache`), full blocks of committed tokens are indexed by
-their content (`tokenrouter_sdk.engine.prefix_cache`), shared read-only by every request whose
+their content (`tokenrouter_sdk.engine.core.prefix_cache`), shared read-only by every request whose
 tokens start with the same blocks, and kept when no request holds them until their space is
 needed.
 """

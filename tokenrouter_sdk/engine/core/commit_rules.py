@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..byte_vocab import char_count
+from ...byte_vocab import char_count
 
 if TYPE_CHECKING:
     from .scheduler import Seq

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..request import RequestConfig
+from ...request import RequestConfig
 from .block_allocator import BlockAllocator, KVPoolFull
-from .messages import RequestState, Stats
+from ..messages import RequestState, Stats
 from .prefix_cache import chain_keys
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from . import messages as M
-from .step_result import UnknownMessage
+from .. import messages as M
+from ..step_result import UnknownMessage
 
 _PROTO = pickle.HIGHEST_PROTOCOL
 

@@ -1,7 +1,7 @@
 """Sub-servers in their own processes on this machine: `ProcessTransport`, the default when a
 `Router` holds torch models, and its `ProcessLauncher`.
 
-The data path (the pyzmq hub, ordering, serialisation) is `tokenrouter_sdk.engine.hub`'s; this
+The data path (the pyzmq hub, ordering, serialisation) is `tokenrouter_sdk.engine.transports.hub`'s; this
 module starts, watches and ends the processes. The child's side lives in `process_child`, the
 spec's serialisation in `wire`.
 
@@ -261,7 +261,7 @@ class ProcessLauncher:
 
     def _core_shares(self, names: list[str]) -> dict:
         """Per model, its `CoreShare` of this machine's cores (core lending, see
-        `tokenrouter_sdk.engine.cores`), over a flags file in a fresh folder removed at `close`."""
+        `tokenrouter_sdk.engine.transports.cores`), over a flags file in a fresh folder removed at `close`."""
         self.cores_dir = tempfile.mkdtemp(prefix="tokenrouter-cores-")
         path = os.path.join(self.cores_dir, "busy")
         create_flags(path, len(names))
@@ -286,7 +286,7 @@ class ProcessTransport(HubTransport):
 
     Args:
         threads: torch intra-op threads per sub-server process, fixed. Default (None): core
-            lending (`tokenrouter_sdk.engine.cores`): before each step a process takes the CPUs
+            lending (`tokenrouter_sdk.engine.transports.cores`): before each step a process takes the CPUs
             this process may use divided by the number of models that have work at that moment,
             so a model alone at work computes on every core.
         address: ``"ipc"`` (default: a Unix socket in a fresh temporary folder, removed on
@@ -301,7 +301,7 @@ class ProcessTransport(HubTransport):
         close_timeout: seconds `close` waits for each process to end before terminating it.
         start_method: ``"forkserver"`` or ``"spawn"``; None (default): the fork server on
             Linux when every model is on the CPU, else spawn (set by `start`); see
-            `tokenrouter_sdk.engine.process_start`.
+            `tokenrouter_sdk.engine.transports.process_start`.
 
     Raises:
         ValueError: an unknown ``start_method``.

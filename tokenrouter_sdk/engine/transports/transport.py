@@ -4,8 +4,8 @@ A transport starts the sub-servers, delivers ``send(model, msg)`` to a sub-serve
 delivers the sub-servers' events to the engine's handler, and says what time it is.
 `ThreadTransport` runs each sub-server in a thread of this process and moves messages over
 `queue.Queue`s (no copies, debuggable with breakpoints). `SimTransport`
-(`tokenrouter_sdk.engine.sim_transport`) runs them in simulated time and `ProcessTransport`
-(`tokenrouter_sdk.engine.process_transport`) in processes; all three implement
+(`tokenrouter_sdk.engine.transports.sim_transport`) runs them in simulated time and `ProcessTransport`
+(`tokenrouter_sdk.engine.transports.process_transport`) in processes; all three implement
 `tokenrouter_sdk.engine.runner.Transport`.
 """
 
@@ -18,14 +18,14 @@ import time
 import traceback
 from typing import Callable
 
-from . import messages as M
-from .runner import RunnerInfo, RunnerSpec, build_runner, dead_letter
+from .. import messages as M
+from ..runner import RunnerInfo, RunnerSpec, build_runner, dead_letter
 
 
 class ThreadTransport:
     """Sub-servers in threads of this process; one collector thread hands events to the engine.
 
-    Each sub-server thread runs `tokenrouter_sdk.engine.serve_loop.serve` and delivers each
+    Each sub-server thread runs `tokenrouter_sdk.engine.core.serve_loop.serve` and delivers each
     `StepResult` under ``_order``: its events go to the engine's queue, then its messages to
     the peers' inboxes. The collector takes ``_order`` (and lets it go) before it hands an
     event on, so the result's messages are in the peers' inboxes before the engine reacts to
@@ -106,7 +106,7 @@ class ThreadTransport:
     def _host(self, name: str, spec: dict, box: list) -> None:
         """A sub-server thread: build the sub-server (``box``: [done event, sub-server, error]),
         then serve it once every one is built (the engine's start returned)."""
-        from .subserver import SubServer
+        from ..core.subserver import SubServer
         try:
             spec = dict(spec, runner=build_runner(spec["runner"]))
             box[1] = SubServer(**spec, clock=self.clock_for(name))
@@ -130,7 +130,7 @@ class ThreadTransport:
                 traceback.print_exc()
 
     def _serve(self, ss) -> None:
-        from .serve_loop import serve
+        from ..core.serve_loop import serve
         inbox = self.inboxes[ss.name]
         try:
             serve(ss, inbox, self._deliver)

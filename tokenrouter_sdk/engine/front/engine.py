@@ -19,18 +19,18 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from ..policy import Policy
-from ..request import RequestConfig, RequestInput, RequestView, prompt_key, token_ids
-from . import messages as M
-from .config import EngineConfig, valid_thresholds
-from .policy_host import PolicyHost, check_policy, check_vocabulary
+from ...policy import Policy
+from ...request import RequestConfig, RequestInput, RequestView, prompt_key, token_ids
+from .. import messages as M
+from ..config import EngineConfig, valid_thresholds
+from ..core.policy_host import PolicyHost, check_policy, check_vocabulary
 from .call import Call
 from .request_handle import RequestHandle
 from .admission import KVReservation
-from .runner import RemoteRunner, RunnerInfo, RunnerSpec
-from .step_result import dispatch
-from .text_mode import Vocabularies
-from .transport import ThreadTransport
+from ..runner import RemoteRunner, RunnerInfo, RunnerSpec
+from ..step_result import dispatch
+from ..core.text_mode import Vocabularies
+from ..transports.transport import ThreadTransport
 
 RECENT_EVENTS = 4096  # events kept engine-wide for the planner's history and Router-wide views
 
@@ -194,9 +194,9 @@ class Engine:
             EngineDeadError: a sub-server is dead (names it and why).
             ValueError: ``concurrency < 1``.
             TypeError: ``policy`` is not a `Policy` instance (e.g. the class itself) or its
-                ``needs`` is not a `Needs` (`tokenrouter_sdk.engine.policy_host.check_policy`).
+                ``needs`` is not a `Needs` (`tokenrouter_sdk.engine.core.policy_host.check_policy`).
             ValueError: a policy that needs one vocabulary for models that do not share a
-                tokenizer (`tokenrouter_sdk.engine.policy_host.check_vocabulary`).
+                tokenizer (`tokenrouter_sdk.engine.core.policy_host.check_vocabulary`).
 
         A policy hook (``entry``, ``may_use`` here; ``route``, ``send``, ``receive`` on the
         sub-servers) that raises or returns a value it may not fails only its request, with an

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from ..request import RequestConfig, RequestOutput
+from ...request import RequestConfig, RequestOutput
 from .detokenizer import ByteDetokenizer, IncrementalDetokenizer, StopMatcher
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The narrow seams between a user's handles and the engine that runs them.
 
-A `tokenrouter_sdk.engine.call.Call` (one ``generate``/``submit``) and its
-`tokenrouter_sdk.engine.request_handle.RequestHandle`s are what a user holds; they reach the
+A `tokenrouter_sdk.engine.front.call.Call` (one ``generate``/``submit``) and its
+`tokenrouter_sdk.engine.front.request_handle.RequestHandle`s are what a user holds; they reach the
 engine only through `EngineLink` (a handle reaches its call only through `CallLink`), so the
 handle modules import no engine module and the engine is free to change how it keeps them.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..request import SamplingParams
+from ...request import SamplingParams
 
 
 def make_generator(seed: int | None, model_index: int, device) -> torch.Generator | None:

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from ..policy import Handoff, Needs, Policy, Resample, StepBatch
-from ..request import RequestView
+from ...policy import Handoff, Needs, Policy, Resample, StepBatch
+from ...request import RequestView
 from .commit_rules import given_tokens
 
 if TYPE_CHECKING:

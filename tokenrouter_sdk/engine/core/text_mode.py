@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..byte_vocab import ByteVocab, TokenizerBytesError, unspellable
+from ...byte_vocab import ByteVocab, TokenizerBytesError, unspellable
 
 
 @dataclass

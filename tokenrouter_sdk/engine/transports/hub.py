@@ -5,8 +5,8 @@
 every sub-server connects to, one hub thread that moves the engine's messages to the
 sub-servers, a sub-server's step results to its peers and the engine, and reports a sub-server's
 end. How the sub-servers start, are watched and end is its `Launcher`'s: local processes
-(`tokenrouter_sdk.engine.process_transport.ProcessLauncher`) or Ray actors
-(`tokenrouter_sdk.engine.ray_transport.RayLauncher`). The launcher hands back one `Started`
+(`tokenrouter_sdk.engine.transports.process_transport.ProcessLauncher`) or Ray actors
+(`tokenrouter_sdk.engine.transports.ray_transport.RayLauncher`). The launcher hands back one `Started`
 per model, which the hub watches; it never reads the launcher's own state.
 
 Layout::
@@ -49,9 +49,9 @@ import time
 import traceback
 from typing import Callable, Protocol
 
-from . import messages as M
+from .. import messages as M
 from .codec import FRAMES, Frame, decode, encode, split_result
-from .runner import dead_letter
+from ..runner import dead_letter
 from .wire import _child_spec, policy_blob
 
 

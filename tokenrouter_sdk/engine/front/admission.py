@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 
-from .prefix_cache import chain_keys
+from ..core.prefix_cache import chain_keys
 
 
 class KVReservation:
