@@ -473,6 +473,20 @@ def test_a_changed_header_is_another_build(tmp_path, monkeypatch):
     assert cpu_kernels.build_name() != name
 
 
+def test_another_environment_is_another_build(tmp_path, monkeypatch):
+    """The build file names torch's and Python's include folders: two environments (venvs) with the
+    same torch version and sources get their own builds, so neither rebuilds the other's in turn."""
+    import sysconfig
+    name = cpu_kernels.build_name()
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other_venv" / "torch" / "__init__.py"))
+    assert cpu_kernels.build_name() != name
+    monkeypatch.undo()
+    assert cpu_kernels.build_name() == name
+    paths = dict(sysconfig.get_paths(), include=str(tmp_path / "include"))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: paths)
+    assert cpu_kernels.build_name() != name
+
+
 def test_staging_sources_leaves_unchanged_copies_alone_and_replaces_changed_ones(tmp_path, monkeypatch):
     """The same bytes staged from two places keep one path and one modification time (so ninja
     sees nothing new); other bytes replace the copy."""

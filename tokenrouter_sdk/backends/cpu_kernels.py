@@ -178,17 +178,22 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """The extension's name: ``tokenrouter_cpu_`` and a hash of what the binary depends on (the
-    sources' and headers' bytes, hashed again only when a file's path, size or modification
-    time changed)."""
+    """The extension's name: ``tokenrouter_cpu_`` and a hash of what the binary and its build
+    file depend on: the sources' and headers' bytes (hashed again only when a file's path, size
+    or modification time changed), the flags, torch's version, the CPU's flags, and where torch
+    and Python's headers are installed (the build file names them, so two environments sharing
+    one build would rebuild it in turn)."""
+    import sysconfig
     files = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in SOURCES + HEADERS)
-    return _hashed_name(files, " ".join(CFLAGS + LDFLAGS), torch.__version__)
+    where = f"{Path(torch.__file__).parent}|{sysconfig.get_paths()['include']}"
+    return _hashed_name(files, " ".join(CFLAGS + LDFLAGS), torch.__version__, where)
 
 
 @functools.lru_cache(maxsize=8)
-def _hashed_name(files: tuple, flags: str, version: str) -> str:
+def _hashed_name(files: tuple, flags: str, version: str, where: str) -> str:
     h = hashlib.sha256()
-    for part in (*(Path(f).read_bytes() for f, _, _ in files), flags.encode(), version.encode(), _cpu_flags().encode()):
+    for part in (*(Path(f).read_bytes() for f, _, _ in files), flags.encode(), version.encode(), _cpu_flags().encode(),
+                 where.encode()):
         h.update(part)
     return "tokenrouter_cpu_" + h.hexdigest()[:16]
 
