@@ -199,7 +199,7 @@ def main(argv=None) -> int:
             tabs = {}
             for r in (hf, eager, nok, comp):
                 tabs[id(r)] = []
-                for i in range(b):
+                for _ in range(b):
                     t: list[int] = []
                     blocks_of(r).ensure(t, a.context + a.steps * 4 + 16)
                     tabs[id(r)].append(t)

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             tabs = {}
             for r in (tp, one):
                 tabs[id(r)] = []
-                for i in range(b):
+                for _ in range(b):
                     t: list[int] = []
                     blocks_of(r).ensure(t, a.context + a.steps + 8)
                     tabs[id(r)].append(t)

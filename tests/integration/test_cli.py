@@ -70,7 +70,7 @@ def test_demo_subprocess():
                                    "large", "tokens", "wall", "s", "tok/cpu-s"], lines[head]
     rows = {cells[0]: cells for cells in (line.split() for line in lines[head + 2:head + 5])}
     assert list(rows) == ["large-only", "small-only", "routed"], lines[head:head + 5]
-    for name, cells in rows.items():
+    for cells in rows.values():
         correct, tok_s, ratio, share, hop, agree, tokens, wall = cells[1:9]
         assert correct == "-"  # a prompt of one's own has no reference answer
         assert float(tok_s) > 0 and float(wall) > 0 and 1 <= int(tokens) <= 16

@@ -76,7 +76,7 @@ def test_each_cell_says_where_its_time_went(tmp_path):
     by = {(c.policy, c.retain_kv): c for c in cells}
     routed, large = by[("random30", True)], by[("large_only", True)]
     for c in cells:
-        for model, a in c.accounting.items():
+        for a in c.accounting.values():
             assert sum(a["batch_hist"].values()) == a["steps"] == a["decode_steps"] + a["mixed_steps"]
             assert sum(b * k for b, k in a["batch_hist"].items()) == round(a["mean_batch"] * a["steps"])
             assert a["forward_s"] <= a["step_s"] + 1e-9 and a["step_s"] <= c.wall_s * 1.01

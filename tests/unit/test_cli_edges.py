@@ -150,7 +150,7 @@ def test_ctrl_c_stops_the_server_without_a_traceback(folders):
             p.send_signal(signal.SIGABRT)
             out, err = p.communicate(timeout=30)
             why = f"the server did not stop within 60 s of Ctrl-C; its threads then:\n{err[-6000:]}"
-            warnings.warn(why)  # the warnings summary shows it even while the test is a known failure
+            warnings.warn(why, stacklevel=1)  # the warnings summary shows it even while the test is a known failure
             pytest.fail(why)
     finally:
         if p.poll() is None:

@@ -96,7 +96,7 @@ def test_fixed_shape_steps_equal_eager_forward(qwen3):
         prompts = [[rng.randrange(1, 250) for _ in range(rng.randint(2, 400))] for _ in range(b)]
         te, tf = _prefill(eager, prompts, extra=80), _prefill(fixed, prompts, extra=80)
         lens = [len(p) for p in prompts]
-        for step in range(4):
+        for _ in range(4):
             feed = [[rng.randrange(1, 250) for _ in range(rng.choice([1, 1, 2, 7, 20]))] for _ in range(b)]
             le, he, _ = eager.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, te)])
             lf, hf, _ = fixed.forward([SeqInput(f, n, t) for f, n, t in zip(feed, lens, tf)])

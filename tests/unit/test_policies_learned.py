@@ -135,7 +135,7 @@ def run_recorded(pair, tok, pol, prompts, params, concurrency):
     """Engine outputs, and every (rid, model, position, sampled token, decision) route_batch saw."""
     log = []
 
-    def recording(batch, _orig=type(pol).route_batch):
+    def recording(batch, _orig=type(pol).route_batch):  # noqa: B008 - the class method, bound once
         out = _orig(pol, batch)
         log.extend((r.rid, batch.model, r.n_generated, int(t), d) for r, t, d in zip(batch.requests, batch.tokens, out))
         return out

@@ -121,7 +121,7 @@ def test_train_r2r_end_to_end(pair, tmp_path):
     with Router({"small": small, "large": large}, pol, tokenizer=tok) as router:
         outs = router.generate(PROMPTS[:3], max_new_tokens=12)
         ids = [router.encode(p) for p in PROMPTS[:3]]
-    for i, (o, p) in enumerate(zip(outs, ids)):
+    for o, p in zip(outs, ids):
         ref = reference_generate({"small": small, "large": large}, p, pol, params, rid=o.rid, tokenizer=tok,
                                  eos_ids=(tok.eos_token_id,))
         assert (o.token_ids, o.token_models) == (ref["token_ids"], ref["token_models"])

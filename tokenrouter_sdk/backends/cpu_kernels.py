@@ -159,7 +159,7 @@ def _find_ninja() -> None:
 
 def _loaded() -> bool:
     try:
-        torch.ops.tokenrouter_cpu.paged_attention
+        _ = torch.ops.tokenrouter_cpu.paged_attention  # raises until the library is loaded
     except (AttributeError, RuntimeError):
         return False
     return True

@@ -39,7 +39,7 @@ def _floats(s: str) -> list[float]:
     try:
         return [float(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--values must be comma-separated numbers, e.g. 0.02,0.05,0.1; got {s!r}")
+        raise argparse.ArgumentTypeError(f"--values must be comma-separated numbers, e.g. 0.02,0.05,0.1; got {s!r}") from None
 
 
 def _shares(s: str) -> list[float]:
@@ -234,7 +234,7 @@ def _sweep(registry, entry, fixed: dict, param: str, values, prog: str):
     """``(name, factory value -> policy, param, values)`` of a policy swept over ``param``."""
     from ..policies.registry import PolicySpecError
 
-    def factory(v, _name=entry.name, _fixed=dict(fixed), _param=param):
+    def factory(v, _name=entry.name, _fixed=dict(fixed), _param=param):  # noqa: B006 - bound per entry
         try:
             v = int(v) if isinstance(v, float) and v.is_integer() else v  # 1.0 fits an int argument too
             return registry.build({"name": _name, **_fixed, _param: v})
@@ -351,7 +351,7 @@ def cmd_eval(args) -> int:
         try:
             res = merge_sweep(args.out)
         except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"tokenrouter eval: {e}")
+            raise SystemExit(f"tokenrouter eval: {e}") from None
         print(res.table())
         print(f"\n{len(res.records)} points from {res.config['shards']} shards merged; wrote {args.out}/results.csv, "
               f"results.json, plot.html{_figures_text(args.out)}")

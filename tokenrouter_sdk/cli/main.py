@@ -280,7 +280,7 @@ def cmd_bench(args) -> int:
         try:
             prompts = load_prompts(args.data or "gsm8k", 64)
         except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"tokenrouter bench: --data: {e}")
+            raise SystemExit(f"tokenrouter bench: --data: {e}") from None
     if args.backend != "sim":
         if args.max_kv_tokens:
             kw["max_kv_tokens"] = args.max_kv_tokens

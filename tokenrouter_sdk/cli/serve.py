@@ -41,7 +41,7 @@ def build(args):
         from ..serve.app import create_app
         from ..serve.server import bind, url_of
     except ImportError as e:
-        raise SystemExit(f"tokenrouter serve needs the serve extra: pip install 'tokenrouter-sdk[serve]' ({e})")
+        raise SystemExit(f"tokenrouter serve needs the serve extra: pip install 'tokenrouter-sdk[serve]' ({e})") from None
     from .common import build_policy, build_router, policy_registry
 
     prog = "tokenrouter serve"
@@ -73,7 +73,7 @@ def build(args):
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
-        raise SystemExit(f"tokenrouter serve: {e}")
+        raise SystemExit(f"tokenrouter serve: {e}") from None
     try:
         router = build_router(args, prog, policy, **settings)
     except BaseException:

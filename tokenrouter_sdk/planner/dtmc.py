@@ -171,10 +171,10 @@ def _solve_chain(N: int, B: tuple[int, int], q: tuple[float, float], keep: tuple
     big = np.int64(1) << 40
     while front.size:
         c = front
-        r1 = c % dims[4]; c = c // dims[4]
-        b1 = c % dims[3]; c = c // dims[3]
-        r0 = c % dims[2]; c = c // dims[2]
-        b0 = c % dims[1]; Q0 = c // dims[1]
+        c, r1 = divmod(c, dims[4])
+        c, b1 = divmod(c, dims[3])
+        c, r0 = divmod(c, dims[2])
+        Q0, b0 = divmod(c, dims[1])
         Q1 = N - Q0 - b0 - b1
         tau = np.minimum(np.where(b0 > 0, r0, big), np.where(b1 > 0, r1, big))
         if np.any(tau == big):
@@ -212,7 +212,9 @@ def _solve_chain(N: int, B: tuple[int, int], q: tuple[float, float], keep: tuple
         o = np.argsort(allc, kind="stable")
         known, known_idx = allc[o], alli[o]
         dst = known_idx[np.searchsorted(known, codes)]
-        srcs.append(a["src"]); dsts.append(dst); ws.append(a["p"])
+        srcs.append(a["src"])
+        dsts.append(dst)
+        ws.append(a["p"])
         first += front.size
         n_states += new.size
         if n_states > max_states:

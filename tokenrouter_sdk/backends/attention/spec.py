@@ -223,8 +223,8 @@ def read_spec(model, *, allow_unknown: bool = False, probes: list | None = None)
     if final is not None and kind not in FINAL_SOFTCAP_TYPES:
         refuse("the LM head", f"final-logit soft-capping (final_logit_softcapping={final}) on model type {kind!r}")
         final = None
-    for field, what in POST_HEAD_FIELDS.items():
-        val = getattr(cfg, field, None)
+    for attr, what in POST_HEAD_FIELDS.items():
+        val = getattr(cfg, attr, None)
         if val not in (None, 1, 1.0):
             refuse("the LM head", f"{what} = {val}")
 

@@ -44,7 +44,7 @@ def step_time_ratio(small, large, batch_sizes=(1, 8), prompt_tokens: int = 128, 
             o = mdl(input_ids=ids.to(mdl.device), cache=cache, use_cache=True, logits_to_keep=1)
             nxt = o.logits[:, -1].argmax(-1, keepdim=True)
             times = []
-            for s in range(steps):
+            for _ in range(steps):
                 t0 = time.perf_counter()
                 o = mdl(input_ids=nxt, cache=cache, use_cache=True)
                 nxt = o.logits[:, -1].argmax(-1, keepdim=True)
