@@ -2,9 +2,9 @@
 
 It owns a scheduler, a runner with its private KV storage and the block allocator over it, and
 the `PolicyHost` that runs the policies of the requests it owns. It learns about requests only
-from messages (`Admit`, `HandoffMsg`, `Release`, `Abort`) and reports only through events
-(`Committed`, `Hopped`, `Finished`, `StepDone`), so the same loop runs in a thread, in a process
-or in simulated time.
+from messages (`Admit`, `HandoffMsg`, `Release`, `Abort`: their handlers are `arrivals.Arrivals`,
+its base class) and reports only through events (`Committed`, `Hopped`, `Finished`, `StepDone`),
+so the same loop runs in a thread, in a process or in simulated time.
 
 One step (`SubServer.step`): schedule a batch (prefill, decode and extend mixed), one forward
 (`forward_each`), mask the vocabulary to the tokenizer's, sample (greedily after a
@@ -38,25 +38,25 @@ import torch
 from ...policy import Handoff
 from ...request import SamplingParams
 from .. import messages as M
+from .arrivals import Arrivals
 from .block_allocator import blocks_of
 from .commit_rules import commit_text, commit_token, given_tokens, logprobs
 from ..config import MODES, EngineConfig, Mode
 from .forward import forward_each
 from .policy_host import PolicyHost, RequestFailed
 from ..runner import SeqInput
-from .sampler import make_generator, sample
-from .scheduler import RequestState, Scheduler, Seq
+from .sampler import sample
+from .scheduler import Scheduler, Seq
 from ..step_result import StepResult, UnknownMessage, dispatch
-from .text_mode import TextMode, TextView, retokenize
+from .text_mode import TextMode
 
-ABORTED_KEPT = 65536  # aborted request ids remembered for handoffs still in flight
 GREEDY = SamplingParams()  # how a request samples after a Handoff(greedy=True)
 TEXT_CACHE_HOLD = 8  # models without one tokenizer: a request's last tokens stay out of the prefix cache
 
 __all__ = ["SubServer", "StepResult", "UnknownMessage", "RequestFailed", "MODES", "Mode"]
 
 
-class SubServer:
+class SubServer(Arrivals):
     """Serves one model.
 
     Args:
@@ -138,23 +138,6 @@ class SubServer:
         """
         dispatch(self._handlers, msg, f"sub-server '{self.name}'")
 
-    def _admit(self, msg: M.Admit) -> None:
-        cfg = msg.config
-        prompt = cfg.prompt_of(self.name)
-        seen = dict.fromkeys([*msg.peers, self.name], len(prompt))
-        rs = RequestState(seen=seen, state=msg.state, seen_bytes={self.name: 0} if self.text is not None else {})
-        seq = Seq(cfg, list(prompt), rs, generator=make_generator(cfg.params.seed, self.index, self.runner.device),
-                  prompt_len=len(prompt), text=TextView() if self.text is not None else None)
-        seq.reuse = not self.host.needs(cfg.policy_key, "prompt_hidden")
-        if cfg.rid in self.aborted:
-            self._end_aborted(seq)
-        else:
-            self._own(seq)
-
-    def _release(self, msg: M.Release) -> None:
-        self.sched.remove(msg.rid)
-        self.aborted.pop(msg.rid, None)  # it ended: no handoff of it can follow
-
     def _shutdown(self, msg: M.Shutdown) -> None:
         self._running = False
 
@@ -167,117 +150,6 @@ class SubServer:
     def stats(self, token: int = 0) -> M.Stats:
         """This sub-server's KV pool and request counts, as a `Stats` event (`Scheduler.stats`)."""
         return self.sched.stats(self.name, token)
-
-    def _prefill(self, msg: M.Prefill) -> None:
-        """Admission prefill of a peer: feed the prompt in a coming step, then keep it pending.
-        One that cannot run here (aborted, too big for the pool) is skipped: a later handoff
-        carries the config and prefills on arrival."""
-        cfg = msg.config
-        if cfg.rid in self.aborted or cfg.rid in self.sched.seqs:
-            return
-        prompt = cfg.prompt_of(self.name)
-        n = len(prompt)
-        seq = Seq(cfg, list(prompt), RequestState(seen={msg.entry: n, self.name: n}), prefill_only=True,
-                  generator=make_generator(cfg.params.seed, self.index, self.runner.device), prompt_len=n,
-                  text=TextView() if self.text is not None else None)
-        if not self.sched.too_big(seq):
-            self.sched.add_owned(seq)
-
-    def _abort(self, msg: M.Abort) -> None:
-        self.aborted[msg.rid] = (msg.reason, msg.error)
-        while len(self.aborted) > ABORTED_KEPT:
-            self.aborted.popitem(last=False)
-        seq = self.sched.owned.get(msg.rid)
-        if seq is not None and seq.prefill_only:  # not ours to report: the owner does; a late handoff finds the mark
-            self.sched.remove(msg.rid)
-        elif seq is not None:
-            self._end_aborted(seq)
-        else:
-            self.sched.remove(msg.rid)  # pending here (or unknown): free its KV
-
-    def _end_aborted(self, seq: Seq) -> None:
-        reason, error = self.aborted.pop(seq.rid, ("aborted", "aborted by the user"))
-        self.sched.seqs[seq.rid] = seq
-        self._finish(seq, reason, error)
-
-    def _own(self, seq: Seq) -> None:
-        if self.sched.too_big(seq):
-            self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", self.sched.kv_error(seq, self.name))
-            return
-        self.sched.add_owned(seq)
-
-    def _receive(self, msg: M.HandoffMsg) -> None:
-        seq = self.sched.seqs.get(msg.rid)
-        if seq is None and msg.config is None:  # our KV of it was freed by an abort meanwhile
-            if msg.rid in self.aborted:
-                reason, error = self.aborted.pop(msg.rid)
-                self._emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
-                for m, n in msg.request.seen.items():
-                    if m != self.name and n > 0:
-                        self._send(m, M.Release(msg.rid))
-            return
-        if self.text is not None:
-            self._receive_text(seq, msg)
-            return
-        if seq is None:
-            known = msg.request.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
-            seq = Seq(msg.config, list(msg.config.prompt_ids[:known]),
-                      generator=make_generator(msg.config.params.seed, self.index, self.runner.device))
-        seq.prefill_only = False
-        seq.tokens.extend(msg.suffix)
-        if seq.kv_len >= len(seq.tokens):  # peer discarded and bounced back: recompute the last position
-            self.sched.rewind(seq, len(seq.tokens) - 1)
-        seq.rs, seq.resamples = msg.request, 0
-        if msg.rid in self.aborted:
-            self._end_aborted(seq)
-            return
-        if len(seq.tokens) != msg.request.seen[self.name]:
-            self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", f"internal error: model '{self.name}' holds {len(seq.tokens)} "
-                         f"tokens of request {seq.rid}, the handoff says {msg.request.seen[self.name]}")
-            return
-        bad = [t for t in msg.suffix if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", f"model '{msg.src}' wrote token id {bad[0]}, outside model '{self.name}'s "
-                         f"vocabulary [0, {self.runner.vocab_size}); the models must share one tokenizer")
-            return
-        self._take_over(seq, msg)
-
-    def _receive_text(self, seq: Seq | None, msg: M.HandoffMsg) -> None:
-        """A handoff between models that do not share a tokenizer: encode the committed bytes
-        this model has not seen (``msg.data``) in its tokens, re-encoding the end of its view as
-        far back as the token boundary requires (`TextView.receive`); rewind the KV to the first
-        token that changed, so the next step feeds the rest."""
-        if seq is None:
-            prompt = msg.config.prompt_of(self.name)
-            seq = Seq(msg.config, list(prompt), generator=make_generator(msg.config.params.seed, self.index,
-                                                                        self.runner.device),
-                      prompt_len=len(prompt), text=TextView())
-        seq.prefill_only = False
-        kv = seq.kv_len
-        retokenize(seq, self.text.vocab, msg.data, self.sched)
-        seq.rs, seq.resamples = msg.request, 0
-        self._emit(M.Retokenized(seq.rid, self.name, max(0, kv - seq.kv_len), len(seq.tokens) - seq.kv_len,
-                                 len(seq.tokens), self.clock()))
-        if msg.rid in self.aborted:
-            self._end_aborted(seq)
-            return
-        if len(seq.tokens) >= self.runner.max_context:
-            self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "length", None)
-            return
-        self._take_over(seq, msg)
-
-    def _take_over(self, seq: Seq, msg: M.HandoffMsg) -> None:
-        """The policy's ``receive`` hook, then this model owns ``seq``."""
-        error = self.host.receive(seq, msg.keep_sampled)
-        if error is not None:
-            self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", *error)
-            return
-        self._own(seq)
 
     # -- the loop -------------------------------------------------------------------------
     def delayed_ok(self) -> bool:
