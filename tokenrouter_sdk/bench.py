@@ -161,7 +161,7 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
             th = ""
             if mode == "delayed":
                 r.set_thresholds(_thresholds(r, policy, n, thresholds))
-                th = ",".join(f"{k}={v}" for k, v in r.engine.thresholds.items())
+                th = ",".join(f"{k}={v}" for k, v in r.thresholds.items())
             work = [prompts[i % len(prompts)] for i in range(2 * n)]
             call = r.submit(work, policy=policy, max_new_tokens=new, ignore_eos=True, concurrency=n)
             call.wait()

@@ -20,7 +20,7 @@ import traceback
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 from .deferred import LazyModels
 from .engine.config import EngineConfig
@@ -767,6 +767,82 @@ class Router:
             ValueError: a threshold below 1 or an unknown model name.
         """
         self.engine.set_thresholds(thresholds)
+
+    # -- engine state ---------------------------------------------------------------------
+    @property
+    def thresholds(self) -> dict[str, int]:
+        """The delayed batching thresholds B_i in force now: model -> requests (a copy; 1 for
+        every model unless set by ``thresholds=``, `set_thresholds` or ``"auto"`` planning)."""
+        return dict(self.engine.thresholds)
+
+    @property
+    def runners(self) -> dict:
+        """Per model, its runner for inspection: the runner object where it lives in this process,
+        else its `tokenrouter_sdk.engine.runner.RemoteRunner` view (a new dict each read)."""
+        return self.engine.runners
+
+    @property
+    def dead(self) -> dict[str, str]:
+        """Models whose sub-server died: model -> why (a copy; empty while all serve)."""
+        return self.engine.dead
+
+    @property
+    def vocab_limit(self) -> int:
+        """Token ids a prompt may hold are in ``[0, vocab_limit)``: the last model's vocabulary
+        size (token ids, an int)."""
+        return self.engine.vocab_limit
+
+    @property
+    def kv_capacity(self) -> dict[str, tuple[int, int]]:
+        """Per model, its KV pool as built: model -> ``(blocks, block_size)`` (block_size in
+        tokens; a prompt plus its new tokens must fit ``blocks * block_size`` tokens). A copy."""
+        return dict(self.engine.capacity)
+
+    @property
+    def transport_name(self) -> str:
+        """The class name of the transport the sub-servers run on: ``"ThreadTransport"``,
+        ``"ProcessTransport"``, ``"RayTransport"`` or ``"SimTransport"``."""
+        return type(self.engine.transport).__name__
+
+    @property
+    def child_threads(self) -> int | None:
+        """Torch threads each sub-server process (or Ray actor) runs with; None where the
+        sub-servers run in this process (threads, ``backend="sim"``) or the count is not set yet."""
+        return getattr(self.engine.transport, "child_threads", None)  # only transports with child processes have it
+
+    def pids(self) -> dict[str, int] | None:
+        """Per model, the process id of its sub-server (for a Ray actor, its pid on its node);
+        None where the sub-servers run in this process (threads, ``backend="sim"``)."""
+        pids = getattr(self.engine.transport, "pids", None)  # only transports with child processes have it
+        return pids() if pids is not None else None
+
+    def request_counts(self) -> dict[str, int]:
+        """Requests now: ``{"in_flight": admitted and not ended, "waiting": submitted and not
+        admitted yet}`` (counts, read under the engine lock)."""
+        return self.engine.request_counts()
+
+    def recent_events(self) -> list:
+        """A snapshot of the last engine-wide events (`tokenrouter_sdk.engine.messages` events,
+        oldest first; at most `tokenrouter_sdk.engine.front.engine.RECENT_EVENTS`)."""
+        return self.engine.recent_events()
+
+    def add_observer(self, fn: Callable[[object], None]) -> Callable[[], None]:
+        """Call ``fn(event)`` for every engine event (`tokenrouter_sdk.engine.messages`), on the
+        engine thread under the engine lock, so keep it short; returns a function of no
+        arguments that removes it. For Router-wide counters and exporters."""
+        return self.engine.add_observer(fn)
+
+    def submit_unplanned(self, reqs: list[RequestInput], policy: Policy, concurrency: int | None = None) -> Call:
+        """Submit built inputs to the engine as they are: no ``"auto"`` threshold planning, no
+        feasibility check of the thresholds, and the call does not become this thread's last
+        call (`trace`, `metrics`). For measurement runs of the Router itself, such as the
+        planner's pilot (`tokenrouter_sdk.planner.for_router.pilot_trace`); use `submit_inputs`
+        otherwise. Returns the `Call`.
+
+        Raises:
+            EngineDeadError: a sub-server died (names it).
+        """
+        return self.engine.submit(reqs, policy, concurrency=concurrency)
 
     # -- results --------------------------------------------------------------------------
     @property

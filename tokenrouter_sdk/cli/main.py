@@ -147,7 +147,7 @@ def cmd_demo(args) -> int:
         models = list(router.models)
         print(f"models : {', '.join(models)} (loaded in {time.perf_counter() - t0:.1f} s)")
         print(f"policy : {policy!r}")
-        threads = getattr(router.engine.transport, "child_threads", None) or torch.get_num_threads()
+        threads = router.child_threads or torch.get_num_threads()
         print(f"run    : {len(prompts)} prompt{'s' * (len(prompts) != 1)} from {source}, "
               f"max_new_tokens={args.max_new_tokens}, concurrency={args.concurrency}, "
               f"prefill_peers={not args.no_prefill_peers}, torch threads per model={threads}")

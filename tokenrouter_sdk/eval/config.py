@@ -51,13 +51,13 @@ def describe_model(model) -> dict:
 
 def describe_router(router) -> dict:
     """Models (smallest first) and engine settings of a `Router`."""
-    eng = router.engine
+    cfg = router.config
     info = getattr(router.models, "info", router.models.__getitem__)  # a model loaded elsewhere stays there
     return {"models": {n: describe_model(info(n)) for n in router.models},
             "tokenizer": type(router.tokenizer).__name__ + ":" + str(getattr(router.tokenizer, "name_or_path", "")),
-            "mode": eng.config.mode, "retain_kv": eng.config.retain_kv, "prefix_cache": eng.config.prefix_cache,
-            "thresholds": _jsonable(dict(eng.thresholds or {})), "max_batch_tokens": eng.config.max_batch_tokens,
-            "transport": type(eng.transport).__name__}
+            "mode": cfg.mode, "retain_kv": cfg.retain_kv, "prefix_cache": cfg.prefix_cache,
+            "thresholds": _jsonable(router.thresholds), "max_batch_tokens": cfg.max_batch_tokens,
+            "transport": router.transport_name}
 
 
 def library_versions() -> dict:

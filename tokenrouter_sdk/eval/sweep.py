@@ -252,7 +252,7 @@ class _Runner:
         self.concurrency, self.bar, self.cache, self.deferred = concurrency, bar, cache, deferred
         self.points_dir = Path(out_dir) / "points" if out_dir is not None else None
         self.large = list(router.models)[-1]
-        self.sim = getattr(router.engine.config, "backend", None) == "sim"
+        self.sim = router.config.backend == "sim"
         self.records: dict[str, dict] = {}
         self.answers: dict[str, list] = {}
         self.runs: dict[str, list] = {}

@@ -47,13 +47,13 @@ def router_latency(router, n: int = 16, **profile_kw) -> dict[str, LatencyModel]
     top = max(16, n)
     sizes = tuple(sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top}))
     for name in router.models:
-        runner = router.engine.runners[name]
+        runner = router.runners[name]
         lat = getattr(runner, "latency", None)
         if isinstance(lat, LatencyModel):
             out[name] = lat
             continue
         model = router.models[name]
-        threads = getattr(router.engine.transport, "child_threads", None) or torch.get_num_threads()
+        threads = router.child_threads or torch.get_num_threads()
         graphs = bool(getattr(runner, "cuda_graphs", False))
         key = (threads, "cuda_graphs") if graphs else threads
         # kept on the model object itself (not in a global), per torch thread count (and graphs)
@@ -101,7 +101,7 @@ def plan_router(router, policy, n: int, *, trace: list | None = None, prompts: S
         q = {small: p, large: 1.0}
         kw.setdefault("keep", {small: 0.0, large: 1.0})
         kw.setdefault("extra_tokens", {small: 0.0, large: (1 - p) / p if p > 0 else 0.0})
-        recent = [ev for ev in router.engine.recent_events()[-HISTORY_EVENTS:] if isinstance(ev, StepDone)]
+        recent = [ev for ev in router.recent_events()[-HISTORY_EVENTS:] if isinstance(ev, StepDone)]
         return plan_thresholds(_with_overhead(router, lat, names, recent, min_steps=20), q, n, **kw)
     if trace is None:
         trace = pilot_trace(router, policy, n, prompts, pilot_tokens)
@@ -116,16 +116,15 @@ def pilot_trace(router, policy, n: int, prompts: Sequence | None = None, pilot_t
     (default `PILOT_PROMPTS`, cycled), ``pilot_tokens`` tokens each (EOS ignored), at concurrency
     ``n``, with every delayed-batching threshold at 1 meanwhile (restored afterwards)."""
     from ..request import SamplingParams
-    eng = router.engine
     plist = list(prompts or PILOT_PROMPTS)
     plist = [plist[i % len(plist)] for i in range(max(n, 4))]
     reqs = router.requests(plist, sampling=SamplingParams(max_new_tokens=pilot_tokens, ignore_eos=True))
-    old = dict(eng.thresholds)
-    delayed = eng.config.mode.batches_delayed
+    old = router.thresholds
+    delayed = router.config.mode.batches_delayed
     if delayed:
-        eng.set_thresholds({m: 1 for m in eng.models})
+        router.set_thresholds({m: 1 for m in router.models})
     try:
-        call = eng.submit(reqs, policy, concurrency=n)
+        call = router.submit_unplanned(reqs, policy, concurrency=n)
         try:
             call.wait()
         except BaseException:
@@ -133,7 +132,7 @@ def pilot_trace(router, policy, n: int, prompts: Sequence | None = None, pilot_t
             raise
     finally:
         if delayed:
-            eng.set_thresholds(old)
+            router.set_thresholds(old)
     return list(call.events)
 
 
@@ -142,7 +141,7 @@ def _with_overhead(router, lat: dict[str, LatencyModel], names: list[str], trace
     """``lat`` plus each model's measured per-step overhead outside the forward
     (`estimate_step_overhead` of ``trace``), when the backend is real and ``trace`` holds at least
     ``min_steps`` steps of every model; else ``lat`` unchanged (the sim backend has no overhead)."""
-    if any(isinstance(getattr(r, "latency", None), LatencyModel) for r in router.engine.runners.values()):
+    if any(isinstance(getattr(r, "latency", None), LatencyModel) for r in router.runners.values()):
         return lat
     counts = {m: sum(1 for ev in trace if isinstance(ev, StepDone) and ev.model == m) for m in names}
     if min(counts.values()) < max(1, min_steps):

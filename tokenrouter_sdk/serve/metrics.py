@@ -80,11 +80,11 @@ class ServerMetrics:
         Gauge(p + "hop_rate", "Hops per committed token since start", registry=reg).set_function(self.hop_rate)
         Gauge(p + "large_fraction", "Share of committed tokens written by the largest model since start",
               registry=reg).set_function(self.large_fraction)
-        engine = router.engine
+        counts = router.request_counts
         Gauge(p + "requests_in_flight", "Requests admitted and not ended", registry=reg).set_function(
-            lambda: engine.request_counts()["in_flight"])
+            lambda: counts()["in_flight"])
         Gauge(p + "requests_waiting", "Requests submitted and not admitted yet", registry=reg).set_function(
-            lambda: engine.request_counts()["waiting"])
+            lambda: counts()["waiting"])
         self._lock = threading.Lock()
         self._tokens = {m: 0 for m in self.models}
         self._hops = 0
@@ -99,13 +99,13 @@ class ServerMetrics:
                          "tokens brought on arrival", ["model"], registry=reg)
         for m in self.models:
             hit_rate.labels(m).set_function(lambda m=m: self.prefix_hit_rate(m))
-        for m, (blocks, _) in engine.capacity.items():
+        for m, (blocks, _) in router.kv_capacity.items():
             self.kv_total.labels(m).set(blocks)
             self.kv_used.labels(m).set(0)
             self.queued.labels(m).set(0)
         for reason in ("eos", "length", "stop", "aborted", "failed"):
             self.finished.labels(reason)
-        self._remove = engine.add_observer(self.observe)
+        self._remove = router.add_observer(self.observe)
 
     # -- the observer (engine thread, under its lock: counters only) ---------------------------
     def observe(self, ev) -> None:

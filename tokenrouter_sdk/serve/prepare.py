@@ -101,7 +101,7 @@ def _unsupported(req, chat: bool) -> None:
 def _check_ids(router, ids: list[int], param: str) -> list[int]:
     if not ids:
         raise bad_request(param, f"{param} is empty: give at least one token of text")
-    vocab = router.engine.vocab_limit
+    vocab = router.vocab_limit
     bad = next((i for i in ids if not 0 <= i < vocab), None)
     if bad is not None:
         raise bad_request(param, f"{param} has token id {bad}, outside the vocabulary [0, {vocab})")
@@ -253,7 +253,7 @@ def sampling(router, req, prompts: list[list[int]], default_max: int | None) -> 
     elif longest + max_tokens > ctx:
         raise bad_request(name, f"{name}={max_tokens} with a prompt of {longest} tokens exceeds the context of {ctx} "
                                 f"tokens: set {name} to at most {ctx - longest}", "context_length_exceeded")
-    for model, (blocks, bs) in router.engine.capacity.items():
+    for model, (blocks, bs) in router.kv_capacity.items():
         if longest + max_tokens > blocks * bs:
             raise bad_request(name, f"the prompt ({longest} tokens) plus {name}={max_tokens} does not fit the KV pool "
                                     f"of model '{model}' ({blocks * bs} tokens): lower {name} to at most "

@@ -41,7 +41,7 @@ class AutoRestart:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._remove = router.engine.add_observer(self._observe)
+        self._remove = router.add_observer(self._observe)
 
     def _observe(self, ev) -> None:
         """Engine thread, under its lock: only hand the restart to a thread of its own."""

@@ -160,7 +160,7 @@ async def health(request: Request):
     except RuntimeError as e:
         raise APIError(503, f"unhealthy: {e}", None, "engine_unavailable") from None
     except TimeoutError as e:
-        dead, ages = router.engine.dead, st.metrics.step_ages()
+        dead, ages = router.dead, st.metrics.step_ages()
         models = {m: {"alive": m not in dead and ages.get(m, float("inf")) < BUSY_GRACE_S, "busy": True,
                       "last_step_s_ago": ages.get(m), "error": dead.get(m)} for m in router.models}
         ok = all(v["alive"] for v in models.values())
@@ -169,7 +169,7 @@ async def health(request: Request):
             body["error"] = {"message": f"unhealthy: {e}", "type": "server_error", "param": None,
                              "code": "engine_unavailable"}
         return JSONResponse(body, status_code=200 if ok else 503)
-    dead = router.engine.dead
+    dead = router.dead
     models = {m: {"alive": s.alive and m not in dead, "free_blocks": s.free_blocks, "num_blocks": s.num_blocks,
                   "owned": s.owned, "pending": s.pending, "error": s.error or dead.get(m)} for m, s in stats.items()}
     ok = all(v["alive"] for v in models.values())
@@ -224,7 +224,7 @@ async def detokenize(request: Request):
     ids = data.get("tokens") if isinstance(data, dict) else None
     if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise bad_request("tokens", "'tokens' must be a list of token ids")
-    vocab = st.router.engine.vocab_limit
+    vocab = st.router.vocab_limit
     if any(not 0 <= i < vocab for i in ids):
         raise bad_request("tokens", f"'tokens' has ids outside the vocabulary [0, {vocab})")
     return {"prompt": st.router.tokenizer.decode(ids)}

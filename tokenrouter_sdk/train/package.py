@@ -105,7 +105,7 @@ def calibrate_defer(router, factory, score, prompts: list[str], target: float, *
                       f"the large fraction it realises on other questions may be far from the target {target}; "
                       f"calibrate on more prompts (tokenrouter train --calibrate N, with --data holding N questions)",
                       UserWarning, stacklevel=3)
-    if getattr(router.engine.config, "processes", False):
+    if router.config.processes:
         raise ValueError("calibration records scores in this process: use Router(..., processes=False)")
     scores: list = []  # the last run's scores
 
