@@ -65,13 +65,13 @@ def process_cpu_s(router) -> dict[str, float] | None:
     """CPU seconds (user + system) used so far by each model's sub-server process, from
     ``/proc/<pid>/stat``; None when the sub-servers run in threads or ``/proc`` is missing. On a
     shared machine a run's wall time depends on the CPU share it got; its CPU seconds do not."""
-    pids = getattr(router.engine.transport, "pids", None)
+    pids = router.pids()
     if pids is None:
         return None
     out = {}
     try:
         tick = os.sysconf("SC_CLK_TCK")
-        for model, pid in pids().items():
+        for model, pid in pids.items():
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             out[model] = (int(fields[11]) + int(fields[12])) / tick

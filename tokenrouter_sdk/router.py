@@ -4,7 +4,7 @@ Synchronous ``generate`` (safe inside Jupyter, where an event loop already runs:
 lives in background threads, nothing here needs the caller's loop), ``agenerate`` for
 ``await``, ``stream``/``astream`` for text as it is written, ``abort``, ``metrics`` of a call,
 and ``close`` (idempotent; also a context manager, and called when the Router is
-garbage-collected). Every call is one `tokenrouter_sdk.engine.front.engine.Call` with its own
+garbage-collected). Every call is one `tokenrouter_sdk.engine.front.call.Call` with its own
 concurrency and events, so calls from several threads do not interfere; leaving a call early
 (an exception, Ctrl-C, a cancelled task, a closed stream) aborts its requests.
 """
@@ -815,6 +815,17 @@ class Router:
         None where the sub-servers run in this process (threads, ``backend="sim"``)."""
         pids = getattr(self.engine.transport, "pids", None)  # only transports with child processes have it
         return pids() if pids is not None else None
+
+    def check_alive(self) -> None:
+        """Report now a sub-server that stopped without saying so: its requests fail naming it
+        and later calls raise `tokenrouter_sdk.engine.front.engine.EngineDeadError` (a live view
+        calls it while it waits)."""
+        self.engine.check_alive()
+
+    def consistent(self):
+        """Context manager: while inside, the engine applies no event, so several reads of calls,
+        handles and outputs agree with each other. Keep it short: the engine waits."""
+        return self.engine.consistent()
 
     def request_counts(self) -> dict[str, int]:
         """Requests now: ``{"in_flight": admitted and not ended, "waiting": submitted and not

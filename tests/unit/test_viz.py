@@ -217,7 +217,7 @@ def test_live_view_keeps_nothing_of_the_router(pair, tok):
     outs = r.generate(mixed_prompts(3, seed=5), max_new_tokens=12, ignore_eos=True, live="widget")
     v = r.last_view
     keep = (outs, v, v.figure(), outs.show(), outs.timeline(), outs.metrics(), r.metrics(), r.kv_stats())
-    assert v.engine is None and v.call is None and v.handles is None
+    assert v.router is None and v.call is None and v.handles is None
     widgets = (v.widget, v.stats, v.toggle, v.answers, v.plot)
     live = list(ipywidgets.widgets.widget._instances.values())
     assert all(w.comm is None and not any(w is x for x in live) for w in widgets)

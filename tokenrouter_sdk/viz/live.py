@@ -62,7 +62,7 @@ class LiveView:
     Args:
         router: the `Router` (its tokenizer, models and engine are read; the view does not keep
             the Router).
-        handles: the call (`tokenrouter_sdk.engine.front.engine.Call`: its handles and events).
+        handles: the call (`tokenrouter_sdk.engine.front.call.Call`: its handles and events).
         kind: ``"auto"`` (widgets in a notebook, else text), ``"widget"`` or ``"text"``.
             ``"widget"`` outside a notebook builds and updates the widgets without displaying
             them (used to measure the view's cost). ``"auto"`` in a notebook without
@@ -84,7 +84,7 @@ class LiveView:
             raise ValueError(f"live view kind must be 'auto', 'widget' or 'text', got {kind!r}")
         if not interval > 0:
             raise ValueError(f"live view interval must be > 0 seconds, got {interval!r}")
-        self.engine, self.call, self.handles = router.engine, handles, list(handles)
+        self.router, self.call, self.handles = router, handles, list(handles)
         self.tokenizer, self.models = router.tokenizer, list(router.models)
         text = getattr(router, "text", None)
         self.vocabs = text.vocabs if text is not None else None  # models without one shared tokenizer
@@ -159,7 +159,7 @@ class LiveView:
                 h.done.wait(self.interval)
                 if deadline is not None and time.perf_counter() > deadline and not h.done.is_set():
                     raise TimeoutError(f"request {h.output.index} did not finish within {timeout} s")
-                self.engine.check_alive()
+                self.router.check_alive()
                 if time.perf_counter() - last >= self.gap:
                     self.update()
                     last = time.perf_counter()
@@ -170,7 +170,7 @@ class LiveView:
         if self.call is None:
             return
         t = time.perf_counter()
-        with self.engine.consistent():
+        with self.router.consistent():
             new = self.call.events_since(self._pos)
             self._pos += len(new)
             snap = {h.rid: (list(h.output.token_ids), list(h.output.token_models), list(h.output.discarded_log),
@@ -265,7 +265,7 @@ class LiveView:
             if not self._final and self.handles:
                 self.update(final=True)
         finally:
-            self.engine = self.call = self.handles = None
+            self.router = self.call = self.handles = None
             if self.kind == "text":
                 if not self.bar.disable:
                     self.bar.close()
