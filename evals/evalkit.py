@@ -31,10 +31,17 @@ def parser(script: str, doc: str | None) -> argparse.ArgumentParser:
     """An argument parser for the script at path ``script`` (pass ``__file__``), described by its
     docstring ``doc``, with ``--out DIR`` (default ``evals_out/``)."""
     path = Path(script).resolve()
-    p = argparse.ArgumentParser(prog=f"evals/{path.parent.name}/{path.name}", description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help=f"folder for the result files (default {DEFAULT_OUT}/): {path.stem}[_<cells>].json/.csv")
+    p = argparse.ArgumentParser(
+        prog=f"evals/{path.parent.name}/{path.name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"folder for the result files (default {DEFAULT_OUT}/): {path.stem}[_<cells>].json/.csv",
+    )
     return p
 
 
@@ -56,9 +63,14 @@ def environment() -> dict:
     import torch
     import transformers
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-           "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     if hasattr(os, "getloadavg"):
         env["loadavg"] = [round(x, 2) for x in os.getloadavg()]
     if torch.cuda.is_available():
@@ -67,8 +79,19 @@ def environment() -> dict:
     return env
 
 
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
-              "sve", "asimd")
+SIMD_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_int8",
+    "amx_tile",
+    "sve",
+    "asimd",
+)
 
 
 def cpu_description() -> dict:
@@ -90,14 +113,18 @@ def cpu_description() -> dict:
     for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
             level, kind = (idx / "level").read_text().strip(), (idx / "type").read_text().strip()
-            caches[f"L{level}{'d' if kind == 'Data' else 'i' if kind == 'Instruction' else ''}"] = \
+            caches[f"L{level}{'d' if kind == 'Data' else 'i' if kind == 'Instruction' else ''}"] = (
                 (idx / "size").read_text().strip()
+            )
         except OSError:
             continue
-    return {"model": info.get("model name", platform.processor() or platform.machine()),
-            "vendor": info.get("vendor_id", ""), "family_model_stepping":
-                "/".join(info.get(k, "?") for k in ("cpu family", "model", "stepping")),
-            "simd": [f for f in SIMD_FLAGS if f in flags], "caches": caches}
+    return {
+        "model": info.get("model name", platform.processor() or platform.machine()),
+        "vendor": info.get("vendor_id", ""),
+        "family_model_stepping": "/".join(info.get(k, "?") for k in ("cpu family", "model", "stepping")),
+        "simd": [f for f in SIMD_FLAGS if f in flags],
+        "caches": caches,
+    }
 
 
 class Output:
@@ -123,8 +150,11 @@ class Output:
         """Write the JSON (arguments, `environment`, ``rows``, ``extra``) and, when ``rows`` is
         given, the CSV (columns: the union of the rows' keys, in first-seen order). Prints and
         returns the paths."""
-        doc = {"script": self.name, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
-               "environment": environment()}
+        doc = {
+            "script": self.name,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
+            "environment": environment(),
+        }
         if rows is not None:
             doc["rows"] = rows
         doc.update(extra)
@@ -139,8 +169,12 @@ class Output:
                 w = csv.DictWriter(f, fieldnames=cols)
                 w.writeheader()
                 for r in rows:
-                    w.writerow({k: json.dumps(v, default=str) if isinstance(v, (dict, list, tuple)) else v
-                                for k, v in r.items()})
+                    w.writerow(
+                        {
+                            k: json.dumps(v, default=str) if isinstance(v, (dict, list, tuple)) else v
+                            for k, v in r.items()
+                        }
+                    )
         print("wrote " + ", ".join(str(p) for p in paths), flush=True)
         return paths
 

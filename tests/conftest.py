@@ -30,8 +30,11 @@ def pair():
 @pytest.fixture(scope="session")
 def trio():
     """Three float64 tiny models of different depth and weights."""
-    return {"s": tiny_model(num_layers=1, seed=11), "m": tiny_model(num_layers=2, seed=12),
-            "l": tiny_model(num_layers=3, seed=13)}
+    return {
+        "s": tiny_model(num_layers=1, seed=11),
+        "m": tiny_model(num_layers=2, seed=12),
+        "l": tiny_model(num_layers=3, seed=13),
+    }
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -40,6 +43,7 @@ def _cpu_kernel_built():
     every CPU step of the run attends the same way and its build thread is not mistaken for a
     thread a test leaked."""
     from tokenrouter_sdk.backends import cpu_kernels
+
     cpu_kernels.paged_attention_op(wait=True, timeout=600)
 
 
@@ -50,6 +54,7 @@ def _choices_of_the_session(tmp_path_factory):
     import os
 
     from tokenrouter_sdk.backends import autotune
+
     before = os.environ.get(autotune.CHOICES_ENV)
     os.environ[autotune.CHOICES_ENV] = str(tmp_path_factory.mktemp("choices"))
     yield
@@ -72,7 +77,7 @@ def _no_thread_leak():
 
     if started():
         import gc
+
         gc.collect()
     left = started()
     assert not left, f"threads leaked: {sorted(t.name for t in left)}"
-

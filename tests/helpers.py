@@ -14,8 +14,7 @@ import time
 import torch
 
 from tokenrouter_sdk import Handoff, Policy, SamplingParams
-from tokenrouter_sdk.engine.runner import PoolShape
-from tokenrouter_sdk.engine.runner import ForwardOut
+from tokenrouter_sdk.engine.runner import ForwardOut, PoolShape
 from tokenrouter_sdk.reference import reference_generate
 
 
@@ -29,8 +28,7 @@ def mixed_prompts(n, seed=0, vocab=259):
 def assert_matches_reference(models, outs, policy_factory, params: SamplingParams, eos_ids=(), tokenizer=None):
     """Each output's tokens, writers, hops and finish reason equal the naive reference's."""
     for o in outs:
-        ref = reference_generate(models, list(o.prompt), policy_factory(), params, eos_ids=eos_ids,
-                                 tokenizer=tokenizer)
+        ref = reference_generate(models, list(o.prompt), policy_factory(), params, eos_ids=eos_ids, tokenizer=tokenizer)
         assert o.token_ids == ref["token_ids"], (o.index, o.token_ids, ref["token_ids"])
         assert o.token_models == ref["token_models"], o.index
         assert o.hops == ref["hops"] and o.discarded == ref["discarded"], o.index
@@ -55,8 +53,21 @@ class ScriptedRunner:
     device = torch.device("cpu")
     dtype = torch.float32
 
-    def __init__(self, script, *, vocab_size=259, offset=0, after=257, max_kv_tokens=4096, block_size=16,
-                 max_context=512, delay_s=0.0, peak=30.0, pad_from=None, pad_peak=None):
+    def __init__(
+        self,
+        script,
+        *,
+        vocab_size=259,
+        offset=0,
+        after=257,
+        max_kv_tokens=4096,
+        block_size=16,
+        max_context=512,
+        delay_s=0.0,
+        peak=30.0,
+        pad_from=None,
+        pad_peak=None,
+    ):
         self.script, self.offset, self.after = script, offset, after
         self.vocab_size, self.max_context = vocab_size, max_context
         self.pool = PoolShape(-(-max_kv_tokens // block_size), block_size)
@@ -85,7 +96,7 @@ class ScriptedRunner:
             pos = s.start + len(s.tokens)
             logits[i, self.token_at(pos)] = self.peak
             if self.pad_peak is not None:
-                logits[i, self.pad_from:] = self.pad_peak
+                logits[i, self.pad_from :] = self.pad_peak
         self.last_forward_s = time.perf_counter() - t0
         return ForwardOut(logits, torch.zeros(len(seqs), 4))
 
@@ -133,7 +144,7 @@ class KeepEveryThird(Policy):
     """Hands off on every third position, keeping the sampled token."""
 
     def route(self, step):
-        return (step.position % 3 == 2)
+        return step.position % 3 == 2
 
     def send(self, req, target):
         return Handoff(keep_sampled=True)
@@ -190,8 +201,9 @@ def run_script(tmp_path, source: str, name: str, timeout: float) -> subprocess.C
     script.write_text(textwrap.dedent(source))
     env = {k: v for k, v in os.environ.items() if k != "TOKENROUTER_PROCESSES"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path
+    )
 
 
 def interrupt_main_after(seconds: float):
@@ -214,6 +226,7 @@ def interrupt_main_after(seconds: float):
         finally:
             timer.cancel()
             signal.signal(signal.SIGINT, old)
+
     return ctx()
 
 
@@ -221,12 +234,14 @@ def interrupt_main_after(seconds: float):
 THINKING_TEMPLATE = (
     "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|bos|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 
 
 def thinking_tokenizer():
     """The tiny tokenizer with a template that reads ``enable_thinking`` (``THINKING_TEMPLATE``)."""
     from tokenrouter_sdk.models import tiny_tokenizer
+
     tok = tiny_tokenizer()
     tok.chat_template = THINKING_TEMPLATE
     return tok
@@ -249,6 +264,7 @@ def save_tiny_pair(root) -> list[str]:
     """A float32 tiny pair saved to folders (small: 1 layer, large: 2 layers, each with the tiny
     tokenizer), for commands that take ``--model NAME=FOLDER``; returns the two folders."""
     from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
+
     out = []
     for name, layers, seed in (("small", 1, 3), ("large", 2, 4)):
         m = tiny_model(num_layers=layers, seed=seed, dtype=torch.float32, max_position_embeddings=2048)
@@ -260,10 +276,14 @@ def save_tiny_pair(root) -> list[str]:
 
 # -- models that do not share a tokenizer: two toy tokenizers with merges ----------------------
 TOY_LETTERS = "etaoinshrdlu"
-TOY_TEMPLATE_A = ("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
-                  "{% if add_generation_prompt %}<|bot|>{% endif %}")
-TOY_TEMPLATE_B = ("{% for m in messages %}<s>[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"
-                  "{% if add_generation_prompt %}<s>[assistant] {% endif %}")
+TOY_TEMPLATE_A = (
+    "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|bot|>{% endif %}"
+)
+TOY_TEMPLATE_B = (
+    "{% for m in messages %}<s>[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>[assistant] {% endif %}"
+)
 TOY_FAVOURED = [*" etaoinshrd", "é", "你好", "🙂"]  # text the toy models are biased to write
 
 
@@ -275,18 +295,28 @@ def byte_level_toy():
     from transformers import PreTrainedTokenizerFast
 
     from tokenrouter_sdk.byte_vocab import byte_level_map
+
     cmap = {b: c for c, b in byte_level_map().items()}
     vocab, merges = {cmap[b]: b for b in range(256)}, []
 
     def merge(a, b):
         vocab.setdefault(a + b, len(vocab))
         merges.append((a, b))
+
     for a in "ethai":
         for b in "nrsto":
             merge(a, b)
     sp = cmap[32]
-    for a, b in ((sp, "t"), (sp + "t", "h"), ("t", "h"), ("th", "e"), (sp, "a"), (cmap[0xC3], cmap[0xA9]),
-                 (cmap[0xE4], cmap[0xBD]), (cmap[0xE4] + cmap[0xBD], cmap[0xA0])):
+    for a, b in (
+        (sp, "t"),
+        (sp + "t", "h"),
+        ("t", "h"),
+        ("th", "e"),
+        (sp, "a"),
+        (cmap[0xC3], cmap[0xA9]),
+        (cmap[0xE4], cmap[0xBD]),
+        (cmap[0xE4] + cmap[0xBD], cmap[0xA0]),
+    ):
         merge(a, b)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -305,6 +335,7 @@ def sentencepiece_toy(byte_fallback: bool = True, prepend: bool = False):
     (a tokenizer that changes text, for the refusal test)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     vocab, merges = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}, []
     if byte_fallback:
         for b in range(256):
@@ -315,11 +346,21 @@ def sentencepiece_toy(byte_fallback: bool = True, prepend: bool = False):
     def merge(a, b):
         vocab.setdefault(a + b, len(vocab))
         merges.append((a, b))
+
     for a in "▁" + TOY_LETTERS[:8]:
         for b in TOY_LETTERS[:8]:
             merge(a, b)
-    for a, b in (("▁t", "h"), ("▁th", "e"), ("th", "e"), ("▁the", "▁"), ("你", "好"), ("▁", "▁"), ("e", "r"),
-                 ("er", "e"), ("ere", "▁")):
+    for a, b in (
+        ("▁t", "h"),
+        ("▁th", "e"),
+        ("th", "e"),
+        ("▁the", "▁"),
+        ("你", "好"),
+        ("▁", "▁"),
+        ("e", "r"),
+        ("er", "e"),
+        ("ere", "▁"),
+    ):
         merge(a, b)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=byte_fallback, unk_token="<unk>"))
     if prepend:
@@ -329,8 +370,9 @@ def sentencepiece_toy(byte_fallback: bool = True, prepend: bool = False):
         tk.normalizer = normalizers.Replace(" ", "▁")
         tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tk.add_special_tokens(["<pad>", "<s>", "</s>", "<unk>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     tok.chat_template = TOY_TEMPLATE_B
     return tok
 
@@ -340,8 +382,16 @@ def toy_lm(tok, seed: int, favour=TOY_FAVOURED, boost: float = 3.0, arch: str = 
     rows of the tokens of ``favour`` are scaled by ``boost`` (so it writes letters, spaces and
     multi-byte characters often: merges and handoffs inside characters happen)."""
     from tokenrouter_sdk.models import tiny_model
-    m = tiny_model(arch=arch, vocab_size=len(tok), seed=seed, bos_token_id=tok.bos_token_id,
-                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+
+    m = tiny_model(
+        arch=arch,
+        vocab_size=len(tok),
+        seed=seed,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **kw,
+    )
     ids = sorted({i for t in favour for i in tok.encode(t, add_special_tokens=False)})
     with torch.no_grad():
         m.get_output_embeddings().weight[ids] *= boost

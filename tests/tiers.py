@@ -77,8 +77,10 @@ class TierReport:
         if nodeid != self.last_unit or self.line is not None:
             return
         c = self.counts
-        self.line = (f"unit tier: {c['passed']} passed, {c['failed']} failed in "
-                     f"{time.perf_counter() - (self.t0 or time.perf_counter()):.1f} s")
+        self.line = (
+            f"unit tier: {c['passed']} passed, {c['failed']} failed in "
+            f"{time.perf_counter() - (self.t0 or time.perf_counter()):.1f} s"
+        )
         self.line += "".join(f", {c[k]} {k}" for k in ("skipped", "errors") if c[k])
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
         if tr is not None:

@@ -15,6 +15,21 @@ from .policy import Handoff, Needs, Policy, Resample, Step, StepBatch, TopK
 from .request import RequestOutput, RequestView, SamplingParams
 from .router import Router, TokenEvent
 
-__all__ = ["Router", "Policy", "Step", "StepBatch", "TopK", "Handoff", "Needs", "Resample", "SamplingParams",
-           "RequestOutput", "RequestView", "Metrics", "ModelMetrics", "TokenEvent", "ModelSpec"]
+__all__ = [
+    "Router",
+    "Policy",
+    "Step",
+    "StepBatch",
+    "TopK",
+    "Handoff",
+    "Needs",
+    "Resample",
+    "SamplingParams",
+    "RequestOutput",
+    "RequestView",
+    "Metrics",
+    "ModelMetrics",
+    "TokenEvent",
+    "ModelSpec",
+]
 __version__ = "0.1.0"

@@ -56,10 +56,12 @@ def make_policy(name: str, registry=None):
         PolicySpecError: an unknown name or argument.
     """
     from .policies import RandomRouting
-    if name.startswith("random") and name[len("random"):].isdigit():
-        return RandomRouting(p=int(name[len("random"):]) / 100, seed=0)
+
+    if name.startswith("random") and name[len("random") :].isdigit():
+        return RandomRouting(p=int(name[len("random") :]) / 100, seed=0)
     if registry is None:
         from .policies.registry import builtin_registry
+
         registry = builtin_registry()
     return registry.build(name)
 
@@ -71,6 +73,7 @@ def _thresholds(router, policy, n: int, spec: str | dict | None) -> dict[str, in
         th = dict(spec)
     elif spec in (None, "", "auto"):
         from .planner import plan_for_router
+
         th = plan_for_router(router, policy, n)
     else:
         th = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
@@ -79,8 +82,13 @@ def _thresholds(router, policy, n: int, spec: str | dict | None) -> dict[str, in
     return th
 
 
-def bench_cells(policies=("random10", "random30", "rstitch"), modes=MODES, concurrency=(1, 4, 8, 16),
-                max_new_tokens=(256,), baselines=True) -> list[tuple]:
+def bench_cells(
+    policies=("random10", "random30", "rstitch"),
+    modes=MODES,
+    concurrency=(1, 4, 8, 16),
+    max_new_tokens=(256,),
+    baselines=True,
+) -> list[tuple]:
     """The benchmark matrix as ``(policy, mode, retain_kv, concurrency, max_new_tokens)`` tuples:
     every policy x mode x concurrency x length, ``retain_kv=False`` beside each ``async`` and
     ``delayed`` cell (with ``baselines``), then large-only and small-only per concurrency and length."""
@@ -95,11 +103,26 @@ def bench_cells(policies=("random10", "random30", "rstitch"), modes=MODES, concu
     return cells
 
 
-def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "random30", "rstitch"),
-              modes=MODES, concurrency=(1, 4, 8, 16), max_new_tokens=(256,), baselines=True,
-              thresholds: str | dict | None = "auto", progress: bool = True, cells: list[tuple] | None = None,
-              deadline: float | None = None, on_cell=None, warmup_tokens: int = 0, max_routers: int | None = None,
-              registry=None, **router_kw) -> list[Cell]:
+def run_bench(
+    models: dict,
+    tokenizer,
+    prompts: list,
+    *,
+    policies=("random10", "random30", "rstitch"),
+    modes=MODES,
+    concurrency=(1, 4, 8, 16),
+    max_new_tokens=(256,),
+    baselines=True,
+    thresholds: str | dict | None = "auto",
+    progress: bool = True,
+    cells: list[tuple] | None = None,
+    deadline: float | None = None,
+    on_cell=None,
+    warmup_tokens: int = 0,
+    max_routers: int | None = None,
+    registry=None,
+    **router_kw,
+) -> list[Cell]:
     """Run the benchmark matrix; returns one `Cell` per measured configuration.
 
     Args:
@@ -128,6 +151,7 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
 
     from .demo import step_accounting
     from .router import Router
+
     if cells is None:
         cells = bench_cells(policies, modes, concurrency, max_new_tokens, baselines)
     if router_kw.get("backend", "torch") == "torch" and "max_kv_tokens" not in router_kw and cells:
@@ -155,8 +179,13 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
                 if warmup_tokens > 0:
                     top = max(c[3] for c in cells)
                     warm = [prompts[i % len(prompts)] for i in range(2 * top)]
-                    routers[key].generate(warm, policy=make_policy(pol, registry), max_new_tokens=warmup_tokens,
-                                          ignore_eos=True, concurrency=top)
+                    routers[key].generate(
+                        warm,
+                        policy=make_policy(pol, registry),
+                        max_new_tokens=warmup_tokens,
+                        ignore_eos=True,
+                        concurrency=top,
+                    )
             r = routers[key]
             th = ""
             if mode == "delayed":
@@ -166,9 +195,25 @@ def run_bench(models: dict, tokenizer, prompts: list, *, policies=("random10", "
             call = r.submit(work, policy=policy, max_new_tokens=new, ignore_eos=True, concurrency=n)
             call.wait()
             m = call.metrics()
-            out.append(Cell(pol, mode, retain, n, new, th, m.throughput_tok_s, m.mean_latency_s, m.per_user_tok_s,
-                            m.hop_rate, m.large_fraction, m.committed_tokens, m.wall_s, failed=m.failed,
-                            accounting=step_accounting(list(call.events), list(r.models))))
+            out.append(
+                Cell(
+                    pol,
+                    mode,
+                    retain,
+                    n,
+                    new,
+                    th,
+                    m.throughput_tok_s,
+                    m.mean_latency_s,
+                    m.per_user_tok_s,
+                    m.hop_rate,
+                    m.large_fraction,
+                    m.committed_tokens,
+                    m.wall_s,
+                    failed=m.failed,
+                    accounting=step_accounting(list(call.events), list(r.models)),
+                )
+            )
             _ratios(out)
             if on_cell is not None:
                 on_cell(out[-1])
@@ -186,6 +231,7 @@ def _prompt_tokens(tokenizer, prompt) -> int:
     if not isinstance(prompt, str):
         return len(prompt)
     from .prompts import PromptEncoder
+
     return len(PromptEncoder(tokenizer).encode(prompt))
 
 
@@ -200,19 +246,25 @@ def _ratios(out: list[Cell]) -> None:
 
 
 def format_table(cells: list[Cell]) -> str:
-    head = (f"{'policy':<11}{'mode':<11}{'kv':<6}{'N':>3}{'out':>6}{'tok/s':>9}{'lat s':>8}{'user t/s':>9}"
-            f"{'hop':>7}{'large':>7}{'x sync':>8}{'x noKV':>8}{'failed':>7}  thresholds")
+    head = (
+        f"{'policy':<11}{'mode':<11}{'kv':<6}{'N':>3}{'out':>6}{'tok/s':>9}{'lat s':>8}{'user t/s':>9}"
+        f"{'hop':>7}{'large':>7}{'x sync':>8}{'x noKV':>8}{'failed':>7}  thresholds"
+    )
     lines = [head, "-" * len(head)]
     for c in cells:
         f = lambda v: f"{v:8.2f}" if v is not None else f"{'-':>8}"  # noqa: E731
-        lines.append(f"{c.policy:<11}{c.mode:<11}{'keep' if c.retain_kv else 'drop':<6}{c.concurrency:>3}"
-                     f"{c.max_new_tokens:>6}{c.throughput_tok_s:9.1f}{c.mean_latency_s:8.2f}{c.per_user_tok_s:9.1f}"
-                     f"{c.hop_rate:7.3f}{c.large_fraction:7.3f}{f(c.vs_sync)}{f(c.vs_no_retain)}"
-                     f"{(str(c.failed) + ' !') if c.failed else '0':>7}  {c.thresholds}")
+        lines.append(
+            f"{c.policy:<11}{c.mode:<11}{'keep' if c.retain_kv else 'drop':<6}{c.concurrency:>3}"
+            f"{c.max_new_tokens:>6}{c.throughput_tok_s:9.1f}{c.mean_latency_s:8.2f}{c.per_user_tok_s:9.1f}"
+            f"{c.hop_rate:7.3f}{c.large_fraction:7.3f}{f(c.vs_sync)}{f(c.vs_no_retain)}"
+            f"{(str(c.failed) + ' !') if c.failed else '0':>7}  {c.thresholds}"
+        )
     bad = [c for c in cells if c.failed]
     if bad:
-        lines.append(f"FAILED requests in {len(bad)} cell(s) (their throughput counts only what the others committed): "
-                     + ", ".join(f"{c.policy} {c.mode} N={c.concurrency}: {c.failed}" for c in bad))
+        lines.append(
+            f"FAILED requests in {len(bad)} cell(s) (their throughput counts only what the others committed): "
+            + ", ".join(f"{c.policy} {c.mode} N={c.concurrency}: {c.failed}" for c in bad)
+        )
     return "\n".join(lines)
 
 
@@ -228,11 +280,13 @@ def format_accounting(cells: list[Cell]) -> str:
                 continue
             hist = " ".join(f"{b}:{k}" for b, k in a["batch_hist"].items())
             wall = c.wall_s or float("nan")
-            lines.append(f"{c.policy} {c.mode} {'keep' if c.retain_kv else 'drop'} N={c.concurrency} [{model}] "
-                         f"steps {a['steps']}, batch {a['mean_batch']:.2f} ({hist}), busy {a['step_s'] / wall:.0%} "
-                         f"(forward {a['forward_s'] / wall:.0%}), decode {a['decode_steps']} steps "
-                         f"{a['decode_s']:.2f}s, extend/prefill {a['mixed_steps']} steps {a['mixed_s']:.2f}s "
-                         f"(+{a['mixed_fed']} tokens)")
+            lines.append(
+                f"{c.policy} {c.mode} {'keep' if c.retain_kv else 'drop'} N={c.concurrency} [{model}] "
+                f"steps {a['steps']}, batch {a['mean_batch']:.2f} ({hist}), busy {a['step_s'] / wall:.0%} "
+                f"(forward {a['forward_s'] / wall:.0%}), decode {a['decode_steps']} steps "
+                f"{a['decode_s']:.2f}s, extend/prefill {a['mixed_steps']} steps {a['mixed_s']:.2f}s "
+                f"(+{a['mixed_fed']} tokens)"
+            )
     return "\n".join(lines)
 
 
@@ -257,10 +311,19 @@ def write_html(cells: list[Cell], path: str) -> bool:
     fig = go.Figure()
     keys = sorted({(c.policy, c.mode, c.retain_kv, c.max_new_tokens) for c in cells})
     for pol, mode, retain, new in keys:
-        pts = sorted((c.concurrency, c.throughput_tok_s) for c in cells
-                     if (c.policy, c.mode, c.retain_kv, c.max_new_tokens) == (pol, mode, retain, new))
-        fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers",
-                                 name=f"{pol} {mode}{'' if retain else ' noKV'} out={new}"))
+        pts = sorted(
+            (c.concurrency, c.throughput_tok_s)
+            for c in cells
+            if (c.policy, c.mode, c.retain_kv, c.max_new_tokens) == (pol, mode, retain, new)
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[p[0] for p in pts],
+                y=[p[1] for p in pts],
+                mode="lines+markers",
+                name=f"{pol} {mode}{'' if retain else ' noKV'} out={new}",
+            )
+        )
     fig.update_layout(title="committed-token throughput", xaxis_title="concurrency", yaxis_title="tokens/s")
     fig.write_html(path, include_plotlyjs=True)
     return True
@@ -268,7 +331,9 @@ def write_html(cells: list[Cell], path: str) -> bool:
 
 def environment() -> str:
     import torch
-    return f"torch threads {torch.get_num_threads()}, loadavg {tuple(round(x, 2) for x in os.getloadavg())}, {time.ctime()}"
+
+    load = tuple(round(x, 2) for x in os.getloadavg())
+    return f"torch threads {torch.get_num_threads()}, loadavg {load}, {time.ctime()}"
 
 
 class CsvLog:

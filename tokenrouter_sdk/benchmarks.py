@@ -18,7 +18,8 @@ Where rows come from (the first that exists wins; `load` names the one used in `
 No folder outside the package is searched unless it is named (1), so every clone reads the same
 questions. ``gsm8k`` is GSM8K's test split (what evaluations score); ``gsm8k_train`` its train split
 (7,473 questions, ids ``gsm8k-train-0000`` ..), the default of training (`tokenrouter_sdk.train`), so
-that training and evaluation never share a question by accident. CommonsenseQA is not shipped (no licence is stated for its file): it loads from 1 or 3.
+that training and evaluation never share a question by accident. CommonsenseQA is not shipped (no licence is stated
+for its file): it loads from 1 or 3.
 
 ```python
 from tokenrouter_sdk.benchmarks import load, load_prompts
@@ -39,12 +40,15 @@ from pathlib import Path
 
 PACKAGED_DIR = Path(__file__).resolve().parent / "data"
 
-GSM8K_TEMPLATE = ("Solve the following math word problem step by step. End with a line "
-                  "\"The answer is N.\" where N is the final number.\n\nQuestion: {question}")
-MATH_TEMPLATE = ("Solve the following problem step by step. Put your final answer within \\boxed{{}}.\n\n"
-                 "{question}")
-CHOICE_TEMPLATE = ("Answer the following multiple-choice question. Think briefly, then end with "
-                   "\"The answer is (X).\" where X is the letter of the correct choice.\n\nQuestion: {question}")
+GSM8K_TEMPLATE = (
+    "Solve the following math word problem step by step. End with a line "
+    '"The answer is N." where N is the final number.\n\nQuestion: {question}'
+)
+MATH_TEMPLATE = "Solve the following problem step by step. Put your final answer within \\boxed{{}}.\n\n{question}"
+CHOICE_TEMPLATE = (
+    "Answer the following multiple-choice question. Think briefly, then end with "
+    '"The answer is (X)." where X is the letter of the correct choice.\n\nQuestion: {question}'
+)
 
 
 @dataclass(frozen=True)
@@ -80,27 +84,72 @@ class BenchmarkSpec:
 
 
 BENCHMARKS: dict[str, BenchmarkSpec] = {
-    "gsm8k": BenchmarkSpec("gsm8k", "gsm8k_test.jsonl", "math", GSM8K_TEMPLATE,
-                           "31a83d6aa716809a11e017ae9c667b5db7d0cc68c21ab11f8b73444c8a6bf5d3", 1319,
-                           ("openai/gsm8k", "main", "test")),
-    "gsm8k_train": BenchmarkSpec("gsm8k_train", "gsm8k_train.jsonl", "math", GSM8K_TEMPLATE,
-                                 "a7938272ceef0dc84175e722a99bf3d2b3014dba67cd270dd3ab25106806eae3", 7473,
-                                 ("openai/gsm8k", "main", "train")),
-    "math500": BenchmarkSpec("math500", "math500_test.jsonl", "math", MATH_TEMPLATE,
-                             "5cd442a9fa433d74dbe690c52c532959f28a6fd819fbfd42c16a446b1e60789b", 500,
-                             ("HuggingFaceH4/MATH-500", None, "test")),
-    "aime24": BenchmarkSpec("aime24", "aime24.jsonl", "math", MATH_TEMPLATE,
-                            "763f4f66be8e584bdb81414d67b6dee7fe9e00c98361ae50bc026a640a0eaf8d", 30,
-                            ("HuggingFaceH4/aime_2024", None, "train")),
-    "amc23": BenchmarkSpec("amc23", "amc23.jsonl", "math", MATH_TEMPLATE,
-                           "160b789af28b38c18d7f795d03b892481d6b13e4403349f916375bec0b72679e", 40,
-                           ("math-ai/amc23", None, "test")),
-    "commonsenseqa": BenchmarkSpec("commonsenseqa", "commonsenseqa_validation.jsonl", "choice", CHOICE_TEMPLATE,
-                                   hub=("tau/commonsense_qa", None, "validation")),
+    "gsm8k": BenchmarkSpec(
+        "gsm8k",
+        "gsm8k_test.jsonl",
+        "math",
+        GSM8K_TEMPLATE,
+        "31a83d6aa716809a11e017ae9c667b5db7d0cc68c21ab11f8b73444c8a6bf5d3",
+        1319,
+        ("openai/gsm8k", "main", "test"),
+    ),
+    "gsm8k_train": BenchmarkSpec(
+        "gsm8k_train",
+        "gsm8k_train.jsonl",
+        "math",
+        GSM8K_TEMPLATE,
+        "a7938272ceef0dc84175e722a99bf3d2b3014dba67cd270dd3ab25106806eae3",
+        7473,
+        ("openai/gsm8k", "main", "train"),
+    ),
+    "math500": BenchmarkSpec(
+        "math500",
+        "math500_test.jsonl",
+        "math",
+        MATH_TEMPLATE,
+        "5cd442a9fa433d74dbe690c52c532959f28a6fd819fbfd42c16a446b1e60789b",
+        500,
+        ("HuggingFaceH4/MATH-500", None, "test"),
+    ),
+    "aime24": BenchmarkSpec(
+        "aime24",
+        "aime24.jsonl",
+        "math",
+        MATH_TEMPLATE,
+        "763f4f66be8e584bdb81414d67b6dee7fe9e00c98361ae50bc026a640a0eaf8d",
+        30,
+        ("HuggingFaceH4/aime_2024", None, "train"),
+    ),
+    "amc23": BenchmarkSpec(
+        "amc23",
+        "amc23.jsonl",
+        "math",
+        MATH_TEMPLATE,
+        "160b789af28b38c18d7f795d03b892481d6b13e4403349f916375bec0b72679e",
+        40,
+        ("math-ai/amc23", None, "test"),
+    ),
+    "commonsenseqa": BenchmarkSpec(
+        "commonsenseqa",
+        "commonsenseqa_validation.jsonl",
+        "choice",
+        CHOICE_TEMPLATE,
+        hub=("tau/commonsense_qa", None, "validation"),
+    ),
 }
-ALIASES = {"gsm8k_test": "gsm8k", "gsm8k-test": "gsm8k", "gsm8k-train": "gsm8k_train", "math-500": "math500", "math_500": "math500", "aime": "aime24",
-           "aime2024": "aime24", "amc": "amc23", "amc2023": "amc23", "csqa": "commonsenseqa",
-           "commonsense_qa": "commonsenseqa"}
+ALIASES = {
+    "gsm8k_test": "gsm8k",
+    "gsm8k-test": "gsm8k",
+    "gsm8k-train": "gsm8k_train",
+    "math-500": "math500",
+    "math_500": "math500",
+    "aime": "aime24",
+    "aime2024": "aime24",
+    "amc": "amc23",
+    "amc2023": "amc23",
+    "csqa": "commonsenseqa",
+    "commonsense_qa": "commonsenseqa",
+}
 
 
 def get_spec(name: str) -> BenchmarkSpec:
@@ -111,8 +160,10 @@ def get_spec(name: str) -> BenchmarkSpec:
     """
     key = ALIASES.get(str(name).lower(), str(name).lower())
     if key not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}: use one of {', '.join(BENCHMARKS)} (or an alias: "
-                         f"{', '.join(ALIASES)}), or the path of a JSONL file with {{id, question, answer}} rows")
+        raise ValueError(
+            f"unknown benchmark {name!r}: use one of {', '.join(BENCHMARKS)} (or an alias: "
+            f"{', '.join(ALIASES)}), or the path of a JSONL file with {{id, question, answer}} rows"
+        )
     return BENCHMARKS[key]
 
 
@@ -185,14 +236,23 @@ def _parse_jsonl(text: str, source: str, name: str, limit: int | None) -> list[d
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{source}: line {n + 1} is not JSON ({e.msg}); expected one "
-                             "{id, question, answer, meta} object per line") from e
+            raise ValueError(
+                f"{source}: line {n + 1} is not JSON ({e.msg}); expected one "
+                "{id, question, answer, meta} object per line"
+            ) from e
         if not isinstance(row, dict) or "question" not in row:
-            raise ValueError(f"{source}: line {n + 1} has no 'question' field (expected {{id, question, answer, "
-                             "meta}} per line)")
+            raise ValueError(
+                f"{source}: line {n + 1} has no 'question' field (expected {{id, question, answer, meta}}}} per line)"
+            )
         answer = row.get("answer", "")
-        rows.append({"id": str(row.get("id", f"{name}-{len(rows)}")), "question": str(row["question"]),
-                     "answer": "" if answer is None else str(answer), "meta": row.get("meta") or {}})
+        rows.append(
+            {
+                "id": str(row.get("id", f"{name}-{len(rows)}")),
+                "question": str(row["question"]),
+                "answer": "" if answer is None else str(answer),
+                "meta": row.get("meta") or {},
+            }
+        )
         if limit is not None and len(rows) >= limit:
             break
     return rows
@@ -208,13 +268,16 @@ def read_packaged(spec: BenchmarkSpec) -> str:
     """
     p = spec.packaged
     if p is None or not p.is_file():
-        raise FileNotFoundError(f"benchmark {spec.name!r}: no shipped file"
-                                + (f" at {p} (reinstall tokenrouter-sdk)" if p else ""))
+        raise FileNotFoundError(
+            f"benchmark {spec.name!r}: no shipped file" + (f" at {p} (reinstall tokenrouter-sdk)" if p else "")
+        )
     raw = gzip.decompress(p.read_bytes())
     digest = hashlib.sha256(raw).hexdigest()
     if digest != spec.sha256:
-        raise ValueError(f"{p}: sha256 {digest} does not match the expected {spec.sha256}; the shipped file is "
-                         "damaged or was edited: reinstall tokenrouter-sdk, or pass your own file as path=")
+        raise ValueError(
+            f"{p}: sha256 {digest} does not match the expected {spec.sha256}; the shipped file is "
+            "damaged or was edited: reinstall tokenrouter-sdk, or pass your own file as path="
+        )
     return raw.decode("utf-8")
 
 
@@ -227,6 +290,7 @@ def _read_file(p: Path) -> str:
 def _datasets_offline():
     """`datasets` with the hub switched off for the duration (its cache is still read)."""
     import datasets.config as cfg
+
     old = cfg.HF_HUB_OFFLINE
     cfg.HF_HUB_OFFLINE = True
     try:
@@ -244,6 +308,7 @@ def _from_datasets_cache(spec: BenchmarkSpec) -> list[dict]:
     """
     import datasets
     from datasets.utils import logging as ds_logging
+
     path, config, split = spec.hub
     was = ds_logging.is_progress_bar_enabled()
     ds_logging.disable_progress_bar()
@@ -266,13 +331,19 @@ def _from_datasets_cache(spec: BenchmarkSpec) -> list[dict]:
         if spec.name == "commonsenseqa":
             ch = row["choices"]
             q += "\nAnswer Choices: " + " ".join(f"({lab}) {t}" for lab, t in zip(ch["label"], ch["text"]))
-        rows.append({"id": str(rid if rid is not None else f"{spec.name}-{i}"), "question": q, "answer": str(a),
-                     "meta": meta})
+        rows.append(
+            {"id": str(rid if rid is not None else f"{spec.name}-{i}"), "question": q, "answer": str(a), "meta": meta}
+        )
     return rows
 
 
-def load(name_or_path: str | os.PathLike = "gsm8k", limit: int | None = None, *, path: str | os.PathLike | None = None,
-         data_dir: str | os.PathLike | None = None) -> BenchmarkData:
+def load(
+    name_or_path: str | os.PathLike = "gsm8k",
+    limit: int | None = None,
+    *,
+    path: str | os.PathLike | None = None,
+    data_dir: str | os.PathLike | None = None,
+) -> BenchmarkData:
     """Rows of a benchmark, from the first source that has it (module docstring).
 
     Args:
@@ -305,8 +376,10 @@ def load(name_or_path: str | os.PathLike = "gsm8k", limit: int | None = None, *,
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_file():
-            raise FileNotFoundError(f"benchmark file {str(path)!r} not found: pass the path of a JSONL file with "
-                                    "{id, question, answer} rows")
+            raise FileNotFoundError(
+                f"benchmark file {str(path)!r} not found: pass the path of a JSONL file with "
+                "{id, question, answer} rows"
+            )
         return BenchmarkData(spec, _parse_jsonl(_read_file(p), str(p), spec.name, limit), str(p.resolve()))
 
     tried = []
@@ -318,8 +391,9 @@ def load(name_or_path: str | os.PathLike = "gsm8k", limit: int | None = None, *,
         tried.append(f"{p} ({'data_dir' if data_dir is not None else '$TOKENROUTER_DATA'}: no such file)")
     if spec.packaged is not None:
         if spec.packaged.is_file():
-            return BenchmarkData(spec, _parse_jsonl(read_packaged(spec), str(spec.packaged), spec.name, limit),
-                                 str(spec.packaged))
+            return BenchmarkData(
+                spec, _parse_jsonl(read_packaged(spec), str(spec.packaged), spec.name, limit), str(spec.packaged)
+            )
         tried.append(f"{spec.packaged} (shipped file missing from this install)")
     else:
         tried.append(f"shipped files ({spec.name} is not shipped)")
@@ -330,12 +404,16 @@ def load(name_or_path: str | os.PathLike = "gsm8k", limit: int | None = None, *,
             tried.append(f"the datasets cache of {spec.hub[0]!r} (not available: {type(e).__name__}: {str(e)[:160]})")
         else:
             return BenchmarkData(spec, rows[:limit] if limit else rows, f"datasets-cache:{spec.hub[0]}")
-    raise FileNotFoundError(f"benchmark {spec.name!r} not found; tried: " + "; ".join(tried)
-                            + f". Pass path=<a JSONL file> or data_dir=<a folder holding {spec.file}>")
+    raise FileNotFoundError(
+        f"benchmark {spec.name!r} not found; tried: "
+        + "; ".join(tried)
+        + f". Pass path=<a JSONL file> or data_dir=<a folder holding {spec.file}>"
+    )
 
 
-def load_prompts(source: str | os.PathLike = "gsm8k", n: int | None = None, *,
-                 template: str | None = None) -> list[str]:
+def load_prompts(
+    source: str | os.PathLike = "gsm8k", n: int | None = None, *, template: str | None = None
+) -> list[str]:
     """The first ``n`` prompts of a benchmark or file, ready for `Router.generate`.
 
     Args:

@@ -35,9 +35,16 @@ COUNT_MARGIN = 16  # tokens kept after the stable boundary of `ByteVocab.count`
 NEEDED = frozenset([0x09, 0x0A, 0x0D, *range(0x20, 0x7F), *range(0x80, 0xC0), *range(0xC2, 0xF1)])
 """Bytes every vocabulary must have a token for: tab, newlines, printable ASCII, every UTF-8
 continuation byte and the lead bytes of the characters in use (planes 0-3)."""
-PROBES = ("Hello, world!", " leading space", "two  spaces\tand a tab\n\nnew lines\r\n", "trailing space ",
-          "naïve café — 你好 🙂 ß", "x = [1, 2]; print(f'{x}')  # code", "<b>bold</b> &amp; 3.14e-5",
-          "   indented\n        deeper\n")
+PROBES = (
+    "Hello, world!",
+    " leading space",
+    "two  spaces\tand a tab\n\nnew lines\r\n",
+    "trailing space ",
+    "naïve café — 你好 🙂 ß",
+    "x = [1, 2]; print(f'{x}')  # code",
+    "<b>bold</b> &amp; 3.14e-5",
+    "   indented\n        deeper\n",
+)
 
 
 class TokenizerMismatchError(ValueError):
@@ -137,7 +144,8 @@ class ByteVocab:
                     raise TokenizerBytesError(
                         f"model '{name}': its byte-level token {piece!r} (id {i}) holds a character outside the "
                         f"byte alphabet, so its bytes are unknown; this tokenizer cannot share text with another "
-                        f"vocabulary") from None
+                        f"vocabulary"
+                    ) from None
             byte_ids = [vocab.get(c) for c in sorted(cmap, key=cmap.get)]
         elif "ByteFallback" in types or "Metaspace" in types:
             self.kind = "sentencepiece"
@@ -153,13 +161,15 @@ class ByteVocab:
             raise TokenizerBytesError(
                 f"model '{name}': its tokenizer's decoder ({' + '.join(types) or 'none'}) is neither byte-level "
                 f"BPE nor SentencePiece with byte fallback, so its tokens' bytes are unknown; models with "
-                f"different tokenizers need one of those (GPT-2/Llama 3/Qwen/SmolLM2 or Gemma/Llama 2 style)")
+                f"different tokenizers need one of those (GPT-2/Llama 3/Qwen/SmolLM2 or Gemma/Llama 2 style)"
+            )
         missing = [b for b, i in enumerate(byte_ids) if i is None and b in NEEDED]
         if missing:
             raise TokenizerBytesError(
                 f"model '{name}': its vocabulary has no token for {len(missing)} byte values that UTF-8 text uses "
                 f"(e.g. 0x{missing[0]:02X}), so text that ends inside a character (a handoff between two bytes of "
-                f"one character) cannot be written in its tokens; a SentencePiece tokenizer needs byte_fallback")
+                f"one character) cannot be written in its tokens; a SentencePiece tokenizer needs byte_fallback"
+            )
         for i, special in added.items():
             content = special[1]
             table[i] = b"" if special[0] else content.encode("utf-8")
@@ -181,7 +191,8 @@ class ByteVocab:
             raise TokenizerBytesError(
                 f"model '{self.name}': its tokenizer ({type(tok).__name__}) is not a fast tokenizer (no "
                 f"backend_tokenizer); models with different tokenizers need fast ones "
-                f"(AutoTokenizer.from_pretrained(..., use_fast=True))")
+                f"(AutoTokenizer.from_pretrained(..., use_fast=True))"
+            )
         return backend
 
     @staticmethod
@@ -196,17 +207,22 @@ class ByteVocab:
             ids = backend.encode(text, add_special_tokens=False).ids
             got = self.bytes_of(ids)
             if got != text.encode("utf-8"):
-                what = ("adds a space in front of the text it encodes (a SentencePiece dummy prefix)"
-                        if got == b" " + text.encode("utf-8") else "changes plain text when it encodes it")
+                what = (
+                    "adds a space in front of the text it encodes (a SentencePiece dummy prefix)"
+                    if got == b" " + text.encode("utf-8")
+                    else "changes plain text when it encodes it"
+                )
                 raise TokenizerBytesError(
                     f"model '{self.name}': its tokenizer {what}: {text!r} encodes to tokens that write "
                     f"{got.decode('utf-8', 'replace')!r}; text shared between vocabularies must round-trip "
-                    f"exactly through each tokenizer")
+                    f"exactly through each tokenizer"
+                )
             shown = backend.decode(ids, skip_special_tokens=False)
             if shown != text and shown != text.lstrip(" "):
                 raise TokenizerBytesError(
                     f"model '{self.name}': its tokenizer decodes the tokens of {text!r} as {shown!r}, but their "
-                    f"bytes read {text!r}; its decoder does something this library cannot model")
+                    f"bytes read {text!r}; its decoder does something this library cannot model"
+                )
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -308,7 +324,7 @@ class ByteVocab:
 
         def enc(k: int) -> list[int]:
             if k not in memo:
-                memo[k] = self.encode(data[start(k):])
+                memo[k] = self.encode(data[start(k) :])
             return memo[k]
 
         def char_start(k: int) -> int:
@@ -337,7 +353,7 @@ class ByteVocab:
             k = len(tail) - COUNT_MARGIN
             while k > 0 and is_continuation(data[ends[k - 1]]):
                 k -= 1
-            if k > 0 and self.encode(data[ends[k - 1]:]) == tail[k:]:
+            if k > 0 and self.encode(data[ends[k - 1] :]) == tail[k:]:
                 at, base = ends[k - 1], base + k
         return n, at, base
 

@@ -36,6 +36,7 @@ class DeferredModel:
 
     def __init__(self, folder: str, dtype: torch.dtype, device: torch.device):
         from transformers import AutoConfig
+
         self.folder = str(folder)
         self.config = AutoConfig.from_pretrained(self.folder)
         self.dtype, self.device = dtype, torch.device(device)
@@ -43,6 +44,7 @@ class DeferredModel:
         self.eos_token_id = getattr(self.config, "eos_token_id", None)
         if os.path.isfile(os.path.join(self.folder, "generation_config.json")):
             from transformers import GenerationConfig
+
             gen = GenerationConfig.from_pretrained(self.folder)
             if gen.eos_token_id is not None:
                 self.eos_token_id = gen.eos_token_id
@@ -53,6 +55,7 @@ class DeferredModel:
     def load(self):
         """The model, loaded here from `folder` in `dtype` on `device` (eval mode, no grad)."""
         from .models import load_model
+
         model, _ = load_model(self.folder, dtype=self.dtype, device=str(self.device))
         return model
 

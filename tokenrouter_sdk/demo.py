@@ -4,7 +4,8 @@ alone and a routing policy, on one `Router`, as one comparison table (`tokenrout
 Each run is one call (`Router.submit`): throughput is its committed tokens / its wall time
 (`tokenrouter_sdk.metrics`); the final answers are checked against the benchmark's references
 (`tokenrouter_sdk.eval.is_correct`) where the prompts have them, and compared with the large-only
-run's (`tokenrouter_sdk.eval.answers_equal`: a missing answer agrees with nothing). `step_accounting` splits each model's step time into pure
+run's (`tokenrouter_sdk.eval.answers_equal`: a missing answer agrees with nothing). `step_accounting` splits each
+model's step time into pure
 decode steps and steps that also fed a prefill or an extend (a request's first visit, or its
 return after the peer wrote tokens), which is where a routed run loses time.
 """
@@ -91,8 +92,22 @@ def step_accounting(events: list, models: list[str]) -> dict[str, dict]:
         ``mixed_fed`` (tokens those steps fed beyond one per request); ``tokens_fed``;
         ``mean_batch`` (requests per step); ``batch_hist`` (requests per step -> steps).
     """
-    out = {m: dict(steps=0, forward_s=0.0, step_s=0.0, decode_steps=0, decode_s=0.0, mixed_steps=0, mixed_s=0.0,
-                   mixed_fed=0, tokens_fed=0, mean_batch=0.0, batch_hist={}) for m in models}
+    out = {
+        m: dict(
+            steps=0,
+            forward_s=0.0,
+            step_s=0.0,
+            decode_steps=0,
+            decode_s=0.0,
+            mixed_steps=0,
+            mixed_s=0.0,
+            mixed_fed=0,
+            tokens_fed=0,
+            mean_batch=0.0,
+            batch_hist={},
+        )
+        for m in models
+    }
     for ev in events:
         if not isinstance(ev, M.StepDone) or ev.model not in out or not ev.batch_size:
             continue
@@ -116,8 +131,17 @@ def step_accounting(events: list, models: list[str]) -> dict[str, dict]:
     return out
 
 
-def run_comparison(router, prompts: list, policy: Policy, *, kind: str = MATH, baselines: bool = True,
-                   references: list | None = None, on_run=None, **sampling) -> list[DemoRun]:
+def run_comparison(
+    router,
+    prompts: list,
+    policy: Policy,
+    *,
+    kind: str = MATH,
+    baselines: bool = True,
+    references: list | None = None,
+    on_run=None,
+    **sampling,
+) -> list[DemoRun]:
     """Run ``prompts`` with `LargeOnly`, `SmallOnly` (``baselines``) and ``policy`` on ``router``.
 
     Args:
@@ -143,24 +167,42 @@ def run_comparison(router, prompts: list, policy: Policy, *, kind: str = MATH, b
         call.wait()
         cpu1 = process_cpu_s(router)
         outs = call.outputs
-        run = DemoRun(name, repr(pol), call.metrics(), outs,
-                      [extract_answer(o.text, kind) if o.ok else None for o in outs],
-                      correct=[] if references is None else
-                      [o.ok and is_correct(o.text, str(ref), kind) for o, ref in zip(outs, references)],
-                      steps=step_accounting(list(call.events), list(router.models)),
-                      cpu_s=None if cpu0 is None or cpu1 is None else {m: cpu1[m] - cpu0[m] for m in cpu1})
+        run = DemoRun(
+            name,
+            repr(pol),
+            call.metrics(),
+            outs,
+            [extract_answer(o.text, kind) if o.ok else None for o in outs],
+            correct=[]
+            if references is None
+            else [o.ok and is_correct(o.text, str(ref), kind) for o, ref in zip(outs, references)],
+            steps=step_accounting(list(call.events), list(router.models)),
+            cpu_s=None if cpu0 is None or cpu1 is None else {m: cpu1[m] - cpu0[m] for m in cpu1},
+        )
         runs.append(run)
         if on_run is not None:
             on_run(run)
     if baselines:
         ref = runs[0].answers
         for run in runs:
-            run.agree = [a is not None and b is not None and answers_equal(a, b, kind) for a, b in zip(run.answers, ref)]
+            run.agree = [
+                a is not None and b is not None and answers_equal(a, b, kind) for a, b in zip(run.answers, ref)
+            ]
     return runs
 
 
-COLUMNS = ("run", "correct", "tok/s", "vs large", "large share", "hop rate", "agree w/ large", "tokens", "wall s",
-           "tok/cpu-s")
+COLUMNS = (
+    "run",
+    "correct",
+    "tok/s",
+    "vs large",
+    "large share",
+    "hop rate",
+    "agree w/ large",
+    "tokens",
+    "wall s",
+    "tok/cpu-s",
+)
 
 
 def format_comparison(runs: list[DemoRun]) -> str:
@@ -177,12 +219,24 @@ def format_comparison(runs: list[DemoRun]) -> str:
         agree = f"{sum(r.agree)}/{len(r.agree)}" if r.agree else "-"
         cpu = sum(r.cpu_s.values()) if r.cpu_s else 0.0
         correct = f"{sum(r.correct)}/{len(r.correct)}" if r.correct else "-"
-        rows.append((r.name, correct, f"{m.throughput_tok_s:.1f}", ratio, f"{100 * m.large_fraction:.0f}%",
-                     f"{m.hop_rate:.3f}", agree, str(m.committed_tokens), f"{m.wall_s:.1f}",
-                     f"{m.committed_tokens / cpu:.1f}" if cpu > 0 else "-"))
+        rows.append(
+            (
+                r.name,
+                correct,
+                f"{m.throughput_tok_s:.1f}",
+                ratio,
+                f"{100 * m.large_fraction:.0f}%",
+                f"{m.hop_rate:.3f}",
+                agree,
+                str(m.committed_tokens),
+                f"{m.wall_s:.1f}",
+                f"{m.committed_tokens / cpu:.1f}" if cpu > 0 else "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in rows]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
@@ -197,8 +251,10 @@ def format_accounting(runs: list[DemoRun]) -> str:
             if not a["steps"]:
                 continue
             cpu = f" cpu={r.cpu_s[model]:.1f}s" if r.cpu_s and model in r.cpu_s else ""
-            lines.append(f"{r.name:<11} [{model}] steps={a['steps']} mean_batch={a['mean_batch']:.1f}{cpu} "
-                         f"forward={a['forward_s']:.1f}s: decode {a['decode_steps']} steps {a['decode_s']:.1f}s, "
-                         f"prefill/extend {a['mixed_steps']} steps {a['mixed_s']:.1f}s "
-                         f"({a['mixed_fed']} tokens)")
+            lines.append(
+                f"{r.name:<11} [{model}] steps={a['steps']} mean_batch={a['mean_batch']:.1f}{cpu} "
+                f"forward={a['forward_s']:.1f}s: decode {a['decode_steps']} steps {a['decode_s']:.1f}s, "
+                f"prefill/extend {a['mixed_steps']} steps {a['mixed_s']:.1f}s "
+                f"({a['mixed_fed']} tokens)"
+            )
     return "\n".join(lines)

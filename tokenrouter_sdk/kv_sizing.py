@@ -73,9 +73,11 @@ class KVSizing:
             why = f"{self.device} reports no free memory: the fixed default"
         else:
             what = "of the available RAM" if self.device == "cpu" else "of the memory left"
-            why = (f"{'kv_memory_fraction' if self.rule == 'kv_memory_fraction' else 'CPU share'} {self.fraction:g} "
-                   f"{what} ({gib(self.memory_left_bytes)}) after {gib(self.weights_bytes)} of weights on {self.device}"
-                   f", shared by {', '.join(self.shared_with)}")
+            why = (
+                f"{'kv_memory_fraction' if self.rule == 'kv_memory_fraction' else 'CPU share'} {self.fraction:g} "
+                f"{what} ({gib(self.memory_left_bytes)}) after {gib(self.weights_bytes)} of weights on {self.device}"
+                f", shared by {', '.join(self.shared_with)}"
+            )
             if self.cap_tokens is not None and self.tokens >= self.cap_tokens:
                 why += f"; capped at {self.cap_tokens:,} tokens"
         per = f", {self.kv_bytes_per_token / 1024:.1f} KiB/token" if self.kv_bytes_per_token else ""
@@ -138,8 +140,7 @@ def weights_bytes(models) -> int:
     return total
 
 
-def tokens_for(memory_left: int, fraction: float, per_token: list[int], block_size: int,
-               cap: int | None = None) -> int:
+def tokens_for(memory_left: int, fraction: float, per_token: list[int], block_size: int, cap: int | None = None) -> int:
     """Tokens T each pool of one device holds: the largest multiple of ``block_size`` with
     T * sum(per_token) <= fraction * memory_left, at most ``cap``.
 
@@ -152,10 +153,12 @@ def tokens_for(memory_left: int, fraction: float, per_token: list[int], block_si
         tokens = min(tokens, cap)
     tokens -= tokens % block_size
     if tokens < block_size:
-        raise ValueError(f"the KV pools get {fraction:g} of {gib(memory_left)} left after the weights, less than one "
-                         f"block of {block_size} tokens ({need * block_size:,} bytes for the models sharing the "
-                         f"device): free memory, put a model on another device, load it in a smaller dtype, or "
-                         f"pass max_kv_tokens=...")
+        raise ValueError(
+            f"the KV pools get {fraction:g} of {gib(memory_left)} left after the weights, less than one "
+            f"block of {block_size} tokens ({need * block_size:,} bytes for the models sharing the "
+            f"device): free memory, put a model on another device, load it in a smaller dtype, or "
+            f"pass max_kv_tokens=..."
+        )
     return tokens
 
 
@@ -175,14 +178,16 @@ def memory_left(device: torch.device) -> int | None:
             pass
         try:
             import psutil
+
             return int(psutil.virtual_memory().available)
         except ImportError:
             return None
     return None
 
 
-def plan(models: dict, *, block_size: int, max_kv_tokens: int | None = None, fraction: float | None = None,
-         probe=None) -> dict[str, KVSizing]:
+def plan(
+    models: dict, *, block_size: int, max_kv_tokens: int | None = None, fraction: float | None = None, probe=None
+) -> dict[str, KVSizing]:
     """The `KVSizing` of every model of ``models`` (name -> loaded torch model, `DeferredModel`
     or an engine's runner spec), see the module docstring. ``probe(device)`` gives the memory
     left there (bytes or None; default `memory_left`).
@@ -192,8 +197,9 @@ def plan(models: dict, *, block_size: int, max_kv_tokens: int | None = None, fra
             device whose share holds less than one block.
     """
     if max_kv_tokens is not None and fraction is not None:
-        raise ValueError("give max_kv_tokens (tokens per model) or kv_memory_fraction (a share of the memory left), "
-                         "not both")
+        raise ValueError(
+            "give max_kv_tokens (tokens per model) or kv_memory_fraction (a share of the memory left), not both"
+        )
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction!r}")
     by_device: dict[torch.device, list[str]] = {}
@@ -206,24 +212,40 @@ def plan(models: dict, *, block_size: int, max_kv_tokens: int | None = None, fra
         common = dict(device=str(dev), weights_bytes=weights, shared_with=tuple(names))
         if max_kv_tokens is not None:
             tokens = -(-max_kv_tokens // block_size) * block_size
-            out |= {n: KVSizing(n, tokens=tokens, rule="max_kv_tokens", kv_bytes_per_token=per[n], **common)
-                    for n in names}
+            out |= {
+                n: KVSizing(n, tokens=tokens, rule="max_kv_tokens", kv_bytes_per_token=per[n], **common) for n in names
+            }
             continue
         left = (probe or memory_left)(dev)
         # what a model loaded where it runs (a folder, an engine's runner spec) takes there: not free yet
-        to_load = sum(int(models[n].weights_bytes()) if _engine(models[n]) else models[n].nbytes
-                      for n in names if _engine(models[n]) or _deferred(models[n]))
+        to_load = sum(
+            int(models[n].weights_bytes()) if _engine(models[n]) else models[n].nbytes
+            for n in names
+            if _engine(models[n]) or _deferred(models[n])
+        )
         if left is not None:
             left = max(0, left - to_load)
         if left is None:
-            out |= {n: KVSizing(n, tokens=8192, rule="no_memory_info", kv_bytes_per_token=per[n], **common)
-                    for n in names}
+            out |= {
+                n: KVSizing(n, tokens=8192, rule="no_memory_info", kv_bytes_per_token=per[n], **common) for n in names
+            }
             continue
         cpu_default = dev.type == "cpu" and fraction is None
         frac = fraction if fraction is not None else CPU_SHARE if dev.type == "cpu" else GPU_FRACTION
         cap = CPU_CAP_TOKENS if cpu_default else None
         tokens = tokens_for(left, frac, list(per.values()), block_size, cap)
         rule = "cpu_share" if cpu_default else "kv_memory_fraction"
-        out |= {n: KVSizing(n, tokens=tokens, rule=rule, fraction=frac, memory_left_bytes=left,
-                            kv_bytes_per_token=per[n], cap_tokens=cap, **common) for n in names}
+        out |= {
+            n: KVSizing(
+                n,
+                tokens=tokens,
+                rule=rule,
+                fraction=frac,
+                memory_left_bytes=left,
+                kv_bytes_per_token=per[n],
+                cap_tokens=cap,
+                **common,
+            )
+            for n in names
+        }
     return {n: out[n] for n in models}

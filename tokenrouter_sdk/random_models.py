@@ -14,23 +14,45 @@ from __future__ import annotations
 
 import torch
 
-QWEN3_COMMON = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, max_position_embeddings=40960,
-                    rms_norm_eps=1e-6, rope_theta=1_000_000.0, hidden_act="silu", bos_token_id=151643,
-                    eos_token_id=151645, attention_bias=False)
+QWEN3_COMMON = dict(
+    vocab_size=151936,
+    head_dim=128,
+    num_key_value_heads=8,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    hidden_act="silu",
+    bos_token_id=151643,
+    eos_token_id=151645,
+    attention_bias=False,
+)
 
 #: name -> the fields of its config that differ between sizes (parameter counts in the comments,
 #: as `count_parameters` gives them on the meta device).
 QWEN3_SHAPES: dict[str, dict] = {
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       tie_word_embeddings=True),    # 0.596 B
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       tie_word_embeddings=True),    # 1.72 B
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     tie_word_embeddings=True),      # 4.02 B
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     tie_word_embeddings=False),     # 8.19 B
-    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
-                      tie_word_embeddings=False),    # 14.8 B
+    "qwen3-0.6b": dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True
+    ),  # 0.596 B
+    "qwen3-1.7b": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, tie_word_embeddings=True
+    ),  # 1.72 B
+    "qwen3-4b": dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, tie_word_embeddings=True
+    ),  # 4.02 B
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        tie_word_embeddings=False,
+    ),  # 8.19 B
+    "qwen3-14b": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        tie_word_embeddings=False,
+    ),  # 14.8 B
 }
 
 
@@ -46,6 +68,7 @@ def random_config(name: str, **overrides):
         ValueError: unknown name (lists the known ones).
     """
     from transformers import Qwen3Config
+
     key = name.lower()
     if key not in QWEN3_SHAPES:
         raise ValueError(f"unknown model shape {name!r}; choose one of {sorted(QWEN3_SHAPES)}")
@@ -55,13 +78,13 @@ def random_config(name: str, **overrides):
 def count_parameters(name: str, **overrides) -> int:
     """Parameters of the model `random_model` builds (counted on the meta device: no memory)."""
     from transformers import Qwen3ForCausalLM
+
     with torch.device("meta"):
         model = Qwen3ForCausalLM._from_config(random_config(name, **overrides))
     return sum(p.numel() for p in model.parameters())
 
 
-def random_model(name: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0,
-                 **overrides):
+def random_model(name: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0, **overrides):
     """A random-weight ``Qwen3ForCausalLM`` of a released size, allocated and initialised directly
     on ``device`` (transformers' own init: normal(0, 0.02) weights).
 
@@ -75,6 +98,7 @@ def random_model(name: str, *, dtype: torch.dtype = torch.bfloat16, device: str 
         ValueError: unknown name.
     """
     from transformers import Qwen3ForCausalLM
+
     cfg = random_config(name, **overrides)
     dev = torch.device(device)
     devices = [dev.index or 0] if dev.type == "cuda" else []
@@ -102,8 +126,13 @@ def id_tokenizer(vocab_size: int = QWEN3_COMMON["vocab_size"], eos_token_id: int
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=f"<{eos_token_id}>", unk_token="<0>")
 
 
-def random_prompts(n: int, length: int, vocab_size: int = QWEN3_COMMON["vocab_size"], seed: int = 0,
-                   avoid: tuple[int, ...] = (QWEN3_COMMON["eos_token_id"],)) -> list[list[int]]:
+def random_prompts(
+    n: int,
+    length: int,
+    vocab_size: int = QWEN3_COMMON["vocab_size"],
+    seed: int = 0,
+    avoid: tuple[int, ...] = (QWEN3_COMMON["eos_token_id"],),
+) -> list[list[int]]:
     """``n`` token-id prompts of ``length`` ids each, uniform over the vocabulary minus ``avoid``
     (seeded, independent of the global RNG)."""
     g = torch.Generator().manual_seed(seed)

@@ -42,9 +42,19 @@ def _last(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return logits, hs[-1], hs
 
 
-def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, params: SamplingParams,
-                       *, eos_ids: tuple[int, ...] = (), rid: int = 0, tokenizer=None, key=None,
-                       vocab_limit: int | None = None, forced=()) -> dict:
+def reference_generate(
+    models: dict,
+    prompt_ids: list[int],
+    policy: Policy,
+    params: SamplingParams,
+    *,
+    eos_ids: tuple[int, ...] = (),
+    rid: int = 0,
+    tokenizer=None,
+    key=None,
+    vocab_limit: int | None = None,
+    forced=(),
+) -> dict:
     """Generate one request the slow, obviously-correct way.
 
     Args:
@@ -75,8 +85,10 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     """
     names = list(models)
     key = prompt_key(prompt_ids) if key is None else key
-    limit = vocab_limit or min([m.get_output_embeddings().weight.shape[0] for m in models.values()]
-                               + ([len(tokenizer)] if tokenizer is not None else []))
+    limit = vocab_limit or min(
+        [m.get_output_embeddings().weight.shape[0] for m in models.values()]
+        + ([len(tokenizer)] if tokenizer is not None else [])
+    )
     max_ctx = min(int(getattr(m.config, "max_position_embeddings", 1 << 30)) for m in models.values())
     gens = {n: make_generator(params.seed, i, next(models[n].parameters()).device) for i, n in enumerate(names)}
     state: dict = {}
@@ -87,13 +99,22 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
     hops = discarded = 0
     span, return_to = None, None
     all_logits = []
-    entry_view = RequestView(rid=rid, prompt_ids=list(prompt_ids), output_ids=[], owner="", state=state, hops=0,
-                             models=tuple(names), key=key)
+    entry_view = RequestView(
+        rid=rid, prompt_ids=list(prompt_ids), output_ids=[], owner="", state=state, hops=0, models=tuple(names), key=key
+    )
     owner = PH.call_entry(policy, entry_view, names) or names[0]
 
     def view():
-        return RequestView(rid=rid, prompt_ids=list(prompt_ids), output_ids=list(out), owner=owner, state=state,
-                           hops=hops, models=tuple(names), key=key)
+        return RequestView(
+            rid=rid,
+            prompt_ids=list(prompt_ids),
+            output_ids=list(out),
+            owner=owner,
+            state=state,
+            hops=hops,
+            models=tuple(names),
+            key=key,
+        )
 
     def commit(tok) -> str | None:
         out.append(tok)
@@ -132,12 +153,22 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
                 greedy = False
             continue
         first = hops == 0 and not out
-        prompt_h = all_hidden[:len(prompt_ids)] if first else None
+        prompt_h = all_hidden[: len(prompt_ids)] if first else None
         resamples = 0
         while True:
-            sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()], tokenizer,
-                           needs=policy.needs, policy=repr(policy), peer_logits=[step_peer],
-                           prompt_hidden=[prompt_h])
+            sb = StepBatch(
+                owner,
+                names,
+                torch.tensor([tok]),
+                logits[None],
+                hidden[None],
+                [view()],
+                tokenizer,
+                needs=policy.needs,
+                policy=repr(policy),
+                peer_logits=[step_peer],
+                prompt_hidden=[prompt_h],
+            )
             dec = PH.call_route_batch(policy, sb, 1)[0]
             if isinstance(dec, BaseException):
                 raise dec
@@ -172,13 +203,27 @@ def reference_generate(models: dict, prompt_ids: list[int], policy: Policy, para
         hops += 1
         greedy = bool(h.greedy)
         PH.call_receive(policy, h, view())
-    return {"token_ids": out, "token_models": who, "hops": hops, "discarded": discarded,
-            "finish_reason": reason, "logits": all_logits, "logprobs": lps}
+    return {
+        "token_ids": out,
+        "token_models": who,
+        "hops": hops,
+        "discarded": discarded,
+        "finish_reason": reason,
+        "logits": all_logits,
+        "logprobs": lps,
+    }
 
 
 @torch.inference_mode()
-def reference_logprobs(models: dict, prompt_ids: list[int], token_ids: list[int], token_models: list[str], *,
-                       top: int = 0, vocab_limit: int | None = None) -> list[tuple[float, list[tuple[int, float]]]]:
+def reference_logprobs(
+    models: dict,
+    prompt_ids: list[int],
+    token_ids: list[int],
+    token_models: list[str],
+    *,
+    top: int = 0,
+    vocab_limit: int | None = None,
+) -> list[tuple[float, list[tuple[int, float]]]]:
     """Per output token, ``(its log-probability, the top alternatives [(token, logprob), ...])``
     under the model that wrote it, recomputed from scratch: model ``token_models[i]`` runs the
     whole prompt + ``token_ids[:i]`` (no KV cache) and scores ``token_ids[i]`` from its

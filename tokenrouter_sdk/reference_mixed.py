@@ -23,8 +23,9 @@ from .reference import GREEDY, MAX_RESAMPLES, _last
 from .request import RequestView, SamplingParams, prompt_key
 
 
-def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], policy: Policy,
-                            params: SamplingParams, *, rid: int = 0, key=None) -> dict:
+def reference_generate_text(
+    models: dict, text, prompts: dict[str, list[int]], policy: Policy, params: SamplingParams, *, rid: int = 0, key=None
+) -> dict:
     """Generate one request over models that do not share a tokenizer.
 
     Args:
@@ -64,15 +65,31 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
     hops = discarded = 0
     span, return_to = None, None
     stop_reason = None
-    entry_view = RequestView(rid=rid, prompt_ids=list(prompts[names[-1]]), output_ids=[], owner="", state=state, hops=0,
-                             models=tuple(names), key=key)
+    entry_view = RequestView(
+        rid=rid,
+        prompt_ids=list(prompts[names[-1]]),
+        output_ids=[],
+        owner="",
+        state=state,
+        hops=0,
+        models=tuple(names),
+        key=key,
+    )
     owner = PH.call_entry(policy, entry_view, names) or names[0]
     views[owner] = []
 
     def view():
-        return RequestView(rid=rid, prompt_ids=list(prompts[owner]), output_ids=list(views[owner]), owner=owner,
-                           state=state, hops=hops, models=tuple(names), key=key,
-                           text_of=data.decode("utf-8", "replace"))
+        return RequestView(
+            rid=rid,
+            prompt_ids=list(prompts[owner]),
+            output_ids=list(views[owner]),
+            owner=owner,
+            state=state,
+            hops=hops,
+            models=tuple(names),
+            key=key,
+            text_of=data.decode("utf-8", "replace"),
+        )
 
     def commit(tok) -> str | None:
         nonlocal stop_reason
@@ -101,7 +118,7 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
     greedy = False  # after a Handoff(greedy=True), until the next handoff
     while True:
         logits, hidden, all_hidden = _last(models[owner], list(prompts[owner]) + views[owner])
-        logits = logits[:limits[owner]]
+        logits = logits[: limits[owner]]
         banned = [i for i in text.banned.get(owner, ()) if i < limits[owner]]
         if banned:
             logits = logits.index_fill(0, torch.tensor(banned, dtype=torch.long), float("-inf"))
@@ -121,12 +138,22 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
                     break
             continue
         first = hops == 0 and not out
-        prompt_h = all_hidden[:len(prompts[owner])] if first else None
+        prompt_h = all_hidden[: len(prompts[owner])] if first else None
         resamples = 0
         while True:
-            sb = StepBatch(owner, names, torch.tensor([tok]), logits[None], hidden[None], [view()],
-                           text.tokenizers[owner], needs=policy.needs, policy=repr(policy), peer_logits=[None],
-                           prompt_hidden=[prompt_h])
+            sb = StepBatch(
+                owner,
+                names,
+                torch.tensor([tok]),
+                logits[None],
+                hidden[None],
+                [view()],
+                text.tokenizers[owner],
+                needs=policy.needs,
+                policy=repr(policy),
+                peer_logits=[None],
+                prompt_hidden=[prompt_h],
+            )
             dec = PH.call_route_batch(policy, sb, 1)[0]
             if isinstance(dec, BaseException):
                 raise dec
@@ -168,7 +195,16 @@ def reference_generate_text(models: dict, text, prompts: dict[str, list[int]], p
     if params.stop:
         hits = [(final.find(x), x) for x in params.stop if x in final]
         if hits:
-            final = final[:min(hits)[0]]
-    return {"data": bytes(data), "text": final, "token_ids": out, "token_models": who, "hops": hops,
-            "discarded": discarded, "finish_reason": reason, "stop_reason": stop_reason,
-            "units": len(unit.encode(bytes(data))), "views": views}
+            final = final[: min(hits)[0]]
+    return {
+        "data": bytes(data),
+        "text": final,
+        "token_ids": out,
+        "token_models": who,
+        "hops": hops,
+        "discarded": discarded,
+        "finish_reason": reason,
+        "stop_reason": stop_reason,
+        "units": len(unit.encode(bytes(data))),
+        "views": views,
+    }

@@ -60,8 +60,9 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}; "
-                             "ask for at least 1 new token")
+            raise ValueError(
+                f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}; ask for at least 1 new token"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:

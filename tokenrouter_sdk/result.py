@@ -70,23 +70,28 @@ class RunResult(list):
                 hand): pass ``tokenizer=`` to `RunResult`.
         """
         from .viz.tokens import output_pieces
+
         for o in self:
             if o.rid not in self._pieces:
                 if self.tokenizer is None and self.vocabs is None:
-                    raise ValueError("RunResult has no tokenizer to decode tokens: build it with RunResult(outputs, "
-                                     "trace, models, tokenizer=router.tokenizer)")
+                    raise ValueError(
+                        "RunResult has no tokenizer to decode tokens: build it with RunResult(outputs, "
+                        "trace, models, tokenizer=router.tokenizer)"
+                    )
                 self._pieces[o.rid] = output_pieces(o, self.tokenizer, self.vocabs)
         return {o.rid: self._pieces[o.rid] for o in self}
 
     def metrics(self):
         """`tokenrouter_sdk.metrics.Metrics` of this run (its requests over its window)."""
         from .metrics import compute_metrics
+
         return compute_metrics(self.trace, {o.rid for o in self}, self.models)
 
     # -- views ----------------------------------------------------------------------------
     def state(self):
         """A `tokenrouter_sdk.viz.TraceState` fed with this run's events."""
         from .viz.trace import TraceState
+
         st = TraceState(self.models, {o.rid for o in self}, self.entries, {o.rid: o.index for o in self})
         st.feed(self.trace)
         return st
@@ -108,6 +113,7 @@ class RunResult(list):
         """
         from .viz.htmlview import HTMLView
         from .viz.tokens import output_html, page_html
+
         outs = self._pick(which)
         pieces = self.pieces()
         answers = [output_html(o, pieces[o.rid], self.models, show_discarded=discarded) for o in outs]
@@ -124,6 +130,7 @@ class RunResult(list):
             ImportError: plotly is missing.
         """
         from .viz.figures import timeline_figure
+
         return timeline_figure(self.state(), title=title)
 
     def to_html(self, path=None, title: str = "tokenrouter run") -> str:
@@ -140,13 +147,19 @@ class RunResult(list):
         """
         fig = self.timeline()
         s = self.state().stats()
-        stats = (f"{s['requests']} requests · {s['committed']} committed tokens · {s['tok_s']:.1f} tok/s · "
-                 f"hop rate {s['hop_rate']:.3f} · large fraction {s['large_fraction']:.2f} · "
-                 f"{s['discarded']} discarded")
-        body = (f"<h2>{html.escape(title)}</h2><p class='tr-stats'>{html.escape(stats)}</p>{self.show().html}"
-                f"{fig.to_html(full_html=False, include_plotlyjs=True, div_id='tr-timeline')}")
-        page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
-                f"<body>{body}</body></html>")
+        stats = (
+            f"{s['requests']} requests · {s['committed']} committed tokens · {s['tok_s']:.1f} tok/s · "
+            f"hop rate {s['hop_rate']:.3f} · large fraction {s['large_fraction']:.2f} · "
+            f"{s['discarded']} discarded"
+        )
+        body = (
+            f"<h2>{html.escape(title)}</h2><p class='tr-stats'>{html.escape(stats)}</p>{self.show().html}"
+            f"{fig.to_html(full_html=False, include_plotlyjs=True, div_id='tr-timeline')}"
+        )
+        page = (
+            f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
+            f"<body>{body}</body></html>"
+        )
         if path is not None:
             path = Path(path)
             path.write_text(page, encoding="utf-8")
@@ -156,9 +169,11 @@ class RunResult(list):
     def summary(self) -> str:
         """The stats line as text: committed tokens/s, hop rate, large fraction."""
         s = self.state().stats()
-        return (f"{s['finished']}/{s['requests']} requests · {s['committed']} committed tokens in "
-                f"{s['elapsed_s']:.2f} s ({s['tok_s']:.1f} tok/s) · hop rate {s['hop_rate']:.3f} · "
-                f"large fraction {s['large_fraction']:.2f} · {s['discarded']} discarded")
+        return (
+            f"{s['finished']}/{s['requests']} requests · {s['committed']} committed tokens in "
+            f"{s['elapsed_s']:.2f} s ({s['tok_s']:.1f} tok/s) · hop rate {s['hop_rate']:.3f} · "
+            f"large fraction {s['large_fraction']:.2f} · {s['discarded']} discarded"
+        )
 
     # -- helpers --------------------------------------------------------------------------
     def _pick(self, which) -> list:
@@ -189,13 +204,23 @@ class RunResult(list):
             n = len(o.token_ids)
             text = o.text if o.finish_reason != "failed" else f"error: {o.error}"
             text = " ".join(str(text).split())
-            rows.append([o.index, o.finish_reason, n, o.hops,
-                         sum(m == big for m in o.token_models) / n if n else 0.0, o.ttft_s, o.latency_s,
-                         text if len(text) <= width else text[:width - 1] + "…"])
+            rows.append(
+                [
+                    o.index,
+                    o.finish_reason,
+                    n,
+                    o.hops,
+                    sum(m == big for m in o.token_models) / n if n else 0.0,
+                    o.ttft_s,
+                    o.latency_s,
+                    text if len(text) <= width else text[: width - 1] + "…",
+                ]
+            )
         return rows
 
     def __repr__(self) -> str:
         from .tables import text_table
+
         head = f"RunResult of {len(self)} requests: {self.summary()}"
         return head + "\n" + text_table(self._COLUMNS, self._rows(60), self._ALIGN)
 
@@ -206,6 +231,9 @@ class RunResult(list):
         """A table of the answers (index, how each ended, tokens, hops, share written by the
         largest model, times in seconds, the text) under the stats line."""
         from .tables import html_table
-        return (f"<div class='tr-run'><p>{html.escape(self.summary())} · <code>.show()</code> colours the "
-                f"tokens, <code>.timeline()</code> draws the run</p>"
-                f"{html_table(self._COLUMNS, self._rows(160), align=self._ALIGN)}</div>")
+
+        return (
+            f"<div class='tr-run'><p>{html.escape(self.summary())} · <code>.show()</code> colours the "
+            f"tokens, <code>.timeline()</code> draws the run</p>"
+            f"{html_table(self._COLUMNS, self._rows(160), align=self._ALIGN)}</div>"
+        )

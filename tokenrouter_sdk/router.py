@@ -24,8 +24,8 @@ from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 from .deferred import LazyModels
 from .engine.config import EngineConfig
-from .engine.front.engine import Call, Engine, RequestHandle
 from .engine.core.policy_host import check_policy, check_vocabulary
+from .engine.front.engine import Call, Engine, RequestHandle
 from .engine.runner import Runner
 from .metrics import Metrics
 from .policy import Policy
@@ -58,7 +58,8 @@ class TokenEvent:
 
 def _processes_by_default(models: dict, runners: dict) -> bool:
     """Whether sub-servers run in processes when ``processes`` is not given: for two or more
-    torch models (given as models, not as runner objects), and for one on the CPU. A CPU forward computes in OpenMP teams, and a team
+    torch models (given as models, not as runner objects), and for one on the CPU. A CPU forward computes in OpenMP
+    teams, and a team
     started from any thread but a process's main one runs 25-45% slower once another thread of
     the process (a notebook's main thread that ran torch) has a team of its own (libgomp shortens
     its spin-waits when a process holds more OpenMP threads than cores: measured on this
@@ -136,7 +137,8 @@ class Router:
             default sizing: a share of the memory left after the weights, see
             `tokenrouter_sdk.kv_sizing`), ``block_size``, ``max_batch_tokens``,
             ``max_batch_size``, ``max_concurrency``, ``kv_admission``, ``backend`` (``"torch"`` or
-            ``"sim"``), ``processes``, ``cuda_graphs``, ``compile``, ``model_impl``, ``kernels``, ``allow_unknown_attention``, ``prefill_peers``, ``prefix_cache``. See
+            ``"sim"``), ``processes``, ``cuda_graphs``, ``compile``, ``model_impl``, ``kernels``,
+            ``allow_unknown_attention``, ``prefill_peers``, ``prefix_cache``. See
             `EngineConfig` for each.
 
     Attributes:
@@ -162,8 +164,19 @@ class Router:
             instance (e.g. the class: pass ``MyPolicy()``).
     """
 
-    def __init__(self, models: dict[str, Any], policy: Policy | None = None, *, tokenizer=None,
-                 config: EngineConfig | None = None, dtype=None, device=None, tp=None, cluster=None, **settings):
+    def __init__(
+        self,
+        models: dict[str, Any],
+        policy: Policy | None = None,
+        *,
+        tokenizer=None,
+        config: EngineConfig | None = None,
+        dtype=None,
+        device=None,
+        tp=None,
+        cluster=None,
+        **settings,
+    ):
         unknown = sorted(set(settings) - _SETTINGS)
         if unknown:
             raise TypeError(f"Router got unknown keyword(s) {unknown}; engine settings are {sorted(_SETTINGS)}")
@@ -176,12 +189,17 @@ class Router:
         transport = None
         if config.backend == "sim":
             from .engine.transports.sim_transport import SimTransport
+
             if config.processes or cluster is not None:
-                raise ValueError("backend='sim' runs in simulated time in one thread: processes=True and cluster "
-                                 "are not available with it")
+                raise ValueError(
+                    "backend='sim' runs in simulated time in one thread: processes=True and cluster "
+                    "are not available with it"
+                )
             if device is not None or dtype is not None or tp is not None or config.kv_memory_fraction is not None:
-                raise ValueError("backend='sim' runs latency models: device, dtype, tp and kv_memory_fraction do not "
-                                 "apply (max_kv_tokens sets its pools)")
+                raise ValueError(
+                    "backend='sim' runs latency models: device, dtype, tp and kv_memory_fraction do not "
+                    "apply (max_kv_tokens sets its pools)"
+                )
             setup = sim_runners(models, tokenizer, config)
             transport = SimTransport()
         else:
@@ -193,23 +211,36 @@ class Router:
                 if processes is False:
                     raise ValueError("cluster='ray' runs sub-servers in Ray actors: processes=False cannot apply")
                 from .engine.transports.ray_transport import RayTransport
+
                 transport = RayTransport(**(dict(cluster) if isinstance(cluster, Mapping) else {}))
                 processes = None
             elif processes is None:
                 env = os.environ.get("TOKENROUTER_PROCESSES", "").strip().lower()
-                processes = {"0": False, "false": False, "no": False, "off": False,
-                             "1": True, "true": True, "yes": True, "on": True}.get(env, _processes_by_default(models, setup.runners))
+                processes = {
+                    "0": False,
+                    "false": False,
+                    "no": False,
+                    "off": False,
+                    "1": True,
+                    "true": True,
+                    "yes": True,
+                    "on": True,
+                }.get(env, _processes_by_default(models, setup.runners))
             if transport is None and (isinstance(processes, dict) or processes):
                 from .engine.transports.process_transport import ProcessTransport
+
                 transport = ProcessTransport(**(processes if isinstance(processes, dict) else {}))
             elif transport is None:  # sub-servers in threads: rank 0 of a tensor-parallel model runs here
                 start_ranks(setup.runners)
         self.tokenizer, self.kv_sizing, self.text = setup.tokenizer, setup.kv_sizing, setup.text
-        self.tokenizers = dict(setup.text.tokenizers) if setup.text is not None else dict.fromkeys(models, self.tokenizer)
+        self.tokenizers = (
+            dict(setup.text.tokenizers) if setup.text is not None else dict.fromkeys(models, self.tokenizer)
+        )
         self.policy = policy if policy is not None else Policy()
         check_vocabulary(self.policy, list(models), setup.text is not None)
-        self.engine = Engine(setup.runners, self.tokenizer, config, transport=transport, eos_ids=setup.eos_ids,
-                             text=setup.text)
+        self.engine = Engine(
+            setup.runners, self.tokenizer, config, transport=transport, eos_ids=setup.eos_ids, text=setup.text
+        )
         engine_ref = weakref.ref(self.engine)
         self.models = LazyModels(setup.models, local=lambda name: _local_model(engine_ref, name))
         self.max_context = self.engine.max_context
@@ -220,8 +251,18 @@ class Router:
         self._finalizer = weakref.finalize(self, _shutdown, self.engine)
 
     @classmethod
-    def default(cls, policy: Policy | None = None, *, pair: str = "smollm2", small_layers: int | None = None,
-                draft=None, dtype=None, device=None, reuse: bool = True, **kwargs) -> "Router":
+    def default(
+        cls,
+        policy: Policy | None = None,
+        *,
+        pair: str = "smollm2",
+        small_layers: int | None = None,
+        draft=None,
+        dtype=None,
+        device=None,
+        reuse: bool = True,
+        **kwargs,
+    ) -> "Router":
         """A Router on a named pair (`tokenrouter_sdk.pairs`).
 
         ``pair="smollm2"`` (default; small and fast, for tests and quick looks): large =
@@ -250,23 +291,37 @@ class Router:
         """
         from .engine.transports.process_start import prestart_for
         from .pairs import get_pair, pair_models
+
         if get_pair(pair).small is not None:
             if small_layers is not None or draft is not None:
-                raise ValueError(f"Router.default: small_layers and draft build SmolLM2's small model; pair {pair!r} "
-                                 f"has its own (use pair='smollm2' for them)")
+                raise ValueError(
+                    f"Router.default: small_layers and draft build SmolLM2's small model; pair {pair!r} "
+                    f"has its own (use pair='smollm2' for them)"
+                )
             return cls(pair_models(pair, dtype=dtype, device=device or "cpu"), policy, **kwargs)
         from .models import DEFAULT_PAIR_MODULES, default_pair
+
         if isinstance(device, Mapping) or isinstance(dtype, Mapping):
-            raise ValueError("Router.default: the packaged small model shares the large model's first layers, so "
-                             "both take one device and one dtype (a string, not a dict)")
+            raise ValueError(
+                "Router.default: the packaged small model shares the large model's first layers, so "
+                "both take one device and one dtype (a string, not a dict)"
+            )
         prestart_for(kwargs.get("processes", getattr(kwargs.get("config"), "processes", None)), DEFAULT_PAIR_MODULES)
-        large, small, tok = default_pair(small_layers=small_layers, draft=draft, dtype=dtype,
-                                         device=device or "cpu", reuse=reuse)
+        large, small, tok = default_pair(
+            small_layers=small_layers, draft=draft, dtype=dtype, device=device or "cpu", reuse=reuse
+        )
         return cls({"small": small, "large": large}, policy, tokenizer=tok, **kwargs)
 
     # -- prompts --------------------------------------------------------------------------
-    def encode(self, prompt, chat: bool | None = None, *, chat_template_kwargs: dict | None = None,
-               add_special_tokens: bool = True, model: str | None = None) -> list[int]:
+    def encode(
+        self,
+        prompt,
+        chat: bool | None = None,
+        *,
+        chat_template_kwargs: dict | None = None,
+        add_special_tokens: bool = True,
+        model: str | None = None,
+    ) -> list[int]:
         """Token ids of a prompt (for models that do not share a tokenizer: in ``model``'s
         vocabulary with its chat template; default the last model's).
 
@@ -299,26 +354,35 @@ class Router:
             if model not in self.tokenizers:
                 raise ValueError(f"encode: no model {model!r}; the models are {list(self.tokenizers)}")
             enc = self._encoders.get(model, enc)
-        return enc.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs,
-                          add_special_tokens=add_special_tokens)
+        return enc.encode(
+            prompt, chat, chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens
+        )
 
-    def _check_prompt(self, prompt, chat, chat_template_kwargs=None,
-                      add_special_tokens: bool = True) -> tuple[list[int] | None, str | None]:
+    def _check_prompt(
+        self, prompt, chat, chat_template_kwargs=None, add_special_tokens: bool = True
+    ) -> tuple[list[int] | None, str | None]:
         if self.text is not None:
             ids, _, err = self._check_prompts(prompt, chat, chat_template_kwargs, add_special_tokens)
             return ids, err
-        return self._check_with(None, prompt, chat, chat_template_kwargs, self.engine.vocab_limit, self.max_context,
-                                add_special_tokens)
+        return self._check_with(
+            None, prompt, chat, chat_template_kwargs, self.engine.vocab_limit, self.max_context, add_special_tokens
+        )
 
-    def _check_with(self, model, prompt, chat, chat_template_kwargs, vocab: int,
-                    context: int, add_special_tokens: bool = True) -> tuple[list[int] | None, str | None]:
+    def _check_with(
+        self, model, prompt, chat, chat_template_kwargs, vocab: int, context: int, add_special_tokens: bool = True
+    ) -> tuple[list[int] | None, str | None]:
         """``prompt`` encoded for ``model`` (None: the shared tokenizer) and checked against its
         vocabulary size and context: ``(ids, None)`` or ``(None, why not)``."""
         if isinstance(prompt, str) and not prompt.strip():
             return None, "the prompt is empty: give at least one character of text"
         try:
-            ids = self.encode(prompt, chat, chat_template_kwargs=chat_template_kwargs, model=model,
-                              add_special_tokens=add_special_tokens)
+            ids = self.encode(
+                prompt,
+                chat,
+                chat_template_kwargs=chat_template_kwargs,
+                model=model,
+                add_special_tokens=add_special_tokens,
+            )
         except Exception as e:  # noqa: BLE001
             return None, f"the prompt could not be tokenized: {type(e).__name__}: {e}"
         if not ids:
@@ -326,8 +390,10 @@ class Router:
         if any(i < 0 or i >= vocab for i in ids):
             return None, f"the prompt has token ids outside the vocabulary [0, {vocab})"
         if len(ids) >= context:
-            return None, (f"the prompt has {len(ids)} tokens, the models' context is {context}: "
-                          f"shorten the prompt to at most {context - 1} tokens")
+            return None, (
+                f"the prompt has {len(ids)} tokens, the models' context is {context}: "
+                f"shorten the prompt to at most {context - 1} tokens"
+            )
         return ids, None
 
     def _check_prompts(self, prompt, chat, chat_template_kwargs=None, add_special_tokens: bool = True):
@@ -335,12 +401,25 @@ class Router:
         None)`` for ``prompt`` rendered by each model's own chat template, or ``(None, None, why
         not)``."""
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
-            return None, None, ("a prompt of token ids means different text in each model's vocabulary (the models "
-                                "do not share a tokenizer): give the prompt as text or chat messages")
+            return (
+                None,
+                None,
+                (
+                    "a prompt of token ids means different text in each model's vocabulary (the models "
+                    "do not share a tokenizer): give the prompt as text or chat messages"
+                ),
+            )
         prompts = {}
         for m in self.tokenizers:
-            ids, err = self._check_with(m, prompt, chat, chat_template_kwargs, self.engine.vocab_limits[m],
-                                        self.engine.info[m].max_context, add_special_tokens)
+            ids, err = self._check_with(
+                m,
+                prompt,
+                chat,
+                chat_template_kwargs,
+                self.engine.vocab_limits[m],
+                self.engine.info[m].max_context,
+                add_special_tokens,
+            )
             if err is not None:
                 return None, None, f"model '{m}': {err}"
             prompts[m] = ids
@@ -372,9 +451,17 @@ class Router:
                 errors.append(str(e))
         return list(sampling), errors
 
-    def requests(self, prompts: Sequence, *, sampling=None, chat: bool | None = None, keys=None,
-                 chat_template_kwargs: dict | None = None, add_special_tokens: bool = True,
-                 **kw) -> list[RequestInput]:
+    def requests(
+        self,
+        prompts: Sequence,
+        *,
+        sampling=None,
+        chat: bool | None = None,
+        keys=None,
+        chat_template_kwargs: dict | None = None,
+        add_special_tokens: bool = True,
+        **kw,
+    ) -> list[RequestInput]:
         """The engine's inputs for ``prompts``: encoded (`encode`) and checked (a bad prompt or bad sampling
         value gives an input with its ``error``, which fails that request alone); a prompt with
         ``n > 1`` gives ``n`` inputs (sample ``j``: key ``f"{key}#{j}"`` for a user's key, else
@@ -392,9 +479,11 @@ class Router:
             PromptEncoder.check_template_kwargs(chat_template_kwargs)
             plain = next((i for i, p in enumerate(prompts) if not self._prompts.renders(p, chat)), None)
             if plain is not None:
-                raise ValueError(f"chat_template_kwargs apply to prompts rendered with the chat template; prompt "
-                                 f"{plain} is encoded as it is (token ids, chat=False, or a string that already holds "
-                                 f"the template's markers)")
+                raise ValueError(
+                    f"chat_template_kwargs apply to prompts rendered with the chat template; prompt "
+                    f"{plain} is encoded as it is (token ids, chat=False, or a string that already holds "
+                    f"the template's markers)"
+                )
         out = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             if self.text is not None:
@@ -404,8 +493,10 @@ class Router:
             if err is None:
                 err = param_errors[i]
             if err is None and self.text is not None and p.stop_token_ids:
-                err = ("stop_token_ids name different tokens in each model's vocabulary (the models do not share a "
-                       "tokenizer): use stop strings (stop=...); each model's own end-of-sequence ids end a request")
+                err = (
+                    "stop_token_ids name different tokens in each model's vocabulary (the models do not share a "
+                    "tokenizer): use stop strings (stop=...); each model's own end-of-sequence ids end a request"
+                )
             n = p.n if err is None else 1
             for j in range(n):
                 pj = p if n == 1 else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
@@ -414,9 +505,20 @@ class Router:
         return out
 
     # -- calls ------------------------------------------------------------------------------
-    def submit(self, prompts: Sequence, *, sampling=None, policy: Policy | None = None, chat: bool | None = None,
-               concurrency: int | None = None, keys=None, listener=None, chat_template_kwargs: dict | None = None,
-               add_special_tokens: bool = True, **kw) -> Call:
+    def submit(
+        self,
+        prompts: Sequence,
+        *,
+        sampling=None,
+        policy: Policy | None = None,
+        chat: bool | None = None,
+        concurrency: int | None = None,
+        keys=None,
+        listener=None,
+        chat_template_kwargs: dict | None = None,
+        add_special_tokens: bool = True,
+        **kw,
+    ) -> Call:
         """Submit prompts without waiting; returns the `Call` (a sequence of `RequestHandle`:
         ``handle.done``, ``handle.output``, ``handle.abort()``; ``call.wait()``). Keyword
         arguments are `SamplingParams` fields (max_new_tokens, temperature, top_p, top_k, seed,
@@ -428,12 +530,20 @@ class Router:
             ValueError: a bad sampling argument, before anything runs.
             EngineDeadError: a sub-server died (names it); `restart` it, or build a new Router.
         """
-        reqs = self.requests(prompts, sampling=sampling, chat=chat, keys=keys,
-                             chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens, **kw)
+        reqs = self.requests(
+            prompts,
+            sampling=sampling,
+            chat=chat,
+            keys=keys,
+            chat_template_kwargs=chat_template_kwargs,
+            add_special_tokens=add_special_tokens,
+            **kw,
+        )
         return self.submit_inputs(reqs, policy, concurrency, listener)
 
-    def submit_inputs(self, reqs: list[RequestInput], policy: Policy | None = None, concurrency: int | None = None,
-                      listener=None) -> Call:
+    def submit_inputs(
+        self, reqs: list[RequestInput], policy: Policy | None = None, concurrency: int | None = None, listener=None
+    ) -> Call:
         """`submit` for inputs already built (`requests`, with fields set by hand, e.g.
         `RequestInput.forced`); returns the `Call`.
 
@@ -452,10 +562,22 @@ class Router:
         self._local.call = call
         return call
 
-    def generate(self, prompts, *, sampling=None, policy: Policy | None = None, concurrency: int | None = None,
-                 chat: bool | None = None, timeout: float | None = None, progress: bool = False,
-                 live: bool | str = False, keys=None, chat_template_kwargs: dict | None = None,
-                 add_special_tokens: bool = True, **kw) -> list[RequestOutput] | RequestOutput:
+    def generate(
+        self,
+        prompts,
+        *,
+        sampling=None,
+        policy: Policy | None = None,
+        concurrency: int | None = None,
+        chat: bool | None = None,
+        timeout: float | None = None,
+        progress: bool = False,
+        live: bool | str = False,
+        keys=None,
+        chat_template_kwargs: dict | None = None,
+        add_special_tokens: bool = True,
+        **kw,
+    ) -> list[RequestOutput] | RequestOutput:
         """Generate answers; blocks until every request ends.
 
         Args:
@@ -493,8 +615,17 @@ class Router:
             KeyboardInterrupt: the call was interrupted (its requests were aborted).
         """
         single, plist = self._as_list(prompts)
-        call = self.submit(plist, sampling=sampling, policy=policy, chat=chat, concurrency=concurrency, keys=keys,
-                           chat_template_kwargs=chat_template_kwargs, add_special_tokens=add_special_tokens, **kw)
+        call = self.submit(
+            plist,
+            sampling=sampling,
+            policy=policy,
+            chat=chat,
+            concurrency=concurrency,
+            keys=keys,
+            chat_template_kwargs=chat_template_kwargs,
+            add_special_tokens=add_special_tokens,
+            **kw,
+        )
         try:
             outs = self._run_call(call, timeout, progress, live)
         except BaseException:
@@ -502,9 +633,20 @@ class Router:
             raise
         return outs[0] if single and len(outs) == 1 else outs
 
-    def score(self, prompts: Sequence, continuations: Sequence, *, policy: Policy | None = None, logprobs: int = 1,
-              concurrency: int | None = None, chat: bool | None = False, keys=None, timeout: float | None = None,
-              progress: bool = False, add_special_tokens: bool = True):
+    def score(
+        self,
+        prompts: Sequence,
+        continuations: Sequence,
+        *,
+        policy: Policy | None = None,
+        logprobs: int = 1,
+        concurrency: int | None = None,
+        chat: bool | None = False,
+        keys=None,
+        timeout: float | None = None,
+        progress: bool = False,
+        add_special_tokens: bool = True,
+    ):
         """Routed log-likelihood of each continuation after its prompt, by teacher forcing.
 
         Each prompt is prefilled by its entry model as in `generate`; then, position by position,
@@ -543,21 +685,28 @@ class Router:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
             raise ValueError(f"logprobs must be an int >= 0, got {logprobs!r}")
         if self.text is not None:
-            raise ValueError("score forces a continuation's tokens, which are tokens of one vocabulary; the models "
-                             f"{list(self.models)} do not share a tokenizer. Score each model alone, or a pair of "
-                             "one family")
+            raise ValueError(
+                "score forces a continuation's tokens, which are tokens of one vocabulary; the models "
+                f"{list(self.models)} do not share a tokenizer. Score each model alone, or a pair of "
+                "one family"
+            )
         vocab, reqs = self.engine.vocab_limit, []
         for i, (prompt, cont) in enumerate(zip(prompts, continuations)):
             ids, err = self._check_prompt(prompt, chat, None, add_special_tokens)
-            forced = (list(self.tokenizer.encode(cont, add_special_tokens=False)) if isinstance(cont, str)
-                      else [int(t) for t in cont])
+            forced = (
+                list(self.tokenizer.encode(cont, add_special_tokens=False))
+                if isinstance(cont, str)
+                else [int(t) for t in cont]
+            )
             if err is None and not forced:
                 err = "the continuation is empty: give at least one token to score"
             elif err is None and any(not 0 <= t < vocab for t in forced):
                 err = f"the continuation has token ids outside the vocabulary [0, {vocab})"
             elif err is None and len(ids) + len(forced) > self.max_context:
-                err = (f"prompt ({len(ids)} tokens) and continuation ({len(forced)} tokens) exceed the models' "
-                       f"context of {self.max_context} tokens")
+                err = (
+                    f"prompt ({len(ids)} tokens) and continuation ({len(forced)} tokens) exceed the models' "
+                    f"context of {self.max_context} tokens"
+                )
             params = SamplingParams(max_new_tokens=max(1, len(forced)), ignore_eos=True, logprobs=logprobs)
             reqs.append(RequestInput(ids, params, prompt, None if keys is None else keys[i], err, forced=forced))
         call = self.submit_inputs(reqs, policy, concurrency)
@@ -574,11 +723,13 @@ class Router:
         try:
             if live:
                 from .viz.live import LiveView
+
                 view = LiveView(self, call, kind="auto" if live is True else live)
                 view.wait(timeout=timeout)
             else:
                 if progress:
                     from tqdm.auto import tqdm
+
                     bar = tqdm(total=len(call), desc="requests")
                 self._wait(call, timeout, bar)
         except BaseException as e:
@@ -604,6 +755,7 @@ class Router:
             call.wait(timeout)
             return
         import time
+
         deadline = None if timeout is None else time.perf_counter() + timeout
         for h in call:
             while not h.done.wait(0.25):
@@ -617,32 +769,48 @@ class Router:
         a call left early: its partial outputs). Warns once when requests failed, with the
         first error."""
         from .result import RunResult
+
         failed = [o for o in call.outputs if o.finish_reason == "failed"]
         if failed and warn:
-            warnings.warn(f"{len(failed)} of {len(call)} requests failed; request {failed[0].index}: "
-                          f"{failed[0].error} (each output's .error and .traceback say why)", RuntimeWarning,
-                          stacklevel=stacklevel)
+            warnings.warn(
+                f"{len(failed)} of {len(call)} requests failed; request {failed[0].index}: "
+                f"{failed[0].error} (each output's .error and .traceback say why)",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
         if call.kv_limited and warn:
             need = max(h.reserved_blocks(m) * self.engine.capacity[m][1] for h in call for m in self.engine.models)
             cap = min(n * bs for n, bs in self.engine.capacity.values())
-            warnings.warn(f"KV admission held requests back: at most {call.kv_limited} ran at once, because each "
-                          f"request reserves its prompt + max_new_tokens (up to {need} tokens) of KV on every model "
-                          f"and the pools hold {cap} tokens; raise max_kv_tokens, lower max_new_tokens, or use "
-                          f"kv_admission='optimistic' (preempts instead)", RuntimeWarning, stacklevel=stacklevel)
-        run = RunResult(call.outputs, call.events, list(self.models), self.tokenizer,
-                        {h.rid: h.entry for h in call}, vocabs=self.text.vocabs if self.text is not None else None)
+            warnings.warn(
+                f"KV admission held requests back: at most {call.kv_limited} ran at once, because each "
+                f"request reserves its prompt + max_new_tokens (up to {need} tokens) of KV on every model "
+                f"and the pools hold {cap} tokens; raise max_kv_tokens, lower max_new_tokens, or use "
+                f"kv_admission='optimistic' (preempts instead)",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
+        run = RunResult(
+            call.outputs,
+            call.events,
+            list(self.models),
+            self.tokenizer,
+            {h.rid: h.entry for h in call},
+            vocabs=self.text.vocabs if self.text is not None else None,
+        )
         self._local.last_run = run
         return run
 
     @staticmethod
     def _as_list(prompts) -> tuple[bool, list]:
         """(was it a single prompt, the prompts as a list)."""
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
-                                              and isinstance(prompts[0], (int, dict)))
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], (int, dict))
+        )
         return single, [prompts] if single else list(prompts)
 
-    async def agenerate(self, prompts, *, policy: Policy | None = None, concurrency: int | None = None,
-                        **kw) -> list[RequestOutput] | RequestOutput:
+    async def agenerate(
+        self, prompts, *, policy: Policy | None = None, concurrency: int | None = None, **kw
+    ) -> list[RequestOutput] | RequestOutput:
         """``await``-able `generate` (same arguments except ``timeout``, ``progress`` and
         ``live``); does not block the event loop. Cancelling the task aborts its requests."""
         single, plist = self._as_list(prompts)
@@ -661,8 +829,10 @@ class Router:
         """The `TokenEvent`s of one listener callback of a streamed request (None: it ended)."""
         if kind == "tokens":
             ev, piece = payload
-            return [TokenEvent(h.rid, tok, piece if j == len(ev.tokens) - 1 else "", ev.model)
-                    for j, tok in enumerate(ev.tokens)]
+            return [
+                TokenEvent(h.rid, tok, piece if j == len(ev.tokens) - 1 else "", ev.model)
+                for j, tok in enumerate(ev.tokens)
+            ]
         if kind == "finish":
             return [TokenEvent(h.rid, None, payload, None)] if payload else None
         return []
@@ -699,6 +869,7 @@ class Router:
 
         def listener(kind, h, payload):
             loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
+
         call = self.submit([prompt], listener=listener, **kw)
         h = call[0]
         try:
@@ -756,6 +927,7 @@ class Router:
         key = (id(policy), n)
         if key not in self._plans:
             from .planner import plan_for_router
+
             self._plans[key] = plan_for_router(self, policy, n)
         self.engine.set_thresholds(self._plans[key])
 
@@ -912,10 +1084,19 @@ class Router:
             RuntimeError: the Router is closed.
         """
         from .viz.tables import KVStats
+
         return KVStats(self.engine.kv_stats(timeout), sizing=getattr(self, "kv_sizing", None))
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0, *, policy=None, model_id: str = "tokenrouter",
-              log_level: str = "warning", restart_limit: int = 0) -> str:
+    def serve(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        policy=None,
+        model_id: str = "tokenrouter",
+        log_level: str = "warning",
+        restart_limit: int = 0,
+    ) -> str:
         """Serve this Router over HTTP, OpenAI-compatible, in the background; returns its URL.
 
         uvicorn runs in a thread with its own event loop (so it works inside Jupyter, whose loop

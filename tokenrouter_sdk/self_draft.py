@@ -50,7 +50,7 @@ def attach_layers(large, k: int, extra: list[nn.Module], norm: nn.Module):
     cfg.num_hidden_layers = k + len(extra)
     if getattr(cfg, "layer_types", None) is not None:
         types = list(large.config.layer_types)
-        cfg.layer_types = types[:k] + types[n - len(extra):]
+        cfg.layer_types = types[:k] + types[n - len(extra) :]
     with torch.device("meta"):
         small = type(large)(cfg)
     full = large.model
@@ -77,7 +77,7 @@ def init_trainable(large, m: int) -> tuple[list[nn.Module], nn.Module]:
     n = large.config.num_hidden_layers
     if not isinstance(m, int) or not 1 <= m <= n:
         raise ValueError(f"self-draft: m (trained layers) must be an int with 1 <= m <= {n}, got {m!r}")
-    extra = [copy.deepcopy(layer).float().requires_grad_(True) for layer in large.model.layers[n - m:]]
+    extra = [copy.deepcopy(layer).float().requires_grad_(True) for layer in large.model.layers[n - m :]]
     norm = copy.deepcopy(large.model.norm).float().requires_grad_(True)
     return extra, norm
 
@@ -100,8 +100,11 @@ def save_self_draft(path, extra: list[nn.Module], norm: nn.Module, meta: dict, d
             raise ValueError(f"save_self_draft: meta needs {key!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(trainable_state(extra, norm, dtype), str(path),
-              metadata={"k": str(meta["k"]), "m": str(meta["m"]), "base": str(meta["base"])})
+    save_file(
+        trainable_state(extra, norm, dtype),
+        str(path),
+        metadata={"k": str(meta["k"]), "m": str(meta["m"]), "base": str(meta["base"])},
+    )
     path.with_suffix(".json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
     return path
 
@@ -132,8 +135,10 @@ def load_self_draft(large, path=DEFAULT_DRAFT):
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"self-draft file {str(path)!r} does not exist; rebuild it with "
-                                f"`tokenrouter distill --out {path}` or pass another path")
+        raise FileNotFoundError(
+            f"self-draft file {str(path)!r} does not exist; rebuild it with "
+            f"`tokenrouter distill --out {path}` or pass another path"
+        )
     with safe_open(str(path), framework="pt") as f:
         md = f.metadata() or {}
         sd = {key: f.get_tensor(key) for key in f.keys()}
@@ -148,7 +153,7 @@ def load_self_draft(large, path=DEFAULT_DRAFT):
         norm.load_state_dict({k2[5:]: v for k2, v in sd.items() if k2.startswith("norm.")})
         for j, layer in enumerate(extra):
             pre = f"layers.{j}."
-            layer.load_state_dict({k2[len(pre):]: v for k2, v in sd.items() if k2.startswith(pre)})
+            layer.load_state_dict({k2[len(pre) :]: v for k2, v in sd.items() if k2.startswith(pre)})
     except RuntimeError as e:
         raise DraftMismatchError(f"{path} was trained for another model ({md.get('base', '?')}): {e}") from e
     p = next(large.parameters())

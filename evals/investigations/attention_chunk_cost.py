@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     import torch
 
     from tokenrouter_sdk.backends import cpu_kernels
+
     op = cpu_kernels.paged_attention_op(wait=True)
     if op is None:
         print(f"the CPU kernel could not be built: {cpu_kernels.error()}")
@@ -47,19 +48,26 @@ def main(argv=None) -> int:
         perm, own, pos = torch.randperm(blocks, generator=g).tolist(), -(-keys // bs), torch.arange(keys)
         kv = torch.zeros(b, keys, dtype=torch.long)
         for i in range(b):
-            table = torch.tensor(perm[i * own:(i + 1) * own])
+            table = torch.tensor(perm[i * own : (i + 1) * own])
             kv[i] = table[pos // bs] * bs + pos % bs
         return kv
 
     rows = []
     for b, keys in CASES:
         kv, q = slots(b, keys), torch.randn(b, h, d, generator=g)
-        out, ones, lens, starts = torch.empty_like(q), torch.ones(b, dtype=torch.long), torch.full((b,), keys), torch.arange(b)
+        out, ones, lens, starts = (
+            torch.empty_like(q),
+            torch.ones(b, dtype=torch.long),
+            torch.full((b,), keys),
+            torch.arange(b),
+        )
         ms = {}
         for c in order.sample(CHUNKS, len(CHUNKS)):
+
             def step():
                 for layer in range(layers):
                     op(out, q, k[layer], v[layer], kv, starts, ones, lens, 0.125, c)
+
             step()
             ts = []
             for _ in range(args.repeats):
@@ -68,10 +76,21 @@ def main(argv=None) -> int:
                 ts.append(time.perf_counter() - t)
             ms[c] = statistics.median(ts) * 1e3
         best = min(ms, key=ms.get)
-        rows.append({"requests": b, "keys": keys, **{f"chunk{c or '_own'}_ms": round(ms[c], 3) for c in CHUNKS},
-                     "best": best, "own_over_best": round(ms[0] / ms[best], 3)})
-        print(f"{b:3d} x {keys:5d} keys: " + " ".join(f"{c or 'own'}:{ms[c]:.2f}" for c in CHUNKS)
-              + f"  best {best or 'own'}, own/best {ms[0] / ms[best]:.3f}", flush=True)
+        rows.append(
+            {
+                "requests": b,
+                "keys": keys,
+                **{f"chunk{c or '_own'}_ms": round(ms[c], 3) for c in CHUNKS},
+                "best": best,
+                "own_over_best": round(ms[0] / ms[best], 3),
+            }
+        )
+        print(
+            f"{b:3d} x {keys:5d} keys: "
+            + " ".join(f"{c or 'own'}:{ms[c]:.2f}" for c in CHUNKS)
+            + f"  best {best or 'own'}, own/best {ms[0] / ms[best]:.3f}",
+            flush=True,
+        )
     evalkit.Output(args, __file__).write(rows)
     return 0
 

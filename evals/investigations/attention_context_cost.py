@@ -27,8 +27,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
+    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.engine.runner import SeqInput
     from tokenrouter_sdk.models import default_pair
 
@@ -51,8 +51,14 @@ def main(argv=None) -> int:
         for t in tables:
             blocks_of(runner).free(t)
         rows.append({"context": ctx, "batch": args.batch, "step_ms_median": 1e3 * statistics.median(times)})
-        print(f"context {ctx}: decode step at batch {args.batch}: median {rows[-1]['step_ms_median']:.1f} ms", flush=True)
-    print(evalkit.table(rows, [("context", "context", "d"), ("batch", "batch", "d"), ("step_ms_median", "step ms", ".1f")]))
+        print(
+            f"context {ctx}: decode step at batch {args.batch}: median {rows[-1]['step_ms_median']:.1f} ms", flush=True
+        )
+    print(
+        evalkit.table(
+            rows, [("context", "context", "d"), ("batch", "batch", "d"), ("step_ms_median", "step ms", ".1f")]
+        )
+    )
     evalkit.Output(args, __file__, evalkit.cells_tag(b=args.batch, ctx=args.contexts)).write(rows)
     return 0
 

@@ -27,9 +27,11 @@ def ms(lat) -> dict:
 def busy(stop) -> None:
     """The competing process: the small model's decode steps at batch 8 until ``stop`` is set."""
     import torch
+
     torch.set_num_threads(1)
     from tokenrouter_sdk.models import default_pair
     from tokenrouter_sdk.planner.profile import profile_latency
+
     _, small, _ = default_pair()
     while not stop.is_set():
         profile_latency(small, (8,), steps=5, warmup=0, extend_tokens=0)
@@ -37,11 +39,13 @@ def busy(stop) -> None:
 
 def main(argv=None) -> int:
     p = evalkit.parser(__file__, __doc__)
-    p.add_argument("--settle-s", type=float, default=8.0,
-                   help="seconds to wait for the busy process to load its model (default 8)")
+    p.add_argument(
+        "--settle-s", type=float, default=8.0, help="seconds to wait for the busy process to load its model (default 8)"
+    )
     args = p.parse_args(argv)
 
     import torch
+
     torch.set_num_threads(1)
     from tokenrouter_sdk.models import default_pair
     from tokenrouter_sdk.planner.profile import profile_latency
@@ -65,10 +69,22 @@ def main(argv=None) -> int:
     finally:
         stop.set()
         proc.join()
-    rows = [{"model": name, "batch": b, "alone_ms": alone[name][b], "beside_busy_ms": beside[name][b]}
-            for name in models for b in BATCHES[name]]
-    print(evalkit.table(rows, [("model", "model", "s"), ("batch", "batch", "d"), ("alone_ms", "alone ms", ".1f"),
-                               ("beside_busy_ms", "beside busy ms", ".1f")]))
+    rows = [
+        {"model": name, "batch": b, "alone_ms": alone[name][b], "beside_busy_ms": beside[name][b]}
+        for name in models
+        for b in BATCHES[name]
+    ]
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("model", "model", "s"),
+                ("batch", "batch", "d"),
+                ("alone_ms", "alone ms", ".1f"),
+                ("beside_busy_ms", "beside busy ms", ".1f"),
+            ],
+        )
+    )
     evalkit.Output(args, __file__).write(rows)
     return 0
 

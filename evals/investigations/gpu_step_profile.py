@@ -51,6 +51,7 @@ def launch_latency(dev) -> float:
     def run():
         for _ in range(n):
             x.add_(1)
+
     return timed(run, dev, 3) / n
 
 
@@ -58,6 +59,7 @@ def hf_decode(model, dev, b: int, ctx: int, vocab: int, steps: int = 10) -> floa
     """transformers' own decode step (sdpa, DynamicCache), batch b, context ctx: median seconds."""
     import torch
     from transformers import DynamicCache
+
     model.set_attn_implementation("sdpa")
     ids = torch.randint(0, vocab, (b, ctx), device=dev)
     cache = DynamicCache(config=model.config)
@@ -80,9 +82,10 @@ def paged(model, dev, b: int, ctx: int, vocab: int, steps: int = 10, profile: bo
     step and of building its batch, and (``profile``) a torch.profiler table of one step."""
     import torch
 
-    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
+    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.engine.runner import SeqInput
+
     r = TorchRunner(model, max_kv_tokens=(b + 1) * (ctx + steps + 8))
     tables = [[] for _ in range(b)]
     lens = [ctx] * b
@@ -108,7 +111,9 @@ def paged(model, dev, b: int, ctx: int, vocab: int, steps: int = 10, profile: bo
         lens[:] = [n + 1 for n in lens]
     table = None
     if profile:
-        from torch.profiler import ProfilerActivity, profile as prof
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with prof(activities=acts) as p:
             r.forward(seqs())
@@ -127,12 +132,25 @@ def main(argv=None) -> int:
     import torch
 
     from tokenrouter_sdk.random_models import random_model
+
     dev = torch.device(args.device)
     res, rows = {"launch_us": launch_latency(dev) * 1e6}, []
     print(f"kernel launch (x.add_ loop): {res['launch_us']:.1f} us each", flush=True)
-    shrink = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, vocab_size=2048, eos_token_id=2000,
-                  bos_token_id=None) if args.shrink else {}
+    shrink = (
+        dict(
+            num_hidden_layers=2,
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=2048,
+            eos_token_id=2000,
+            bos_token_id=None,
+        )
+        if args.shrink
+        else {}
+    )
     dtype = torch.float32 if args.shrink else torch.bfloat16
     vocab = 2048 if args.shrink else 151936
     for name in ("qwen3-0.6b", "qwen3-8b"):

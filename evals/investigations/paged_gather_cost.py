@@ -27,7 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
 import evalkit  # noqa: E402
 
-CASES = [(8, 250, 32), (2, 1200, 32), (2, 1200, 736), (4, 800, 736), (8, 800, 736), (16, 800, 736)]  # requests, keys, shared
+CASES = [
+    (8, 250, 32),
+    (2, 1200, 32),
+    (2, 1200, 736),
+    (4, 800, 736),
+    (8, 800, 736),
+    (16, 800, 736),
+]  # requests, keys, shared
 
 
 def main(argv=None) -> int:
@@ -38,10 +45,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from tokenrouter_sdk.backends import cpu_kernels
     from tokenrouter_sdk.backends import attention as A
+    from tokenrouter_sdk.backends import cpu_kernels
     from tokenrouter_sdk.backends.attention import cascade as C
     from tokenrouter_sdk.backends.attention import gather as G
+
     op = cpu_kernels.paged_attention_op(wait=True)
     if op is None:
         print(f"the CPU kernel could not be built ({cpu_kernels.error()}): its column stays empty")
@@ -61,7 +69,7 @@ def main(argv=None) -> int:
         kv = torch.zeros(b, keys, dtype=torch.long)
         pos = torch.arange(keys)
         for i in range(b):
-            table = torch.tensor(perm[:shared // bs] + perm[shared // bs + i * own:shared // bs + (i + 1) * own])
+            table = torch.tensor(perm[: shared // bs] + perm[shared // bs + i * own : shared // bs + (i + 1) * own])
             kv[i] = table[pos // bs] * bs + pos % bs
         return A.DecodeView(kv, None, shared)
 
@@ -96,16 +104,35 @@ def main(argv=None) -> int:
             for layer in range(layers):
                 op(out, qk, Pool.k[layer], Pool.v[layer], fb.kv, torch.arange(b), ones, lens, 0.125)
 
-        row = {"requests": b, "keys": keys, "shared": shared, "gather_ms": timed(gather),
-               "cascade_ms": timed(cascade), "kernel_ms": timed(kernel) if op is not None else None,
-               "cascade_on": (b - 1) * shared >= C.MIN_SAVED}
+        row = {
+            "requests": b,
+            "keys": keys,
+            "shared": shared,
+            "gather_ms": timed(gather),
+            "cascade_ms": timed(cascade),
+            "kernel_ms": timed(kernel) if op is not None else None,
+            "cascade_on": (b - 1) * shared >= C.MIN_SAVED,
+        }
         rows.append(row)
-        print(f"{b} x {keys} keys, {shared} shared: gather {row['gather_ms']:.1f} ms, "
-              f"cascade {row['cascade_ms']:.1f} ms, kernel {row['kernel_ms'] or float('nan'):.1f} ms", flush=True)
-    print(evalkit.table(rows, [("requests", "requests", "d"), ("keys", "keys", "d"), ("shared", "shared", "d"),
-                               ("gather_ms", "gather ms", ".1f"), ("cascade_ms", "cascade ms", ".1f"),
-                               ("kernel_ms", "kernel ms", ".1f"),
-                               ("cascade_on", "cascade used", "")]))
+        print(
+            f"{b} x {keys} keys, {shared} shared: gather {row['gather_ms']:.1f} ms, "
+            f"cascade {row['cascade_ms']:.1f} ms, kernel {row['kernel_ms'] or float('nan'):.1f} ms",
+            flush=True,
+        )
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("requests", "requests", "d"),
+                ("keys", "keys", "d"),
+                ("shared", "shared", "d"),
+                ("gather_ms", "gather ms", ".1f"),
+                ("cascade_ms", "cascade ms", ".1f"),
+                ("kernel_ms", "kernel ms", ".1f"),
+                ("cascade_on", "cascade used", ""),
+            ],
+        )
+    )
     evalkit.Output(args, __file__).write(rows)
     return 0
 

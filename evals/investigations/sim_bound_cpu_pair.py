@@ -22,10 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
 import evalkit  # noqa: E402
 
-SMALL = {1: .0365, 2: .0405, 4: .0631, 8: .0836, 16: .0885}
-LARGE = {1: .0669, 2: .0721, 4: .1204, 8: .1512, 16: .1617}
-INPUTS = (("decode table only (per_token_s 0.5 ms)", 0.0005, 0.0005),
-          ("with measured extend cost (1.7 / 5.0 ms per token)", 0.0017, 0.0050))
+SMALL = {1: 0.0365, 2: 0.0405, 4: 0.0631, 8: 0.0836, 16: 0.0885}
+LARGE = {1: 0.0669, 2: 0.0721, 4: 0.1204, 8: 0.1512, 16: 0.1617}
+INPUTS = (
+    ("decode table only (per_token_s 0.5 ms)", 0.0005, 0.0005),
+    ("with measured extend cost (1.7 / 5.0 ms per token)", 0.0017, 0.0050),
+)
 
 
 def main(argv=None) -> int:

@@ -50,7 +50,9 @@ def main(argv=None) -> int:
     large, small, tok = default_pair()
     prompts = load_prompts("gsm8k", 64)
     out, ok = [], True
-    with Router({"small": small, "large": large}, tokenizer=tok, mode="delayed", thresholds={"small": 1, "large": 1}) as r:
+    with Router(
+        {"small": small, "large": large}, tokenizer=tok, mode="delayed", thresholds={"small": 1, "large": 1}
+    ) as r:
         for n in a.n:
             policy = RandomRouting(p=a.p, seed=0)
             t0 = time.perf_counter()
@@ -64,30 +66,49 @@ def main(argv=None) -> int:
             meas: dict[tuple, list[float]] = {}
             work = [prompts[i % len(prompts)] for i in range(a.requests_per_n * n)]
             for k in range(a.passes):
-                for th in (vectors if k % 2 == 0 else vectors[::-1]):
+                for th in vectors if k % 2 == 0 else vectors[::-1]:
                     r.set_thresholds(th)
-                    r.generate(work, policy=RandomRouting(p=a.p, seed=0), max_new_tokens=a.tokens, ignore_eos=True,
-                               concurrency=n)
+                    r.generate(
+                        work,
+                        policy=RandomRouting(p=a.p, seed=0),
+                        max_new_tokens=a.tokens,
+                        ignore_eos=True,
+                        concurrency=n,
+                    )
                     meas.setdefault((th["small"], th["large"]), []).append(r.metrics().throughput_tok_s)
                     print(f"N={n} B={th} pass {k}: {meas[(th['small'], th['large'])][-1]:.1f} tok/s", flush=True)
             med = {b: statistics.median(v) for b, v in meas.items()}
             pb = (plan.thresholds["small"], plan.thresholds["large"])
             best = max(med, key=med.get)
             preds = {b: dtmc_throughput(lat, q, n, dict(zip(names, b)), **kw).tok_s for b in med}
-            row = {"N": n, "plan_B": pb, "pred_at_plan": plan.predicted_tok_s, "meas_at_plan": med[pb],
-                   "best_B": best, "best_meas": med[best], "ratio": med[pb] / med[best],
-                   "err": abs(plan.predicted_tok_s - med[pb]) / med[pb], "plan_s": plan_s,
-                   "latency_ms": {m: {b: round(t * 1e3, 1) for b, t in lat[m].table.items()} for m in names},
-                   "sweep": {str(b): {"meas": v, "median": med[b], "pred": preds[b]} for b, v in meas.items()}}
+            row = {
+                "N": n,
+                "plan_B": pb,
+                "pred_at_plan": plan.predicted_tok_s,
+                "meas_at_plan": med[pb],
+                "best_B": best,
+                "best_meas": med[best],
+                "ratio": med[pb] / med[best],
+                "err": abs(plan.predicted_tok_s - med[pb]) / med[pb],
+                "plan_s": plan_s,
+                "latency_ms": {m: {b: round(t * 1e3, 1) for b, t in lat[m].table.items()} for m in names},
+                "sweep": {str(b): {"meas": v, "median": med[b], "pred": preds[b]} for b, v in meas.items()},
+            }
             ok &= row["ratio"] >= 0.95
             out.append(row)
-            print(f"N={n}: plan {pb} measured {med[pb]:.1f} tok/s (predicted {plan.predicted_tok_s:.1f}, "
-                  f"err {row['err']:.1%}); best {best} {med[best]:.1f} tok/s; ratio {row['ratio']:.3f}; "
-                  f"spread of the sweep {min(med.values()):.1f}..{max(med.values()):.1f}", flush=True)
+            print(
+                f"N={n}: plan {pb} measured {med[pb]:.1f} tok/s (predicted {plan.predicted_tok_s:.1f}, "
+                f"err {row['err']:.1%}); best {best} {med[best]:.1f} tok/s; ratio {row['ratio']:.3f}; "
+                f"spread of the sweep {min(med.values()):.1f}..{max(med.values()):.1f}",
+                flush=True,
+            )
     print(f"bar (ratio >= 0.95 at every N): {'PASS' if ok else 'FAIL'}")
     evalkit.Output(a, __file__, evalkit.cells_tag(n=a.n, p=a.p, t=a.tokens)).write(
         [{k: v for k, v in r.items() if k not in ("sweep", "latency_ms")} for r in out],
-        sweeps={r["N"]: r["sweep"] for r in out}, latency_ms={r["N"]: r["latency_ms"] for r in out}, target_met=ok)
+        sweeps={r["N"]: r["sweep"] for r in out},
+        latency_ms={r["N"]: r["latency_ms"] for r in out},
+        target_met=ok,
+    )
     return 0 if ok else 1
 
 

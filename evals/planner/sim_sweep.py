@@ -48,10 +48,11 @@ import evalkit  # noqa: E402
 # 24 / 39 ms at batch 1 / 8). "gpu": illustrative, not measured: step time nearly flat in the batch
 # size, so batching the large model's steps is worth more.
 PRESET_TABLES = {
-    "cpu": {"small": ({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}, None),
-            "large": ({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4}, None)},
-    "gpu": {"small": ({1: 0.008, 16: 0.009, 64: 0.012}, 2e-5),
-            "large": ({1: 0.030, 16: 0.032, 64: 0.040}, 5e-5)},
+    "cpu": {
+        "small": ({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}, None),
+        "large": ({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4}, None),
+    },
+    "gpu": {"small": ({1: 0.008, 16: 0.009, 64: 0.012}, 2e-5), "large": ({1: 0.030, 16: 0.032, 64: 0.040}, 5e-5)},
 }
 
 
@@ -59,8 +60,10 @@ def latency_models(preset: str) -> dict:
     """name -> `LatencyModel` of a preset."""
     from tokenrouter_sdk.backends.sim_runner import LatencyModel
 
-    return {m: LatencyModel(t) if pt is None else LatencyModel(t, per_token_s=pt)
-            for m, (t, pt) in PRESET_TABLES[preset].items()}
+    return {
+        m: LatencyModel(t) if pt is None else LatencyModel(t, per_token_s=pt)
+        for m, (t, pt) in PRESET_TABLES[preset].items()
+    }
 
 
 LAT: dict = {}
@@ -71,13 +74,23 @@ def prompts(n: int, seed: int, length: int = 20) -> list[list[int]]:
     return [[rng.randint(3, 250) for _ in range(length)] for _ in range(n)]
 
 
-def sim_run(n: int, p: float, thresholds, *, requests: int, tokens: int, mode: str = "delayed", seed: int = 1,
-            prompt_seed: int = 0):
+def sim_run(
+    n: int,
+    p: float,
+    thresholds,
+    *,
+    requests: int,
+    tokens: int,
+    mode: str = "delayed",
+    seed: int = 1,
+    prompt_seed: int = 0,
+):
     from tokenrouter_sdk import Router
     from tokenrouter_sdk.policies import RandomRouting
 
-    with Router(LAT, RandomRouting(p, seed=seed), backend="sim", mode=mode, thresholds=thresholds,
-                max_concurrency=n) as r:
+    with Router(
+        LAT, RandomRouting(p, seed=seed), backend="sim", mode=mode, thresholds=thresholds, max_concurrency=n
+    ) as r:
         out = r.generate(prompts(requests, prompt_seed), max_new_tokens=tokens, ignore_eos=True, timeout=600)
         return out.metrics(), out.trace
 
@@ -101,6 +114,7 @@ def spearman(a: list[float], b: list[float]) -> float:
         for k, i in enumerate(o):
             r[i] = k
         return r
+
     if len(a) < 3:
         return float("nan")
     ra, rb = ranks(a), ranks(b)
@@ -112,12 +126,19 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def check(n: int, p: float, requests_per_n: int, tokens: int, search: str, pilot_requests: int) -> dict:
-    from tokenrouter_sdk.planner import (dtmc_throughput, estimate_extra_tokens, estimate_keep, estimate_routing,
-                                         feasible_thresholds, plan_thresholds)
+    from tokenrouter_sdk.planner import (
+        dtmc_throughput,
+        estimate_extra_tokens,
+        estimate_keep,
+        estimate_routing,
+        feasible_thresholds,
+        plan_thresholds,
+    )
 
     names = list(LAT)
-    _, pilot = sim_run(n, p, None, requests=max(2 * n, pilot_requests), tokens=tokens, mode="async", seed=101,
-                       prompt_seed=7)
+    _, pilot = sim_run(
+        n, p, None, requests=max(2 * n, pilot_requests), tokens=tokens, mode="async", seed=101, prompt_seed=7
+    )
     q, keep, extra = estimate_routing(pilot, names), estimate_keep(pilot, names), estimate_extra_tokens(pilot, names)
     t0 = time.perf_counter()
     plan = plan_thresholds(LAT, q, n, keep=keep, extra_tokens=extra, search=search)
@@ -126,22 +147,47 @@ def check(n: int, p: float, requests_per_n: int, tokens: int, search: str, pilot
     for th in feasible_thresholds(names, n):
         m, trace = sim_run(n, p, th, requests=requests_per_n * n, tokens=tokens)
         pred = dtmc_throughput(LAT, q, n, th, keep=keep, extra_tokens=extra)
-        rows.append({"B": (th["small"], th["large"]), "sim": m.throughput_tok_s, "sim_ss": steady_tok_s(trace),
-                     "pred": pred.tok_s, "large_fraction": m.large_fraction, "hop_rate": m.hop_rate,
-                     "busy_sim": {k: v.busy_fraction for k, v in m.per_model.items()}, "busy_pred": pred.busy})
+        rows.append(
+            {
+                "B": (th["small"], th["large"]),
+                "sim": m.throughput_tok_s,
+                "sim_ss": steady_tok_s(trace),
+                "pred": pred.tok_s,
+                "large_fraction": m.large_fraction,
+                "hop_rate": m.hop_rate,
+                "busy_sim": {k: v.busy_fraction for k, v in m.per_model.items()},
+                "busy_pred": pred.busy,
+            }
+        )
     best = max(rows, key=lambda r: r["sim"])
     at = next(r for r in rows if r["B"] == (plan.thresholds["small"], plan.thresholds["large"]))
     errs = [abs(r["pred"] - r["sim"]) / r["sim"] for r in rows]
     # the same prediction with the true routing probability of the small model (no pilot noise)
     pred_p = dtmc_throughput(LAT, dict(q, small=p), n, plan.thresholds, keep=keep, extra_tokens=extra).tok_s
-    return {"N": n, "q": q, "keep": keep, "extra_tokens": extra, "candidates": len(rows), "search": plan.search,
-            "plan_B": at["B"], "pred": plan.predicted_tok_s, "sim_at_plan": at["sim"], "sim_ss_at_plan": at["sim_ss"],
-            "best_B": best["B"], "best_sim": best["sim"], "ratio": at["sim"] / best["sim"],
-            "err": abs(plan.predicted_tok_s - at["sim"]) / at["sim"],
-            "err_ss": abs(plan.predicted_tok_s - at["sim_ss"]) / at["sim_ss"],
-            "err_p": abs(pred_p - at["sim"]) / at["sim"], "err_mean": sum(errs) / len(errs), "err_max": max(errs),
-            "spearman": spearman([r["pred"] for r in rows], [r["sim"] for r in rows]),
-            "large_fraction": at["large_fraction"], "plan_s": plan_s, "rows": rows}
+    return {
+        "N": n,
+        "q": q,
+        "keep": keep,
+        "extra_tokens": extra,
+        "candidates": len(rows),
+        "search": plan.search,
+        "plan_B": at["B"],
+        "pred": plan.predicted_tok_s,
+        "sim_at_plan": at["sim"],
+        "sim_ss_at_plan": at["sim_ss"],
+        "best_B": best["B"],
+        "best_sim": best["sim"],
+        "ratio": at["sim"] / best["sim"],
+        "err": abs(plan.predicted_tok_s - at["sim"]) / at["sim"],
+        "err_ss": abs(plan.predicted_tok_s - at["sim_ss"]) / at["sim_ss"],
+        "err_p": abs(pred_p - at["sim"]) / at["sim"],
+        "err_mean": sum(errs) / len(errs),
+        "err_max": max(errs),
+        "spearman": spearman([r["pred"] for r in rows], [r["sim"] for r in rows]),
+        "large_fraction": at["large_fraction"],
+        "plan_s": plan_s,
+        "rows": rows,
+    }
 
 
 def main(argv=None) -> int:
@@ -152,33 +198,43 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens per request")
     ap.add_argument("--pilot-requests", type=int, default=32, help="pilot run size (at least 2N)")
     ap.add_argument("--search", default="auto", choices=["auto", "exhaustive", "pruned"])
-    ap.add_argument("--preset", default="cpu", choices=sorted(PRESET_TABLES),
-                    help="latency models (default: the CPU pair)")
+    ap.add_argument(
+        "--preset", default="cpu", choices=sorted(PRESET_TABLES), help="latency models (default: the CPU pair)"
+    )
     a = ap.parse_args(argv)
     LAT.clear()
     LAT.update(latency_models(a.preset))
     out = []
-    hdr = (f"{'N':>3} {'cand':>4} {'plan B':>8} {'pred':>7} {'sim@plan':>8} {'best B':>8} {'best sim':>8} "
-           f"{'q_small':>7} {'ratio':>6} {'err':>6} {'err_ss':>6} {'err_p':>6} {'err mean/max':>13} {'rank':>5} "
-           f"{'lg frac':>7} {'plan s':>6}")
-    print(f"sim backend, RandomRouting(p={a.p}), {a.requests_per_n}N requests x {a.tokens} tokens; "
-          f"latency preset {a.preset!r}: small {LAT['small'].table} (+{LAT['small'].per_token_s} s/token), "
-          f"large {LAT['large'].table} (+{LAT['large'].per_token_s} s/token)")
+    hdr = (
+        f"{'N':>3} {'cand':>4} {'plan B':>8} {'pred':>7} {'sim@plan':>8} {'best B':>8} {'best sim':>8} "
+        f"{'q_small':>7} {'ratio':>6} {'err':>6} {'err_ss':>6} {'err_p':>6} {'err mean/max':>13} {'rank':>5} "
+        f"{'lg frac':>7} {'plan s':>6}"
+    )
+    print(
+        f"sim backend, RandomRouting(p={a.p}), {a.requests_per_n}N requests x {a.tokens} tokens; "
+        f"latency preset {a.preset!r}: small {LAT['small'].table} (+{LAT['small'].per_token_s} s/token), "
+        f"large {LAT['large'].table} (+{LAT['large'].per_token_s} s/token)"
+    )
     print(hdr, flush=True)
     ok = True
     for n in a.n:
         r = check(n, a.p, a.requests_per_n, a.tokens, a.search, a.pilot_requests)
         out.append(r)
         ok &= r["ratio"] >= 0.95 and r["err"] <= 0.15
-        print(f"{n:>3} {r['candidates']:>4} {str(r['plan_B']):>8} {r['pred']:>7.1f} {r['sim_at_plan']:>8.1f} "
-              f"{str(r['best_B']):>8} {r['best_sim']:>8.1f} {r['q']['small']:>7.4f} {r['ratio']:>6.3f} "
-              f"{r['err']:>6.1%} {r['err_ss']:>6.1%} {r['err_p']:>6.1%} "
-              f"{r['err_mean']:>6.1%}/{r['err_max']:>6.1%} {r['spearman']:>5.2f} {r['large_fraction']:>7.3f} "
-              f"{r['plan_s']:>6.1f}", flush=True)
+        print(
+            f"{n:>3} {r['candidates']:>4} {str(r['plan_B']):>8} {r['pred']:>7.1f} {r['sim_at_plan']:>8.1f} "
+            f"{str(r['best_B']):>8} {r['best_sim']:>8.1f} {r['q']['small']:>7.4f} {r['ratio']:>6.3f} "
+            f"{r['err']:>6.1%} {r['err_ss']:>6.1%} {r['err_p']:>6.1%} "
+            f"{r['err_mean']:>6.1%}/{r['err_max']:>6.1%} {r['spearman']:>5.2f} {r['large_fraction']:>7.3f} "
+            f"{r['plan_s']:>6.1f}",
+            flush=True,
+        )
     print(f"bars (ratio >= 0.95 and err <= 15% at every N): {'PASS' if ok else 'FAIL'}")
     evalkit.Output(a, __file__, evalkit.cells_tag(a.preset, n=a.n, p=a.p, t=a.tokens)).write(
-        [{k: v for k, v in r.items() if k != "rows"} for r in out], sweeps={r["N"]: r["rows"] for r in out},
-        targets_met=ok)
+        [{k: v for k, v in r.items() if k != "rows"} for r in out],
+        sweeps={r["N"]: r["rows"] for r in out},
+        targets_met=ok,
+    )
     return 0 if ok else 1
 
 

@@ -26,9 +26,17 @@ def compare(a, b, tolerance: float) -> tuple[list[dict], dict]:
     rows = []
     for r in a.records:
         x, y = r.get("throughput_tok_s"), rb.get(r["label"], {}).get("throughput_tok_s")
-        rows.append({"point": r["label"], "kind": r["kind"], "run1_tok_s": x, "run2_tok_s": y,
-                     "ratio": y / x if x and y else None, "run1_runs": r.get("throughput_runs"),
-                     "run2_runs": rb.get(r["label"], {}).get("throughput_runs")})
+        rows.append(
+            {
+                "point": r["label"],
+                "kind": r["kind"],
+                "run1_tok_s": x,
+                "run2_tok_s": y,
+                "ratio": y / x if x and y else None,
+                "run1_runs": r.get("throughput_runs"),
+                "run2_runs": rb.get(r["label"], {}).get("throughput_runs"),
+            }
+        )
     within = all(row["ratio"] is not None and abs(row["ratio"] - 1) <= tolerance for row in rows)
     faster = {}
     for name, res in (("run1", a), ("run2", b)):
@@ -36,9 +44,13 @@ def compare(a, b, tolerance: float) -> tuple[list[dict], dict]:
         routed = [r for r in res.records if r["kind"] not in ("small_only", "large_only")]
         slow = [r["label"] for r in routed if small is None or (r["throughput_tok_s"] or 0) >= small]
         faster[name] = {"small_only_tok_s": small, "not_slower_than_small_only": slow}
-    bars = {"within_tolerance": within, "tolerance": tolerance,
-            "small_only_fastest": all(not v["not_slower_than_small_only"] for v in faster.values()),
-            "small_only": faster, "machine": {"run1": a.config.get("machine"), "run2": b.config.get("machine")}}
+    bars = {
+        "within_tolerance": within,
+        "tolerance": tolerance,
+        "small_only_fastest": all(not v["not_slower_than_small_only"] for v in faster.values()),
+        "small_only": faster,
+        "machine": {"run1": a.config.get("machine"), "run2": b.config.get("machine")},
+    }
     return rows, bars
 
 
@@ -47,8 +59,12 @@ def main(argv=None) -> int:
     from tokenrouter_sdk.eval.result import EvalResult
 
     p = add_arguments(evalkit.parser(__file__, __doc__), out=False)
-    p.add_argument("--tolerance", type=float, default=0.10, help="largest relative difference of a point's median "
-                                                                   "between the runs (default 0.10)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.10,
+        help="largest relative difference of a point's median between the runs (default 0.10)",
+    )
     args = p.parse_args(argv)
     root = Path(args.out) / Path(__file__).stem
     results = []
@@ -58,16 +74,29 @@ def main(argv=None) -> int:
         results.append(EvalResult.load(args.out))
     args.out = str(root.parent)
     rows, bars = compare(*results, args.tolerance)
-    print(evalkit.table(rows, [("point", "point", "s"), ("run1_tok_s", "run 1 tok/s", ".1f"),
-                               ("run2_tok_s", "run 2 tok/s", ".1f"), ("ratio", "2/1", ".3f")]))
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("point", "point", "s"),
+                ("run1_tok_s", "run 1 tok/s", ".1f"),
+                ("run2_tok_s", "run 2 tok/s", ".1f"),
+                ("ratio", "2/1", ".3f"),
+            ],
+        )
+    )
     for name in ("run1", "run2"):
         m = bars["machine"][name] or {}
         share = m.get("other_share_median")
-        print(f"{name}: other processes used {share if share is None else f'{share:.0%}'} of the CPUs in the median "
-              f"run{' (UNDER LOAD)' if m.get('high') else ''}; slower-or-equal to small-only: "
-              f"{bars['small_only'][name]['not_slower_than_small_only'] or 'none'}")
-    print(f"every point within {args.tolerance:.0%}: {bars['within_tolerance']}; small-only faster than every "
-          f"routed point in both runs: {bars['small_only_fastest']}")
+        print(
+            f"{name}: other processes used {share if share is None else f'{share:.0%}'} of the CPUs in the median "
+            f"run{' (UNDER LOAD)' if m.get('high') else ''}; slower-or-equal to small-only: "
+            f"{bars['small_only'][name]['not_slower_than_small_only'] or 'none'}"
+        )
+    print(
+        f"every point within {args.tolerance:.0%}: {bars['within_tolerance']}; small-only faster than every "
+        f"routed point in both runs: {bars['small_only_fastest']}"
+    )
     evalkit.Output(args, __file__).write(rows, bars=bars)
     return 0 if bars["within_tolerance"] and bars["small_only_fastest"] else 1
 

@@ -34,6 +34,7 @@ import evalkit  # noqa: E402
 def agreement(outs, ref_outs, examples) -> dict:
     """Agreement of routed answers with the large-only answers (and gold accuracy)."""
     from tokenrouter_sdk.eval.answers import answers_agree, extract_answer, is_correct
+
     fa, tok, pre, acc, large, total, hops = [], [], [], [], 0, 0, 0
     for o, r, ex in zip(outs, ref_outs, examples):
         a, b = o.token_ids, r.token_ids
@@ -47,9 +48,15 @@ def agreement(outs, ref_outs, examples) -> dict:
         total += len(o.token_ids)
         hops += o.hops
     m = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
-    return {"final_answer_agreement": m(fa), "token_agreement": m(tok), "prefix_share": m(pre),
-            "gold_accuracy": m(acc), "large_fraction": large / max(1, total), "hop_rate": hops / max(1, total),
-            "tokens": total}
+    return {
+        "final_answer_agreement": m(fa),
+        "token_agreement": m(tok),
+        "prefix_share": m(pre),
+        "gold_accuracy": m(acc),
+        "large_fraction": large / max(1, total),
+        "hop_rate": hops / max(1, total),
+        "tokens": total,
+    }
 
 
 def calibrate(router, res, prompts, rate: float, max_new_tokens: int) -> float:
@@ -61,6 +68,7 @@ def calibrate(router, res, prompts, rate: float, max_new_tokens: int) -> float:
     from tokenrouter_sdk.policy import StepBatch
     from tokenrouter_sdk.request import RequestView
     from tokenrouter_sdk.train.common import forward_features, threshold_for_rate
+
     small = router.models["small"]
     outs = router.generate(prompts, policy=RandomRouting(p=0.0), max_new_tokens=max_new_tokens)
     pol, scores = res.policy(), []
@@ -68,10 +76,15 @@ def calibrate(router, res, prompts, rate: float, max_new_tokens: int) -> float:
         ids = router.encode(p)
         h, lg = forward_features(small, ids + o.token_ids)
         P, n = len(ids), len(o.token_ids)
-        views = [RequestView(rid=i, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0,
-                             models=("small", "large")) for i in range(n)]
-        b = StepBatch("small", ("small", "large"), torch.tensor(o.token_ids), lg[P - 1:P - 1 + n], h[P - 1:P - 1 + n],
-                      views)
+        views = [
+            RequestView(
+                rid=i, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0, models=("small", "large")
+            )
+            for i in range(n)
+        ]
+        b = StepBatch(
+            "small", ("small", "large"), torch.tensor(o.token_ids), lg[P - 1 : P - 1 + n], h[P - 1 : P - 1 + n], views
+        )
         with torch.no_grad():
             scores.append(pol.prob(b) if res.kind == "r2r" else pol.confidence(b))
     return threshold_for_rate(torch.cat(scores), rate, above=res.kind == "r2r")
@@ -85,10 +98,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rollouts", type=int, default=2, help="CITER rollouts per example")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--small-layers", type=int, default=None,
-                    help="plain truncation instead of Router.default()'s small model")
-    ap.add_argument("--calibrate", type=int, default=12,
-                    help="training prompts whose small-only answers set the ~0.2 threshold")
+    ap.add_argument(
+        "--small-layers", type=int, default=None, help="plain truncation instead of Router.default()'s small model"
+    )
+    ap.add_argument(
+        "--calibrate", type=int, default=12, help="training prompts whose small-only answers set the ~0.2 threshold"
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -105,15 +120,31 @@ def main(argv=None) -> int:
     heldout = load_examples("gsm8k", limit=HELDOUT, exclude_heldout=False)  # GSM8K test: never trained on
     assert [e.id for e in heldout] == [f"gsm8k-test-{i:04d}" for i in range(HELDOUT)]
     with Router.default(processes=False, small_layers=args.small_layers) as router:
-        r2r = train_r2r(router, limit=args.train, out=out, max_new_tokens=M, branch_tokens=24,
-                        max_branches=args.branches, concurrency=C)
+        r2r = train_r2r(
+            router,
+            limit=args.train,
+            out=out,
+            max_new_tokens=M,
+            branch_tokens=24,
+            max_branches=args.branches,
+            concurrency=C,
+        )
         print(f"[{time.perf_counter() - t0:.0f}s] R2R trained: {json.dumps(r2r.metrics, default=str)}", flush=True)
-        citer = train_citer(router, limit=args.train, out=out, rollout_tokens=M, max_rollouts=args.rollouts,
-                            max_gold_tokens=M, concurrency=C)
+        citer = train_citer(
+            router,
+            limit=args.train,
+            out=out,
+            rollout_tokens=M,
+            max_rollouts=args.rollouts,
+            max_gold_tokens=M,
+            concurrency=C,
+        )
         print(f"[{time.perf_counter() - t0:.0f}s] CITER trained: {json.dumps(citer.metrics, default=str)}", flush=True)
         report["models"] = r2r.meta["models"]
-        report["heads"] = {"r2r": {"path": str(r2r.head_path), "tau_recall95": r2r.threshold, **r2r.metrics},
-                           "citer": {"path": str(citer.head_path), "tau_recall95": citer.threshold, **citer.metrics}}
+        report["heads"] = {
+            "r2r": {"path": str(r2r.head_path), "tau_recall95": r2r.threshold, **r2r.metrics},
+            "citer": {"path": str(citer.head_path), "tau_recall95": citer.threshold, **citer.metrics},
+        }
         prompts = [e.prompt for e in heldout]
         gen = lambda pol: router.generate(prompts, policy=pol, max_new_tokens=M, concurrency=C)  # noqa: E731
         ref = gen(LargeOnly())
@@ -121,7 +152,7 @@ def main(argv=None) -> int:
         small = gen(RandomRouting(p=0.0))
         report["small_only"] = agreement(small, ref, heldout)
         print(f"[{time.perf_counter() - t0:.0f}s] large-only / small-only done", flush=True)
-        calib = [e.prompt for e in load_examples(limit=args.train)[:args.calibrate]]
+        calib = [e.prompt for e in load_examples(limit=args.train)[: args.calibrate]]
         for name, res, key in (("r2r", r2r, "tau"), ("citer", citer, "tau")):
             tau = calibrate(router, res, calib, 0.2, M)
             routed = agreement(gen(res.policy(**{key: tau})), ref, heldout)
@@ -132,15 +163,21 @@ def main(argv=None) -> int:
     print(f"\n{'run':<22}{'large frac':>11}{'final ans agr':>14}{'token agr':>10}{'prefix':>8}{'gold acc':>9}")
     rows = [("large-only", report["large_only"]), ("small-only", report["small_only"])]
     for name in ("r2r", "citer"):
-        rows += [(f"{name} (tau={report[name]['tau']:.3g})", report[name]["routed"]),
-                 (f"random @ {name} frac", report[name]["random_same_fraction"])]
+        rows += [
+            (f"{name} (tau={report[name]['tau']:.3g})", report[name]["routed"]),
+            (f"random @ {name} frac", report[name]["random_same_fraction"]),
+        ]
     for n, r in rows:
-        print(f"{n:<22}{r['large_fraction']:>11.3f}{r['final_answer_agreement']:>14.3f}{r['token_agreement']:>10.3f}"
-              f"{r['prefix_share']:>8.3f}{r['gold_accuracy']:>9.3f}")
+        print(
+            f"{n:<22}{r['large_fraction']:>11.3f}{r['final_answer_agreement']:>14.3f}{r['token_agreement']:>10.3f}"
+            f"{r['prefix_share']:>8.3f}{r['gold_accuracy']:>9.3f}"
+        )
     for name in ("r2r", "citer"):
         v = report["heads"][name]["val"]
-        print(f"{name} held-out labels (val questions) at recall-0.95 tau: recall {v['recall']:.3f} "
-              f"precision {v['precision']:.3f} AUC {v['auc']:.3f} routed share {v['positive_rate']:.3f}")
+        print(
+            f"{name} held-out labels (val questions) at recall-0.95 tau: recall {v['recall']:.3f} "
+            f"precision {v['precision']:.3f} AUC {v['auc']:.3f} routed share {v['positive_rate']:.3f}"
+        )
     print(f"total {report['seconds']:.0f} s")
     output.write([{"run": n, **r} for n, r in rows], **report)
     return 0

@@ -55,15 +55,21 @@ def main(argv=None) -> int:
     tok = servers[True][0].tokenizer
 
     def user_message(i: int) -> str:
-        ids = tok(questions[i], add_special_tokens=False)["input_ids"][:args.user_tokens]
+        ids = tok(questions[i], add_special_tokens=False)["input_ids"][: args.user_tokens]
         return tok.decode(ids)
 
     def converse(url: str, client: httpx.Client, conv: int) -> list[float]:
         messages, ttft = [], []
         for turn in range(args.turns):
             messages.append({"role": "user", "content": user_message(conv * args.turns + turn)})
-            body = {"model": "tokenrouter", "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
-                    "stream": True, "ignore_eos": True}
+            body = {
+                "model": "tokenrouter",
+                "messages": messages,
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
             t0, first, text = time.perf_counter(), None, []
             with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as resp:
                 resp.raise_for_status()
@@ -84,7 +90,7 @@ def main(argv=None) -> int:
             for c in (True, False):  # warm-up conversation per server (unmeasured)
                 converse(servers[c][1], client, args.repeats)
             for rep in range(args.repeats):
-                for c in ((True, False) if rep % 2 == 0 else (False, True)):
+                for c in (True, False) if rep % 2 == 0 else (False, True):
                     runs[c].append(converse(servers[c][1], client, rep))
         stats = {c: servers[c][0].kv_stats() for c in servers}
     finally:
@@ -96,16 +102,31 @@ def main(argv=None) -> int:
         on = statistics.median(run[t] for run in runs[True])
         off = statistics.median(run[t] for run in runs[False])
         rows.append({"turn": t + 1, "ttft_cache_s": on, "ttft_no_cache_s": off, "speedup": off / on})
-    print(evalkit.table(rows, [("turn", "turn", "d"), ("ttft_cache_s", "TTFT cache (s)", ".3f"),
-                               ("ttft_no_cache_s", "TTFT no cache (s)", ".3f"), ("speedup", "off/on", ".2f")]))
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("turn", "turn", "d"),
+                ("ttft_cache_s", "TTFT cache (s)", ".3f"),
+                ("ttft_no_cache_s", "TTFT no cache (s)", ".3f"),
+                ("speedup", "off/on", ".2f"),
+            ],
+        )
+    )
     last_vs_first = rows[-1]["ttft_cache_s"] / rows[0]["ttft_cache_s"]
     off_ratio = rows[-1]["ttft_no_cache_s"] / rows[0]["ttft_no_cache_s"]
     hit = {m: round(s.hit_rate, 3) for m, s in stats[True].items()}
-    print(f"turn {args.turns} / turn 1 TTFT with the cache: {last_vs_first:.2f}x (bar <= 1.5x: "
-          f"{'met' if last_vs_first <= 1.5 else 'NOT met'}); without: {off_ratio:.2f}x; hit rate per model {hit}")
+    print(
+        f"turn {args.turns} / turn 1 TTFT with the cache: {last_vs_first:.2f}x (bar <= 1.5x: "
+        f"{'met' if last_vs_first <= 1.5 else 'NOT met'}); without: {off_ratio:.2f}x; hit rate per model {hit}"
+    )
     evalkit.Output(args, __file__, evalkit.cells_tag(turns=args.turns, t=args.max_tokens)).write(
-        rows, last_vs_first_cache=last_vs_first, last_vs_first_no_cache=off_ratio, hit_rate=hit,
-        runs={str(k): v for k, v in runs.items()})
+        rows,
+        last_vs_first_cache=last_vs_first,
+        last_vs_first_no_cache=off_ratio,
+        hit_rate=hit,
+        runs={str(k): v for k, v in runs.items()},
+    )
     return 0
 
 

@@ -49,21 +49,42 @@ def main(argv=None) -> int:
                 r.generate(prompts[:1], max_new_tokens=8)
                 for c in a.concurrency:
                     t = time.perf_counter()
-                    outs = r.generate(prompts[:max(4, c)], max_new_tokens=a.tokens, concurrency=c, ignore_eos=True)
+                    outs = r.generate(prompts[: max(4, c)], max_new_tokens=a.tokens, concurrency=c, ignore_eos=True)
                     wall = time.perf_counter() - t
                     runs[name][c].append(sum(len(o.token_ids) for o in outs) / wall)
-            print(f"rep {rep} {name}: " + ", ".join(f"c={c} {runs[name][c][-1]:.1f}" for c in a.concurrency), flush=True)
+            print(
+                f"rep {rep} {name}: " + ", ".join(f"c={c} {runs[name][c][-1]:.1f}" for c in a.concurrency), flush=True
+            )
     rows = []
     for c in a.concurrency:
         f, lend = statistics.median(runs["fixed"][c]), statistics.median(runs["lending"][c])
-        rows.append({"concurrency": c, "fixed_tok_s": round(f, 2), "lending_tok_s": round(lend, 2),
-                     "lending/fixed": round(lend / f, 3)})
+        rows.append(
+            {
+                "concurrency": c,
+                "fixed_tok_s": round(f, 2),
+                "lending_tok_s": round(lend, 2),
+                "lending/fixed": round(lend / f, 3),
+            }
+        )
     print(f"\nmedians of {a.repeats} repeats; fixed = {fixed} thread(s) per process")
-    print(evalkit.table(rows, [("concurrency", "c", "d"), ("fixed_tok_s", "fixed tok/s", ".1f"),
-                               ("lending_tok_s", "lending tok/s", ".1f"), ("lending/fixed", "ratio", ".2f")]))
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("concurrency", "c", "d"),
+                ("fixed_tok_s", "fixed tok/s", ".1f"),
+                ("lending_tok_s", "lending tok/s", ".1f"),
+                ("lending/fixed", "ratio", ".2f"),
+            ],
+        )
+    )
     out = evalkit.Output(a, __file__, evalkit.cells_tag(c=a.concurrency, t=a.tokens))
-    out.write(rows, runs={s: {str(c): v for c, v in d.items()} for s, d in runs.items()},
-              fixed_threads=fixed, command=" ".join([sys.executable, *sys.argv]))
+    out.write(
+        rows,
+        runs={s: {str(c): v for c, v in d.items()} for s, d in runs.items()},
+        fixed_threads=fixed,
+        command=" ".join([sys.executable, *sys.argv]),
+    )
     return 0
 
 

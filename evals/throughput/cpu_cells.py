@@ -30,10 +30,20 @@ import evalkit  # noqa: E402
 
 R = "random10"
 SETS = {
-    "grid": [(R, "delayed", True, 8, 256), (R, "sync", True, 8, 256), (R, "delayed", True, 8, 1024),
-             (R, "sync", True, 8, 1024), (R, "delayed", True, 1, 256), (R, "delayed", True, 4, 256),
-             (R, "delayed", True, 16, 256), (R, "sync", True, 1, 256), (R, "sync", True, 4, 256),
-             (R, "sync", True, 16, 256), ("large_only", "async", True, 8, 256), ("small_only", "async", True, 8, 256)],
+    "grid": [
+        (R, "delayed", True, 8, 256),
+        (R, "sync", True, 8, 256),
+        (R, "delayed", True, 8, 1024),
+        (R, "sync", True, 8, 1024),
+        (R, "delayed", True, 1, 256),
+        (R, "delayed", True, 4, 256),
+        (R, "delayed", True, 16, 256),
+        (R, "sync", True, 1, 256),
+        (R, "sync", True, 4, 256),
+        (R, "sync", True, 16, 256),
+        ("large_only", "async", True, 8, 256),
+        ("small_only", "async", True, 8, 256),
+    ],
     "c8": [(R, "delayed", True, 8, 256), (R, "delayed", True, 8, 1024), (R, "sync", True, 8, 256)],
     "retain_kv_1024": [(R, "delayed", True, 8, 1024), (R, "delayed", False, 8, 1024)],
 }
@@ -59,8 +69,15 @@ def main(argv=None) -> int:
         log(c)
         print(time.strftime("%H:%M:%S"), c, flush=True)
 
-    cells = run_bench({"small": small, "large": large}, tok, load_prompts("gsm8k", args.prompts),
-                      cells=SETS[args.set], thresholds="auto", on_cell=on_cell, progress=False)
+    cells = run_bench(
+        {"small": small, "large": large},
+        tok,
+        load_prompts("gsm8k", args.prompts),
+        cells=SETS[args.set],
+        thresholds="auto",
+        on_cell=on_cell,
+        progress=False,
+    )
     print(format_table(cells))
     log.rewrite(cells)
     write_html(cells, str(out.path(".html")))

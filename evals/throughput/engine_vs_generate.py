@@ -90,10 +90,19 @@ def run_engine(router, ids, c, m):
     pm = met.per_model["large"]
     toks = sum(len(o.token_ids) for o in outs)
     assert toks == len(ids) * m, f"engine wrote {toks} tokens, expected {len(ids) * m}"
-    return dict(tok_s=met.throughput_tok_s, wall_tok_s=toks / wall, tokens=toks, wall_s=wall, cpu_s=cpu,
-                ovh_step=1 - pm.forward_fraction, ovh_e2e=(t1 - t0 - fwd) / (t1 - t0),
-                mean_step_ms=pm.mean_step_s * 1e3, mean_fwd_ms=fwd / len(steps) * 1e3, steps=len(steps),
-                busy=pm.busy_fraction), [o.token_ids for o in outs]
+    return dict(
+        tok_s=met.throughput_tok_s,
+        wall_tok_s=toks / wall,
+        tokens=toks,
+        wall_s=wall,
+        cpu_s=cpu,
+        ovh_step=1 - pm.forward_fraction,
+        ovh_e2e=(t1 - t0 - fwd) / (t1 - t0),
+        mean_step_ms=pm.mean_step_s * 1e3,
+        mean_fwd_ms=fwd / len(steps) * 1e3,
+        steps=len(steps),
+        busy=pm.busy_fraction,
+    ), [o.token_ids for o in outs]
 
 
 def run_generate(model, ids, c, m, pad_id):
@@ -105,13 +114,19 @@ def run_generate(model, ids, c, m, pad_id):
     try:
         toks, outs, t, cpu = 0, [], time.perf_counter(), time.process_time()
         for i in range(0, len(ids), c):
-            chunk = ids[i:i + c]
+            chunk = ids[i : i + c]
             w = max(map(len, chunk))
             inp = torch.tensor([[pad_id] * (w - len(x)) + x for x in chunk])
             mask = torch.tensor([[0] * (w - len(x)) + [1] * len(x) for x in chunk])
             with torch.inference_mode():
-                out = model.generate(input_ids=inp, attention_mask=mask, do_sample=False, max_new_tokens=m,
-                                     min_new_tokens=m, pad_token_id=pad_id)[:, w:]
+                out = model.generate(
+                    input_ids=inp,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=m,
+                    min_new_tokens=m,
+                    pad_token_id=pad_id,
+                )[:, w:]
             toks += out.numel()
             outs.extend(out.tolist())
         wall, cpu = time.perf_counter() - t, time.process_time() - cpu
@@ -141,10 +156,18 @@ def main(argv=None) -> int:
     print(evalkit.environment(), flush=True)
     large, _, tok = default_pair()
     qs = load_questions(a.prompts)
-    ids = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)["input_ids"]) for q in qs]
-    print(f"{len(ids)} prompts, {min(map(len, ids))}-{max(map(len, ids))} tokens; "
-          f"{a.max_new_tokens} new tokens each; concurrency {a.concurrency}; repeats {a.repeats}")
+    ids = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for q in qs
+    ]
+    print(
+        f"{len(ids)} prompts, {min(map(len, ids))}-{max(map(len, ids))} tokens; "
+        f"{a.max_new_tokens} new tokens each; concurrency {a.concurrency}; repeats {a.repeats}"
+    )
     router = Router({"large": large}, LargeOnly(), tokenizer=tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     cmax = max(a.concurrency)
@@ -160,30 +183,48 @@ def main(argv=None) -> int:
             res[c]["generate"].append(g)
             same[c] = sum(x == y for x, y in zip(eo, go))
             e["paired_ratio"], e["cpu_ratio"] = e["tok_s"] / g["tok_s"], g["cpu_s"] / e["cpu_s"]
-            print(f"  rep {r} c={c}: engine {e['tok_s']:6.1f} tok/s (wall {e['wall_tok_s']:.1f}, step "
-                  f"{e['mean_step_ms']:.1f} ms, fwd {e['mean_fwd_ms']:.1f} ms, {e['steps']} steps, ovh step "
-                  f"{e['ovh_step']:.1%} e2e {e['ovh_e2e']:.1%}) | generate {g['tok_s']:6.1f} tok/s | ratio "
-                  f"{e['paired_ratio']:.2f}, by CPU {e['cpu_ratio']:.2f} | load {os.getloadavg()[0]:.2f}", flush=True)
+            print(
+                f"  rep {r} c={c}: engine {e['tok_s']:6.1f} tok/s (wall {e['wall_tok_s']:.1f}, step "
+                f"{e['mean_step_ms']:.1f} ms, fwd {e['mean_fwd_ms']:.1f} ms, {e['steps']} steps, ovh step "
+                f"{e['ovh_step']:.1%} e2e {e['ovh_e2e']:.1%}) | generate {g['tok_s']:6.1f} tok/s | ratio "
+                f"{e['paired_ratio']:.2f}, by CPU {e['cpu_ratio']:.2f} | load {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
     router.close()
     med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
     summary = {}
-    print(f"\ntorch threads {torch.get_num_threads()}, loadavg {tuple(round(x, 2) for x in os.getloadavg())}; "
-          f"medians of {a.repeats}; greedy outputs identical engine vs generate (last rep): "
-          + ", ".join(f"c={c}: {same[c]}/{len(ids)}" for c in a.concurrency))
-    print(f"{'concurrency':>11} | {'engine tok/s':>12} | {'generate tok/s':>14} | {'ratio':>5} | "
-          f"engine overhead (1 - fwd/step) | e2e (1 - fwd/wall) | paired ratio | CPU-time ratio")
+    print(
+        f"\ntorch threads {torch.get_num_threads()}, loadavg {tuple(round(x, 2) for x in os.getloadavg())}; "
+        f"medians of {a.repeats}; greedy outputs identical engine vs generate (last rep): "
+        + ", ".join(f"c={c}: {same[c]}/{len(ids)}" for c in a.concurrency)
+    )
+    print(
+        f"{'concurrency':>11} | {'engine tok/s':>12} | {'generate tok/s':>14} | {'ratio':>5} | "
+        f"engine overhead (1 - fwd/step) | e2e (1 - fwd/wall) | paired ratio | CPU-time ratio"
+    )
     for c in a.concurrency:
         e, g = res[c]["engine"], res[c]["generate"]
-        s = dict(engine_tok_s=med(e, "tok_s"), generate_tok_s=med(g, "tok_s"), ovh_step=med(e, "ovh_step"),
-                 ovh_e2e=med(e, "ovh_e2e"), paired_ratio=med(e, "paired_ratio"), cpu_ratio=med(e, "cpu_ratio"))
+        s = dict(
+            engine_tok_s=med(e, "tok_s"),
+            generate_tok_s=med(g, "tok_s"),
+            ovh_step=med(e, "ovh_step"),
+            ovh_e2e=med(e, "ovh_e2e"),
+            paired_ratio=med(e, "paired_ratio"),
+            cpu_ratio=med(e, "cpu_ratio"),
+        )
         s["ratio"] = s["engine_tok_s"] / s["generate_tok_s"]
         summary[c] = s
-        print(f"{c:>11} | {s['engine_tok_s']:>12.1f} | {s['generate_tok_s']:>14.1f} | {s['ratio']:>5.2f} | "
-              f"{s['ovh_step']:>30.1%} | {s['ovh_e2e']:>17.1%} | {s['paired_ratio']:>12.2f} | "
-              f"{s['cpu_ratio']:>14.2f}")
+        print(
+            f"{c:>11} | {s['engine_tok_s']:>12.1f} | {s['generate_tok_s']:>14.1f} | {s['ratio']:>5.2f} | "
+            f"{s['ovh_step']:>30.1%} | {s['ovh_e2e']:>17.1%} | {s['paired_ratio']:>12.2f} | "
+            f"{s['cpu_ratio']:>14.2f}"
+        )
     bars = {}
     if 8 in summary:
-        bars = {"engine >= generate at c=8": summary[8]["ratio"] >= 1, "overhead < 15% at c=8": summary[8]["ovh_step"] < 0.15}
+        bars = {
+            "engine >= generate at c=8": summary[8]["ratio"] >= 1,
+            "overhead < 15% at c=8": summary[8]["ovh_step"] < 0.15,
+        }
         for name, ok in bars.items():
             print(f"{name}: {'PASS' if ok else 'FAIL'}")
     out = evalkit.Output(a, __file__, evalkit.cells_tag(c=a.concurrency, t=a.max_new_tokens, n=a.prompts))

@@ -49,8 +49,16 @@ def run_once(router, prompts: list[str], variant: str, max_new_tokens: int) -> d
     m = router.metrics()
     assert sum(len(o.token_ids) for o in outs) == len(prompts) * max_new_tokens
     v = router.last_view if live else None
-    return dict(variant=variant, wall_s=wall, parent_cpu_s=cpu, engine_wall_s=m.wall_s, tok_s=m.throughput_tok_s,
-                hop_rate=m.hop_rate, view_s=v.update_s if v else 0.0, redraws=v.updates if v else 0)
+    return dict(
+        variant=variant,
+        wall_s=wall,
+        parent_cpu_s=cpu,
+        engine_wall_s=m.wall_s,
+        tok_s=m.throughput_tok_s,
+        hop_rate=m.hop_rate,
+        view_s=v.update_s if v else 0.0,
+        redraws=v.updates if v else 0,
+    )
 
 
 def main(argv=None) -> int:
@@ -59,8 +67,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request (default 32)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default 5)")
     ap.add_argument("--variants", nargs="+", default=["off", "text", "widget"], choices=["off", "text", "widget"])
-    ap.add_argument("--small-layers", type=int, default=None,
-                    help="small = the first k layers of the large model instead of the packaged self-draft")
+    ap.add_argument(
+        "--small-layers",
+        type=int,
+        default=None,
+        help="small = the first k layers of the large model instead of the packaged self-draft",
+    )
     args = ap.parse_args(argv)
 
     from tokenrouter_sdk import Router
@@ -77,23 +89,38 @@ def main(argv=None) -> int:
                 r = run_once(router, prompts, v, args.max_new_tokens)
                 r["repeat"] = rep
                 rows.append(r)
-                print(f"repeat {rep} {v:>6}: wall {r['wall_s']:.3f} s, engine {r['engine_wall_s']:.3f} s, "
-                      f"{r['tok_s']:.1f} tok/s, view {r['view_s'] * 1e3:.1f} ms in {r['redraws']} redraws", flush=True)
-    med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v)
-               for k in ("wall_s", "engine_wall_s", "tok_s", "view_s", "redraws", "parent_cpu_s")} for v in args.variants}
+                print(
+                    f"repeat {rep} {v:>6}: wall {r['wall_s']:.3f} s, engine {r['engine_wall_s']:.3f} s, "
+                    f"{r['tok_s']:.1f} tok/s, view {r['view_s'] * 1e3:.1f} ms in {r['redraws']} redraws",
+                    flush=True,
+                )
+    med = {
+        v: {
+            k: statistics.median(r[k] for r in rows if r["variant"] == v)
+            for k in ("wall_s", "engine_wall_s", "tok_s", "view_s", "redraws", "parent_cpu_s")
+        }
+        for v in args.variants
+    }
     off = med.get("off")
     print(f"\n{args.requests} requests x {args.max_new_tokens} tokens, medians of {args.repeats} repeats")
-    print(f"{'variant':>8} {'wall s':>8} {'engine s':>9} {'tok/s':>7} {'view ms':>8} {'redraws':>8} "
-          f"{'overhead':>9} {'paired':>8} {'view/wall':>9} {'cpu s':>6}")
+    print(
+        f"{'variant':>8} {'wall s':>8} {'engine s':>9} {'tok/s':>7} {'view ms':>8} {'redraws':>8} "
+        f"{'overhead':>9} {'paired':>8} {'view/wall':>9} {'cpu s':>6}"
+    )
     for v, m in med.items():
         ovh = paired = float("nan")
         if off and v != "off":
             ovh = m["wall_s"] / off["wall_s"] - 1
             paired = statistics.median(
-                a["wall_s"] / b["wall_s"] - 1 for a in rows for b in rows
-                if a["variant"] == v and b["variant"] == "off" and a["repeat"] == b["repeat"])
-        print(f"{v:>8} {m['wall_s']:8.3f} {m['engine_wall_s']:9.3f} {m['tok_s']:7.1f} {m['view_s'] * 1e3:8.1f} "
-              f"{m['redraws']:8.0f} {ovh:+9.1%} {paired:+8.1%} {m['view_s'] / m['wall_s']:9.2%} {m['parent_cpu_s']:6.2f}")
+                a["wall_s"] / b["wall_s"] - 1
+                for a in rows
+                for b in rows
+                if a["variant"] == v and b["variant"] == "off" and a["repeat"] == b["repeat"]
+            )
+        print(
+            f"{v:>8} {m['wall_s']:8.3f} {m['engine_wall_s']:9.3f} {m['tok_s']:7.1f} {m['view_s'] * 1e3:8.1f} "
+            f"{m['redraws']:8.0f} {ovh:+9.1%} {paired:+8.1%} {m['view_s'] / m['wall_s']:9.2%} {m['parent_cpu_s']:6.2f}"
+        )
     out = evalkit.Output(args, __file__, evalkit.cells_tag(r=args.requests, t=args.max_new_tokens))
     out.write([{"variant": v, **m} for v, m in med.items()], runs=rows)
     return 0

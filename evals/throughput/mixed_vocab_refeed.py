@@ -55,13 +55,19 @@ def hop_stats(trace) -> dict:
     def agg(evs, pre):
         if not evs:
             return {f"{pre}hops": 0}
-        return {f"{pre}hops": len(evs),
-                f"{pre}fed_mean": statistics.fmean(e.fed for e in evs), f"{pre}fed_max": max(e.fed for e in evs),
-                f"{pre}full_mean": statistics.fmean(e.context for e in evs),
-                f"{pre}full_max": max(e.context for e in evs),
-                f"{pre}fed_over_full": sum(e.fed for e in evs) / max(1, sum(e.context for e in evs))}
-    row = {"refed_mean": statistics.fmean(e.refed for e in every) if every else 0.0,
-           "refed_max": max((e.refed for e in every), default=0)}
+        return {
+            f"{pre}hops": len(evs),
+            f"{pre}fed_mean": statistics.fmean(e.fed for e in evs),
+            f"{pre}fed_max": max(e.fed for e in evs),
+            f"{pre}full_mean": statistics.fmean(e.context for e in evs),
+            f"{pre}full_max": max(e.context for e in evs),
+            f"{pre}fed_over_full": sum(e.fed for e in evs) / max(1, sum(e.context for e in evs)),
+        }
+
+    row = {
+        "refed_mean": statistics.fmean(e.refed for e in every) if every else 0.0,
+        "refed_max": max((e.refed for e in every), default=0),
+    }
     row.update(agg(every, ""))
     row.update(agg(back, "ret_"))
     return row
@@ -69,14 +75,22 @@ def hop_stats(trace) -> dict:
 
 def main() -> None:
     p = evalkit.parser(__file__, __doc__)
-    p.add_argument("--pairs", nargs="+", choices=SMALL, default=list(SMALL),
-                   help="small models routed with Qwen2.5-Coder-1.5B-Instruct (default: both)")
+    p.add_argument(
+        "--pairs",
+        nargs="+",
+        choices=SMALL,
+        default=list(SMALL),
+        help="small models routed with Qwen2.5-Coder-1.5B-Instruct (default: both)",
+    )
     p.add_argument("--num", type=int, default=8, help="GSM8K test questions (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="large-model tokens per answer (default 128)")
     p.add_argument("--tau", type=float, nargs="+", default=[0.1, 0.3], help="RStitch thresholds (default 0.1 0.3)")
     p.add_argument("--concurrency", type=int, default=4, help="requests at a time (default 4)")
-    p.add_argument("--dtype", default=None, help="the large model's dtype (default: the pair's, bfloat16 on a CPU "
-                                                 "with native bfloat16, else float32)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="the large model's dtype (default: the pair's, bfloat16 on a CPU with native bfloat16, else float32)",
+    )
     args = p.parse_args()
 
     from tokenrouter_sdk import Router, SamplingParams
@@ -97,30 +111,53 @@ def main() -> None:
             for tau in args.tau:
                 outs = r.generate(prompts, sampling=params, concurrency=args.concurrency, policy=RStitch(tau=tau))
                 m = r.metrics(r.last_run)
-                row = {"pair": f"{pair}+qwen1.5b", "tau": tau, "large_dtype": large["dtype"],
-                       "failed": sum(not o.ok for o in outs),
-                       "fffd": sum("\ufffd" in o.text for o in outs),
-                       "committed_tok": m.committed_tokens, "large_tokens": m.large_tokens,
-                       "chars": m.committed_chars, "wall_s": m.wall_s,
-                       "tok_s": m.throughput_tok_s, "chars_s": m.throughput_chars_s,
-                       "large_tok_s": m.throughput_large_tok_s,
-                       "large_share_chars": m.large_fraction_chars,
-                       "large_share_large_tok": m.large_fraction_large_tok,
-                       "hop_rate_large_tok": m.hop_rate_large_tok}
+                row = {
+                    "pair": f"{pair}+qwen1.5b",
+                    "tau": tau,
+                    "large_dtype": large["dtype"],
+                    "failed": sum(not o.ok for o in outs),
+                    "fffd": sum("\ufffd" in o.text for o in outs),
+                    "committed_tok": m.committed_tokens,
+                    "large_tokens": m.large_tokens,
+                    "chars": m.committed_chars,
+                    "wall_s": m.wall_s,
+                    "tok_s": m.throughput_tok_s,
+                    "chars_s": m.throughput_chars_s,
+                    "large_tok_s": m.throughput_large_tok_s,
+                    "large_share_chars": m.large_fraction_chars,
+                    "large_share_large_tok": m.large_fraction_large_tok,
+                    "hop_rate_large_tok": m.hop_rate_large_tok,
+                }
                 row.update(hop_stats(r.last_run.trace))
                 rows.append(row)
                 print(f"{pair} tau={tau}: {row}", flush=True)
     out = evalkit.Output(args, __file__, evalkit.cells_tag("-".join(args.pairs), n=args.num, t=args.max_new_tokens))
-    print(evalkit.table(rows, [
-        ("pair", "pair", "s"), ("tau", "tau", ".2f"), ("hops", "hops", "d"),
-        ("refed_mean", "refed/hop", ".2f"), ("refed_max", "max", "d"),
-        ("fed_mean", "fed/hop", ".1f"), ("fed_max", "max", "d"),
-        ("full_mean", "full/hop", ".1f"), ("full_max", "max", "d"),
-        ("ret_fed_mean", "ret fed", ".1f"), ("ret_full_mean", "ret full", ".1f"),
-        ("ret_fed_over_full", "ret fed/full", ".3f"),
-        ("tok_s", "tok/s", ".2f"), ("chars_s", "chars/s", ".1f"), ("large_tok_s", "Ltok/s", ".2f"),
-        ("large_share_chars", "L chars", ".3f"), ("large_share_large_tok", "L tok", ".3f"),
-        ("hop_rate_large_tok", "hops/Ltok", ".3f"), ("fffd", "U+FFFD", "d")]))
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("pair", "pair", "s"),
+                ("tau", "tau", ".2f"),
+                ("hops", "hops", "d"),
+                ("refed_mean", "refed/hop", ".2f"),
+                ("refed_max", "max", "d"),
+                ("fed_mean", "fed/hop", ".1f"),
+                ("fed_max", "max", "d"),
+                ("full_mean", "full/hop", ".1f"),
+                ("full_max", "max", "d"),
+                ("ret_fed_mean", "ret fed", ".1f"),
+                ("ret_full_mean", "ret full", ".1f"),
+                ("ret_fed_over_full", "ret fed/full", ".3f"),
+                ("tok_s", "tok/s", ".2f"),
+                ("chars_s", "chars/s", ".1f"),
+                ("large_tok_s", "Ltok/s", ".2f"),
+                ("large_share_chars", "L chars", ".3f"),
+                ("large_share_large_tok", "L tok", ".3f"),
+                ("hop_rate_large_tok", "hops/Ltok", ".3f"),
+                ("fffd", "U+FFFD", "d"),
+            ],
+        )
+    )
     out.write(rows, prompts=prompts)
 
 

@@ -18,6 +18,7 @@ Run:
 
 Writes ``<out>/needs_cost_<cells>.json`` and ``.csv`` (one row per policy, round and model).
 """
+
 import statistics as st
 import sys
 from pathlib import Path
@@ -33,21 +34,39 @@ def message_sizes(vocab: int) -> dict:
 
     import torch
 
-    from tokenrouter_sdk.engine.transports import codec
     from tokenrouter_sdk.engine import messages as M
+    from tokenrouter_sdk.engine.transports import codec
 
     def handoff(state):
         rs = M.RequestState({"small": 140, "large": 140}, 12, 3, 0, 1, state, 1, "small")
         return len(codec.encode(M.HandoffMsg(7, "small", [101, 102], rs, False, None)))
+
     rng = random.Random("42:7")
     rng.random()
-    return {"handoff_empty_state": handoff({}), "handoff_generator_state": handoff({"rng": rng}),
-            "handoff_distribution_state": handoff({"p": torch.softmax(torch.randn(vocab), -1)}),
-            "step_done_batch8": len(codec.encode(M.StepDone(
-                model="small", t_start=1.0, t_end=1.1, forward_s=0.09, batch_size=8, tokens_fed=8,
-                fed={i: 1 for i in range(8)}, preempted=0, round=None, kv_used_blocks=100, queued=3,
-                kv_pending_blocks=20))),
-            "committed_one_token": len(codec.encode(M.Committed(7, "small", [101], 1.05)))}
+    return {
+        "handoff_empty_state": handoff({}),
+        "handoff_generator_state": handoff({"rng": rng}),
+        "handoff_distribution_state": handoff({"p": torch.softmax(torch.randn(vocab), -1)}),
+        "step_done_batch8": len(
+            codec.encode(
+                M.StepDone(
+                    model="small",
+                    t_start=1.0,
+                    t_end=1.1,
+                    forward_s=0.09,
+                    batch_size=8,
+                    tokens_fed=8,
+                    fed={i: 1 for i in range(8)},
+                    preempted=0,
+                    round=None,
+                    kv_used_blocks=100,
+                    queued=3,
+                    kv_pending_blocks=20,
+                )
+            )
+        ),
+        "committed_one_token": len(codec.encode(M.Committed(7, "small", [101], 1.05))),
+    }
 
 
 def main() -> None:
@@ -88,38 +107,70 @@ def main() -> None:
         router.generate(prompts[:2], max_new_tokens=8, ignore_eos=True)  # warm-up
         for rnd in range(args.rounds):
             for name, pol in (("lean", Lean(args.p)), ("signals", Signals(args.p)), ("rich", Rich(args.p))):
-                outs = router.generate(prompts, policy=pol, max_new_tokens=args.tokens, ignore_eos=True,
-                                       concurrency=args.concurrency)
+                outs = router.generate(
+                    prompts, policy=pol, max_new_tokens=args.tokens, ignore_eos=True, concurrency=args.concurrency
+                )
                 m = outs.metrics()
                 steps = [e for e in outs.trace if isinstance(e, StepDone)]
                 for model in router.models:
                     ss = [e for e in steps if e.model == model]
-                    rows.append({"policy": name, "round": rnd, "model": model, "steps": len(ss),
-                                 "step_ms": 1e3 * st.median(e.t_end - e.t_start for e in ss),
-                                 "outside_forward_ms": 1e3 * st.median(e.t_end - e.t_start - e.forward_s for e in ss),
-                                 "tok_s": m.throughput_tok_s, "hop_rate": m.hop_rate,
-                                 "large_fraction": m.large_fraction})
-    print(evalkit.table(rows, [("policy", "policy", "s"), ("round", "round", "d"), ("model", "model", "s"),
-                               ("steps", "steps", "d"), ("step_ms", "step ms", ".1f"),
-                               ("outside_forward_ms", "outside fwd ms", ".2f"), ("tok_s", "tok/s", ".1f"),
-                               ("large_fraction", "large", ".2f")]))
+                    rows.append(
+                        {
+                            "policy": name,
+                            "round": rnd,
+                            "model": model,
+                            "steps": len(ss),
+                            "step_ms": 1e3 * st.median(e.t_end - e.t_start for e in ss),
+                            "outside_forward_ms": 1e3 * st.median(e.t_end - e.t_start - e.forward_s for e in ss),
+                            "tok_s": m.throughput_tok_s,
+                            "hop_rate": m.hop_rate,
+                            "large_fraction": m.large_fraction,
+                        }
+                    )
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("policy", "policy", "s"),
+                ("round", "round", "d"),
+                ("model", "model", "s"),
+                ("steps", "steps", "d"),
+                ("step_ms", "step ms", ".1f"),
+                ("outside_forward_ms", "outside fwd ms", ".2f"),
+                ("tok_s", "tok/s", ".1f"),
+                ("large_fraction", "large", ".2f"),
+            ],
+        )
+    )
     summary = {}
     for model in sorted({r["model"] for r in rows}):
-        med = {name: st.median(r["outside_forward_ms"] for r in rows if r["model"] == model and r["policy"] == name)
-               for name in ("lean", "signals", "rich")}
-        step = {name: st.median(r["step_ms"] for r in rows if r["model"] == model and r["policy"] == name)
-                for name in ("lean", "signals", "rich")}
-        summary[model] = {"outside_forward_ms_lean": med["lean"], "outside_forward_ms_signals": med["signals"],
-                          "outside_forward_ms_rich": med["rich"], "saved_ms": med["rich"] - med["lean"],
-                          "step_ms_lean": step["lean"], "step_ms_signals": step["signals"],
-                          "step_ms_rich": step["rich"]}
-        print(f"{model}: outside the forward, lean {med['lean']:.2f} ms, signals {med['signals']:.2f} ms, rich "
-              f"{med['rich']:.2f} ms per step; whole step {step['lean']:.1f} / {step['signals']:.1f} / "
-              f"{step['rich']:.1f} ms")
+        med = {
+            name: st.median(r["outside_forward_ms"] for r in rows if r["model"] == model and r["policy"] == name)
+            for name in ("lean", "signals", "rich")
+        }
+        step = {
+            name: st.median(r["step_ms"] for r in rows if r["model"] == model and r["policy"] == name)
+            for name in ("lean", "signals", "rich")
+        }
+        summary[model] = {
+            "outside_forward_ms_lean": med["lean"],
+            "outside_forward_ms_signals": med["signals"],
+            "outside_forward_ms_rich": med["rich"],
+            "saved_ms": med["rich"] - med["lean"],
+            "step_ms_lean": step["lean"],
+            "step_ms_signals": step["signals"],
+            "step_ms_rich": step["rich"],
+        }
+        print(
+            f"{model}: outside the forward, lean {med['lean']:.2f} ms, signals {med['signals']:.2f} ms, rich "
+            f"{med['rich']:.2f} ms per step; whole step {step['lean']:.1f} / {step['signals']:.1f} / "
+            f"{step['rich']:.1f} ms"
+        )
     sizes = message_sizes(vocab)
     print("bytes per message: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
     evalkit.Output(args, __file__, evalkit.cells_tag(c=args.concurrency, t=args.tokens)).write(
-        rows, summary=summary, message_bytes=sizes)
+        rows, summary=summary, message_bytes=sizes
+    )
 
 
 if __name__ == "__main__":

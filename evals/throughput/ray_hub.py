@@ -14,6 +14,7 @@ Run:
 
 Writes ``<out>/ray_hub_t<tokens>.json`` and ``.csv``.
 """
+
 import os
 import statistics
 import sys
@@ -51,16 +52,20 @@ def main(argv=None) -> int:
     pair, tok = {"small": truncate(large, 1), "large": large}, tiny_tokenizer()
     tmp = tempfile.mkdtemp(prefix="tokenrouter-ray-")
     os.environ["RAY_TMPDIR"] = tmp
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
-                                                     "include_dashboard": False})
+    c = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}, "include_dashboard": False}
+    )
     c.add_node(num_cpus=1, resources={"node_b": 1})
     ray.init(address=c.address, log_to_driver=False)
     rows = []
     try:
         t0 = time.perf_counter()
-        on_ray = Router(pair, EveryToken(), tokenizer=tok,
-                        cluster={"resources": {"small": {"node_a": 0.01}, "large": {"node_b": 0.01}},
-                                 "strategy": "SPREAD"})
+        on_ray = Router(
+            pair,
+            EveryToken(),
+            tokenizer=tok,
+            cluster={"resources": {"small": {"node_a": 0.01}, "large": {"node_b": 0.01}}, "strategy": "SPREAD"},
+        )
         ray_start_s = time.perf_counter() - t0
         local = Router(pair, EveryToken(), tokenizer=tok, processes=True)
         prompts = [[5 + i, 6, 7] for i in range(a.requests)]
@@ -76,8 +81,15 @@ def main(argv=None) -> int:
                     toks = sum(len(o.token_ids) for o in outs)
                     hops = sum(o.hops for o in outs)
                     per[name].append(wall / toks * 1e3)
-                    rows.append({"system": name, "tokens": toks, "hops": hops, "wall_s": round(wall, 4),
-                                 "ms_per_token": round(wall / toks * 1e3, 3)})
+                    rows.append(
+                        {
+                            "system": name,
+                            "tokens": toks,
+                            "hops": hops,
+                            "wall_s": round(wall, 4),
+                            "ms_per_token": round(wall / toks * 1e3, 3),
+                        }
+                    )
         finally:
             local.close()
             on_ray.close()
@@ -85,9 +97,11 @@ def main(argv=None) -> int:
         ray.shutdown()
         c.shutdown()
     med = {k: statistics.median(v) for k, v in per.items()}
-    print(f"ms per token (one hop each): local processes {med['local']:.2f}, Ray actors on two nodes "
-          f"{med['ray']:.2f}; a hop through the Ray placement adds {med['ray'] - med['local']:.2f} ms "
-          f"(x{med['ray'] / med['local']:.2f}); Ray actors started in {ray_start_s:.1f} s")
+    print(
+        f"ms per token (one hop each): local processes {med['local']:.2f}, Ray actors on two nodes "
+        f"{med['ray']:.2f}; a hop through the Ray placement adds {med['ray'] - med['local']:.2f} ms "
+        f"(x{med['ray'] / med['local']:.2f}); Ray actors started in {ray_start_s:.1f} s"
+    )
     out = evalkit.Output(a, __file__, evalkit.cells_tag(t=a.tokens))
     out.write(rows, median_ms_per_token=med, ray_start_s=ray_start_s, command=" ".join([sys.executable, *sys.argv]))
     return 0

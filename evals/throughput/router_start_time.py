@@ -69,8 +69,10 @@ def _rss(pid: int) -> dict:
     (/proc/PID/status; pages shared with other processes count in full in each) and the
     proportional set size and private pages (/proc/PID/smaps_rollup)."""
     out = {}
-    for path, keys in ((f"/proc/{pid}/status", ("VmRSS", "RssAnon", "RssFile", "RssShmem")),
-                       (f"/proc/{pid}/smaps_rollup", ("Pss", "Private_Clean", "Private_Dirty"))):
+    for path, keys in (
+        (f"/proc/{pid}/status", ("VmRSS", "RssAnon", "RssFile", "RssShmem")),
+        (f"/proc/{pid}/smaps_rollup", ("Pss", "Private_Clean", "Private_Dirty")),
+    ):
         try:
             with open(path) as f:
                 for line in f:
@@ -93,6 +95,7 @@ def _child(cfg: dict, builds: int) -> dict:
     from tokenrouter_sdk import Router
     from tokenrouter_sdk.engine.transports import process_transport
     from tokenrouter_sdk.policies import RandomRouting
+
     import_s = time.perf_counter() - t0
 
     phase: dict = {}
@@ -112,6 +115,7 @@ def _child(cfg: dict, builds: int) -> dict:
     timed(models, "default_pair", "load")
     if cfg.get("prestart") is False:  # the fork server starts with the first transport, not before the load
         from tokenrouter_sdk.engine.transports import process_start
+
         process_start.prestart_for = lambda *a, **k: None
     timed(process_transport.ProcessTransport, "start", "start")
     kwargs = {}
@@ -149,10 +153,22 @@ def _child(cfg: dict, builds: int) -> dict:
                 if p.untyped_storage().data_ptr() not in seen:
                     seen.add(p.untyped_storage().data_ptr())
                     weight_bytes += p.untyped_storage().nbytes()
-        rows.append({"build": i, "build_s": build_s, "round_trip_s": round_trip_s, "first_generate_s": generate_s,
-                     "close_s": close_s, "load_s": phase.get("load"), "start_s": phase.get("start"),
-                     "runners_s": build_s - phase.get("load", 0.0) - phase.get("start", 0.0),
-                     "boot": boot, "rss": rss, "weight_bytes": weight_bytes, "pids": pids})
+        rows.append(
+            {
+                "build": i,
+                "build_s": build_s,
+                "round_trip_s": round_trip_s,
+                "first_generate_s": generate_s,
+                "close_s": close_s,
+                "load_s": phase.get("load"),
+                "start_s": phase.get("start"),
+                "runners_s": build_s - phase.get("load", 0.0) - phase.get("start", 0.0),
+                "boot": boot,
+                "rss": rss,
+                "weight_bytes": weight_bytes,
+                "pids": pids,
+            }
+        )
         print(f"  build {i}: {build_s:.2f} s", file=sys.stderr, flush=True)
     return {"import_s": import_s, "builds": rows}
 
@@ -167,35 +183,60 @@ def _summary(name: str, runs: list[dict]) -> dict:
     warm build of every run."""
     cold = [res["builds"][0] for res in runs]
     warm = [r for res in runs for r in res["builds"][1:]]
-    phases = {key: _median([r[key] for r in warm])
-              for key in ("load_s", "runners_s", "start_s", "round_trip_s", "first_generate_s", "close_s")}
+    phases = {
+        key: _median([r[key] for r in warm])
+        for key in ("load_s", "runners_s", "start_s", "round_trip_s", "first_generate_s", "close_s")
+    }
     cold_phases = {key: _median([r[key] for r in cold]) for key in ("load_s", "runners_s", "start_s")}
 
     def boot_medians(rows):
         keys = sorted({k for r in rows for b in r["boot"].values() for k, v in b.items() if isinstance(v, float)})
-        return {m: {k: _median([r["boot"].get(m, {}).get(k) for r in rows]) for k in keys}
-                for m in sorted({m for r in rows for m in r["boot"]})}
+        return {
+            m: {k: _median([r["boot"].get(m, {}).get(k) for r in rows]) for k in keys}
+            for m in sorted({m for r in rows for m in r["boot"]})
+        }
 
     last = (warm or cold)[-1]
-    return {"config": name, "cold_build_s": _median([r["build_s"] for r in cold]),
-            "cold_builds_s": [r["build_s"] for r in cold], "warm_median_s": _median([r["build_s"] for r in warm]),
-            "warm_builds_s": [r["build_s"] for r in warm], "import_s": _median([res["import_s"] for res in runs]),
-            "warm_phases": phases, "cold_phases": cold_phases, "warm_boot": boot_medians(warm),
-            "cold_boot": boot_medians(cold), "rss_last": last["rss"], "weight_bytes": last["weight_bytes"],
-            "preloaded": {m: b.get("preloaded") for m, b in last["boot"].items()}}
+    return {
+        "config": name,
+        "cold_build_s": _median([r["build_s"] for r in cold]),
+        "cold_builds_s": [r["build_s"] for r in cold],
+        "warm_median_s": _median([r["build_s"] for r in warm]),
+        "warm_builds_s": [r["build_s"] for r in warm],
+        "import_s": _median([res["import_s"] for res in runs]),
+        "warm_phases": phases,
+        "cold_phases": cold_phases,
+        "warm_boot": boot_medians(warm),
+        "cold_boot": boot_medians(cold),
+        "rss_last": last["rss"],
+        "weight_bytes": last["weight_bytes"],
+        "preloaded": {m: b.get("preloaded") for m, b in last["boot"].items()},
+    }
 
 
 def main(argv=None) -> dict:
     ap = evalkit.parser(__file__, __doc__)
     ap.add_argument("--builds", type=int, default=5, help="warm builds after the first one (default 5)")
-    ap.add_argument("--configs", nargs="+", default=["forkserver", "forkserver-reload", "spawn-reload"],
-                    choices=sorted(CONFIGS), help="configurations to run, in this order")
-    ap.add_argument("--baseline-src", type=Path, default=None,
-                    help="a checkout whose tokenrouter_sdk the 'baseline' configuration imports (added to the "
-                         "configurations when given)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="runs per configuration (fresh interpreters), interleaved across configurations "
-                         "(default 1)")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=["forkserver", "forkserver-reload", "spawn-reload"],
+        choices=sorted(CONFIGS),
+        help="configurations to run, in this order",
+    )
+    ap.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="a checkout whose tokenrouter_sdk the 'baseline' configuration imports (added to the "
+        "configurations when given)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per configuration (fresh interpreters), interleaved across configurations (default 1)",
+    )
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per configuration (default 1200)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -208,9 +249,16 @@ def main(argv=None) -> dict:
     if "baseline" in configs and args.baseline_src is None:
         ap.error("the 'baseline' configuration needs --baseline-src DIR")
     here = Path(__file__).resolve().parents[2]
-    result = {"machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
-                          "python": platform.python_version(), "platform": platform.platform()},
-              "builds": args.builds, "configs": []}
+    result = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "builds": args.builds,
+        "configs": [],
+    }
     runs: dict[str, list] = {name: [] for name in configs}
     loads: dict[str, list] = {name: [] for name in configs}
     for rep in range(args.repeat):  # interleaved, so a change in the machine's load hits every configuration
@@ -218,13 +266,21 @@ def main(argv=None) -> dict:
             env = {k: v for k, v in os.environ.items() if k != "TOKENROUTER_PROCESSES"}
             src = args.baseline_src if name == "baseline" else here
             env["PYTHONPATH"] = os.pathsep.join([str(Path(src).resolve()), env.get("PYTHONPATH", "")]).rstrip(
-                os.pathsep)
+                os.pathsep
+            )
             load_before = os.getloadavg()[0]
-            print(f"{name} (run {rep + 1} of {args.repeat}): 1 + {args.builds} builds "
-                  f"(load average {load_before:.1f})", flush=True)
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", name, "--builds",
-                                   str(args.builds)], capture_output=True, text=True, env=env, timeout=args.timeout,
-                                  cwd=str(here))
+            print(
+                f"{name} (run {rep + 1} of {args.repeat}): 1 + {args.builds} builds (load average {load_before:.1f})",
+                flush=True,
+            )
+            proc = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--child", name, "--builds", str(args.builds)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=args.timeout,
+                cwd=str(here),
+            )
             if proc.returncode != 0:
                 raise SystemExit(f"{name} failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
             runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -238,19 +294,27 @@ def main(argv=None) -> dict:
     print(f"{'config':<18} {'cold s':>7} {'warm median s':>14}   cold builds s | warm builds s")
     for s in result["configs"]:
         warm = "-" if s["warm_median_s"] is None else f"{s['warm_median_s']:.2f}"
-        print(f"{s['config']:<18} {s['cold_build_s']:7.2f} {warm:>14}   "
-              + " ".join(f"{x:.2f}" for x in s["cold_builds_s"]) + " | "
-              + " ".join(f"{x:.2f}" for x in s["warm_builds_s"]))
+        print(
+            f"{s['config']:<18} {s['cold_build_s']:7.2f} {warm:>14}   "
+            + " ".join(f"{x:.2f}" for x in s["cold_builds_s"])
+            + " | "
+            + " ".join(f"{x:.2f}" for x in s["warm_builds_s"])
+        )
     for s in result["configs"]:
         ph = {k: round(v, 3) for k, v in s["warm_phases"].items() if v is not None}
         cph = {k: round(v, 3) for k, v in s["cold_phases"].items() if v is not None}
-        print(f"\n{s['config']}: cold phases (median s) {cph}; warm phases (median s) {ph}; "
-              f"load average before/after each run {s['load_average_before_after']}")
+        print(
+            f"\n{s['config']}: cold phases (median s) {cph}; warm phases (median s) {ph}; "
+            f"load average before/after each run {s['load_average_before_after']}"
+        )
         for m, b in s["warm_boot"].items():
             print(f"  {m} boot (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in b.items() if v is not None))
         for m, r in s["rss_last"].items():
-            print(f"  {m} RSS MB: " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in r.items())
-                  + f" (weights {s['weight_bytes'] / 2**20:.0f} MB)")
+            print(
+                f"  {m} RSS MB: "
+                + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in r.items())
+                + f" (weights {s['weight_bytes'] / 2**20:.0f} MB)"
+            )
     path = evalkit.Output(args, __file__).path(".json")
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwrote {path}")

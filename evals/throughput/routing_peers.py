@@ -135,8 +135,15 @@ def run_length(writers: str, p: int) -> int:
     return q - p
 
 
-def dispatch(engines: dict, prompts: list[list[int]], writers: list[str], *, concurrency: int, unit: str = "token",
-             clock=time.perf_counter) -> dict:
+def dispatch(
+    engines: dict,
+    prompts: list[list[int]],
+    writers: list[str],
+    *,
+    concurrency: int,
+    unit: str = "token",
+    clock=time.perf_counter,
+) -> dict:
     """Serve ``prompts`` on request-level engines in rounds, following ``writers``.
 
     Args:
@@ -198,9 +205,15 @@ def dispatch(engines: dict, prompts: list[list[int]], writers: list[str], *, con
         for i in [i for i in active if len(out[i]) >= len(writers[i])]:
             finished[i] = now
             active.remove(i)
-    return {"tokens": out, "writers": ["".join(w) for w in wrote], "wall_s": clock() - t0,
-            "latency_s": [f - a for a, f in zip(admitted, finished)], "rounds": rounds, "calls": calls,
-            "call_s": call_s}
+    return {
+        "tokens": out,
+        "writers": ["".join(w) for w in wrote],
+        "wall_s": clock() - t0,
+        "latency_s": [f - a for a, f in zip(admitted, finished)],
+        "rounds": rounds,
+        "calls": calls,
+        "call_s": call_s,
+    }
 
 
 def chat_ids(tok, text: str) -> list[int]:
@@ -241,8 +254,11 @@ def worker_ours(spec: dict) -> dict:
     router = Router(models, tokenizer=tok, mode=mode, max_kv_tokens=spec["max_kv_tokens"])
     res: dict = {"cells": {}}
     try:
-        res["warmup_s"], _ = _timed(lambda: router.generate(spec["warmup"], policy=policy, max_new_tokens=8,
-                                                            ignore_eos=True, keys=["warm-0", "warm-1"]))
+        res["warmup_s"], _ = _timed(
+            lambda: router.generate(
+                spec["warmup"], policy=policy, max_new_tokens=8, ignore_eos=True, keys=["warm-0", "warm-1"]
+            )
+        )
         for n in spec["concurrency"]:
             ids, keys = _cell_prompts(spec, n)
             router.clear_prefix_cache()
@@ -250,16 +266,22 @@ def worker_ours(spec: dict) -> dict:
             if mode == "delayed":
                 router.set_thresholds(_thresholds(router, policy, n, "auto"))
                 th = ",".join(f"{k}={v}" for k, v in router.engine.thresholds.items())
-            call = router.submit(ids, policy=policy, max_new_tokens=spec["new"], ignore_eos=True, concurrency=n,
-                                 keys=keys)
+            call = router.submit(
+                ids, policy=policy, max_new_tokens=spec["new"], ignore_eos=True, concurrency=n, keys=keys
+            )
             call.wait()
             m, outs = call.metrics(), call.outputs
             res["cells"][str(n)] = {
-                "wall_s": m.wall_s, "committed": m.committed_tokens, "failed": m.failed, "thresholds": th,
+                "wall_s": m.wall_s,
+                "committed": m.committed_tokens,
+                "failed": m.failed,
+                "thresholds": th,
                 "tokens": [list(o.token_ids) for o in outs],
                 "writers": ["".join(CODE[w] for w in o.token_models) for o in outs],
-                "hops": [o.hops for o in outs], "latency_s": [o.latency_s for o in outs],
-                "accounting": step_accounting(list(call.events), list(router.models))}
+                "hops": [o.hops for o in outs],
+                "latency_s": [o.latency_s for o in outs],
+                "accounting": step_accounting(list(call.events), list(router.models)),
+            }
     finally:
         router.close()
     return res
@@ -276,8 +298,9 @@ def worker_vllm(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     system = spec["system"]
-    kw = dict(dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0, enable_prefix_caching=True,
-              block_size=32)
+    kw = dict(
+        dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0, enable_prefix_caching=True, block_size=32
+    )
     llms = {"large": LLM(model=spec["large_folder"], **kw)}
     if system != "vllm-large":
         llms = {"small": LLM(model=spec["small_folder"], **kw), **llms}
@@ -290,6 +313,7 @@ def worker_vllm(spec: dict) -> dict:
             sps = [params[k] for k in counts]
             outs = llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], sps, use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs]
+
         return run
 
     engines = {m: engine(llm) for m, llm in llms.items()}
@@ -302,8 +326,12 @@ def worker_vllm(spec: dict) -> dict:
         for llm in llms.values():
             llm.reset_prefix_cache()
 
-    res: dict = {"cells": {}, "env": {k: os.environ.get(k) for k in [*vllm_cpu_env([]), "VLLM_ENABLE_V1_MULTIPROCESSING",
-                                                                     "VLLM_USE_AOT_COMPILE"]}}
+    res: dict = {
+        "cells": {},
+        "env": {
+            k: os.environ.get(k) for k in [*vllm_cpu_env([]), "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_AOT_COMPILE"]
+        },
+    }
     warm_w = [spec["warm_writers"][i][:8] if system != "vllm-large" else "L" * 8 for i in range(2)]
     res["warmup_s"], _ = _timed(lambda: dispatch(engines, spec["warmup"], warm_w, concurrency=2, unit=unit))
     for n in spec["concurrency"]:
@@ -335,6 +363,7 @@ def worker_folder(spec: dict) -> dict:
             tmp.rename(folder)
         except OSError:  # another run wrote it first
             import shutil
+
             shutil.rmtree(tmp, ignore_errors=True)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     cfg = json.loads((folder / "config.json").read_text())
@@ -353,8 +382,15 @@ def worker_folder(spec: dict) -> dict:
             hf_toks.append(got)
     with Router({"small": small}, SmallOnly(), tokenizer=tok) as r:
         ours = [list(o.token_ids) for o in r.generate(ids, max_new_tokens=steps, ignore_eos=True)]
-    return {"folder": str(folder), "layers": cfg.get("num_hidden_layers"), "steps": steps,
-            "max_abs_logit_diff": max(diffs), "ours": ours, "transformers": hf_toks, "agree": ours == hf_toks}
+    return {
+        "folder": str(folder),
+        "layers": cfg.get("num_hidden_layers"),
+        "steps": steps,
+        "max_abs_logit_diff": max(diffs),
+        "ours": ours,
+        "transformers": hf_toks,
+        "agree": ours == hf_toks,
+    }
 
 
 def worker_main(spec_path: str, out_path: str) -> int:
@@ -383,8 +419,9 @@ def run_worker(spec: dict, python: str, timeout: float) -> dict:
         sp.write_text(json.dumps(spec))
         t = time.perf_counter()
         try:
-            p = subprocess.run([python, str(HERE), "--worker", str(sp), str(op)], capture_output=True, text=True,
-                               timeout=timeout)
+            p = subprocess.run(
+                [python, str(HERE), "--worker", str(sp), str(op)], capture_output=True, text=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s", "process_s": time.perf_counter() - t}
         if p.returncode != 0 or not op.exists():
@@ -400,25 +437,32 @@ def cell_stats(c: dict) -> dict:
     w = c["writers"]
     toks = sum(map(len, w))
     lat = [len(t) / s for t, s in zip(c["tokens"], c["latency_s"]) if s and s > 0]
-    return {"tok_s": c["committed"] / c["wall_s"], "per_user_tok_s": statistics.fmean(lat) if lat else 0.0,
-            "large_fraction": sum(x.count("L") for x in w) / toks if toks else 0.0,
-            "writer_changes_per_req": statistics.fmean(writer_changes(x) for x in w)}
+    return {
+        "tok_s": c["committed"] / c["wall_s"],
+        "per_user_tok_s": statistics.fmean(lat) if lat else 0.0,
+        "large_fraction": sum(x.count("L") for x in w) / toks if toks else 0.0,
+        "writer_changes_per_req": statistics.fmean(writer_changes(x) for x in w),
+    }
 
 
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     """Share of positions with the same token, and of requests identical throughout."""
     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     total = sum(max(len(ra), len(rb)) for ra, rb in zip(a, b))
-    return {"positions": same / total if total else 1.0,
-            "requests": sum(ra == rb for ra, rb in zip(a, b)) / len(a) if a else 1.0}
+    return {
+        "positions": same / total if total else 1.0,
+        "requests": sum(ra == rb for ra, rb in zip(a, b)) / len(a) if a else 1.0,
+    }
 
 
 def machine_line(evalkit) -> str:
     cpu = evalkit.cpu_description()
     load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else "?"
-    return (f"machine: {cpu['model']} ({cpu['vendor']} {cpu['family_model_stepping']}; {' '.join(cpu['simd'])}; "
-            f"caches {', '.join(f'{k} {v}' for k, v in cpu['caches'].items())}); {os.cpu_count()} CPUs, "
-            f"{len(os.sched_getaffinity(0))} usable; load average now {load}")
+    return (
+        f"machine: {cpu['model']} ({cpu['vendor']} {cpu['family_model_stepping']}; {' '.join(cpu['simd'])}; "
+        f"caches {', '.join(f'{k} {v}' for k, v in cpu['caches'].items())}); {os.cpu_count()} CPUs, "
+        f"{len(os.sched_getaffinity(0))} usable; load average now {load}"
+    )
 
 
 def main(argv=None) -> int:
@@ -427,14 +471,26 @@ def main(argv=None) -> int:
     import evalkit
 
     ap = evalkit.parser(__file__, __doc__)
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
-                    help="systems to run (default all; vllm-* only with --vllm-python)")
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[4, 8],
-                    help="requests in flight per cell (2N prompts each; default 4 8)")
+    ap.add_argument(
+        "--systems",
+        nargs="+",
+        default=list(SYSTEMS),
+        choices=SYSTEMS,
+        help="systems to run (default all; vllm-* only with --vllm-python)",
+    )
+    ap.add_argument(
+        "--concurrency",
+        nargs="+",
+        type=int,
+        default=[4, 8],
+        help="requests in flight per cell (2N prompts each; default 4 8)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats (default 2)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (evals/throughput/vllm_venv.sh)")
+    ap.add_argument(
+        "--vllm-python", default=None, help="python of a venv with vllm-cpu (evals/throughput/vllm_venv.sh)"
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per worker process (default 1800)")
     a = ap.parse_args(argv)
     conc = sorted(set(a.concurrency))
@@ -455,59 +511,82 @@ def main(argv=None) -> int:
     texts = load_prompts("gsm8k", n_prompts + 2)
     prompts = [chat_ids(tok, t) for t in texts]
     lens = [len(x) for x in prompts[:n_prompts]]
-    print(f"prompts: GSM8K, chat-templated, {min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.0f}); "
-          f"{a.max_new_tokens} new tokens each, greedy, ignore_eos, {a.dtype}; 2N prompts per cell, N in flight")
+    print(
+        f"prompts: GSM8K, chat-templated, {min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.0f}); "
+        f"{a.max_new_tokens} new tokens each, greedy, ignore_eos, {a.dtype}; 2N prompts per cell, N in flight"
+    )
     sched = [span_schedule(k, a.max_new_tokens, **SCHEDULE) for k in range(n_prompts)]
     warm_sched = [span_schedule(k, 8, **SCHEDULE)[0] for k in ("warm-0", "warm-1")]
-    print(f"schedule: RandomSpanRouting({', '.join(f'{k}={v}' for k, v in SCHEDULE.items())}) over keys "
-          f"0..{n_prompts - 1}: large fraction {sum(w.count('L') for w, _ in sched) / (n_prompts * a.max_new_tokens):.3f}, "
-          f"hops/request {statistics.fmean(h for _, h in sched):.1f}", flush=True)
+    print(
+        f"schedule: RandomSpanRouting({', '.join(f'{k}={v}' for k, v in SCHEDULE.items())}) over keys "
+        f"0..{n_prompts - 1}: large fraction "
+        f"{sum(w.count('L') for w, _ in sched) / (n_prompts * a.max_new_tokens):.3f}, "
+        f"hops/request {statistics.fmean(h for _, h in sched):.1f}",
+        flush=True,
+    )
 
     folder_check = None
-    base = {"dtype": a.dtype, "prompts": prompts[:n_prompts], "warmup": prompts[n_prompts:n_prompts + 2],
-            "concurrency": conc, "new": a.max_new_tokens, "schedule": SCHEDULE,
-            "writers": [w for w, _ in sched], "warm_writers": warm_sched, "large_folder": large_folder,
-            "max_kv_tokens": max(8192, conc[-1] * (max(lens) + a.max_new_tokens)),
-            "max_model_len": max(1024, max(lens) + a.max_new_tokens + 64)}
+    base = {
+        "dtype": a.dtype,
+        "prompts": prompts[:n_prompts],
+        "warmup": prompts[n_prompts : n_prompts + 2],
+        "concurrency": conc,
+        "new": a.max_new_tokens,
+        "schedule": SCHEDULE,
+        "writers": [w for w, _ in sched],
+        "warm_writers": warm_sched,
+        "large_folder": large_folder,
+        "max_kv_tokens": max(8192, conc[-1] * (max(lens) + a.max_new_tokens)),
+        "max_model_len": max(1024, max(lens) + a.max_new_tokens + 64),
+    }
     if any(s in ("vllm-standard", "vllm-spans") for s in systems):
         base["small_folder"] = str(self_draft_folder())
         folder_check = run_worker(dict(base, kind="folder", prompts=prompts[:2], steps=8), sys.executable, a.timeout)
         if "error" in folder_check:
             print(f"self-draft folder: FAILED {folder_check['error']}")
             return 1
-        print(f"self-draft folder {folder_check['folder']} ({folder_check['layers']} layers): greedy tokens of the "
-              f"engine's small model and of transformers' loading agree for {folder_check['steps']} steps on 2 "
-              f"prompts: {folder_check['agree']}; max |logit difference| {folder_check['max_abs_logit_diff']:.2e}",
-              flush=True)
+        print(
+            f"self-draft folder {folder_check['folder']} ({folder_check['layers']} layers): greedy tokens of the "
+            f"engine's small model and of transformers' loading agree for {folder_check['steps']} steps on 2 "
+            f"prompts: {folder_check['agree']}; max |logit difference| {folder_check['max_abs_logit_diff']:.2e}",
+            flush=True,
+        )
         if not folder_check["agree"]:
             print("the folder does not reproduce the small model: vllm-standard would serve another model")
             return 1
 
     runs: dict = {s: [] for s in systems}
     for r in range(a.repeats):
-        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        order = systems[r % len(systems) :] + systems[: r % len(systems)]
         for s in order:
             kind = "vllm" if s.startswith("vllm") else "ours"
-            res = run_worker(dict(base, kind=kind, system=s), a.vllm_python if kind == "vllm" else sys.executable,
-                             a.timeout)
+            res = run_worker(
+                dict(base, kind=kind, system=s), a.vllm_python if kind == "vllm" else sys.executable, a.timeout
+            )
             runs[s].append(res)
             if "error" in res:
                 print(f"rep {r} {s}: FAILED {res['error'][-1500:]}", flush=True)
                 continue
-            print(f"rep {r} {s}: " + ", ".join(f"N={n} {cell_stats(c)['tok_s']:.1f} tok/s" for n, c in
-                                               res["cells"].items())
-                  + f" (warm-up {res['warmup_s']:.1f} s, process {res['process_s']:.0f} s, "
-                  f"load {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"rep {r} {s}: "
+                + ", ".join(f"N={n} {cell_stats(c)['tok_s']:.1f} tok/s" for n, c in res["cells"].items())
+                + f" (warm-up {res['warmup_s']:.1f} s, process {res['process_s']:.0f} s, "
+                f"load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
 
     ok = {s: [x for x in runs[s] if "error" not in x] for s in systems}
     done = [s for s in systems if ok[s]]
-    problems = [f"{s}: {len(runs[s]) - len(ok[s])} of {len(runs[s])} runs failed" for s in systems
-                if len(ok[s]) < len(runs[s])]
+    problems = [
+        f"{s}: {len(runs[s]) - len(ok[s])} of {len(runs[s])} runs failed" for s in systems if len(ok[s]) < len(runs[s])
+    ]
     # the schedule: every routed system wrote each position on the model it names
     for s in done:
         for x in ok[s]:
             for n, c in x["cells"].items():
-                want = [sched[k][0] for k in range(2 * int(n))] if s in ROUTED else ["L" * a.max_new_tokens] * 2 * int(n)
+                want = (
+                    [sched[k][0] for k in range(2 * int(n))] if s in ROUTED else ["L" * a.max_new_tokens] * 2 * int(n)
+                )
                 if c["writers"] != want:
                     bad = sum(w != v for w, v in zip(c["writers"], want))
                     problems.append(f"{s} N={n}: {bad} requests off the schedule")
@@ -523,21 +602,34 @@ def main(argv=None) -> int:
             st = [cell_stats(x["cells"][key]) for x in ok[s]]
             first = ok[s][0]["cells"][key]
             ref = "ours-async" if s in ROUTED else "ours-large"
-            agree = token_agreement(first["tokens"], ok[ref][0]["cells"][key]["tokens"]) \
-                if ok.get(ref) and s != ref else None
-            rows.append({"system": s, "concurrency": n, "requests": 2 * n, "new_tokens": a.max_new_tokens,
-                         "tok_s": round(statistics.median(x["tok_s"] for x in st), 2),
-                         "per_user_tok_s": round(statistics.median(x["per_user_tok_s"] for x in st), 2),
-                         "tok_s_runs": [round(x["tok_s"], 2) for x in st],
-                         "large_fraction": round(st[0]["large_fraction"], 4),
-                         "writer_changes_per_req": round(st[0]["writer_changes_per_req"], 2),
-                         "hops_per_req": round(statistics.fmean(first["hops"]), 2) if "hops" in first else
-                         (round(ref_hops, 2) if s in ROUTED else 0.0),
-                         "same_tokens_as": ref if agree else None,
-                         "same_token_share": round(agree["positions"], 4) if agree else None,
-                         "same_request_share": round(agree["requests"], 4) if agree else None,
-                         "thresholds": first.get("thresholds") or None,
-                         "calls": first.get("calls"), "call_s": first.get("call_s"), "rounds": first.get("rounds")})
+            agree = (
+                token_agreement(first["tokens"], ok[ref][0]["cells"][key]["tokens"])
+                if ok.get(ref) and s != ref
+                else None
+            )
+            rows.append(
+                {
+                    "system": s,
+                    "concurrency": n,
+                    "requests": 2 * n,
+                    "new_tokens": a.max_new_tokens,
+                    "tok_s": round(statistics.median(x["tok_s"] for x in st), 2),
+                    "per_user_tok_s": round(statistics.median(x["per_user_tok_s"] for x in st), 2),
+                    "tok_s_runs": [round(x["tok_s"], 2) for x in st],
+                    "large_fraction": round(st[0]["large_fraction"], 4),
+                    "writer_changes_per_req": round(st[0]["writer_changes_per_req"], 2),
+                    "hops_per_req": round(statistics.fmean(first["hops"]), 2)
+                    if "hops" in first
+                    else (round(ref_hops, 2) if s in ROUTED else 0.0),
+                    "same_tokens_as": ref if agree else None,
+                    "same_token_share": round(agree["positions"], 4) if agree else None,
+                    "same_request_share": round(agree["requests"], 4) if agree else None,
+                    "thresholds": first.get("thresholds") or None,
+                    "calls": first.get("calls"),
+                    "call_s": first.get("call_s"),
+                    "rounds": first.get("rounds"),
+                }
+            )
     by = {(r["system"], r["concurrency"]): r for r in rows}
     for n in conc:
         routed = [by[(s, n)] for s in done if s in ROUTED]
@@ -553,34 +645,76 @@ def main(argv=None) -> int:
     if len(conc) > 1:
         lo, hi = conc[0], conc[-1]
         for s in done:
-            scaling[s] = {"from": lo, "to": hi, "throughput_x": round(by[(s, hi)]["tok_s"] / by[(s, lo)]["tok_s"], 3),
-                          "single_user_speed_kept": round(by[(s, hi)]["per_user_tok_s"] / by[(s, lo)]["per_user_tok_s"], 3)}
+            scaling[s] = {
+                "from": lo,
+                "to": hi,
+                "throughput_x": round(by[(s, hi)]["tok_s"] / by[(s, lo)]["tok_s"], 3),
+                "single_user_speed_kept": round(by[(s, hi)]["per_user_tok_s"] / by[(s, lo)]["per_user_tok_s"], 3),
+            }
 
     print(f"\n{machine_line(evalkit)}")
-    print(f"medians of {a.repeats} interleaved repeats; tok/s = committed tokens / cell wall time; per-user = "
-          f"mean of tokens / (finish - admission); x large = / ours-large; x vllm-std = ours-async / vllm-standard")
-    cols = [("system", "system", "s"), ("concurrency", "N", "d"), ("tok_s", "tok/s", ".1f"),
-            ("per_user_tok_s", "user tok/s", ".1f"), ("vs_ours_large", "x large", ".2f"),
-            ("vs_vllm_standard", "x vllm-std", ".2f"), ("large_fraction", "large", ".3f"),
-            ("hops_per_req", "hops/req", ".1f"), ("writer_changes_per_req", "changes/req", ".1f"),
-            ("same_token_share", "same tok", ".3f"), ("same_tokens_as", "vs", "s"), ("thresholds", "thresholds", "s")]
+    print(
+        f"medians of {a.repeats} interleaved repeats; tok/s = committed tokens / cell wall time; per-user = "
+        f"mean of tokens / (finish - admission); x large = / ours-large; x vllm-std = ours-async / vllm-standard"
+    )
+    cols = [
+        ("system", "system", "s"),
+        ("concurrency", "N", "d"),
+        ("tok_s", "tok/s", ".1f"),
+        ("per_user_tok_s", "user tok/s", ".1f"),
+        ("vs_ours_large", "x large", ".2f"),
+        ("vs_vllm_standard", "x vllm-std", ".2f"),
+        ("large_fraction", "large", ".3f"),
+        ("hops_per_req", "hops/req", ".1f"),
+        ("writer_changes_per_req", "changes/req", ".1f"),
+        ("same_token_share", "same tok", ".3f"),
+        ("same_tokens_as", "vs", "s"),
+        ("thresholds", "thresholds", "s"),
+    ]
     print(evalkit.table(rows, cols))
     if scaling:
-        print(f"\nconcurrency scaling, N={conc[0]} -> N={conc[-1]} (the paper: 8.61x throughput, 51.7% of single-user "
-              f"speed kept, from N=1):")
-        print(evalkit.table([{"system": s, **v} for s, v in scaling.items()],
-                            [("system", "system", "s"), ("throughput_x", "throughput x", ".2f"),
-                             ("single_user_speed_kept", "user speed kept", ".1%")]))
-    print("schedule: " + ("every routed system wrote every position on the model the schedule names; large "
-                          "fractions and writer changes agree" if not problems else "PROBLEMS: " + "; ".join(problems)))
+        print(
+            f"\nconcurrency scaling, N={conc[0]} -> N={conc[-1]} (the paper: 8.61x throughput, 51.7% of single-user "
+            f"speed kept, from N=1):"
+        )
+        print(
+            evalkit.table(
+                [{"system": s, **v} for s, v in scaling.items()],
+                [
+                    ("system", "system", "s"),
+                    ("throughput_x", "throughput x", ".2f"),
+                    ("single_user_speed_kept", "user speed kept", ".1%"),
+                ],
+            )
+        )
+    print(
+        "schedule: "
+        + (
+            "every routed system wrote every position on the model the schedule names; large "
+            "fractions and writer changes agree"
+            if not problems
+            else "PROBLEMS: " + "; ".join(problems)
+        )
+    )
     command = " ".join([sys.executable, *sys.argv])
     print(f"command: {command}")
     out = evalkit.Output(a, __file__, evalkit.cells_tag(c=conc, t=a.max_new_tokens, r=a.repeats))
-    out.write(rows, command=command, schedule={"policy": "RandomSpanRouting", **SCHEDULE,
-                                              "large_fraction": sum(w.count("L") for w, _ in sched) / (n_prompts * a.max_new_tokens),
-                                              "hops_per_request": statistics.fmean(h for _, h in sched)},
-              scaling=scaling, folder_check=folder_check, problems=problems, prompt_tokens=lens,
-              machine=machine_line(evalkit), runs=runs)
+    out.write(
+        rows,
+        command=command,
+        schedule={
+            "policy": "RandomSpanRouting",
+            **SCHEDULE,
+            "large_fraction": sum(w.count("L") for w, _ in sched) / (n_prompts * a.max_new_tokens),
+            "hops_per_request": statistics.fmean(h for _, h in sched),
+        },
+        scaling=scaling,
+        folder_check=folder_check,
+        problems=problems,
+        prompt_tokens=lens,
+        machine=machine_line(evalkit),
+        runs=runs,
+    )
     return 1 if problems else 0
 
 

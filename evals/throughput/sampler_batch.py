@@ -85,12 +85,29 @@ def main() -> None:
                     times[name].append(dt * 1e3)
             assert drawn["row_by_row"] == drawn["batched"], f"B={b} repeat {rep}: the samplers drew other tokens"
         med = {name: statistics.median(t) for name, t in times.items()}
-        rows.append({"batch": b, "vocab": args.vocab, "row_by_row_ms": med["row_by_row"],
-                     "batched_ms": med["batched"], "ratio": med["row_by_row"] / med["batched"]})
+        rows.append(
+            {
+                "batch": b,
+                "vocab": args.vocab,
+                "row_by_row_ms": med["row_by_row"],
+                "batched_ms": med["batched"],
+                "ratio": med["row_by_row"] / med["batched"],
+            }
+        )
         runs.append({"batch": b, **{f"{name}_ms": t for name, t in times.items()}})
         print(f"B={b}: row-by-row {med['row_by_row']:.2f} ms, batched {med['batched']:.2f} ms", flush=True)
-    print(evalkit.table(rows, [("batch", "B", "d"), ("vocab", "V", "d"), ("row_by_row_ms", "row-by-row ms", ".2f"),
-                               ("batched_ms", "batched ms", ".2f"), ("ratio", "ratio", ".2f")]))
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("batch", "B", "d"),
+                ("vocab", "V", "d"),
+                ("row_by_row_ms", "row-by-row ms", ".2f"),
+                ("batched_ms", "batched ms", ".2f"),
+                ("ratio", "ratio", ".2f"),
+            ],
+        )
+    )
     cells = evalkit.cells_tag(args.device, args.dtype, b=args.batch, k=args.top_k, p=args.top_p)
     evalkit.Output(args, __file__, cells).write(rows, runs=runs)
 

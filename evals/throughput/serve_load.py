@@ -88,6 +88,7 @@ class Phase:
 
 def workload(tokenizer_router, n: int, disconnect: float, max_tokens: int, seed: int) -> list[Job]:
     from tokenrouter_sdk.benchmarks import load_prompts
+
     base = load_prompts("gsm8k", min(n, 128))
     rng = random.Random(seed)
     jobs = []
@@ -102,8 +103,25 @@ def workload(tokenizer_router, n: int, disconnect: float, max_tokens: int, seed:
 def start_server(policy: str, log: Path) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, TQDM_DISABLE="1")
     fh = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenrouter_sdk.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-                             "--policy", policy, "--log-level", "warning"], stdout=fh, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenrouter_sdk.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--policy",
+            policy,
+            "--log-level",
+            "warning",
+        ],
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         m = re.search(r"tokenrouter serve: (http://127\.0\.0\.1:\d+)", log.read_text())
@@ -152,8 +170,9 @@ def committed(metrics: dict) -> float:
 
 
 # -- HTTP phase ----------------------------------------------------------------------------------
-async def http_phase(url: str, jobs: list[Job], clients: int, max_tokens: int, deadline: float, name: str,
-                     keep_text: bool = True) -> tuple[Phase, list]:
+async def http_phase(
+    url: str, jobs: list[Job], clients: int, max_tokens: int, deadline: float, name: str, keep_text: bool = True
+) -> tuple[Phase, list]:
     ph = Phase(name, requests=len(jobs))
     queue: asyncio.Queue = asyncio.Queue()
     for j in jobs:
@@ -176,8 +195,14 @@ async def http_phase(url: str, jobs: list[Job], clients: int, max_tokens: int, d
                 await asyncio.sleep(0.5)
 
         async def one(job: Job):
-            body = {"model": "tokenrouter", "prompt": job.prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+            body = {
+                "model": "tokenrouter",
+                "prompt": job.prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             t0 = time.perf_counter()
             got, text, final = 0, [], None
             async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -209,9 +234,12 @@ async def http_phase(url: str, jobs: list[Job], clients: int, max_tokens: int, d
                         return  # leaving the block closes the connection mid-stream
             lats.append(time.perf_counter() - t0)
             if job.cut is None:
-                ok = (final is not None and final["usage"]["completion_tokens"] == max_tokens
-                      and final["choices"][0]["finish_reason"] == "length"
-                      and len(final["tokenrouter"]["writers"]) == max_tokens)
+                ok = (
+                    final is not None
+                    and final["usage"]["completion_tokens"] == max_tokens
+                    and final["choices"][0]["finish_reason"] == "length"
+                    and len(final["tokenrouter"]["writers"]) == max_tokens
+                )
                 ph.completed_full += ok
                 if not ok:
                     ph.errors.append((job.index, "incomplete", json.dumps(final)[:300]))
@@ -252,19 +280,24 @@ async def settled(url: str, timeout: float = 60.0) -> dict:
         while True:
             h = (await client.get("/health")).json()
             m = await scrape(client)
-            free = all(x.get("free_blocks", -1) == x.get("num_blocks") and x.get("owned") == x.get("pending") == 0
-                       for x in h["models"].values())
+            free = all(
+                x.get("free_blocks", -1) == x.get("num_blocks") and x.get("owned") == x.get("pending") == 0
+                for x in h["models"].values()
+            )
             idle = m.get("tokenrouter_requests_in_flight", -1) == 0 and m.get("tokenrouter_requests_waiting", -1) == 0
             if (free and idle) or time.monotonic() > deadline:
-                return {"pools_free": free, "no_request_held": idle, "health": h["models"],
-                        "in_flight": m.get("tokenrouter_requests_in_flight"),
-                        "waiting": m.get("tokenrouter_requests_waiting")}
+                return {
+                    "pools_free": free,
+                    "no_request_held": idle,
+                    "health": h["models"],
+                    "in_flight": m.get("tokenrouter_requests_in_flight"),
+                    "waiting": m.get("tokenrouter_requests_waiting"),
+                }
             await asyncio.sleep(0.2)
 
 
 # -- in-process phase ----------------------------------------------------------------------------
-async def local_phase(router, jobs: list[Job], clients: int, max_tokens: int, deadline: float, name: str
-                      ) -> Phase:
+async def local_phase(router, jobs: list[Job], clients: int, max_tokens: int, deadline: float, name: str) -> Phase:
     ph = Phase(name, requests=len(jobs))
     queue: asyncio.Queue = asyncio.Queue()
     for j in jobs:
@@ -274,6 +307,7 @@ async def local_phase(router, jobs: list[Job], clients: int, max_tokens: int, de
     def observe(ev):
         if type(ev).__name__ == "Committed":
             count[0] += len(ev.tokens)
+
     remove = router.engine.add_observer(observe)
     ttfts, lats = [], []
 
@@ -343,7 +377,13 @@ def main(argv=None) -> int:
     proc, url = start_server(args.policy, log)
     print(f"server {url} (pid {proc.pid}), policy {args.policy}", flush=True)
     router = Router.default(build_policy(args.policy))
-    result: dict = {"server_log": str(log), "command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "url": url, "rounds": []}
+    result: dict = {
+        "server_log": str(log),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "args": vars(args),
+        "url": url,
+        "rounds": [],
+    }
     bars: dict = {}
     try:
         jobs = workload(router, args.requests, args.disconnect, args.max_tokens, args.seed)
@@ -353,24 +393,34 @@ def main(argv=None) -> int:
         health_bad_all, settled_all = [], []
         for rnd in range(args.rounds):
             loc = asyncio.run(local_phase(router, jobs, args.clients, args.max_tokens, deadline, f"in-process {rnd}"))
-            http, health_bad = asyncio.run(http_phase(url, jobs, args.clients, args.max_tokens, deadline, f"http {rnd}"))
+            http, health_bad = asyncio.run(
+                http_phase(url, jobs, args.clients, args.max_tokens, deadline, f"http {rnd}")
+            )
             st = asyncio.run(settled(url))
             same = sum(http.texts.get(i) == t for i, t in loc.texts.items() if i in http.texts)
             health_bad_all += health_bad
             settled_all.append(st)
-            row = {"http": http.summary(), "in_process": loc.summary(), "ratio": http.tok_s / loc.tok_s if loc.tok_s else 0,
-                   "health_not_200": health_bad, "after": st,
-                   "same_text_as_in_process": f"{same}/{len(set(http.texts) & set(loc.texts))}"}
+            row = {
+                "http": http.summary(),
+                "in_process": loc.summary(),
+                "ratio": http.tok_s / loc.tok_s if loc.tok_s else 0,
+                "health_not_200": health_bad,
+                "after": st,
+                "same_text_as_in_process": f"{same}/{len(set(http.texts) & set(loc.texts))}",
+            }
             result["rounds"].append(row)
-            print(f"round {rnd}: http {http.tok_s:.1f} tok/s ({http.committed_tokens} tok, {http.wall_s:.1f} s, "
-                  f"{http.completed_full}/{http.expected_full} full, {http.disconnected} cut, {http.status_5xx} 5xx, "
-                  f"{len(http.errors)} errors) | in-process {loc.tok_s:.1f} tok/s ({loc.committed_tokens} tok, "
-                  f"{loc.wall_s:.1f} s) | ratio {row['ratio']:.3f} | same text {row['same_text_as_in_process']} | "
-                  f"health bad {len(health_bad)} | pools free {st['pools_free']} idle {st['no_request_held']}",
-                  flush=True)
+            print(
+                f"round {rnd}: http {http.tok_s:.1f} tok/s ({http.committed_tokens} tok, {http.wall_s:.1f} s, "
+                f"{http.completed_full}/{http.expected_full} full, {http.disconnected} cut, {http.status_5xx} 5xx, "
+                f"{len(http.errors)} errors) | in-process {loc.tok_s:.1f} tok/s ({loc.committed_tokens} tok, "
+                f"{loc.wall_s:.1f} s) | ratio {row['ratio']:.3f} | same text {row['same_text_as_in_process']} | "
+                f"health bad {len(health_bad)} | pools free {st['pools_free']} idle {st['no_request_held']}",
+                flush=True,
+            )
         ratios = [r["ratio"] for r in result["rounds"]]
-        bars["every_full_request_complete"] = all(r["http"]["completed_full"] == r["http"]["expected_full"]
-                                                  for r in result["rounds"])
+        bars["every_full_request_complete"] = all(
+            r["http"]["completed_full"] == r["http"]["expected_full"] for r in result["rounds"]
+        )
         bars["zero_5xx"] = all(r["http"]["status_5xx"] == 0 for r in result["rounds"])
         bars["health_always_200"] = not health_bad_all
         bars["pools_free_and_idle_after"] = all(s["pools_free"] and s["no_request_held"] for s in settled_all)
@@ -379,27 +429,39 @@ def main(argv=None) -> int:
 
         if args.rss_requests and time.monotonic() < deadline:
             rjobs = workload(router, args.rss_requests, args.disconnect, args.rss_max_tokens, args.seed + 1)
-            first, rest = rjobs[:args.rss_first], rjobs[args.rss_first:]
-            p1, hb1 = asyncio.run(http_phase(url, first, args.clients, args.rss_max_tokens, deadline, "rss first",
-                                             keep_text=False))
+            first, rest = rjobs[: args.rss_first], rjobs[args.rss_first :]
+            p1, hb1 = asyncio.run(
+                http_phase(url, first, args.clients, args.rss_max_tokens, deadline, "rss first", keep_text=False)
+            )
             asyncio.run(settled(url))
             rss_first = rss_mb(proc.pid)
-            p2, hb2 = asyncio.run(http_phase(url, rest, args.clients, args.rss_max_tokens, deadline, "rss rest",
-                                             keep_text=False))
+            p2, hb2 = asyncio.run(
+                http_phase(url, rest, args.clients, args.rss_max_tokens, deadline, "rss rest", keep_text=False)
+            )
             st = asyncio.run(settled(url))
             rss_end = rss_mb(proc.pid)
             done = p1.sent + p2.sent
-            result["rss"] = {"after_first_mb": rss_first, "after_all_mb": rss_end, "requests": done,
-                             "growth": rss_end / rss_first - 1, "children_mb": children_rss_mb(proc.pid),
-                             "first": p1.summary(), "rest": p2.summary(), "health_not_200": hb1 + hb2, "after": st}
+            result["rss"] = {
+                "after_first_mb": rss_first,
+                "after_all_mb": rss_end,
+                "requests": done,
+                "growth": rss_end / rss_first - 1,
+                "children_mb": children_rss_mb(proc.pid),
+                "first": p1.summary(),
+                "rest": p2.summary(),
+                "health_not_200": hb1 + hb2,
+                "after": st,
+            }
             bars["rss_growth"] = rss_end / rss_first - 1
             bars["rss_within_5pct"] = abs(bars["rss_growth"]) <= 0.05
             bars["rss_phase_5xx"] = p1.status_5xx + p2.status_5xx
             bars["rss_phase_full"] = f"{p1.completed_full + p2.completed_full}/{p1.expected_full + p2.expected_full}"
-            print(f"rss: {rss_first:.1f} MB after {p1.sent} requests, {rss_end:.1f} MB after "
-                  f"{done} ({bars['rss_growth'] * 100:+.2f}%); sub-servers {result['rss']['children_mb']:.0f} MB;"
-                  f" 5xx {bars['rss_phase_5xx']}, full {bars['rss_phase_full']}, pools free {st['pools_free']}",
-                  flush=True)
+            print(
+                f"rss: {rss_first:.1f} MB after {p1.sent} requests, {rss_end:.1f} MB after "
+                f"{done} ({bars['rss_growth'] * 100:+.2f}%); sub-servers {result['rss']['children_mb']:.0f} MB;"
+                f" 5xx {bars['rss_phase_5xx']}, full {bars['rss_phase_full']}, pools free {st['pools_free']}",
+                flush=True,
+            )
     finally:
         router.close()
         proc.terminate()

@@ -70,10 +70,12 @@ def _huge_pages(nbytes: int):
     the engine packs its few-row weights (on Linux; elsewhere torch's allocator), so the bound
     is measured on memory as fast as the step's."""
     import torch
+
     if not sys.platform.startswith("linux"):
         return torch.empty(nbytes // 4)
     import ctypes
     import mmap
+
     huge = 2 << 20
     buf = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
@@ -137,8 +139,11 @@ def gemm_floor(runner, rows: int, reps: int) -> dict:
             best = max(best, 2 * rows * p.mods[0].in_features * sum(p.sizes) / t / 1e9)
     head_flops = 2 * rows * head.mods[0].in_features * sum(head.sizes)
     floor_s = layer_s * layers + head_flops / (best * 1e9)
-    return {"gemm_floor_ms": round(floor_s * 1e3, 2), "gemm_gflops_best": round(best, 1),
-            "gemm_layer_ms": round(layer_s * 1e3, 3)}
+    return {
+        "gemm_floor_ms": round(floor_s * 1e3, 2),
+        "gemm_gflops_best": round(best, 1),
+        "gemm_layer_ms": round(layer_s * 1e3, 3),
+    }
 
 
 def weight_bytes(model) -> int:
@@ -155,19 +160,24 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default 1 8)")
     ap.add_argument("--context", type=int, default=200, help="context of each request, tokens (default 200)")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per runner and batch (default 15)")
-    ap.add_argument("--run", type=int, default=3,
-                    help="consecutive timed steps of one runner before the next runner's (default 3; 1: steps "
-                         "interleaved one by one)")
+    ap.add_argument(
+        "--run",
+        type=int,
+        default=3,
+        help="consecutive timed steps of one runner before the next runner's (default 3; 1: steps "
+        "interleaved one by one)",
+    )
     ap.add_argument("--copies", type=int, default=10, help="timed copies for the bandwidth (default 10)")
-    ap.add_argument("--gemm-reps", type=int, default=20,
-                    help="consecutive calls per projection for the GEMM floor (default 20)")
+    ap.add_argument(
+        "--gemm-reps", type=int, default=20, help="consecutive calls per projection for the GEMM floor (default 20)"
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = ap.parse_args(argv)
 
     import torch
 
-    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
+    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.engine.runner import SeqInput
     from tokenrouter_sdk.models import default_pair
 
@@ -175,16 +185,21 @@ def main(argv=None) -> int:
     large, small, _ = default_pair(dtype=getattr(torch, a.dtype))
     bw, big = copy_bandwidth(a.copies)
     rows = []
-    print(f"read bandwidth: copy {bw['copy_gb_s_best']:.1f} GB/s best ({bw['copy_gb_s_median']:.1f} median), "
-          f"sum {bw['sum_gb_s_best']:.1f} GB/s best ({bw['sum_gb_s_median']:.1f} median); bound at "
-          f"{bw['read_gb_s_best']:.1f} GB/s", flush=True)
+    print(
+        f"read bandwidth: copy {bw['copy_gb_s_best']:.1f} GB/s best ({bw['copy_gb_s_median']:.1f} median), "
+        f"sum {bw['sum_gb_s_best']:.1f} GB/s best ({bw['sum_gb_s_median']:.1f} median); bound at "
+        f"{bw['read_gb_s_best']:.1f} GB/s",
+        flush=True,
+    )
     steps: dict = {}
     for name, model in (("large", large), ("small", small)):
         wb = weight_bytes(model)
         bound_ms = wb / (bw["read_gb_s_best"] * 1e9) * 1e3
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+        kv_per_token = (
+            2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+        )
         need = max(a.batch) * (-(-(a.context + a.steps * 4 + 16) // 16) * 16)
         hf = TorchRunner(model, max_kv_tokens=need + 64, model_impl="transformers", kernels="off")
         eager = TorchRunner(model, max_kv_tokens=need + 64, kernels="wait")
@@ -193,8 +208,11 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         comp.wait_compiled()
         compile_s = time.perf_counter() - t0
-        print(f"{name}: {wb / 1e6:.0f} MB of weights, bound {bound_ms:.1f} ms; compile {compile_s:.1f} s "
-              f"({comp.compile_error or 'ok'})", flush=True)
+        print(
+            f"{name}: {wb / 1e6:.0f} MB of weights, bound {bound_ms:.1f} ms; compile {compile_s:.1f} s "
+            f"({comp.compile_error or 'ok'})",
+            flush=True,
+        )
         for b in a.batch:
             tabs = {}
             for r in (hf, eager, nok, comp):
@@ -229,16 +247,29 @@ def main(argv=None) -> int:
             cell_bound_ms = wb / (read * 1e9) * 1e3
             changed = max(before, after) > 1.15 * min(before, after)
             if changed:
-                print(f"  B={b}: the memory's read rate changed during these steps (sum {before:.1f} GB/s before, "
-                      f"{after:.1f} after): their ratio to the bound mixes two rates", flush=True)
-            row = {"model": name, "batch": b, "dtype": a.dtype, "weights_mb": round(wb / 1e6, 1),
-                   "sum_before_gb_s": round(before, 1), "sum_after_gb_s": round(after, 1), "read_gb_s": round(read, 1),
-                   "rate_changed": changed, "bound_ms": round(cell_bound_ms, 2),
-                   "transformers_ms": round(statistics.median(th) * 1e3, 2),
-                   "eager_ms": round(statistics.median(te) * 1e3, 2),
-                   "nokernels_ms": round(statistics.median(tn) * 1e3, 2),
-                   "compiled_ms": round(statistics.median(tc) * 1e3, 2), "eager_min_ms": round(min(te) * 1e3, 2),
-                   "compiled_min_ms": round(min(tc) * 1e3, 2), "compile_s": round(compile_s, 1)}
+                print(
+                    f"  B={b}: the memory's read rate changed during these steps (sum {before:.1f} GB/s before, "
+                    f"{after:.1f} after): their ratio to the bound mixes two rates",
+                    flush=True,
+                )
+            row = {
+                "model": name,
+                "batch": b,
+                "dtype": a.dtype,
+                "weights_mb": round(wb / 1e6, 1),
+                "sum_before_gb_s": round(before, 1),
+                "sum_after_gb_s": round(after, 1),
+                "read_gb_s": round(read, 1),
+                "rate_changed": changed,
+                "bound_ms": round(cell_bound_ms, 2),
+                "transformers_ms": round(statistics.median(th) * 1e3, 2),
+                "eager_ms": round(statistics.median(te) * 1e3, 2),
+                "nokernels_ms": round(statistics.median(tn) * 1e3, 2),
+                "compiled_ms": round(statistics.median(tc) * 1e3, 2),
+                "eager_min_ms": round(min(te) * 1e3, 2),
+                "compiled_min_ms": round(min(tc) * 1e3, 2),
+                "compile_s": round(compile_s, 1),
+            }
             row["speedup"] = round(row["eager_ms"] / row["compiled_ms"], 3)
             row["native_speedup"] = round(row["transformers_ms"] / row["eager_ms"], 3)
             row["eager_over_bound"] = round(row["eager_ms"] / cell_bound_ms, 2)
@@ -261,17 +292,20 @@ def main(argv=None) -> int:
             row["eager_over_roofline"] = round(row["eager_ms"] / row["roofline_ms"], 2)
             steps[(name, b)] = row
             rows.append(row)
-            print(f"  B={b}: transformers {row['transformers_ms']:.1f} ms, eager {row['eager_ms']:.1f} ms "
-                  f"(no kernels {row['nokernels_ms']:.1f}) "
-                  f"(min {row['eager_min_ms']:.1f}), compiled "
-                  f"{row['compiled_ms']:.1f} ms (min {row['compiled_min_ms']:.1f}), x{row['speedup']:.2f}; "
-                  f"over bound {row['eager_over_bound']:.2f} / {row['compiled_over_bound']:.2f}; over bound+KV "
-                  f"({row['kv_mb']:.0f} MB of KV) {row['eager_over_bound_kv']:.2f} / {row['compiled_over_bound_kv']:.2f}; "
-                  f"GEMM floor {row['gemm_floor_ms']:.1f} ms ({row['gemm_gflops_best']:.0f} GFLOPS at best, weights "
-                  f"in cache), eager over the roofline {row['eager_over_roofline']:.2f}; at the cell's own rate "
-                  f"({row['cell_read_gb_s']:.1f} GB/s) eager over bound {row['eager_over_cell_bound']:.2f}, over "
-                  f"bound+KV {row['eager_over_cell_bound_kv']:.2f}",
-                  flush=True)
+            print(
+                f"  B={b}: transformers {row['transformers_ms']:.1f} ms, eager {row['eager_ms']:.1f} ms "
+                f"(no kernels {row['nokernels_ms']:.1f}) "
+                f"(min {row['eager_min_ms']:.1f}), compiled "
+                f"{row['compiled_ms']:.1f} ms (min {row['compiled_min_ms']:.1f}), x{row['speedup']:.2f}; "
+                f"over bound {row['eager_over_bound']:.2f} / {row['compiled_over_bound']:.2f}; over bound+KV "
+                f"({row['kv_mb']:.0f} MB of KV) {row['eager_over_bound_kv']:.2f} / "
+                f"{row['compiled_over_bound_kv']:.2f}; "
+                f"GEMM floor {row['gemm_floor_ms']:.1f} ms ({row['gemm_gflops_best']:.0f} GFLOPS at best, weights "
+                f"in cache), eager over the roofline {row['eager_over_roofline']:.2f}; at the cell's own rate "
+                f"({row['cell_read_gb_s']:.1f} GB/s) eager over bound {row['eager_over_cell_bound']:.2f}, over "
+                f"bound+KV {row['eager_over_cell_bound_kv']:.2f}",
+                flush=True,
+            )
         for r in (hf, eager, nok, comp):
             r.release()
     for b in a.batch:
@@ -280,20 +314,37 @@ def main(argv=None) -> int:
             row["small_large_transformers"] = round(s["transformers_ms"] / lg["transformers_ms"], 3)
             row["small_large_eager"] = round(s["eager_ms"] / lg["eager_ms"], 3)
             row["small_large_compiled"] = round(s["compiled_ms"] / lg["compiled_ms"], 3)
-        print(f"small:large step at B={b}: transformers {s['small_large_transformers']:.2f}, eager "
-              f"{s['small_large_eager']:.2f}, compiled {s['small_large_compiled']:.2f}")
-    print(evalkit.table(rows, [("model", "model", ""), ("batch", "B", "d"), ("read_gb_s", "read GB/s", ".1f"),
-                               ("bound_ms", "bound ms", ".1f"),
-                               ("transformers_ms", "transformers ms", ".1f"), ("eager_ms", "eager ms", ".1f"),
-                               ("nokernels_ms", "no kernels ms", ".1f"), ("compiled_ms", "compiled ms", ".1f"), ("native_speedup", "eager x", ".2f"),
-                               ("speedup", "compiled x", ".2f"), ("eager_over_bound", "eager/bound", ".2f"),
-                               ("compiled_over_bound", "compiled/bound", ".2f"),
-                               ("eager_over_copy_bound", "eager/copy bound", ".2f"), ("bound_kv_ms", "bound+KV ms", ".1f"),
-                               ("eager_over_bound_kv", "eager/bound+KV", ".2f"),
-                               ("gemm_floor_ms", "GEMM floor ms", ".1f"),
-                               ("eager_over_roofline", "eager/roofline", ".2f"),
-                               ("cell_read_gb_s", "cell GB/s", ".1f"), ("eager_over_cell_bound", "eager/cell bound", ".2f"),
-                               ("eager_over_cell_bound_kv", "eager/cell bound+KV", ".2f")]))
+        print(
+            f"small:large step at B={b}: transformers {s['small_large_transformers']:.2f}, eager "
+            f"{s['small_large_eager']:.2f}, compiled {s['small_large_compiled']:.2f}"
+        )
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("model", "model", ""),
+                ("batch", "B", "d"),
+                ("read_gb_s", "read GB/s", ".1f"),
+                ("bound_ms", "bound ms", ".1f"),
+                ("transformers_ms", "transformers ms", ".1f"),
+                ("eager_ms", "eager ms", ".1f"),
+                ("nokernels_ms", "no kernels ms", ".1f"),
+                ("compiled_ms", "compiled ms", ".1f"),
+                ("native_speedup", "eager x", ".2f"),
+                ("speedup", "compiled x", ".2f"),
+                ("eager_over_bound", "eager/bound", ".2f"),
+                ("compiled_over_bound", "compiled/bound", ".2f"),
+                ("eager_over_copy_bound", "eager/copy bound", ".2f"),
+                ("bound_kv_ms", "bound+KV ms", ".1f"),
+                ("eager_over_bound_kv", "eager/bound+KV", ".2f"),
+                ("gemm_floor_ms", "GEMM floor ms", ".1f"),
+                ("eager_over_roofline", "eager/roofline", ".2f"),
+                ("cell_read_gb_s", "cell GB/s", ".1f"),
+                ("eager_over_cell_bound", "eager/cell bound", ".2f"),
+                ("eager_over_cell_bound_kv", "eager/cell bound+KV", ".2f"),
+            ],
+        )
+    )
     out = evalkit.Output(a, __file__, evalkit.cells_tag(a.dtype, b=a.batch))
     out.write(rows, bandwidth=bw, command=" ".join([sys.executable, *sys.argv]))
     return 0

@@ -14,6 +14,7 @@ Run:
 
 Writes ``<out>/tp_step_tp<tp>_b<batches>.json`` and ``.csv``.
 """
+
 import statistics
 import sys
 import time
@@ -34,9 +35,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.backends.tensor_parallel import ModelRecipe, TensorParallelRunner
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
+    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.engine.runner import SeqInput
     from tokenrouter_sdk.models import default_pair, smollm2_folder
 
@@ -45,8 +46,9 @@ def main(argv=None) -> int:
     large, _, _ = default_pair()
     need = max(a.batch) * (-(-(a.context + a.steps + 8) // 16) * 16) + 64
     t0 = time.perf_counter()
-    tp = TensorParallelRunner(ModelRecipe(str(smollm2_folder()), dtype="float32"), a.tp, max_kv_tokens=need,
-                              threads=a.threads, start=True)
+    tp = TensorParallelRunner(
+        ModelRecipe(str(smollm2_folder()), dtype="float32"), a.tp, max_kv_tokens=need, threads=a.threads, start=True
+    )
     start_s = time.perf_counter() - t0
     one = TorchRunner(large, max_kv_tokens=need)
     print(f"tp={a.tp}: ranks started in {start_s:.1f} s", flush=True)
@@ -76,22 +78,40 @@ def main(argv=None) -> int:
             for r in (tp, one):
                 for t in tabs[id(r)]:
                     blocks_of(r).free(t)
-            row = {"batch": b, "tp": a.tp, "threads_per_rank": a.threads,
-                   "tp1_ms": round(statistics.median(t_one) * 1e3, 2),
-                   "tp_ms": round(statistics.median(t_tp) * 1e3, 2),
-                   "ship_ms": round(statistics.median(ship) * 1e3, 3), "max_logit_diff": diff}
+            row = {
+                "batch": b,
+                "tp": a.tp,
+                "threads_per_rank": a.threads,
+                "tp1_ms": round(statistics.median(t_one) * 1e3, 2),
+                "tp_ms": round(statistics.median(t_tp) * 1e3, 2),
+                "ship_ms": round(statistics.median(ship) * 1e3, 3),
+                "max_logit_diff": diff,
+            }
             row["tp_over_tp1"] = round(row["tp_ms"] / row["tp1_ms"], 3)
             row["rest_ms"] = round(row["tp_ms"] - row["ship_ms"] - row["tp1_ms"] / a.tp, 2)
             rows.append(row)
-            print(f"B={b}: tp1 {row['tp1_ms']:.1f} ms, tp{a.tp} {row['tp_ms']:.1f} ms (x{row['tp_over_tp1']:.2f}); "
-                  f"ship {row['ship_ms']:.3f} ms; collectives and waits {row['rest_ms']:.1f} ms; "
-                  f"logits within {diff:.1e}", flush=True)
+            print(
+                f"B={b}: tp1 {row['tp1_ms']:.1f} ms, tp{a.tp} {row['tp_ms']:.1f} ms (x{row['tp_over_tp1']:.2f}); "
+                f"ship {row['ship_ms']:.3f} ms; collectives and waits {row['rest_ms']:.1f} ms; "
+                f"logits within {diff:.1e}",
+                flush=True,
+            )
     finally:
         tp.release()
         one.release()
-    print(evalkit.table(rows, [("batch", "B", "d"), ("tp1_ms", "tp1 ms", ".1f"), ("tp_ms", f"tp{a.tp} ms", ".1f"),
-                               ("tp_over_tp1", "ratio", ".2f"), ("ship_ms", "ship ms", ".3f"),
-                               ("rest_ms", "collectives ms", ".1f")]))
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("batch", "B", "d"),
+                ("tp1_ms", "tp1 ms", ".1f"),
+                ("tp_ms", f"tp{a.tp} ms", ".1f"),
+                ("tp_over_tp1", "ratio", ".2f"),
+                ("ship_ms", "ship ms", ".3f"),
+                ("rest_ms", "collectives ms", ".1f"),
+            ],
+        )
+    )
     out = evalkit.Output(a, __file__, evalkit.cells_tag(f"tp{a.tp}", b=a.batch))
     out.write(rows, ranks_start_s=start_s, command=" ".join([sys.executable, *sys.argv]))
     return 0

@@ -14,6 +14,7 @@ Run:
 
 Writes ``<out>/weight_formats_<cells>.json`` and ``.csv`` (one row per format and row count).
 """
+
 import statistics
 import sys
 import time
@@ -29,6 +30,7 @@ SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # (out, in) 
 def make(fmt: str, g):
     """One layer's weights in ``fmt`` and the function that applies one: (weights, apply)."""
     import torch
+
     ws = [torch.randn(o, i, generator=g) * 0.02 for o, i in SHAPES]
     if fmt in ("float32", "bfloat16"):
         dt = getattr(torch, fmt)
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["float32", "bfloat16", "int8", "int4"])
     args = ap.parse_args()
     import torch
+
     g = torch.Generator().manual_seed(0)
     layers = {}
     for fmt in args.formats:
@@ -89,8 +92,15 @@ def main() -> None:
         for fmt, ts in times.items():
             med = statistics.median(ts)
             print(f"rows={m:<3d} {fmt:<9s} {1e3 * med:8.1f} ms/step  {med / base:5.2f}x bfloat16's time")
-            rows.append({"rows": m, "format": fmt, "median_ms": 1e3 * med, "vs_bfloat16": med / base,
-                         "runs_ms": [1e3 * t for t in ts]})
+            rows.append(
+                {
+                    "rows": m,
+                    "format": fmt,
+                    "median_ms": 1e3 * med,
+                    "vs_bfloat16": med / base,
+                    "runs_ms": [1e3 * t for t in ts],
+                }
+            )
     evalkit.Output(args, __file__, evalkit.cells_tag(m=args.rows)).write(rows)
 
 

@@ -31,14 +31,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # evals/: evalkit
 import evalkit  # noqa: E402
 
-SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-             num_key_value_heads=3, head_dim=64, max_position_embeddings=16384, tie_word_embeddings=True)
+SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=16384,
+    tie_word_embeddings=True,
+)
 
 
 def models(window: int):
     """(the windowed model, the same weights with the window off)."""
     import torch
     from transformers import MistralConfig, MistralForCausalLM
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         windowed = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=window)).eval().requires_grad_(False)
@@ -53,14 +63,19 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096, help="context of each request, tokens (default 4096)")
     ap.add_argument("--window", type=int, default=512, help="the sliding window, keys (default 512)")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per runner and batch (default 15)")
-    ap.add_argument("--kernels", nargs="+", default=["wait"], choices=["wait", "off"],
-                    help="the runners' kernels setting(s) (default wait: the C++ CPU kernels)")
+    ap.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["wait"],
+        choices=["wait", "off"],
+        help="the runners' kernels setting(s) (default wait: the C++ CPU kernels)",
+    )
     a = ap.parse_args(argv)
 
     import torch
 
-    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
+    from tokenrouter_sdk.engine.core.block_allocator import blocks_of
     from tokenrouter_sdk.engine.runner import SeqInput
 
     print(evalkit.environment(), flush=True)
@@ -69,8 +84,10 @@ def main(argv=None) -> int:
     rows = []
     g = torch.Generator().manual_seed(1)
     for kernels in a.kernels:
-        runners = {"windowed": TorchRunner(windowed, max_kv_tokens=need, kernels=kernels),
-                   "full": TorchRunner(full, max_kv_tokens=need, kernels=kernels)}
+        runners = {
+            "windowed": TorchRunner(windowed, max_kv_tokens=need, kernels=kernels),
+            "full": TorchRunner(full, max_kv_tokens=need, kernels=kernels),
+        }
         assert {p.window for p in runners["windowed"].spec.layers} == {a.window}
         assert {p.window for p in runners["full"].spec.layers} == {None}
         for b in a.batch:
@@ -102,13 +119,26 @@ def main(argv=None) -> int:
                 row[f"{name}_min_ms"] = round(min(ts) * 1e3, 2)
             row["full_over_windowed"] = round(row["full_ms"] / row["windowed_ms"], 3)
             rows.append(row)
-            print(f"B={b} kernels={kernels}: windowed {row['windowed_ms']:.1f} ms (min {row['windowed_min_ms']:.1f}), "
-                  f"full {row['full_ms']:.1f} ms (min {row['full_min_ms']:.1f}), "
-                  f"full/windowed x{row['full_over_windowed']:.2f}", flush=True)
+            print(
+                f"B={b} kernels={kernels}: windowed {row['windowed_ms']:.1f} ms (min {row['windowed_min_ms']:.1f}), "
+                f"full {row['full_ms']:.1f} ms (min {row['full_min_ms']:.1f}), "
+                f"full/windowed x{row['full_over_windowed']:.2f}",
+                flush=True,
+            )
         for r in runners.values():
             r.release()
-    print(evalkit.table(rows, [("batch", "B", "d"), ("kernels", "kernels", ""), ("windowed_ms", "windowed ms", ".1f"),
-                               ("full_ms", "full ms", ".1f"), ("full_over_windowed", "full/windowed", ".2f")]))
+    print(
+        evalkit.table(
+            rows,
+            [
+                ("batch", "B", "d"),
+                ("kernels", "kernels", ""),
+                ("windowed_ms", "windowed ms", ".1f"),
+                ("full_ms", "full ms", ".1f"),
+                ("full_over_windowed", "full/windowed", ".2f"),
+            ],
+        )
+    )
     out = evalkit.Output(a, __file__, evalkit.cells_tag(c=a.context, w=a.window, b=a.batch))
     out.write(rows, command=" ".join([sys.executable, *sys.argv]))
     return 0

@@ -13,23 +13,33 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tokenrouter_sdk.viz.export import export_html
 from tests.browser.test_static_html import CHROMIUM, _chromium
 from tests.notebooks.tutorials import executed, path_of
+from tokenrouter_sdk.viz.export import export_html
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (setup.sh installs Debian's "
-                                                          "'chromium' when run as root; or set CHROMIUM=/path)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="chromium is not installed (setup.sh installs Debian's 'chromium' when run as root; or set CHROMIUM=/path)",
+)
 
 
 def _tokens(nb) -> int:
     """Coloured token spans the notebook's HTML outputs hold."""
-    return sum(o.get("data", {}).get("text/html", "").count('<span class="tr-tok"')
-               for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    return sum(
+        o.get("data", {}).get("text/html", "").count('<span class="tr-tok"')
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+    )
 
 
 def _figures(nb) -> int:
-    return sum("application/vnd.plotly.v1+json" in o.get("data", {})
-               for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    return sum(
+        "application/vnd.plotly.v1+json" in o.get("data", {})
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+    )
 
 
 def _check_dom(dom: str, nb) -> None:
@@ -51,8 +61,10 @@ def _export_and_open(nb, folder: Path, name: str, shot: Path | None = None) -> s
     dom = _chromium(["--virtual-time-budget=20000", "--dump-dom", page.as_uri()], folder / f"profile-{name}")
     assert dom.returncode == 0, dom.stderr[-2000:]
     if shot is not None:
-        res = _chromium(["--virtual-time-budget=20000", "--window-size=1200,5200", f"--screenshot={shot}",
-                         page.as_uri()], folder / f"profile-{name}-shot")
+        res = _chromium(
+            ["--virtual-time-budget=20000", "--window-size=1200,5200", f"--screenshot={shot}", page.as_uri()],
+            folder / f"profile-{name}-shot",
+        )
         assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]
     return dom.stdout
 
@@ -66,8 +78,10 @@ def test_stored_tutorial_01_export_renders_offline(tmp_path):
     _check_dom(dom, nb)
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 100_000  # a real page, not a blank one
-    print(f"\nscreenshot of the exported tutorial 01: {shot} ({len(png) / 1e3:.0f} kB); notebook "
-          f"{path_of('01_quickstart').stat().st_size / 1e3:.0f} kB")
+    print(
+        f"\nscreenshot of the exported tutorial 01: {shot} ({len(png) / 1e3:.0f} kB); notebook "
+        f"{path_of('01_quickstart').stat().st_size / 1e3:.0f} kB"
+    )
 
 
 @pytest.mark.integration

@@ -11,18 +11,40 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import mixed_prompts
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.policies import RandomRouting
-from tests.helpers import mixed_prompts
 
-CHROMIUM = next((p for p in (os.environ.get("CHROMIUM"), shutil.which("chromium"), "/usr/bin/chromium",
-                             shutil.which("chromium-browser"), shutil.which("google-chrome")) if p and Path(p).exists()),
-                None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (setup.sh installs Debian's "
-                                                          "'chromium' when run as root; or set CHROMIUM=/path)")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--hide-scrollbars"]
+CHROMIUM = next(
+    (
+        p
+        for p in (
+            os.environ.get("CHROMIUM"),
+            shutil.which("chromium"),
+            "/usr/bin/chromium",
+            shutil.which("chromium-browser"),
+            shutil.which("google-chrome"),
+        )
+        if p and Path(p).exists()
+    ),
+    None,
+)
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="chromium is not installed (setup.sh installs Debian's 'chromium' when run as root; or set CHROMIUM=/path)",
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+]
 
 
 def _chromium(args, profile: Path, timeout=120) -> subprocess.CompletedProcess:
@@ -35,10 +57,15 @@ def page(tmp_path_factory):
     import torch
 
     from tokenrouter_sdk.models import tiny_model, tiny_tokenizer, truncate
+
     torch.set_num_threads(1)
     large = tiny_model(num_layers=4, seed=1)
-    with Router({"small": truncate(large, 2), "large": large}, RandomRouting(p=0.3, seed=0),
-                tokenizer=tiny_tokenizer(), processes=False) as r:
+    with Router(
+        {"small": truncate(large, 2), "large": large},
+        RandomRouting(p=0.3, seed=0),
+        tokenizer=tiny_tokenizer(),
+        processes=False,
+    ) as r:
         outs = r.generate(mixed_prompts(3), max_new_tokens=16, ignore_eos=True)
     path = tmp_path_factory.mktemp("page") / "run.html"
     outs.to_html(path, title="browser check")
@@ -62,8 +89,10 @@ def test_static_page_renders_in_chromium(page, tmp_path):
     assert spans == [m for o in outs for m in o.token_models]
     assert "browser check" in html
     shot = art / "run_page.png"
-    res = _chromium(["--virtual-time-budget=15000", "--window-size=1200,1400", f"--screenshot={shot}", url],
-                    tmp_path / "profile-shot")
+    res = _chromium(
+        ["--virtual-time-budget=15000", "--window-size=1200,1400", f"--screenshot={shot}", url],
+        tmp_path / "profile-shot",
+    )
     assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]
     assert shot.stat().st_size > 20_000  # a real picture, not a blank page
     png = shot.read_bytes()

@@ -14,11 +14,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mkdocs_build_strict(tmp_path):
-    pytest.importorskip("mkdocs_jupyter", reason="docs extras missing: pip install mkdocs-material mkdocstrings[python] "
-                                                 "mkdocs-jupyter")
+    pytest.importorskip(
+        "mkdocs_jupyter", reason="docs extras missing: pip install mkdocs-material mkdocstrings[python] mkdocs-jupyter"
+    )
     site = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     # the API reference was generated from docstrings, the tutorials and pages were rendered
     router_page = (site / "api" / "router" / "index.html").read_text(encoding="utf-8")
@@ -33,8 +39,9 @@ def test_mkdocs_build_strict(tmp_path):
         text = page.read_text(encoding="utf-8")
         assert "parameters" in text
         # each figure: its div and the script that draws it once plotly.js is on the page
-        figures[nb.stem] = len([d for d in re.findall(r'<div [^>]*id="tr-fig-[0-9a-f]+"[^>]*>', text)
-                                if 'class="tr-plotly"' in d])
+        figures[nb.stem] = len(
+            [d for d in re.findall(r'<div [^>]*id="tr-fig-[0-9a-f]+"[^>]*>', text) if 'class="tr-plotly"' in d]
+        )
         assert figures[nb.stem] == text.count("window.Plotly.newPlot(el,spec.data") >= 1, nb.stem
         assert "application/vnd.jupyter.widget-view+json" not in text
     quick = (site / "tutorials" / "01_quickstart" / "index.html").read_text(encoding="utf-8")

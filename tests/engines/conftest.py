@@ -22,10 +22,26 @@ def tiny_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-models")
     out = {}
     for i, arch in enumerate(ARCHS):
-        large = tiny_model(arch=arch, num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, seed=20 + i,
-                           dtype=torch.float32, max_position_embeddings=1024)
-        small = tiny_model(arch=arch, num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, seed=20 + i,
-                           dtype=torch.float32, max_position_embeddings=1024)
+        large = tiny_model(
+            arch=arch,
+            num_layers=4,
+            hidden_size=128,
+            num_heads=4,
+            num_kv_heads=2,
+            seed=20 + i,
+            dtype=torch.float32,
+            max_position_embeddings=1024,
+        )
+        small = tiny_model(
+            arch=arch,
+            num_layers=2,
+            hidden_size=128,
+            num_heads=4,
+            num_kv_heads=2,
+            seed=20 + i,
+            dtype=torch.float32,
+            max_position_embeddings=1024,
+        )
         out[arch] = {}
         for name, m in (("small", small), ("large", large)):
             folder = root / arch / name
@@ -40,5 +56,11 @@ def reference_models(tiny_folders):
     """arch -> {"small", "large"}: the folders loaded by transformers in float32 (the reference's
     models, never given to a Router)."""
     from transformers import AutoModelForCausalLM
-    return {arch: {n: AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval().requires_grad_(False)
-                   for n, f in pair.items()} for arch, pair in tiny_folders.items()}
+
+    return {
+        arch: {
+            n: AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval().requires_grad_(False)
+            for n, f in pair.items()
+        }
+        for arch, pair in tiny_folders.items()
+    }

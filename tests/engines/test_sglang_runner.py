@@ -16,10 +16,15 @@ from tokenrouter_sdk.policies import RandomRouting
 
 from .test_vllm_runner import N_NEW, POLICIES, _all_free, _prompts, check_reference
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(900),
-              pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                                 reason="SGLang is not installed: pip install 'sglang==0.5.23' on a CUDA machine"),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang's runner needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.engines,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is None,
+        reason="SGLang is not installed: pip install 'sglang==0.5.23' on a CUDA machine",
+    ),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang's runner needs a CUDA GPU"),
+]
 
 ENGINE = {"attention_backend": "triton", "mem_fraction_static": 0.3}  # any head size; a small pool
 
@@ -31,7 +36,10 @@ def _spec(folder):
 @pytest.mark.parametrize("mixed", [False, True], ids=["sglang_pair", "small_on_ours"])
 def test_routed_sglang_pair_equals_the_reference(tiny_folders, reference_models, mixed):
     folders = tiny_folders["llama"]
-    models = {"small": ModelSpec(folders["small"]) if mixed else _spec(folders["small"]), "large": _spec(folders["large"])}
+    models = {
+        "small": ModelSpec(folders["small"]) if mixed else _spec(folders["small"]),
+        "large": _spec(folders["large"]),
+    }
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, logprobs=0)
     with Router(models, RandomRouting(), max_kv_tokens=1024, processes=False) as r:
         for name, policy in POLICIES.items():

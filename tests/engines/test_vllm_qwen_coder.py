@@ -15,20 +15,29 @@ from tokenrouter_sdk.policies import LargeOnly, RStitch
 
 from ..helpers import pools_free
 
-pytestmark = [pytest.mark.integration, pytest.mark.engines, pytest.mark.timeout(1200),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vLLM is not installed: pip install 'tokenrouter-sdk[vllm]' runs this tier")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.engines,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed: pip install 'tokenrouter-sdk[vllm]' runs this tier",
+    ),
+]
 
-PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
-           "What does the SQL keyword JOIN do?",
-           "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-           "How many clips did Natalia sell altogether in April and May?"]
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What does the SQL keyword JOIN do?",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+]
 N_NEW = 32
 
 
 @pytest.fixture(scope="module")
 def coder_pair():
     from tokenrouter_sdk.pairs import pair_models
+
     try:
         return pair_models("qwen2.5-coder")
     except ModelLoadError as e:

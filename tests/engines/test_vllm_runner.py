@@ -21,9 +21,14 @@ from tokenrouter_sdk.reference import reference_generate
 
 from ..helpers import pools_free
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(600),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vLLM is not installed: pip install 'tokenrouter-sdk[vllm]' runs this tier")]
+pytestmark = [
+    pytest.mark.engines,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed: pip install 'tokenrouter-sdk[vllm]' runs this tier",
+    ),
+]
 
 N_NEW = 20
 PROMPT_LENS = (3, 16, 29, 41)  # shorter than, exactly, and across KV blocks of 16
@@ -47,7 +52,7 @@ def check_reference(ref_models, outs, policy_factory, params):
         assert o.finish_reason == "length", o.error
         ref = reference_generate(ref_models, list(o.prompt), policy_factory(), params, rid=o.rid, key=o.key)
         n = 0
-        for i, lg in enumerate(ref["logits"][:len(ref["token_ids"])]):
+        for i, lg in enumerate(ref["logits"][: len(ref["token_ids"])]):
             if _near_tie(lg) or i >= len(o.token_ids):
                 break
             assert o.token_ids[i] == ref["token_ids"][i] and o.token_models[i] == ref["token_models"][i], (o.rid, i)
@@ -66,6 +71,7 @@ def test_step_equals_the_models_forward(tiny_folders, reference_models):
     another one's first block (a prefix hit): logits, hidden states and fed hidden states equal
     transformers' forward over the whole sequence."""
     from tokenrouter_sdk.backends.vllm_runner import VLLMRunnerSpec
+
     ref = reference_models["qwen2"]["large"]
     runner = VLLMRunnerSpec(tiny_folders["qwen2"]["large"], max_kv_tokens=512, block_size=16).build()
     try:
@@ -88,14 +94,17 @@ def test_step_equals_the_models_forward(tiny_folders, reference_models):
                     elif out.fed_hidden is not None:
                         assert out.fed_hidden[i] is None
 
-        check(runner.forward([SeqInput(p, 0, t, all_hidden=i == 1) for i, (p, t) in
-                              enumerate(zip(prompts, tables))]), asked=(1,))
+        check(
+            runner.forward([SeqInput(p, 0, t, all_hidden=i == 1) for i, (p, t) in enumerate(zip(prompts, tables))]),
+            asked=(1,),
+        )
         for step in ([5], [6, 7, 8, 9, 10], [11]):  # decode, extend, decode
             starts = [len(s[0]) for s in seqs]
             for s in seqs:
                 s[0] += step
-            out = runner.forward([SeqInput(step, st, t, all_hidden=i == 0) for i, (st, t) in
-                                  enumerate(zip(starts, tables))])
+            out = runner.forward(
+                [SeqInput(step, st, t, all_hidden=i == 0) for i, (st, t) in enumerate(zip(starts, tables))]
+            )
             check(out, asked=(0,))
         # a request sharing the first block of the second one (same 16 tokens) feeds only its suffix
         shared = seqs[1][0][:16] + [40, 41, 42]
@@ -142,9 +151,15 @@ def test_routed_vllm_pair_equals_the_reference(tiny_folders, reference_models, a
         prompts, conts = _prompts(3)[:2], [[5, 6, 7, 8, 9, 10], [70, 71, 72, 73]]
         scored = r.score(prompts, conts, policy=RandomRouting(p=0.5, seed=2), timeout=60)
         for p, c, o in zip(prompts, conts, scored):
-            ref = reference_generate(reference_models[arch], p, RandomRouting(p=0.5, seed=2),
-                                     SamplingParams(max_new_tokens=len(c), ignore_eos=True), rid=o.rid, key=o.key,
-                                     forced=c)
+            ref = reference_generate(
+                reference_models[arch],
+                p,
+                RandomRouting(p=0.5, seed=2),
+                SamplingParams(max_new_tokens=len(c), ignore_eos=True),
+                rid=o.rid,
+                key=o.key,
+                forced=c,
+            )
             assert o.token_ids == c and o.token_models == ref["token_models"]
             assert o.logprobs == pytest.approx(ref["logprobs"], abs=1e-4)
         _all_free(r)
@@ -189,10 +204,15 @@ def test_abort_and_kv_pressure_give_every_block_back(tiny_folders):
 def test_settings_that_do_not_apply_are_refused_before_anything_loads(tiny_folders):
     folder = tiny_folders["llama"]["large"]
     with pytest.raises(ValueError, match="multiple of 16"):
-        Router({"small": ModelSpec(folder, runner="vllm"), "large": ModelSpec(folder, runner="vllm")},
-               RandomRouting(), block_size=8)
+        Router(
+            {"small": ModelSpec(folder, runner="vllm"), "large": ModelSpec(folder, runner="vllm")},
+            RandomRouting(),
+            block_size=8,
+        )
     with pytest.raises(ValueError, match="tp=2"):
         Router({"small": ModelSpec(folder), "large": ModelSpec(folder, runner="vllm", tp=2)}, RandomRouting())
     with pytest.raises(ValueError, match="engine_args may not set"):
-        Router({"small": ModelSpec(folder), "large": ModelSpec(folder, runner="vllm", engine_args={"dtype": "half"})},
-               RandomRouting())
+        Router(
+            {"small": ModelSpec(folder), "large": ModelSpec(folder, runner="vllm", engine_args={"dtype": "half"})},
+            RandomRouting(),
+        )

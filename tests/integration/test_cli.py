@@ -1,4 +1,5 @@
 """The `tokenrouter` command: marker formatting (cheap, tiny tokenizer) and a real demo run."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +33,9 @@ def test_markers_and_colours():
 def test_multibyte_char_split_across_models():
     tok = tiny_tokenizer()  # one token per byte: "é" is two tokens, here written by two models
     b = "é".encode()
-    out = RequestOutput(rid=0, prompt="p", token_ids=[ord("a"), b[0], b[1], ord("b")],
-                        token_models=["small", "small", "large", "large"])
+    out = RequestOutput(
+        rid=0, prompt="p", token_ids=[ord("a"), b[0], b[1], ord("b")], token_models=["small", "small", "large", "large"]
+    )
     text = format_output(out, tok, ["small", "large"], color=False)
     assert text.replace("[S:", "").replace("[L:", "").replace("]", "") == "aéb", text
 
@@ -53,8 +55,24 @@ def test_info(capsys):
 @pytest.mark.integration
 def test_demo_subprocess():
     exe = Path(sys.executable).parent / "tokenrouter"
-    r = subprocess.run([str(exe), "demo", "--pair", "smollm2", "--prompt", "What is 7 + 5?", "-n", "1",
-                        "--max-new-tokens", "16", "--no-color"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            str(exe),
+            "demo",
+            "--pair",
+            "smollm2",
+            "--prompt",
+            "What is 7 + 5?",
+            "-n",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "[S:" in out or "[L:" in out, out
@@ -66,10 +84,26 @@ def test_demo_subprocess():
     # hop rate and answer agreement with large-only
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("run ") and "vs large" in line)
-    assert lines[head].split() == ["run", "correct", "tok/s", "vs", "large", "large", "share", "hop", "rate", "agree", "w/",
-                                   "large", "tokens", "wall", "s", "tok/cpu-s"], lines[head]
-    rows = {cells[0]: cells for cells in (line.split() for line in lines[head + 2:head + 5])}
-    assert list(rows) == ["large-only", "small-only", "routed"], lines[head:head + 5]
+    assert lines[head].split() == [
+        "run",
+        "correct",
+        "tok/s",
+        "vs",
+        "large",
+        "large",
+        "share",
+        "hop",
+        "rate",
+        "agree",
+        "w/",
+        "large",
+        "tokens",
+        "wall",
+        "s",
+        "tok/cpu-s",
+    ], lines[head]
+    rows = {cells[0]: cells for cells in (line.split() for line in lines[head + 2 : head + 5])}
+    assert list(rows) == ["large-only", "small-only", "routed"], lines[head : head + 5]
     for cells in rows.values():
         correct, tok_s, ratio, share, hop, agree, tokens, wall = cells[1:9]
         assert correct == "-"  # a prompt of one's own has no reference answer
@@ -91,10 +125,38 @@ def test_eval_shards_launched_locally_and_merged(tmp_path):
     packaged pair, then the merge (that a merge equals the unsharded sweep is checked on tiny
     models in tests/unit/test_eval_shards.py)."""
     import json
+
     out = tmp_path / "sharded"
-    r = subprocess.run([sys.executable, "-m", "tokenrouter_sdk.cli", "eval", "--pair", "smollm2", "--values", "0.3", "--limit", "2",
-                        "--max-new-tokens", "6", "--references", "large_only", "--no-progress", "--concurrency", "2",
-                        "--repeats", "1", "--shards", "2", "--out", str(out)], capture_output=True, text=True, timeout=500)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenrouter_sdk.cli",
+            "eval",
+            "--pair",
+            "smollm2",
+            "--values",
+            "0.3",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--references",
+            "large_only",
+            "--no-progress",
+            "--concurrency",
+            "2",
+            "--repeats",
+            "1",
+            "--shards",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 points from 2 shards merged" in r.stdout
     recs = json.loads((out / "results.json").read_text())["records"]

@@ -9,10 +9,10 @@ import torch
 
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import default_pair
 from tokenrouter_sdk.policies import RandomRouting
-from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 FP32 = dict(rtol=0, atol=2e-3)  # logits of order 10: fp32 reassociation of 30 layers of fused kernels

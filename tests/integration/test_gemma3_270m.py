@@ -56,9 +56,10 @@ def test_alone_equals_transformers_generate_past_the_window(gemma):
     assert len(ids) > 1024 and model.config.sliding_window == 512
     pristine = copy.deepcopy(model)
     with torch.inference_mode():
-        g = pristine.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, output_scores=True,
-                              return_dict_in_generate=True)
-    want = g.sequences[0, len(ids):].tolist()
+        g = pristine.generate(
+            torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
+    want = g.sequences[0, len(ids) :].tolist()
     want_lp = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(g.scores, want)]
     with Router({"large": model}, SingleModel("large"), tokenizer=tok) as r:
         out = r.generate([ids], sampling=SamplingParams(max_new_tokens=N_NEW, logprobs=0))[0]
@@ -67,8 +68,9 @@ def test_alone_equals_transformers_generate_past_the_window(gemma):
     assert len(want) == N_NEW or out.finish_reason in ("eos", "stop")
     assert out.logprobs == pytest.approx(want_lp, abs=1e-3)
     if runner is not None:
-        assert [p.window for p in runner.spec.layers] == [512 if t == "sliding_attention" else None
-                                                          for t in model.config.layer_types]
+        assert [p.window for p in runner.spec.layers] == [
+            512 if t == "sliding_attention" else None for t in model.config.layer_types
+        ]
 
 
 def test_routed_with_its_first_layers_equals_the_reference(gemma):
@@ -95,9 +97,9 @@ def test_a_text_prompt_gets_the_bos_and_reads_as_transformers_generate(gemma):
     assert not tok.chat_template and ids[0] == tok.bos_token_id
     pristine = copy.deepcopy(model)
     with torch.inference_mode():
-        want = pristine.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        want = pristine.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
     with Router({"large": model}, SingleModel("large"), tokenizer=tok) as r:
         assert r.encode(text) == ids and r.encode(text, add_special_tokens=False) == ids[1:]
         out = r.generate(text, max_new_tokens=12)
-    assert out.token_ids == want[:len(out.token_ids)] and (len(out.token_ids) == 12 or out.finish_reason == "eos")
+    assert out.token_ids == want[: len(out.token_ids)] and (len(out.token_ids) == 12 or out.finish_reason == "eos")
     assert "France" in out.text or "Paris" in out.text, out.text

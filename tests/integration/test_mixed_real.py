@@ -2,7 +2,8 @@
 Gemma-3-270M (262,144, SentencePiece with byte fallback, no chat template) each routed with
 Qwen2.5-Coder-1.5B-Instruct (151,936) by R-Stitch, 32 tokens of the large model's vocabulary for
 three prompts at once (``TOKENROUTER_MIXED_TOKENS=64`` for longer answers: the reference recomputes
-every step from scratch, about four times the time). The routed text equals `tokenrouter_sdk.reference_mixed`'s naive reference
+every step from scratch, about four times the time). The routed text equals `tokenrouter_sdk.reference_mixed`'s
+naive reference
 (which re-encodes the whole text for the receiving model at every handoff and recomputes every
 step without a cache) byte for byte, with the same writers and hops; both models write; the
 answers are readable: the committed bytes are UTF-8, no U+FFFD, no text doubled across a hop.
@@ -29,9 +30,11 @@ from tokenrouter_sdk.reference_mixed import reference_generate_text
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
-PROMPTS = ["Question: What is 7 + 5? Answer with the number.\nAnswer:",
-           "Question: Janet has 3 apples and buys 4 more. How many apples does she have?\nAnswer:",
-           "Question: Write a Python function that returns the square of x.\nAnswer:"]
+PROMPTS = [
+    "Question: What is 7 + 5? Answer with the number.\nAnswer:",
+    "Question: Janet has 3 apples and buys 4 more. How many apples does she have?\nAnswer:",
+    "Question: Write a Python function that returns the square of x.\nAnswer:",
+]
 N_NEW = int(os.environ.get("TOKENROUTER_MIXED_TOKENS", "32"))
 TAU = 0.2  # both models write on every pair (hops on each prompt but the shortest)
 SMALL = {"smollm2": ("SmolLM2-135M-Instruct", smollm2_folder), "gemma3": ("Gemma-3-270M", gemma3_270m_folder)}
@@ -67,8 +70,10 @@ def routed(request, qwen):
     assert all(o.ok for o in outs), [o.error for o in outs]
     weights = {n: m for n, (m, _) in models.items()}
     with torch.inference_mode():
-        refs = [reference_generate_text(weights, text, pr, RStitch(tau=TAU), params, rid=o.rid)
-                for o, pr in zip(outs, prompts)]
+        refs = [
+            reference_generate_text(weights, text, pr, RStitch(tau=TAU), params, rid=o.rid)
+            for o, pr in zip(outs, prompts)
+        ]
     yield text, outs, events, refs
     del small, models, weights
     gc.collect()
@@ -104,4 +109,4 @@ def test_the_answers_are_readable(routed):
         for i, (t, m) in enumerate(zip(o.token_ids, o.token_models)):
             at += len(text.vocabs[m].table[t])
             if i + 1 < len(o.token_models) and o.token_models[i + 1] != m and 8 <= at <= len(data) - 8:
-                assert data[at - 8:at] != data[at:at + 8], (o.index, data[at - 16:at + 16])
+                assert data[at - 8 : at] != data[at : at + 8], (o.index, data[at - 16 : at + 16])

@@ -18,9 +18,11 @@ from tokenrouter_sdk.reference import reference_generate, reference_logprobs
 
 pytestmark = pytest.mark.integration
 
-PROMPTS = ["What is 7 + 5? Answer with the number.",
-           "Janet has 3 apples and buys 4 more. How many apples does she have?",
-           "Write a Python function that returns the square of x."]
+PROMPTS = [
+    "What is 7 + 5? Answer with the number.",
+    "Janet has 3 apples and buys 4 more. How many apples does she have?",
+    "Write a Python function that returns the square of x.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +60,10 @@ def test_the_large_model_alone_equals_transformers_generate(runs):
     outs, model = runs["large"], runs["models"]["large"]
     assert all(o.ok and len(o.token_ids) == 32 and set(o.token_models) == {"large"} for o in outs)
     for p, o in zip(runs["ids"], outs):
-        g = model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=runs["pad"],
-                           eos_token_id=None)
-        assert o.token_ids == g[0, len(p):].tolist(), o.text
+        g = model.generate(
+            torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=runs["pad"], eos_token_id=None
+        )
+        assert o.token_ids == g[0, len(p) :].tolist(), o.text
     assert "12" in outs[0].text and "apples" in outs[1].text and "def " in outs[2].text
 
 

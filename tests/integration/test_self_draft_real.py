@@ -5,8 +5,8 @@ reference: tests/unit/test_self_draft.py on tiny models; the demo and tutorials 
 import pytest
 import torch
 
-from tokenrouter_sdk.train.self_draft import agreement, synthetic_prompts
 from tokenrouter_sdk.models import default_pair, truncate
+from tokenrouter_sdk.train.self_draft import agreement, synthetic_prompts
 
 pytestmark = pytest.mark.integration
 
@@ -23,12 +23,12 @@ def test_self_draft_agrees_with_the_large_model(pair):
     prompts = synthetic_prompts(432, seed=0)[400:404]  # held out by `tokenrouter distill` (400 train)
     seqs, plens = [], []
     for p in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                      tokenize=True)["input_ids"]
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
         out = large.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
         seqs.append(out[0].tolist())
         plens.append(len(ids))
     draft = agreement(small, seqs, plens)["agreement"]
     plain = agreement(truncate(large, 12), seqs, plens)["agreement"]
     assert draft >= 0.35 and draft >= plain + 0.2, (draft, plain)
-

@@ -12,8 +12,12 @@ from tokenrouter_sdk.request import SamplingParams
 
 pytestmark = pytest.mark.integration
 
-PROMPTS = ["What is 7 + 5?", "Name a planet.", "Write one sentence about the ocean.",
-           "Janet has 3 apples and buys 4 more. How many apples does she have?"]
+PROMPTS = [
+    "What is 7 + 5?",
+    "Name a planet.",
+    "Write one sentence about the ocean.",
+    "Janet has 3 apples and buys 4 more. How many apples does she have?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +34,8 @@ def test_large_only_equals_transformers_generate(real_pair):
     large.set_attn_implementation("sdpa")
     try:
         for p, o in zip(ids, outs):
-            g = large.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
-                               pad_token_id=tok.pad_token_id)
-            assert o.token_ids == g[0, len(p):].tolist()
+            g = large.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
+            assert o.token_ids == g[0, len(p) :].tolist()
             assert set(o.token_models) == {"large"}
     finally:
         use_paged_attention(large)
@@ -48,8 +51,9 @@ def test_rstitch_routes_and_matches_reference(real_pair):
         m = r.metrics()
         ids = [r.encode(p) for p in PROMPTS[:2]]
     for p, o in zip(ids, outs):
-        ref = reference_generate(models, p, RStitch(tau=0.1), SamplingParams(max_new_tokens=24, ignore_eos=True),
-                                 rid=o.rid)
+        ref = reference_generate(
+            models, p, RStitch(tau=0.1), SamplingParams(max_new_tokens=24, ignore_eos=True), rid=o.rid
+        )
         assert o.token_ids == ref["token_ids"] and o.token_models == ref["token_models"]
     assert m.committed_tokens == 48 and m.hops > 0 and 0 < m.large_fraction < 1
     assert set(m.per_model) == {"small", "large"}
@@ -69,8 +73,10 @@ def test_prefix_cache_keeps_outputs_on_the_packaged_pair():
     """A shared system prompt on the packaged pair (processes, R-Stitch handing off both ways): the
     same tokens with the cache as without it, over two calls; the second call reuses the first's
     prompts on both models."""
-    system = ("You are a careful assistant. Think step by step, check each step, and end with the "
-              "final answer on its own line. ") * 3
+    system = (
+        "You are a careful assistant. Think step by step, check each step, and end with the "
+        "final answer on its own line. "
+    ) * 3
     prompts = [system + q for q in PROMPTS]
     runs = {}
     for cache in (False, True):

@@ -1,4 +1,5 @@
 """The packaged SmolLM2-135M-Instruct: converted once into the cache (needs PyPI the first time)."""
+
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def test_folder_loads_and_answers_paris(large_and_tok):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=16, do_sample=False)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 

@@ -7,10 +7,10 @@ import torch
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.tensor_parallel import ModelRecipe, TensorParallelRunner
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import default_pair
 from tokenrouter_sdk.policies import RStitch
-from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

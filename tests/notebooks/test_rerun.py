@@ -97,8 +97,13 @@ router.close()
 
 
 def _lines(cell, prefix: str) -> list:
-    return [json.loads(line[len(prefix):]) for o in cell.outputs if o.get("name") == "stdout"
-            for line in o.text.splitlines() if line.startswith(prefix)]
+    return [
+        json.loads(line[len(prefix) :])
+        for o in cell.outputs
+        if o.get("name") == "stdout"
+        for line in o.text.splitlines()
+        if line.startswith(prefix)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +133,10 @@ def session(tmp_path_factory):
         client.set_widgets_metadata()
     path = tmp_path_factory.mktemp("rerun") / "rerun.ipynb"
     nbformat.write(nb, path)
-    print(f"\nrerun notebook: {path} ({path.stat().st_size / 1e6:.2f} MB); seconds per cell: "
-          + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
+    print(
+        f"\nrerun notebook: {path} ({path.stat().st_size / 1e6:.2f} MB); seconds per cell: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items())
+    )
     return nb, {name: nb.cells[i] for i, (name, _) in enumerate(named)}, path
 
 
@@ -152,7 +159,10 @@ def test_rebuilding_the_router_keeps_children_and_memory_flat(session):
         assert p["rss"] <= 1.05 * base["rss"], (p["tag"], p["rss"] / 2**20, base["rss"] / 2**20)
         for pid in lasting:
             assert p["kid_rss"][pid] <= 1.05 * base["kid_rss"][pid] + 32 * 2**20, (
-                p["tag"], pid, p["kid_rss"][pid] / 2**20)
+                p["tag"],
+                pid,
+                p["kid_rss"][pid] / 2**20,
+            )
         fresh, fresh0 = (sum(v for k, v in q["kid_rss"].items() if k not in lasting) for q in (p, base))
         assert fresh <= 1.10 * fresh0, (p["tag"], fresh / 2**20, fresh0 / 2**20)
 

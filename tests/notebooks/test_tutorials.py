@@ -20,8 +20,16 @@ PLOTLY = "application/vnd.plotly.v1+json"
 
 # what each notebook must have shown (mime type or text), beyond running without errors
 EXPECT = {
-    "01_quickstart": ["throughput_tok_s", "hop rate", 'class="tr-tok"', PLOTLY, "Plotly.newPlot",
-                      "<table class='tr-table'>", "KV pools", "RunResult"],
+    "01_quickstart": [
+        "throughput_tok_s",
+        "hop rate",
+        'class="tr-tok"',
+        PLOTLY,
+        "Plotly.newPlot",
+        "<table class='tr-table'>",
+        "KV pools",
+        "RunResult",
+    ],
     "02_write_a_policy": ["BudgetedStitch(tau=", 'class="tr-tok"', PLOTLY, "Plotly.newPlot"],
     "03_quality_at_hop_rate": ["large_only", PLOTLY, "Plotly.newPlot"],
     "04_scheduling": ["of tokens equal to", "delayed", PLOTLY, "Plotly.newPlot"],
@@ -49,8 +57,9 @@ def test_stored_outputs_are_current_complete_and_small(path):
     assert size < MAX_BYTES, f"{path.name} is {size / 1e6:.2f} MB"
     nb = nbformat.read(path, as_version=4)
     stamp = nb.metadata.get("tokenrouter", {}).get("source_sha256")
-    assert stamp == source_sha256(nb), (f"{path.name} was edited after its outputs were made: run "
-                                        f"python -m tests.notebooks.tutorials {path.stem}")
+    assert stamp == source_sha256(nb), (
+        f"{path.name} was edited after its outputs were made: run python -m tests.notebooks.tutorials {path.stem}"
+    )
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count is not None for c in code), f"{path.name}: a cell was not run"
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]

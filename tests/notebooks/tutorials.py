@@ -32,7 +32,8 @@ SHORT = {
     "01_quickstart": "MAX_NEW_TOKENS = 12",
     "02_write_a_policy": "MAX_NEW_TOKENS = 12\nN_PROMPTS = 2",
     "03_quality_at_hop_rate": "LIMIT = 2\nVALUES = [0.1]\nMAX_NEW_TOKENS = 16\nREFERENCES = ['large_only']",
-    "04_scheduling": "N_REQUESTS = 4\nMAX_NEW_TOKENS = 8\nPROFILE = dict(steps=1, warmup=0, context=8)\nMODES = ['async', 'delayed']",
+    "04_scheduling": "N_REQUESTS = 4\nMAX_NEW_TOKENS = 8\nPROFILE = dict(steps=1, warmup=0, context=8)\n"
+    "MODES = ['async', 'delayed']",
 }
 
 
@@ -65,8 +66,13 @@ def shortened(path: Path) -> nbformat.NotebookNode:
 def _run(nb, folder: Path, store_widget_state: bool = True) -> None:
     # no progress bars (tqdm widgets of weight loading) in the outputs
     env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
-    NotebookClient(nb, timeout=600, kernel_name="python3", store_widget_state=store_widget_state,
-                   resources={"metadata": {"path": str(folder)}}).execute(env=env)
+    NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        store_widget_state=store_widget_state,
+        resources={"metadata": {"path": str(folder)}},
+    ).execute(env=env)
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,12 +21,14 @@ def cluster():
     """A head node (resource ``node_a``) and a second node (``node_b``), 2 CPUs each; the test
     process is connected as the driver."""
     from ray.cluster_utils import Cluster
+
     tmp = tempfile.mkdtemp(prefix="tokenrouter-ray-")
     env = dict(LOOPBACK_ENV, RAY_TMPDIR=tmp)
     old = dict(_OLD_ENV, RAY_TMPDIR=os.environ.get("RAY_TMPDIR"))
     os.environ.update(env)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
-                                                     "include_dashboard": False})
+    c = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False}
+    )
     c.add_node(num_cpus=2, resources={"node_b": 1})
     assert c.address.startswith("127.0.0.1:"), c.address  # loopback only
     ray.init(address=c.address, log_to_driver=False)

@@ -28,8 +28,11 @@ def _ours_left(actors: dict, before_pgs: set) -> tuple[list, list]:
             alive.append(name)
         except Exception:  # noqa: BLE001 - RayActorError: gone
             pass
-    pgs = [pid for pid, pg in ray.util.placement_group_table().items() if pid not in before_pgs
-           and pg["state"] != "REMOVED"]
+    pgs = [
+        pid
+        for pid, pg in ray.util.placement_group_table().items()
+        if pid not in before_pgs and pg["state"] != "REMOVED"
+    ]
     return alive, pgs
 
 
@@ -43,10 +46,17 @@ def _assert_nothing_left(actors: dict, before_pgs: set, timeout: float = 20.0) -
 
 def test_small_on_a_large_on_b_equals_the_reference(cluster, pair, tok):
     before = set(ray.util.placement_group_table())
-    nodes = {n["Resources"].get("node_a") and "a" or n["Resources"].get("node_b") and "b": n["NodeID"]
-             for n in ray.nodes() if n["Alive"]}
-    r = Router(pair, DiscardTwoBack(), tokenizer=tok,
-               cluster={"resources": {"small": {"node_a": 0.01}, "large": {"node_b": 0.01}}, "strategy": "SPREAD"})
+    nodes = {
+        n["Resources"].get("node_a") and "a" or n["Resources"].get("node_b") and "b": n["NodeID"]
+        for n in ray.nodes()
+        if n["Alive"]
+    }
+    r = Router(
+        pair,
+        DiscardTwoBack(),
+        tokenizer=tok,
+        cluster={"resources": {"small": {"node_a": 0.01}, "large": {"node_b": 0.01}}, "strategy": "SPREAD"},
+    )
     try:
         placed = r.engine.transport.nodes
         assert placed["small"]["node_id"] == nodes["a"] and placed["large"]["node_id"] == nodes["b"]
@@ -69,8 +79,12 @@ class SlowRandom(RandomRouting):
 def test_a_killed_node_fails_what_it_held_and_nothing_hangs(cluster, pair, tok):
     before = set(ray.util.placement_group_table())
     node_c = cluster.add_node(num_cpus=2, resources={"node_c": 1})
-    r = Router(pair, SlowRandom(p=0.5, seed=3), tokenizer=tok,
-               cluster={"resources": {"small": {"node_a": 0.01}, "large": {"node_c": 0.01}}, "strategy": "SPREAD"})
+    r = Router(
+        pair,
+        SlowRandom(p=0.5, seed=3),
+        tokenizer=tok,
+        cluster={"resources": {"small": {"node_a": 0.01}, "large": {"node_c": 0.01}}, "strategy": "SPREAD"},
+    )
     try:
         params = SamplingParams(max_new_tokens=400, ignore_eos=True)
         with ThreadPoolExecutor(1) as ex:

@@ -35,6 +35,7 @@ def serving(router, **app_kw):
     ``(url, app)`` and stops the server on exit (the Router stays open)."""
     from tokenrouter_sdk.serve.app import create_app
     from tokenrouter_sdk.serve.server import BackgroundServer
+
     app = create_app(router, **app_kw)
     server = BackgroundServer(app, "127.0.0.1", 0).start()
     try:

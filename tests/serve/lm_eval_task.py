@@ -4,8 +4,16 @@ questions, generation with the chat template, scored by exact match of the last 
 import json
 from pathlib import Path
 
-QUESTIONS = [("What is 2 + 3?", 5), ("What is 7 + 5?", 12), ("What is 10 - 4?", 6), ("What is 3 times 3?", 9),
-             ("What is 9 + 1?", 10), ("What is 6 + 2?", 8), ("What is 12 - 2?", 10), ("What is 4 + 4?", 8)]
+QUESTIONS = [
+    ("What is 2 + 3?", 5),
+    ("What is 7 + 5?", 12),
+    ("What is 10 - 4?", 6),
+    ("What is 3 times 3?", 9),
+    ("What is 9 + 1?", 10),
+    ("What is 6 + 2?", 8),
+    ("What is 12 - 2?", 10),
+    ("What is 4 + 4?", 8),
+]
 
 YAML = """task: arith8
 dataset_path: json
@@ -47,8 +55,12 @@ def write_task(folder: Path) -> Path:
     return folder
 
 
-CHOICES = [("What is 2 + 3?", ["5", "7", "9"], 0), ("The sky on a clear day is", ["green", "blue", "red"], 1),
-           ("What is 10 - 4?", ["4", "5", "6"], 2), ("A cat says", ["meow", "moo", "quack"], 0)]
+CHOICES = [
+    ("What is 2 + 3?", ["5", "7", "9"], 0),
+    ("The sky on a clear day is", ["green", "blue", "red"], 1),
+    ("What is 10 - 4?", ["4", "5", "6"], 2),
+    ("A cat says", ["meow", "moo", "quack"], 0),
+]
 
 CHOICE_YAML = """task: choice4
 dataset_path: json

@@ -36,8 +36,10 @@ class BoomAtOnce(Policy):
 @pytest.fixture(scope="module")
 def server():
     tok = tiny_tokenizer()
-    pair = {"small": ScriptedRunner(lambda p: TOKENS[p % 26], max_context=256),
-            "large": ScriptedRunner(lambda p: TOKENS[(p + 3) % 26], max_context=256)}
+    pair = {
+        "small": ScriptedRunner(lambda p: TOKENS[p % 26], max_context=256),
+        "large": ScriptedRunner(lambda p: TOKENS[(p + 3) % 26], max_context=256),
+    }
     router = Router(pair, StayOn("small"), tokenizer=tok)
     registry = builtin_registry()
     registry.add("boom", Boom)
@@ -72,8 +74,14 @@ CASES = [
     ("empty_body", b"", "/v1/completions", 400, None, ["empty"]),
     ("max_tokens_zero", OK | {"max_tokens": 0}, "/v1/completions", 400, "max_tokens", ["at least 1"]),
     ("max_tokens_negative", OK | {"max_tokens": -5}, "/v1/completions", 400, "max_tokens", ["at least 1"]),
-    ("max_tokens_beyond_context", OK | {"max_tokens": 1000}, "/v1/completions", 400, "max_tokens",
-     ["context of 256", "at most 254"]),
+    (
+        "max_tokens_beyond_context",
+        OK | {"max_tokens": 1000},
+        "/v1/completions",
+        400,
+        "max_tokens",
+        ["context of 256", "at most 254"],
+    ),
     ("max_tokens_not_int", OK | {"max_tokens": "many"}, "/v1/completions", 400, "max_tokens", ["integer"]),
     ("negative_temperature", OK | {"temperature": -0.5}, "/v1/completions", 400, "temperature", [">= 0"]),
     ("top_p_zero", OK | {"top_p": 0}, "/v1/completions", 400, "top_p", ["(0, 1]"]),
@@ -82,29 +90,65 @@ CASES = [
     ("empty_prompt", OK | {"prompt": ""}, "/v1/completions", 400, "prompt", ["empty"]),
     ("empty_prompt_list", OK | {"prompt": []}, "/v1/completions", 400, "prompt", ["empty"]),
     ("missing_prompt", {"max_tokens": 4}, "/v1/completions", 400, "prompt", ["required"]),
-    ("prompt_too_long", OK | {"prompt": "x" * 300}, "/v1/completions", 400, "prompt",
-     ["300 tokens", "context is 256", "at most 255"]),
+    (
+        "prompt_too_long",
+        OK | {"prompt": "x" * 300},
+        "/v1/completions",
+        400,
+        "prompt",
+        ["300 tokens", "context is 256", "at most 255"],
+    ),
     ("token_out_of_vocab", OK | {"prompt": [5, 99999]}, "/v1/completions", 400, "prompt", ["99999", "vocabulary"]),
     ("unknown_model", OK | {"model": "gpt-4"}, "/v1/completions", 404, "model", ["gpt-4", "/v1/models"]),
     ("unknown_policy", OK | {"policy": "fastest"}, "/v1/completions", 400, "policy", ["fastest", "rstitch"]),
     ("bad_policy_argument", OK | {"policy": "rstitch:tau=high"}, "/v1/completions", 400, "policy", ["tau", "float"]),
     ("unknown_policy_argument", OK | {"policy": "random:q=1"}, "/v1/completions", 400, "policy", ["'q'", "p, seed"]),
-    ("policy_file_argument", OK | {"policy": "citer:head=/etc/passwd"}, "/v1/completions", 400, "policy",
-     ["head", "per request"]),
-    ("policy_with_sub_model", OK | {"model": "small", "policy": "rstitch"}, "/v1/completions", 400, "policy",
-     ["tokenrouter"]),
+    (
+        "policy_file_argument",
+        OK | {"policy": "citer:head=/etc/passwd"},
+        "/v1/completions",
+        400,
+        "policy",
+        ["head", "per request"],
+    ),
+    (
+        "policy_with_sub_model",
+        OK | {"model": "small", "policy": "rstitch"},
+        "/v1/completions",
+        400,
+        "policy",
+        ["tokenrouter"],
+    ),
     ("n_zero", OK | {"n": 0}, "/v1/completions", 400, "n", ["at least 1"]),
     ("logprobs", OK | {"logprobs": 21}, "/v1/completions", 400, "logprobs", ["[0, 20]"]),
     ("echo_stream", OK | {"echo": True, "stream": True}, "/v1/completions", 400, "echo", ["not supported"]),
     ("empty_stop", OK | {"stop": ["x", ""]}, "/v1/completions", 400, "stop", ["non-empty"]),
     ("chat_no_messages", {"messages": [], "max_tokens": 4}, "/v1/chat/completions", 400, "messages", ["empty"]),
     ("chat_bad_message", {"messages": [{"content": "hi"}]}, "/v1/chat/completions", 400, "messages", ["required"]),
-    ("chat_image_part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "/v1/chat/completions", 400, "messages.0.content", ["text parts"]),
-    ("chat_top_logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-     "/v1/chat/completions", 400, "top_logprobs", ["logprobs: true"]),
-    ("chat_max_completion_tokens", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
-     "/v1/chat/completions", 400, "max_completion_tokens", ["at least 1"]),
+    (
+        "chat_image_part",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "/v1/chat/completions",
+        400,
+        "messages.0.content",
+        ["text parts"],
+    ),
+    (
+        "chat_top_logprobs",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        "/v1/chat/completions",
+        400,
+        "top_logprobs",
+        ["logprobs: true"],
+    ),
+    (
+        "chat_max_completion_tokens",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        "/v1/chat/completions",
+        400,
+        "max_completion_tokens",
+        ["at least 1"],
+    ),
 ]
 
 
@@ -114,8 +158,10 @@ def test_bad_inputs_never_touch_other_requests(server):
     result = {}
 
     def long_request():
-        result["resp"] = post(url, {"prompt": "keep going", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                                    "stream": False})
+        result["resp"] = post(
+            url, {"prompt": "keep going", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": False}
+        )
+
     t = threading.Thread(target=long_request)
     t.start()
     try:
@@ -153,8 +199,10 @@ def test_chunked_body_over_the_limit_is_refused(server):
         for _ in range(10):
             yield b"x" * (1024 * 1024)
         yield b'"}'
-    resp = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
-                      timeout=30)
+
+    resp = httpx.post(
+        url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30
+    )
     check(resp, 413, None, "limit")
 
 
@@ -174,8 +222,11 @@ def test_policy_that_raises_fails_its_own_request(server, stream):
         # alone): the stream ends with an error event naming the policy
         pair["small"].delay_s = 0.05
         try:
-            with httpx.stream("POST", url + "/v1/completions", json=OK | {"max_tokens": 20, "ignore_eos": True,
-                                                                          "policy": "boom", "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                url + "/v1/completions",
+                json=OK | {"max_tokens": 20, "ignore_eos": True, "policy": "boom", "stream": True},
+            ) as r:
                 assert r.status_code == 200
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         finally:
@@ -220,6 +271,7 @@ def test_health_counts_a_busy_sub_server_as_answering(monkeypatch):
 
         def slow(timeout=10.0):
             raise TimeoutError("sub-server(s) ['large'] did not report KV stats within 5.0 s")
+
         monkeypatch.setattr(router, "kv_stats", slow)
         h = httpx.get(url + "/health")
         assert h.status_code == 200 and h.json()["models"]["large"]["busy"] is True

@@ -78,12 +78,22 @@ def _wait_for(cond, state=lambda: None, timeout=10.0):
 @pytest.mark.parametrize("stage", ["before_first_token", "running", "pending_on_peer", "not_streamed"])
 def test_disconnect_aborts_and_frees_kv(scripted, stage):
     router, url, app, pair, initial, events = scripted
-    delays = {"before_first_token": (1.0, 0.0), "running": (0.05, 0.05), "pending_on_peer": (0.0, 0.4),
-              "not_streamed": (0.05, 0.05)}[stage]
+    delays = {
+        "before_first_token": (1.0, 0.0),
+        "running": (0.05, 0.05),
+        "pending_on_peer": (0.0, 0.4),
+        "not_streamed": (0.05, 0.05),
+    }[stage]
     pair["small"].delay_s, pair["large"].delay_s = delays
     policy = "hand_to_large" if stage == "pending_on_peer" else "stay_small"
-    body = {"prompt": "hello", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "policy": policy,
-            "stream": stage != "not_streamed"}
+    body = {
+        "prompt": "hello",
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "policy": policy,
+        "stream": stage != "not_streamed",
+    }
     seen = {e.rid for e in list(events) if hasattr(e, "rid")}
     t_close = None
     try:
@@ -102,8 +112,10 @@ def test_disconnect_aborts_and_frees_kv(scripted, stage):
                         text += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
                 rid = _new_rid(events, seen)
                 if stage == "pending_on_peer":  # small keeps the KV, large owns the request
-                    _wait_for(lambda: router.kv_stats()["small"].pending == 1 and router.kv_stats()["large"].owned == 1,
-                              lambda: (text, [e for e in events if getattr(e, "rid", None) == rid]))
+                    _wait_for(
+                        lambda: router.kv_stats()["small"].pending == 1 and router.kv_stats()["large"].owned == 1,
+                        lambda: (text, [e for e in events if getattr(e, "rid", None) == rid]),
+                    )
                 t_close = time.perf_counter()
             # leaving both blocks closes the connection mid-stream
         rid = _new_rid(events, seen)
@@ -129,17 +141,27 @@ def test_disconnects_do_not_touch_other_requests(scripted):
     full: dict = {}
 
     def reader():
-        r = httpx.post(url + "/v1/completions", json={"prompt": "keep", "max_tokens": 60, "temperature": 0,
-                                                      "ignore_eos": True, "policy": "stay_small"}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "keep", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "policy": "stay_small"},
+            timeout=60,
+        )
         full["resp"] = r.json()
 
     def quitter(n):
-        body = {"prompt": f"quit {n}", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
-                "policy": "stay_small"}
+        body = {
+            "prompt": f"quit {n}",
+            "max_tokens": 300,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "policy": "stay_small",
+        }
         with httpx.Client(timeout=30) as c, c.stream("POST", url + "/v1/completions", json=body) as resp:
             for i, _ in enumerate(resp.iter_lines()):
                 if i >= 2 * n:
                     break
+
     try:
         threads = [threading.Thread(target=reader)] + [threading.Thread(target=quitter, args=(n,)) for n in (1, 3, 6)]
         for t in threads:

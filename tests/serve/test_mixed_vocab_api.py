@@ -22,8 +22,9 @@ MESSAGES = [{"role": "user", "content": "the rain"}]
 @pytest.fixture(scope="module")
 def served():
     ta, tb = byte_level_toy(), sentencepiece_toy()
-    router = Router({"small": (toy_lm(ta, 1), ta), "large": (toy_lm(tb, 2, arch="qwen2"), tb)},
-                    RandomRouting(p=0.4, seed=5))
+    router = Router(
+        {"small": (toy_lm(ta, 1), ta), "large": (toy_lm(tb, 2, arch="qwen2"), tb)}, RandomRouting(p=0.4, seed=5)
+    )
     with serving(router) as (url, _app):
         yield router, url
     router.close()
@@ -35,8 +36,11 @@ def post(url, path, body):
 
 def test_a_completion_equals_generate(served):
     router, url = served
-    r = post(url, "/v1/completions", {"model": "tokenrouter", "prompt": PROMPT, "max_tokens": 20, "temperature": 0.9,
-                                      "seed": 3})
+    r = post(
+        url,
+        "/v1/completions",
+        {"model": "tokenrouter", "prompt": PROMPT, "max_tokens": 20, "temperature": 0.9, "seed": 3},
+    )
     assert r.status_code == 200, r.text
     ref = router.generate(PROMPT, chat=False, max_new_tokens=20, temperature=0.9, seed=3)
     body = r.json()
@@ -46,9 +50,19 @@ def test_a_completion_equals_generate(served):
 
 def test_a_streamed_chat_completion_equals_generate(served):
     router, url = served
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
-                      json={"model": "tokenrouter", "messages": MESSAGES, "max_tokens": 16, "temperature": 0.9,
-                            "seed": 4, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "tokenrouter",
+            "messages": MESSAGES,
+            "max_tokens": 16,
+            "temperature": 0.9,
+            "seed": 4,
+            "stream": True,
+        },
+    ) as r:
         assert r.status_code == 200
         text = ""
         for line in r.iter_lines():
@@ -60,11 +74,14 @@ def test_a_streamed_chat_completion_equals_generate(served):
     assert all(f == u for f, u in pools_free(router).values())
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": [5, 6, 7]}, "prompt"),
-    ({"prompt": PROMPT, "stop_token_ids": [2]}, "stop_token_ids"),
-    ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": [5, 6, 7]}, "prompt"),
+        ({"prompt": PROMPT, "stop_token_ids": [2]}, "stop_token_ids"),
+        ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ],
+)
 def test_what_one_vocabulary_means_is_a_400(served, body, param):
     _, url = served
     r = post(url, "/v1/completions", {"model": "tokenrouter", "max_tokens": 4, **body})

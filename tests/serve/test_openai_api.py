@@ -25,8 +25,9 @@ MESSAGES = [{"role": "user", "content": "Name a planet."}]
 @pytest.fixture(scope="module")
 def tiny():
     large = tiny_model(num_layers=4, seed=1)
-    router = Router({"small": truncate(large, 2), "large": large}, RandomRouting(p=0.4, seed=5),
-                    tokenizer=tiny_tokenizer())
+    router = Router(
+        {"small": truncate(large, 2), "large": large}, RandomRouting(p=0.4, seed=5), tokenizer=tiny_tokenizer()
+    )
     url = router.serve()
     yield router, url
     router.close()
@@ -53,8 +54,9 @@ def metrics(url) -> dict:
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 11)])
 def test_completion_equals_generate(tiny, client, temperature, seed):
     router, _ = tiny
-    resp = client.completions.create(model="tokenrouter", prompt=PROMPT, max_tokens=24, temperature=temperature,
-                                     seed=seed)
+    resp = client.completions.create(
+        model="tokenrouter", prompt=PROMPT, max_tokens=24, temperature=temperature, seed=seed
+    )
     ref = router.generate(PROMPT, chat=False, max_new_tokens=24, temperature=temperature, seed=seed)
     choice = resp.choices[0]
     assert choice.text == ref.text
@@ -69,8 +71,9 @@ def test_completion_equals_generate(tiny, client, temperature, seed):
 
 def test_chat_equals_generate(tiny, client):
     router, _ = tiny
-    resp = client.chat.completions.create(model="tokenrouter", messages=MESSAGES, max_tokens=20, temperature=0.7,
-                                          seed=3)
+    resp = client.chat.completions.create(
+        model="tokenrouter", messages=MESSAGES, max_tokens=20, temperature=0.7, seed=3
+    )
     ref = router.generate(MESSAGES, max_new_tokens=20, temperature=0.7, seed=3)
     assert resp.choices[0].message.content == ref.text and resp.choices[0].message.role == "assistant"
     assert ext(resp)["writers"] == ref.token_models
@@ -83,14 +86,16 @@ def test_stream_joined_equals_plain(tiny, client, chat):
     kw = dict(model="tokenrouter", max_tokens=32, temperature=1.0, seed=21)
     if chat:
         plain = client.chat.completions.create(messages=MESSAGES, **kw)
-        chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True,
-                                                     stream_options={"include_usage": True}, **kw))
+        chunks = list(
+            client.chat.completions.create(messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **kw)
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         want = plain.choices[0].message.content
     else:
         plain = client.completions.create(prompt=PROMPT, **kw)
-        chunks = list(client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True},
-                                                **kw))
+        chunks = list(
+            client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **kw)
+        )
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         want = plain.choices[0].text
     assert text == want and len(chunks) >= 3
@@ -102,27 +107,37 @@ def test_stream_joined_equals_plain(tiny, client, chat):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     # each text chunk names the writers of the tokens it covers, in order
     per_chunk = [w for c in chunks[:-1] if c is not finals[0] for w in ext(c)["writers"]]
-    assert per_chunk == ext(plain)["writers"][:len(per_chunk)]
+    assert per_chunk == ext(plain)["writers"][: len(per_chunk)]
 
 
 def test_per_request_policy_and_sub_model(tiny, client):
     router, url = tiny
-    resp = client.completions.create(model="tokenrouter", prompt=PROMPT, max_tokens=12, temperature=0,
-                                     extra_body={"policy": "large_only", "ignore_eos": True})
+    resp = client.completions.create(
+        model="tokenrouter",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"policy": "large_only", "ignore_eos": True},
+    )
     assert ext(resp)["writers"] == ["large"] * 12 and ext(resp)["policy"] == "large_only"
-    assert resp.choices[0].text == router.generate(PROMPT, chat=False, max_new_tokens=12, policy=LargeOnly(),
-                                                      ignore_eos=True).text
-    resp = client.completions.create(model="small", prompt=PROMPT, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    assert (
+        resp.choices[0].text
+        == router.generate(PROMPT, chat=False, max_new_tokens=12, policy=LargeOnly(), ignore_eos=True).text
+    )
+    resp = client.completions.create(
+        model="small", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert ext(resp)["writers"] == ["small"] * 12 and ext(resp)["policy"] == 'single:model="small"'
     spec = {"name": "rstitch", "tau": 0.05}
-    resp = client.completions.create(model="tokenrouter", prompt=PROMPT, max_tokens=12, temperature=0,
-                                     extra_body={"policy": spec})
+    resp = client.completions.create(
+        model="tokenrouter", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"policy": spec}
+    )
     ref = router.generate(PROMPT, chat=False, max_new_tokens=12, policy=RStitch(tau=0.05))
     assert ext(resp)["writers"] == ref.token_models and resp.choices[0].text == ref.text
-    resp = client.completions.create(model="tokenrouter", prompt=PROMPT, max_tokens=12, temperature=0,
-                                     extra_body={"policy": "random:p=1.0,seed=2"})
-    assert ext(resp)["policy"] == 'random:p=1.0,seed=2'
+    resp = client.completions.create(
+        model="tokenrouter", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"policy": "random:p=1.0,seed=2"}
+    )
+    assert ext(resp)["policy"] == "random:p=1.0,seed=2"
 
 
 def test_several_prompts_in_one_completion(tiny, client):
@@ -154,24 +169,30 @@ def test_models_health_tokenizer(tiny, client):
 def test_metrics_count_http_and_notebook_requests(tiny, client):
     router, url = tiny
     before = metrics(url)
-    resp = client.completions.create(model="tokenrouter", prompt=PROMPT, max_tokens=10, temperature=0,
-                                     extra_body={"ignore_eos": True})
-    nb = router.generate("from the notebook", chat=False, max_new_tokens=7, ignore_eos=True)  # same engine, same metrics
+    resp = client.completions.create(
+        model="tokenrouter", prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    nb = router.generate(
+        "from the notebook", chat=False, max_new_tokens=7, ignore_eos=True
+    )  # same engine, same metrics
     after = metrics(url)
 
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
+
     tokens = sum(delta("tokenrouter_committed_tokens_total", model=m) for m in ("small", "large"))
     assert tokens == resp.usage.completion_tokens + len(nb.token_ids) == 17
     assert delta("tokenrouter_committed_tokens_total", model="large") == (
-        ext(resp)["writers"].count("large") + nb.token_models.count("large"))
+        ext(resp)["writers"].count("large") + nb.token_models.count("large")
+    )
     assert delta("tokenrouter_requests_finished_total", finish_reason="length") == 2
     assert delta("tokenrouter_hops_total") == ext(resp)["hops"] + nb.hops
     assert delta("tokenrouter_step_seconds_count", model="small") > 0
     total = sum(after[("tokenrouter_committed_tokens_total", (("model", m),))] for m in ("small", "large"))
     assert after[("tokenrouter_large_fraction", ())] == pytest.approx(
-        after[("tokenrouter_committed_tokens_total", (("model", "large"),))] / total)
+        after[("tokenrouter_committed_tokens_total", (("model", "large"),))] / total
+    )
     assert after[("tokenrouter_hop_rate", ())] == pytest.approx(after[("tokenrouter_hops_total", ())] / total)
     blocks = router.kv_stats()
     for m in ("small", "large"):
@@ -201,8 +222,10 @@ def test_servers_have_their_own_metrics(tiny):
 def test_router_serve_inside_a_running_loop_and_close():
     """As in Jupyter: serve() is called while an event loop runs in this thread; HTTP and notebook
     requests share the engine; close() stops the server thread and the port."""
+
     def servers():
         return sum(t.name == "tokenrouter-serve" for t in threading.enumerate())
+
     n0 = servers()
     large = tiny_model(num_layers=2, seed=3)
     router = Router({"small": truncate(large, 1), "large": large}, RStitch(tau=0.2), tokenizer=tiny_tokenizer())
@@ -213,9 +236,11 @@ def test_router_serve_inside_a_running_loop_and_close():
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             http, nb = await asyncio.gather(
                 c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0}),
-                router.agenerate("abc", chat=False, max_new_tokens=6))
+                router.agenerate("abc", chat=False, max_new_tokens=6),
+            )
         assert http.status_code == 200 and http.json()["choices"][0]["text"] == nb.text
         return url
+
     url = asyncio.run(main())
     assert servers() == n0 + 1
     router.close()
@@ -235,8 +260,10 @@ def test_multi_turn_chats_reuse_the_previous_turns(tiny, client):
         prompts.append(resp.usage.prompt_tokens)
         m = metrics(url)
         hits.append(sum(v for (name, labels), v in m.items() if name == "tokenrouter_prefix_cache_hit_tokens_total"))
-        messages += [{"role": "assistant", "content": resp.choices[0].message.content},
-                     {"role": "user", "content": f"And then, part {turn + 2}?"}]
+        messages += [
+            {"role": "assistant", "content": resp.choices[0].message.content},
+            {"role": "user", "content": f"And then, part {turn + 2}?"},
+        ]
     for k in range(1, 4):  # most of turn k-1's prompt is reused by turn k (on the entry model at least)
         assert hits[k] - hits[k - 1] >= 0.5 * prompts[k - 1], (k, hits, prompts)
     rates = {labels: v for (name, labels), v in metrics(url).items() if name == "tokenrouter_prefix_cache_hit_rate"}

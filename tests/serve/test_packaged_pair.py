@@ -25,9 +25,24 @@ MESSAGES = [{"role": "user", "content": "What is 7 + 5?"}]
 @pytest.fixture(scope="module")
 def cli_server():
     env = dict(os.environ, TOKENROUTER_PROCESSES="1", TQDM_DISABLE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenrouter_sdk.cli", "serve", "--port", "0", "--policy", POLICY,
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenrouter_sdk.cli",
+            "serve",
+            "--port",
+            "0",
+            "--policy",
+            POLICY,
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines = []
     try:
         deadline = time.monotonic() + 300
@@ -55,6 +70,7 @@ def lm():
     from lm_eval.api.registry import get_model
 
     from tokenrouter_sdk.eval.lm_eval_model import TokenRouterLM
+
     cls = get_model("tokenrouter")
     assert cls is TokenRouterLM
     model = cls.create_from_arg_string("policy=rstitch,tau=0.1,concurrency=8,processes=True")
@@ -71,14 +87,22 @@ def test_openai_client_on_the_packaged_pair(cli_server, lm):
     ext = resp.model_extra["tokenrouter"]
     assert text == ref.text and ext["writers"] == ref.token_models
     assert ext["hops"] == ref.hops and set(ext["writers"]) == {"small", "large"}
-    chunks = list(client.chat.completions.create(model="tokenrouter", messages=MESSAGES, max_tokens=32, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tokenrouter", messages=MESSAGES, max_tokens=32, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].model_extra["tokenrouter"]["writers"] == ext["writers"]
 
     # a client that hangs up mid-stream: the request is aborted and both pools are free again
-    body = {"prompt": "Write a long story about the sea.", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "prompt": "Write a long story about the sea.",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=120) as c, c.stream("POST", cli_server + "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -101,20 +125,36 @@ def _samples(res):
 def test_lm_eval_over_http_and_in_process(cli_server, lm, tmp_path, monkeypatch):
     import lm_eval
     from lm_eval.tasks import TaskManager
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tasks = TaskManager(include_path=str(write_task(tmp_path / "task")), include_defaults=False)  # no index of every bundled task
+    tasks = TaskManager(
+        include_path=str(write_task(tmp_path / "task")), include_defaults=False
+    )  # no index of every bundled task
     common = dict(tasks=["arith8"], task_manager=tasks, apply_chat_template=True, log_samples=True)
     local = lm_eval.simple_evaluate(model=lm, **common)
     http = lm_eval.simple_evaluate(
-        model="local-completions", model_args={"base_url": cli_server + "/v1/completions", "model": "tokenrouter",
-                                               "num_concurrent": 8, "max_retries": 1, "tokenized_requests": False},
-        **common)
+        model="local-completions",
+        model_args={
+            "base_url": cli_server + "/v1/completions",
+            "model": "tokenrouter",
+            "num_concurrent": 8,
+            "max_retries": 1,
+            "tokenized_requests": False,
+        },
+        **common,
+    )
     chat = lm_eval.simple_evaluate(
-        model="local-chat-completions", model_args={"base_url": cli_server + "/v1/chat/completions",
-                                                    "model": "tokenrouter", "num_concurrent": 8, "max_retries": 1,
-                                                    "tokenizer_backend": None},
-        **common)
+        model="local-chat-completions",
+        model_args={
+            "base_url": cli_server + "/v1/chat/completions",
+            "model": "tokenrouter",
+            "num_concurrent": 8,
+            "max_retries": 1,
+            "tokenizer_backend": None,
+        },
+        **common,
+    )
     scores = [r["results"]["arith8"]["exact_match,last_number"] for r in (local, http, chat)]
     assert all(len(r["samples"]["arith8"]) == 8 for r in (local, http, chat))
     assert all(0.25 <= s <= 1.0 for s in scores), scores

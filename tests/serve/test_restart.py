@@ -41,8 +41,10 @@ def test_a_killed_sub_server_is_restarted_by_the_server_up_to_its_limit(caplog):
     large = tiny_model(num_layers=2, seed=5)
     pair = {"small": truncate(large, 1), "large": large}
     caplog.set_level(logging.WARNING, logger="tokenrouter.serve")
-    with Router(pair, RandomRouting(p=0.5, seed=1), tokenizer=tiny_tokenizer(), processes=True) as router, \
-            serving(router, restart_limit=1) as (url, app):
+    with (
+        Router(pair, RandomRouting(p=0.5, seed=1), tokenizer=tiny_tokenizer(), processes=True) as router,
+        serving(router, restart_limit=1) as (url, app),
+    ):
         tr = router.engine.transport
         first = tr.pids()["large"]
         os.kill(first, signal.SIGKILL)
@@ -68,7 +70,10 @@ def test_a_killed_sub_server_is_restarted_by_the_server_up_to_its_limit(caplog):
 
 def test_a_bad_restart_limit_is_refused():
     from tokenrouter_sdk.serve.app import create_app
-    with Router({"small": tiny_model(num_layers=1, seed=2), "large": tiny_model(num_layers=1, seed=3)},
-                tokenizer=tiny_tokenizer()) as router:
+
+    with Router(
+        {"small": tiny_model(num_layers=1, seed=2), "large": tiny_model(num_layers=1, seed=3)},
+        tokenizer=tiny_tokenizer(),
+    ) as router:
         with pytest.raises(ValueError, match="restart limit must be an int >= 0"):
             create_app(router, restart_limit=-1)

@@ -18,6 +18,7 @@ def _threads_for_tiny_models():
     in threads. tests/unit/test_processes.py covers the process transport explicitly;
     integration and notebook tests keep the real default (processes for 2+ models)."""
     import os
+
     old = os.environ.get("TOKENROUTER_PROCESSES")
     os.environ["TOKENROUTER_PROCESSES"] = "0"
     yield

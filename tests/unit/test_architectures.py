@@ -32,8 +32,14 @@ from ..helpers import KeepEveryThird
 W = 8  # the sliding window of the windowed cases
 PROMPT_LENS = (3, W, 13, 29)  # shorter than, as long as, longer than the window; past a kernel chunk
 N_NEW = 20
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
 
 # name -> tiny_model arguments (4 layers; the routed small model is the first 2)
@@ -44,15 +50,30 @@ ARCHS = {
     "qwen2": dict(arch="qwen2", use_sliding_window=True, sliding_window=W, max_window_layers=1),
     "qwen3": dict(arch="qwen3"),
     "gemma": dict(arch="gemma", initializer_range=0.5),
-    "gemma2": dict(arch="gemma2", sliding_window=W, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
-                   query_pre_attn_scalar=24, initializer_range=0.5),
+    "gemma2": dict(
+        arch="gemma2",
+        sliding_window=W,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+        query_pre_attn_scalar=24,
+        initializer_range=0.5,
+    ),
     # Gemma 3's attention passes no soft-cap even when the config has one: neither does ours
-    "gemma3": dict(arch="gemma3", sliding_window=W, layer_types=GEMMA3_TYPES, query_pre_attn_scalar=24,
-                   final_logit_softcapping=5.0, attn_logit_softcapping=2.0, initializer_range=0.5),
+    "gemma3": dict(
+        arch="gemma3",
+        sliding_window=W,
+        layer_types=GEMMA3_TYPES,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=5.0,
+        attn_logit_softcapping=2.0,
+        initializer_range=0.5,
+    ),
 }
 # what each case's runner must have read from the model: per layer (window, soft-cap)
 EXPECTED = {
-    "llama": [(None, None)] * 4, "llama_rope": [(None, None)] * 4, "qwen3": [(None, None)] * 4,
+    "llama": [(None, None)] * 4,
+    "llama_rope": [(None, None)] * 4,
+    "qwen3": [(None, None)] * 4,
     "gemma": [(None, None)] * 4,
     "mistral": [(W, None)] * 4,
     "qwen2": [(None, None)] + [(W, None)] * 3,
@@ -97,7 +118,7 @@ def check_against_reference(models, ref_models, outs, policy_factory, params, dt
             assert o.logprobs == pytest.approx(ref["logprobs"], abs=1e-9), o.rid
             continue
         n = 0
-        for i, lg in enumerate(ref["logits"][:len(ref["token_ids"])]):
+        for i, lg in enumerate(ref["logits"][: len(ref["token_ids"])]):
             if _near_tie(lg) or i >= len(o.token_ids):
                 break
             assert o.token_ids[i] == ref["token_ids"][i] and o.token_models[i] == ref["token_models"][i], (o.rid, i)
@@ -135,8 +156,15 @@ def run_case(name, dtype, tok, *, sampled=False, chunk=None, monkeypatch=None, *
 def test_float64_routed_greedy_equals_reference(name, kernels, monkeypatch, tok):
     """Kernels on (split-K chunks of 5 keys: windows and extends cross chunk boundaries) and off
     (the gather path)."""
-    run_case(name, torch.float64, tok, chunk=5 if kernels == "wait" else None, monkeypatch=monkeypatch,
-             kernels=kernels, processes=False)
+    run_case(
+        name,
+        torch.float64,
+        tok,
+        chunk=5 if kernels == "wait" else None,
+        monkeypatch=monkeypatch,
+        kernels=kernels,
+        processes=False,
+    )
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -174,26 +202,58 @@ def _model(arch, **config):
 
 def _gpt_oss():
     from transformers import GptOssConfig, GptOssForCausalLM
-    cfg = GptOssConfig(vocab_size=259, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-                       num_experts_per_tok=1, sliding_window=8)
+
+    cfg = GptOssConfig(
+        vocab_size=259,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=8,
+    )
     return GptOssForCausalLM(cfg).eval().double()
 
 
 def _qwen3_next():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    cfg = Qwen3NextConfig(vocab_size=259, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=2,
-                          num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
-                          linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-                          linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+
+    cfg = Qwen3NextConfig(
+        vocab_size=259,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )
     return Qwen3NextForCausalLM(cfg).eval().double()
 
 
 def _granite(**config):
     from transformers import GraniteConfig, GraniteForCausalLM
-    cfg = GraniteConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, **config)
+
+    cfg = GraniteConfig(
+        vocab_size=259,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **config,
+    )
     return GraniteForCausalLM(cfg).eval().double()
 
 
@@ -207,13 +267,19 @@ def _llama_with(**fields):
 REFUSED = {
     "attention sinks": (_gpt_oss, r"GptOssForCausalLM: layer 0 uses the attention keyword 's_aux'"),
     "linear attention": (_qwen3_next, r"Qwen3NextForCausalLM: layer 0 uses layer type 'linear_attention'"),
-    "bidirectional": (lambda: _model("gemma3", use_bidirectional_attention=True, sliding_window=8),
-                      r"Gemma3ForCausalLM: every layer uses bidirectional attention"),
+    "bidirectional": (
+        lambda: _model("gemma3", use_bidirectional_attention=True, sliding_window=8),
+        r"Gemma3ForCausalLM: every layer uses bidirectional attention",
+    ),
     "logits scaling": (lambda: _granite(logits_scaling=4.0), r"GraniteForCausalLM: the LM head uses logit scaling"),
-    "chunked attention": (lambda: _llama_with(attention_chunk_size=4),
-                          r"LlamaForCausalLM: the model uses chunked attention \(attention_chunk_size=4\)"),
-    "final soft-cap elsewhere": (lambda: _llama_with(model_type="unknown_arch", final_logit_softcapping=30.0),
-                                 r"the LM head uses final-logit soft-capping .* on model type 'unknown_arch'"),
+    "chunked attention": (
+        lambda: _llama_with(attention_chunk_size=4),
+        r"LlamaForCausalLM: the model uses chunked attention \(attention_chunk_size=4\)",
+    ),
+    "final soft-cap elsewhere": (
+        lambda: _llama_with(model_type="unknown_arch", final_logit_softcapping=30.0),
+        r"the LM head uses final-logit soft-capping .* on model type 'unknown_arch'",
+    ),
 }
 
 
@@ -236,6 +302,7 @@ def test_unsupported_features_are_refused_at_load_time(case, tok):
 
 def test_a_tensor_parallel_runner_refuses_before_its_ranks_start():
     from tokenrouter_sdk.backends.tensor_parallel import ModelRecipe, TensorParallelRunner
+
     with pytest.raises(UnsupportedAttention, match="s_aux"):
         TensorParallelRunner(ModelRecipe(_gpt_oss()), 2, max_kv_tokens=64)
 
@@ -244,9 +311,19 @@ def test_an_architecture_without_a_native_forward_takes_its_own_scales(tok):
     """Granite (no native forward, ``attention_multiplier`` as its attention scale, embedding and
     residual multipliers in its own modules) on the transformers path equals the reference."""
     from transformers import GraniteConfig, GraniteForCausalLM
-    cfg = GraniteConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, attention_multiplier=0.3,
-                        embedding_multiplier=2.0, residual_multiplier=0.5, initializer_range=0.2)
+
+    cfg = GraniteConfig(
+        vocab_size=259,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_multiplier=0.3,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        initializer_range=0.2,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(4)
         large = GraniteForCausalLM(cfg).eval().double().requires_grad_(False)

@@ -11,12 +11,13 @@ import torch
 from tokenrouter_sdk.backends import autotune as A
 from tokenrouter_sdk.backends import projection as P
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
-from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
-pytestmark = pytest.mark.skipif(not P.packing_available(torch.device("cpu"), torch.float32),
-                                reason="no oneDNN packing in this torch")
+pytestmark = pytest.mark.skipif(
+    not P.packing_available(torch.device("cpu"), torch.float32), reason="no oneDNN packing in this torch"
+)
 
 
 @pytest.fixture
@@ -50,8 +51,13 @@ class FakeMeasure:
 
     def __call__(self, projs):
         self.calls.append(A.group_key(projs[0]))
-        return {"buckets": list(A.BUCKETS), "packed": [b >= self.from_rows for b in A.BUCKETS],
-                "packed_ms": [1.0] * len(A.BUCKETS), "plain_ms": [1.0] * len(A.BUCKETS), "layers": len(projs)}
+        return {
+            "buckets": list(A.BUCKETS),
+            "packed": [b >= self.from_rows for b in A.BUCKETS],
+            "packed_ms": [1.0] * len(A.BUCKETS),
+            "plain_ms": [1.0] * len(A.BUCKETS),
+            "layers": len(projs),
+        }
 
 
 def test_rule_takes_the_next_larger_bucket_and_the_last_past_the_end():
@@ -95,9 +101,11 @@ def test_choices_go_to_the_folder_the_environment_names(store, monkeypatch):
 
 def test_the_test_session_keeps_its_choices_out_of_the_user_s():
     import os
+
     folder = os.environ.get(A.CHOICES_ENV)
     assert folder and A.choices_path(A.machine_fields()).parent == Path(folder)
     from tokenrouter_sdk.backends.cpu_kernels import build_directory
+
     assert Path(folder) != build_directory("choices")
 
 
@@ -185,6 +193,7 @@ def test_a_real_measurement_times_both_paths_at_every_bucket(store):
 
 def test_info_prints_the_choices_and_their_timings(store, capsys):
     from tokenrouter_sdk.cli.main import main
+
     _projections()  # auto: measured for real and stored
     assert main(["info"]) == 0
     out = capsys.readouterr().out

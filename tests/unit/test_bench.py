@@ -10,8 +10,17 @@ LAT = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051}), "large": LatencyM
 
 
 def test_bench_matrix_ratios_and_files(tmp_path):
-    cells = run_bench(LAT, tiny_tokenizer(), [[5] * 20, [9] * 33], policies=("random10",), concurrency=(1, 4),
-                      max_new_tokens=(32,), thresholds="small=2,large=2", backend="sim", progress=False)
+    cells = run_bench(
+        LAT,
+        tiny_tokenizer(),
+        [[5] * 20, [9] * 33],
+        policies=("random10",),
+        concurrency=(1, 4),
+        max_new_tokens=(32,),
+        thresholds="small=2,large=2",
+        backend="sim",
+        progress=False,
+    )
     # 4 modes x 2 concurrencies + retain_kv=False for async and delayed + large-only and small-only
     assert len(cells) == 4 * 2 + 2 * 2 + 2 * 2
     by = {(c.policy, c.mode, c.retain_kv, c.concurrency): c for c in cells}
@@ -61,8 +70,15 @@ def test_a_cell_whose_requests_fail_says_so():
         def route(self, step):
             raise RuntimeError("boom")
 
-    cells = run_bench(LAT, tiny_tokenizer(), [[5] * 20], cells=[("boom", "async", True, 2, 4)], backend="sim",
-                      progress=False, registry=PolicyRegistry({"boom": Boom}))
+    cells = run_bench(
+        LAT,
+        tiny_tokenizer(),
+        [[5] * 20],
+        cells=[("boom", "async", True, 2, 4)],
+        backend="sim",
+        progress=False,
+        registry=PolicyRegistry({"boom": Boom}),
+    )
     assert cells[0].failed == 4
     assert "FAILED requests in 1 cell(s)" in format_table(cells) and "4 !" in format_table(cells)
 
@@ -71,8 +87,18 @@ def test_each_cell_says_where_its_time_went(tmp_path):
     import json
 
     from tokenrouter_sdk.bench import format_accounting
-    cells = run_bench(LAT, tiny_tokenizer(), [[5] * 20, [9] * 33], policies=("random30",), modes=("async",),
-                      concurrency=(4,), max_new_tokens=(32,), backend="sim", progress=False)
+
+    cells = run_bench(
+        LAT,
+        tiny_tokenizer(),
+        [[5] * 20, [9] * 33],
+        policies=("random30",),
+        modes=("async",),
+        concurrency=(4,),
+        max_new_tokens=(32,),
+        backend="sim",
+        progress=False,
+    )
     by = {(c.policy, c.retain_kv): c for c in cells}
     routed, large = by[("random30", True)], by[("large_only", True)]
     for c in cells:
@@ -89,5 +115,6 @@ def test_each_cell_says_where_its_time_went(tmp_path):
     assert "random30 async keep N=4 [large] steps" in text and "busy" in text
     write_csv(cells, tmp_path / "b.csv")
     rows = list(csv.DictReader(open(tmp_path / "b.csv")))
-    assert {k: {int(b): n for b, n in v["batch_hist"].items()} for k, v in json.loads(rows[0]["accounting"]).items()} \
-        == {k: v["batch_hist"] for k, v in cells[0].accounting.items()}
+    assert {
+        k: {int(b): n for b, n in v["batch_hist"].items()} for k, v in json.loads(rows[0]["accounting"]).items()
+    } == {k: v["batch_hist"] for k, v in cells[0].accounting.items()}

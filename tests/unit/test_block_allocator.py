@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tokenrouter_sdk import Router, SamplingParams
-from tokenrouter_sdk.engine.transports import wire
 from tokenrouter_sdk.engine.core.block_allocator import BlockAllocator, KVPoolFull, blocks_of
 from tokenrouter_sdk.engine.runner import ForwardOut, PoolShape, Runner
+from tokenrouter_sdk.engine.transports import wire
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate

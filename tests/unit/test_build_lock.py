@@ -45,8 +45,9 @@ def test_runner_builds_in_threads_never_overlap():
 def test_a_router_on_float64_folders_in_threads_leaves_the_default_dtype(tmp_path):
     folders = save_tiny_pair(tmp_path)
     for _ in range(4):
-        with Router({"small": folders[0], "large": folders[1]}, RandomRouting(p=0.5, seed=1), dtype="float64",
-                    processes=False) as r:
+        with Router(
+            {"small": folders[0], "large": folders[1]}, RandomRouting(p=0.5, seed=1), dtype="float64", processes=False
+        ) as r:
             assert {run.dtype for run in r.engine.runners.values()} == {torch.float64}
             assert r.generate(["a b"], max_new_tokens=3, ignore_eos=True)[0].ok
         assert torch.get_default_dtype() == torch.float32

@@ -39,7 +39,7 @@ def test_tokens_write_their_exact_bytes(vocab):
 def test_any_bytes_encode_and_write_back(vocab):
     rng = random.Random(0)
     cases = [b"", "你".encode()[:2], b"ab\xe4\xbd", b"\xbd\xa0x", b"\xff\xfe", "é".encode() + b"\xc3", b"a\x00b"]
-    cases += [random_text(rng, 12)[:rng.randrange(1, 30)] for _ in range(150)]
+    cases += [random_text(rng, 12)[: rng.randrange(1, 30)] for _ in range(150)]
     cases += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 20))) for _ in range(100)]
     for data in cases:
         ids = vocab.encode(data)

@@ -36,6 +36,7 @@ def test_cascade_decode_attention_equals_attention_over_whole_rows(lens, softcap
     merged by log-sum-exp) equals plain attention over each whole row, grouped-query heads,
     padding and a soft-cap included."""
     from tokenrouter_sdk.backends.attention import cascade
+
     g = torch.Generator().manual_seed(1)
     bs, hkv, h, d = 4, 2, 6, 8
     k, v = (torch.randn(40 * bs, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
@@ -55,18 +56,20 @@ def test_cascade_decode_attention_equals_attention_over_whole_rows(lens, softcap
     assert calls
     assert torch.allclose(casc, plain, rtol=0, atol=1e-12)
     if softcap:  # the cap bites: without it the result differs
-        assert not torch.allclose(A.attend_paged(_decode_batch(pool, tables, lens, 4), 0, q, key, val), plain,
-                                  rtol=0, atol=1e-6)
-    monkeypatch.setattr(cascade, "MIN_SAVED", 10 ** 9)  # below the threshold: the plain path
+        assert not torch.allclose(
+            A.attend_paged(_decode_batch(pool, tables, lens, 4), 0, q, key, val), plain, rtol=0, atol=1e-6
+        )
+    monkeypatch.setattr(cascade, "MIN_SAVED", 10**9)  # below the threshold: the plain path
     assert torch.equal(A.attend_paged(_decode_batch(pool, tables, lens, 4, softcap), 0, q, key, val), plain)
 
 
 def test_a_step_counts_the_blocks_every_decode_request_shares():
     """`TorchRunner._batch` sets the full-attention view's ``shared`` to the leading blocks all
     decode tables share, never a request's last block; a windowed view shares none."""
-    from tokenrouter_sdk.engine.runner import SeqInput
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
+    from tokenrouter_sdk.engine.runner import SeqInput
     from tokenrouter_sdk.models import tiny_model
+
     r = TorchRunner(tiny_model(num_layers=1, seed=3), max_kv_tokens=64 * 4, block_size=4, kernels="off")
     a = SeqInput([7], 13, [3, 4, 5, 6])
     b = SeqInput([8], 11, [3, 4, 9])
@@ -75,12 +78,18 @@ def test_a_step_counts_the_blocks_every_decode_request_shares():
     assert r._batch([a, c])[0].dec[0].shared == 8
     assert r._batch([a, SeqInput([1], 3, [3])])[0].dec[0].shared == 0
     assert r._batch([a, SeqInput([1, 2], 3, [3, 4])])[0].dec[0].shared == 0  # one decode request only
-    g2 = TorchRunner(tiny_model(arch="gemma2", num_layers=2, seed=3, sliding_window=4), max_kv_tokens=64 * 4,
-                     block_size=4, kernels="off")
+    g2 = TorchRunner(
+        tiny_model(arch="gemma2", num_layers=2, seed=3, sliding_window=4),
+        max_kv_tokens=64 * 4,
+        block_size=4,
+        kernels="off",
+    )
     views = g2._batch([a, b])[0].dec
     assert g2.spec.windows == (None, 4) and [v.shared for v in views] == [8, 0]
-    assert views[1].kv.tolist() == [[r._batch([a])[0].dec[0].kv[0, i].item() for i in range(10, 14)],
-                                    [r._batch([b])[0].dec[0].kv[0, i].item() for i in range(8, 12)]]
+    assert views[1].kv.tolist() == [
+        [r._batch([a])[0].dec[0].kv[0, i].item() for i in range(10, 14)],
+        [r._batch([b])[0].dec[0].kv[0, i].item() for i in range(8, 12)],
+    ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
@@ -92,15 +101,16 @@ def test_routed_output_with_cascade_decode_equals_the_reference(pair, tok, monke
     import copy
 
     from tests.unit.test_prefix_cache import check_reference, shared_prompts
-
     from tokenrouter_sdk import Router, SamplingParams
     from tokenrouter_sdk.backends.attention import cascade
     from tokenrouter_sdk.models import tiny_model, truncate
     from tokenrouter_sdk.policies import RandomRouting
+
     models = pair
     if arch == "gemma2":
-        large = tiny_model(arch="gemma2", num_layers=4, seed=2, sliding_window=8, attn_logit_softcapping=2.0,
-                           initializer_range=0.5)
+        large = tiny_model(
+            arch="gemma2", num_layers=4, seed=2, sliding_window=8, attn_logit_softcapping=2.0, initializer_range=0.5
+        )
         models = {"small": truncate(large, 2), "large": large}
     ref = copy.deepcopy(models)
     calls = []
@@ -108,8 +118,9 @@ def test_routed_output_with_cascade_decode_equals_the_reference(pair, tok, monke
     monkeypatch.setattr(cascade, "MIN_SAVED", 8)
     monkeypatch.setattr(cascade, "attend", lambda *a: calls.append(1) or inner(*a))
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    with Router(models, RandomRouting(p=0.4, seed=3), tokenizer=tok, block_size=4, processes=False,
-                kernels="off") as r:  # the cascade is part of the gather path
+    with Router(
+        models, RandomRouting(p=0.4, seed=3), tokenizer=tok, block_size=4, processes=False, kernels="off"
+    ) as r:  # the cascade is part of the gather path
         outs = r.generate(shared_prompts(), sampling=params)
     assert calls
     check_reference(ref, outs, RandomRouting(p=0.4, seed=3), params)

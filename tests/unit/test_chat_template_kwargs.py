@@ -8,18 +8,22 @@ from tests.helpers import thinking_tokenizer
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.policies import RandomRouting
 
+
 def test_encode_generate_and_submit_pass_the_variables(pair):
     tok = thinking_tokenizer()
     with Router(pair, RandomRouting(p=0.4, seed=1), tokenizer=tok) as r:
         plain = r.encode("Name a planet.")
         off = r.encode("Name a planet.", chat_template_kwargs={"enable_thinking": False})
-        assert tok.decode(off[len(plain):]) == "<think>\n\n</think>\n\n" and off[:len(plain)] == plain
+        assert tok.decode(off[len(plain) :]) == "<think>\n\n</think>\n\n" and off[: len(plain)] == plain
         assert r.encode("Name a planet.", chat_template_kwargs={"enable_thinking": True}) == plain
         msgs = [{"role": "user", "content": "Name a planet."}]
         assert r.encode(msgs, chat_template_kwargs={"enable_thinking": False}) == off
-        assert [q.prompt_ids for q in r.requests(["Name a planet."], chat_template_kwargs={"enable_thinking": False})] \
-            == [off]
-        a = r.generate("Name a planet.", max_new_tokens=6, ignore_eos=True, chat_template_kwargs={"enable_thinking": False})
+        assert [
+            q.prompt_ids for q in r.requests(["Name a planet."], chat_template_kwargs={"enable_thinking": False})
+        ] == [off]
+        a = r.generate(
+            "Name a planet.", max_new_tokens=6, ignore_eos=True, chat_template_kwargs={"enable_thinking": False}
+        )
         b = r.generate([off], max_new_tokens=6, ignore_eos=True, keys=[a.key])[0]
         assert a.token_ids == b.token_ids and a.token_models == b.token_models  # the rendered prompt ran
         call = r.submit([msgs], max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})

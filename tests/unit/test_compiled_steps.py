@@ -22,10 +22,10 @@ import torch
 from tokenrouter_sdk import Router, SamplingParams
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.config import EngineConfig
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
-from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 from ..helpers import DiscardTwoBack, mixed_prompts
 
@@ -57,8 +57,9 @@ def test_compiled_steps_equal_eager_steps(pair, impl):
         prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1, 40))] for _ in range(b)]
         lens = [len(p) for p in prompts]
         te, tc = _tables(eager, lens), _tables(comp, lens)
-        feeds = [prompts] + [[[rng.randrange(3, 250) for _ in range(rng.choice([1, 1, 3, 9]))] for _ in range(b)]
-                             for _ in range(3)]
+        feeds = [prompts] + [
+            [[rng.randrange(3, 250) for _ in range(rng.choice([1, 1, 3, 9]))] for _ in range(b)] for _ in range(3)
+        ]
         starts = [0] * b
         for feed in feeds:
             le, he, _ = eager.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, te)])
@@ -109,6 +110,7 @@ def test_background_compile_serves_eager_steps_until_ready(pair, tok):
     """``compile=True``: the first step does not wait; once the compile is in, steps are compiled.
     The routed tokens equal the naive reference whichever steps ran compiled."""
     from tokenrouter_sdk.models import tiny_model
+
     # never compiled in this process, and of a depth no other test compiles (dynamo reuses a graph
     # compiled for another model of the same class and shapes): a cold compile
     fresh = tiny_model(num_layers=3, seed=21)
@@ -187,6 +189,7 @@ def test_bf16_weights_compiled_within_bf16_tolerance():
     to bf16, so the two bf16 steps differ by up to about 0.05-0.1 of the spread); argmax
     agreement is not promised at bf16."""
     from tokenrouter_sdk.models import tiny_model
+
     m32 = tiny_model(num_layers=2, seed=31, dtype=torch.float32)
     m16 = tiny_model(num_layers=2, seed=31, dtype=torch.bfloat16)
     r32, e16 = TorchRunner(m32, max_kv_tokens=256), TorchRunner(m16, max_kv_tokens=256)
@@ -196,8 +199,10 @@ def test_bf16_weights_compiled_within_bf16_tolerance():
     tabs = {id(r): _tables(r, [5, 2]) for r in (r32, e16, c16)}
     starts = [0, 0]
     for feed in feeds:
-        out = {id(r): r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tabs[id(r)])])[0].float()
-               for r in (r32, e16, c16)}
+        out = {
+            id(r): r.forward([SeqInput(f, s, t) for f, s, t in zip(feed, starts, tabs[id(r)])])[0].float()
+            for r in (r32, e16, c16)
+        }
         spread = out[id(r32)].std().item()
         assert c16.last_compiled and c16.dtype == torch.bfloat16
         assert (out[id(c16)] - out[id(e16)]).abs().max().item() <= 0.1 * spread
@@ -214,8 +219,16 @@ def test_compiled_steps_honour_windows_and_softcaps(tok):
     import copy
 
     from tokenrouter_sdk.models import tiny_model, truncate
-    large = tiny_model(arch="gemma2", num_layers=2, seed=41, sliding_window=8, attn_logit_softcapping=2.0,
-                       final_logit_softcapping=5.0, initializer_range=0.5)
+
+    large = tiny_model(
+        arch="gemma2",
+        num_layers=2,
+        seed=41,
+        sliding_window=8,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+        initializer_range=0.5,
+    )
     models = {"small": truncate(large, 1), "large": large}
     ref = copy.deepcopy(models)
     policy = RandomRouting(p=0.3, seed=3)

@@ -108,8 +108,9 @@ def test_sub_server_processes_mark_busy_and_idle():
 
     large = tiny_model(num_layers=2, seed=3)
     models = {"small": truncate(large, 1), "large": large}
-    with Router(models, RandomRouting(p=0.3, seed=1), tokenizer=tiny_tokenizer(), processes=True,
-                max_kv_tokens=512) as r:
+    with Router(
+        models, RandomRouting(p=0.3, seed=1), tokenizer=tiny_tokenizer(), processes=True, max_kv_tokens=512
+    ) as r:
         r.generate([[5, 6, 7], [8, 9]], max_new_tokens=12, ignore_eos=True)
         tr = r.engine.transport
         path = os.path.join(tr.launcher.cores_dir, "busy")
@@ -131,14 +132,16 @@ def test_one_cpu_model_runs_in_a_process_by_default(monkeypatch):
     from tokenrouter_sdk.policies import LargeOnly
 
     monkeypatch.delenv("TOKENROUTER_PROCESSES", raising=False)
-    with Router({"large": tiny_model(num_layers=1, seed=4)}, LargeOnly(), tokenizer=tiny_tokenizer(),
-                max_kv_tokens=256) as r:
+    with Router(
+        {"large": tiny_model(num_layers=1, seed=4)}, LargeOnly(), tokenizer=tiny_tokenizer(), max_kv_tokens=256
+    ) as r:
         assert isinstance(r.engine.transport, ProcessTransport)
         assert r.engine.transport.launcher.cores_dir is None  # one model: nothing to lend
         assert len(r.generate([[5, 6, 7]], max_new_tokens=4, ignore_eos=True)[0].token_ids) == 4
     monkeypatch.setenv("TOKENROUTER_PROCESSES", "0")
-    with Router({"large": tiny_model(num_layers=1, seed=4)}, LargeOnly(), tokenizer=tiny_tokenizer(),
-                max_kv_tokens=256) as r:
+    with Router(
+        {"large": tiny_model(num_layers=1, seed=4)}, LargeOnly(), tokenizer=tiny_tokenizer(), max_kv_tokens=256
+    ) as r:
         assert not isinstance(r.engine.transport, ProcessTransport)
 
 
@@ -149,6 +152,7 @@ def test_only_a_share_that_can_lend_stops_a_step_between_layers(tmp_path, models
     from types import SimpleNamespace
 
     from tokenrouter_sdk.engine.transports.process_child import lend_between_layers
+
     shares, _ = _shares(tmp_path, models, cores)
     assert shares[0].lends is lends
     runner = SimpleNamespace(between_layers=None)

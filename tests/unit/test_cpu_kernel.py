@@ -1,7 +1,8 @@
 """The C++ CPU kernels (`tokenrouter_sdk.backends.cpu_kernels`). The in-place paged attention: against
 attention computed from first principles over the gathered keys (decodes, extends, grouped-query
 heads, contexts split into several chunks, float32 and float64, both code paths of the dot
-product, sliding windows and logit soft-caps); rows it does not own stay untouched; bad inputs raise; a runner's steps equal the
+product, sliding windows and logit soft-caps); rows it does not own stay untouched; bad inputs raise; a runner's
+steps equal the
 gather path's; routed generation with it equals the naive reference. The fused float32 step ops
 (RMSNorm, rotary embedding, SiLU gating) equal their ATen formulas on strided inputs."""
 
@@ -16,15 +17,17 @@ from tokenrouter_sdk.backends import cpu_kernels
 from tokenrouter_sdk.backends.attention import cpu_kernel, kernel_choice
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.config import EngineConfig
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
-from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 from .test_native_forward import routed_float32_run_equals_reference
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="no C++ compiler: the kernel cannot be built here (steps gather)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the kernel cannot be built here (steps gather)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def _reference(q, kc, vc, table, q_start, q_len, kv_len, scale, window=0, softca
     g = q.shape[1] // kc.shape[1]
     for r in range(table.shape[0]):
         n, L = int(q_len[r]), int(kv_len[r])
-        k = kc[table[r, :L]].double().repeat_interleave(g, 1)   # [L, H, D]
+        k = kc[table[r, :L]].double().repeat_interleave(g, 1)  # [L, H, D]
         v = vc[table[r, :L]].double().repeat_interleave(g, 1)
         for t in range(n):
             row = int(q_start[r]) + t
@@ -64,10 +67,10 @@ def _case(dtype, h, hkv, d, reqs, seed=0, slots=4096):
     table = torch.zeros(len(reqs), lmax, dtype=torch.long)
     used = 0
     for i, (_, L) in enumerate(reqs):
-        table[i, :L] = perm[used:used + L]
+        table[i, :L] = perm[used : used + L]
         used += L
     q_len = torch.tensor([n for n, _ in reqs])
-    q_start = torch.cumsum(q_len, 0) - q_len + 2   # rows 0 and 1 belong to no request
+    q_start = torch.cumsum(q_len, 0) - q_len + 2  # rows 0 and 1 belong to no request
     t = int(q_start[-1] + q_len[-1]) + 1
     q = torch.randn(t, h, d, dtype=dtype, generator=g)
     return q, kc, vc, table, q_start, q_len, torch.tensor([L for _, L in reqs])
@@ -83,7 +86,7 @@ def test_kernel_equals_attention_from_first_principles(op, dtype, tol, h, hkv, d
     reqs = [(1, 1), (1, 17), (1, 300), (3, 40), (1, 1100), (16, 530), (2, 2), (16, 16)]
     q, kc, vc, table, q_start, q_len, kv_len = _case(dtype, h, hkv, d, reqs)
     out = torch.full_like(q, 7.0)
-    scale = d ** -0.5
+    scale = d**-0.5
     op(out, q, kc, vc, table, q_start, q_len, kv_len, scale, chunk)
     ref = _reference(q, kc, vc, table, q_start, q_len, kv_len, scale)
     for row, want in ref.items():
@@ -155,18 +158,30 @@ def test_an_extend_has_the_bits_of_its_queries_as_decodes(op, h, hkv, d, n, L, c
     if chunk == 0:
         chunk = L  # one chunk each way (the kernel's own split depends on the request count)
     out = torch.zeros_like(q)
-    op(out, q, kc, vc, table, q_start, q_len, kv_len, d ** -0.5, chunk, 0, softcap)
+    op(out, q, kc, vc, table, q_start, q_len, kv_len, d**-0.5, chunk, 0, softcap)
     for tile_from in (0, 1, n, n + 1):  # never, always, from this extend's length, from just past it
         again = torch.zeros_like(q)
-        op(again, q, kc, vc, table, q_start, q_len, kv_len, d ** -0.5, chunk, 0, softcap, tile_from)
+        op(again, q, kc, vc, table, q_start, q_len, kv_len, d**-0.5, chunk, 0, softcap, tile_from)
         assert torch.equal(again, out), tile_from
     one = torch.ones(n, dtype=torch.long)
     dec = torch.zeros_like(q)
-    op(dec, q, kc, vc, table.expand(n, -1).contiguous(), q_start[0] + torch.arange(n), one,
-       L - n + 1 + torch.arange(n), d ** -0.5, chunk, 0, softcap)
+    op(
+        dec,
+        q,
+        kc,
+        vc,
+        table.expand(n, -1).contiguous(),
+        q_start[0] + torch.arange(n),
+        one,
+        L - n + 1 + torch.arange(n),
+        d**-0.5,
+        chunk,
+        0,
+        softcap,
+    )
     rows = slice(int(q_start[0]), int(q_start[0]) + n)
     assert torch.equal(out[rows], dec[rows]), (out[rows] - dec[rows]).abs().max().item()
-    ref = _reference(q, kc, vc, table, q_start, q_len, kv_len, d ** -0.5, 0, softcap)
+    ref = _reference(q, kc, vc, table, q_start, q_len, kv_len, d**-0.5, 0, softcap)
     for row, want in ref.items():
         torch.testing.assert_close(out[row].double(), want, rtol=2e-5, atol=2e-5)
 
@@ -283,16 +298,19 @@ def _steps(runners: dict, feeds):
         starts = [s + len(f) for s, f in zip(starts, feed)]
 
 
-@pytest.mark.parametrize("model_impl,dtype,tol", [("native", torch.float64, 1e-11), ("transformers", torch.float64, 1e-11),
-                                                  ("native", torch.float32, 1e-4)])
+@pytest.mark.parametrize(
+    "model_impl,dtype,tol",
+    [("native", torch.float64, 1e-11), ("transformers", torch.float64, 1e-11), ("native", torch.float32, 1e-4)],
+)
 def test_runner_steps_with_the_kernels_equal_the_aten_steps(op, model_impl, dtype, tol, monkeypatch):
     """Prefill, then decodes, extends of 3 and 16 tokens (kernel) and of 20 (gather), mixed in
     one batch: logits and hidden states within rounding (float32 native steps also run the fused
     step ops), and the kernel ran."""
     calls = []
     real = cpu_kernel.CpuKernel.attend
-    monkeypatch.setattr(cpu_kernel.CpuKernel, "attend",
-                        lambda self, kern, *a: calls.append(kern.q_len.tolist()) or real(self, kern, *a))
+    monkeypatch.setattr(
+        cpu_kernel.CpuKernel, "attend", lambda self, kern, *a: calls.append(kern.q_len.tolist()) or real(self, kern, *a)
+    )
     monkeypatch.setenv(kernel_choice.ENV, str(cpu_kernel.MAX_QUERIES))  # extends of up to 16 in the kernel
     monkeypatch.setenv(kernel_choice.TILES_ENV, "4")  # forced: no measurement's extends among the calls
     model = tiny_model(num_layers=3, seed=21, dtype=dtype)
@@ -313,18 +331,23 @@ def test_bfloat16_steps_with_the_kernel_are_as_close_to_float64_as_the_aten_step
     error within 1.5x of theirs), at every step."""
     calls = []
     real = cpu_kernel.CpuKernel.attend
-    monkeypatch.setattr(cpu_kernel.CpuKernel, "attend",
-                        lambda self, kern, *a: calls.append(kern.q_len.tolist()) or real(self, kern, *a))
+    monkeypatch.setattr(
+        cpu_kernel.CpuKernel, "attend", lambda self, kern, *a: calls.append(kern.q_len.tolist()) or real(self, kern, *a)
+    )
     norms = []
     real_norm = cpu_kernels.StepOps.rms_norm
-    monkeypatch.setattr(cpu_kernels.StepOps, "rms_norm", staticmethod(lambda x, n: norms.append(x.dtype) or real_norm(x, n)))
+    monkeypatch.setattr(
+        cpu_kernels.StepOps, "rms_norm", staticmethod(lambda x, n: norms.append(x.dtype) or real_norm(x, n))
+    )
     monkeypatch.setenv(kernel_choice.ENV, str(cpu_kernel.MAX_QUERIES))
     monkeypatch.setenv(kernel_choice.TILES_ENV, "4")
     model = tiny_model(num_layers=3, seed=21, dtype=torch.bfloat16)
     wide = tiny_model(num_layers=3, seed=21, dtype=torch.bfloat16).double()  # the same weights, widened
-    runners = {"wait": TorchRunner(model, max_kv_tokens=8192, kernels="wait", model_impl=model_impl),
-               "off": TorchRunner(model, max_kv_tokens=8192, kernels="off", model_impl=model_impl),
-               "ref": TorchRunner(wide, max_kv_tokens=8192, kernels="off", model_impl=model_impl)}
+    runners = {
+        "wait": TorchRunner(model, max_kv_tokens=8192, kernels="wait", model_impl=model_impl),
+        "off": TorchRunner(model, max_kv_tokens=8192, kernels="off", model_impl=model_impl),
+        "ref": TorchRunner(wide, max_kv_tokens=8192, kernels="off", model_impl=model_impl),
+    }
     for outs in _steps(runners, _feeds(random.Random(3), 4, 6)):
         err = {a: (outs[a].logits.double() - outs["ref"].logits.double()).abs() for a in ("wait", "off")}
         assert err["wait"].max() <= 1.5 * err["off"].max() + 1e-3, (err["wait"].max(), err["off"].max())
@@ -359,10 +382,10 @@ def test_step_ops_equal_their_aten_formulas(op):
     g = torch.Generator().manual_seed(5)
     norm = torch.nn.Module()
     norm.weight, norm.variance_epsilon = torch.randn(96, generator=g), 1e-6
-    x = torch.randn(5, 3 * 96, generator=g)[:, 96:192]                    # rows with a stride
+    x = torch.randn(5, 3 * 96, generator=g)[:, 96:192]  # rows with a stride
     want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     torch.testing.assert_close(ops.rms_norm(x, norm), want, rtol=1e-5, atol=1e-5)
-    t = torch.randn(4, 10, 3, 32, generator=g)[:, :, 1]                   # [T, H, D], strided rows
+    t = torch.randn(4, 10, 3, 32, generator=g)[:, :, 1]  # [T, H, D], strided rows
     cos, sin = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
     out = ops.rope(t, cos, sin)
     torch.testing.assert_close(out, t * cos[:, None] + torch.roll(t, 16, -1) * sin[:, None], rtol=1e-5, atol=1e-5)
@@ -379,9 +402,11 @@ def test_step_ops_equal_their_aten_formulas(op):
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """The most bfloat16 steps between a and b (bfloat16 tensors of finite values), element-wise:
     the distance of their bit patterns as ordered integers."""
+
     def ordered(t):
         i = t.view(torch.int16).to(torch.int32)
         return torch.where(i < 0, -32768 - i, i)
+
     return int((ordered(a) - ordered(b)).abs().max())
 
 
@@ -391,17 +416,18 @@ def test_bfloat16_step_ops_take_the_roundings_of_the_aten_ops(op):
     product within one bfloat16 step (their float32 parts add in another order), almost
     everywhere the same bits; a float32 weight for a bfloat16 row is refused by name."""
     from tokenrouter_sdk.backends.native_forward import rms_norm as aten_rms_norm
+
     ops = cpu_kernels.step_ops()
     g = torch.Generator().manual_seed(6)
     bf = torch.bfloat16
-    t = torch.randn(6, 10, 3, 64, generator=g).to(bf)[:, :, 1]                 # [T, H, D], strided rows
+    t = torch.randn(6, 10, 3, 64, generator=g).to(bf)[:, :, 1]  # [T, H, D], strided rows
     cos, sin = torch.randn(6, 64, generator=g).to(bf), torch.randn(6, 64, generator=g).to(bf)
     out = ops.rope(t, cos, sin)
     assert out.dtype == bf and out.is_contiguous()
     assert torch.equal(out, t * cos[:, None] + torch.roll(t, 32, -1) * sin[:, None])
     norm = torch.nn.Module()
     norm.weight, norm.variance_epsilon = torch.randn(576, generator=g).to(bf), 1e-5
-    x = (torch.randn(9, 3 * 576, generator=g) * 3).to(bf)[:, 576:1152]      # rows with a stride
+    x = (torch.randn(9, 3 * 576, generator=g) * 3).to(bf)[:, 576:1152]  # rows with a stride
     got, want = ops.rms_norm(x, norm), aten_rms_norm(x, norm)
     assert got.dtype == bf and _bf16_ulps(got, want) <= 1 and (got == want).float().mean() > 0.99
     gu = (torch.randn(8, 2 * 1536, generator=g) * 4).to(bf)
@@ -417,8 +443,14 @@ def test_silu_gating_is_accurate_over_the_whole_float_range(op):
     (``csrc/vec_math.h``): within a few float32 ulps of float64 over every magnitude, exact at
     the ends (large negative gates give 0, large positive ones the gate itself), NaN kept."""
     ops = cpu_kernels.step_ops()
-    g = torch.cat([torch.linspace(-120, 120, 48001), torch.logspace(-30, 2, 2000), -torch.logspace(-30, 2, 2000),
-                   torch.tensor([0.0, -0.0, 87.3, -87.3, 88.4, -88.4, 1e30, -1e30])])
+    g = torch.cat(
+        [
+            torch.linspace(-120, 120, 48001),
+            torch.logspace(-30, 2, 2000),
+            -torch.logspace(-30, 2, 2000),
+            torch.tensor([0.0, -0.0, 87.3, -87.3, 88.4, -88.4, 1e30, -1e30]),
+        ]
+    )
     g = g[: g.numel() // 16 * 16].reshape(-1, 16)
     up = torch.ones_like(g)
     got, want = ops.silu_mul(g, up).double(), torch.nn.functional.silu(g.double())
@@ -437,10 +469,13 @@ def test_a_lock_file_left_by_a_killed_builder_does_not_block_the_next(op, tmp_pa
     load wait for ever: a fresh process loads the kernels within the timeout all the same."""
     import subprocess
     import sys
+
     lock = cpu_kernels.build_directory(cpu_kernels.build_name()) / "lock"
     lock.write_text("")
-    code = ("from tokenrouter_sdk.backends import cpu_kernels as c\n"
-            "assert c.paged_attention_op(wait=True, timeout=100) is not None, c.error()\nprint('loaded')")
+    code = (
+        "from tokenrouter_sdk.backends import cpu_kernels as c\n"
+        "assert c.paged_attention_op(wait=True, timeout=100) is not None, c.error()\nprint('loaded')"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "loaded" in p.stdout, p.stderr[-2000:]
     assert not lock.exists()
@@ -462,6 +497,7 @@ def test_the_build_compiles_its_own_copies_of_the_sources(op):
 
 def test_a_changed_header_is_another_build(tmp_path, monkeypatch):
     import shutil
+
     name = cpu_kernels.build_name()
     copies = []
     for h in cpu_kernels.HEADERS:
@@ -477,6 +513,7 @@ def test_another_environment_is_another_build(tmp_path, monkeypatch):
     """The build file names torch's and Python's include folders: two environments (venvs) with the
     same torch version and sources get their own builds, so neither rebuilds the other's in turn."""
     import sysconfig
+
     name = cpu_kernels.build_name()
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "other_venv" / "torch" / "__init__.py"))
     assert cpu_kernels.build_name() != name
@@ -492,6 +529,7 @@ def test_staging_sources_leaves_unchanged_copies_alone_and_replaces_changed_ones
     sees nothing new); other bytes replace the copy."""
     import os
     import shutil
+
     a, b = tmp_path / "a", tmp_path / "b"
     for where in (a, b):
         where.mkdir()

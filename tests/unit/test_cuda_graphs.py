@@ -11,11 +11,11 @@ import torch
 from tokenrouter_sdk import Router, SamplingParams
 from tokenrouter_sdk.backends.cuda_graphs import DecodeGraphs
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
-from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 from ..helpers import DiscardTwoBack, mixed_prompts
 
@@ -163,16 +163,14 @@ def test_runner_pickles_without_its_graphs(qwen3):
 
 
 @pytest.mark.filterwarnings("ignore:cuda_graphs=True with a model that is not on a CUDA device")
-@pytest.mark.parametrize("mode,processes", [("async", False), ("delayed", False), ("sync", False),
-                                            ("async", True)])
+@pytest.mark.parametrize("mode,processes", [("async", False), ("delayed", False), ("sync", False), ("async", True)])
 def test_routed_generation_with_graphs_equals_reference(pair, tok, mode, processes):
     """Invariant 5 with the fixed-shape decode path: exactly the naive reference's tokens."""
     policy = DiscardTwoBack() if mode == "async" else RandomRouting(p=0.3, seed=3)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompts = mixed_prompts(8, seed=7)
     th = {"small": 2, "large": 1} if mode == "delayed" else None
-    with Router(pair, policy, tokenizer=tok, mode=mode, thresholds=th, cuda_graphs=True,
-                processes=processes) as r:
+    with Router(pair, policy, tokenizer=tok, mode=mode, thresholds=th, cuda_graphs=True, processes=processes) as r:
         outs = r.generate(prompts, sampling=params, concurrency=8)
         if not processes:
             assert all(run.graphs.replays > 0 for run in r.engine.runners.values())
@@ -194,6 +192,7 @@ def test_grouped_query_attention_equals_repeated_kv(mask_dims, nq, softcap):
     query; with a soft-cap (the explicit-scores path) the same as the capped scores' softmax."""
     from tokenrouter_sdk.backends.attention import LayerParams
     from tokenrouter_sdk.backends.attention.gather import attend_masked
+
     g = torch.Generator().manual_seed(0)
     b, hkv, grp, L, d = 3, 2, 3, 11, 8
     q = torch.randn(b, hkv * grp, nq, d, generator=g, dtype=torch.float64)
@@ -203,19 +202,21 @@ def test_grouped_query_attention_equals_repeated_kv(mask_dims, nq, softcap):
     full[..., 0] = True
     mask = {0: None, 2: full[0, 0], 4: full}[mask_dims]
     kr, vr = k.repeat_interleave(grp, dim=1), v.repeat_interleave(grp, dim=1)
-    s = q @ kr.transpose(-1, -2) * d ** -0.5
+    s = q @ kr.transpose(-1, -2) * d**-0.5
     if softcap:
         s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     want = s.softmax(-1) @ vr
-    got = attend_masked(q, k, v, mask, LayerParams(None, softcap, d ** -0.5))
+    got = attend_masked(q, k, v, mask, LayerParams(None, softcap, d**-0.5))
     assert got.shape == (b, hkv * grp, nq, d)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; "
-                                "evals/throughput/gpu_pair.py runs the same checks on a GPU lease)")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (CI has none; evals/throughput/gpu_pair.py runs the same checks on a GPU lease)",
+)
 
 
 @needs_cuda
@@ -242,15 +243,33 @@ def test_cuda_capture_and_replay_equal_eager():
 @pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
 def test_cuda_graph_routing_equals_reference(processes):
     from tokenrouter_sdk.random_models import id_tokenizer, random_model, random_prompts
-    shrink = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=1024, eos_token_id=1000, bos_token_id=None)
-    pair = {"small": random_model("qwen3-0.6b", device="cuda", dtype=torch.float64, seed=0, **shrink),
-            "large": random_model("qwen3-8b", device="cuda", dtype=torch.float64, seed=1,
-                                  **(shrink | {"num_hidden_layers": 3}))}
+
+    shrink = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        eos_token_id=1000,
+        bos_token_id=None,
+    )
+    pair = {
+        "small": random_model("qwen3-0.6b", device="cuda", dtype=torch.float64, seed=0, **shrink),
+        "large": random_model(
+            "qwen3-8b", device="cuda", dtype=torch.float64, seed=1, **(shrink | {"num_hidden_layers": 3})
+        ),
+    }
     policy, params = RandomRouting(p=0.3, seed=2), SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompts = random_prompts(8, 20, vocab_size=1024, seed=3, avoid=(1000,))
-    with Router(pair, policy, tokenizer=id_tokenizer(1024, eos_token_id=1000), cuda_graphs=True,
-                processes={"start_timeout": 180.0} if processes else False) as r:
+    with Router(
+        pair,
+        policy,
+        tokenizer=id_tokenizer(1024, eos_token_id=1000),
+        cuda_graphs=True,
+        processes={"start_timeout": 180.0} if processes else False,
+    ) as r:
         outs = r.generate(prompts, sampling=params, concurrency=8, timeout=180)
         if not processes:
             assert all(run.graphs.captured > 0 and run.graphs.error is None for run in r.engine.runners.values())

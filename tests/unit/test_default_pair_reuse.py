@@ -95,8 +95,20 @@ def _new_token(large, small, tok):
     tok.add_tokens(["<|new|>"])
 
 
-@pytest.mark.parametrize("change", [_modify_in_place, _replace_data, _trainable, _train_mode, _hook, _patched_forward,
-                                    _swapped_class, _replace_module, _new_token])
+@pytest.mark.parametrize(
+    "change",
+    [
+        _modify_in_place,
+        _replace_data,
+        _trainable,
+        _train_mode,
+        _hook,
+        _patched_forward,
+        _swapped_class,
+        _replace_module,
+        _new_token,
+    ],
+)
 def test_a_changed_pair_is_loaded_again(loads, change):
     first = _pair()
     change(*first)

@@ -12,6 +12,7 @@ from tokenrouter_sdk.deferred import DeferredModel, LazyModels, parameter_count
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import load_model, load_private, tiny_model, tiny_tokenizer
 from tokenrouter_sdk.policies import RandomRouting
+
 from ..helpers import assert_matches_reference, mixed_prompts, pools_free
 
 
@@ -35,8 +36,14 @@ def test_a_folder_model_is_loaded_by_its_subserver_and_here_only_when_asked(tmp_
         outs = router.generate(prompts, sampling=params, policy=RandomRouting(p=0.5, seed=1), concurrency=4)
         assert not router.models.loaded("large")  # generating loads nothing here
         ref_models = {"small": load_model(small)[0], "large": load_model(large)[0]}
-        assert_matches_reference(ref_models, outs, lambda: RandomRouting(p=0.5, seed=1), params,
-                                 eos_ids=router.engine.eos_ids, tokenizer=router.tokenizer)
+        assert_matches_reference(
+            ref_models,
+            outs,
+            lambda: RandomRouting(p=0.5, seed=1),
+            params,
+            eos_ids=router.engine.eos_ids,
+            tokenizer=router.tokenizer,
+        )
         assert sum(o.hops for o in outs) > 0
         here = router.models["large"]  # loaded here at its first access, once
         assert router.models.loaded("large") and router.models["large"] is here
@@ -52,7 +59,7 @@ def test_parameter_count_reads_the_safetensors_headers(tmp_path):
 
 def _logits(runner, prompt):
     runner.forward([SeqInput(prompt, 0, [0, 1])])
-    return runner.forward([SeqInput([7], len(prompt), [0, 1]), ]).logits
+    return runner.forward([SeqInput([7], len(prompt), [0, 1])]).logits
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", False), ("llama", True)])
@@ -72,8 +79,9 @@ def test_a_runner_that_loaded_its_model_keeps_each_projection_weight_once(tmp_pa
             assert len(freed) == len(linears) - 1
         else:
             assert len(freed) == len(linears)
-        assert shared.plain_released == 0 and all(m.weight.untyped_storage().nbytes() > 2 for m in
-                                                  shared.model.modules() if isinstance(m, torch.nn.Linear))
+        assert shared.plain_released == 0 and all(
+            m.weight.untyped_storage().nbytes() > 2 for m in shared.model.modules() if isinstance(m, torch.nn.Linear)
+        )
         prompt = list(range(40, 60))
         for _ in range(2):  # the second step reuses what the first built: nothing rebuilt from freed weights
             assert torch.equal(_logits(owned, prompt), _logits(shared, prompt))
@@ -101,6 +109,7 @@ def test_load_private_reads_the_weights_into_this_process_without_mapping_the_fi
 
 def test_kv_pools_are_planned_on_the_memory_left_after_a_deferred_model_loads(tmp_path):
     from tokenrouter_sdk.kv_sizing import kv_bytes_per_token, plan
+
     folder, model = _save(tmp_path, "m")
     d = DeferredModel(folder, torch.float32, "cpu")
     per = kv_bytes_per_token(d)

@@ -10,14 +10,27 @@ from ..helpers import mixed_prompts
 
 
 def test_step_accounting_splits_decode_from_prefill_and_extend():
-    ev = [StepDone(model="small", t_start=0, t_end=1, forward_s=0.5, batch_size=2, tokens_fed=40, fed={0: 20, 1: 20}),
-          StepDone(model="small", t_start=1, t_end=2, forward_s=0.1, batch_size=2, tokens_fed=2, fed={0: 1, 1: 1}),
-          StepDone(model="large", t_start=2, t_end=3, forward_s=0.3, batch_size=1, tokens_fed=6, fed={0: 6}),
-          StepDone(model="large", t_start=3, t_end=4, forward_s=0.0, batch_size=0, tokens_fed=0, fed={}),
-          StepDone(model="other", t_start=0, t_end=1, forward_s=9.0, batch_size=1, tokens_fed=1, fed={0: 1})]
+    ev = [
+        StepDone(model="small", t_start=0, t_end=1, forward_s=0.5, batch_size=2, tokens_fed=40, fed={0: 20, 1: 20}),
+        StepDone(model="small", t_start=1, t_end=2, forward_s=0.1, batch_size=2, tokens_fed=2, fed={0: 1, 1: 1}),
+        StepDone(model="large", t_start=2, t_end=3, forward_s=0.3, batch_size=1, tokens_fed=6, fed={0: 6}),
+        StepDone(model="large", t_start=3, t_end=4, forward_s=0.0, batch_size=0, tokens_fed=0, fed={}),
+        StepDone(model="other", t_start=0, t_end=1, forward_s=9.0, batch_size=1, tokens_fed=1, fed={0: 1}),
+    ]
     a = step_accounting(ev, ["small", "large"])
-    assert a["small"] == dict(steps=2, forward_s=0.6, step_s=2.0, decode_steps=1, decode_s=0.1, mixed_steps=1,
-                              mixed_s=0.5, mixed_fed=38, tokens_fed=42, mean_batch=2.0, batch_hist={2: 2})
+    assert a["small"] == dict(
+        steps=2,
+        forward_s=0.6,
+        step_s=2.0,
+        decode_steps=1,
+        decode_s=0.1,
+        mixed_steps=1,
+        mixed_s=0.5,
+        mixed_fed=38,
+        tokens_fed=42,
+        mean_batch=2.0,
+        batch_hist={2: 2},
+    )
     assert (a["large"]["steps"], a["large"]["mixed_fed"], a["large"]["decode_steps"]) == (1, 5, 0)
 
 
@@ -25,8 +38,14 @@ def test_run_comparison_on_one_router(pair, tok):
     prompts = mixed_prompts(4, seed=2)
     seen = []
     with Router(pair, tokenizer=tok, prefill_peers=True) as r:
-        runs = run_comparison(r, prompts, RandomRouting(p=0.5, seed=1), max_new_tokens=8, ignore_eos=True,
-                              on_run=lambda run: seen.append(run.name))
+        runs = run_comparison(
+            r,
+            prompts,
+            RandomRouting(p=0.5, seed=1),
+            max_new_tokens=8,
+            ignore_eos=True,
+            on_run=lambda run: seen.append(run.name),
+        )
         assert process_cpu_s(r) is None  # sub-servers in threads: no per-process CPU time
     assert seen == [run.name for run in runs] == ["large-only", "small-only", "routed"]
     large, small, routed = runs
@@ -38,7 +57,10 @@ def test_run_comparison_on_one_router(pair, tok):
     assert large.steps["small"]["steps"] == 0 and large.steps["large"]["tokens_fed"] == sum(map(len, prompts)) + 28
     table = format_comparison(runs).splitlines()
     assert table[0].split()[:4] == ["run", "correct", "tok/s", "vs"] and [row.split()[0] for row in table[2:]] == [
-        "large-only", "small-only", "routed"]
+        "large-only",
+        "small-only",
+        "routed",
+    ]
     assert table[2].split()[1] == "-" and table[2].split()[3:5] == ["1.00x", "100%"] and table[2].split()[-1] == "-"
     acc = format_accounting(runs)
     assert "routed      [large]" in acc and "large-only  [small]" not in acc
@@ -62,17 +84,21 @@ def test_the_accuracy_column_counts_answers_equal_to_the_references(monkeypatch)
         def metrics(self):
             return None
 
-    texts = {"LargeOnly": ["so 18 dollars. The answer is 18", "The answer is 3", "no number here"],
-             "SmallOnly": ["The answer is 16", "The answer is 3", "nothing"],
-             "RandomRouting": ["#### 18", "I do not know", "The answer is 7"]}
+    texts = {
+        "LargeOnly": ["so 18 dollars. The answer is 18", "The answer is 3", "no number here"],
+        "SmallOnly": ["The answer is 16", "The answer is 3", "nothing"],
+        "RandomRouting": ["#### 18", "I do not know", "The answer is 7"],
+    }
 
     class Router:
         models = {"small": None, "large": None}
+
         def pids(self):
             return None
 
         def submit(self, prompts, policy, **kw):
             return Call(texts[type(policy).__name__])
+
     monkeypatch.setattr(demo, "step_accounting", lambda events, models: {})
     runs = demo.run_comparison(Router(), ["a", "b", "c"], RandomRouting(p=0.5), references=["18", "3", "7"])
     assert [r.correct for r in runs] == [[True, True, False], [False, True, False], [True, False, True]]

@@ -27,8 +27,9 @@ def folder(tmp_path_factory):
 
 def test_model_spec_checks_the_runner_and_its_engine_args():
     assert ModelSpec("x").runner == "torch"
-    assert ModelSpec.of({"source": "x", "runner": "vllm", "engine_args": {"quantization": "awq"}}) == \
-        ModelSpec("x", runner="vllm", engine_args={"quantization": "awq"})
+    assert ModelSpec.of({"source": "x", "runner": "vllm", "engine_args": {"quantization": "awq"}}) == ModelSpec(
+        "x", runner="vllm", engine_args={"quantization": "awq"}
+    )
     with pytest.raises(ValueError, match="runner must be one of"):
         ModelSpec("x", runner="tensorrt")
     with pytest.raises(ValueError, match="torch runner takes none"):
@@ -66,6 +67,7 @@ def test_an_engine_model_is_planned_with_the_loaded_ones_its_weights_taken_off(f
 
 def test_the_runner_flag_per_model_and_for_all():
     import argparse
+
     p = add_model_arguments(argparse.ArgumentParser())
     specs = model_specs(p.parse_args(["--model", "small=a", "--model", "large=b", "--runner", "large=vllm"]), "t")
     assert {n: s.runner for n, s in specs.items()} == {"small": "torch", "large": "vllm"}
@@ -79,6 +81,7 @@ def test_the_runner_flag_per_model_and_for_all():
 
 def test_sglang_names_what_it_needs(folder, monkeypatch):
     from tokenrouter_sdk.backends import sglang_runner
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     with pytest.raises(RuntimeError, match=r"runner='sglang' needs SGLang.*pip install 'sglang"):

@@ -32,16 +32,24 @@ def run_and_compare(models, tok, policy, prompts, concurrency, min_hops=1):
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
-@pytest.mark.parametrize("name", ["small_only", "large_only", "single_large", "random", "rstitch",
-                                  "rstitch_maxprob", "keep", "discard"])
+@pytest.mark.parametrize(
+    "name", ["small_only", "large_only", "single_large", "random", "rstitch", "rstitch_maxprob", "keep", "discard"]
+)
 def test_two_model_policies(pair, tok, name, concurrency):
-    policy = {"small_only": SmallOnly(), "large_only": LargeOnly(), "single_large": SingleModel("large"),
-              "random": RandomRouting(p=0.3, seed=3), "rstitch": RStitch(tau=0.79),
-              "rstitch_maxprob": RStitch(tau=0.1, signal="max_prob"),
-              "keep": KeepEveryThird(), "discard": DiscardTwoBack()}[name]
+    policy = {
+        "small_only": SmallOnly(),
+        "large_only": LargeOnly(),
+        "single_large": SingleModel("large"),
+        "random": RandomRouting(p=0.3, seed=3),
+        "rstitch": RStitch(tau=0.79),
+        "rstitch_maxprob": RStitch(tau=0.1, signal="max_prob"),
+        "keep": KeepEveryThird(),
+        "discard": DiscardTwoBack(),
+    }[name]
     single = name in ("small_only", "large_only", "single_large")
-    outs = run_and_compare(pair, tok, policy, mixed_prompts(8, seed=concurrency), concurrency,
-                           min_hops=0 if single else 4)
+    outs = run_and_compare(
+        pair, tok, policy, mixed_prompts(8, seed=concurrency), concurrency, min_hops=0 if single else 4
+    )
     if single:
         want = "small" if name == "small_only" else "large"
         assert all(set(o.token_models) == {want} and o.hops == 0 for o in outs)
@@ -87,6 +95,11 @@ def test_single_model_equals_transformers_generate(pair, tok):
     with Router({"large": large}, SingleModel("large"), tokenizer=tok) as r:
         outs = r.generate(prompts, max_new_tokens=16)
     for p, o in zip(prompts, outs):
-        g = large.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
-                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        assert o.token_ids == g[0, len(p):].tolist()
+        g = large.generate(
+            torch.tensor([p]),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        assert o.token_ids == g[0, len(p) :].tolist()

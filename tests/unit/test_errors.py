@@ -47,9 +47,14 @@ def test_max_new_tokens_not_positive(pair, tok):
     with Router(pair, RandomRouting(0.3), tokenizer=tok) as r:
         with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
             r.generate(GOOD, max_new_tokens=0)
-        outs = r.generate(GOOD + [[11, 12]], sampling=[SamplingParams(max_new_tokens=6, ignore_eos=True),
-                                                        SamplingParams(max_new_tokens=6, ignore_eos=True),
-                                                        SamplingParams(max_new_tokens=-1)])
+        outs = r.generate(
+            GOOD + [[11, 12]],
+            sampling=[
+                SamplingParams(max_new_tokens=6, ignore_eos=True),
+                SamplingParams(max_new_tokens=6, ignore_eos=True),
+                SamplingParams(max_new_tokens=-1),
+            ],
+        )
     assert outs[2].finish_reason == "failed" and "max_new_tokens" in outs[2].error
     check_others_ok(outs, 2)
 
@@ -89,8 +94,7 @@ class FailFor(Policy):
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_route_returns_unknown_model(pair, tok, concurrency):
     with Router(pair, FailFor("unknown"), tokenizer=tok) as r:
-        outs = r.generate([GOOD[0], [99, 3, 4], GOOD[1]], max_new_tokens=6, ignore_eos=True,
-                          concurrency=concurrency)
+        outs = r.generate([GOOD[0], [99, 3, 4], GOOD[1]], max_new_tokens=6, ignore_eos=True, concurrency=concurrency)
         assert all(free == usable for free, usable in pools_free(r).values())
     err = outs[1].error
     assert outs[1].finish_reason == "failed"
@@ -120,8 +124,10 @@ def test_send_raises_and_ping_pong(pair, tok):
         def route(self, step):  # always hands off, always discards: never commits
             return step.request.prompt_ids[0] == 99
 
-    for pol, words in ((BadSend(), ["BadSend", "send", "no handoff for you"]),
-                       (PingPong(), ["PingPong", "without committing", "keep_sampled=True"])):
+    for pol, words in (
+        (BadSend(), ["BadSend", "send", "no handoff for you"]),
+        (PingPong(), ["PingPong", "without committing", "keep_sampled=True"]),
+    ):
         with Router(pair, pol, tokenizer=tok) as r:
             outs = r.generate([GOOD[0], [99, 3], GOOD[1]], max_new_tokens=6, ignore_eos=True)
             assert r.engine.wait_idle()

@@ -5,8 +5,15 @@ import json
 
 import pytest
 
-from tokenrouter_sdk.eval import (BENCHMARKS, answers_agree, extract_choice, extract_math_answer, is_correct,
-                                  load_benchmark, load_metric)
+from tokenrouter_sdk.eval import (
+    BENCHMARKS,
+    answers_agree,
+    extract_choice,
+    extract_math_answer,
+    is_correct,
+    load_benchmark,
+    load_metric,
+)
 from tokenrouter_sdk.eval.answers import last_boxed
 from tokenrouter_sdk.eval.config import wilson_interval
 
@@ -39,12 +46,20 @@ GSM8K_OUTPUTS = [  # (model output, gold, expected extraction, correct?)
 ]
 
 MATH_OUTPUTS = [
-    ("Simplifying, $\\frac{28}{6} = \\frac{14}{3}$, so the answer is $\\boxed{\\frac{14}{3}}$.", "\\frac{14}{3}",
-     "\\frac{14}{3}", True),
+    (
+        "Simplifying, $\\frac{28}{6} = \\frac{14}{3}$, so the answer is $\\boxed{\\frac{14}{3}}$.",
+        "\\frac{14}{3}",
+        "\\frac{14}{3}",
+        True,
+    ),
     ("Thus $x = \\boxed{\\boxed{5}}$.", "5", "5", True),
     ("We get $\\boxed{\\dfrac{1}{2}}$", "0.5", "\\dfrac{1}{2}", True),
-    ("The polar form is $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$.", "\\left( 3, \\frac{\\pi}{2} \\right)",
-     "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    (
+        "The polar form is $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$.",
+        "\\left( 3, \\frac{\\pi}{2} \\right)",
+        "\\left( 3, \\frac{\\pi}{2} \\right)",
+        True,
+    ),
     ("The answer is \\boxed{1,000} dollars.", "1000", "1000", True),
     ("First \\boxed{3}, but on reflection the answer is \\boxed{4}.", "4", "4", True),
     ("Hence x = \\frac{3}{4}", "\\frac{3}{4}", "\\frac{3}{4}", True),
@@ -60,8 +75,12 @@ MATH_OUTPUTS = [
     ("The solutions are $x = \\boxed{1, -2}$.", "1,-2", "1, -2", True),
     ("The interval is $\\boxed{(-\\infty, 0]}$.", "(-\\infty, 0]", "(-\\infty, 0]", True),
     ("She keeps $\\boxed{\\text{\\$32,348}}$.", "\\$32,\\!348", "32348", True),
-    ("We find $k = -\\frac{1}{2}$. Check: substituting gives $2(-\\tfrac{1}{2}) + 1 = 0$, as required.",
-     "-\\frac{1}{2}", "0", False),  # a check sentence after an unboxed answer: the last expression wins
+    (
+        "We find $k = -\\frac{1}{2}$. Check: substituting gives $2(-\\tfrac{1}{2}) + 1 = 0$, as required.",
+        "-\\frac{1}{2}",
+        "0",
+        False,
+    ),  # a check sentence after an unboxed answer: the last expression wins
     ("The answer is $\\frac{\\sqrt{3}}{2}$.", "\\frac{\\sqrt3}{2}", "\\frac{\\sqrt{3}}{2}", True),
     ("Final Answer: The final answer is $3\\pi$. I hope it is correct.", "3\\pi", "3\\pi", True),
     ("Therefore $f(2) = 2^{3} - 1 = 7$.", "7", "7", True),
@@ -182,8 +201,9 @@ def test_metric_modules_load_offline(monkeypatch):
     assert out["correct"] == want == 21
     assert out["accuracy"] == pytest.approx(want / len(preds))
     assert out["answered"] == len(preds) - 2
-    c = load_metric("choice_accuracy").compute(predictions=[t for t, *_ in CHOICE_OUTPUTS],
-                                               references=[g for _, g, *_ in CHOICE_OUTPUTS])
+    c = load_metric("choice_accuracy").compute(
+        predictions=[t for t, *_ in CHOICE_OUTPUTS], references=[g for _, g, *_ in CHOICE_OUTPUTS]
+    )
     assert c["correct"] == 6 and c["answered"] == 7
     with pytest.raises(ValueError, match="packaged metrics"):
         load_metric("accuracy")
@@ -191,9 +211,15 @@ def test_metric_modules_load_offline(monkeypatch):
 
 def test_load_benchmark_local_files_subsets_and_templates(tmp_path, monkeypatch):
     # CommonsenseQA is not shipped: it comes from a local folder passed explicitly
-    (tmp_path / "commonsenseqa_validation.jsonl").write_text("".join(json.dumps(
-        {"id": f"c{i}", "question": f"Where {i}?\nAnswer Choices: (A) bank (B) mall", "answer": "AB"[i % 2]}) + "\n"
-        for i in range(3)))
+    (tmp_path / "commonsenseqa_validation.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {"id": f"c{i}", "question": f"Where {i}?\nAnswer Choices: (A) bank (B) mall", "answer": "AB"[i % 2]}
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
     monkeypatch.setenv("TOKENROUTER_DATA", str(tmp_path))
     for name in BENCHMARKS:
         b = load_benchmark(name, limit=3)

@@ -19,8 +19,10 @@ from tokenrouter_sdk.policies import QueryRouter, RandomRouting, RandomSpanRouti
 from ..helpers import save_tiny_pair
 
 QS = ["2+3?", "7*6?", "10-4?", "9/3?"]
-LAT = {"small": LatencyModel({1: 0.02, 8: 0.03}, per_token_s=0.001),
-       "large": LatencyModel({1: 0.06, 8: 0.09}, per_token_s=0.003)}
+LAT = {
+    "small": LatencyModel({1: 0.02, 8: 0.03}, per_token_s=0.001),
+    "large": LatencyModel({1: 0.06, 8: 0.09}, per_token_s=0.003),
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,17 @@ class FailsOnSeven(Policy):
 
 def test_failed_requests_are_counted_not_scored(pair, tok, bench):
     with Router(pair, tokenizer=tok) as r:
-        res = evaluate_policy(r, lambda v: FailsOnSeven(), [0], dataset=bench, max_new_tokens=12, concurrency=4,
-                              references=["large_only", "small_only"], progress=False, repeats=1)
+        res = evaluate_policy(
+            r,
+            lambda v: FailsOnSeven(),
+            [0],
+            dataset=bench,
+            max_new_tokens=12,
+            concurrency=4,
+            references=["large_only", "small_only"],
+            progress=False,
+            repeats=1,
+        )
     recs = {x["label"]: x for x in res.records}
     bad, small = recs["FailsOnSeven(value=0)"], recs["small_only"]
     assert (bad["n"], bad["answered"], bad["failed"], bad["flagged"]) == (4, 3, 1, True)
@@ -67,7 +78,7 @@ def test_failed_requests_are_counted_not_scored(pair, tok, bench):
     assert any(t.name == "points with failed requests" for t in fig.data)
 
 
-POLICY_FILE = '''
+POLICY_FILE = """
 from tokenrouter_sdk import Policy
 
 class Broken(Policy):
@@ -76,7 +87,7 @@ class Broken(Policy):
 
     def route(self, step):
         raise RuntimeError("broken on purpose")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +97,31 @@ def folders(tmp_path_factory):
 
 def test_eval_exits_non_zero_when_every_request_fails_and_shows_why(folders, tmp_path, capsys):
     from tokenrouter_sdk.cli.eval import add_arguments, cmd_eval
+
     (tmp_path / "broken.py").write_text(POLICY_FILE)
-    argv = ["--model", f"small={folders[0]}", "--model", f"large={folders[1]}", "--transport", "thread",
-            "--policy-file", f"{tmp_path / 'broken.py'}:Broken", "--param", "level", "--values", "0.3",
-            "--limit", "2", "--max-new-tokens", "3", "--repeats", "1", "--no-progress", "--out", str(tmp_path / "o")]
+    argv = [
+        "--model",
+        f"small={folders[0]}",
+        "--model",
+        f"large={folders[1]}",
+        "--transport",
+        "thread",
+        "--policy-file",
+        f"{tmp_path / 'broken.py'}:Broken",
+        "--param",
+        "level",
+        "--values",
+        "0.3",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
     assert cmd_eval(args) == 1
     out, err = capsys.readouterr()
@@ -110,10 +142,24 @@ def test_points_are_timed_in_interleaved_repeats_from_one_cache_state():
     qs = [f"Question {i}: what is {i} plus {i}? Think step by step." for i in range(6)]
     bench = load_benchmark_rows(qs)
     with Router(LAT, backend="sim", tokenizer=tiny_tokenizer()) as r:
-        res = evaluate_policy(r, "random", [0.2], dataset=bench, max_new_tokens=16, concurrency=3, progress=False,
-                              repeats=3, references=["large_only", "small_only", "random"])
+        res = evaluate_policy(
+            r,
+            "random",
+            [0.2],
+            dataset=bench,
+            max_new_tokens=16,
+            concurrency=3,
+            progress=False,
+            repeats=3,
+            references=["large_only", "small_only", "random"],
+        )
     labels = [x["label"] for x in res.records]
-    assert labels == ["large_only", "small_only", "RandomRouting(p=0.2)", f"RandomRouting(p={res.records[2]['large_fraction']:.3g})"]
+    assert labels == [
+        "large_only",
+        "small_only",
+        "RandomRouting(p=0.2)",
+        f"RandomRouting(p={res.records[2]['large_fraction']:.3g})",
+    ]
     order = res.config["run_order"]
     assert order == [[0, x] for x in labels] + [[1, x] for x in labels[::-1]] + [[2, x] for x in labels]
     fed = set()
@@ -126,9 +172,21 @@ def test_points_are_timed_in_interleaved_repeats_from_one_cache_state():
     assert len(fed) == 1 and fed.pop() > 0  # every run of every point found the same (empty) cache
     assert res.config["timing"]["cache"] == "clear" and res.config["timing"]["clock"] == "simulated"
     with Router(LAT, backend="sim", tokenizer=tiny_tokenizer()) as r:
-        kept = evaluate_policy(r, "random", [0.2], dataset=bench, max_new_tokens=16, concurrency=3, progress=False,
-                               repeats=2, references=["large_only", "small_only"], cache="keep")
-    fed = {runs["large" if x["kind"] == "large_only" else "small"] for x in kept.records for runs in x["prompt_fed_runs"]}
+        kept = evaluate_policy(
+            r,
+            "random",
+            [0.2],
+            dataset=bench,
+            max_new_tokens=16,
+            concurrency=3,
+            progress=False,
+            repeats=2,
+            references=["large_only", "small_only"],
+            cache="keep",
+        )
+    fed = {
+        runs["large" if x["kind"] == "large_only" else "small"] for x in kept.records for runs in x["prompt_fed_runs"]
+    }
     assert len(fed) > 1  # kept: later runs reuse the prompt blocks earlier ones left
     assert kept.records[0]["throughput_min"] < kept.records[0]["throughput_max"]
 
@@ -136,9 +194,11 @@ def test_points_are_timed_in_interleaved_repeats_from_one_cache_state():
 def load_benchmark_rows(questions):
     import tempfile
     from pathlib import Path
+
     path = Path(tempfile.mkdtemp()) / "q.jsonl"
-    path.write_text("".join(json.dumps({"id": f"q{i}", "question": q, "answer": "2"}) + "\n"
-                            for i, q in enumerate(questions)))
+    path.write_text(
+        "".join(json.dumps({"id": f"q{i}", "question": q, "answer": "2"}) + "\n" for i, q in enumerate(questions))
+    )
     return load_benchmark(path, template="{question}", seed=None)
 
 
@@ -147,18 +207,31 @@ def test_span_matched_random_realises_its_large_fraction_and_visit_lengths():
     large fraction and mean visit lengths (counted at the handoffs) fall in their 95% sampling
     ranges and its hop rate is what the visit lengths give (2 / (3 + 6)), not twice the large
     fraction; `RandomRouting` (p) is its case large_visit=1, small_visit=(1 - p) / p."""
+
     def run(pol):
         with Router(LAT, pol, backend="sim") as r:
             outs = r.generate([[5 + i] * 8 for i in range(32)], max_new_tokens=64, ignore_eos=True)
             visits = visits_from_trace(r.trace, [o.rid for o in outs])
             m = r.metrics()
         assert all(o.ok and [w for w, n in visits[o.rid] for _ in range(n)] == o.token_models for o in outs)
-        return [{"ok": True, "tokens": len(o.token_ids), "large_tokens": o.token_models.count("large"),
-                 "visits": visits[o.rid]} for o in outs], m
+        return [
+            {
+                "ok": True,
+                "tokens": len(o.token_ids),
+                "large_tokens": o.token_models.count("large"),
+                "visits": visits[o.rid],
+            }
+            for o in outs
+        ], m
 
     ans, m = run(RandomSpanRouting(large_visit=3, small_visit=6, seed=1))
-    rec = {"kind": "random_span", "label": "span", "matched_to": "P", "value": 3.0,
-           "targets": {"large_fraction": 1 / 3, "mean_large_visit": 3.0, "mean_small_visit": 6.0}}
+    rec = {
+        "kind": "random_span",
+        "label": "span",
+        "matched_to": "P",
+        "value": 3.0,
+        "targets": {"large_fraction": 1 / 3, "mean_large_visit": 3.0, "mean_small_visit": 6.0},
+    }
     assert check_reference(rec, ans, "large") is None and rec["matches_target"] and rec["visits_match"]
     lo, hi = rec["target_range"]
     assert lo < 1 / 3 < hi and hi - lo < 0.1
@@ -171,30 +244,51 @@ def test_span_matched_random_realises_its_large_fraction_and_visit_lengths():
     assert "visits" in check_reference(off, ans, "large") and off["matches_target"] is False
     # RandomRouting's visits, as a span-matched reference measures them: spans of 1, stretches of (1 - p) / p
     ans, m = run(RandomRouting(p=0.3, seed=2))
-    rec = {"kind": "random_span", "label": "span", "matched_to": "P", "value": 1.0,
-           "targets": {"large_fraction": 0.3, "mean_large_visit": 1.0, "mean_small_visit": 0.7 / 0.3}}
+    rec = {
+        "kind": "random_span",
+        "label": "span",
+        "matched_to": "P",
+        "value": 1.0,
+        "targets": {"large_fraction": 0.3, "mean_large_visit": 1.0, "mean_small_visit": 0.7 / 0.3},
+    }
     assert check_reference(rec, ans, "large") is None and rec["realised_large_visit"] == 1.0
 
 
 def _query_head(tmp_path, train_ids):
     from tokenrouter_sdk.policies.query_level import save_query_head
+
     path = tmp_path / "q.pt"
-    save_query_head(QueryRouter.random_head(64, seed=3), path,
-                    meta={"data": {"source": "tiny", "train_ids": list(train_ids), "val_ids": []}})
+    save_query_head(
+        QueryRouter.random_head(64, seed=3),
+        path,
+        meta={"data": {"source": "tiny", "train_ids": list(train_ids), "val_ids": []}},
+    )
     return path
 
 
 def test_several_policies_share_one_question_set_and_one_set_of_references(pair, tok, bench, tmp_path):
     head = _query_head(tmp_path, ["t1"])
     with Router(pair, tokenizer=tok) as r, pytest.warns(UserWarning, match="left out 1 of the 4"):
-        res = evaluate_policies(r, {"rstitch": (RStitch, [0.8], "tau"),
-                                    "query": (lambda v: QueryRouter(head, threshold=v), [0.5], "threshold"),
-                                    "random": ("random", [0.3])},
-                                dataset=bench, max_new_tokens=8, concurrency=4, progress=False, repeats=1)
+        res = evaluate_policies(
+            r,
+            {
+                "rstitch": (RStitch, [0.8], "tau"),
+                "query": (lambda v: QueryRouter(head, threshold=v), [0.5], "threshold"),
+                "random": ("random", [0.3]),
+            },
+            dataset=bench,
+            max_new_tokens=8,
+            concurrency=4,
+            progress=False,
+            repeats=1,
+        )
     kinds = [x["kind"] for x in res.records]
     assert kinds.count("large_only") == 1 and kinds.count("small_only") == 1
-    assert [x["label"] for x in res.records if x["kind"] == "sweep"] == ["rstitch(tau=0.8)", "query(threshold=0.5)",
-                                                                          "random(p=0.3)"]
+    assert [x["label"] for x in res.records if x["kind"] == "sweep"] == [
+        "rstitch(tau=0.8)",
+        "query(threshold=0.5)",
+        "random(p=0.3)",
+    ]
     ids = {tuple(a["id"] for a in ans) for ans in res.answers.values()}
     assert ids == {("t0", "t2", "t3")}  # the query head's training question is left out for every policy
     assert res.config["dataset"]["ids"] == ["t0", "t2", "t3"]
@@ -211,10 +305,17 @@ def test_python_defaults_are_the_command_line_defaults():
     from tokenrouter_sdk.cli.eval import DEFAULT_VALUES, add_arguments, sweeps
     from tokenrouter_sdk.eval.sweep import default_values
     from tokenrouter_sdk.policies import R2R
+
     assert default_values("r2r") == [R2R().tau]
     assert default_values("rstitch") == DEFAULT_VALUES["rstitch"]
-    cli = {name: values for name, _, _, values in
-           sweeps(add_arguments(argparse.ArgumentParser()).parse_args(["--pair", "smollm2", "--policy", "r2r", "--policy", "rstitch"]))}
+    cli = {
+        name: values
+        for name, _, _, values in sweeps(
+            add_arguments(argparse.ArgumentParser()).parse_args(
+                ["--pair", "smollm2", "--policy", "r2r", "--policy", "rstitch"]
+            )
+        )
+    }
     assert cli == {"r2r": default_values("r2r"), "rstitch": default_values("rstitch")}
     with pytest.raises(ValueError, match="give values"):
         default_values(lambda v: RandomRouting(p=v))

@@ -37,8 +37,9 @@ def test_two_shards_merged_equal_the_unsharded_sweep(pair, tok, bench, tmp_path)
     parts = []
     for i in (1, 2):  # each shard with its own Router, as on separate workers
         with Router(pair, tokenizer=tok) as r:
-            parts.append(evaluate_policy(r, RStitch, values, dataset=bench, out_dir=out, param="tau",
-                                         shard=f"{i}/2", **SAMPLING))
+            parts.append(
+                evaluate_policy(r, RStitch, values, dataset=bench, out_dir=out, param="tau", shard=f"{i}/2", **SAMPLING)
+            )
     assert [x["label"] for x in parts[0].records][:2] == ["large_only", "RStitch(tau=0.7)"]
     assert [x["label"] for x in parts[1].records][:2] == ["small_only", "RStitch(tau=0.8)"]
     assert not (out / "results.json").exists()  # a shard alone is not the sweep
@@ -53,32 +54,59 @@ def test_merge_names_what_is_missing(pair, tok, bench, tmp_path):
     with pytest.raises(FileNotFoundError, match="no shard manifests"):
         merge_sweep(tmp_path)
     with Router(pair, tokenizer=tok) as r:
-        evaluate_policy(r, RStitch, [0.8], dataset=bench, out_dir=tmp_path, param="tau", shard="2/3",
-                        references=["large_only"], **SAMPLING)
+        evaluate_policy(
+            r,
+            RStitch,
+            [0.8],
+            dataset=bench,
+            out_dir=tmp_path,
+            param="tau",
+            shard="2/3",
+            references=["large_only"],
+            **SAMPLING,
+        )
         with pytest.raises(FileNotFoundError, match=r"shard\(s\) \[1, 3\] of 3 have not finished"):
             merge_sweep(tmp_path)
         with pytest.raises(ValueError, match="out_dir"):
             evaluate_policy(r, RStitch, [0.8], dataset=bench, param="tau", shard="1/2", **SAMPLING)
         for bad in ("0/2", "3/2", "x/2", (2, 2)):
             with pytest.raises(ValueError, match="shard"):
-                evaluate_policy(r, RStitch, [0.8], dataset=bench, param="tau", shard=bad, out_dir=tmp_path,
-                                **SAMPLING)
+                evaluate_policy(r, RStitch, [0.8], dataset=bench, param="tau", shard=bad, out_dir=tmp_path, **SAMPLING)
 
 
 def test_shards_of_another_sweep_are_refused(pair, tok, bench, tmp_path):
     with Router(pair, tokenizer=tok) as r:
-        evaluate_policy(r, RStitch, [0.8], dataset=bench, out_dir=tmp_path, param="tau", shard="1/2",
-                        references=["large_only"], **SAMPLING)
-        evaluate_policy(r, RStitch, [0.9], dataset=bench, out_dir=tmp_path, param="tau", shard="2/2",
-                        references=["large_only"], **SAMPLING)
+        evaluate_policy(
+            r,
+            RStitch,
+            [0.8],
+            dataset=bench,
+            out_dir=tmp_path,
+            param="tau",
+            shard="1/2",
+            references=["large_only"],
+            **SAMPLING,
+        )
+        evaluate_policy(
+            r,
+            RStitch,
+            [0.9],
+            dataset=bench,
+            out_dir=tmp_path,
+            param="tau",
+            shard="2/2",
+            references=["large_only"],
+            **SAMPLING,
+        )
     with pytest.raises(ValueError, match="different sweeps"):
         merge_sweep(tmp_path)
 
 
 def test_launch_argv_drops_the_launcher_flags():
-    from tokenrouter_sdk.cli.main import build_parser
     from tokenrouter_sdk.cli.eval import _shard_launch_argv
+    from tokenrouter_sdk.cli.main import build_parser
     from tokenrouter_sdk.eval.shards import shard_argv
+
     argv = ["--values", "0.1,0.2", "--shards", "3", "--launcher=local", "--out", "o", "--limit", "4", "--merge"]
     args = build_parser().parse_args(["eval", *argv])
     args.argv = argv

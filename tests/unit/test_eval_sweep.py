@@ -26,8 +26,11 @@ def bench(tmp_path_factory, pair, tok):
     preds = [extract_answer(o.text) for o in outs]
     gold = [p if (p is not None and i % 2 == 0) else "123456789" for i, p in enumerate(preds)]
     path = d / "tiny.jsonl"
-    path.write_text("".join(json.dumps({"id": f"t{i}", "question": q, "answer": a}) + "\n"
-                            for i, (q, a) in enumerate(zip(qs, gold))))
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"t{i}", "question": q, "answer": a}) + "\n" for i, (q, a) in enumerate(zip(qs, gold))
+        )
+    )
     b = load_benchmark(path, template=tpl, seed=None)
     return b, sum(g != "123456789" for g in gold)
 
@@ -87,7 +90,8 @@ def test_sweep_records_references_resume_and_config(pair, tok, bench, tmp_path):
     assert cfg["dataset"]["ids"] == ["t0", "t1", "t2", "t3"] and cfg["sampling"]["max_new_tokens"] == 24
     assert cfg["policies"]["RStitch(tau=0.8)"] == {
         "class": "tokenrouter_sdk.policies.rstitch.RStitch",
-        "params": {"tau": 0.8, "tau_back": 0.8, "signal": "entropy", "small": None, "large": None}}
+        "params": {"tau": 0.8, "tau_back": 0.8, "signal": "entropy", "small": None, "large": None},
+    }
     assert cfg["versions"]["torch"] and cfg["versions"]["transformers"]
     with Router(pair, tokenizer=tok) as r:
         again = evaluate_policy(r, RStitch, VALUES, dataset=b, out_dir=out, param="tau", **SAMPLING)
@@ -114,8 +118,16 @@ def test_sweep_records_references_resume_and_config(pair, tok, bench, tmp_path):
         back.plot(x="cost")
     # a different sampling config does not reuse the points
     with Router(pair, tokenizer=tok) as r:
-        other = evaluate_policy(r, RStitch, [0.8], dataset=b, out_dir=out, param="tau", references=["large_only"],
-                                **{**SAMPLING, "max_new_tokens": 8})
+        other = evaluate_policy(
+            r,
+            RStitch,
+            [0.8],
+            dataset=b,
+            out_dir=out,
+            param="tau",
+            references=["large_only"],
+            **{**SAMPLING, "max_new_tokens": 8},
+        )
     assert not any(x["resumed"] for x in other.records) and other.records[1]["tokens_per_answer"] <= 8
 
 
@@ -143,8 +155,7 @@ def test_bad_arguments(pair, tok, bench):
 
 def test_small_only_only_and_dict_of_models(pair, tok, bench):
     b, _ = bench
-    res = evaluate_policy(pair, lambda v: SmallOnly(), [0], dataset=b, references=False, tokenizer=tok,
-                          **SAMPLING)
+    res = evaluate_policy(pair, lambda v: SmallOnly(), [0], dataset=b, references=False, tokenizer=tok, **SAMPLING)
     (x,) = res.records
     assert x["agreement"] is None and x["large_fraction"] == 0.0 and x["label"] == "SmallOnly(value=0)"
     with Router(pair, tokenizer=tok) as r:  # a lambda: the parameter is named after the policy attribute
@@ -154,10 +165,12 @@ def test_small_only_only_and_dict_of_models(pair, tok, bench):
 
 def test_cli_parser_has_eval():
     from tokenrouter_sdk.cli.main import build_parser
+
     a = build_parser().parse_args(["eval", "--values", "0.02,0.05", "--limit", "16", "--out", "x"])
     assert a.values == [0.02, 0.05] and a.limit == 16 and a.policy is None and a.fn.__name__ == "cmd_eval"
     assert a.repeats == 2 and a.cache == "clear" and not a.allow_failures
     from tokenrouter_sdk.cli.eval import sweeps
+
     assert [(n, p, v) for n, _, p, v in sweeps(a)] == [("rstitch", "tau", [0.02, 0.05])]  # the default policy
     a = build_parser().parse_args(["eval", "--policy", "rstitch@0.1,0.2", "--policy", "random", "--values", "0.3"])
     assert [(n, p, v) for n, _, p, v in sweeps(a)] == [("rstitch", "tau", [0.1, 0.2]), ("random", "p", [0.3])]
@@ -168,9 +181,12 @@ def test_cli_parser_has_eval():
 def _query_head_with_record(tmp_path, train_ids, val_ids=(), calibration_ids=()):
     """A query head for the tiny pair (hidden size 64) whose record lists these question ids."""
     from tokenrouter_sdk.policies.query_level import save_query_head
+
     path = tmp_path / "q.pt"
-    meta = {"data": {"source": "tiny", "train_ids": list(train_ids), "val_ids": list(val_ids)},
-            "default_threshold": {"value": 0.5, "calibration_ids": list(calibration_ids)}}
+    meta = {
+        "data": {"source": "tiny", "train_ids": list(train_ids), "val_ids": list(val_ids)},
+        "default_threshold": {"value": 0.5, "calibration_ids": list(calibration_ids)},
+    }
     save_query_head(QueryRouter.random_head(64, seed=3), path, meta=meta)
     return path
 
@@ -180,22 +196,40 @@ def test_a_learned_head_is_not_scored_on_its_training_questions(pair, tok, bench
     head = _query_head_with_record(tmp_path, ["t1"], ["t2"], ["t1"])
     with Router(pair, tokenizer=tok) as r:
         with pytest.warns(UserWarning, match=r"left out 2 of the 3 questions drawn .*QueryRouter's \(2 ids\) head"):
-            res = evaluate_policy(r, lambda v: QueryRouter(head, threshold=v), [0.5], dataset=b.source, limit=3,
-                                  seed=None, references=["large_only"], **SAMPLING)
+            res = evaluate_policy(
+                r,
+                lambda v: QueryRouter(head, threshold=v),
+                [0.5],
+                dataset=b.source,
+                limit=3,
+                seed=None,
+                references=["large_only"],
+                **SAMPLING,
+            )
         assert res.excluded["in_draw"] == 2 and res.excluded["ids"] == ["t1", "t2"]
         assert res.excluded["heads"] == {"QueryRouter": 2} and res.excluded["in_benchmark"] == 2
-        for label, ans in res.answers.items():   # the next question in file order took their places
+        for label, ans in res.answers.items():  # the next question in file order took their places
             assert [a["id"] for a in ans] == ["t0", "t3"], label
         assert res.config["dataset"]["ids"] == ["t0", "t3"]
-        assert any("leaving out 2 of the 3 first drawn" in line for line in res.notes()) and "leaving out" in res.table()
+        assert (
+            any("leaving out 2 of the 3 first drawn" in line for line in res.notes()) and "leaving out" in res.table()
+        )
         # a loaded Benchmark: the questions are dropped (nothing to take their places)
         with pytest.warns(UserWarning, match="left out 2 of the 4"):
-            res = evaluate_policy(r, lambda v: QueryRouter(head, threshold=v), [0.5], dataset=b, references=False,
-                                  **SAMPLING)
+            res = evaluate_policy(
+                r, lambda v: QueryRouter(head, threshold=v), [0.5], dataset=b, references=False, **SAMPLING
+            )
         assert [a["id"] for a in res.answers["QueryRouter(threshold=0.5)"]] == ["t0", "t3"]
         # the explicit opt-out scores them, and says so
-        res = evaluate_policy(r, lambda v: QueryRouter(head, threshold=v), [0.5], dataset=b, references=False,
-                              exclude_head_questions=False, **SAMPLING)
+        res = evaluate_policy(
+            r,
+            lambda v: QueryRouter(head, threshold=v),
+            [0.5],
+            dataset=b,
+            references=False,
+            exclude_head_questions=False,
+            **SAMPLING,
+        )
         assert len(res.answers["QueryRouter(threshold=0.5)"]) == 4 and "excluded" not in res.config
         assert res.config["head_overlap"]["ids"] == ["t1", "t2"] and "were used to make" in res.table()
         # no head, nothing left out
@@ -214,17 +248,28 @@ def test_a_reference_off_its_target_is_flagged():
     assert 0.27 < lo < 0.3 < hi < 0.33
     ans = [{"ok": True, "tokens": 10, "large_tokens": 10}] * 4
     rec = {"label": "RandomQueryRouting(p=0.266)", "kind": "random_query", "matched_to": "R(x=1)", "value": 0.266}
-    with pytest.warns(UserWarning, match=r"RandomQueryRouting\(p=0.266\) realised .* 1 on 4 questions, outside the "
-                                         r"95% sampling range \[0, 0.75\] of its target 0.266"):
+    with pytest.warns(
+        UserWarning,
+        match=r"RandomQueryRouting\(p=0.266\) realised .* 1 on 4 questions, outside the "
+        r"95% sampling range \[0, 0.75\] of its target 0.266",
+    ):
         _check_all([rec], {rec["label"]: ans}, "large", warn=True)
     assert rec["matches_target"] is False and rec["target_range"] == [0.0, 0.75]
     assert any("does not match R(x=1)" in line for line in EvalResult([rec]).notes())
     ok = dict(rec, label="RandomQueryRouting(p=0.5)", value=0.5)
-    assert check_reference(ok, [{"ok": True, "tokens": 10, "large_tokens": 10},
-                                {"ok": True, "tokens": 10, "large_tokens": 0}] * 2, "large") is None
+    assert (
+        check_reference(
+            ok,
+            [{"ok": True, "tokens": 10, "large_tokens": 10}, {"ok": True, "tokens": 10, "large_tokens": 0}] * 2,
+            "large",
+        )
+        is None
+    )
     assert ok["matches_target"] is True and ok["realised"] == 0.5
     tok_level = {"label": "RandomRouting(p=0.3)", "kind": "random", "matched_to": "R(x=1)", "value": 0.3}
     text = check_reference(tok_level, [{"ok": True, "tokens": 500, "large_tokens": 250}] * 2, "large")
     assert "a large fraction of 0.5 on 1000 committed tokens" in text
     failed = [{"ok": False, "tokens": 500, "large_tokens": 500, "error": "x"}] * 2  # failed requests are not counted
-    assert check_reference(dict(tok_level), [{"ok": True, "tokens": 1000, "large_tokens": 300}] + failed, "large") is None
+    assert (
+        check_reference(dict(tok_level), [{"ok": True, "tokens": 1000, "large_tokens": 300}] + failed, "large") is None
+    )

@@ -48,8 +48,9 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def helps():
-    proc = subprocess.run([sys.executable, "-c", DRIVER, *map(str, SCRIPTS)], capture_output=True, text=True,
-                          timeout=180, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, *map(str, SCRIPTS)], capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -74,6 +75,7 @@ def test_docstring_says_what_and_how(script):
     doc = ast.get_docstring(ast.parse(script.read_text()))
     assert doc and len(doc.split()) >= 20, "the docstring says what the script measures"
     run = doc.split("Run:", 1)
-    assert len(run) == 2 and f"evals/{script.parent.name}/{script.name}" in run[1], \
+    assert len(run) == 2 and f"evals/{script.parent.name}/{script.name}" in run[1], (
         "the docstring says how to run it: 'Run:' then the command"
+    )
     assert "Writes" in doc, "the docstring names the files it writes"

@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from tokenrouter_sdk.backends import autotune as A, cpu_kernels, fused_layers
+from tokenrouter_sdk.backends import autotune as A
+from tokenrouter_sdk.backends import cpu_kernels, fused_layers
 from tokenrouter_sdk.backends.attention import cpu_kernel, kernel_choice
 from tokenrouter_sdk.backends.autotune import PackRule
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
@@ -20,8 +21,9 @@ from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 
-pytestmark = pytest.mark.skipif(cpu_kernels.paged_attention_op(wait=True, timeout=600) is None,
-                                reason="the C++ CPU kernels could not be built here")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.paged_attention_op(wait=True, timeout=600) is None, reason="the C++ CPU kernels could not be built here"
+)
 
 ARCHS = {
     "llama": dict(arch="llama"),
@@ -34,6 +36,7 @@ ARCHS = {
 class Counted(list):
     """Per layer run through `LayerCalls`, whether it ran fused (True) or was left to the loop;
     ``stacks``: the steps whose every layer ran in one `LayerCalls.run_stack` call."""
+
     stacks = 0
 
     def clear(self):
@@ -110,15 +113,18 @@ def test_fused_layers_equal_the_layer_loop_bit_for_bit(arch, kernel_extend, monk
     starts = [0] * b
     whole = []
     real = fused_layers.LayerCalls.mode
-    monkeypatch.setattr(fused_layers.LayerCalls, "mode",
-                        staticmethod(lambda fb: whole.append(real(fb) == "whole") or real(fb)))
+    monkeypatch.setattr(
+        fused_layers.LayerCalls, "mode", staticmethod(lambda fb: whole.append(real(fb) == "whole") or real(fb))
+    )
     steps = 0
     for step in range(9):
         live = list(range(b)) if step % 3 else rng.sample(range(b), rng.randint(1, b))
         if step == 0:
             live = list(range(b))
-        feed = {i: [rng.randrange(3, 250) for _ in range(rng.randint(3, 20) if step == 0
-                                                        else rng.choice([1, 1, 2, 9]))] for i in live}
+        feed = {
+            i: [rng.randrange(3, 250) for _ in range(rng.randint(3, 20) if step == 0 else rng.choice([1, 1, 2, 9]))]
+            for i in live
+        }
         for i in live:
             blocks_of(r).ensure(tabs[i], starts[i] + len(feed[i]))
         seqs = [SeqInput(feed[i], starts[i], tabs[i]) for i in live]
@@ -207,10 +213,13 @@ def test_a_wrapped_kernel_attend_is_called(monkeypatch, counted):
     """A spy on the kernel's ``attend`` sees every decode: such steps run the attention in Python
     between the two fused calls, and still equal the loop."""
     from tokenrouter_sdk.backends.attention import cpu_kernel as ck
+
     r = _runner("mistral", monkeypatch)
     seen = []
     real = ck.CpuKernel.attend
-    monkeypatch.setattr(ck.CpuKernel, "attend", lambda self, kern, *a: seen.append(kern.q_len.tolist()) or real(self, kern, *a))
+    monkeypatch.setattr(
+        ck.CpuKernel, "attend", lambda self, kern, *a: seen.append(kern.q_len.tolist()) or real(self, kern, *a)
+    )
     t = []
     blocks_of(r).ensure(t, 12)
     r.forward([SeqInput(list(range(5, 16)), 0, t)])
@@ -225,11 +234,15 @@ def test_a_wrapped_kernel_store_runs_the_loop(monkeypatch, counted):
     """A spy on the kernel's ``store`` sees every layer's K/V: the fused calls, which store in
     C++, step aside for the loop."""
     from tokenrouter_sdk.backends.attention import cpu_kernel as ck
+
     r = _runner("llama", monkeypatch)
     stored = []
     real = ck.CpuKernel.store
-    monkeypatch.setattr(ck.CpuKernel, "store", lambda self, kc, vc, slots, k, v: stored.append(len(slots))
-                        or real(self, kc, vc, slots, k, v))
+    monkeypatch.setattr(
+        ck.CpuKernel,
+        "store",
+        lambda self, kc, vc, slots, k, v: stored.append(len(slots)) or real(self, kc, vc, slots, k, v),
+    )
     t = []
     blocks_of(r).ensure(t, 12)
     r.forward([SeqInput(list(range(5, 10)), 0, t)])  # no kernel part: fused, stored in C++
@@ -297,6 +310,7 @@ def test_the_kernel_gets_the_runner_s_tile_threshold_and_prefetch_in_either_path
             return real_attend(self, *a)
         finally:
             self.op = op
+
     monkeypatch.setattr(cpu_kernel.CpuKernel, "attend", attend)
     r.forward([SeqInput([22], 13, t)])
     assert got["op"] == [7] * 3 and got["layer"] == [(7, 3)] * 3  # 3 layers, attention in Python
@@ -347,9 +361,12 @@ def test_decoder_stack_names_what_does_not_fit(monkeypatch):
     a = list(seen["args"])
     assert torch.equal(real(*a), real(*a))  # a valid call runs (it stores the same K/V twice)
     k = r.pool.k.clone()
-    for i, bad, why in [(1, a[1][:-1], "6 tensors a layer"), (2, a[2][:-1], "4 biases a layer"),
-                        (15, a[15][:1], "scale, window and softcap one a layer"),
-                        (9, [0, 7], "layer 7 is not in the pools")]:
+    for i, bad, why in [
+        (1, a[1][:-1], "6 tensors a layer"),
+        (2, a[2][:-1], "4 biases a layer"),
+        (15, a[15][:1], "scale, window and softcap one a layer"),
+        (9, [0, 7], "layer 7 is not in the pools"),
+    ]:
         b = list(a)
         b[i] = bad
         with pytest.raises(RuntimeError, match=why):

@@ -101,7 +101,8 @@ class ProductOfExperts(Policy):
         peer = step.peer_logits
         assert peer is not None and peer.shape == step.logits.shape
         step.state.setdefault("written", []).append(
-            (step.position, int(step.token), int((peer.log_softmax(-1) + step.logits.log_softmax(-1)).argmax())))
+            (step.position, int(step.token), int((peer.log_softmax(-1) + step.logits.log_softmax(-1)).argmax()))
+        )
         step.set_token(step.state["written"][-1][2])
         return "small"
 
@@ -142,6 +143,7 @@ def test_composed_token_may_be_neither_models(pair, tok):
 
 def test_handoff_logits_travel_only_when_declared(pair, tok, monkeypatch):
     from tokenrouter_sdk.engine.core import subserver
+
     sent = []
     orig = subserver.SubServer._handoff
 
@@ -304,8 +306,10 @@ def test_query_router_mean_pooling(pair, tok, params, concurrency):
     head = QueryRouter.random_head(64, seed=1)
     prompts = mixed_prompts(8, seed=6)
     with torch.inference_mode():
-        p = [float(head(pair["small"].model(input_ids=torch.tensor([q])).last_hidden_state[0].mean(0)[None]))
-             for q in prompts]
+        p = [
+            float(head(pair["small"].model(input_ids=torch.tensor([q])).last_hidden_state[0].mean(0)[None]))
+            for q in prompts
+        ]
     thr = sorted(p)[4]
     outs, _ = run(pair, tok, QueryRouter(head=head, threshold=thr, pooling="mean"), params, concurrency, prompts)
     for o in outs:
@@ -390,8 +394,9 @@ def test_prefill_peers_survives_evicted_prefills(pair, tok):
     """With pools too small for every request at once, admission prefills are evicted (and
     recomputed on the handoff); outputs are unchanged."""
     prompts = [list(range(3, 43))] * 2 + mixed_prompts(4, seed=2)
-    outs, _ = run(pair, tok, HandAfter(), GREEDY, 8, prompts, prefill_peers=True, max_kv_tokens=64,
-                  kv_admission="optimistic")
+    outs, _ = run(
+        pair, tok, HandAfter(), GREEDY, 8, prompts, prefill_peers=True, max_kv_tokens=64, kv_admission="optimistic"
+    )
     assert all(o.hops >= 2 for o in outs)
 
 
@@ -400,8 +405,12 @@ def test_hooks_through_processes(pair, tok, monkeypatch):
     and prompt hidden states give the reference's outputs, and every block comes back."""
     monkeypatch.delenv("TOKENROUTER_PROCESSES", raising=False)
     head = QueryRouter.random_head(64, seed=1)
-    policies = [CoLLM(CoLLM.random_head(64, seed=0), eta=0.5, compose=True), RedrawOdd(), PeerSpan(greedy=True),
-                QueryRouter(head=head, threshold=0.5, pooling="mean")]
+    policies = [
+        CoLLM(CoLLM.random_head(64, seed=0), eta=0.5, compose=True),
+        RedrawOdd(),
+        PeerSpan(greedy=True),
+        QueryRouter(head=head, threshold=0.5, pooling="mean"),
+    ]
     prompts = mixed_prompts(8, seed=11)
     with Router(pair, tokenizer=tok, processes=True, prefill_peers=True) as r:
         for pol in policies:
@@ -410,5 +419,9 @@ def test_hooks_through_processes(pair, tok, monkeypatch):
                 assert o.finish_reason == "length", o.error
                 ref = reference_generate(pair, o.prompt, pol, SAMPLED, rid=o.rid, tokenizer=tok)
                 assert (o.token_ids, o.token_models, o.hops, o.discarded) == (
-                    ref["token_ids"], ref["token_models"], ref["hops"], ref["discarded"]), (pol, o.rid)
+                    ref["token_ids"],
+                    ref["token_models"],
+                    ref["hops"],
+                    ref["discarded"],
+                ), (pol, o.rid)
         assert all(f == n for f, n in pools_free(r).values())

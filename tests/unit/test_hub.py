@@ -88,8 +88,9 @@ class ThreadLauncher:
                     time.sleep(0.3)
                     report(name, "the test ended it")
                     return 7
-                return run_subserver(name, address, 1, lambda: (payload,), pickle.loads,
-                                     t_main=time.perf_counter(), watch_parent=False)
+                return run_subserver(
+                    name, address, 1, lambda: (payload,), pickle.loads, t_main=time.perf_counter(), watch_parent=False
+                )
 
             started[name] = ThreadStarted(name, serve, self.lag if name == self.crash else 0.0)
             if self.calls.count("launch") > 1:  # a restart: return late, as a Ray actor's start does
@@ -154,8 +155,11 @@ def test_a_launcher_of_its_own_serves_a_routed_run_equal_to_the_reference(models
 def test_the_engine_sees_events_as_the_launcher_adjusts_them(models, tok):
     seen = []
     launcher = ThreadLauncher(shift=1000.0)
-    engine = Engine({n: TorchRunnerSpec(m, max_kv_tokens=512) for n, m in models.items()}, tok,
-                    transport=HubTransport(launcher, start_timeout=60))
+    engine = Engine(
+        {n: TorchRunnerSpec(m, max_kv_tokens=512) for n, m in models.items()},
+        tok,
+        transport=HubTransport(launcher, start_timeout=60),
+    )
     engine.add_observer(seen.append)
     try:
         _run(engine, [[5, 6, 7]], RandomRouting(p=0.5, seed=1), SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -170,8 +174,9 @@ def test_a_sub_server_that_ends_is_reported_with_what_it_held(models, tok):
     transport = HubTransport(launcher, start_timeout=None)
     engine = Engine({n: TorchRunnerSpec(m, max_kv_tokens=512) for n, m in models.items()}, tok, transport=transport)
     try:
-        outs = _run(engine, [[5, 6, 7], [8, 9]], RandomRouting(p=0.9, seed=1),
-                    SamplingParams(max_new_tokens=6, ignore_eos=True))
+        outs = _run(
+            engine, [[5, 6, 7], [8, 9]], RandomRouting(p=0.9, seed=1), SamplingParams(max_new_tokens=6, ignore_eos=True)
+        )
         assert engine.dead == {"large": "sub-server process 'large' died (exit code 7): the test ended it"}
     finally:
         engine.close()
@@ -181,11 +186,17 @@ def test_a_sub_server_that_ends_is_reported_with_what_it_held(models, tok):
 def _crash_run(models, tok, lag: float = 0.0):
     """The crash-report run (the large sub-server ends while requests are routed to it); returns
     the outputs and the engine's dead models, within 30 s (a lost death notice times out)."""
-    engine = Engine({n: TorchRunnerSpec(m, max_kv_tokens=512) for n, m in models.items()}, tok,
-                    transport=HubTransport(ThreadLauncher(crash="large", lag=lag), start_timeout=None))
+    engine = Engine(
+        {n: TorchRunnerSpec(m, max_kv_tokens=512) for n, m in models.items()},
+        tok,
+        transport=HubTransport(ThreadLauncher(crash="large", lag=lag), start_timeout=None),
+    )
     try:
-        call = engine.submit([RequestInput(p, SamplingParams(max_new_tokens=6, ignore_eos=True), prompt=p)
-                              for p in ([5, 6, 7], [8, 9])], RandomRouting(p=0.9, seed=1), concurrency=4)
+        call = engine.submit(
+            [RequestInput(p, SamplingParams(max_new_tokens=6, ignore_eos=True), prompt=p) for p in ([5, 6, 7], [8, 9])],
+            RandomRouting(p=0.9, seed=1),
+            concurrency=4,
+        )
         call.wait(30)
         return call.outputs, engine.dead
     finally:
@@ -204,6 +215,7 @@ def test_the_crash_report_survives_a_cpu_hog(models, tok):
     """Twenty crash-report runs while busy loops hold every core: no death notice is lost."""
     import subprocess
     import sys
+
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
         for i in range(20):
@@ -223,8 +235,11 @@ def test_a_sub_server_that_ended_is_restarted_by_the_launcher_and_serves(models,
     also when the new sub-server says hi before its launch returned."""
     launcher = ThreadLauncher(crash="large", times=1)
     launcher.relaunch_s = relaunch_s
-    engine = Engine({n: TorchRunnerSpec(m, max_kv_tokens=512) for n, m in models.items()}, tok,
-                    transport=HubTransport(launcher, start_timeout=None))
+    engine = Engine(
+        {n: TorchRunnerSpec(m, max_kv_tokens=512) for n, m in models.items()},
+        tok,
+        transport=HubTransport(launcher, start_timeout=None),
+    )
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     try:
         outs = _run(engine, [[5, 6, 7], [8, 9]], RandomRouting(p=0.9, seed=1), params)
@@ -244,6 +259,7 @@ def test_a_sub_server_that_ended_is_restarted_by_the_launcher_and_serves(models,
 def test_process_and_ray_transports_only_pass_their_launcher_in():
     """Both are a `HubTransport` with a launcher: neither overrides the hub's methods."""
     from tokenrouter_sdk.engine.transports.ray_transport import RayTransport
+
     for cls in (ProcessTransport, RayTransport):
         own = {k for k, v in vars(cls).items() if callable(v) or isinstance(v, property)}
         assert own <= {"__init__", "nodes", "actors", "placement_group"}, (cls, own)

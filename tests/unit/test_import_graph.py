@@ -23,8 +23,11 @@ def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
         here = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ImportFrom):
-                base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
-                    if node.level else node.module
+                base = (
+                    ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    if node.level
+                    else node.module
+                )
                 for alias in node.names:
                     target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
                     if target in files and target != mod:
@@ -77,7 +80,7 @@ def test_the_check_finds_a_circle_when_there_is_one(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("def f():\n    from .sub import b\n")          # a lazy import
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n")  # a lazy import
     (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import f\n")
     (pkg / "c.py").write_text("import pkg.a\n")
     assert circles(module_graph(pkg)) == [["pkg.a", "pkg.sub.b"]]
@@ -86,12 +89,35 @@ def test_the_check_finds_a_circle_when_there_is_one(tmp_path):
 # The package's layers, lowest first: a module may import its own layer and the ones below.
 # Each name is a top-level module or folder of the package (``engine`` is ``engine/``).
 LAYERS = (
-    ("request", "build_lock", "placement", "kv_sizing", "random_models", "self_draft", "benchmarks", "tables", "prompts",
-     "byte_vocab"),
-    ("policy",), ("models", "pairs", "deferred"), ("policies",),
-    ("engine",), ("metrics",), ("viz",), ("result",),
-    ("backends",), ("planner",), ("reference", "reference_mixed"), ("runner_setup",),
-    ("router",), ("serve",), ("eval",), ("demo",), ("bench",), ("train",),
+    (
+        "request",
+        "build_lock",
+        "placement",
+        "kv_sizing",
+        "random_models",
+        "self_draft",
+        "benchmarks",
+        "tables",
+        "prompts",
+        "byte_vocab",
+    ),
+    ("policy",),
+    ("models", "pairs", "deferred"),
+    ("policies",),
+    ("engine",),
+    ("metrics",),
+    ("viz",),
+    ("result",),
+    ("backends",),
+    ("planner",),
+    ("reference", "reference_mixed"),
+    ("runner_setup",),
+    ("router",),
+    ("serve",),
+    ("eval",),
+    ("demo",),
+    ("bench",),
+    ("train",),
     ("cli",),
 )
 # The imports that go up, each with why it stays: at most two.
@@ -133,9 +159,11 @@ def test_imports_go_down_the_layers_but_for_at_most_two_named_edges():
 
 
 def test_the_layer_check_sees_an_import_that_goes_up(tmp_path):
-    graph = {"tokenrouter_sdk.engine.front.call": {"tokenrouter_sdk.metrics"},
-             "tokenrouter_sdk.metrics": {"tokenrouter_sdk.engine.messages"},
-             "tokenrouter_sdk.engine.messages": set()}
+    graph = {
+        "tokenrouter_sdk.engine.front.call": {"tokenrouter_sdk.metrics"},
+        "tokenrouter_sdk.metrics": {"tokenrouter_sdk.engine.messages"},
+        "tokenrouter_sdk.engine.messages": set(),
+    }
     assert upward_edges(graph) == [("tokenrouter_sdk.engine.front.call", "tokenrouter_sdk.metrics")]
     with pytest.raises(AssertionError, match="'mystery' is in no layer"):
         upward_edges({"tokenrouter_sdk.mystery": {"tokenrouter_sdk.engine"}, "tokenrouter_sdk.engine": set()})
@@ -160,12 +188,18 @@ def test_the_engine_rooms_import_down_seam_core_transports_front():
     graph = module_graph()
     rooms = {m for m in graph if engine_room_of(m) is not None}
     assert {m.split(".")[2] for m in rooms} >= {"core", "transports", "front", "messages", "runner"}
-    up = sorted((a, b) for a in rooms for b in graph[a]
-                if engine_room_of(b) is not None and engine_room_of(b) > engine_room_of(a))
+    up = sorted(
+        (a, b)
+        for a in rooms
+        for b in graph[a]
+        if engine_room_of(b) is not None and engine_room_of(b) > engine_room_of(a)
+    )
     assert up == []
 
 
 def test_the_room_check_sees_an_import_that_goes_up():
-    assert engine_room_of("tokenrouter_sdk.engine.core.subserver") < engine_room_of("tokenrouter_sdk.engine.front.engine")
+    assert engine_room_of("tokenrouter_sdk.engine.core.subserver") < engine_room_of(
+        "tokenrouter_sdk.engine.front.engine"
+    )
     with pytest.raises(AssertionError, match="'attic' is in no room"):
         engine_room_of("tokenrouter_sdk.engine.attic.x")

@@ -11,9 +11,9 @@ from tokenrouter_sdk.backends import autotune as A
 from tokenrouter_sdk.backends import cpu_kernels
 from tokenrouter_sdk.backends.attention import kernel_choice as K
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
-from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,16 @@ class FakeMeasure:
     def __call__(self, op, heads, kv_heads, dim, dtype, layers):
         self.calls += 1
         wins = [b <= self.upto for b in K.BUCKETS]
-        return {"buckets": list(K.BUCKETS), "kernel": wins, "kernel_ms": [1.0] * len(wins),
-                "gather_ms": [2.0] * len(wins), "limit": K.limit_of(K.BUCKETS, wins), "context": 512,
-                "decodes": 3, "layers": layers}
+        return {
+            "buckets": list(K.BUCKETS),
+            "kernel": wins,
+            "kernel_ms": [1.0] * len(wins),
+            "gather_ms": [2.0] * len(wins),
+            "limit": K.limit_of(K.BUCKETS, wins),
+            "context": 512,
+            "decodes": 3,
+            "layers": layers,
+        }
 
 
 def test_the_limit_is_the_last_bucket_of_the_first_winning_run():
@@ -111,10 +118,12 @@ def test_steps_give_the_same_logits_whichever_limit(store, op, monkeypatch, dtyp
     bits), and the runner reports the limit and tiles it used and the kernel attended exactly the
     extends within the limit."""
     from tokenrouter_sdk.backends.attention import cpu_kernel
+
     seen: list[int] = []
     real = cpu_kernel.CpuKernel.attend
-    monkeypatch.setattr(cpu_kernel.CpuKernel, "attend",
-                        lambda self, kern, *a: seen.extend(kern.q_len.tolist()) or real(self, kern, *a))
+    monkeypatch.setattr(
+        cpu_kernel.CpuKernel, "attend", lambda self, kern, *a: seen.extend(kern.q_len.tolist()) or real(self, kern, *a)
+    )
     model = tiny_model(num_layers=3, seed=8, dtype=dtype)
     outs = {}
     for limit, tiles in [(1, 0), (5, 0), (16, 0), (5, 2), (16, 2), (16, 12)]:
@@ -157,6 +166,7 @@ def test_a_runner_measures_its_limit_at_its_first_kernel_step(store, op):
 
 def test_info_prints_the_extend_choice(store, capsys):
     from tokenrouter_sdk.cli.main import main
+
     K.extend_limit(None, 9, 3, 64, torch.float32, 30, measure_fn=FakeMeasure(upto=4))
     assert main(["info"]) == 0
     out = capsys.readouterr().out
@@ -172,9 +182,16 @@ class FakeTiles:
     def __call__(self, op, heads, kv_heads, dim, dtype, layers):
         self.calls += 1
         wins = [bool(self.start) and b >= self.start for b in K.TILE_BUCKETS]
-        return {"buckets": list(K.TILE_BUCKETS), "tiles": wins, "tiles_ms": [1.0] * len(wins),
-                "keys_ms": [2.0] * len(wins), "tile_from": K.tile_from_of(K.TILE_BUCKETS, wins), "context": 512,
-                "decodes": 3, "layers": layers}
+        return {
+            "buckets": list(K.TILE_BUCKETS),
+            "tiles": wins,
+            "tiles_ms": [1.0] * len(wins),
+            "keys_ms": [2.0] * len(wins),
+            "tile_from": K.tile_from_of(K.TILE_BUCKETS, wins),
+            "context": 512,
+            "decodes": 3,
+            "layers": layers,
+        }
 
 
 def test_tiles_start_where_they_win_at_every_larger_bucket():
@@ -245,7 +262,10 @@ def test_a_float32_or_bfloat16_runner_measures_its_tiles_then_its_limit_with_the
 
 def test_info_prints_the_tile_choice(store, capsys):
     from tokenrouter_sdk.cli.main import main
+
     K.tile_choice(None, 9, 3, 64, torch.float32, 30, measure_fn=FakeTiles(start=4))
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "tiles kernel float32 heads=9 kv=3 dim=64 layers=30: the kernel scores 16 keys at a time from 4 queries" in out
+    assert (
+        "tiles kernel float32 heads=9 kv=3 dim=64 layers=30: the kernel scores 16 keys at a time from 4 queries" in out
+    )

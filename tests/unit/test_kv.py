@@ -50,8 +50,17 @@ def test_return_feeds_exactly_the_unseen_suffix(pair, tok):
     assert out.token_models == ["small"] * 3 + ["large"] * 3 + ["small"] * 3
     # small: prefill P, decode, decode, (pending), extend by tok2 (its own, never fed) + 3 large tokens,
     # then decodes. large: prefill of prompt + 3 committed tokens, then two decodes.
-    assert fed_per_step(trace, out.rid) == [("small", P), ("small", 1), ("small", 1), ("large", P + 3),
-                                            ("large", 1), ("large", 1), ("small", 4), ("small", 1), ("small", 1)]
+    assert fed_per_step(trace, out.rid) == [
+        ("small", P),
+        ("small", 1),
+        ("small", 1),
+        ("large", P + 3),
+        ("large", 1),
+        ("large", 1),
+        ("small", 4),
+        ("small", 1),
+        ("small", 1),
+    ]
     # pending on small: KV of prompt + 2 tokens kept, blocks not freed: ceil((P + 2) / 4) = 3
     assert probes == [("pending", P + 2, 3)] * 3
 
@@ -72,8 +81,14 @@ def test_discard_then_return_recomputes_nothing_but_the_suffix(pair, tok):
         trace = list(r.trace)
     assert out.token_models == ["small", "small", "large", "small", "small"]
     assert out.discarded == 1 and out.hops == 2
-    assert fed_per_step(trace, out.rid) == [("small", P), ("small", 1), ("small", 1), ("large", P + 2),
-                                            ("small", 1), ("small", 1)]
+    assert fed_per_step(trace, out.rid) == [
+        ("small", P),
+        ("small", 1),
+        ("small", 1),
+        ("large", P + 2),
+        ("small", 1),
+        ("small", 1),
+    ]
 
 
 @pytest.mark.parametrize("concurrency", [1, 3, 8])
@@ -85,8 +100,9 @@ def test_pools_return_to_initial_free_size(pair, tok, concurrency):
         assert {n: free for n, (free, _) in pools_free(r).items()} == initial
         assert all(v == 2048 // 8 for v in initial.values())
         stats = r.kv_stats()
-        assert {n: (s.free_blocks, s.num_blocks, s.block_size, s.owned, s.pending) for n, s in stats.items()} == \
-            {n: (256, 256, 8, 0, 0) for n in ("small", "large")}
+        assert {n: (s.free_blocks, s.num_blocks, s.block_size, s.owned, s.pending) for n, s in stats.items()} == {
+            n: (256, 256, 8, 0, 0) for n in ("small", "large")
+        }
     with pytest.raises(RuntimeError, match="closed"):
         r.kv_stats()
 
@@ -99,8 +115,9 @@ def test_full_pool_preempts_and_recomputes_without_loss(pair, tok, admission):
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     with Router(pair, RandomRouting(p=0.3, seed=2), tokenizer=tok, max_kv_tokens=4096) as r:
         roomy = r.generate(prompts, sampling=params)
-    with Router(pair, RandomRouting(p=0.3, seed=2), tokenizer=tok, max_kv_tokens=64, block_size=8,
-                kv_admission=admission) as r:
+    with Router(
+        pair, RandomRouting(p=0.3, seed=2), tokenizer=tok, max_kv_tokens=64, block_size=8, kv_admission=admission
+    ) as r:
         tight = r.generate(prompts, sampling=params)
         m = r.metrics()
         assert all(free == usable for free, usable in pools_free(r).values())

@@ -20,13 +20,18 @@ TOKENS = list(range(65, 91))  # 'A'..'Z' on the byte tokenizer
 
 
 def scripted_pair(delay_s=0.0, **kw):
-    return {"small": ScriptedRunner(lambda p: TOKENS[p % 26], delay_s=delay_s, **kw),
-            "large": ScriptedRunner(lambda p: TOKENS[(p + 3) % 26], delay_s=delay_s, **kw)}
+    return {
+        "small": ScriptedRunner(lambda p: TOKENS[p % 26], delay_s=delay_s, **kw),
+        "large": ScriptedRunner(lambda p: TOKENS[(p + 3) % 26], delay_s=delay_s, **kw),
+    }
 
 
 def committed_after(router, rid, t):
-    return [ev for ev in router.engine.recent if getattr(ev, "rid", None) == rid
-            and type(ev).__name__ == "Committed" and ev.t > t]
+    return [
+        ev
+        for ev in router.engine.recent
+        if getattr(ev, "rid", None) == rid and type(ev).__name__ == "Committed" and ev.t > t
+    ]
 
 
 # ---- abort -------------------------------------------------------------------------------
@@ -47,16 +52,19 @@ def test_cancel_agenerate_aborts_at_every_stage(tok, stage):
     """Cancelling the task aborts its request wherever it is; nothing is committed afterwards and
     every KV block comes back (repeated, with block counts checked after each)."""
     pair = scripted_pair(delay_s=0.01)
-    policy = {"queued": StayOn("small"), "running": StayOn("small"), "pending": HandTo("large", after=2),
-              "returned": Alternate()}[stage]
+    policy = {
+        "queued": StayOn("small"),
+        "running": StayOn("small"),
+        "pending": HandTo("large", after=2),
+        "returned": Alternate(),
+    }[stage]
     with Router(pair, policy, tokenizer=tok) as r:
         for rep in range(50):
             # "queued": two requests at concurrency 1, the second waits behind the first
             prompts = [[5, 6], [7, 8, 9]] if stage == "queued" else [[7, 8, 9]]
 
             async def main():
-                task = asyncio.ensure_future(r.agenerate(prompts, max_new_tokens=400, ignore_eos=True,
-                                                         concurrency=1))
+                task = asyncio.ensure_future(r.agenerate(prompts, max_new_tokens=400, ignore_eos=True, concurrency=1))
                 while not r.engine.active_calls():
                     await asyncio.sleep(0.001)
                 h = r.engine.active_calls()[0][0]
@@ -67,6 +75,7 @@ def test_cancel_agenerate_aborts_at_every_stage(tok, stage):
                 with pytest.raises(asyncio.CancelledError):
                     await task
                 return time.perf_counter()
+
             t_cancel = asyncio.run(main())
             free = pools_free(r)
             assert all(f == n for f, n in free.values()), (rep, free)
@@ -133,10 +142,17 @@ def test_random_pool_sizes_never_hang(admission):
         n = rnd.randint(1, 12)
         prompts = [[5 + rnd.randrange(200)] * rnd.randint(1, 80) for _ in range(n)]
         new = rnd.randint(1, 60)
-        with Router({"small": None, "large": None}, RandomRouting(rnd.random(), seed=case), backend="sim",
-                    max_kv_tokens=kv, block_size=8, kv_admission=admission) as r:
-            outs = r.generate(prompts, max_new_tokens=new, ignore_eos=True, concurrency=rnd.choice([None, 2, 4]),
-                              timeout=60)
+        with Router(
+            {"small": None, "large": None},
+            RandomRouting(rnd.random(), seed=case),
+            backend="sim",
+            max_kv_tokens=kv,
+            block_size=8,
+            kv_admission=admission,
+        ) as r:
+            outs = r.generate(
+                prompts, max_new_tokens=new, ignore_eos=True, concurrency=rnd.choice([None, 2, 4]), timeout=60
+            )
             for p, o in zip(prompts, outs):
                 assert o.finish_reason in ("length", "failed"), (case, o.finish_reason, o.error)
                 if len(p) + new <= kv:  # it fits alone: it must finish
@@ -150,8 +166,10 @@ def test_random_pool_sizes_never_hang(admission):
 def test_padding_rows_are_never_sampled(tok):
     """The large model has 300 logits for a 259-token tokenizer and its padding rows win every
     draw: they are masked, so no request fails and no id >= 259 is written."""
-    pair = {"small": ScriptedRunner(lambda p: 70), "large": ScriptedRunner(lambda p: 71, vocab_size=300, pad_from=259,
-                                                                          pad_peak=50.0)}
+    pair = {
+        "small": ScriptedRunner(lambda p: 70),
+        "large": ScriptedRunner(lambda p: 71, vocab_size=300, pad_from=259, pad_peak=50.0),
+    }
     with Router(pair, Alternate(), tokenizer=tok) as r:
         outs = r.generate(mixed_prompts(6), max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
     assert all(o.ok for o in outs), [o.error for o in outs]
@@ -283,6 +301,7 @@ def test_memory_does_not_grow_with_requests_served(pair, tok):
     """10,000 requests on a tiny pair: the engine keeps nothing of finished calls, and the
     memory held after 10,000 equals that after 100 (tracemalloc, within noise)."""
     with Router(pair, RandomRouting(0.3), tokenizer=tok) as r:
+
         def serve(n):
             for _ in range(n // 500):
                 outs = r.generate([[5 + i % 50, 6] for i in range(500)], max_new_tokens=2, ignore_eos=True)
@@ -290,6 +309,7 @@ def test_memory_does_not_grow_with_requests_served(pair, tok):
             del outs
             r.last_run = None
             gc.collect()
+
         serve(500)
         tracemalloc.start()
         serve(500)
@@ -397,6 +417,7 @@ class SlowStay(Policy):
 def test_killed_process_fails_only_the_requests_it_held(tok):
     import os
     import signal
+
     pair = {"small": tiny_model(num_layers=1, seed=1), "large": tiny_model(num_layers=2, seed=2)}
     with Router(pair, SlowStay(), tokenizer=tok, processes=True) as r:
         call = r.submit([[3, 4], [5, 6], [9, 9]], max_new_tokens=150, ignore_eos=True)
@@ -418,8 +439,11 @@ def test_policy_error_in_a_process_names_the_file_and_shows_the_line(tok, tmp_pa
     """A policy pickled by value (defined in a script or a notebook cell) keeps its file name and
     source lines in the sub-server process, so its error points at the line that raised."""
     import linecache
-    src = ("from tokenrouter_sdk import Policy\n\nclass Bad(Policy):\n    def route(self, step):\n"
-           "        raise ValueError('the policy broke here')\n")
+
+    src = (
+        "from tokenrouter_sdk import Policy\n\nclass Bad(Policy):\n    def route(self, step):\n"
+        "        raise ValueError('the policy broke here')\n"
+    )
     fn = str(tmp_path / "cell_17.py")  # a file that exists only in this process's linecache
     linecache.cache[fn] = (len(src), None, src.splitlines(True), fn)
     ns: dict = {"__name__": "__main__"}

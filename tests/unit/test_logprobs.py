@@ -65,8 +65,9 @@ def test_logprobs_equal_the_reference_under_each_writer(pair, tok, name):
         scratch = reference_logprobs(pair, o.prompt, o.token_ids, o.token_models, top=3)
         assert o.logprobs == pytest.approx([lp for lp, _ in scratch], abs=1e-9)
         for got, (_, alts) in zip(o.top_logprobs, scratch):
-            assert list(got) == [t for t, _ in alts] and list(got.values()) == pytest.approx([v for _, v in alts],
-                                                                                           abs=1e-9)
+            assert list(got) == [t for t, _ in alts] and list(got.values()) == pytest.approx(
+                [v for _, v in alts], abs=1e-9
+            )
         assert all(lp <= 0 for lp in o.logprobs) and len(o.logprobs) == len(o.token_ids)
 
 
@@ -90,8 +91,15 @@ def test_score_routes_the_given_tokens_as_the_reference(pair, tok, name):
         text = r.score(["ab"], [" cd"])[0]
     for o, cont in zip(outs, conts):
         assert o.ok and o.token_ids == cont and o.finish_reason == "length"
-        ref = reference_generate(pair, o.prompt, factory(), SamplingParams(max_new_tokens=len(cont), ignore_eos=True),
-                                 rid=o.rid, key=o.key, forced=cont)
+        ref = reference_generate(
+            pair,
+            o.prompt,
+            factory(),
+            SamplingParams(max_new_tokens=len(cont), ignore_eos=True),
+            rid=o.rid,
+            key=o.key,
+            forced=cont,
+        )
         assert o.token_models == ref["token_models"] and o.hops == ref["hops"]
         assert o.logprobs == pytest.approx(ref["logprobs"], abs=1e-9)
         scratch = reference_logprobs(pair, o.prompt, cont, o.token_models, top=1)
@@ -115,8 +123,9 @@ def test_n_samples_with_their_own_keys(pair, tok):
         outs = r.generate([[5, 6, 7], [8, 9]], n=3, max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=4)
         one = r.generate([5, 6, 7], n=3, max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=4)
         keyed = r.generate([[5, 6, 7]], n=2, keys=["q"], max_new_tokens=4, ignore_eos=True)
-        again = r.generate([[5, 6, 7]], keys=[outs[1].key], max_new_tokens=8, ignore_eos=True, temperature=1.0,
-                           seed=5)[0]
+        again = r.generate([[5, 6, 7]], keys=[outs[1].key], max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=5)[
+            0
+        ]
     assert len(outs) == 6 and [o.sample for o in outs] == [0, 1, 2, 0, 1, 2]
     assert [o.prompt for o in outs] == [[5, 6, 7]] * 3 + [[8, 9]] * 3
     assert len({o.key for o in outs}) == 6 and all(o.ok and len(o.token_ids) == 8 for o in outs)

@@ -14,8 +14,18 @@ import pytest
 from tokenrouter_sdk import Handoff, Needs, Policy, Router, SamplingParams
 from tokenrouter_sdk.byte_vocab import char_count
 from tokenrouter_sdk.engine.messages import Retokenized
-from tokenrouter_sdk.policies import (CITER, R2R, CoLLM, GlimpRouter, R2RAleatoric, R2REntropy, RandomRouting,
-                                     RandomSpanRouting, RStitch, TokenEnsemble)
+from tokenrouter_sdk.policies import (
+    CITER,
+    R2R,
+    CoLLM,
+    GlimpRouter,
+    R2RAleatoric,
+    R2REntropy,
+    RandomRouting,
+    RandomSpanRouting,
+    RStitch,
+    TokenEnsemble,
+)
 from tokenrouter_sdk.reference_mixed import reference_generate_text
 
 from ..helpers import byte_level_toy, pools_free, sentencepiece_toy, toy_lm
@@ -65,6 +75,7 @@ def assert_equal_to_reference(router, toys, outs, make_policy, params):
 def test_a_routed_run_equals_the_reference_byte_for_byte(toys, name, processes):
     def make():
         return RandomRouting(p=0.4, seed=1) if name == "random" else RStitch(tau=0.35)
+
     params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=5)
     with Router(toys, make(), processes=processes) as r:
         outs = r.generate(PROMPTS, sampling=params, concurrency=4)
@@ -88,12 +99,20 @@ def test_each_model_reads_its_own_prompt_and_tokens(toys):
     class Look(Policy):  # three tokens on each model, keeping the token at each handoff
         def route(self, step):
             v = r.text.vocabs[step.model]
-            seen.append((step.model, step.token < len(v.table), step.request.prompt_ids,
-                         v.bytes_of(step.request.output_ids), step.text))
+            seen.append(
+                (
+                    step.model,
+                    step.token < len(v.table),
+                    step.request.prompt_ids,
+                    v.bytes_of(step.request.output_ids),
+                    step.text,
+                )
+            )
             return step.models[(step.position // 3) % 2]
 
         def send(self, req, target):
             return Handoff(keep_sampled=True)
+
     params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=2)
     with Router(toys, Look(), processes=False) as r:
         outs = r.generate(PROMPTS[:3], sampling=params, concurrency=3)
@@ -143,14 +162,19 @@ def test_a_stop_string_across_a_handoff_ends_the_request_as_the_reference(toys):
         stops = []
         for o in first:
             pieces = [r.text.vocabs[m].table[t].decode("utf-8", "ignore") for t, m in zip(o.token_ids, o.token_models)]
-            j = next(i for i in range(1, len(pieces)) if o.token_models[i] != o.token_models[i - 1]
-                     and pieces[i - 1] and pieces[i] and i > 3)
+            j = next(
+                i
+                for i in range(1, len(pieces))
+                if o.token_models[i] != o.token_models[i - 1] and pieces[i - 1] and pieces[i] and i > 3
+            )
             stops.append(pieces[j - 1][-1] + pieces[j][0])
-        stopped = [r.generate(p, sampling=SamplingParams(**{**params.__dict__, "stop": (s,)}))
-                   for p, s in zip(PROMPTS[:2], stops)]
+        stopped = [
+            r.generate(p, sampling=SamplingParams(**{**params.__dict__, "stop": (s,)}))
+            for p, s in zip(PROMPTS[:2], stops)
+        ]
     for o, f, s in zip(stopped, first, stops):
         assert o.finish_reason == "stop" and o.stop_reason == s
-        assert s not in o.text and f.text.startswith(o.text) and f.text[len(o.text):].startswith(s)
+        assert s not in o.text and f.text.startswith(o.text) and f.text[len(o.text) :].startswith(s)
         ref = reference(r, toys, o.prompt, make(), SamplingParams(**{**params.__dict__, "stop": (s,)}), o.rid)
         assert (o.text, o.finish_reason, o.stop_reason) == (ref["text"], ref["finish_reason"], ref["stop_reason"])
 
@@ -187,8 +211,12 @@ def test_metrics_in_characters_and_in_the_large_models_tokens(toys):
     data = [b"".join(r.text.vocabs[w].table[t] for t, w in zip(o.token_ids, o.token_models)) for o in outs]
     assert m.large_tokens == sum(len(unit.encode(d)) for d in data)
     assert m.committed_chars == sum(char_count(d) for d in data) > 0
-    large_chars = sum(char_count(r.text.vocabs["large"].table[t])
-                      for o in outs for t, w in zip(o.token_ids, o.token_models) if w == "large")
+    large_chars = sum(
+        char_count(r.text.vocabs["large"].table[t])
+        for o in outs
+        for t, w in zip(o.token_ids, o.token_models)
+        if w == "large"
+    )
     assert m.large_fraction_chars == pytest.approx(large_chars / m.committed_chars)
     assert m.hop_rate_large_tok == pytest.approx(m.hops / m.large_tokens)
     assert m.retokenized == m.hops and 0 <= m.refed_per_hop_mean <= m.refed_per_hop_max
@@ -202,6 +230,7 @@ def test_what_needs_one_vocabulary_is_refused_with_its_reason(toys):
 
     class Compose(Policy):
         needs = Needs(handoff_logits=True)
+
     with Router(toys, RandomRouting(p=0.3), processes=False) as r:
         with pytest.raises(ValueError, match="handoff_logits"):
             r.generate("hi", policy=Compose(), max_new_tokens=3)
@@ -223,8 +252,10 @@ def test_a_tiny_gemma3_and_llama_share_text(toys):
     """Another architecture on each side: Gemma 3's text model (sliding windows, soft-capping)
     reading the SentencePiece toy."""
     ta, tb = toys["small"][1], toys["large"][1]
-    pair = {"small": (toys["small"][0], ta),
-            "large": (toy_lm(tb, 3, arch="gemma3", sliding_window=8, max_position_embeddings=256), tb)}
+    pair = {
+        "small": (toys["small"][0], ta),
+        "large": (toy_lm(tb, 3, arch="gemma3", sliding_window=8, max_position_embeddings=256), tb),
+    }
     params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=8)
     with Router(pair, RandomRouting(p=0.5, seed=9), processes=False) as r:
         outs = r.generate(PROMPTS[:3], sampling=params, concurrency=3)

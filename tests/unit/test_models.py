@@ -1,12 +1,21 @@
 """Unit tests for tokenrouter_sdk.models: fast, tiny random models only, no downloads."""
+
 import copy
 from pathlib import Path
 
 import pytest
 import torch
 
-from tokenrouter_sdk.models import (ModelLoadError, TokenizerMismatchError, cache_dir, check_same_tokenizer,
-                                    load_model, tiny_model, tiny_tokenizer, truncate)
+from tokenrouter_sdk.models import (
+    ModelLoadError,
+    TokenizerMismatchError,
+    cache_dir,
+    check_same_tokenizer,
+    load_model,
+    tiny_model,
+    tiny_tokenizer,
+    truncate,
+)
 
 
 def _copy_truncated(full, k):

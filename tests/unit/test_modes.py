@@ -92,10 +92,20 @@ def test_no_deadlock_under_random_routing_and_thresholds(pair, tok):
         b_small = rng.randint(1, n)
         b_large = rng.randint(1, max(1, n - b_small))  # sum(B - 1) < n
         p = rng.choice([0.05, 0.3, 0.7, 1.0])
-        with Router(pair, RandomRouting(p=p, seed=trial), tokenizer=tok, mode="delayed",
-                    thresholds={"small": b_small, "large": b_large}) as r:
-            outs = r.generate(mixed_prompts(n + rng.randint(0, 5), seed=trial), max_new_tokens=rng.randint(1, 12),
-                              ignore_eos=True, concurrency=n, timeout=60)
+        with Router(
+            pair,
+            RandomRouting(p=p, seed=trial),
+            tokenizer=tok,
+            mode="delayed",
+            thresholds={"small": b_small, "large": b_large},
+        ) as r:
+            outs = r.generate(
+                mixed_prompts(n + rng.randint(0, 5), seed=trial),
+                max_new_tokens=rng.randint(1, 12),
+                ignore_eos=True,
+                concurrency=n,
+                timeout=60,
+            )
         assert all(o.finish_reason == "length" for o in outs), (trial, [o.error for o in outs])
 
 

@@ -18,11 +18,11 @@ from tokenrouter_sdk.backends import projection as P
 from tokenrouter_sdk.backends.native_forward import native_support
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
 from tokenrouter_sdk.engine.config import EngineConfig
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
-from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 from ..helpers import mixed_prompts
 
@@ -34,8 +34,9 @@ def _table(runner, n):
 
 
 def _runners(model, **kw):
-    return TorchRunner(model, max_kv_tokens=2048, **kw), TorchRunner(model, max_kv_tokens=2048,
-                                                                      model_impl="transformers")
+    return TorchRunner(model, max_kv_tokens=2048, **kw), TorchRunner(
+        model, max_kv_tokens=2048, model_impl="transformers"
+    )
 
 
 def _steps(rng, b, n_steps=4):
@@ -57,13 +58,21 @@ def _run_pair(native, plain, feeds, *, all_hidden=False, check=None):
         for r in (native, plain):
             for t, s, f in zip(tabs[id(r)], starts, feed):
                 blocks_of(r).ensure(t, s + len(f))
-            outs[id(r)] = r.forward([SeqInput(f, s, t, all_hidden=all_hidden) for f, s, t in zip(feed, starts, tabs[id(r)])])
+            outs[id(r)] = r.forward(
+                [SeqInput(f, s, t, all_hidden=all_hidden) for f, s, t in zip(feed, starts, tabs[id(r)])]
+            )
         check(outs[id(native)], outs[id(plain)])
         starts = [s + len(f) for s, f in zip(starts, feed)]
     kv = []
     for n, a, c in zip(starts, tabs[id(native)], tabs[id(plain)]):
-        kv.append((native.pool.k[:, native.pool.slots(a, 0, n)], plain.pool.k[:, plain.pool.slots(c, 0, n)],
-                   native.pool.v[:, native.pool.slots(a, 0, n)], plain.pool.v[:, plain.pool.slots(c, 0, n)]))
+        kv.append(
+            (
+                native.pool.k[:, native.pool.slots(a, 0, n)],
+                plain.pool.k[:, plain.pool.slots(c, 0, n)],
+                native.pool.v[:, native.pool.slots(a, 0, n)],
+                plain.pool.v[:, plain.pool.slots(c, 0, n)],
+            )
+        )
     return kv
 
 
@@ -136,8 +145,7 @@ def test_a_wrong_packed_projection_is_caught(monkeypatch):
     model, native, plain = _float32_pair(6, seed=8)
     native.forward([SeqInput([5] * 6, 0, _table(native, 16))])
     qkv = native._native._plan[0][0]
-    qkv.packed = torch.ops.mkldnn._reorder_linear_weight(
-        torch.cat([m.weight.detach() * 2 for m in qkv.mods]), 8)
+    qkv.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() * 2 for m in qkv.mods]), 8)
     tabs = [_table(native, 16) for _ in range(6)], [_table(plain, 16) for _ in range(6)]
     outs = [r.forward([SeqInput([7 + i, 8], 0, t) for i, t in enumerate(tb)]) for r, tb in zip((native, plain), tabs)]
     assert (outs[0].logits - outs[1].logits).abs().max().item() > 1e-3
@@ -203,7 +211,12 @@ def test_a_linear_with_hooks_runs_as_its_module():
     assert native._native._plan[0][1].plain  # built before the hook: rebuilt when it appears
     h = model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda mod, args, out: out * 3)
     try:
-        _run_pair(native, plain, [[[5, 6, 7]], [[8]]], check=lambda a, b: torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0))
+        _run_pair(
+            native,
+            plain,
+            [[[5, 6, 7]], [[8]]],
+            check=lambda a, b: torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0),
+        )
         assert native.last_impl == "native" and not native._native._plan[0][1].plain
     finally:
         h.remove()
@@ -224,13 +237,23 @@ def test_hooks_the_native_forward_would_bypass_make_steps_run_transformers(where
         seen.append(mod)
         return out * 1.5 if isinstance(out, torch.Tensor) else out
 
-    target = {"layer": model.model.layers[1], "mlp": model.model.layers[0].mlp,
-              "norm": model.model.layers[1].input_layernorm}.get(where)
-    h = (target.register_forward_hook(hook) if target is not None
-         else torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: seen.append(mod)))
+    target = {
+        "layer": model.model.layers[1],
+        "mlp": model.model.layers[0].mlp,
+        "norm": model.model.layers[1].input_layernorm,
+    }.get(where)
+    h = (
+        target.register_forward_hook(hook)
+        if target is not None
+        else torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: seen.append(mod))
+    )
     try:
-        _run_pair(native, plain, [[[5, 6, 7], [9, 9]], [[8], [7]]],
-                  check=lambda a, b: torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0))
+        _run_pair(
+            native,
+            plain,
+            [[[5, 6, 7], [9, 9]], [[8], [7]]],
+            check=lambda a, b: torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0),
+        )
         assert native.last_impl == "transformers" and seen
     finally:
         h.remove()
@@ -238,9 +261,20 @@ def test_hooks_the_native_forward_would_bypass_make_steps_run_transformers(where
     assert native.last_impl == "native"
 
 
-@pytest.mark.parametrize("where,first_step", [("mlp", True), ("attention", True), ("norm", True), ("layer", True),
-                                              ("linear", True), ("class", True), ("class", False),
-                                              ("class forward", True), ("subclass instance", True)])
+@pytest.mark.parametrize(
+    "where,first_step",
+    [
+        ("mlp", True),
+        ("attention", True),
+        ("norm", True),
+        ("layer", True),
+        ("linear", True),
+        ("class", True),
+        ("class", False),
+        ("class forward", True),
+        ("subclass instance", True),
+    ],
+)
 def test_a_forward_patched_on_a_module_is_honoured(where, first_step):
     """A forward set on a module instance (an ablation or steering patch: ``mlp.forward = ...``),
     a module's class swapped for a subclass with another forward (after a native step, or before
@@ -257,8 +291,13 @@ def test_a_forward_patched_on_a_module_is_honoured(where, first_step):
     if first_step:
         _run_pair(native, plain, feed, check=lambda a, b: None)
     layer = model.model.layers[0]
-    target = {"mlp": layer.mlp, "attention": layer.self_attn, "norm": layer.post_attention_layernorm,
-              "layer": model.model.layers[1], "linear": layer.mlp.down_proj}.get(where, layer.mlp)
+    target = {
+        "mlp": layer.mlp,
+        "attention": layer.self_attn,
+        "norm": layer.post_attention_layernorm,
+        "layer": model.model.layers[1],
+        "linear": layer.mlp.down_proj,
+    }.get(where, layer.mlp)
     real, cls = target.forward, type(target)
     halved = type("Halved", (cls,), {"forward": lambda self, x: cls.forward(self, x) * 0.5})
     if where == "class":
@@ -277,8 +316,12 @@ def test_a_forward_patched_on_a_module_is_honoured(where, first_step):
         target.forward = lambda x: real(x) * 0.5
     after = []
     try:
-        _run_pair(native, plain, feed, check=lambda a, b: (torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0),
-                                                             after.append(a.logits)))
+        _run_pair(
+            native,
+            plain,
+            feed,
+            check=lambda a, b: (torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0), after.append(a.logits)),
+        )
     finally:
         if where == "class":
             target.__class__ = cls
@@ -311,7 +354,12 @@ def test_a_replaced_module_is_read():
 
     mlp = model.model.layers[0].mlp
     mlp.up_proj = Doubled(mlp.up_proj)
-    _run_pair(native, plain, [[[5, 6, 7]], [[8]]], check=lambda a, b: torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0))
+    _run_pair(
+        native,
+        plain,
+        [[[5, 6, 7]], [[8]]],
+        check=lambda a, b: torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0),
+    )
     assert native.last_impl == "native" and not native._native._plan[0][2].plain
 
 
@@ -324,6 +372,7 @@ def test_model_impl_choice_and_errors():
     assert TorchRunner(model, max_kv_tokens=64, model_impl="native").impl == "native"
     assert TorchRunner(model, max_kv_tokens=64, model_impl="transformers").impl == "transformers"
     from transformers import GPT2Config, GPT2LMHeadModel
+
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300)).eval()
     assert "gpt2" in native_support(gpt2)
     m2 = tiny_model(num_layers=2, seed=11)
@@ -402,6 +451,7 @@ def test_routed_float32_generation_equals_reference_whichever_gemm_path_runs(tok
                 assert qkv.rule(6) == (choice == "packed") and qkv.rule.source.startswith("forced")
             else:
                 assert qkv.rule.source in ("measured", "cached")
+
     routed_float32_run_equals_reference(tok, mode, check)
 
 

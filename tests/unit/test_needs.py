@@ -17,20 +17,33 @@ from ..helpers import mixed_prompts
 def batch(needs, b=3, v=11, h=5, rows=None):
     g = torch.Generator().manual_seed(0)
     logits, hidden = torch.randn(b, v, generator=g), torch.randn(b, h, generator=g)
-    reqs = [RequestView(rid=i, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0,
-                        models=("small", "large"))
-            for i in range(b)]
+    reqs = [
+        RequestView(rid=i, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0, models=("small", "large"))
+        for i in range(b)
+    ]
     n = b if rows is None else len(rows)
-    return StepBatch("small", ["small", "large"], torch.zeros(n, dtype=torch.long), logits, hidden,
-                     reqs[:n], needs=needs, rows=None if rows is None else torch.tensor(rows), policy="P()"), logits
+    return StepBatch(
+        "small",
+        ["small", "large"],
+        torch.zeros(n, dtype=torch.long),
+        logits,
+        hidden,
+        reqs[:n],
+        needs=needs,
+        rows=None if rows is None else torch.tensor(rows),
+        policy="P()",
+    ), logits
 
 
-@pytest.mark.parametrize("needs,read,flag", [
-    (Needs(), lambda b: b.hidden, "hidden=True"),
-    (Needs(entropy=True, logits=True, topk=5), lambda b: b[1].hidden, "hidden=True"),
-    (Needs(), lambda b: b.peer_logits, "handoff_logits=True"),
-    (Needs(hidden=True), lambda b: b[0].prompt_hidden, "prompt_hidden=True"),
-])
+@pytest.mark.parametrize(
+    "needs,read,flag",
+    [
+        (Needs(), lambda b: b.hidden, "hidden=True"),
+        (Needs(entropy=True, logits=True, topk=5), lambda b: b[1].hidden, "hidden=True"),
+        (Needs(), lambda b: b.peer_logits, "handoff_logits=True"),
+        (Needs(hidden=True), lambda b: b[0].prompt_hidden, "prompt_hidden=True"),
+    ],
+)
 def test_undeclared_reads_of_what_is_kept_name_the_flag(needs, read, flag):
     b, _ = batch(needs)
     with pytest.raises(NeedsError, match=rf"P\(\) reads .* Needs\({flag}\)"):
@@ -44,15 +57,20 @@ def test_the_steps_own_numbers_need_no_declaration(monkeypatch):
     b, logits = batch(Needs())
     calls = {"log_softmax": 0, "topk": []}
     real_ls, real_topk = torch.log_softmax, torch.topk
-    monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: calls.__setitem__("log_softmax", calls["log_softmax"] + 1)
-                        or real_ls(*a, **k))
+    monkeypatch.setattr(
+        torch,
+        "log_softmax",
+        lambda *a, **k: calls.__setitem__("log_softmax", calls["log_softmax"] + 1) or real_ls(*a, **k),
+    )
     monkeypatch.setattr(torch, "topk", lambda *a, **k: calls["topk"].append(a[1]) or real_topk(*a, **k))
     lp = logits.log_softmax(-1)
     assert torch.equal(b.logits, logits) and torch.allclose(b.logprobs, lp)
     assert torch.allclose(b.entropy, -(lp.exp() * lp).sum(-1))
     assert torch.allclose(b.norm_entropy, b.entropy / torch.log(torch.tensor(11.0)))
     assert torch.allclose(b.max_prob, lp.exp().max(-1).values)
-    assert b[2].max_prob == pytest.approx(float(lp[2].exp().max())) and b[0].entropy == pytest.approx(float(b.entropy[0]))
+    assert b[2].max_prob == pytest.approx(float(lp[2].exp().max())) and b[0].entropy == pytest.approx(
+        float(b.entropy[0])
+    )
     assert calls["log_softmax"] == 1  # once for every one of them
     assert torch.equal(b.topk(2).indices, real_topk(logits, 2).indices)
     assert torch.allclose(b.topk(2).probs, lp.exp().topk(2).values)  # log-sum-exp from the log-softmax read
@@ -102,6 +120,7 @@ class ReadsHidden(Policy):
 def test_a_policy_reading_the_steps_signals_undeclared_runs_as_the_reference(pair, tok):
     from tokenrouter_sdk import SamplingParams
     from tokenrouter_sdk.reference import reference_generate
+
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     with Router(pair, ReadsSignals(), tokenizer=tok) as r:
         outs = r.generate(mixed_prompts(4), sampling=params)
@@ -141,6 +160,7 @@ def test_a_step_whose_policy_reads_nothing_computes_nothing(pair, tok, monkeypat
     a policy that reads them costs one per policy batch of a step, not one per request."""
     from tokenrouter_sdk.engine.messages import StepDone
     from tokenrouter_sdk.policy import StepBatch
+
     count = []
     real = StepBatch._log_softmax
 
@@ -148,6 +168,7 @@ def test_a_step_whose_policy_reads_nothing_computes_nothing(pair, tok, monkeypat
         if self._logp is None:
             count.append(len(self))
         return real(self)
+
     monkeypatch.setattr(StepBatch, "_log_softmax", counted)
     with Router(pair, Reads(False), tokenizer=tok, processes=False) as r:
         r.generate(mixed_prompts(4), max_new_tokens=6, ignore_eos=True)

@@ -2,11 +2,11 @@
 policies take from them, and the error a head for another hidden size gives."""
 
 import json
-import tomllib
 from pathlib import Path
 
 import cloudpickle
 import pytest
+import tomllib
 import torch
 
 from tokenrouter_sdk import Router
@@ -31,15 +31,15 @@ def test_packaged_head_and_its_record(kind, cls, key):
     assert record["command"].startswith(f"tokenrouter train {kind} ") and "--package" in record["command"]
     assert {"python", "torch", "transformers"} <= set(record["versions"])
     ids = record["data"]["train_ids"] + record["data"]["val_ids"]
-    assert len(ids) >= 32 and not set(ids) & HELDOUT_IDS          # never trained on the held-out questions
+    assert len(ids) >= 32 and not set(ids) & HELDOUT_IDS  # never trained on the held-out questions
     assert record["models"]["small"]["hidden_size"] == 576 and record["metrics"]
     dt = record["default_threshold"]
     assert 0.2 <= dt["target_large_fraction"] <= 0.8 and cfg["threshold"] == dt["value"]
-    held = record["heldout"]                                      # measured by evals/quality/policy_table.py
+    held = record["heldout"]  # measured by evals/quality/policy_table.py
     assert held["n"] >= 64 and abs(held["large_fraction"] - dt["target_large_fraction"]) <= 0.1
     assert 0 <= held["agreement"] <= 1
     assert abs(held["random"]["large_fraction"] - held["large_fraction"]) <= 0.03
-    pol = cls()                                                   # no arguments: the packaged head
+    pol = cls()  # no arguments: the packaged head
     assert getattr(pol, key) == pytest.approx(cfg["threshold"])
     assert (pol._head.config["hidden_size"] if kind == "query" else pol.hidden_size) == 576
 
@@ -52,13 +52,13 @@ def test_package_data_ships_the_heads():
 def test_packaged_r2r_reads_its_token_table_where_it_routes():
     pol = R2R()
     assert pol._emb is None and pol._emb_source == "smollm2-135m-instruct"
-    pol._emb = torch.zeros(49152, 576)                             # as after its first step
-    back = cloudpickle.loads(cloudpickle.dumps(pol))               # what goes to a sub-server process
+    pol._emb = torch.zeros(49152, 576)  # as after its first step
+    back = cloudpickle.loads(cloudpickle.dumps(pol))  # what goes to a sub-server process
     assert back._emb is None and back._emb_source == "smollm2-135m-instruct" and back.tau == pol.tau
 
 
 def test_packaged_heads_on_another_pair_fail_naming_the_fix(pair, tok):
-    with Router(pair, tokenizer=tok, processes=False) as r:       # tiny models: hidden size 64
+    with Router(pair, tokenizer=tok, processes=False) as r:  # tiny models: hidden size 64
         for kind, cls, _ in KINDS:
             out = r.generate(mixed_prompts(1), policy=cls(), max_new_tokens=4)[0]
             assert out.finish_reason == "failed"

@@ -1,6 +1,7 @@
 """An attention backend is one class (`tokenrouter_sdk.backends.attention.PagedKernel`): a kernel
 of the test's own, written against the protocol alone (plain torch, one request at a time), handed
-to `batch.pack` as a runner hands the CPU kernel, stores the step's new keys and values and attends a step of decodes and extends with
+to `batch.pack` as a runner hands the CPU kernel, stores the step's new keys and values and attends a step of
+decodes and extends with
 windows and soft-caps exactly as the gather backend does, and sees only the requests it may
 attend (decodes and extends up to its ``max_queries``)."""
 
@@ -37,9 +38,9 @@ class LoopKernel:
         self.seen.append(part.q_len.tolist())
         h, hkv = q.shape[1], kc.shape[1]
         for qs, ql, kl, slots in zip(part.q_start.tolist(), part.q_len.tolist(), part.kv_len.tolist(), part.table):
-            k = kc[slots[:kl]].repeat_interleave(h // hkv, dim=1)             # [L, H, D]
+            k = kc[slots[:kl]].repeat_interleave(h // hkv, dim=1)  # [L, H, D]
             v = vc[slots[:kl]].repeat_interleave(h // hkv, dim=1)
-            s = torch.einsum("qhd,khd->hqk", q[qs:qs + ql], k) * p.scale        # [H, Q, L]
+            s = torch.einsum("qhd,khd->hqk", q[qs : qs + ql], k) * p.scale  # [H, Q, L]
             if p.softcap:
                 s = p.softcap * torch.tanh(s / p.softcap)
             qpos = torch.arange(kl - ql, kl)[:, None]
@@ -48,13 +49,16 @@ class LoopKernel:
             if p.window:
                 ok &= kpos > qpos - p.window
             s = s.masked_fill(~ok, float("-inf"))
-            out[qs:qs + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+            out[qs : qs + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-@pytest.mark.parametrize("layers", [
-    (LayerParams(None, None, 0.25),),
-    (LayerParams(6, None, 0.3), LayerParams(None, 30.0, 0.2), LayerParams(6, 20.0, 0.25)),
-])
+@pytest.mark.parametrize(
+    "layers",
+    [
+        (LayerParams(None, None, 0.25),),
+        (LayerParams(6, None, 0.3), LayerParams(None, 30.0, 0.2), LayerParams(6, 20.0, 0.25)),
+    ],
+)
 def test_a_kernel_of_its_own_attends_as_the_gather_backend(layers):
     heads, kv_heads, dim = 4, 2, 8
     pool = KVPool(len(layers), kv_heads, dim, num_blocks=40, block_size=4, dtype=torch.float64)

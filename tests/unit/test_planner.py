@@ -7,17 +7,29 @@ import pytest
 
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
-from tokenrouter_sdk.engine.messages import Committed, StepDone
-from tokenrouter_sdk.planner import (Plan, StateSpaceTooLarge, _gmres_stationary, dtmc_throughput,
-                                     estimate_extra_tokens, estimate_keep, estimate_routing, feasible_thresholds,
-                                     plan_from_trace, plan_thresholds, profile_latency)
-from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.engine.core.block_allocator import blocks_of
+from tokenrouter_sdk.engine.messages import Committed, StepDone
+from tokenrouter_sdk.planner import (
+    Plan,
+    StateSpaceTooLarge,
+    _gmres_stationary,
+    dtmc_throughput,
+    estimate_extra_tokens,
+    estimate_keep,
+    estimate_routing,
+    feasible_thresholds,
+    plan_from_trace,
+    plan_thresholds,
+    profile_latency,
+)
+from tokenrouter_sdk.policies import RandomRouting
 
 from ..helpers import mixed_prompts
 
-LAT = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
-       "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4})}
+LAT = {
+    "small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
+    "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4}),
+}
 
 
 def prompts(n, seed=0, length=20):
@@ -26,8 +38,9 @@ def prompts(n, seed=0, length=20):
 
 
 def sim(n, p, thresholds=None, mode="delayed", requests=None, new=64, seed=1):
-    with Router(LAT, RandomRouting(p=p, seed=seed), backend="sim", mode=mode, thresholds=thresholds,
-                max_concurrency=n) as r:
+    with Router(
+        LAT, RandomRouting(p=p, seed=seed), backend="sim", mode=mode, thresholds=thresholds, max_concurrency=n
+    ) as r:
         r.generate(prompts(requests or 4 * n), max_new_tokens=new, ignore_eos=True, timeout=120)
         return r.metrics(), list(r.trace)
 
@@ -38,8 +51,7 @@ def sim(n, p, thresholds=None, mode="delayed", requests=None, new=64, seed=1):
 def test_one_model_only_is_n_over_step_time(n, b, rounding):
     # q = 0 on the entry model: the other model never runs; every step carries all N requests
     lat = {"small": LatencyModel({1: 0.010, 8: 0.024}, per_token_s=0.0), "large": LatencyModel({1: 0.05})}
-    r = dtmc_throughput(lat, {"small": 0.0, "large": 1.0}, n, {"small": b, "large": 1}, dt=0.001,
-                        rounding=rounding)
+    r = dtmc_throughput(lat, {"small": 0.0, "large": 1.0}, n, {"small": b, "large": 1}, dt=0.001, rounding=rounding)
     assert r.tok_s == pytest.approx(n / lat["small"].step_s(n), rel=1e-6)
     assert r.busy["small"] == pytest.approx(1.0) and r.busy["large"] == 0.0
     assert r.mean_batch["small"] == pytest.approx(n)
@@ -127,9 +139,11 @@ def test_tail_rule_in_the_chain():
 
 def test_n_32_solves_in_seconds():
     import time
+
     t = time.perf_counter()
-    r = dtmc_throughput(LAT, {"small": 0.1, "large": 1.0}, 32, {"small": 1, "large": 1},
-                        extra_tokens={"small": 0.15, "large": 9.0})
+    r = dtmc_throughput(
+        LAT, {"small": 0.1, "large": 1.0}, 32, {"small": 1, "large": 1}, extra_tokens={"small": 0.15, "large": 9.0}
+    )
     assert time.perf_counter() - t < 10 and r.residual < 1e-8 and r.tok_s > 0
 
 
@@ -160,6 +174,7 @@ def test_pruned_search_finds_the_exhaustive_optimum(n):
 def test_profile_latency_on_a_tiny_model():
     from tokenrouter_sdk.backends.torch_runner import TorchRunner
     from tokenrouter_sdk.models import tiny_model
+
     runner = TorchRunner(tiny_model(dtype=__import__("torch").float32), max_kv_tokens=2048)
     free = blocks_of(runner).num_free
     lat = profile_latency(runner, batch_sizes=(1, 2, 4, 8), context=16, steps=3, warmup=1, extend_tokens=8)
@@ -204,6 +219,7 @@ class CoinFlip(RandomRouting):
 
 def test_plan_for_a_sim_router_analytic_and_pilot():
     from tokenrouter_sdk.planner import plan_for_router, plan_router, router_latency
+
     with Router(LAT, RandomRouting(0.1), backend="sim", mode="delayed", thresholds={"small": 3, "large": 2}) as r:
         assert router_latency(r) == LAT
         th = plan_for_router(r, RandomRouting(0.1), 8)
@@ -222,6 +238,7 @@ def test_router_latency_profiles_torch_models_once():
 
     from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
     from tokenrouter_sdk.planner import router_latency
+
     small, large = tiny_model(num_layers=1, dtype=torch.float32), tiny_model(num_layers=2, dtype=torch.float32)
     with Router({"small": small, "large": large}, tokenizer=tiny_tokenizer(), processes=False) as r:
         lat = router_latency(r, 4, context=8, steps=1, warmup=1, extend_tokens=0)
@@ -251,6 +268,7 @@ def test_analytic_plan_adds_the_measured_step_overhead_once_the_router_has_histo
     throughput drops by about what that overhead costs."""
     from tokenrouter_sdk.planner import estimate_step_overhead, plan_router
     from tokenrouter_sdk.planner.for_router import HISTORY_EVENTS
+
     lat = {"small": LatencyModel({1: 0.002, 4: 0.003}, 0.0001), "large": LatencyModel({1: 0.004, 4: 0.006}, 0.0002)}
     pol = RandomRouting(0.3, seed=1)
     with Router(pair, pol, tokenizer=tok, processes=False) as r:
@@ -262,7 +280,12 @@ def test_analytic_plan_adds_the_measured_step_overhead_once_the_router_has_histo
         assert all(v > 0 for v in over.values())
         later = plan_router(r, pol, 4, latency=lat)
     with_over = {m: LatencyModel({b: t + over[m] for b, t in lat[m].table.items()}, lat[m].per_token_s) for m in lat}
-    want = plan_thresholds(with_over, {"small": 0.3, "large": 1.0}, 4, keep={"small": 0.0, "large": 1.0},
-                           extra_tokens={"small": 0.0, "large": 0.7 / 0.3})
+    want = plan_thresholds(
+        with_over,
+        {"small": 0.3, "large": 1.0},
+        4,
+        keep={"small": 0.0, "large": 1.0},
+        extra_tokens={"small": 0.0, "large": 0.7 / 0.3},
+    )
     assert later.predicted_tok_s < fresh.predicted_tok_s
     assert later.predicted_tok_s == pytest.approx(want.predicted_tok_s, rel=1e-9)

@@ -33,12 +33,14 @@ def test_rstitch_directions_and_commit_rule():
     peaked, flat = [0.97, 0.01, 0.01, 0.01], [0.25] * 4
     assert pol.route(step_with("small", peaked)) == "small"
     assert pol.route(step_with("small", flat)) == "large"
-    assert pol.route(step_with("large", flat)) == "large"       # large stays while uncertain
-    assert pol.route(step_with("large", peaked)) == "small"     # and hands back when confident
-    view = lambda owner: RequestView(rid=0, prompt_ids=[1], output_ids=[], owner=owner, state={}, hops=0,  # noqa: E731
-                                     models=tuple(MODELS))
-    assert pol.send(view("small"), "large").keep_sampled is False   # small token discarded
-    assert pol.send(view("large"), "small").keep_sampled is True    # large token kept
+    assert pol.route(step_with("large", flat)) == "large"  # large stays while uncertain
+    assert pol.route(step_with("large", peaked)) == "small"  # and hands back when confident
+
+    def view(owner):
+        return RequestView(rid=0, prompt_ids=[1], output_ids=[], owner=owner, state={}, hops=0, models=tuple(MODELS))
+
+    assert pol.send(view("small"), "large").keep_sampled is False  # small token discarded
+    assert pol.send(view("large"), "small").keep_sampled is True  # large token kept
     mp = RStitch(tau=0.6, signal="max_prob", tau_back=0.9)
     assert mp.route(step_with("small", [0.5, 0.3, 0.1, 0.1])) == "large"
     assert mp.route(step_with("large", [0.8, 0.1, 0.05, 0.05])) == "large"
@@ -51,7 +53,7 @@ def test_random_routing_peer_writes_one_token(pair, tok):
     with Router(pair, RandomRouting(p=0.4, seed=9), tokenizer=tok) as r:
         outs = r.generate(mixed_prompts(6, seed=2), max_new_tokens=30, ignore_eos=True)
     for o in outs:  # every visit to the large model writes exactly one token, then control returns
-        assert o.discarded == o.token_models.count("large") > 0       # one discard per large token
+        assert o.discarded == o.token_models.count("large") > 0  # one discard per large token
         assert o.hops == 2 * o.discarded - (o.token_models[-1] == "large")
     frac = sum(o.token_models.count("large") for o in outs) / sum(len(o.token_models) for o in outs)
     assert 0.15 < frac < 0.45  # p = 0.4 per small step -> about p / (1 + p) = 0.29 of tokens

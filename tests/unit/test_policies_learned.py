@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenrouter_sdk import Router, SamplingParams, StepBatch
+from tokenrouter_sdk.policies import heads
 from tokenrouter_sdk.policies.citer import CITER
 from tokenrouter_sdk.policies.co_llm import CoLLM, DeferralHead, warmup_eta
-from tokenrouter_sdk.policies import heads
 from tokenrouter_sdk.policies.heads import HeadMissingError, load_head, save_head
 from tokenrouter_sdk.policies.r2r import R2R, R2RAleatoric, R2REntropy, aleatoric_uncertainty
 from tokenrouter_sdk.reference import reference_generate
@@ -26,8 +26,18 @@ H, N_NEW, MODELS = 64, 24, ("small", "large")
 # -- helpers -------------------------------------------------------------------------------------
 def batch_of(model, hidden, logits, tokens=None, states=None):
     n = hidden.shape[0]
-    views = [RequestView(rid=i, prompt_ids=[1], output_ids=[], owner=model, state={} if states is None else states[i],
-                         hops=0, models=MODELS) for i in range(n)]
+    views = [
+        RequestView(
+            rid=i,
+            prompt_ids=[1],
+            output_ids=[],
+            owner=model,
+            state={} if states is None else states[i],
+            hops=0,
+            models=MODELS,
+        )
+        for i in range(n)
+    ]
     tokens = logits.argmax(-1) if tokens is None else torch.as_tensor(tokens)
     return StepBatch(model, MODELS, tokens, logits, hidden, views)
 
@@ -59,16 +69,29 @@ def published_checkpoint(threshold=0.5, dims=(32, 48), k=100, seed=0):
             lin(p + ".dim_change", bd[i], bd[i + 1])
     ln("backbone.output_layer.0", dims[-1])
     lin("backbone.output_layer.1", dims[-1], 1)
-    init = {"hidden_states_size": H, "logits_size": k, "hidden_dims": list(dims), "expansion_factor": 4,
-            "dropout_rate": 0.1, "use_position_embedding": False, "freeze_lm_head": True,
-            "normalize_input": False, "pretrained_model_name": "tiny"}
-    return {"model_type": "HiddenStatesTokenLMHeadLogitsClassifier", "init_args": init, "model_specific_args": {},
-            "common_args": {"threshold": threshold, "input_type": ["hidden_states", "token", "logits"]},
-            "state_dict": sd}
+    init = {
+        "hidden_states_size": H,
+        "logits_size": k,
+        "hidden_dims": list(dims),
+        "expansion_factor": 4,
+        "dropout_rate": 0.1,
+        "use_position_embedding": False,
+        "freeze_lm_head": True,
+        "normalize_input": False,
+        "pretrained_model_name": "tiny",
+    }
+    return {
+        "model_type": "HiddenStatesTokenLMHeadLogitsClassifier",
+        "init_args": init,
+        "model_specific_args": {},
+        "common_args": {"threshold": threshold, "input_type": ["hidden_states", "token", "logits"]},
+        "state_dict": sd,
+    }
 
 
 def r2r_forward(sd, h, e, z):
     """The R2R router's forward written out with torch.nn.functional (independent of policies/r2r.py)."""
+
     def lin(n, x):
         return F.linear(x, sd[n + ".weight"], sd[n + ".bias"])
 
@@ -109,6 +132,7 @@ def signals(pair):
 @pytest.fixture(scope="module")
 def policies(pair, signals, tmp_path_factory):
     """Each policy with thresholds that route about 30% of the small model's steps."""
+
     def q(x, f):
         return float(torch.quantile(x.float(), f))
 
@@ -187,11 +211,15 @@ def test_co_llm_compose_decisions():
     token, the base model's, or a third token; the assistant hands back keeping it."""
     pol = CoLLM({"g": torch.zeros(H), "b": torch.tensor(0.0)}, eta=0.4, compose=True)  # pi = 0.5
     h = torch.zeros(1, H)
-    view = lambda owner, st: RequestView(rid=0, prompt_ids=[1], output_ids=[], owner=owner, state=st,  # noqa: E731
-                                         hops=0, models=MODELS)
-    cases = {"assistant": ([.6, .2, .1, .1], [.5, .3, .1, .1], 0),
-             "base": ([.9, .05, .03, .02], [.2, .4, .2, .2], 0),
-             "third": ([.45, 0, .4, .15], [0, .45, .4, .15], 2)}
+
+    def view(owner, st):
+        return RequestView(rid=0, prompt_ids=[1], output_ids=[], owner=owner, state=st, hops=0, models=MODELS)
+
+    cases = {
+        "assistant": ([0.6, 0.2, 0.1, 0.1], [0.5, 0.3, 0.1, 0.1], 0),
+        "base": ([0.9, 0.05, 0.03, 0.02], [0.2, 0.4, 0.2, 0.2], 0),
+        "third": ([0.45, 0, 0.4, 0.15], [0, 0.45, 0.4, 0.15], 2),
+    }
     for case, (p_base, p_asst, want) in cases.items():
         st = {}
         assert pol.route_batch(batch_of("small", h, torch.tensor([p_base]).log(), states=[st])) == ["large"]
@@ -208,8 +236,11 @@ def test_co_llm_compose_decisions():
 def test_heads_are_vectorised_and_float32(signals):
     """One head forward per batch; model dtype (here bfloat16) does not matter."""
     b16 = batch_of("small", signals.hidden[:8].bfloat16(), signals.logits[:8].bfloat16())
-    for pol in (CITER(CITER.random_head(H)), CoLLM(CoLLM.random_head(H)),
-                R2R(published_checkpoint(), embedding=torch.randn(259, H))):
+    for pol in (
+        CITER(CITER.random_head(H)),
+        CoLLM(CoLLM.random_head(H)),
+        R2R(published_checkpoint(), embedding=torch.randn(259, H)),
+    ):
         calls = []
         pol._net.register_forward_hook(lambda m, i, o: calls.append(i[0].shape))
         assert len(pol.route_batch(b16)) == 8
@@ -246,7 +277,9 @@ def test_refuses_to_run_without_a_head(cls, kind, tmp_path, monkeypatch):
         cls(tmp_path / "nope.pt")
     msg = str(e.value)
     assert isinstance(e.value, FileNotFoundError) and "nope.pt' does not exist" in msg
-    assert f"tokenrouter train {kind}" in msg and f"train_{kind}(router)" in msg and f"{cls.__name__}.random_head(" in msg
+    assert (
+        f"tokenrouter train {kind}" in msg and f"train_{kind}(router)" in msg and f"{cls.__name__}.random_head(" in msg
+    )
     if kind == "r2r":
         assert "nics-efc/R2R_router_collections" in msg
     # head=None loads the packaged head; where it is missing the error says how to rebuild it
@@ -278,8 +311,11 @@ def test_head_file_roundtrip_and_errors(signals, tmp_path):
 
 
 def test_hidden_size_mismatch_is_a_clear_error(pair, tok, signals):
-    for pol in (CITER(CITER.random_head(32)), CoLLM(CoLLM.random_head(32)),
-                R2R(R2R.random_head(32, hidden_dims=(16,)), embedding=torch.zeros(259, 32))):
+    for pol in (
+        CITER(CITER.random_head(32)),
+        CoLLM(CoLLM.random_head(32)),
+        R2R(R2R.random_head(32, hidden_dims=(16,)), embedding=torch.zeros(259, 32)),
+    ):
         with pytest.raises(ValueError, match="hidden size 32 .* have size 64"):
             pol.route_batch(signals)
     with Router(pair, CITER(CITER.random_head(32)), tokenizer=tok) as r:
@@ -294,23 +330,36 @@ def test_defaults_match_the_spec():
 
     # thresholds: the one stored in the head file, else the paper's default
     assert defaults(CITER) == {"head": None, "tau": None, "small": None, "large": None, "pair": None}
-    assert CITER(CITER.random_head(H)).tau == 0.95             # token_route.py --threshold (README: 0.9)
-    assert defaults(CoLLM) == {"head": None, "eta": None, "compose": False, "warmup": "constant", "warmup_steps": 15,
-                               "small": None, "large": None, "pair": None}
+    assert CITER(CITER.random_head(H)).tau == 0.95  # token_route.py --threshold (README: 0.9)
+    assert defaults(CoLLM) == {
+        "head": None,
+        "eta": None,
+        "compose": False,
+        "warmup": "constant",
+        "warmup_steps": 15,
+        "small": None,
+        "large": None,
+        "pair": None,
+    }
     assert CoLLM(CoLLM.random_head(H)).eta == 0.5
-    assert defaults(R2R)["tau"] is None                        # tau stored in the checkpoint
+    assert defaults(R2R)["tau"] is None  # tau stored in the checkpoint
     assert defaults(R2REntropy)["threshold"] == 0.45
     assert (defaults(R2RAleatoric)["threshold"], defaults(R2RAleatoric)["k"]) == (2.275, 10)
     view = RequestView(rid=0, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0, models=MODELS)
-    for pol in (CITER(CITER.random_head(H)), CoLLM(CoLLM.random_head(H)), R2REntropy(), R2RAleatoric(),
-                R2R(published_checkpoint(), embedding=torch.zeros(259, H))):
+    for pol in (
+        CITER(CITER.random_head(H)),
+        CoLLM(CoLLM.random_head(H)),
+        R2REntropy(),
+        R2RAleatoric(),
+        R2R(published_checkpoint(), embedding=torch.zeros(259, H)),
+    ):
         h = pol.send(view, "large")  # all discard the small token; the large model writes one token
         assert (h.keep_sampled, h.span) == (False, 1)
 
 
 def test_training_free_signals():
     # entropy in nats: uniform over 4 tokens = ln 4 >= 0.45 routes; a peaked distribution stays
-    p = torch.tensor([[.25] * 4, [.97, .01, .01, .01]])
+    p = torch.tensor([[0.25] * 4, [0.97, 0.01, 0.01, 0.01]])
     assert R2REntropy().route_batch(batch_of("small", torch.zeros(2, 4), p.log())) == ["large", "small"]
     # LogU with k equal logits c: AU = psi(kc + 1) - psi(c + 1) = H_kc - H_c (harmonic numbers)
     x = torch.full((1, 12), 1.0)
@@ -332,8 +381,10 @@ def test_co_llm_threshold_warmup():
     with torch.no_grad():
         head.b.fill_(0.85)  # pi = 0.70
     pol = CoLLM(head, eta=0.5, warmup="linear", warmup_steps=10)
-    views = [RequestView(rid=0, prompt_ids=[1], output_ids=[0] * n, owner="small", state={}, hops=0, models=MODELS)
-             for n in (0, 1, 9, 10)]
+    views = [
+        RequestView(rid=0, prompt_ids=[1], output_ids=[0] * n, owner="small", state={}, hops=0, models=MODELS)
+        for n in (0, 1, 9, 10)
+    ]
     b = StepBatch("small", MODELS, torch.zeros(4, dtype=torch.long), torch.zeros(4, 5), torch.zeros(4, H), views)
     assert pol.route_batch(b) == ["small", "small", "large", "large"]  # eta_t = 1.0, 0.95, 0.55, 0.5
     with pytest.raises(ValueError, match="warmup must be one of"):

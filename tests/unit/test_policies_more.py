@@ -10,10 +10,15 @@ from tokenrouter_sdk import Router, SamplingParams, StepBatch
 from tokenrouter_sdk.policies.ensemble import TokenEnsemble
 from tokenrouter_sdk.policies.glimprouter import GlimpRouter, topk_entropy
 from tokenrouter_sdk.policies.heads import HeadMissingError, save_head
-from tokenrouter_sdk.policies.query_level import (QueryHead, QueryRouter, RandomQueryRouting, load_query_head,
-                                                  save_query_head)
-from tokenrouter_sdk.reference import reference_generate
+from tokenrouter_sdk.policies.query_level import (
+    QueryHead,
+    QueryRouter,
+    RandomQueryRouting,
+    load_query_head,
+    save_query_head,
+)
 from tokenrouter_sdk.policy import request_draw, weighted_pick
+from tokenrouter_sdk.reference import reference_generate
 from tokenrouter_sdk.request import RequestView, prompt_key
 
 from ..helpers import mixed_prompts
@@ -21,8 +26,17 @@ from ..helpers import mixed_prompts
 
 def view_of(o):
     """The `RequestView` key a policy saw for output ``o`` (the default key of a unique prompt)."""
-    return RequestView(rid=o.rid, prompt_ids=list(o.prompt), output_ids=[], owner="", state={}, hops=0, models=(),
-                       key=prompt_key(o.prompt))
+    return RequestView(
+        rid=o.rid,
+        prompt_ids=list(o.prompt),
+        output_ids=[],
+        owner="",
+        state={},
+        hops=0,
+        models=(),
+        key=prompt_key(o.prompt),
+    )
+
 
 MODELS = ("small", "large")
 N_NEW = 24
@@ -168,8 +182,12 @@ def test_glimprouter_engine_answer_marker_and_budget(pair, tok):
     # theta above log 20: S writes every step; after the first "9" L writes the rest
     with Router(pair, GlimpRouter(theta=10.0, answer_marker="9"), tokenizer=tok) as r:
         outs = r.generate(mixed_prompts(8, seed=1), max_new_tokens=N_NEW, ignore_eos=True)
-        budget = r.generate(mixed_prompts(4, seed=1), max_new_tokens=N_NEW, ignore_eos=True,
-                            policy=GlimpRouter(theta=10.0, max_step_tokens=4, budget=10))
+        budget = r.generate(
+            mixed_prompts(4, seed=1),
+            max_new_tokens=N_NEW,
+            ignore_eos=True,
+            policy=GlimpRouter(theta=10.0, max_step_tokens=4, budget=10),
+        )
     switched = 0
     for o in outs:
         k = o.token_ids.index(57) + 1 if 57 in o.token_ids[:-1] else len(o.token_ids)
@@ -189,6 +207,7 @@ def test_glimprouter_equivalence(pair, tok, concurrency):
 
 
 # -- TokenEnsemble ---------------------------------------------------------------------------
+
 
 def test_ensemble_defaults_and_validation(trio, tok):
     assert TokenEnsemble().probs(["s", "m", "l"]) == pytest.approx([0.5, 0.3, 0.2])
@@ -231,6 +250,7 @@ def test_ensemble_equivalence(trio, pair, tok, concurrency):
 
 # -- query-level routing ---------------------------------------------------------------------
 
+
 def small_prompt_hidden(pair, prompt):
     """The small model's last-layer hidden state (after the final norm) at the last prompt token."""
     return pair["small"].get_decoder()(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1]
@@ -238,9 +258,12 @@ def small_prompt_hidden(pair, prompt):
 
 def test_query_router_refuses_without_head(tmp_path, monkeypatch):
     from tokenrouter_sdk.policies import heads
+
     monkeypatch.setattr(heads, "packaged_head_path", lambda k, pair=None: tmp_path / f"smollm2_{k}_head.pt")
-    with pytest.raises(HeadMissingError, match="no packaged query head .* is missing.*tokenrouter train query --pair "
-                                               "smollm2 --package.*random_head"):
+    with pytest.raises(
+        HeadMissingError,
+        match="no packaged query head .* is missing.*tokenrouter train query --pair smollm2 --package.*random_head",
+    ):
         QueryRouter()
     monkeypatch.undo()
     with pytest.raises(HeadMissingError, match="nope.pt' does not exist"):
@@ -257,7 +280,11 @@ def test_query_head_save_load(tmp_path):
     head.mu += 0.5
     save_query_head(head, tmp_path / "q.pt", meta={"small": "tiny"})
     d = torch.load(tmp_path / "q.pt", weights_only=True)
-    assert (d["format"], d["kind"]) == ("tokenrouter-head", "query") and d["config"] == {"hidden_size": 64, "hidden_dim": 16} and d["meta"]["small"] == "tiny"
+    assert (
+        (d["format"], d["kind"]) == ("tokenrouter-head", "query")
+        and d["config"] == {"hidden_size": 64, "hidden_dim": 16}
+        and d["meta"]["small"] == "tiny"
+    )
     loaded = load_query_head(tmp_path / "q.pt")
     h = torch.randn(5, 64, dtype=torch.float64)
     torch.testing.assert_close(loaded(h), head(h))
@@ -292,8 +319,9 @@ def test_query_level_equivalence(pair, tok, concurrency):
     pol = QueryRouter(head=QueryRouter.random_head(64, seed=2, hidden_dim=16), threshold=0.5)
     outs, _ = run_and_compare(pair, tok, pol, mixed_prompts(8, seed=concurrency), concurrency, n_new=10)
     assert all(o.hops <= 1 and len(set(o.token_models)) == 1 for o in outs)
-    outs, _ = run_and_compare(pair, tok, RandomQueryRouting(0.5, seed=1), mixed_prompts(8, seed=2), concurrency,
-                              n_new=6)
+    outs, _ = run_and_compare(
+        pair, tok, RandomQueryRouting(0.5, seed=1), mixed_prompts(8, seed=2), concurrency, n_new=6
+    )
     assert all(o.hops == 0 for o in outs) and {o.token_models[0] for o in outs} == set(MODELS)
 
 

@@ -51,14 +51,23 @@ def route(host, batch, draw=None, limit=4):
     n = len(batch)
     logits, hidden = torch.zeros(n, 16, dtype=torch.float64), torch.zeros(n, 4, dtype=torch.float64)
     drawn = []
-    decisions = host.decide(batch, [1] * n, logits, hidden, [None] * n, draw or (lambda rows: [2] * len(rows)),
-                            lambda s, tok: drawn.append((s.rid, tok)), limit)
+    decisions = host.decide(
+        batch,
+        [1] * n,
+        logits,
+        hidden,
+        [None] * n,
+        draw or (lambda rows: [2] * len(rows)),
+        lambda s, tok: drawn.append((s.rid, tok)),
+        limit,
+    )
     return decisions, drawn
 
 
 def view(owner=""):
-    return RequestView(rid=11, prompt_ids=[5, 6, 7], output_ids=[], owner=owner, state={}, hops=0,
-                       models=tuple(MODELS), key=0)
+    return RequestView(
+        rid=11, prompt_ids=[5, 6, 7], output_ids=[], owner=owner, state={}, hops=0, models=tuple(MODELS), key=0
+    )
 
 
 def test_submission_hooks_give_the_entry_and_peers_or_the_error_that_fails_the_request():
@@ -66,10 +75,14 @@ def test_submission_hooks_give_the_entry_and_peers_or_the_error_that_fails_the_r
     assert host.entry(Scripted(entry="large"), view()) == ("large", None)
     assert host.entry(Scripted(), view()) == ("small", None)  # None: the first model
     assert host.entry(Scripted(entry=7), view()) == (
-        "small", "policy Scripted().entry returned 7 (int); accepted: one of ['small', 'large'] (the model that "
-                 "prefills the request) or None (the first model, 'small') (request 11)")
+        "small",
+        "policy Scripted().entry returned 7 (int); accepted: one of ['small', 'large'] (the model that "
+        "prefills the request) or None (the first model, 'small') (request 11)",
+    )
     assert host.entry(Scripted(entry=KeyError("k")), view()) == (
-        "small", "policy Scripted().entry raised KeyError: 'k' (request 11)")
+        "small",
+        "policy Scripted().entry raised KeyError: 'k' (request 11)",
+    )
     assert host.may_use(Scripted(may_use=["large", "small"]), view("small")) == (("large",), None)
     peers, error = host.may_use(Scripted(may_use="large"), view("small"))
     assert peers == () and error.startswith("policy Scripted().may_use returned 'large' (str); accepted: a list")
@@ -85,7 +98,8 @@ def test_route_decisions_are_plain_and_a_bad_return_fails_only_its_request_namin
     assert isinstance(decisions[1], RequestFailed) and decisions[1].args == (
         "policy Scripted().route returned 7 (int); accepted: one of ['small', 'large'] (the model that writes next; "
         "its own name to stay), a bool (True hands off to the other model) or Resample() (on model 'small' at "
-        "output position 0 of request 2)",)
+        "output position 0 of request 2)",
+    )
     assert decisions[2].args == ("request 3: its policy is no longer registered",)
 
 
@@ -104,8 +118,10 @@ def test_resample_is_carried_out_by_the_host_until_a_draw_stands_or_the_limit():
     assert decisions[0] == "small" and a.rs.discarded == 2
     assert drawn[:2] == [(1, 1), (2, 1)]  # the first draws are discarded and reported
     assert isinstance(decisions[1], RequestFailed)
-    assert decisions[1].args[0] == ("policy Scripted() resampled output position 0 of request 2 3 times in a row "
-                                    "on model 'small'; let a draw stand (return the model) after at most 2")
+    assert decisions[1].args[0] == (
+        "policy Scripted() resampled output position 0 of request 2 3 times in a row "
+        "on model 'small'; let a draw stand (return the model) after at most 2"
+    )
 
 
 def test_send_and_receive_word_the_failure_and_the_traceback_names_the_policy_line():

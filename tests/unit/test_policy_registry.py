@@ -5,10 +5,23 @@ import pytest
 
 from tokenrouter_sdk import Policy
 from tokenrouter_sdk.cli.main import main
-from tokenrouter_sdk.policies import (LargeOnly, RandomQueryRouting, RandomRouting, RStitch, SingleModel, SmallOnly,
-                                      TokenEnsemble)
-from tokenrouter_sdk.policies.registry import (PolicyRegistry, PolicySpecError, build_policy, builtin_registry,
-                                               load_policy_class, parse_spec)
+from tokenrouter_sdk.policies import (
+    LargeOnly,
+    RandomQueryRouting,
+    RandomRouting,
+    RStitch,
+    SingleModel,
+    SmallOnly,
+    TokenEnsemble,
+)
+from tokenrouter_sdk.policies.registry import (
+    PolicyRegistry,
+    PolicySpecError,
+    build_policy,
+    builtin_registry,
+    load_policy_class,
+    parse_spec,
+)
 
 
 def test_builtin_names_build_the_right_classes():
@@ -21,8 +34,9 @@ def test_builtin_names_build_the_right_classes():
     p = build_policy({"name": "random_query", "p": 1, "seed": 2})
     assert isinstance(p, RandomQueryRouting) and p.p == 1.0 and isinstance(p.p, float)
     assert build_policy("rstitch:tau_back=none").tau_back == 0.1  # None -> defaults to tau
-    assert build_policy("single:model=large").model == "large" and isinstance(build_policy("single:model=x"),
-                                                                              SingleModel)
+    assert build_policy("single:model=large").model == "large" and isinstance(
+        build_policy("single:model=x"), SingleModel
+    )
     e = build_policy("ensemble:weights=[0.25,0.75],seed=3")
     assert isinstance(e, TokenEnsemble) and e.weights == [0.25, 0.75] and e.seed == 3
     assert build_policy({"name": "ensemble", "weights": {"small": 1, "large": 3}}).weights == {"small": 1, "large": 3}
@@ -31,18 +45,21 @@ def test_builtin_names_build_the_right_classes():
     assert names[:4] == ["rstitch", "random", "large_only", "small_only"] and "citer" in names
 
 
-@pytest.mark.parametrize("spec,words", [
-    ("nope", ["unknown policy 'nope'", "rstitch"]),
-    ("rstitch:tau=abc", ["'tau'", "float", "'abc'"]),
-    ("random:seed=1.5", ["'seed'", "int"]),
-    ("rstitch:foo=1", ["no argument 'foo'", "tau, tau_back"]),
-    ("rstitch:tau", ["not key=value"]),
-    (":tau=1", ["empty policy name"]),
-    ("single", ["needs argument(s) ['model']", "single:model="]),
-    ("random:p=2", ["p must be in [0, 1]"]),
-    ("glimprouter:stop_on_repeat=maybe", ["'stop_on_repeat'", "bool"]),
-    ({"tau": 1}, ["needs a 'name'"]),
-])
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        ("nope", ["unknown policy 'nope'", "rstitch"]),
+        ("rstitch:tau=abc", ["'tau'", "float", "'abc'"]),
+        ("random:seed=1.5", ["'seed'", "int"]),
+        ("rstitch:foo=1", ["no argument 'foo'", "tau, tau_back"]),
+        ("rstitch:tau", ["not key=value"]),
+        (":tau=1", ["empty policy name"]),
+        ("single", ["needs argument(s) ['model']", "single:model="]),
+        ("random:p=2", ["p must be in [0, 1]"]),
+        ("glimprouter:stop_on_repeat=maybe", ["'stop_on_repeat'", "bool"]),
+        ({"tau": 1}, ["needs a 'name'"]),
+    ],
+)
 def test_bad_specs_name_the_problem(spec, words):
     with pytest.raises(PolicySpecError) as e:
         build_policy(spec)
@@ -51,11 +68,15 @@ def test_bad_specs_name_the_problem(spec, words):
 
 
 def test_learned_policies_build_from_their_packaged_heads():
-    for name, kind, cls in (("citer", "citer", "CITER"), ("r2r", "r2r", "R2R"), ("co_llm", "co_llm", "CoLLM"),
-                            ("query_router", "query", "QueryRouter")):
+    for name, kind, cls in (
+        ("citer", "citer", "CITER"),
+        ("r2r", "r2r", "R2R"),
+        ("co_llm", "co_llm", "CoLLM"),
+        ("query_router", "query", "QueryRouter"),
+    ):
         pol = build_policy(name)
         assert type(pol).__name__ == cls and pol.head.endswith(f"smollm2_{kind}_head.pt")
-        assert len(repr(pol)) < 400          # the head's record stays out of the repr
+        assert len(repr(pol)) < 400  # the head's record stays out of the repr
         if kind != "query":
             assert pol.head_meta["kind"] == kind
 
@@ -71,8 +92,10 @@ def test_file_arguments_can_be_refused():
 
 
 def test_parse_spec_keeps_brackets_and_quotes_together():
-    assert parse_spec("ensemble:weights={\"a\": 1, \"b\": 2},seed=1") == ("ensemble",
-                                                                         {"weights": '{"a": 1, "b": 2}', "seed": "1"})
+    assert parse_spec('ensemble:weights={"a": 1, "b": 2},seed=1') == (
+        "ensemble",
+        {"weights": '{"a": 1, "b": 2}', "seed": "1"},
+    )
     assert parse_spec("glimprouter:separator=',',theta=2") == ("glimprouter", {"separator": "','", "theta": "2"})
 
 

@@ -38,12 +38,25 @@ def _span(value):
 CASES = {
     "entry": [("bool", True), ("int", 2), ("str", "2"), ("foreign", Foreign()), ("handoff", Handoff())],
     "may_use": [("bool", True), ("int", 2), ("str", "large"), ("unknown", ["2"]), ("foreign", Foreign())],
-    "route": [("int", 2), ("str", "2"), ("foreign", Foreign()), ("none", None), ("handoff", Handoff()),
-              ("list", ["large"])],
-    "route_batch": [("bool", True), ("int", 2), ("str", "2"), ("foreign", Foreign()), ("short", []),
-                    ("item", "item")],
-    "send": [("bool", True), ("false", False), ("int", 2), ("str", "2"), ("foreign", Foreign()),
-             ("span_str", _span("2")), ("span_neg", _span(-1)), ("span_float", _span(1.5))],
+    "route": [
+        ("int", 2),
+        ("str", "2"),
+        ("foreign", Foreign()),
+        ("none", None),
+        ("handoff", Handoff()),
+        ("list", ["large"]),
+    ],
+    "route_batch": [("bool", True), ("int", 2), ("str", "2"), ("foreign", Foreign()), ("short", []), ("item", "item")],
+    "send": [
+        ("bool", True),
+        ("false", False),
+        ("int", 2),
+        ("str", "2"),
+        ("foreign", Foreign()),
+        ("span_str", _span("2")),
+        ("span_neg", _span(-1)),
+        ("span_float", _span(1.5)),
+    ],
     "receive": [("bool", True), ("int", 2), ("str", "2"), ("foreign", Foreign())],
 }
 ALL = [(hook, label) for hook, cases in CASES.items() for label, _ in cases]
@@ -149,8 +162,13 @@ def test_wrong_returns_fail_only_their_requests_in_processes(process_router):
 
 
 def test_handoff_checks_its_fields_when_built():
-    for kw, word in (({"span": "2"}, "span"), ({"span": 0}, "span"), ({"span": True}, "span"),
-                     ({"keep_sampled": 1}, "keep_sampled"), ({"greedy": "yes"}, "greedy")):
+    for kw, word in (
+        ({"span": "2"}, "span"),
+        ({"span": 0}, "span"),
+        ({"span": True}, "span"),
+        ({"keep_sampled": 1}, "keep_sampled"),
+        ({"greedy": "yes"}, "greedy"),
+    ):
         with pytest.raises((TypeError, ValueError), match=f"Handoff.{word}"):
             Handoff(**kw)
     assert Handoff(span=3).span == 3
@@ -164,8 +182,9 @@ def test_send_building_a_bad_handoff_fails_its_request_at_the_users_line(pair, t
             return Handoff(keep_sampled=True)
 
     with Router(pair, tokenizer=tok) as r:
-        outs = r.generate([GOOD[0], BAD, GOOD[1]], policy=BuildsBadSpan("none", None), max_new_tokens=N_NEW,
-                          ignore_eos=True)
+        outs = r.generate(
+            [GOOD[0], BAD, GOOD[1]], policy=BuildsBadSpan("none", None), max_new_tokens=N_NEW, ignore_eos=True
+        )
     err = outs[1].error
     assert outs[1].finish_reason == "failed"
     assert "BuildsBadSpan" in err and ".send raised TypeError" in err and "Handoff.span" in err and "'2'" in err
@@ -272,9 +291,8 @@ def test_route_batch_that_raises_fails_its_batch_once(pair, tok):
         assert all(o.ok for o in r.generate(GOOD, policy=Policy(), max_new_tokens=3))
     failed = [o for o in outs if o.finish_reason == "failed"]
     assert failed and all("route_batch raised ValueError: vectorised failure" in o.error for o in failed)
-    assert all(f"requests of this batch fail with it" in o.error for o in failed)
+    assert all("requests of this batch fail with it" in o.error for o in failed)
     assert calls[:3] == [3, 3, 3]  # one call per step, never one per request after the failure
-
 
 
 class LargeEntryOneArgument(Policy):

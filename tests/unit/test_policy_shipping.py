@@ -14,7 +14,7 @@ from ..helpers import save_tiny_pair
 
 pytestmark = pytest.mark.timeout(300)
 
-POLICY_FILE = '''
+POLICY_FILE = """
 from tokenrouter_sdk import Policy
 
 
@@ -28,7 +28,7 @@ class EveryOther(Policy):
 
     def route(self, step):
         return step.models[_writer(step.position, self.start)]
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +44,23 @@ def processes(monkeypatch):
 
 def _flags(folders, tmp_path):
     (tmp_path / "every_other.py").write_text(POLICY_FILE)
-    return ["--model", f"small={folders[0]}", "--model", f"large={folders[1]}",
-            "--policy-file", f"{tmp_path / 'every_other.py'}:EveryOther"]
+    return [
+        "--model",
+        f"small={folders[0]}",
+        "--model",
+        f"large={folders[1]}",
+        "--policy-file",
+        f"{tmp_path / 'every_other.py'}:EveryOther",
+    ]
 
 
 def test_serve_answers_with_a_policy_file_class_in_sub_server_processes(folders, tmp_path, processes):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
     from tokenrouter_sdk.cli.serve import add_parser, build
+    from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
+
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers(dest="cmd", required=True))
     args = p.parse_args(["serve", *_flags(folders, tmp_path), "--max-kv-tokens", "512"])
@@ -61,8 +68,16 @@ def test_serve_answers_with_a_policy_file_class_in_sub_server_processes(folders,
     try:
         assert isinstance(router.engine.transport, ProcessTransport)
         with TestClient(app) as client:
-            r = client.post("/v1/completions", json={"model": "tokenrouter", "prompt": [5, 6, 7], "max_tokens": 6,
-                                                     "ignore_eos": True, "temperature": 0})
+            r = client.post(
+                "/v1/completions",
+                json={
+                    "model": "tokenrouter",
+                    "prompt": [5, 6, 7],
+                    "max_tokens": 6,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+            )
             assert r.status_code == 200, r.text
         assert r.json()["tokenrouter"]["writers"] == ["small", "large"] * 3
     finally:
@@ -72,9 +87,28 @@ def test_serve_answers_with_a_policy_file_class_in_sub_server_processes(folders,
 
 def test_eval_scores_a_policy_file_class_in_sub_server_processes(folders, tmp_path, processes):
     from tokenrouter_sdk.cli.eval import add_arguments, cmd_eval
+
     out = tmp_path / "eval"
-    argv = [*_flags(folders, tmp_path), "--param", "start", "--values", "0", "--limit", "2", "--max-new-tokens", "4",
-            "--references", "large_only", "--repeats", "1", "--no-progress", "--concurrency", "2", "--out", str(out)]
+    argv = [
+        *_flags(folders, tmp_path),
+        "--param",
+        "start",
+        "--values",
+        "0",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--references",
+        "large_only",
+        "--repeats",
+        "1",
+        "--no-progress",
+        "--concurrency",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert cmd_eval(add_arguments(argparse.ArgumentParser()).parse_args(argv)) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["config"]["router"]["transport"] == "ProcessTransport"
@@ -86,11 +120,13 @@ def test_eval_scores_a_policy_file_class_in_sub_server_processes(folders, tmp_pa
 class _HoldsALock(Policy):
     def __init__(self):
         import threading
+
         self.lock = threading.Lock()
 
 
 def test_a_policy_that_cannot_be_shipped_stops_the_command_naming_the_fix():
     from tokenrouter_sdk.cli.common import check_shippable
+
     with pytest.raises(SystemExit) as e:
         check_shippable(_HoldsALock(), "tokenrouter serve")
     msg = str(e.value)
@@ -103,6 +139,7 @@ def test_a_policy_the_children_cannot_load_fails_in_route_not_route_batch(pair, 
     wrote (route), not in route_batch, which the user never wrote."""
     from tokenrouter_sdk.engine.transports.codec import PolicyBlob
     from tokenrouter_sdk.engine.transports.wire import load_policy
+
     stand_in = load_policy(PolicyBlob(1, b"not a pickle", "Mine()", {}), "small").policy
     assert type(stand_in).route_batch is Policy.route_batch
     with Router(pair, stand_in, tokenizer=tok) as r:
@@ -121,6 +158,7 @@ def test_a_failed_request_is_logged_by_the_server(pair, tok, caplog):
     from fastapi.testclient import TestClient
 
     from tokenrouter_sdk.serve.app import create_app
+
     with Router(pair, tokenizer=tok) as r, TestClient(create_app(r, policy=_Raises())) as client:
         with caplog.at_level("WARNING", logger="tokenrouter.serve"):
             resp = client.post("/v1/completions", json={"model": "tokenrouter", "prompt": [5, 6, 7], "max_tokens": 3})

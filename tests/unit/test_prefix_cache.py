@@ -9,15 +9,14 @@ counts a shared prompt block once."""
 import collections
 import random
 import threading
-import time
 
 import pytest
 
 from tokenrouter_sdk import Handoff, Needs, Policy, Router, SamplingParams
 from tokenrouter_sdk.engine.core.block_allocator import BlockAllocator, KVPoolFull
-from tokenrouter_sdk.engine.messages import Admitted, Finished, StepDone
 from tokenrouter_sdk.engine.core.prefix_cache import block_key, chain_keys
 from tokenrouter_sdk.engine.core.scheduler import Scheduler, Seq
+from tokenrouter_sdk.engine.messages import Admitted, Finished
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 from tokenrouter_sdk.request import RequestConfig, prompt_key
@@ -62,6 +61,7 @@ def guard_writes(router):
                     if pool.cache.holds(x.table[p // bs]):
                         bad.append((name, x.table[p // bs], p))
             return inner(inputs)
+
         runner.forward = forward
     return bad
 
@@ -148,6 +148,7 @@ def a_prefix(pool, tokens, n):
 # -- the scheduler ---------------------------------------------------------------------------
 def _seq(rid, tokens):
     from tokenrouter_sdk import SamplingParams as SP
+
     return Seq(RequestConfig(rid, list(tokens), SP(), 0, (), str(rid)), list(tokens))
 
 
@@ -194,8 +195,12 @@ class ForcedSpan(Policy):
         return Handoff(keep_sampled=False, span=2)
 
 
-POLICIES = {"discard": DiscardTwoBack, "keep": KeepEveryThird, "span": ForcedSpan,
-            "random": lambda: RandomRouting(p=0.4, seed=2)}
+POLICIES = {
+    "discard": DiscardTwoBack,
+    "keep": KeepEveryThird,
+    "span": ForcedSpan,
+    "random": lambda: RandomRouting(p=0.4, seed=2),
+}
 
 
 @pytest.mark.parametrize("mode", ["async", "delayed", "sync", "model_sync"])
@@ -203,7 +208,9 @@ POLICIES = {"discard": DiscardTwoBack, "keep": KeepEveryThird, "span": ForcedSpa
 def test_output_with_the_cache_equals_the_reference_and_the_output_without_it(pair, tok, mode, policy):
     prompts = shared_prompts()
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    kw = dict(tokenizer=tok, block_size=4, mode=mode, thresholds={"small": 2, "large": 2} if mode == "delayed" else None)
+    kw = dict(
+        tokenizer=tok, block_size=4, mode=mode, thresholds={"small": 2, "large": 2} if mode == "delayed" else None
+    )
     runs = {}
     for cache in (False, True):
         with Router(pair, POLICIES[policy](), prefix_cache=cache, **kw) as r:
@@ -227,8 +234,9 @@ def test_first_visits_and_admission_prefills_reuse_the_cache(pair, tok, prefill_
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
     fed = {}
     for cache in (False, True):
-        with Router(pair, DiscardTwoBack(), tokenizer=tok, block_size=4, prefill_peers=prefill_peers,
-                    prefix_cache=cache) as r:
+        with Router(
+            pair, DiscardTwoBack(), tokenizer=tok, block_size=4, prefill_peers=prefill_peers, prefix_cache=cache
+        ) as r:
             outs = r.generate(prompts, sampling=params, concurrency=2)
             fed[cache] = outs.metrics().per_model["large"].tokens_fed
             m = outs.metrics().per_model["large"]
@@ -345,13 +353,20 @@ def test_random_workloads_never_hang_never_serve_wrong_blocks_and_return_every_r
     prompts = []
     for _ in range(rnd.randint(4, 10)):
         base = shared_prompts(8, prefix_len=rnd.choice([5, 16, 23]), seed=rnd.randrange(3))
-        prompts.append(rnd.choice(base)[:rnd.randint(1, 60)])
+        prompts.append(rnd.choice(base)[: rnd.randint(1, 60)])
     bs = rnd.choice([2, 4, 8])
     kv = rnd.choice([96, 160, 400])
     params = SamplingParams(max_new_tokens=rnd.randint(4, 14), ignore_eos=True)
     policy = RandomRouting(p=rnd.random() * 0.6, seed=seed)
-    with Router(pair, policy, tokenizer=tok, block_size=bs, max_kv_tokens=kv,
-                kv_admission=rnd.choice(["reserve", "optimistic"]), prefill_peers=rnd.random() < 0.5) as r:
+    with Router(
+        pair,
+        policy,
+        tokenizer=tok,
+        block_size=bs,
+        max_kv_tokens=kv,
+        kv_admission=rnd.choice(["reserve", "optimistic"]),
+        prefill_peers=rnd.random() < 0.5,
+    ) as r:
         bad = guard_writes(r)
         call = r.submit(prompts, sampling=params, concurrency=rnd.choice([None, 2, 4]))
         victims = rnd.sample(range(len(prompts)), k=rnd.randint(0, 2))

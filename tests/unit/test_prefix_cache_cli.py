@@ -23,6 +23,7 @@ def captured(monkeypatch):
     def init(self, *a, **kw):
         got.update(kw)
         raise Built
+
     monkeypatch.setattr(Router, "default", classmethod(default))
     monkeypatch.setattr(Router, "__init__", init)
     return got
@@ -45,7 +46,9 @@ def test_eval(monkeypatch, flag, tmp_path):
     def fake(*a, router_kwargs=None, **kw):
         got.update(router_kwargs)
         raise Built
+
     import tokenrouter_sdk.eval as ev
+
     monkeypatch.setattr(ev, "evaluate_policy", fake)
     args = build_parser().parse_args(["eval", "--limit", "1", "--out", str(tmp_path)] + flag)
     with pytest.raises(Built):
@@ -60,7 +63,9 @@ def test_bench(monkeypatch, flag, tmp_path):
     def fake(*a, **kw):
         got.update(kw)
         raise Built
+
     import tokenrouter_sdk.bench as b
+
     monkeypatch.setattr(b, "run_bench", fake)
     args = build_parser().parse_args(["bench", "--backend", "sim", "--out", str(tmp_path / "b")] + flag)
     with pytest.raises(Built):

@@ -24,8 +24,10 @@ from tokenrouter_sdk.reference import reference_generate
 
 from ..helpers import mixed_prompts, run_script
 
-pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server and /proc are Linux's")]
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server and /proc are Linux's"),
+]
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
@@ -74,6 +76,7 @@ class MarkProcess(Policy):
     def route(self, step):
         if os.getpid() != self.here:
             import tokenrouter_sdk
+
             tokenrouter_sdk._left_by_an_earlier_router = os.getpid()
         return step.model
 
@@ -83,6 +86,7 @@ class FailIfMarked(MarkProcess):
 
     def route(self, step):
         import tokenrouter_sdk
+
         mark = getattr(tokenrouter_sdk, "_left_by_an_earlier_router", None)
         if os.getpid() != self.here and mark is not None:
             raise RuntimeError(f"this process carries the state of process {mark}")
@@ -247,6 +251,7 @@ def test_a_cpu_kv_pool_takes_memory_only_when_used():
     handing the runner over): zero pages the kernel fills on first touch, not a fill of the
     whole pool, so hundreds of MB cost neither time nor memory until blocks are written."""
     from tokenrouter_sdk.engine.core.kv_pool import KVPool
+
     before = _rss_bytes()
     pool = KVPool(num_layers=16, kv_heads=4, head_dim=64, num_blocks=512, block_size=16)  # 2 x 128 MiB
     grown = _rss_bytes() - before
@@ -266,14 +271,23 @@ def test_pickling_error_names_the_model_and_leaves_nothing_behind(tok):
     assert tr._ipc_dir is None and not tr.alive("bad")
 
 
-@pytest.mark.parametrize("processes,env,started", [
-    (None, None, True), (None, "0", False), (True, "0", True), (False, None, False),
-    ({"address": "tcp"}, None, True), ({"start_method": "spawn"}, None, False),
-    ({"start_method": "forkserver"}, None, True)])
+@pytest.mark.parametrize(
+    "processes,env,started",
+    [
+        (None, None, True),
+        (None, "0", False),
+        (True, "0", True),
+        (False, None, False),
+        ({"address": "tcp"}, None, True),
+        ({"start_method": "spawn"}, None, False),
+        ({"start_method": "forkserver"}, None, True),
+    ],
+)
 def test_router_default_starts_the_fork_server_early_only_for_processes(monkeypatch, processes, env, started):
     """`Router.default` starts the fork server before loading the pair (its imports overlap the
     load) when the Router will fork sub-servers from it, and not otherwise."""
     from tokenrouter_sdk.engine.transports import process_start
+
     calls = []
     monkeypatch.setattr(process_start, "prestart", lambda method=None, modules=(): calls.append((method, modules)))
     if env is None:

@@ -118,8 +118,9 @@ def test_kv_stats_through_processes_show_every_block_returned(routers, pair):
     r = routers["async"]
     before = r.kv_stats()
     want = {m: z.tokens // 16 for m, z in r.kv_sizing.items()}  # the children's pools are the planned size
-    assert set(before) == {"small", "large"} and all(s.num_blocks == want[m] and s.block_size == 16
-                                                     for m, s in before.items())
+    assert set(before) == {"small", "large"} and all(
+        s.num_blocks == want[m] and s.block_size == 16 for m, s in before.items()
+    )
     _check(r, pair, RandomRouting(p=0.3, seed=5), mixed_prompts(8, seed=11))
     after = _kv_settled(r)
     for name, s in after.items():
@@ -157,9 +158,11 @@ def test_policy_defined_in_a_function_body(routers, pair):
 def test_policy_the_children_cannot_load_fails_only_its_requests(routers, tmp_path, monkeypatch):
     (tmp_path / "parent_only_policy.py").write_text(
         "from tokenrouter_sdk import Policy\n\nclass ParentOnly(Policy):\n    def route(self, step):\n"
-        "        return step.model\n")
+        "        return step.model\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))  # importable here, not in the running children
     from parent_only_policy import ParentOnly
+
     r = routers["async"]
     bad = r.submit(mixed_prompts(2), policy=ParentOnly(), max_new_tokens=4)
     good = r.generate(mixed_prompts(3), max_new_tokens=4, ignore_eos=True, timeout=60)
@@ -237,8 +240,9 @@ def test_a_killed_sub_server_is_restarted_and_serves_the_reference(pair, tok):
         handles2.wait(timeout=30)
         for h in handles2:
             # failed where it stood: on large when it died, or routed there after the death was seen
-            assert h.output.finish_reason == "failed" and ("sub-server process 'large' died" in h.output.error
-                                                           or "model 'large' is dead" in h.output.error), h.output.error
+            assert h.output.finish_reason == "failed" and (
+                "sub-server process 'large' died" in h.output.error or "model 'large' is dead" in h.output.error
+            ), h.output.error
         with pytest.raises(EngineDeadError, match=r"router.restart\('large'\)"):
             r.generate(mixed_prompts(1), max_new_tokens=4, timeout=30)
         assert r.restart("large", timeout=60) == ["large"]
@@ -249,7 +253,8 @@ def test_a_killed_sub_server_is_restarted_and_serves_the_reference(pair, tok):
         stats = _kv_settled(r, timeout=30)  # the last releases travel between the processes
         assert all(s.alive and s.free_blocks == s.num_blocks for s in stats.values()), {
             m: dict(alive=s.alive, free=s.free_blocks, blocks=s.num_blocks, owned=s.owned, pending=s.pending)
-            for m, s in stats.items()}
+            for m, s in stats.items()
+        }
 
 
 def test_killed_subserver_fails_its_requests_and_close_ends_the_rest(routers):
@@ -278,7 +283,7 @@ def test_killed_subserver_fails_its_requests_and_close_ends_the_rest(routers):
     r.close()  # idempotent
     assert all(_gone(p) for p in pids.values())
     assert not set(pids.values()) & {p.pid for p in multiprocessing.active_children()}
-    assert addr.startswith("ipc://") and not os.path.exists(os.path.dirname(addr[len("ipc://"):]))
+    assert addr.startswith("ipc://") and not os.path.exists(os.path.dirname(addr[len("ipc://") :]))
 
 
 def test_garbage_collected_router_ends_its_processes(routers):

@@ -60,12 +60,15 @@ def test_generate_submit_and_stream_take_add_special_tokens_per_call(router):
     assert out.token_ids == ref[1].token_ids
     scored = router.score([TEXT, TEXT], [ref[0].token_ids, ref[0].token_ids], policy=SingleModel("large"))
     assert scored[0].logprobs == pytest.approx(
-        router.score([with_bos], [ref[0].token_ids], policy=SingleModel("large"))[0].logprobs, abs=1e-9)
+        router.score([with_bos], [ref[0].token_ids], policy=SingleModel("large"))[0].logprobs, abs=1e-9
+    )
 
 
 def test_chat_prompts_carry_one_bos(pair):
-    template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant:{% endif %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     tok = bos_tokenizer(template)
     messages = [{"role": "user", "content": TEXT}]
     rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -93,7 +96,9 @@ def _check_server(router, url):
     assert bare["choices"][0]["text"] == router.generate(TEXT, max_new_tokens=N, add_special_tokens=False).text
     toks = httpx.post(url + "/tokenize", json={"prompt": TEXT}).json()["tokens"]
     assert toks == router.tokenizer(TEXT).input_ids
-    assert httpx.post(url + "/tokenize", json={"prompt": TEXT, "add_special_tokens": False}).json()["tokens"] == toks[1:]
+    assert (
+        httpx.post(url + "/tokenize", json={"prompt": TEXT, "add_special_tokens": False}).json()["tokens"] == toks[1:]
+    )
     bad = httpx.post(url + "/v1/completions", json={**body, "add_special_tokens": "sometimes"}, timeout=60)
     assert bad.status_code == 400 and "add_special_tokens" in bad.text
 
@@ -101,6 +106,7 @@ def _check_server(router, url):
 def test_lm_eval_model_adds_the_bos_as_lm_eval_does(router):
     pytest.importorskip("lm_eval")
     from tokenrouter_sdk.eval.lm_eval_model import TokenRouterLM
+
     assert TokenRouterLM(router=router).add_bos_token is False  # lm-eval's hf/vllm default
     lm = TokenRouterLM(router=router, add_bos_token=True)
     assert lm.tok_encode(TEXT) == router.tokenizer(TEXT).input_ids
@@ -108,4 +114,5 @@ def test_lm_eval_model_adds_the_bos_as_lm_eval_does(router):
     gemma = bos_tokenizer()
     gemma.name_or_path = "/models/gemma-3-270m"
     from tokenrouter_sdk.eval.lm_eval_model import _is_gemma
+
     assert _is_gemma(gemma) and not _is_gemma(router.tokenizer)

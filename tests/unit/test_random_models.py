@@ -8,12 +8,27 @@ from tokenrouter_sdk import Router, SamplingParams
 from tokenrouter_sdk.bench import run_bench
 from tokenrouter_sdk.cli.main import main
 from tokenrouter_sdk.policies import RandomRouting
-from tokenrouter_sdk.random_models import (QWEN3_SHAPES, count_parameters, id_tokenizer, random_config,
-                                           random_model, random_prompts)
+from tokenrouter_sdk.random_models import (
+    QWEN3_SHAPES,
+    count_parameters,
+    id_tokenizer,
+    random_config,
+    random_model,
+    random_prompts,
+)
 from tokenrouter_sdk.reference import reference_generate
 
-SHRINK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, vocab_size=1024, eos_token_id=1000, bos_token_id=None)
+SHRINK = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1024,
+    eos_token_id=1000,
+    bos_token_id=None,
+)
 
 
 def test_parameter_counts_match_the_released_models():
@@ -25,7 +40,12 @@ def test_parameter_counts_match_the_released_models():
     assert round((n06 - emb) / 1e9, 2) == 0.44
     assert round((n8 - 2 * 151936 * 4096) / 1e9, 2) == 6.95
     cfg = random_config("Qwen3-8B")
-    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.tie_word_embeddings) == (36, 8, 128, False)
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.tie_word_embeddings) == (
+        36,
+        8,
+        128,
+        False,
+    )
     assert set(QWEN3_SHAPES) >= {"qwen3-0.6b", "qwen3-8b"}
 
 
@@ -53,15 +73,20 @@ def test_id_tokenizer_and_prompts():
     assert tok.encode("<3> <42>", add_special_tokens=False) == [3, 42]
     ps = random_prompts(4, 50, vocab_size=100, seed=1, avoid=(7,))
     assert [len(p) for p in ps] == [50] * 4 and all(0 <= i < 100 and i != 7 for p in ps for i in p)
-    assert ps == random_prompts(4, 50, vocab_size=100, seed=1, avoid=(7,)) != random_prompts(4, 50, vocab_size=100, seed=2)
+    assert (
+        ps == random_prompts(4, 50, vocab_size=100, seed=1, avoid=(7,)) != random_prompts(4, 50, vocab_size=100, seed=2)
+    )
     with pytest.raises(ValueError, match="outside the vocabulary"):
         id_tokenizer(10, eos_token_id=10)
 
 
 def test_shrunk_qwen3_pair_routes_like_the_reference():
-    pair = {"small": random_model("qwen3-0.6b", device="cpu", dtype=torch.float64, seed=0, **SHRINK),
-            "large": random_model("qwen3-8b", device="cpu", dtype=torch.float64, seed=1,
-                                  **(SHRINK | {"num_hidden_layers": 3}))}
+    pair = {
+        "small": random_model("qwen3-0.6b", device="cpu", dtype=torch.float64, seed=0, **SHRINK),
+        "large": random_model(
+            "qwen3-8b", device="cpu", dtype=torch.float64, seed=1, **(SHRINK | {"num_hidden_layers": 3})
+        ),
+    }
     tok = id_tokenizer(1024, eos_token_id=1000)
     prompts = random_prompts(4, 12, vocab_size=1024, seed=5, avoid=(1000,))
     policy = RandomRouting(p=0.3, seed=2)
@@ -75,9 +100,17 @@ def test_shrunk_qwen3_pair_routes_like_the_reference():
     assert outs[0].text == tok.decode(outs[0].token_ids)
     # the benchmark on this pair: explicit cell order, warm-up, per-cell callback
     seen = []
-    cells = run_bench(pair, tok, prompts, cells=[("random30", "delayed", True, 2, 8), ("random30", "sync", True, 2, 8)],
-                      thresholds="small=2,large=1", progress=False, on_cell=seen.append, warmup_tokens=4,
-                      processes=False)
+    cells = run_bench(
+        pair,
+        tok,
+        prompts,
+        cells=[("random30", "delayed", True, 2, 8), ("random30", "sync", True, 2, 8)],
+        thresholds="small=2,large=1",
+        progress=False,
+        on_cell=seen.append,
+        warmup_tokens=4,
+        processes=False,
+    )
     assert [c.mode for c in seen] == ["delayed", "sync"] and seen == cells
     assert all(c.committed_tokens == 2 * 2 * 8 for c in cells)
     assert cells[0].vs_sync == pytest.approx(cells[0].throughput_tok_s / cells[1].throughput_tok_s)
@@ -86,9 +119,17 @@ def test_shrunk_qwen3_pair_routes_like_the_reference():
 def test_bench_deadline_stops_before_the_next_cell():
     from tokenrouter_sdk.backends.sim_runner import LatencyModel
     from tokenrouter_sdk.models import tiny_tokenizer
+
     lat = {"small": LatencyModel({1: 0.02}), "large": LatencyModel({1: 0.06})}
-    cells = run_bench(lat, tiny_tokenizer(), [[5] * 8], cells=[("random10", "async", True, 1, 4)] * 3,
-                      deadline=0.0, backend="sim", progress=False)
+    cells = run_bench(
+        lat,
+        tiny_tokenizer(),
+        [[5] * 8],
+        cells=[("random10", "async", True, 1, 4)] * 3,
+        deadline=0.0,
+        backend="sim",
+        progress=False,
+    )
     assert cells == []
 
 

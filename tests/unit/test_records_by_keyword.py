@@ -40,6 +40,9 @@ def test_wide_records_are_built_by_keyword(kind):
         rel = path.relative_to(ROOT).as_posix()
         if (kind == "package") != rel.startswith("tokenrouter_sdk/"):
             continue
-        bad += [f"{rel}:{line} {name} in {fn}" for line, name, fn in positional_constructions(path)
-                if (rel, fn) not in PENDING]
+        bad += [
+            f"{rel}:{line} {name} in {fn}"
+            for line, name, fn in positional_constructions(path)
+            if (rel, fn) not in PENDING
+        ]
     assert not bad, "build these records by keyword:\n" + "\n".join(bad)

@@ -42,20 +42,21 @@ def test_eos_and_stop_strings(pair, tok):
         free = r.generate(PROMPTS[0], max_new_tokens=30, ignore_eos=True)
         text = free.text
         # pick a stop string from the middle of the free-running text
-        stop = text[len(text) // 2: len(text) // 2 + 2]
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
         assert stop
         cut = r.generate(PROMPTS[0], max_new_tokens=30, ignore_eos=True, stop=[stop])
         assert cut.finish_reason == "stop"
-        assert cut.text == text[:text.find(stop)]
-        assert cut.token_ids == free.token_ids[:len(cut.token_ids)]
+        assert cut.text == text[: text.find(stop)]
+        assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
 
         eos = tok.eos_token_id
 
         # EOS: these prompts' greedy runs end on EOS or on length; both must match the reference
         out = r.generate(PROMPTS, max_new_tokens=40)
         for o in out:
-            ref = reference_generate(pair, o.prompt, LargeOnly(), SamplingParams(max_new_tokens=40),
-                                     eos_ids=(eos,), rid=o.rid)
+            ref = reference_generate(
+                pair, o.prompt, LargeOnly(), SamplingParams(max_new_tokens=40), eos_ids=(eos,), rid=o.rid
+            )
             assert o.token_ids == ref["token_ids"]
             assert o.finish_reason == ref["finish_reason"]
             if o.finish_reason == "eos":
@@ -76,6 +77,7 @@ def test_stream_matches_generate(pair, tok):
 
 def test_agenerate_and_generate_inside_running_loop(pair, tok):
     """Jupyter runs an event loop in the kernel thread: generate must still work there."""
+
     async def main(r):
         a = await r.agenerate(PROMPTS, max_new_tokens=8, ignore_eos=True, concurrency=2)
         assert r.engine.config.max_concurrency is None  # the per-call concurrency does not stick

@@ -5,13 +5,12 @@ Router members they use answer the engine's values."""
 import ast
 from pathlib import Path
 
+from tests.helpers import mixed_prompts
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
 from tokenrouter_sdk.engine import messages as M
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.request import SamplingParams
-
-from tests.helpers import mixed_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tokenrouter_sdk"
@@ -28,9 +27,14 @@ def engine_reads() -> set[tuple[str, str]]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Attribute) and node.attr == "engine":
                 found.add((rel, ast.unparse(node)))
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
-                  and isinstance(node.args[1], ast.Constant) and node.args[1].value == "engine"):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value == "engine"
+            ):
                 found.add((rel, ast.unparse(node)))
     return found
 
@@ -73,7 +77,7 @@ def test_router_surface_answers_the_engines_values(pair, tok):
         assert len(seen) == n  # removed: sees nothing more
         assert r.trace == last  # not this thread's last call
         recent = r.recent_events()
-        assert recent[-len(call.events):] == list(call.events)
+        assert recent[-len(call.events) :] == list(call.events)
 
 
 def test_router_surface_of_the_sim_backend():

@@ -29,8 +29,9 @@ def test_schedule_is_what_the_engine_realises(rp, pair, tok, mode):
     prompts = [[5 + i, 9, 11 + 2 * i] for i in range(6)]
     keys = list(range(6))
     with Router(pair, tokenizer=tok, mode=mode) as r:
-        outs = r.generate(prompts, policy=RandomSpanRouting(**kw), max_new_tokens=24, ignore_eos=True, keys=keys,
-                          concurrency=3)
+        outs = r.generate(
+            prompts, policy=RandomSpanRouting(**kw), max_new_tokens=24, ignore_eos=True, keys=keys, concurrency=3
+        )
     want = [rp.span_schedule(k, 24, **kw) for k in keys]
     got = [("".join(rp.CODE[m] for m in o.token_models), o.hops) for o in outs]
     assert got == want
@@ -75,10 +76,10 @@ def test_dispatcher_commits_each_position_on_the_scheduled_model(rp, unit):
         for contexts, counts in eng.calls:
             assert len(contexts) <= 2  # never more requests in flight than the concurrency
             for ctx, k in zip(contexts, counts):
-                i = next(i for i, p in enumerate(prompts) if ctx[:len(p)] == p)
+                i = next(i for i, p in enumerate(prompts) if ctx[: len(p)] == p)
                 pos = len(ctx) - len(prompts[i])
-                assert ctx[len(prompts[i]):] == d["tokens"][i][:pos]  # the whole committed context
-                assert writers[i][pos:pos + k] == code * k
+                assert ctx[len(prompts[i]) :] == d["tokens"][i][:pos]  # the whole committed context
+                assert writers[i][pos : pos + k] == code * k
                 assert k == (1 if unit == "token" else rp.run_length(writers[i], pos))
     if unit == "token":
         # every round sends one token per request in flight: rounds = output length per wave

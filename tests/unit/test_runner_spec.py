@@ -10,10 +10,10 @@ import torch
 
 from tokenrouter_sdk import Router, SamplingParams
 from tokenrouter_sdk.backends.torch_runner import TorchRunner, TorchRunnerSpec
-from tokenrouter_sdk.engine.transports import wire
-from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
 from tokenrouter_sdk.engine.front.engine import Engine
 from tokenrouter_sdk.engine.runner import PoolShape, RemoteRunner, RunnerInfo, RunnerSpec
+from tokenrouter_sdk.engine.transports import wire
+from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
 from tokenrouter_sdk.engine.transports.transport import ThreadTransport
 from tokenrouter_sdk.models import tiny_model, truncate
 from tokenrouter_sdk.policies import RandomRouting
@@ -90,17 +90,32 @@ def test_thread_transport_builds_each_runner_in_its_subserver_thread(small_pair,
         assert r.engine.transport.subservers["large"].runner is r.engine.runners["large"]
 
 
-@pytest.mark.parametrize("opts", [{}, {"cuda_graphs": True, "block_size": 4}, {"compile": True, "block_size": 2},
-                                  {"model_impl": "transformers", "kernels": "off"}])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"cuda_graphs": True, "block_size": 4},
+        {"compile": True, "block_size": 2},
+        {"model_impl": "transformers", "kernels": "off"},
+    ],
+)
 def test_describe_says_what_build_makes(small_pair, opts):
     spec = TorchRunnerSpec(small_pair["large"], max_kv_tokens=100, **opts)
     info = spec.describe()
     runner = spec.build()
     try:
         assert (info.vocab_size, info.max_context, info.device, info.dtype) == (
-            runner.vocab_size, runner.max_context, runner.device, runner.dtype)
+            runner.vocab_size,
+            runner.max_context,
+            runner.device,
+            runner.dtype,
+        )
         assert (info.pool.num_blocks, info.pool.block_size, info.pool.scratch_blocks, info.pool.capacity_tokens) == (
-            runner.pool.num_blocks, runner.pool.block_size, runner.pool.scratch_blocks, runner.pool.capacity_tokens)
+            runner.pool.num_blocks,
+            runner.pool.block_size,
+            runner.pool.scratch_blocks,
+            runner.pool.capacity_tokens,
+        )
         assert {k: getattr(runner, k) for k in info.extra} == info.extra
         assert runner.spec is spec.attention  # read once, where the spec was described
     finally:
@@ -116,7 +131,12 @@ def test_a_folder_spec_loads_where_it_is_built(tmp_path, tok):
     runner = spec.build()
     try:
         assert (info.vocab_size, info.max_context, info.device, info.dtype, info.pool.capacity_tokens) == (
-            runner.vocab_size, runner.max_context, runner.device, runner.dtype, runner.pool.capacity_tokens)
+            runner.vocab_size,
+            runner.max_context,
+            runner.device,
+            runner.dtype,
+            runner.pool.capacity_tokens,
+        )
         assert runner.dtype == torch.float32 and runner.model is not model
     finally:
         runner.release()
@@ -170,6 +190,7 @@ def test_prefetch_starts_the_kernel_build_only_where_the_kernels_apply(small_pai
     """The Router starts the CPU kernels' build where it makes the specs, so the sub-server that
     builds the runner loads the cached library instead of compiling it while requests run."""
     from tokenrouter_sdk.backends import cpu_kernels
+
     started = []
     monkeypatch.setattr(cpu_kernels, "start", lambda: started.append(1))
     large = small_pair["large"]
@@ -199,7 +220,10 @@ class _MisdescribedSpec(_ScriptedSpec):
 
 def test_a_runner_built_otherwise_than_its_spec_described_fails_the_start(tok):
     before = {t.name for t in threading.enumerate()}
-    with pytest.raises(RuntimeError, match=r"model 'b': its runner was built as .*'num_blocks': 32.* described "
-                                           r".*'num_blocks': 64"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"model 'b': its runner was built as .*'num_blocks': 32.* described "
+        r".*'num_blocks': 64",
+    ):
         Engine({"a": _ScriptedSpec(), "b": _MisdescribedSpec()}, tok, transport=ThreadTransport())
     assert {t.name for t in threading.enumerate() if t.name.startswith("tokenrouter")} <= before

@@ -60,8 +60,14 @@ def _same(**kw) -> list[SamplingParams]:
     return [SP(**kw) for _ in range(6)]
 
 
-MIXED = [SP(), SP(temperature=0.7), SP(), SP(temperature=1.3, top_k=5, top_p=0.9),
-         SP(temperature=1.0, top_p=0.3), SP(temperature=0.7, top_k=V - 1)]
+MIXED = [
+    SP(),
+    SP(temperature=0.7),
+    SP(),
+    SP(temperature=1.3, top_k=5, top_p=0.9),
+    SP(temperature=1.0, top_p=0.3),
+    SP(temperature=0.7, top_k=V - 1),
+]
 
 # name -> (dtype, kind of logits, per-row params)
 CASES = {
@@ -89,78 +95,28 @@ CASES = {
 
 # Draws of the row-by-row sampler: per case, ROUNDS rounds of 6 tokens.
 TABLE = {
-    "t0.7": [
-        [88, 10, 75, 87, 83, 65],
-        [26, 10, 88, 42, 83, 27],
-        [26, 10, 62, 59, 30, 65],
-        [19, 10, 75, 42, 83, 23],
-    ],
-    "t1.3": [
-        [25, 15, 0, 45, 12, 82],
-        [94, 92, 42, 78, 14, 83],
-        [5, 79, 87, 41, 54, 25],
-        [69, 37, 53, 41, 69, 25],
-    ],
-    "t1.3_k5": [
-        [4, 47, 72, 75, 34, 88],
-        [60, 65, 19, 6, 34, 18],
-        [26, 61, 72, 75, 34, 86],
-        [4, 61, 72, 6, 33, 79],
-    ],
-    "t1_k1": [
-        [30, 32, 93, 81, 89, 31],
-        [30, 32, 93, 81, 89, 31],
-        [30, 32, 93, 81, 89, 31],
-        [30, 32, 93, 81, 89, 31],
-    ],
-    "t1_kV": [
-        [25, 39, 72, 19, 8, 41],
-        [94, 40, 38, 92, 1, 72],
-        [94, 4, 38, 52, 57, 63],
-        [66, 49, 72, 92, 45, 72],
-    ],
-    "t1_p0.3": [
-        [88, 92, 26, 10, 14, 34],
-        [88, 92, 26, 10, 14, 8],
-        [88, 92, 26, 10, 14, 34],
-        [88, 92, 26, 10, 14, 34],
-    ],
+    "t0.7": [[88, 10, 75, 87, 83, 65], [26, 10, 88, 42, 83, 27], [26, 10, 62, 59, 30, 65], [19, 10, 75, 42, 83, 23]],
+    "t1.3": [[25, 15, 0, 45, 12, 82], [94, 92, 42, 78, 14, 83], [5, 79, 87, 41, 54, 25], [69, 37, 53, 41, 69, 25]],
+    "t1.3_k5": [[4, 47, 72, 75, 34, 88], [60, 65, 19, 6, 34, 18], [26, 61, 72, 75, 34, 86], [4, 61, 72, 6, 33, 79]],
+    "t1_k1": [[30, 32, 93, 81, 89, 31], [30, 32, 93, 81, 89, 31], [30, 32, 93, 81, 89, 31], [30, 32, 93, 81, 89, 31]],
+    "t1_kV": [[25, 39, 72, 19, 8, 41], [94, 40, 38, 92, 1, 72], [94, 4, 38, 52, 57, 63], [66, 49, 72, 92, 45, 72]],
+    "t1_p0.3": [[88, 92, 26, 10, 14, 34], [88, 92, 26, 10, 14, 8], [88, 92, 26, 10, 14, 34], [88, 92, 26, 10, 14, 34]],
     "t0.7_p0.9": [
         [75, 57, 74, 84, 37, 18],
         [31, 57, 57, 84, 74, 18],
         [75, 57, 57, 84, 74, 77],
         [75, 57, 74, 84, 74, 18],
     ],
-    "t1.3_p1.0": [
-        [25, 60, 63, 25, 8, 71],
-        [60, 46, 32, 94, 90, 29],
-        [95, 46, 41, 69, 76, 46],
-        [33, 60, 3, 69, 76, 94],
-    ],
+    "t1.3_p1.0": [[25, 60, 63, 25, 8, 71], [60, 46, 32, 94, 90, 29], [95, 46, 41, 69, 76, 46], [33, 60, 3, 69, 76, 94]],
     "t1.3_k5_p0.9": [
         [15, 29, 77, 29, 44, 65],
         [72, 22, 4, 29, 1, 65],
         [72, 22, 34, 29, 50, 65],
         [15, 22, 85, 29, 1, 65],
     ],
-    "mixed_f32": [
-        [70, 34, 4, 72, 7, 37],
-        [70, 34, 4, 60, 7, 37],
-        [70, 72, 4, 72, 7, 37],
-        [70, 34, 4, 72, 7, 94],
-    ],
-    "mixed_bf16": [
-        [40, 45, 50, 78, 6, 56],
-        [40, 45, 50, 78, 6, 22],
-        [40, 45, 50, 10, 6, 22],
-        [40, 45, 50, 10, 6, 25],
-    ],
-    "mixed_f64": [
-        [9, 16, 85, 20, 83, 6],
-        [9, 1, 85, 59, 83, 1],
-        [9, 1, 85, 32, 83, 1],
-        [9, 27, 85, 32, 83, 1],
-    ],
+    "mixed_f32": [[70, 34, 4, 72, 7, 37], [70, 34, 4, 60, 7, 37], [70, 72, 4, 72, 7, 37], [70, 34, 4, 72, 7, 94]],
+    "mixed_bf16": [[40, 45, 50, 78, 6, 56], [40, 45, 50, 78, 6, 22], [40, 45, 50, 10, 6, 22], [40, 45, 50, 10, 6, 25]],
+    "mixed_f64": [[9, 16, 85, 20, 83, 6], [9, 1, 85, 59, 83, 1], [9, 1, 85, 32, 83, 1], [9, 27, 85, 32, 83, 1]],
     "ties_k3_p0.5": [
         [76, 69, 42, 93, 36, 8],
         [76, 69, 42, 10, 36, 8],
@@ -179,12 +135,7 @@ TABLE = {
         [56, 60, 17, 88, 17, 85],
         [56, 49, 17, 93, 72, 91],
     ],
-    "ties_k3": [
-        [2, 39, 39, 43, 12, 11],
-        [74, 2, 39, 4, 81, 32],
-        [18, 44, 39, 43, 81, 22],
-        [74, 39, 39, 26, 81, 11],
-    ],
+    "ties_k3": [[2, 39, 39, 43, 12, 11], [74, 2, 39, 4, 81, 32], [18, 44, 39, 43, 81, 22], [74, 39, 39, 26, 81, 11]],
     "flat_p0.5": [
         [27, 89, 92, 61, 66, 20],
         [74, 40, 92, 78, 73, 83],
@@ -197,12 +148,7 @@ TABLE = {
         [25, 72, 41, 32, 30, 85],
         [15, 13, 75, 10, 84, 91],
     ],
-    "flat_mixed": [
-        [7, 80, 0, 90, 57, 56],
-        [7, 40, 0, 51, 34, 29],
-        [7, 4, 0, 90, 57, 46],
-        [7, 49, 0, 15, 33, 23],
-    ],
+    "flat_mixed": [[7, 80, 0, 90, 57, 56], [7, 40, 0, 51, 34, 29], [7, 4, 0, 90, 57, 46], [7, 49, 0, 15, 33, 23]],
     "flat_k5_p0.5": [
         [25, 46, 1, 73, 60, 65],
         [60, 50, 1, 71, 60, 35],
@@ -236,8 +182,17 @@ def test_batched_sampler_draws_the_pinned_tokens():
 def test_the_table_tells_the_filters_apart():
     """The top-k, top-p and combined cases draw other tokens than temperature alone on the same
     rows, so a sampler that skipped or misplaced a filter would not reproduce the table."""
-    for name in ["t1.3_k5", "ties_k3", "flat_k10_bf16", "t1_p0.3", "t0.7_p0.9", "flat_p0.5",
-                 "t1.3_k5_p0.9", "ties_k3_p0.5", "flat_k5_p0.5"]:
+    for name in [
+        "t1.3_k5",
+        "ties_k3",
+        "flat_k10_bf16",
+        "t1_p0.3",
+        "t0.7_p0.9",
+        "flat_p0.5",
+        "t1.3_k5_p0.9",
+        "ties_k3_p0.5",
+        "flat_k5_p0.5",
+    ]:
         dtype, values, params = CASES[name]
         plain = [SP(temperature=p.temperature) for p in params]
         logits = _logits(list(CASES).index(name), dtype, values)
@@ -251,8 +206,7 @@ def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
         return SP()
     top_k = rng.choice([0, 1, 2, rng.randint(1, vocab), vocab, vocab + 3])
     top_p = rng.choice([1.0, 1.0, 0.3, 0.9, round(rng.uniform(0.05, 1.0), 3)])
-    return SP(temperature=rng.choice([0.3, 0.7, 1.0, 1.3, round(rng.uniform(0.1, 2.5), 3)]),
-              top_k=top_k, top_p=top_p)
+    return SP(temperature=rng.choice([0.3, 0.7, 1.0, 1.3, round(rng.uniform(0.1, 2.5), 3)]), top_k=top_k, top_p=top_p)
 
 
 @pytest.mark.parametrize("block", range(4))
@@ -286,8 +240,10 @@ def test_batched_matches_row_by_row_on_random_batches(block):
         if sampled:  # the filtered logits bit for bit: rounding of temperature, mass, ties
             rows = x[[i for i, p in enumerate(params) if not p.greedy]]
             ref = torch.stack([_reference_filter(r, p) for r, p in zip(rows, sampled)])
-            got = _top_p(_top_k(_scale(rows.float(), [p.temperature for p in sampled]),
-                                [p.top_k for p in sampled]), [p.top_p for p in sampled])
+            got = _top_p(
+                _top_k(_scale(rows.float(), [p.temperature for p in sampled]), [p.top_k for p in sampled]),
+                [p.top_p for p in sampled],
+            )
             assert torch.equal(got, ref), ctx
 
 
@@ -295,8 +251,13 @@ def test_large_vocabulary_batch_matches_row_by_row():
     """A Qwen-sized vocabulary (151936) in bfloat16, every filter in one batch."""
     vocab = 151936
     x = (torch.randn(5, vocab, generator=torch.Generator().manual_seed(7)) * 4).to(torch.bfloat16)
-    params = [SP(temperature=0.7, top_p=0.9), SP(), SP(temperature=1.0, top_k=50),
-              SP(temperature=1.3, top_k=40, top_p=0.8), SP(temperature=0.6)]
+    params = [
+        SP(temperature=0.7, top_p=0.9),
+        SP(),
+        SP(temperature=1.0, top_k=50),
+        SP(temperature=1.3, top_k=40, top_p=0.8),
+        SP(temperature=0.6),
+    ]
     old = _reference_sample(x, params, [make_generator(r, 0, "cpu") for r in range(5)])
     new = sample(x, params, [make_generator(r, 0, "cpu") for r in range(5)])
     assert new.tolist() == old.tolist()
@@ -313,8 +274,7 @@ def test_greedy_rows_take_argmax_and_leave_generators_alone():
 
 def test_top_k_keeps_every_value_tied_at_the_kth():
     x = torch.tensor([[5.0, 3.0, 3.0, 3.0, -1.0, -2.0]])
-    seen = {int(sample(x, [SP(temperature=50.0, top_k=2)], [make_generator(s, 0, "cpu")])[0])
-            for s in range(200)}
+    seen = {int(sample(x, [SP(temperature=50.0, top_k=2)], [make_generator(s, 0, "cpu")])[0]) for s in range(200)}
     assert seen == {0, 1, 2, 3}
 
 
@@ -322,8 +282,9 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     # probabilities 0.5, 0.3, 0.2: the mass before each token is 0, 0.5, 0.8
     x = torch.tensor([[0.5, 0.3, 0.2]]).log()
     for top_p, allowed in [(0.45, {0}), (0.55, {0, 1}), (0.79, {0, 1}), (0.85, {0, 1, 2})]:
-        seen = {int(sample(x, [SP(temperature=1.0, top_p=top_p)], [make_generator(s, 0, "cpu")])[0])
-                for s in range(300)}
+        seen = {
+            int(sample(x, [SP(temperature=1.0, top_p=top_p)], [make_generator(s, 0, "cpu")])[0]) for s in range(300)
+        }
         assert seen == allowed, top_p
 
 

@@ -56,7 +56,7 @@ def test_tables_grow_by_a_block_only_when_the_tokens_cross_a_boundary():
         tables.append(list(s.table))
         finish_step(batch)
     assert [len(t) for t in tables] == [1, 1, 2, 2, 2, 2]
-    assert all(t[:len(prev)] == prev for prev, t in zip(tables, tables[1:])), "blocks are kept, new ones appended"
+    assert all(t[: len(prev)] == prev for prev, t in zip(tables, tables[1:])), "blocks are kept, new ones appended"
     assert sch.schedule() == [s] and len(s.table) == 3  # 9 tokens: a third block
     assert sch.blocks.num_free == 8 - 3
 

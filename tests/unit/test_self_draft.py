@@ -9,14 +9,28 @@ import pytest
 import torch
 
 from tokenrouter_sdk import Router
-from tokenrouter_sdk.train.self_draft import (DistillConfig, agreement, distill, draft_hidden, synthetic_prompts,
-                                              system_prefix_len, teacher_continuations, teacher_targets)
 from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.reference import reference_generate
 from tokenrouter_sdk.request import SamplingParams
-from tokenrouter_sdk.self_draft import (DraftMismatchError, attach_layers, init_trainable, load_self_draft,
-                                        read_meta, save_self_draft)
+from tokenrouter_sdk.self_draft import (
+    DraftMismatchError,
+    attach_layers,
+    init_trainable,
+    load_self_draft,
+    read_meta,
+    save_self_draft,
+)
+from tokenrouter_sdk.train.self_draft import (
+    DistillConfig,
+    agreement,
+    distill,
+    draft_hidden,
+    synthetic_prompts,
+    system_prefix_len,
+    teacher_continuations,
+    teacher_targets,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +70,9 @@ def test_save_load_roundtrip_and_errors(large, tmp_path):
     with torch.no_grad():
         extra[0].self_attn.o_proj.weight.mul_(-0.5)
         norm.weight.add_(0.25)
-    path = save_self_draft(tmp_path / "d.safetensors", extra, norm, {"k": 2, "m": 1, "base": "tiny"},
-                           dtype=torch.float64)
+    path = save_self_draft(
+        tmp_path / "d.safetensors", extra, norm, {"k": 2, "m": 1, "base": "tiny"}, dtype=torch.float64
+    )
     assert read_meta(path)["k"] == 2
     loaded = load_self_draft(large, path)
     want = attach_layers(large, 2, [e.double() for e in extra], norm.double())
@@ -103,8 +118,14 @@ def test_teacher_targets_and_agreement(large):
     tok = tiny_tokenizer()
     prompts = ["abc", "a longer prompt"]
     seqs = teacher_continuations(large, tok, prompts, max_new_tokens=6, greedy_fraction=1.0, progress=False)
-    plens = [len(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                         tokenize=True)["input_ids"]) for p in prompts]
+    plens = [
+        len(
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)[
+                "input_ids"
+            ]
+        )
+        for p in prompts
+    ]
     assert [len(s) - p for s, p in zip(seqs, plens)] == [6, 6]
     # the large model agrees with its own greedy continuation everywhere
     assert agreement(large, seqs, plens) == {"agreement": 1.0, "first_token": 1.0, "positions": 12}
@@ -117,8 +138,19 @@ def test_teacher_targets_and_agreement(large):
 
 def test_distill_end_to_end_on_a_tiny_model(large, tmp_path):
     tok = tiny_tokenizer()
-    cfg = DistillConfig(k=2, m=1, train_prompts=8, max_new_tokens=8, heldout_prompts=3, gsm8k_heldout=2,
-                        topk=8, seconds=20, max_epochs=6, lr=3e-3, batch_tokens=256)
+    cfg = DistillConfig(
+        k=2,
+        m=1,
+        train_prompts=8,
+        max_new_tokens=8,
+        heldout_prompts=3,
+        gsm8k_heldout=2,
+        topk=8,
+        seconds=20,
+        max_epochs=6,
+        lr=3e-3,
+        batch_tokens=256,
+    )
     out = tmp_path / "draft.safetensors"
     meta = distill(large, tok, out, cfg, gsm8k_questions=["1+1?", "2+3?"], progress=False, log=lambda *_: None)
     assert out.is_file() and json.loads(out.with_suffix(".json").read_text())["k"] == 2
@@ -133,8 +165,8 @@ def test_distill_end_to_end_on_a_tiny_model(large, tmp_path):
 
 
 def test_distill_cli_arguments():
-    from tokenrouter_sdk.cli.main import build_parser
     from tokenrouter_sdk.cli.distill import run
+    from tokenrouter_sdk.cli.main import build_parser
 
     args = build_parser().parse_args(["distill", "--k", "8", "--m", "1", "--seconds", "60", "--out", "x.safetensors"])
     assert (args.k, args.m, args.seconds, args.out, args.fn) == (8, 1, 60.0, "x.safetensors", run)
@@ -148,6 +180,6 @@ def test_packaged_draft_file_fits_smollm2():
 
     meta = read_meta(DEFAULT_DRAFT)
     assert (meta["k"], meta["m"], meta["base"]) == (12, 2, "SmolLM2-135M-Instruct")
-    assert DEFAULT_DRAFT.stat().st_size < 20 * 2 ** 20
+    assert DEFAULT_DRAFT.stat().st_size < 20 * 2**20
     assert meta["agreement"]["synthetic_heldout"]["self_draft"]["agreement"] >= 0.5
     assert meta["agreement"]["synthetic_heldout"]["truncation_k12"]["agreement"] < 0.2

@@ -9,8 +9,10 @@ from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
 from tokenrouter_sdk.policies import LargeOnly, RandomRouting
 
-LAT = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
-       "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4})}
+LAT = {
+    "small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051, 64: 0.12}),
+    "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158, 64: 0.4}),
+}
 
 
 def prompts(n, seed=0, length=20):
@@ -47,8 +49,10 @@ def test_deterministic_and_fast_at_n_256():
 
 
 def test_mode_ordering_in_simulation():
-    thr = {mode: run(mode, 16, thresholds=th)[1].throughput_tok_s
-           for mode, th in [("sync", None), ("model_sync", None), ("async", None), ("delayed", {"small": 6, "large": 4})]}
+    thr = {
+        mode: run(mode, 16, thresholds=th)[1].throughput_tok_s
+        for mode, th in [("sync", None), ("model_sync", None), ("async", None), ("delayed", {"small": 6, "large": 4})]
+    }
     assert thr["model_sync"] < thr["sync"] < thr["async"], thr
     assert thr["delayed"] > thr["sync"], thr
 
@@ -59,7 +63,9 @@ def test_retain_kv_false_costs_reprefill_in_simulation():
     assert drop.per_model["small"].tokens_fed > 3 * keep.per_model["small"].tokens_fed
     assert drop.throughput_tok_s < keep.throughput_tok_s
     _, cached = run("async", 8, p=0.3, new=128, retain_kv=False)  # a return finds its blocks in the prefix cache
-    assert keep.per_model["small"].tokens_fed < cached.per_model["small"].tokens_fed < drop.per_model["small"].tokens_fed
+    assert (
+        keep.per_model["small"].tokens_fed < cached.per_model["small"].tokens_fed < drop.per_model["small"].tokens_fed
+    )
 
 
 def test_throughput_grows_with_concurrency():
@@ -75,6 +81,7 @@ def test_auto_thresholds_use_the_planner():
     assert all(o.finish_reason == "length" for o in outs)
     assert sum(b - 1 for b in th.values()) < 8 and all(b >= 1 for b in th.values())
     from tokenrouter_sdk.planner import plan_for_router
+
     with Router(LAT, RandomRouting(p=0.1, seed=1), backend="sim", mode="delayed") as r2:
         assert plan_for_router(r2, RandomRouting(p=0.1, seed=1), 8) == th
     with pytest.raises(ValueError, match="'auto'"):

@@ -7,7 +7,6 @@ measured once per machine, stored, read back, forced by ``TOKENROUTER_SKINNY_PRE
 broken or foreign entry is measured again."""
 
 import json
-
 import sys
 
 import pytest
@@ -21,8 +20,9 @@ from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 
-pytestmark = pytest.mark.skipif(not P.packing_available(torch.device("cpu"), torch.float32),
-                                reason="no oneDNN packing in this torch")
+pytestmark = pytest.mark.skipif(
+    not P.packing_available(torch.device("cpu"), torch.float32), reason="no oneDNN packing in this torch"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +51,13 @@ def test_the_kernel_equals_a_matmul_at_every_row_count(ops, n, k):
         x, r = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
         want = x.double() @ w.double().T
         torch.testing.assert_close(ops.skinny_linear(x, wp, n).double(), want, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(ops.skinny_linear(x, wp, n, b, r).double(), want + b.double() + r.double(),
-                                   rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            ops.skinny_linear(x, wp, n, b, r).double(), want + b.double() + r.double(), rtol=1e-5, atol=1e-4
+        )
         wide = torch.randn(m, n + 5, generator=g)[:, :n]  # a residual with a row stride of its own
-        torch.testing.assert_close(ops.skinny_linear(x, wp, n, None, wide).double(), want + wide.double(),
-                                   rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            ops.skinny_linear(x, wp, n, None, wide).double(), want + wide.double(), rtol=1e-5, atol=1e-4
+        )
 
 
 def _mapped(addr: int) -> bool:
@@ -74,17 +76,16 @@ def test_a_large_packed_weight_lives_on_a_huge_page_boundary(ops):
     pages (smaller ones, torch's allocator); either gives the matmul, and the mapping goes when
     the tensor does."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(1030, 576, generator=g)                    # 33 blocks x 576 x 32 floats: 2.4 MB
+    w = torch.randn(1030, 576, generator=g)  # 33 blocks x 576 x 32 floats: 2.4 MB
     wp = ops.skinny_pack(w)
     assert wp.data_ptr() % (2 << 20) == 0
-    assert torch.count_nonzero(wp[-1, :, 6:]) == 0            # the padding past N is zero
+    assert torch.count_nonzero(wp[-1, :, 6:]) == 0  # the padding past N is zero
     x = torch.randn(8, 576, generator=g)
-    torch.testing.assert_close(ops.skinny_linear(x, wp, 1030).double(), x.double() @ w.double().T,
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.skinny_linear(x, wp, 1030).double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-4)
     ptr = wp.data_ptr()
     assert _mapped(ptr)
     del wp
-    assert not _mapped(ptr)                                    # unmapped with the tensor
+    assert not _mapped(ptr)  # unmapped with the tensor
     assert ops.skinny_pack(torch.randn(32, 8)).data_ptr() % 64 == 0  # small: torch's allocator
 
 
@@ -116,14 +117,17 @@ def test_forced_skinny_runs_the_kernel_and_gives_the_logits_of_the_transformers_
     runner = _runner()
     calls = []
     orig = P.Projection.run_skinny
-    monkeypatch.setattr(P.Projection, "run_skinny",
-                        lambda self, x, r=None, **kw: calls.append(x.shape[0]) or orig(self, x, r, **kw))
+    monkeypatch.setattr(
+        P.Projection, "run_skinny", lambda self, x, r=None, **kw: calls.append(x.shape[0]) or orig(self, x, r, **kw)
+    )
     ref = TorchRunner(runner.model, max_kv_tokens=256, model_impl="transformers", kernels="off")
     for ids in ([5, 6, 7], list(range(3, 23))):  # 3 rows, then 20 (two chunks of rows)
         calls.clear()
         out = _step(runner, ids)
         projs = runner._native.projections
-        assert all(p.path(len(ids)) == "skinny" and p.skinny is not None and p.prefetch == A.Prefetch(2, 2) for p in projs)
+        assert all(
+            p.path(len(ids)) == "skinny" and p.skinny is not None and p.prefetch == A.Prefetch(2, 2) for p in projs
+        )
         assert calls.count(len(ids)) == 4 * 3 and set(calls) <= {len(ids), 1}  # 4 per layer; the head: 1 row
         want = _step(ref, ids)
         torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=1e-5)
@@ -143,8 +147,13 @@ class FakeMeasure:
         fast = all(p.skinny is not None for p in projs)
         self.with_skinny.append(fast)
         n = len(A.BUCKETS)
-        out = {"buckets": list(A.BUCKETS), "packed": [True] * n, "packed_ms": [1.0] * n, "plain_ms": [2.0] * n,
-               "layers": len(projs)}
+        out = {
+            "buckets": list(A.BUCKETS),
+            "packed": [True] * n,
+            "packed_ms": [1.0] * n,
+            "plain_ms": [2.0] * n,
+            "layers": len(projs),
+        }
         if fast:
             out.update(skinny=[b <= self.upto for b in A.BUCKETS], skinny_ms=[0.5] * n)
         return out
@@ -174,7 +183,9 @@ def test_an_entry_measured_without_the_kernel_is_measured_again_once_it_is_there
     assert all(r.describe() == "skinny at 1-8, packed at 16-128 rows" for r in rules.values())
     stored = json.loads(A.choices_path(fields).read_text())["choices"]
     assert all("skinny_ms" in e for k, e in stored.items() if k.startswith("packing"))
-    assert all(h in A.PREFETCH_HINTS for h in stored[A.prefetch_key(projs)]["chosen"])  # measured once the kernel was there
+    assert all(
+        h in A.PREFETCH_HINTS for h in stored[A.prefetch_key(projs)]["chosen"]
+    )  # measured once the kernel was there
     cached = FakeMeasure(upto=1)
     A.tune_packing(projs, measure=cached, fields=fields)
     assert cached.calls == [] and all(p.path(8) == "skinny" for p in projs)
@@ -200,6 +211,7 @@ def test_a_measurement_survives_the_kernel_weights_dropped_meanwhile(store, ops,
         for p in projs:  # the other runner's rule never runs the kernel: it drops the weights
             p.skinny = None
         return orig(self, x)
+
     monkeypatch.setattr(P.Projection, "run_packed", run_packed_then_drop)
     out = A.measure_group(projs, buckets=(1, 8), reps=1)
     assert len(out["skinny_ms"]) == 2 and all(v > 0 for v in out["skinny_ms"])
@@ -225,6 +237,7 @@ def test_a_step_runs_on_the_kernel_weights_it_chose_even_if_they_are_dropped_mea
         @skinny.setter
         def skinny(self, w):
             self.__dict__["_w"] = w
+
     p.__class__ = DroppedOnceRead
     x = torch.randn(2, p.mods[0].weight.shape[1])
     want = x.double() @ p._merged_weight().double().T
@@ -249,6 +262,7 @@ def test_a_tune_that_began_without_the_kernel_leaves_what_a_tune_with_it_set_mea
             assert all(p.add_skinny(ops) for p in projs)
             A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields)
         return orig(entry, skinny)
+
     monkeypatch.setattr(A, "_rule_of", rule_of)
     A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields)
     assert done and all(p.skinny is not None and p.path(8) == "skinny" for p in projs)
@@ -269,13 +283,15 @@ def test_a_runner_measures_the_kernel_for_real_and_stores_its_timings(store, cap
     _step(runner, [5, 6, 7])
     assert A.machine_fields()["kernels"] == cpu_kernels.build_name()  # a changed kernel is measured again
     entries = {k: e for k, e in A.load_choices(A.machine_fields()).items() if k.startswith("packing")}
-    assert entries and all(len(e["skinny_ms"]) == len(e["buckets"]) and all(v > 0 for v in e["skinny_ms"])
-                           for e in entries.values())
+    assert entries and all(
+        len(e["skinny_ms"]) == len(e["buckets"]) and all(v > 0 for v in e["skinny_ms"]) for e in entries.values()
+    )
     for e in entries.values():  # the choice was made on unrounded times, stored rounded to 0.1 us
         for fast, s, a, b in zip(e["skinny"], A.kernel_ms_by_rows(e["skinny_ms"]), e["packed_ms"], e["plain_ms"]):
             edge = A.skinny_edge(min(a, b), e["layers"])
             assert s <= edge + 1e-4 if fast else s >= edge - 1e-4, e
     from tokenrouter_sdk.cli.main import main
+
     assert main(["info"]) == 0
     assert "packed/plain/skinny by rows" in capsys.readouterr().out
 
@@ -284,6 +300,7 @@ def test_a_runner_built_from_its_spec_prepares_its_steps_before_any_request(stor
     """Where a sub-server starts, the runner loads the kernels, builds its projections and their
     measured choices, and packs the few-row kernel's weights: no request waits for any of it."""
     from tokenrouter_sdk.backends.torch_runner import TorchRunnerSpec
+
     model = tiny_model(num_layers=3, seed=9, dtype=torch.float32)
     runner = TorchRunnerSpec(model, max_kv_tokens=256).build()
     nf = runner._native
@@ -302,8 +319,9 @@ def test_every_prefetch_gives_the_same_bits(ops, rows):
     x, r = torch.randn(rows, 64), torch.randn(rows, 100)
     outs = [ops.skinny_linear(x, wp, 100, b, r, pf) for pf in range(4)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    torch.testing.assert_close(outs[0].double(), x.double() @ w.double().T + b.double() + r.double(),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        outs[0].double(), x.double() @ w.double().T + b.double() + r.double(), rtol=1e-5, atol=1e-4
+    )
     for bad in (-1, 4):
         with pytest.raises(RuntimeError, match="prefetch must be a locality of 0..3"):
             ops.skinny_linear(x, wp, 100, None, None, bad)
@@ -327,6 +345,7 @@ class PrefetchCost:
             self.seen.add((x.shape[0], prefetch))
             self.now += self.cost[(x.shape[0], prefetch)]
             return real(proj, x, residual, weight, prefetch)
+
         monkeypatch.setattr(P.Projection, "run_skinny", run)
 
     def __call__(self):
@@ -334,33 +353,40 @@ class PrefetchCost:
 
 
 @pytest.mark.parametrize("few,many", [(0, 0), (0, 2), (2, 0), (2, 2)])
-def test_the_measurement_times_every_prefetch_at_every_row_count_and_picks_the_fastest_at_each(ops, monkeypatch,
-                                                                                               few, many):
+def test_the_measurement_times_every_prefetch_at_every_row_count_and_picks_the_fastest_at_each(
+    ops, monkeypatch, few, many
+):
     """Each measured row count gets its own fastest locality (`Prefetch`: one for steps of 1-2
     rows, one from 3), and the passes stream at least `PREFETCH_MIN_BYTES` of weights (here all
     of a tiny model's, however small its cache)."""
     projs = _kernel_projections()
     fast = dict(zip(A.PREFETCH_ROWS, (few, many)))
-    cost = PrefetchCost(monkeypatch, {(r, h): (1.0 if h == fast[r] else 3.0)
-                                      for r in A.PREFETCH_ROWS for h in A.PREFETCH_HINTS})
+    cost = PrefetchCost(
+        monkeypatch, {(r, h): (1.0 if h == fast[r] else 3.0) for r in A.PREFETCH_ROWS for h in A.PREFETCH_HINTS}
+    )
     entry = A.measure_prefetch(projs, clock=cost, llc_bytes=1)
     assert entry["chosen"] == [few, many] and entry["hints"] == list(A.PREFETCH_HINTS)
     assert cost.seen == {(r, h) for r in A.PREFETCH_ROWS for h in A.PREFETCH_HINTS}
     assert entry["layers"] == len(projs)  # all of them: far less than the least a measurement streams
-    assert all(v == pytest.approx(1e3 * len(projs) * (1.0 if h == fast[r] else 3.0))
-               for h, ms in zip(entry["hints"], entry["ms"]) for r, v in zip(entry["rows"], ms))
+    assert all(
+        v == pytest.approx(1e3 * len(projs) * (1.0 if h == fast[r] else 3.0))
+        for h, ms in zip(entry["hints"], entry["ms"])
+        for r, v in zip(entry["rows"], ms)
+    )
 
 
-@pytest.mark.parametrize("faster,chosen", [(0.97, [0, 2]), (0.94, [0, 0]), (1.02, [0, 2]), (1.04, [0, 2]),
-                                           (1.07, [2, 2]), (1.2, [2, 2])])
+@pytest.mark.parametrize(
+    "faster,chosen", [(0.97, [0, 2]), (0.94, [0, 0]), (1.02, [0, 2]), (1.04, [0, 2]), (1.07, [2, 2]), (1.2, [2, 2])]
+)
 def test_a_tie_goes_to_the_row_count_s_own_prefetch(ops, monkeypatch, faster, chosen):
     """The non-temporal prefetch takes ``faster`` times the prefetch into L2's time: within 5%
     either way it is a tie, which goes to the non-temporal one at 1 row and to the one into L2
     at 8; beyond, the faster one is chosen."""
     assert A.PREFETCH_TIE == ((0, 2), 0.05) and A.PREFETCH_HINTS == (0, 2) and A.PREFETCH_ROWS == (1, 8)
     projs = _kernel_projections()
-    cost = PrefetchCost(monkeypatch, {(r, h): (faster if h == 0 else 1.0) for r in A.PREFETCH_ROWS
-                                      for h in A.PREFETCH_HINTS})
+    cost = PrefetchCost(
+        monkeypatch, {(r, h): (faster if h == 0 else 1.0) for r in A.PREFETCH_ROWS for h in A.PREFETCH_HINTS}
+    )
     assert A.measure_prefetch(projs, clock=cost)["chosen"] == chosen
 
 
@@ -370,12 +396,17 @@ def test_a_projection_runs_the_prefetch_of_its_step_s_row_count(ops, monkeypatch
     p.prefetch = A.Prefetch(few, many)
     real = torch.ops.tokenrouter_cpu.skinny_linear
     seen = []
-    monkeypatch.setattr(torch.ops.tokenrouter_cpu, "skinny_linear", lambda *a: seen.append((a[0].shape[0], a[-1]))
-                        or real(*a))
+    monkeypatch.setattr(
+        torch.ops.tokenrouter_cpu, "skinny_linear", lambda *a: seen.append((a[0].shape[0], a[-1])) or real(*a)
+    )
     for rows in (1, 2, 3, 8, 16):
         p.run_skinny(torch.randn(rows, p.mods[0].in_features))  # what each path on the kernel calls
     assert seen == [(1, few), (2, few), (3, many), (8, many), (16, many)]
-    assert [A.Prefetch(few, many).at(r) for r in (1, A.PREFETCH_MANY_FROM - 1, A.PREFETCH_MANY_FROM)] == [few, few, many]
+    assert [A.Prefetch(few, many).at(r) for r in (1, A.PREFETCH_MANY_FROM - 1, A.PREFETCH_MANY_FROM)] == [
+        few,
+        few,
+        many,
+    ]
 
 
 class FakePrefetch:
@@ -384,8 +415,13 @@ class FakePrefetch:
 
     def __call__(self, projs):
         self.calls += 1
-        return {"hints": list(A.PREFETCH_HINTS), "rows": list(A.PREFETCH_ROWS), "chosen": self.chosen,
-                "ms": [[1.0] * len(A.PREFETCH_ROWS) for _ in A.PREFETCH_HINTS], "layers": len(projs)}
+        return {
+            "hints": list(A.PREFETCH_HINTS),
+            "rows": list(A.PREFETCH_ROWS),
+            "chosen": self.chosen,
+            "ms": [[1.0] * len(A.PREFETCH_ROWS) for _ in A.PREFETCH_HINTS],
+            "layers": len(projs),
+        }
 
 
 def test_the_prefetch_is_measured_once_stored_read_back_and_runs_in_every_path(store, ops, capsys):
@@ -400,9 +436,12 @@ def test_the_prefetch_is_measured_once_stored_read_back_and_runs_in_every_path(s
     A.tune_packing(projs, measure=FakeMeasure(upto=8), fields=fields, prefetch=again)
     assert again.calls == 0 and all(p.prefetch == A.Prefetch(0, 2) for p in projs)  # read back
     from tokenrouter_sdk.cli.main import main
+
     assert main(["info"]) == 0
-    assert (f"{A.prefetch_key(projs)}: the few-row kernel prefetches non-temporal at 1-2 rows, into L2 from 3"
-            in capsys.readouterr().out)
+    assert (
+        f"{A.prefetch_key(projs)}: the few-row kernel prefetches non-temporal at 1-2 rows, into L2 from 3"
+        in capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize("damage", ["chosen", "one for every row count", "hints", "ms", "type", "foreign"])
@@ -453,8 +492,9 @@ def test_a_runner_measures_the_prefetch_for_real_and_its_steps_keep_their_bits(s
     out = _step(runner, ids)
     e = A.load_choices(A.machine_fields())[A.prefetch_key(runner._native.projections)]
     assert all(h in A.PREFETCH_HINTS for h in e["chosen"]) and all(v > 0 for ms in e["ms"] for v in ms)
-    assert all(p.prefetch == A.Prefetch(*e["chosen"]) and p.path(len(ids)) == "skinny"
-               for p in runner._native.projections)
+    assert all(
+        p.prefetch == A.Prefetch(*e["chosen"]) and p.path(len(ids)) == "skinny" for p in runner._native.projections
+    )
     for h in range(4):
         monkeypatch.setenv(A.PREFETCH_ENV, str(h))
         other = _runner(kernels="wait", seed=5)
@@ -474,6 +514,7 @@ class PathCost:
             def run(proj, *a, _real=real, _name=name, **kw):
                 self.now += self.cost[_name]
                 return _real(proj, *a, **kw)
+
             monkeypatch.setattr(P.Projection, name, run)
 
     def __call__(self):
@@ -502,16 +543,19 @@ class RowsCost(PathCost):
         def run(proj, x, *a, **kw):
             self.now += skinny_by_rows[x.shape[0]]
             return real(proj, x, *a, **kw)
+
         monkeypatch.setattr(P.Projection, "run_skinny", run)
 
 
-@pytest.mark.parametrize("slow_at,larger,chosen", [
-    (1.5, 0.9, True),    # 2 rows met noise, 4 rows and more were fast: the kernel runs at 2
-    (1.5, 1.3, False),   # slow at 2 and at every larger count: not noise
-    (1.0, 1.3, True),    # fast at 2, slower above: 2 keeps its own time
-])
-def test_a_bucket_measured_slower_than_a_larger_one_takes_the_larger_s_time(ops, monkeypatch, slow_at, larger,
-                                                                             chosen):
+@pytest.mark.parametrize(
+    "slow_at,larger,chosen",
+    [
+        (1.5, 0.9, True),  # 2 rows met noise, 4 rows and more were fast: the kernel runs at 2
+        (1.5, 1.3, False),  # slow at 2 and at every larger count: not noise
+        (1.0, 1.3, True),  # fast at 2, slower above: 2 keeps its own time
+    ],
+)
+def test_a_bucket_measured_slower_than_a_larger_one_takes_the_larger_s_time(ops, monkeypatch, slow_at, larger, chosen):
     """The kernel at fewer rows streams the same weights with fewer FMAs: a bucket timed slower
     than a larger bucket met the machine's noise, and its choice is made on the larger's time
     (measured on an Intel Xeon: 1.96 ms at 2 rows, 1.24 at 4, MKL 1.56 at 2, put the layer on

@@ -31,19 +31,38 @@ def _recording(name):
     def wrapped(self, *a, **kw):
         self._seen()
         return method(self, *a, **kw)
+
     return wrapped
 
 
-for _name in ("__getitem__", "__setitem__", "__delitem__", "__iter__", "__len__", "__contains__", "__bool__",
-              "get", "pop", "items", "keys", "values", "setdefault", "popitem", "update", "clear"):
+for _name in (
+    "__getitem__",
+    "__setitem__",
+    "__delitem__",
+    "__iter__",
+    "__len__",
+    "__contains__",
+    "__bool__",
+    "get",
+    "pop",
+    "items",
+    "keys",
+    "values",
+    "setdefault",
+    "popitem",
+    "update",
+    "clear",
+):
     if hasattr(dict, _name):
         setattr(OneThreadDict, _name, _recording(_name))
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_stats_and_idle_never_read_a_stepping_sub_server_from_the_callers_thread(mode):
-    runners = {"small": ScriptedRunner(lambda p: TOKENS[p % 26], delay_s=0.002),
-               "large": ScriptedRunner(lambda p: TOKENS[(p + 3) % 26], delay_s=0.002)}
+    runners = {
+        "small": ScriptedRunner(lambda p: TOKENS[p % 26], delay_s=0.002),
+        "large": ScriptedRunner(lambda p: TOKENS[(p + 3) % 26], delay_s=0.002),
+    }
     with Router(runners, tokenizer=tiny_tokenizer(), processes=False, mode=mode) as r:
         tables = {}
         for name, ss in r.engine.transport.subservers.items():
@@ -55,6 +74,7 @@ def test_stats_and_idle_never_read_a_stepping_sub_server_from_the_callers_thread
                 outs["v"] = r.generate(mixed_prompts(6), max_new_tokens=24, ignore_eos=True, policy=Alternate())
             finally:
                 done.set()
+
         worker = threading.Thread(target=run, name="generate")
         worker.start()
         asked = 0
@@ -69,5 +89,7 @@ def test_stats_and_idle_never_read_a_stepping_sub_server_from_the_callers_thread
         assert all(free == usable for free, usable in pools_free(r).values())
         for name, table in tables.items():
             assert table.threads, name  # the sub-server used the table ...
-            assert len(table.threads) == 1 and threading.main_thread().name not in table.threads, \
-                (name, table.threads)  # ... and only its own thread did
+            assert len(table.threads) == 1 and threading.main_thread().name not in table.threads, (
+                name,
+                table.threads,
+            )  # ... and only its own thread did

@@ -2,20 +2,21 @@
 
 import pytest
 
+from tests.helpers import Alternate, ScriptedRunner, StayOn
 from tokenrouter_sdk.engine import messages as M
 from tokenrouter_sdk.engine.config import EngineConfig
-from tokenrouter_sdk.engine.step_result import StepResult, UnknownMessage
 from tokenrouter_sdk.engine.core.subserver import SubServer
+from tokenrouter_sdk.engine.step_result import StepResult, UnknownMessage
 from tokenrouter_sdk.request import RequestConfig, SamplingParams
-from tests.helpers import Alternate, ScriptedRunner, StayOn
 
 MODELS = ["small", "large"]
 
 
 def make(name, script, mode="async", **cfg):
     clock = iter(range(10**6))
-    return SubServer(name, MODELS, ScriptedRunner(script), None, EngineConfig(mode=mode, **cfg),
-                     clock=lambda: float(next(clock)))
+    return SubServer(
+        name, MODELS, ScriptedRunner(script), None, EngineConfig(mode=mode, **cfg), clock=lambda: float(next(clock))
+    )
 
 
 def request(rid=1, prompt=(5, 6, 7), n=3, key=7):
@@ -90,6 +91,7 @@ def test_handled_messages_answer_through_take():
 def test_an_unknown_message_is_an_error_naming_its_type():
     class Bogus:
         pass
+
     ss = make("small", lambda pos: 100 + pos)
     with pytest.raises(UnknownMessage, match="small.*unknown type.*Bogus"):
         ss.handle(Bogus())
@@ -100,8 +102,14 @@ def test_no_module_outside_the_engine_reads_a_private_name_of_it():
     from pathlib import Path
 
     import tokenrouter_sdk
+
     root = Path(tokenrouter_sdk.__file__).parent
     private = re.compile(r"\b(engine|transport|subservers\[[^]]+\]|ss|call|handle)\._[a-z]\w*")
-    hits = [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in root.rglob("*.py") if "engine" not in p.parts
-            for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
+    hits = [
+        f"{p.relative_to(root)}:{i}: {line.strip()}"
+        for p in root.rglob("*.py")
+        if "engine" not in p.parts
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
     assert hits == []

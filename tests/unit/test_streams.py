@@ -16,8 +16,10 @@ def forced(tok, text, *, extra=(), eos=True):
     """A pair whose greedy output (from position 3 on, after a 3-token prompt) is ``text``'s
     tokens, then ``extra`` ids, then EOS."""
     ids = list(tok.encode(text, add_special_tokens=False)) + list(extra) + ([tok.eos_token_id] if eos else [])
-    return {"small": ScriptedRunner(ids, offset=3, after=tok.eos_token_id),
-            "large": ScriptedRunner(ids, offset=3, after=tok.eos_token_id)}, ids
+    return {
+        "small": ScriptedRunner(ids, offset=3, after=tok.eos_token_id),
+        "large": ScriptedRunner(ids, offset=3, after=tok.eos_token_id),
+    }, ids
 
 
 def r_text(pair, tok, policy, **kw):
@@ -72,8 +74,10 @@ def test_special_tokens_are_handled_as_in_text(tok):
 def test_astream_equals_text(tok):
     pair, _ = forced(tok, "héllo wörld")
     with Router(pair, Alternate(), tokenizer=tok) as r:
+
         async def main():
             return [e async for e in r.astream([1, 2, 3], max_new_tokens=64)]
+
         evs = asyncio.run(main())
         assert "".join(e.text for e in evs) == r.last_output.text == "héllo wörld"
 
@@ -86,12 +90,12 @@ def test_stop_token_ids_and_generation_config_eos_list(tok):
         cut = r.generate([5, 6, 7], max_new_tokens=12, ignore_eos=True, stop_token_ids=[x])
     first = free.token_ids.index(x)
     assert cut.finish_reason == "stop" and cut.stop_reason == x
-    assert cut.token_ids == free.token_ids[:first + 1]
+    assert cut.token_ids == free.token_ids[: first + 1]
     assert cut.text == tok.decode(free.token_ids[:first], skip_special_tokens=True)
     model.generation_config.eos_token_id = [tok.eos_token_id, x]  # a list, as Qwen3 and Llama 3 ship
     with Router({"m": model}, tokenizer=tok) as r:
         out = r.generate([5, 6, 7], max_new_tokens=12)
-    assert out.finish_reason == "eos" and out.token_ids == free.token_ids[:first + 1]
+    assert out.finish_reason == "eos" and out.token_ids == free.token_ids[: first + 1]
 
 
 def test_templated_prompt_is_not_templated_again(pair, tok):

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from tokenrouter_sdk import ModelSpec, Router, SamplingParams
-from tokenrouter_sdk.backends.tensor_parallel import (ModelRecipe, TensorParallelError, TensorParallelRunner)
+from tokenrouter_sdk.backends.tensor_parallel import ModelRecipe, TensorParallelError, TensorParallelRunner
 from tokenrouter_sdk.backends.torch_runner import TorchRunner
+from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 from tokenrouter_sdk.engine.front.engine import EngineDeadError
 from tokenrouter_sdk.engine.runner import SeqInput
 from tokenrouter_sdk.models import tiny_model
 from tokenrouter_sdk.policies import RandomRouting
-from tokenrouter_sdk.engine.core.block_allocator import blocks_of
 
 from ..helpers import DiscardTwoBack, assert_matches_reference, mixed_prompts, process_gone
 
@@ -49,9 +49,11 @@ def test_runner_logits_equal_unsharded_runner():
         a, b = [], []
         blocks_of(tp).ensure(a, 40)
         blocks_of(ref).ensure(b, 40)
-        for seqs_a, seqs_b in (([SeqInput(list(range(5, 20)), 0, a)], [SeqInput(list(range(5, 20)), 0, b)]),
-                               ([SeqInput([7, 8], 15, a)], [SeqInput([7, 8], 15, b)]),
-                               ([SeqInput([9], 17, a)], [SeqInput([9], 17, b)])):
+        for seqs_a, seqs_b in (
+            ([SeqInput(list(range(5, 20)), 0, a)], [SeqInput(list(range(5, 20)), 0, b)]),
+            ([SeqInput([7, 8], 15, a)], [SeqInput([7, 8], 15, b)]),
+            ([SeqInput([9], 17, a)], [SeqInput([9], 17, b)]),
+        ):
             x = tp.forward(seqs_a).logits
             y = ref.forward(seqs_b).logits
             assert torch.allclose(x, y, rtol=0, atol=1e-10), (x - y).abs().max()
@@ -77,8 +79,12 @@ def test_routed_output_equals_tp1_and_reference(pair, tok, processes):
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
     with Router(pair, DiscardTwoBack(), tokenizer=tok, processes=processes) as r1:
         want = r1.generate(prompts, sampling=params)
-    r = Router({"small": pair["small"], "large": ModelSpec(pair["large"], tp=2)}, DiscardTwoBack(),
-               tokenizer=tok, processes=processes)
+    r = Router(
+        {"small": pair["small"], "large": ModelSpec(pair["large"], tp=2)},
+        DiscardTwoBack(),
+        tokenizer=tok,
+        processes=processes,
+    )
     try:
         pids = _tp_pids(r) if not processes else []
         got = r.generate(prompts, sampling=params)
@@ -93,7 +99,7 @@ def test_routed_output_equals_tp1_and_reference(pair, tok, processes):
             b = r1.generate(prompts[:3], sampling=sp, policy=RandomRouting(p=0.5, seed=1))
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         # a failed request stays alone, an aborted call leaves the Router serving
-        outs = r.generate([prompts[0], [10 ** 6], prompts[1]], sampling=params)
+        outs = r.generate([prompts[0], [10**6], prompts[1]], sampling=params)
         assert outs[1].error and not outs[0].error and outs[0].token_ids == want[0].token_ids
         assert r.kv_stats()  # every KV block came back: the stats read without error
     finally:
@@ -102,8 +108,12 @@ def test_routed_output_equals_tp1_and_reference(pair, tok, processes):
 
 
 def test_killed_rank_makes_its_model_dead_without_a_hang(pair, tok):
-    r = Router({"small": pair["small"], "large": ModelSpec(pair["large"], tp=2)}, tokenizer=tok,
-               processes=False, policy=RandomRouting(p=1.0, seed=0))
+    r = Router(
+        {"small": pair["small"], "large": ModelSpec(pair["large"], tp=2)},
+        tokenizer=tok,
+        processes=False,
+        policy=RandomRouting(p=1.0, seed=0),
+    )
     try:
         pids = _tp_pids(r)
         params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)

@@ -18,7 +18,7 @@ from tests.tiers import TIERS, tier_of
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
-TIER_TEST = '''
+TIER_TEST = """
 import os
 
 def _log(name):
@@ -27,7 +27,7 @@ def _log(name):
 
 def test_{tier}_first():
     _log("{tier}")
-'''
+"""
 
 
 @pytest.fixture
@@ -39,7 +39,8 @@ def fake_suite(tmp_path):
     (suite / "unit" / "test_more_unit.py").write_text(
         TIER_TEST.format(tier="unit").replace("test_unit_first", "test_unit_second")
         + "\ndef test_unit_fails():\n    _log('unit')\n    assert 1 == 2\n"
-        + "\nimport pytest\n\n@pytest.mark.skip(reason='shown as skipped')\ndef test_unit_skipped():\n    pass\n")
+        + "\nimport pytest\n\n@pytest.mark.skip(reason='shown as skipped')\ndef test_unit_skipped():\n    pass\n"
+    )
     shutil.copy(TESTS / "conftest.py", suite / "conftest.py")
     return suite
 
@@ -47,8 +48,14 @@ def fake_suite(tmp_path):
 def run(suite: Path, *args: str) -> tuple[str, list[str]]:
     log = suite.parent / f"order{len(list(suite.parent.glob('order*')))}.txt"
     env = dict(os.environ, TIER_LOG=str(log), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(suite.parent),
-                           *args], capture_output=True, text=True, cwd=suite.parent, env=env, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(suite.parent), *args],
+        capture_output=True,
+        text=True,
+        cwd=suite.parent,
+        env=env,
+        timeout=240,
+    )
     order = log.read_text().split() if log.exists() else []
     return proc.stdout + proc.stderr, order
 
@@ -59,8 +66,8 @@ def test_unit_tier_runs_first_and_reports_before_the_slow_tiers(fake_suite):
     m = re.search(r"^unit tier: 2 passed, 1 failed in \d+\.\d s, 1 skipped$", out, re.M)
     assert m, out
     # before the line: the four unit results (pass, fail, skip, pass), after it the other four tiers
-    assert re.sub(r"\s|\[\s*\d+%\]", "", out[:m.start()]) == ".Fs.", out
-    assert re.sub(r"\s|\[\s*\d+%\]", "", out[m.end():]).startswith("...."), out
+    assert re.sub(r"\s|\[\s*\d+%\]", "", out[: m.start()]) == ".Fs.", out
+    assert re.sub(r"\s|\[\s*\d+%\]", "", out[m.end() :]).startswith("...."), out
 
 
 def test_no_line_without_unit_tests(fake_suite):

@@ -77,11 +77,16 @@ def test_labels_match_hand_construction(setup):
         t = ro["t"]
         with torch.no_grad():
             s_tok = int(small(torch.tensor([prompts[i] + g[:t]])).logits[0, -1].argmax())
-            out = small.generate(torch.tensor([prompts[i] + g[:t] + [s_tok]]), max_new_tokens=5, do_sample=False,
-                                 pad_token_id=258, eos_token_id=257)
-        cont = [x for x in out[0, len(prompts[i]) + t + 1:].tolist()]
+            out = small.generate(
+                torch.tensor([prompts[i] + g[:t] + [s_tok]]),
+                max_new_tokens=5,
+                do_sample=False,
+                pad_token_id=258,
+                eos_token_id=257,
+            )
+        cont = [x for x in out[0, len(prompts[i]) + t + 1 :].tolist()]
         if 257 in cont:
-            cont = cont[:cont.index(257) + 1]
+            cont = cont[: cont.index(257) + 1]
         text = tok.decode(g[:t] + [s_tok] + cont, skip_special_tokens=True)
         assert ro["text"] == text[-300:] and ro["correct"] == _check(text, exs[i])
         r = ((d.example == i) & (d.position == t)).nonzero()[0, 0]
@@ -90,8 +95,17 @@ def test_labels_match_hand_construction(setup):
 
 def test_train_citer_end_to_end(setup, tmp_path):
     small, large, tok, exs, _ = setup
-    res = train_citer({"small": small, "large": large}, exs, tokenizer=tok, out=tmp_path, rollout_tokens=5,
-                      max_rollouts=2, check=_check, epochs=40, progress=False)
+    res = train_citer(
+        {"small": small, "large": large},
+        exs,
+        tokenizer=tok,
+        out=tmp_path,
+        rollout_tokens=5,
+        max_rollouts=2,
+        check=_check,
+        epochs=40,
+        progress=False,
+    )
     sd, cfg, meta = load_head(res.head_path, "citer")
     assert json.loads(res.meta_path.read_text()) == meta and cfg["threshold"] == pytest.approx(res.threshold)
     assert meta["metrics"]["labels"]["rows"] == res.metrics["train_rows"] + res.metrics["val_rows"]
@@ -102,8 +116,9 @@ def test_train_citer_end_to_end(setup, tmp_path):
     c = pol._net(va.hidden)
     assert float((c[need] < pol.tau).float().mean()) >= 0.95
     assert res.metrics["val"]["recall"] >= 0.95
-    with Router({"small": small, "large": large}, res.policy(tau=res.metrics["tau_at_large_fraction_0.2"]),
-                tokenizer=tok) as router:
+    with Router(
+        {"small": small, "large": large}, res.policy(tau=res.metrics["tau_at_large_fraction_0.2"]), tokenizer=tok
+    ) as router:
         outs = router.generate([e.prompt for e in exs[:3]], max_new_tokens=10)
     assert all(o.ok for o in outs)
     assert any("large" in o.token_models for o in outs)

@@ -16,8 +16,15 @@ from tokenrouter_sdk.train.co_llm import features_co_llm, marginal_nll, train_co
 from tokenrouter_sdk.train.common import Pair
 from tokenrouter_sdk.train.data import Example
 
-EXS = [Example(f"q{i}", f"Question {i}: add {i} and {i + 2}.", str(2 * i + 2),
-               f"We add {i} and {i + 2} to get {2 * i + 2}.\nThe answer is {2 * i + 2}.") for i in range(8)]
+EXS = [
+    Example(
+        f"q{i}",
+        f"Question {i}: add {i} and {i + 2}.",
+        str(2 * i + 2),
+        f"We add {i} and {i + 2} to get {2 * i + 2}.\nThe answer is {2 * i + 2}.",
+    )
+    for i in range(8)
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +47,8 @@ def test_features_match_independent_forward(pair):
         p = pr.encode(EXS[1].prompt)
     g = tok.encode(EXS[1].solution, add_special_tokens=False)
     with torch.no_grad():
-        ls = torch.log_softmax(small(torch.tensor([p + g])).logits[0, len(p) - 1:-1].float(), -1)
-        ll = torch.log_softmax(large(torch.tensor([p + g])).logits[0, len(p) - 1:-1].float(), -1)
+        ls = torch.log_softmax(small(torch.tensor([p + g])).logits[0, len(p) - 1 : -1].float(), -1)
+        ll = torch.log_softmax(large(torch.tensor([p + g])).logits[0, len(p) - 1 : -1].float(), -1)
     m = f["example"] == 1
     gt = torch.tensor(g)
     assert torch.allclose(f["lp_small"][m], ls.gather(1, gt[:, None])[:, 0], atol=1e-5)
@@ -52,8 +59,17 @@ def test_features_match_independent_forward(pair):
 
 def test_train_co_llm_end_to_end(pair, tmp_path):
     small, large, tok = pair
-    res = train_co_llm({"small": small, "large": large}, EXS, tokenizer=tok, out=tmp_path, init_epochs=10,
-                       epochs=60, lr=3e-2, batch_size=64, progress=False)
+    res = train_co_llm(
+        {"small": small, "large": large},
+        EXS,
+        tokenizer=tok,
+        out=tmp_path,
+        init_epochs=10,
+        epochs=60,
+        lr=3e-2,
+        batch_size=64,
+        progress=False,
+    )
     sd, cfg, meta = load_head(res.head_path, "co_llm")
     assert set(sd) == {"g", "b"} and json.loads(res.meta_path.read_text()) == meta
     for stage in ("init", "marginal"):
@@ -67,11 +83,12 @@ def test_train_co_llm_end_to_end(pair, tmp_path):
     # eta maximises Youden's J on validation (brute force over all cut points)
     pol = CoLLM(res.head_path, eta=res.threshold)
     pi = pol._net(V["hidden"])
-    y = (V["large_greedy"] != V["small_greedy"])
+    y = V["large_greedy"] != V["small_greedy"]
 
     def j(eta):
         pred = pi > eta
         return (pred & y).sum() / max(1, y.sum()) - (pred & ~y).sum() / max(1, (~y).sum())
+
     best = max(float(j(e)) for e in [-math.inf] + pi.tolist())
     assert float(j(res.threshold)) == pytest.approx(best, abs=1e-6)
     with Router({"small": small, "large": large}, res.policy(eta=float(pi.median())), tokenizer=tok) as router:

@@ -28,20 +28,19 @@ def pair():
 
 
 def test_rule_verifier_hand_cases():
-    assert rule_verifier("", " The total is 5.", " The total is 6.")            # numbers differ
+    assert rule_verifier("", " The total is 5.", " The total is 6.")  # numbers differ
     assert not rule_verifier("", " So the answer is 7.", " So the answer is 7.")  # identical
     assert not rule_verifier("", " So we add 3 apples.", " Thus we add 3 apples.")  # re-converged
-    assert rule_verifier("", " We add 3 and 4.", " We add 3 and 4 apples.")     # words differ at the end
-    assert not rule_verifier("", " 1,200 eggs.", " 1200 eggs.")                   # separators normalised
+    assert rule_verifier("", " We add 3 and 4.", " We add 3 and 4 apples.")  # words differ at the end
+    assert not rule_verifier("", " 1,200 eggs.", " 1200 eggs.")  # separators normalised
     assert first_sentence(" He has 3.5 eggs. Then") == " He has 3.5 eggs."
     assert first_sentence("\nNext line\nmore") == "\nNext line\n"
     assert first_sentence("no end") == "no end"
 
 
 def _greedy(model, ids, n):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=258,
-                         eos_token_id=None)
-    return out[0, len(ids):].tolist()
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=258, eos_token_id=None)
+    return out[0, len(ids) :].tolist()
 
 
 def test_labels_match_independent_computation(pair):
@@ -59,9 +58,9 @@ def test_labels_match_independent_computation(pair):
     assert len(calls) == len(d.branches) == int((d.kind > 0).sum()) > 0
     for i, p in enumerate(prompts):
         resp = d.responses[i]
-        assert resp[:len(resp)] == _greedy(large, p, 12)[:len(resp)]        # L's greedy response
+        assert resp[: len(resp)] == _greedy(large, p, 12)[: len(resp)]  # L's greedy response
         with torch.no_grad():
-            s_pred = small(torch.tensor([p + resp])).logits[0, len(p) - 1:-1].argmax(-1).tolist()
+            s_pred = small(torch.tensor([p + resp])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
         rows = (d.example == i).nonzero()[:, 0].tolist()
         for r in rows:
             t = int(d.position[r])
@@ -80,15 +79,25 @@ def test_labels_match_independent_computation(pair):
         cont = _greedy(large, p + resp[:t] + [b["small_token"]], 6)
         text = tok.decode([b["small_token"]] + cont, skip_special_tokens=True)
         assert b["small_branch"] == first_sentence(text)
-        assert b["large_branch"] == first_sentence(tok.decode(resp[t:t + 7], skip_special_tokens=True))
+        assert b["large_branch"] == first_sentence(tok.decode(resp[t : t + 7], skip_special_tokens=True))
         assert b["divergent"] == (len(b["small_branch"]) % 2 == 0)
     assert d.label.sum() == (d.kind == 2).sum()
 
 
 def test_train_r2r_end_to_end(pair, tmp_path):
     small, large, tok = pair
-    res = train_r2r({"small": small, "large": large}, PROMPTS, tokenizer=tok, out=tmp_path, max_new_tokens=16,
-                    branch_tokens=8, max_branches=4, hidden_dims=(32, 32), epochs=30, progress=False)
+    res = train_r2r(
+        {"small": small, "large": large},
+        PROMPTS,
+        tokenizer=tok,
+        out=tmp_path,
+        max_new_tokens=16,
+        branch_tokens=8,
+        max_branches=4,
+        hidden_dims=(32, 32),
+        epochs=30,
+        progress=False,
+    )
     # files and meta
     assert res.head_path == tmp_path / "r2r_head.pt" and res.meta_path.exists()
     sd, cfg, meta = load_head(res.head_path, "r2r")
@@ -106,10 +115,11 @@ def test_train_r2r_end_to_end(pair, tmp_path):
     pol = R2R(res.head_path, embedding=small)
     assert pol.tau == pytest.approx(res.threshold)
     logits = torch.full((len(va.label), len(tok)), -1e4)
-    logits[:, :va.topk.shape[1]] = va.topk
-    views = [RequestView(rid=i, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0,
-                         models=("small", "large"))
-             for i in range(len(va.label))]
+    logits[:, : va.topk.shape[1]] = va.topk
+    views = [
+        RequestView(rid=i, prompt_ids=[1], output_ids=[], owner="small", state={}, hops=0, models=("small", "large"))
+        for i in range(len(va.label))
+    ]
     batch = StepBatch("small", ("small", "large"), va.token, logits, va.hidden.double(), views)
     routed = pol.defer(batch)
     assert va.label.sum() > 0
@@ -122,8 +132,9 @@ def test_train_r2r_end_to_end(pair, tmp_path):
         outs = router.generate(PROMPTS[:3], max_new_tokens=12)
         ids = [router.encode(p) for p in PROMPTS[:3]]
     for o, p in zip(outs, ids):
-        ref = reference_generate({"small": small, "large": large}, p, pol, params, rid=o.rid, tokenizer=tok,
-                                 eos_ids=(tok.eos_token_id,))
+        ref = reference_generate(
+            {"small": small, "large": large}, p, pol, params, rid=o.rid, tokenizer=tok, eos_ids=(tok.eos_token_id,)
+        )
         assert (o.token_ids, o.token_models) == (ref["token_ids"], ref["token_models"])
     assert any("large" in o.token_models for o in outs)
 
@@ -131,6 +142,7 @@ def test_train_r2r_end_to_end(pair, tmp_path):
 def test_cli_train_subcommand_parses():
     from tokenrouter_sdk.cli.main import build_parser
     from tokenrouter_sdk.cli.train import run
+
     a = build_parser().parse_args(["train", "co_llm", "--limit", "5", "--out", "x", "--epochs", "3"])
     assert (a.kind, a.limit, a.out, a.epochs, a.fn) == ("co_llm", 5, "x", 3, run)
     with pytest.raises(SystemExit):
@@ -139,8 +151,16 @@ def test_cli_train_subcommand_parses():
 
 def test_load_examples_excludes_heldout(tmp_path):
     from tokenrouter_sdk.train.data import HELDOUT_IDS, gold_response, load_examples
-    rows = [{"id": f"gsm8k-test-{i:04d}", "question": f"q{i}", "answer": str(i),
-             "meta": {"solution": f"2 + {i} = <<2+{i}={i + 2}>>{i + 2}\n#### {i}"}} for i in range(126, 132)]
+
+    rows = [
+        {
+            "id": f"gsm8k-test-{i:04d}",
+            "question": f"q{i}",
+            "answer": str(i),
+            "meta": {"solution": f"2 + {i} = <<2+{i}={i + 2}>>{i + 2}\n#### {i}"},
+        }
+        for i in range(126, 132)
+    ]
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in rows))
     exs = load_examples(f)

@@ -27,14 +27,13 @@ def pair():
 
 
 def _greedy(model, ids, n):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=258,
-                         eos_token_id=None)
-    return out[0, len(ids):].tolist()
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=258, eos_token_id=None)
+    return out[0, len(ids) :].tolist()
 
 
 def _small_preds(small, p, r):
     with torch.no_grad():
-        return small(torch.tensor([p + r])).logits[0, len(p) - 1:-1].argmax(-1).tolist()
+        return small(torch.tensor([p + r])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
 
 
 def test_reference_responses_are_greedy_and_cached(pair, tmp_path):
@@ -47,10 +46,10 @@ def test_reference_responses_are_greedy_and_cached(pair, tmp_path):
         first = reference_responses(pr, ids, max_new_tokens=10, cache=tmp_path)
         again = reference_responses(pr, ids, max_new_tokens=10, cache=tmp_path)
         longer = reference_responses(pr, ids, max_new_tokens=12, cache=tmp_path)
-    assert first == again and len(calls) == 2          # the second call read the cache
+    assert first == again and len(calls) == 2  # the second call read the cache
     assert len(list(tmp_path.glob("large_responses_*.json"))) == 2
     for p, r, r12 in zip(ids, first, longer):
-        assert r == _greedy(large, p, 10)[:len(r)] and len(r) == 10
+        assert r == _greedy(large, p, 10)[: len(r)] and len(r) == 10
         assert r12[:10] == r
 
 
@@ -58,8 +57,15 @@ def test_r2r_unverified_differences_are_kept_as_divergent(pair):
     small, large, tok = pair
     exs = [Example(f"p{i}", p) for i, p in enumerate(PROMPTS[:3])]
     with Pair({"small": small, "large": large}, tok) as pr:
-        d = label_r2r(pr, exs, max_new_tokens=12, branch_tokens=4, max_branches=1, unverified="divergent",
-                      verifier=lambda c, a, b: False)
+        d = label_r2r(
+            pr,
+            exs,
+            max_new_tokens=12,
+            branch_tokens=4,
+            max_branches=1,
+            unverified="divergent",
+            verifier=lambda c, a, b: False,
+        )
         drop = label_r2r(pr, exs, max_new_tokens=12, branch_tokens=4, max_branches=1, verifier=lambda c, a, b: False)
         prompts = [pr.encode(e.prompt) for e in exs]
         with pytest.raises(ValueError, match="unverified must be"):
@@ -69,7 +75,7 @@ def test_r2r_unverified_differences_are_kept_as_divergent(pair):
         resp = d.responses[i]
         s_pred = _small_preds(small, p, resp)
         rows = (d.example == i).nonzero()[:, 0].tolist()
-        assert [int(d.position[r]) for r in rows] == list(range(len(resp)))     # every position is a row
+        assert [int(d.position[r]) for r in rows] == list(range(len(resp)))  # every position is a row
         for r in rows:
             t = int(d.position[r])
             same = s_pred[t] == resp[t]
@@ -85,8 +91,9 @@ def test_r2r_unverified_differences_are_kept_as_divergent(pair):
 def test_citer_reference_large_teacher_forces_the_large_answer(pair, tmp_path):
     small, large, tok = pair
     with Pair({"small": small, "large": large}, tok) as pr:
-        d = label_citer(pr, EXS[:3], reference="large", max_new_tokens=10, max_rollouts=2, rollout_tokens=4,
-                        cache=tmp_path)
+        d = label_citer(
+            pr, EXS[:3], reference="large", max_new_tokens=10, max_rollouts=2, rollout_tokens=4, cache=tmp_path
+        )
         prompts = [pr.encode(e.prompt) for e in EXS[:3]]
         with pytest.raises(ValueError, match="reference must be"):
             label_citer(pr, EXS[:1], reference="silver")
@@ -110,9 +117,18 @@ def test_co_llm_reference_large_uses_the_large_answer(pair, tmp_path):
     ref = _greedy(large, p, 8)
     m = f["example"] == 1
     assert f["gold"][m].tolist() == ref
-    assert f["large_greedy"][m].tolist() == ref         # the large model's argmax is its own answer
-    res = train_co_llm({"small": small, "large": large}, EXS, tokenizer=tok, out=tmp_path, reference="large",
-                       max_new_tokens=8, epochs=5, init_epochs=2, progress=False)
+    assert f["large_greedy"][m].tolist() == ref  # the large model's argmax is its own answer
+    res = train_co_llm(
+        {"small": small, "large": large},
+        EXS,
+        tokenizer=tok,
+        out=tmp_path,
+        reference="large",
+        max_new_tokens=8,
+        epochs=5,
+        init_epochs=2,
+        progress=False,
+    )
     js = json.loads(res.meta_path.read_text())
     assert js["hyperparameters"]["reference"] == "large" and js["hyperparameters"]["max_new_tokens"] == 8
 
@@ -120,7 +136,7 @@ def test_co_llm_reference_large_uses_the_large_answer(pair, tmp_path):
 def test_load_examples_offset_starts_at_that_row():
     exs = load_examples("gsm8k", 3, offset=556)
     assert [e.id for e in exs] == ["gsm8k-test-0556", "gsm8k-test-0557", "gsm8k-test-0558"]
-    assert load_examples("gsm8k", 1, offset=0)[0].id == "gsm8k-test-0128"    # held-out ones still skipped
+    assert load_examples("gsm8k", 1, offset=0)[0].id == "gsm8k-test-0128"  # held-out ones still skipped
     assert [e.id for e in load_examples(None, 2, offset=556)] == ["gsm8k-train-0556", "gsm8k-train-0557"]
     with pytest.raises(ValueError, match="offset must be >= 0"):
         load_examples(None, 1, offset=-1)
@@ -131,8 +147,8 @@ def test_training_defaults_to_the_gsm8k_train_split(monkeypatch, tmp_path):
     GSM8K train by default: no question of the test split, which evaluations score."""
     from tokenrouter_sdk import Router
     from tokenrouter_sdk import train as T
-    from tokenrouter_sdk.cli.main import build_parser
     from tokenrouter_sdk.cli import train as train_cli
+    from tokenrouter_sdk.cli.main import build_parser
     from tokenrouter_sdk.train import package
 
     exs = load_examples(limit=3)
@@ -173,11 +189,21 @@ def test_training_defaults_to_the_gsm8k_train_split(monkeypatch, tmp_path):
 def test_cli_options_reach_the_pipelines():
     from tokenrouter_sdk.cli.main import build_parser
     from tokenrouter_sdk.cli.train import pipeline_kwargs
+
     common = ["--offset", "556", "--limit", "300", "--cache", "c", "--concurrency", "64", "--max-new-tokens", "80"]
     kw = pipeline_kwargs(build_parser().parse_args(["train", "citer", *common, "--reference", "large"]))
-    assert kw | {"out": None} == {"data": None, "limit": 300, "offset": 556, "out": None, "seed": 0,
-                                  "max_new_tokens": 80, "cache": "c", "concurrency": 64, "reference": "large",
-                                  "max_rollouts": 4}
+    assert kw | {"out": None} == {
+        "data": None,
+        "limit": 300,
+        "offset": 556,
+        "out": None,
+        "seed": 0,
+        "max_new_tokens": 80,
+        "cache": "c",
+        "concurrency": 64,
+        "reference": "large",
+        "max_rollouts": 4,
+    }
     kw = pipeline_kwargs(build_parser().parse_args(["train", "r2r", *common, "--unverified", "divergent"]))
     assert (kw["unverified"], kw["offset"], kw["cache"], kw["max_new_tokens"]) == ("divergent", 556, "c", 80)
     kw = pipeline_kwargs(build_parser().parse_args(["train", "co_llm", "--limit", "5"]))

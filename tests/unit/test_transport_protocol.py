@@ -7,10 +7,10 @@ import pytest
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
 from tokenrouter_sdk.engine.front import engine as engine_module
+from tokenrouter_sdk.engine.runner import Transport
 from tokenrouter_sdk.engine.transports.hub import HubTransport
 from tokenrouter_sdk.engine.transports.process_transport import ProcessTransport
 from tokenrouter_sdk.engine.transports.ray_transport import RayTransport
-from tokenrouter_sdk.engine.runner import Transport
 from tokenrouter_sdk.engine.transports.sim_transport import SimTransport
 from tokenrouter_sdk.engine.transports.transport import ThreadTransport
 from tokenrouter_sdk.policies import LargeOnly
@@ -52,6 +52,9 @@ def test_sim_transport_answers_each_call():
         assert r.engine.runners["large"] is runner
         assert t.local_runner("huge") is None
         assert t.pending("large") is False
-        with pytest.raises(RuntimeError, match=r"restart\('large'\): SimTransport cannot restart a sub-server; "
-                                               r"close this Router and build a new one"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"restart\('large'\): SimTransport cannot restart a sub-server; "
+            r"close this Router and build a new one",
+        ):
             t.restart("large")

@@ -15,14 +15,13 @@ import weakref
 
 import pytest
 
+from tests.helpers import interrupt_main_after, mixed_prompts
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.engine.messages import Admitted, Committed, Finished, Hopped, StepDone
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.result import RunResult
 from tokenrouter_sdk.viz import LiveView, TraceState
 from tokenrouter_sdk.viz.tokens import PALETTE, token_pieces
-
-from tests.helpers import interrupt_main_after, mixed_prompts
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
@@ -59,6 +58,7 @@ def test_pickled_run_keeps_its_class_events_and_views(run):
     assert [t.y for t in back.timeline().data] == [t.y for t in outs.timeline().data]
     assert pickle.loads(pickle.dumps(back)).show().html.count('class="tr-tok"') == sum(len(o.token_ids) for o in outs)
     import copy
+
     assert copy.copy(outs).tokenizer is r.tokenizer and type(copy.deepcopy(outs)) is RunResult
     with pytest.raises(ValueError, match="tokenizer"):
         RunResult(list(outs)).show()
@@ -81,11 +81,13 @@ def test_show_colours_every_committed_token(run):
     assert len(spans) == sum(len(o.token_ids) for o in outs)
     want = [m for o in outs for m in o.token_models]
     assert [m for m, _ in spans] == want
-    assert {c for m, c in spans if m == "small"} == {PALETTE[0]} and {c for m, c in spans if m == "large"} == {PALETTE[1]}
+    assert {c for m, c in spans if m == "small"} == {PALETTE[0]} and {c for m, c in spans if m == "large"} == {
+        PALETTE[1]
+    }
     assert html.count('class="tr-disc"') == sum(o.discarded for o in outs)
     assert 'class="tr-toggle"' in html  # discarded tokens behind a checkbox
     shown = outs.show(discarded=True)._repr_html_()
-    assert shown.count("display:inline;") == sum(o.discarded for o in outs) and "tr-toggle\"" not in shown
+    assert shown.count("display:inline;") == sum(o.discarded for o in outs) and 'tr-toggle"' not in shown
     text = repr(outs.show(0))
     assert text.startswith("req 0: [") and text.count("[S:") + text.count("[L:") == len(outs[0].segments())
 
@@ -103,8 +105,16 @@ def test_timeline_bars_follow_ownership(run):
     r, outs, m = run
     fig = outs.timeline()
     names = [t.name for t in fig.data]
-    assert names == ["small writes", "large writes", "pending on small", "pending on large",
-                     "small batch", "small queue", "large batch", "large queue"]
+    assert names == [
+        "small writes",
+        "large writes",
+        "pending on small",
+        "pending on large",
+        "small batch",
+        "small queue",
+        "large batch",
+        "large queue",
+    ]
     for o in outs:
         y = f"req {o.index}"
         own = [(b, w) for t in fig.data[:2] for yy, b, w in zip(t.y, t.base, t.x) if yy == y]
@@ -134,15 +144,22 @@ def test_to_html_inlines_plotly(run, tmp_path):
 
 def test_trace_state_batch_queue_and_pending():
     st = TraceState(["small", "large"])
-    st.feed([Admitted(0, None, 0.0), Admitted(1, None, 0.0),
-             # req 1 waits: queue 1
-             StepDone(model="small", t_start=0.0, t_end=1.0, forward_s=0.9, batch_size=1, tokens_fed=5, fed={0: 5}),
-             Committed(0, "small", [7], 1.0),
-             Hopped(0, "small", "large", False, 1.0),
-             StepDone(model="small", t_start=1.0, t_end=2.0, forward_s=0.9, batch_size=1, tokens_fed=3, fed={1: 3}),
-             StepDone(model="large", t_start=1.0, t_end=2.0, forward_s=0.9, batch_size=1, tokens_fed=6, fed={0: 6}),
-             Committed(0, "large", [8], 2.0), Committed(1, "small", [9], 2.0),
-             Finished(0, "large", "length", None, 2.0), Finished(1, "small", "length", None, 3.0)])
+    st.feed(
+        [
+            Admitted(0, None, 0.0),
+            Admitted(1, None, 0.0),
+            # req 1 waits: queue 1
+            StepDone(model="small", t_start=0.0, t_end=1.0, forward_s=0.9, batch_size=1, tokens_fed=5, fed={0: 5}),
+            Committed(0, "small", [7], 1.0),
+            Hopped(0, "small", "large", False, 1.0),
+            StepDone(model="small", t_start=1.0, t_end=2.0, forward_s=0.9, batch_size=1, tokens_fed=3, fed={1: 3}),
+            StepDone(model="large", t_start=1.0, t_end=2.0, forward_s=0.9, batch_size=1, tokens_fed=6, fed={0: 6}),
+            Committed(0, "large", [8], 2.0),
+            Committed(1, "small", [9], 2.0),
+            Finished(0, "large", "length", None, 2.0),
+            Finished(1, "small", "length", None, 3.0),
+        ]
+    )
     assert st.series["small"].batch == [1, 1] and st.series["small"].queue == [1, 0]
     assert st.series["large"].batch == [1] and st.series["large"].queue == [0]
     bars = st.bars()
@@ -243,6 +260,7 @@ def _slow_policy(delay_s):
         def route(self, step):
             time.sleep(delay_s)
             return step.model
+
     return Slow()
 
 
@@ -279,8 +297,10 @@ def test_live_auto_falls_back_to_text_without_widgets(pair, tok, monkeypatch, ca
         v = r.last_view
     out = capsys.readouterr().out
     notice = [line for line in out.splitlines() if line.startswith("live view:")]
-    assert notice == ["live view: ipywidgets is not installed, showing the text view (pip install "
-                      "'tokenrouter-sdk[viz]' for the notebook view)"]
+    assert notice == [
+        "live view: ipywidgets is not installed, showing the text view (pip install "
+        "'tokenrouter-sdk[viz]' for the notebook view)"
+    ]
     assert v.kind == "text" and v.fallback == "ipywidgets" and "2/2 requests" in out
     assert all(len(o.token_ids) == 8 for o in outs)
     with Router(pair, tokenizer=tok) as r, pytest.raises(ImportError):
@@ -298,7 +318,7 @@ def test_figures_carry_plotly_json_and_html_without_plotlyjs(run):
     html = bundle["text/html"]
     assert "Plotly.newPlot" in html and f"https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js" in html
     assert "window.TOKENROUTER_PLOTLYJS" in html and len(html) < 100_000  # plotly.js (4.8 MB) is not in it
-    assert "</script" not in html[html.index("<script"):-len("</script>")]
+    assert "</script" not in html[html.index("<script") : -len("</script>")]
     assert "Plotly.newPlot" in fig._repr_html_()
     fig.update_layout(title="x")  # still a plotly Figure
     assert type(fig).__name__ == "NotebookFigure" and fig.layout.title.text == "x"
@@ -328,9 +348,24 @@ def test_notebook_tables_of_metrics_run_and_kv_stats(pair, tok):
 def test_eval_result_table_and_plot_survive_export():
     from tokenrouter_sdk.eval.result import EvalResult
 
-    rec = dict(label="tau=0.1", kind="sweep", policy="RStitch", param="tau", value=0.1, n=4, correct=2,
-               accuracy=0.5, acc_ci_low=0.15, acc_ci_high=0.85, agreement=0.75, hop_rate=0.05,
-               large_fraction=0.3, throughput_tok_s=12.5, mean_latency_s=1.5, tokens_per_answer=40.0)
+    rec = dict(
+        label="tau=0.1",
+        kind="sweep",
+        policy="RStitch",
+        param="tau",
+        value=0.1,
+        n=4,
+        correct=2,
+        accuracy=0.5,
+        acc_ci_low=0.15,
+        acc_ci_high=0.85,
+        agreement=0.75,
+        hop_rate=0.05,
+        large_fraction=0.3,
+        throughput_tok_s=12.5,
+        mean_latency_s=1.5,
+        tokens_per_answer=40.0,
+    )
     ref = dict(rec, label="large_only", kind="large_only", value=None, accuracy=0.75, throughput_tok_s=8.0)
     res = EvalResult([rec, ref], {"dataset": {"name": "gsm8k", "n": 4}})
     h = res._repr_html_()

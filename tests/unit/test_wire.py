@@ -7,12 +7,12 @@ import msgspec
 import pytest
 import torch
 
-from tokenrouter_sdk.engine.transports import codec
+from tests.helpers import Alternate
 from tokenrouter_sdk.engine import messages as M
 from tokenrouter_sdk.engine.step_result import StepResult, UnknownMessage
+from tokenrouter_sdk.engine.transports import codec
 from tokenrouter_sdk.engine.transports.wire import load_policy, policy_blob
 from tokenrouter_sdk.request import RequestConfig, SamplingParams
-from tests.helpers import Alternate
 
 
 class Point:  # user data in a policy state, of a class the codec knows nothing of
@@ -23,21 +23,47 @@ class Point:  # user data in a policy state, of a class the codec knows nothing 
         return isinstance(other, Point) and other.x == self.x
 
 
-CFG = RequestConfig(3, [5, 6, 7], SamplingParams(max_new_tokens=9, temperature=0.7, top_k=4, seed=11, stop=("\n",),
-                                                 stop_token_ids=(2,), logprobs=3, n=2), 4, (0, 1), "q-2", (8, 9))
+CFG = RequestConfig(
+    3,
+    [5, 6, 7],
+    SamplingParams(
+        max_new_tokens=9, temperature=0.7, top_k=4, seed=11, stop=("\n",), stop_token_ids=(2,), logprobs=3, n=2
+    ),
+    4,
+    (0, 1),
+    "q-2",
+    (8, 9),
+)
 STATE = {"window": (1, 2), "p": Point(3), "scores": [0.5]}
 
 SAMPLES = {
     M.Admit: M.Admit(CFG, 1.5, STATE, ("large",)),
     M.Prefill: M.Prefill(CFG, "small"),
-    M.HandoffMsg: M.HandoffMsg(3, "small", [7, 8], M.RequestState({"small": 5, "large": 5}, 2, 3, 1, 1, STATE, 1,
-                                                                  "small", True, torch.tensor([0.25, -1.0], dtype=torch.float64)),
-                               False, CFG),
+    M.HandoffMsg: M.HandoffMsg(
+        3,
+        "small",
+        [7, 8],
+        M.RequestState(
+            {"small": 5, "large": 5},
+            2,
+            3,
+            1,
+            1,
+            STATE,
+            1,
+            "small",
+            True,
+            torch.tensor([0.25, -1.0], dtype=torch.float64),
+        ),
+        False,
+        CFG,
+    ),
     M.Release: M.Release(3),
     M.Abort: M.Abort(3, "failed", None),
     M.RegisterPolicy: M.RegisterPolicy(4, Alternate()),
     M.UnregisterPolicy: M.UnregisterPolicy(4),
-    M.Shutdown: M.Shutdown(), M.ClearPrefixCache: M.ClearPrefixCache(),
+    M.Shutdown: M.Shutdown(),
+    M.ClearPrefixCache: M.ClearPrefixCache(),
     M.Go: M.Go(7),
     M.SetThresholds: M.SetThresholds({"small": 2, "large": 1}),
     M.SetInflight: M.SetInflight(5),
@@ -47,9 +73,23 @@ SAMPLES = {
     M.Hopped: M.Hopped(3, "small", "large", False, 2.5, 41),
     M.Resampled: M.Resampled(3, "small", 12, 4, 3.0),
     M.Finished: M.Finished(3, "large", "stop", None, 3.5, "\n", "Traceback ..."),
-    M.StepDone: M.StepDone(model="small", t_start=1.0, t_end=2.0, forward_s=0.75, batch_size=2, tokens_fed=9,
-                           fed={3: 4, 8: 5}, preempted=1, round=6, kv_used_blocks=10, queued=2, kv_pending_blocks=3,
-                           cache_hit_tokens=16, cache_query_tokens=32, kv_cached_blocks=4),
+    M.StepDone: M.StepDone(
+        model="small",
+        t_start=1.0,
+        t_end=2.0,
+        forward_s=0.75,
+        batch_size=2,
+        tokens_fed=9,
+        fed={3: 4, 8: 5},
+        preempted=1,
+        round=6,
+        kv_used_blocks=10,
+        queued=2,
+        kv_pending_blocks=3,
+        cache_hit_tokens=16,
+        cache_query_tokens=32,
+        kv_cached_blocks=4,
+    ),
     M.Idle: M.Idle("large", 7),
     M.ModelDied: M.ModelDied("large", "exit code -9", 4.0),
     M.Stats: M.Stats("small", 2, 10, 20, 16, 1, 2, 3, 4, True, None, True, 5, 1, 64, 128),
@@ -60,9 +100,24 @@ SAMPLES = {
 MIXED_CFG = dataclasses.replace(CFG, prompts={"small": [1, 2], "large": [7, 8, 9]})
 MIXED = [
     M.Admit(MIXED_CFG, 1.5, {}, ()),
-    M.HandoffMsg(3, "small", [], M.RequestState({"small": 5, "large": 1}, 2, 3, seen_bytes={"small": 7, "large": 2},
-                                                n_bytes=7, units=3, unit_at=2, unit_base=1),
-                 True, MIXED_CFG, b"\xe4\xbd\xa0a\xe4"),
+    M.HandoffMsg(
+        3,
+        "small",
+        [],
+        M.RequestState(
+            {"small": 5, "large": 1},
+            2,
+            3,
+            seen_bytes={"small": 7, "large": 2},
+            n_bytes=7,
+            units=3,
+            unit_at=2,
+            unit_base=1,
+        ),
+        True,
+        MIXED_CFG,
+        b"\xe4\xbd\xa0a\xe4",
+    ),
     M.Committed(3, "small", [300], 2.0, False, None, 1, None),
     M.Committed(3, "large", [9], 2.5, True, None, 0, 17),
 ]
@@ -98,8 +153,9 @@ def test_the_fields_of_models_without_one_tokenizer_round_trip(msg):
 
 
 def test_a_step_result_round_trips_as_frames():
-    res = StepResult([SAMPLES[M.Committed], SAMPLES[M.StepDone]], [("large", SAMPLES[M.HandoffMsg]),
-                                                                   ("large", M.Release(3))])
+    res = StepResult(
+        [SAMPLES[M.Committed], SAMPLES[M.StepDone]], [("large", SAMPLES[M.HandoffMsg]), ("large", M.Release(3))]
+    )
     frames = codec.encode_result(res)
     assert codec.FRAMES[frames[0]] is codec.Frame.RESULT
     events, messages = codec.split_result(frames[1:])
@@ -118,6 +174,7 @@ def test_a_field_of_the_wrong_type_is_refused_by_name():
 def test_an_unknown_message_is_an_explicit_error_in_the_codec():
     class Bogus:
         pass
+
     with pytest.raises(UnknownMessage, match="unknown type.*Bogus"):
         codec.encode(Bogus())
     with pytest.raises(UnknownMessage, match="unknown tag"):
@@ -138,6 +195,7 @@ def test_the_engine_refuses_an_unknown_event(pair, tok):
 
     class Bogus:
         pass
+
     with Router(pair, Alternate(), tokenizer=tok, processes=False) as r:
         with pytest.raises(UnknownMessage, match="the engine got .*unknown type.*Bogus"):
             r.engine.handle_event(Bogus())

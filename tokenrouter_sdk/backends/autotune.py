@@ -222,17 +222,25 @@ def machine_fields(threads: int | None = None) -> dict:
     cache bytes, torch threads, torch and oneDNN versions, the build of the engine's C++ kernels
     (their sources hashed: a changed kernel is measured again), the choices file format."""
     from .cpu_kernels import build_name
+
     flags = _cpu_field("flags")
-    return {"cpu": _cpu_field("model name") or _cpu_field("vendor_id") or "unknown",
-            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16], "llc_bytes": last_level_cache_bytes(),
-            "threads": int(threads if threads is not None else torch.get_num_threads()),
-            "torch": torch.__version__, "onednn": onednn_version(), "kernels": build_name(), "format": FORMAT}
+    return {
+        "cpu": _cpu_field("model name") or _cpu_field("vendor_id") or "unknown",
+        "flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "llc_bytes": last_level_cache_bytes(),
+        "threads": int(threads if threads is not None else torch.get_num_threads()),
+        "torch": torch.__version__,
+        "onednn": onednn_version(),
+        "kernels": build_name(),
+        "format": FORMAT,
+    }
 
 
 def choices_path(fields: dict) -> Path:
     """The choices file of the machine ``fields`` describe: ``<key>.json`` in the folder
     ``TOKENROUTER_CHOICES_DIR`` names, else in ``<torch extension root>/tokenrouter/choices``."""
     from .cpu_kernels import build_directory
+
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
     folder = os.environ.get(CHOICES_ENV, "").strip()
     return (Path(folder).expanduser() if folder else build_directory("choices")) / f"{key}.json"
@@ -246,6 +254,7 @@ def _locked(path: Path):
     with open(path.parent / "choices.flock", "w") as f:
         try:
             import fcntl
+
             fcntl.flock(f, fcntl.LOCK_EX)
         except ImportError:  # pragma: no cover - not POSIX
             pass
@@ -316,8 +325,9 @@ def _interleaved_ms(fns: list, reps: int, clock=time.perf_counter) -> list[float
     return [1e3 * statistics.median(t) for t in times]
 
 
-def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: int | None = None,
-                  clock=time.perf_counter) -> dict:
+def measure_group(
+    projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: int | None = None, clock=time.perf_counter
+) -> dict:
     """Time the packed and the plain path of a group of same-shape projections at each bucket.
 
     Args:
@@ -360,16 +370,23 @@ def measure_group(projs: list, *, buckets=BUCKETS, reps: int = REPS, llc_bytes: 
             def skinny():
                 for p, sw in zip(use, weights):
                     p.run_skinny(x, weight=sw)
+
             ms = _interleaved_ms([packed, plain] + ([skinny] if with_skinny else []), reps, clock)
             packed_ms.append(ms[0])
             plain_ms.append(ms[1])
             if with_skinny:
                 skinny_ms.append(ms[2])
-    out = {"buckets": list(buckets), "packed": [a < b for a, b in zip(packed_ms, plain_ms)],
-           "packed_ms": [round(v, 4) for v in packed_ms], "plain_ms": [round(v, 4) for v in plain_ms], "layers": n}
+    out = {
+        "buckets": list(buckets),
+        "packed": [a < b for a, b in zip(packed_ms, plain_ms)],
+        "packed_ms": [round(v, 4) for v in packed_ms],
+        "plain_ms": [round(v, 4) for v in plain_ms],
+        "layers": n,
+    }
     if with_skinny:
-        out["skinny"] = [s <= skinny_edge(min(a, b), n)
-                         for s, a, b in zip(kernel_ms_by_rows(skinny_ms), packed_ms, plain_ms)]
+        out["skinny"] = [
+            s <= skinny_edge(min(a, b), n) for s, a, b in zip(kernel_ms_by_rows(skinny_ms), packed_ms, plain_ms)
+        ]
         out["skinny_ms"] = [round(v, 4) for v in skinny_ms]
     return out
 
@@ -385,13 +402,21 @@ def forced_prefetch() -> int | None:
     if v == "auto":
         return None
     if v not in ("0", "1", "2", "3"):
-        raise ValueError(f"{PREFETCH_ENV}={v!r}: accepted values are auto, 0 (non-temporal), 1 (into L3), "
-                         "2 (into L2), 3 (into L1)")
+        raise ValueError(
+            f"{PREFETCH_ENV}={v!r}: accepted values are auto, 0 (non-temporal), 1 (into L3), 2 (into L2), 3 (into L1)"
+        )
     return int(v)
 
 
-def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, reps: int = PREFETCH_REPS,
-                     llc_bytes: int | None = None, clock=time.perf_counter) -> dict:
+def measure_prefetch(
+    projs: list,
+    *,
+    hints=PREFETCH_HINTS,
+    rows=PREFETCH_ROWS,
+    reps: int = PREFETCH_REPS,
+    llc_bytes: int | None = None,
+    clock=time.perf_counter,
+) -> dict:
     """Time the few-row kernel with each prefetch locality over the projections' kernel weights.
 
     Args:
@@ -433,7 +458,9 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
                 def f():
                     for p, w in use:
                         p.run_skinny(xs[int(w.shape[1])], weight=w, prefetch=h)
+
                 return f
+
             for i, v in enumerate(_interleaved_ms([pass_with(h) for h in hints], reps, clock)):
                 ms[i][j] = round(v, 4)
     ties, margin = PREFETCH_TIE
@@ -450,9 +477,15 @@ def measure_prefetch(projs: list, *, hints=PREFETCH_HINTS, rows=PREFETCH_ROWS, r
 
 def _prefetch_entry_valid(entry: dict) -> bool:
     hints, rows, ms, chosen = entry["hints"], entry["rows"], entry["ms"], entry["chosen"]
-    return (list(hints) == list(PREFETCH_HINTS) and list(rows) == list(PREFETCH_ROWS) and isinstance(chosen, list)
-            and len(chosen) == len(rows) and all(type(h) is int and h in hints for h in chosen)
-            and len(ms) == len(hints) and all(len(r) == len(rows) for r in ms))
+    return (
+        list(hints) == list(PREFETCH_HINTS)
+        and list(rows) == list(PREFETCH_ROWS)
+        and isinstance(chosen, list)
+        and len(chosen) == len(rows)
+        and all(type(h) is int and h in hints for h in chosen)
+        and len(ms) == len(hints)
+        and all(len(r) == len(rows) for r in ms)
+    )
 
 
 def prefetch_key(projs: list) -> str:
@@ -494,19 +527,24 @@ def describe_prefetch(key: str, entry) -> str | None:
     try:
         if not _prefetch_entry_valid(entry):
             return None
-        times = "; ".join(f"{PREFETCH_NAMES.get(h, h)}: " + ", ".join(f"{r} row{'s' * (r > 1)} {v:.2f}"
-                                                                      for r, v in zip(entry["rows"], ms))
-                          for h, ms in zip(entry["hints"], entry["ms"]))
+        times = "; ".join(
+            f"{PREFETCH_NAMES.get(h, h)}: "
+            + ", ".join(f"{r} row{'s' * (r > 1)} {v:.2f}" for r, v in zip(entry["rows"], ms))
+            for h, ms in zip(entry["hints"], entry["ms"])
+        )
         few, many = entry["chosen"]
-        return (f"{key}: the few-row kernel prefetches {PREFETCH_NAMES[few]} at 1-{PREFETCH_MANY_FROM - 1} rows, "
-                f"{PREFETCH_NAMES[many]} from {PREFETCH_MANY_FROM} (ms per pass over {entry.get('layers', '?')} "
-                f"projections: {times})")
+        return (
+            f"{key}: the few-row kernel prefetches {PREFETCH_NAMES[few]} at 1-{PREFETCH_MANY_FROM - 1} rows, "
+            f"{PREFETCH_NAMES[many]} from {PREFETCH_MANY_FROM} (ms per pass over {entry.get('layers', '?')} "
+            f"projections: {times})"
+        )
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = None,
-                 prefetch=measure_prefetch) -> dict[str, PackRule]:
+def tune_packing(
+    projs: list, *, measure=measure_group, fields: dict | None = None, prefetch=measure_prefetch
+) -> dict[str, PackRule]:
     """Set ``rule`` on every projection of ``projs`` that has a packed weight: forced by
     ``TOKENROUTER_PACKING``, else read from this machine's choices file, else measured
     (`measure_group`) and stored. Projections are grouped by `group_key`. When a group has its
@@ -533,8 +571,10 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
         tune_prefetch([p for k, ps in groups.items() if fast[k] for p in ps], measure=prefetch, fields=fields)
     rules: dict[str, PackRule] = {}
     if forced is not None:
-        rules = {k: PackRule.always(forced != "plain", f"forced ({PACKING_ENV}={forced})", forced == "skinny")
-                 for k in groups}
+        rules = {
+            k: PackRule.always(forced != "plain", f"forced ({PACKING_ENV}={forced})", forced == "skinny")
+            for k in groups
+        }
     else:
         fields = machine_fields() if fields is None else fields
         stored = load_choices(fields)
@@ -551,16 +591,24 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
                         if rule is None:
                             entry = measure(groups[k])
                             entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-                            rules[k] = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured",
-                                                tuple(entry.get("skinny", ())))
+                            rules[k] = PackRule(
+                                tuple(entry["buckets"]),
+                                tuple(entry["packed"]),
+                                "measured",
+                                tuple(entry.get("skinny", ())),
+                            )
                             _store(fields, k, entry)
                         rules[k] = rule or rules[k]
             except OSError:  # the folder cannot be written: measure here, keep nothing
                 for k in missing:
                     if k not in rules:
                         entry = measure(groups[k])
-                        rules[k] = PackRule(tuple(entry["buckets"]), tuple(entry["packed"]), "measured (not stored)",
-                                            tuple(entry.get("skinny", ())))
+                        rules[k] = PackRule(
+                            tuple(entry["buckets"]),
+                            tuple(entry["packed"]),
+                            "measured (not stored)",
+                            tuple(entry.get("skinny", ())),
+                        )
     for k, ps in groups.items():
         for p in ps:
             if not fast[k] and getattr(p, "skinny", None) is not None and any(p.rule.skinny):
@@ -573,8 +621,9 @@ def tune_packing(projs: list, *, measure=measure_group, fields: dict | None = No
     return rules
 
 
-def choose(key: str, measure: Callable[[], dict], valid: Callable[[dict], bool], *,
-           fields: dict | None = None) -> tuple[dict, str]:
+def choose(
+    key: str, measure: Callable[[], dict], valid: Callable[[dict], bool], *, fields: dict | None = None
+) -> tuple[dict, str]:
     """One stored choice of this machine: the entry under ``key`` in its choices file when
     ``valid(entry)``, else ``measure()`` run under the file's lock (unless another process stored
     a valid one meanwhile), stamped with ``measured_at`` and stored.
@@ -591,6 +640,7 @@ def choose(key: str, measure: Callable[[], dict], valid: Callable[[dict], bool],
             return entry if isinstance(entry, dict) and valid(entry) else None
         except (KeyError, TypeError, ValueError):
             return None
+
     entry = stored()
     if entry is not None:
         return entry, "cached"
@@ -613,11 +663,14 @@ def report(fields: dict | None = None, describers: tuple = ()) -> list[str]:
     (e.g. `tokenrouter_sdk.backends.attention.kernel_choice.describe`)."""
     fields = machine_fields() if fields is None else fields
     folder = choices_path(fields).parent
-    lines = [f"measured choices: {folder} ({fields['cpu']}, last-level cache {fields['llc_bytes'] >> 20} MiB, "
-             f"torch {fields['torch']}, oneDNN {fields['onednn'] or '?'})"]
+    lines = [
+        f"measured choices: {folder} ({fields['cpu']}, last-level cache {fields['llc_bytes'] >> 20} MiB, "
+        f"torch {fields['torch']}, oneDNN {fields['onednn'] or '?'})"
+    ]
     forced = os.environ.get(PACKING_ENV)
     if forced:
-        lines.append(f"  {PACKING_ENV}={forced} is set: {'measured choices apply' if forced == 'auto' else 'forced, the choices below do not apply'}")
+        how = "measured choices apply" if forced == "auto" else "forced, the choices below do not apply"
+        lines.append(f"  {PACKING_ENV}={forced} is set: {how}")
     same = {k: v for k, v in fields.items() if k != "threads"}
     found = 0
     for path in sorted(folder.glob("*.json")):
@@ -639,10 +692,16 @@ def report(fields: dict | None = None, describers: tuple = ()) -> list[str]:
                 continue
             found += 1
             sk = entry.get("skinny_ms") or []
-            times = ", ".join(f"{b}: {a:.2f}/{c:.2f}" + (f"/{sk[i]:.2f}" if i < len(sk) else "") for i, (b, a, c) in
-                              enumerate(zip(entry["buckets"], entry.get("packed_ms", []), entry.get("plain_ms", []))))
-            lines.append(f"  {threads} thread(s), {key}: {rule.describe()} (ms per pass over {entry.get('layers', '?')} "
-                         f"layers, packed/plain{'/skinny' if sk else ''} by rows: {times})")
+            times = ", ".join(
+                f"{b}: {a:.2f}/{c:.2f}" + (f"/{sk[i]:.2f}" if i < len(sk) else "")
+                for i, (b, a, c) in enumerate(
+                    zip(entry["buckets"], entry.get("packed_ms", []), entry.get("plain_ms", []))
+                )
+            )
+            lines.append(
+                f"  {threads} thread(s), {key}: {rule.describe()} (ms per pass over {entry.get('layers', '?')} "
+                f"layers, packed/plain{'/skinny' if sk else ''} by rows: {times})"
+            )
     if not found:
         lines.append("  none yet (measured at a float32/bfloat16 model's first step on this machine)")
     return lines

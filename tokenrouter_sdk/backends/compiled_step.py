@@ -126,6 +126,7 @@ class _NativeStep(torch.nn.Module):
 
     def forward(self, ids, pos, last):
         from .native_forward import decoder_step
+
         logits, hidden, h = decoder_step(self.decoder, self._ops, _op_attend, ids[0], pos[0], last)
         return logits, hidden, h[None]
 
@@ -139,8 +140,9 @@ class _Step(torch.nn.Module):
         self.decoder, self.lm_head = decoder, lm_head
 
     def forward(self, ids, pos, last):
-        h = self.decoder(input_ids=ids, position_ids=pos, attention_mask=paged_mask(ids.device), use_cache=False,
-                         tr_op=True).last_hidden_state
+        h = self.decoder(
+            input_ids=ids, position_ids=pos, attention_mask=paged_mask(ids.device), use_cache=False, tr_op=True
+        ).last_hidden_state
         hidden = h[0, last]
         return self.lm_head(hidden), hidden, h
 
@@ -228,8 +230,9 @@ class _Holder:
 _HOLDER_LOCK = threading.Lock()
 
 
-def compiled_forward(model, decoder, lm_head, *, freezing: bool = True,
-                     sizes: list[list[int]] | None = None) -> CompiledForward:
+def compiled_forward(
+    model, decoder, lm_head, *, freezing: bool = True, sizes: list[list[int]] | None = None
+) -> CompiledForward:
     """The `CompiledForward` of ``model`` in this process (the native one with ``sizes``): built
     on first use, then shared by every runner of the same model object (a second Router over the
     same models compiles nothing)."""

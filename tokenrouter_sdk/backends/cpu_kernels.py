@@ -46,8 +46,10 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / n
-                for n in ("paged_attention.cpp", "step_ops.cpp", "skinny_gemm.cpp", "decoder_layer.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / n
+    for n in ("paged_attention.cpp", "step_ops.cpp", "skinny_gemm.cpp", "decoder_layer.cpp")
+)
 HEADERS = tuple(Path(__file__).with_name("csrc") / n for n in ("vec_math.h", "kernels.h"))  # included by the sources
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)  # links libgomp by its soname: the process uses the copy torch loaded
@@ -91,6 +93,7 @@ def build_directory(name: str) -> Path:
     (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)."""
 
     from torch.utils import cpp_extension
+
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return Path(root) / "tokenrouter" / name
 
@@ -103,12 +106,21 @@ def _build_and_load(name: str) -> None:
     when its process dies, however it dies) and, holding it, removes torch's lock file: any such
     file is then a dead builder's."""
     from torch.utils import cpp_extension
+
     d = build_directory(name)
     d.mkdir(parents=True, exist_ok=True)
 
     def load() -> None:
-        cpp_extension.load(name=name, sources=[str(s) for s in stage_sources(d)], extra_cflags=list(CFLAGS),
-                           extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False, build_directory=str(d))
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in stage_sources(d)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            is_python_module=False,
+            verbose=False,
+            build_directory=str(d),
+        )
+
     try:
         import fcntl
     except ImportError:  # not POSIX: torch's own lock only
@@ -125,7 +137,8 @@ def _build_and_load(name: str) -> None:
 
 def stage_sources(d: Path) -> list[Path]:
     """The sources as the build in ``d`` compiles them: copies in ``d / "src"`` (written only
-    when their bytes differ), beside copies of the headers they include; returns the sources'. ninja rebuilds when a source's path in its build file changes, so
+    when their bytes differ), beside copies of the headers they include; returns the sources'. ninja rebuilds when a
+    source's path in its build file changes, so
     compiling the package's own files would rebuild the cached library each time another checkout
     or environment with the same sources (the same build name) loaded it; the copies have one
     path per build."""
@@ -149,6 +162,7 @@ def _find_ninja() -> None:
     installs it next to the interpreter, which is not on PATH when a venv's python runs without
     activating the venv: add that folder at the end of PATH then."""
     import shutil
+
     if shutil.which("ninja") is None:
         try:
             import ninja
@@ -174,6 +188,7 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     import platform
+
     return platform.processor()
 
 
@@ -184,6 +199,7 @@ def build_name() -> str:
     and Python's headers are installed (the build file names them, so two environments sharing
     one build would rebuild it in turn)."""
     import sysconfig
+
     files = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in SOURCES + HEADERS)
     where = f"{Path(torch.__file__).parent}|{sysconfig.get_paths()['include']}"
     return _hashed_name(files, " ".join(CFLAGS + LDFLAGS), torch.__version__, where)
@@ -192,8 +208,13 @@ def build_name() -> str:
 @functools.lru_cache(maxsize=8)
 def _hashed_name(files: tuple, flags: str, version: str, where: str) -> str:
     h = hashlib.sha256()
-    for part in (*(Path(f).read_bytes() for f, _, _ in files), flags.encode(), version.encode(), _cpu_flags().encode(),
-                 where.encode()):
+    for part in (
+        *(Path(f).read_bytes() for f, _, _ in files),
+        flags.encode(),
+        version.encode(),
+        _cpu_flags().encode(),
+        where.encode(),
+    ):
         h.update(part)
     return "tokenrouter_cpu_" + h.hexdigest()[:16]
 

@@ -106,17 +106,30 @@ class DecodeGraphs:
             a limit < 1.
     """
 
-    def __init__(self, runner, *, capture: bool, max_batch: int = 64, max_query: int = 32, min_context: int = 128,
-                 max_tokens: int = 1024, max_kv_tokens: int = 1 << 16):
+    def __init__(
+        self,
+        runner,
+        *,
+        capture: bool,
+        max_batch: int = 64,
+        max_query: int = 32,
+        min_context: int = 128,
+        max_tokens: int = 1024,
+        max_kv_tokens: int = 1 << 16,
+    ):
         pool = runner.pool
         if pool.scratch_slot is None or pool.scratch_blocks * pool.block_size < 2:
-            raise ValueError("DecodeGraphs needs a KV pool with a scratch block of at least 2 slots: build the "
-                             "runner with TorchRunner(model, cuda_graphs=True)")
+            raise ValueError(
+                "DecodeGraphs needs a KV pool with a scratch block of at least 2 slots: build the "
+                "runner with TorchRunner(model, cuda_graphs=True)"
+            )
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graph capture needs a CUDA model, this one is on {runner.device}")
         if min(max_batch, max_query, min_context, max_tokens, max_kv_tokens) < 1:
-            raise ValueError(f"DecodeGraphs limits must be >= 1, got max_batch={max_batch}, max_query={max_query}, "
-                             f"min_context={min_context}, max_tokens={max_tokens}, max_kv_tokens={max_kv_tokens}")
+            raise ValueError(
+                f"DecodeGraphs limits must be >= 1, got max_batch={max_batch}, max_query={max_query}, "
+                f"min_context={min_context}, max_tokens={max_tokens}, max_kv_tokens={max_kv_tokens}"
+            )
         self._runner = weakref.ref(runner)  # the runner owns this object: no reference cycle
         self.capture = capture
         self.write_slot, self.read_slot = pool.scratch_slot, pool.scratch_slot + 1
@@ -158,19 +171,27 @@ class DecodeGraphs:
         dev, long, T = r.device, torch.long, B * Q
         buf = torch.zeros(3 * T + B * L + B, dtype=long, device=dev)
         host = torch.zeros(buf.numel(), dtype=long, pin_memory=dev.type == "cuda")
-        ids, pos = buf[:T].view(1, T), buf[T:2 * T].view(1, T)
-        slots, kv = buf[2 * T:3 * T], buf[3 * T:3 * T + B * L].view(B, L)
-        last = buf[3 * T + B * L:]
+        ids, pos = buf[:T].view(1, T), buf[T : 2 * T].view(1, T)
+        slots, kv = buf[2 * T : 3 * T], buf[3 * T : 3 * T + B * L].view(B, L)
+        last = buf[3 * T + B * L :]
         slots.fill_(self.write_slot)
         kv.fill_(self.read_slot)
         last.copy_(torch.arange(B, device=dev) * Q)
         host.copy_(buf)
         spec = r.spec
         masks = tuple(torch.zeros(B, 1, Q, L, dtype=torch.bool, device=dev) for _ in spec.windows)
-        fb = ForwardBatch(r.pool, slots, spec.layers, spec.view, dec_q=torch.arange(T, device=dev),
-                          dec=tuple(DecodeView(kv, m) for m in masks), dec_qlen=Q)
-        return _Bucket(buf, host, ids, pos, slots, kv, last, torch.arange(L, device=dev), masks, spec.windows, fb,
-                       paged_mask(dev))
+        fb = ForwardBatch(
+            r.pool,
+            slots,
+            spec.layers,
+            spec.view,
+            dec_q=torch.arange(T, device=dev),
+            dec=tuple(DecodeView(kv, m) for m in masks),
+            dec_qlen=Q,
+        )
+        return _Bucket(
+            buf, host, ids, pos, slots, kv, last, torch.arange(L, device=dev), masks, spec.windows, fb, paged_mask(dev)
+        )
 
     def _forward(self, bk: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
@@ -180,8 +201,9 @@ class DecodeGraphs:
             torch.le(keys, qpos, out=mask)  # query at p sees keys <= p
             if w is not None:  # ... and > p - window
                 mask.logical_and_(keys > qpos - w)
-        out = r.decoder(input_ids=bk.ids, position_ids=bk.pos, attention_mask=bk.attn_mask, use_cache=False,
-                        tr_batch=bk.batch)
+        out = r.decoder(
+            input_ids=bk.ids, position_ids=bk.pos, attention_mask=bk.attn_mask, use_cache=False, tr_batch=bk.batch
+        )
         hidden = out.last_hidden_state[0, bk.last]
         return r.lm_head(hidden), hidden
 
@@ -227,8 +249,11 @@ class DecodeGraphs:
             except Exception as e:  # noqa: BLE001 - fall back to eager steps, say why once
                 self.disabled, self.error = True, f"{type(e).__name__}: {e}"
                 self._buckets.clear()
-                warnings.warn(f"CUDA graph capture failed, steps run eagerly from now on: {self.error}",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"CUDA graph capture failed, steps run eagerly from now on: {self.error}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
                 return None
         self._buckets[key] = bk
         return bk
@@ -240,21 +265,21 @@ class DecodeGraphs:
         B, L = bk.kv.shape
         Q, b = bk.masks[0].shape[2], len(seqs)
         T, nb, pad = B * Q, -(-L // bsz), B - b
-        n = torch.tensor([len(s.tokens) for s in seqs] + [1] * pad)                    # [B] tokens fed
-        start = torch.tensor([s.start for s in seqs] + [0] * pad)                     # [B]
+        n = torch.tensor([len(s.tokens) for s in seqs] + [1] * pad)  # [B] tokens fed
+        start = torch.tensor([s.start for s in seqs] + [0] * pad)  # [B]
         end = start + n
         tables = torch.tensor([(s.table[:nb] + [0] * nb)[:nb] for s in seqs] + [[0] * nb] * pad)  # [B, nb]
         ar, j = torch.arange(L), torch.arange(Q)
-        row = (torch.arange(B) < b)[:, None]                                          # real requests
+        row = (torch.arange(B) < b)[:, None]  # real requests
         kv = torch.where(row & (ar[None] < end[:, None]), tables[:, ar // bsz] * bsz + ar % bsz, self.read_slot)
-        real = row & (j[None] < n[:, None])                                           # [B, Q] real tokens
-        pos = torch.minimum(start[:, None] + j[None], end[:, None] - 1)               # padding repeats the last
+        real = row & (j[None] < n[:, None])  # [B, Q] real tokens
+        pos = torch.minimum(start[:, None] + j[None], end[:, None] - 1)  # padding repeats the last
         h = bk.host
         h[:T] = torch.tensor([(s.tokens + [0] * Q)[:Q] for s in seqs] + [[0] * Q] * pad).view(-1)
-        h[T:2 * T] = pos.view(-1)
-        h[2 * T:3 * T] = torch.where(real, kv.gather(1, pos), self.write_slot).view(-1)
-        h[3 * T:3 * T + B * L] = kv.view(-1)
-        h[3 * T + B * L:] = torch.arange(B) * Q + n - 1
+        h[T : 2 * T] = pos.view(-1)
+        h[2 * T : 3 * T] = torch.where(real, kv.gather(1, pos), self.write_slot).view(-1)
+        h[3 * T : 3 * T + B * L] = kv.view(-1)
+        h[3 * T + B * L :] = torch.arange(B) * Q + n - 1
         bk.buf.copy_(h, non_blocking=True)  # the step synchronises its stream before the next fill
 
     def run(self, seqs) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -26,7 +26,6 @@ from .attention import cpu_kernel
 from .attention.interface import attend_tokens
 from .attention.metadata import ForwardBatch
 
-
 _KERNEL_ATTEND, _KERNEL_STORE = cpu_kernel.CpuKernel.attend, cpu_kernel.CpuKernel.store
 
 
@@ -48,7 +47,7 @@ class LayerCalls:
         self.layers = []
         for i, ly in enumerate(dec.layers):
             a = ly.self_attn
-            qkv, o, gate_up, down = projections[4 * i:4 * i + 4]
+            qkv, o, gate_up, down = projections[4 * i : 4 * i + 4]
             d = a.head_dim
             heads = [qkv.sizes[0] // d, qkv.sizes[1] // d, d, gate_up.sizes[0]]
             norms = [ly.input_layernorm, ly.post_attention_layernorm]
@@ -72,11 +71,19 @@ class LayerCalls:
         if fb.kern is None:
             return "split"
         k = fb.kern.backend
-        if not (type(k) is cpu_kernel.CpuKernel and k.op is torch.ops.tokenrouter_cpu.paged_attention
-                and cpu_kernel.CpuKernel.store is _KERNEL_STORE and "store" not in vars(k)):
+        if not (
+            type(k) is cpu_kernel.CpuKernel
+            and k.op is torch.ops.tokenrouter_cpu.paged_attention
+            and cpu_kernel.CpuKernel.store is _KERNEL_STORE
+            and "store" not in vars(k)
+        ):
             return None
-        whole = (not fb.segs and fb.dec_q is None and cpu_kernel.CpuKernel.attend is _KERNEL_ATTEND
-                 and "attend" not in vars(k))
+        whole = (
+            not fb.segs
+            and fb.dec_q is None
+            and cpu_kernel.CpuKernel.attend is _KERNEL_ATTEND
+            and "attend" not in vars(k)
+        )
         return "whole" if whole else "split"
 
     @staticmethod
@@ -104,8 +111,14 @@ class LayerCalls:
         rules = [p.rule for p in projs]
         unpacked = [p.packed is None for p in projs]
         held, kept = self._stack
-        if (held and held[0] == rows and held[1] is layer_params and all(map(operator.is_, sk, held[2]))
-                and all(map(operator.is_, rules, held[3])) and unpacked == held[4]):
+        if (
+            held
+            and held[0] == rows
+            and held[1] is layer_params
+            and all(map(operator.is_, sk, held[2]))
+            and all(map(operator.is_, rules, held[3]))
+            and unpacked == held[4]
+        ):
             return kept
         args = None
         if all(self._skinny(p, w, rows) for p, w in zip(projs, sk)):
@@ -139,13 +152,33 @@ class LayerCalls:
         w = []
         for j, (_, _, norms, _) in enumerate(self.layers):
             nw = [n._parameters["weight"] for n in norms]  # what ``n.weight`` reads (a parameter is never elsewhere)
-            q, o, gu, dn = ws[4 * j:4 * j + 4]
+            q, o, gu, dn = ws[4 * j : 4 * j + 4]
             w += [nw[0], q, o, nw[1], gu, dn, *nw[2:]]
         eps = [float(n.variance_epsilon) for n in self._norms]  # read at every call, as the loop's norms do
         kern = fb.kern
         return torch.ops.tokenrouter_cpu.decoder_stack(
-            x, w, b, eps, heads, cos, sin, fb.pool.k, fb.pool.v, layers, fb.slot_mapping, kern.table, kern.q_start,
-            kern.q_len, kern.kv_len, scale, window, softcap, cpu_kernel.CHUNK, kern.backend.tile_from, pf)
+            x,
+            w,
+            b,
+            eps,
+            heads,
+            cos,
+            sin,
+            fb.pool.k,
+            fb.pool.v,
+            layers,
+            fb.slot_mapping,
+            kern.table,
+            kern.q_start,
+            kern.q_len,
+            kern.kv_len,
+            scale,
+            window,
+            softcap,
+            cpu_kernel.CHUNK,
+            kern.backend.tile_from,
+            pf,
+        )
 
     def run(self, fb: ForwardBatch, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, whole: bool):
         """Layer ``i`` of a step: x [T, C] contiguous float32 -> the layer's output [T, C]; cos,
@@ -170,12 +203,38 @@ class LayerCalls:
         kc, vc, p = fb.pool.k[layer], fb.pool.v[layer], fb.layers[layer]
         if whole:
             kern = fb.kern
-            return ops.decoder_layer(x, [n0, ws[0], ws[1], n1, ws[2], ws[3], *qk], [q.bias for q in projs], eps,
-                                     heads, cos, sin, kc, vc, fb.slot_mapping, kern.table, kern.q_start, kern.q_len,
-                                     kern.kv_len, p.scale, cpu_kernel.CHUNK, p.window or 0, p.softcap or 0.0,
-                                     kern.backend.tile_from, pf)
-        q, k, v = ops.layer_qkv(x, [n0, ws[0], *qk], projs[0].bias, [eps[0], *eps[2:]], heads, cos, sin, kc, vc,
-                                fb.slot_mapping, pf)
+            return ops.decoder_layer(
+                x,
+                [n0, ws[0], ws[1], n1, ws[2], ws[3], *qk],
+                [q.bias for q in projs],
+                eps,
+                heads,
+                cos,
+                sin,
+                kc,
+                vc,
+                fb.slot_mapping,
+                kern.table,
+                kern.q_start,
+                kern.q_len,
+                kern.kv_len,
+                p.scale,
+                cpu_kernel.CHUNK,
+                p.window or 0,
+                p.softcap or 0.0,
+                kern.backend.tile_from,
+                pf,
+            )
+        q, k, v = ops.layer_qkv(
+            x, [n0, ws[0], *qk], projs[0].bias, [eps[0], *eps[2:]], heads, cos, sin, kc, vc, fb.slot_mapping, pf
+        )
         y = attend_tokens(fb, layer, q, k, v, stored=True)
-        return ops.layer_mlp(y.reshape(rows, -1), x, [ws[1], n1, ws[2], ws[3]],
-                             [projs[1].bias, projs[2].bias, projs[3].bias], eps[1], heads[3], pf)
+        return ops.layer_mlp(
+            y.reshape(rows, -1),
+            x,
+            [ws[1], n1, ws[2], ws[3]],
+            [projs[1].bias, projs[2].bias, projs[3].bias],
+            eps[1],
+            heads[3],
+            pf,
+        )

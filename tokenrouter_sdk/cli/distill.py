@@ -9,8 +9,12 @@ def add_parser(sub) -> None:
     """Register ``tokenrouter distill`` on an argparse subparsers object."""
     d = DistillConfig()
     p = sub.add_parser("distill", help="rebuild the packaged pair's self-draft small model from scratch (CPU, ~45 min)")
-    p.add_argument("--out", default=None, help="output .safetensors (default: a file in the cache folder; the "
-                   "packaged one is tokenrouter_sdk/assets/smollm2_self_draft.safetensors)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output .safetensors (default: a file in the cache folder; the "
+        "packaged one is tokenrouter_sdk/assets/smollm2_self_draft.safetensors)",
+    )
     p.add_argument("--k", type=int, default=d.k, help=f"shared layers of the large model (default {d.k})")
     p.add_argument("--m", type=int, default=d.m, help=f"trained layers on top (default {d.m})")
     p.add_argument("--prompts", type=int, default=d.train_prompts, help="synthetic training prompts")
@@ -26,16 +30,24 @@ def run(args) -> int:
     """Run `distill` from parsed arguments on the packaged large model; prints the measurements."""
     import json
 
-    from ..benchmarks import load as load_benchmark_rows
-    from ..models import cache_dir, load_model, smollm2_folder
     import torch
 
+    from ..benchmarks import load as load_benchmark_rows
+    from ..models import cache_dir, load_model, smollm2_folder
     from ..train.self_draft.pipeline import distill
+
     if args.threads:
         torch.set_num_threads(args.threads)
     out = args.out or str(cache_dir() / "self_draft" / "smollm2_self_draft.safetensors")
-    cfg = DistillConfig(k=args.k, m=args.m, train_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                        seconds=args.seconds, max_epochs=args.epochs, lr=args.lr)
+    cfg = DistillConfig(
+        k=args.k,
+        m=args.m,
+        train_prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        seconds=args.seconds,
+        max_epochs=args.epochs,
+        lr=args.lr,
+    )
     large, tok = load_model(smollm2_folder())
     qs = load_benchmark_rows("gsm8k", cfg.gsm8k_heldout).questions
     meta = distill(large, tok, out, cfg, gsm8k_questions=qs)

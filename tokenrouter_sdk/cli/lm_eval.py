@@ -27,12 +27,16 @@ def main() -> None:
     from lm_eval.__main__ import cli_evaluate
 
     from ..eval import lm_eval_model  # registers "tokenrouter"
+
     sys.argv[1:] = device_args(sys.argv[1:])
     with lm_eval_model.collect_models() as made:
         cli_evaluate()
     for lm in made:
-        print(f"\ntokenrouter routing ({', '.join(lm.router.models)}; hop rate = handoffs per committed token, "
-              f"large share = committed tokens by the last model):\n{lm.routing_table()}", flush=True)
+        print(
+            f"\ntokenrouter routing ({', '.join(lm.router.models)}; hop rate = handoffs per committed token, "
+            f"large share = committed tokens by the last model):\n{lm.routing_table()}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def format_output(out, tokenizer, models: list[str], color: bool) -> str:
         text = tokenizer.decode(ids, skip_special_tokens=True)
         if k < len(segs) - 1:  # a character cut between runs goes to the run that completes it
             text = text.rstrip("\ufffd")
-        piece = text[len(prev):] if text.startswith(prev) else tokenizer.decode(run, skip_special_tokens=True)
+        piece = text[len(prev) :] if text.startswith(prev) else tokenizer.decode(run, skip_special_tokens=True)
         prev = text
         if not piece:
             continue
@@ -70,8 +70,9 @@ def format_output(out, tokenizer, models: list[str], color: bool) -> str:
     return "".join(parts)
 
 
-def demo_inputs(prompt: list[str] | None, data: str | None, n: int
-                ) -> tuple[list[str], list[str], str, str, list[str] | None]:
+def demo_inputs(
+    prompt: list[str] | None, data: str | None, n: int
+) -> tuple[list[str], list[str], str, str, list[str] | None]:
     """`demo_prompts` plus the answer kind of the prompts (``"math"`` or ``"choice"``, from the
     benchmark; math for ``--prompt`` and text files) and the reference answers (None for
     ``--prompt`` and text files)."""
@@ -121,11 +122,15 @@ def cmd_demo(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"tokenrouter demo: {e}")
     if args.seed is not None and args.temperature == 0:
-        sys.exit("tokenrouter demo: --seed seeds sampling, which --temperature 0 (greedy) does not do: give "
-                 "--temperature > 0 or drop --seed")
+        sys.exit(
+            "tokenrouter demo: --seed seeds sampling, which --temperature 0 (greedy) does not do: give "
+            "--temperature > 0 or drop --seed"
+        )
     if args.small_layers is not None and pair.small is not None:
-        sys.exit(f"tokenrouter demo: --small-layers truncates SmolLM2 (--pair smollm2); pair {pair.name} has its "
-                 f"own small model")
+        sys.exit(
+            f"tokenrouter demo: --small-layers truncates SmolLM2 (--pair smollm2); pair {pair.name} has its "
+            f"own small model"
+        )
     color = sys.stdout.isatty() and not args.no_color
     tau = pair.rstitch[0] if args.tau is None else args.tau
     tau_back = pair.rstitch[1] if args.tau_back is None else args.tau_back
@@ -133,14 +138,21 @@ def cmd_demo(args) -> int:
         print(pair.describe())
     else:
         from ..models import describe_default_pair
+
         print(describe_default_pair(args.small_layers))
     t0 = time.perf_counter()
     policy = RStitch(tau=tau, tau_back=tau_back)
     try:
-        router = Router.default(policy=policy, pair=pair.name, small_layers=args.small_layers,
-                                prefill_peers=not args.no_prefill_peers, prefix_cache=not args.no_prefix_cache,
-                                compile={"off": False, "wait": "wait", "background": "background"}[args.compile],
-                                model_impl=args.model_impl, kernels=args.kernels or "wait")
+        router = Router.default(
+            policy=policy,
+            pair=pair.name,
+            small_layers=args.small_layers,
+            prefill_peers=not args.no_prefill_peers,
+            prefix_cache=not args.no_prefix_cache,
+            compile={"off": False, "wait": "wait", "background": "background"}[args.compile],
+            model_impl=args.model_impl,
+            kernels=args.kernels or "wait",
+        )
     except (ModelLoadError, ImportError) as e:
         sys.exit(f"tokenrouter demo: {type(e).__name__}: {e}")
     with router:
@@ -148,36 +160,52 @@ def cmd_demo(args) -> int:
         print(f"models : {', '.join(models)} (loaded in {time.perf_counter() - t0:.1f} s)")
         print(f"policy : {policy!r}")
         threads = router.child_threads or torch.get_num_threads()
-        print(f"run    : {len(prompts)} prompt{'s' * (len(prompts) != 1)} from {source}, "
-              f"max_new_tokens={args.max_new_tokens}, concurrency={args.concurrency}, "
-              f"prefill_peers={not args.no_prefill_peers}, torch threads per model={threads}")
+        print(
+            f"run    : {len(prompts)} prompt{'s' * (len(prompts) != 1)} from {source}, "
+            f"max_new_tokens={args.max_new_tokens}, concurrency={args.concurrency}, "
+            f"prefill_peers={not args.no_prefill_peers}, torch threads per model={threads}"
+        )
         if color:
             print("legend : " + "  ".join(f"{COLORS[i % len(COLORS)]}{m}{RESET}" for i, m in enumerate(models)))
         else:
             print("legend : " + "  ".join(f"[{c}:...] = {m}" for m, c in model_label(models).items()))
         router.generate(prompts[:2], max_new_tokens=4, policy=RandomRouting(p=0.5, seed=0))  # warm both models up
         t1 = time.perf_counter()
-        runs = run_comparison(router, prompts, policy, kind=kind, baselines=not args.no_baselines, references=refs,
-                              max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
-                              temperature=args.temperature, seed=args.seed,
-                              on_run=lambda r: print(f"ran    : {r.name} in {r.metrics.wall_s:.1f} s", flush=True))
+        runs = run_comparison(
+            router,
+            prompts,
+            policy,
+            kind=kind,
+            baselines=not args.no_baselines,
+            references=refs,
+            max_new_tokens=args.max_new_tokens,
+            concurrency=args.concurrency,
+            temperature=args.temperature,
+            seed=args.seed,
+            on_run=lambda r: print(f"ran    : {r.name} in {r.metrics.wall_s:.1f} s", flush=True),
+        )
         gen_s = time.perf_counter() - t1
         routed, large = runs[-1], (runs[0] if not args.no_baselines else None)
         for i, out in enumerate(routed.outputs):
             large_frac = out.token_models.count(models[-1]) / max(1, len(out.token_ids))
             print(f"\n=== {i + 1}/{len(prompts)}: {shown[i]}")
             print(format_output(out, router.tokenizer, models, color) if out.ok else f"ERROR: {out.error}")
-            print(f"--- finish={out.finish_reason} tokens={len(out.token_ids)} hops={out.hops} "
-                  f"large_fraction={large_frac:.2f} latency={out.latency_s or 0:.1f}s")
+            print(
+                f"--- finish={out.finish_reason} tokens={len(out.token_ids)} hops={out.hops} "
+                f"large_fraction={large_frac:.2f} latency={out.latency_s or 0:.1f}s"
+            )
             line = f"--- answer={routed.answers[i]}"
             if refs is not None:
                 line += f" ({'right' if routed.correct[i] else 'wrong'}; reference {refs[i]})"
             if large is not None:
-                line += (f" large-only answer={large.answers[i]}"
-                         + (f" ({'right' if large.correct[i] else 'wrong'})" if refs is not None else ""))
+                line += f" large-only answer={large.answers[i]}" + (
+                    f" ({'right' if large.correct[i] else 'wrong'})" if refs is not None else ""
+                )
             print(line)
-        print(f"\n=== comparison ({gen_s:.1f} s generation, {time.perf_counter() - t0:.1f} s total; same prompts "
-              f"and Router; correct = final answers equal to the references; tok/s = committed tokens / wall time)")
+        print(
+            f"\n=== comparison ({gen_s:.1f} s generation, {time.perf_counter() - t0:.1f} s total; same prompts "
+            f"and Router; correct = final answers equal to the references; tok/s = committed tokens / wall time)"
+        )
         print(format_comparison(runs))
         print("\n=== step accounting (forward time: pure decode steps vs steps that also fed a prefill or extend)")
         print(format_accounting(runs))
@@ -200,17 +228,22 @@ def cmd_info(args) -> int:
     import tokenrouter_sdk
     from tokenrouter_sdk.models import cache_dir
     from tokenrouter_sdk.pairs import PAIRS, cpu_has_bfloat16, pair_dtype
+
     print(f"tokenrouter_sdk {tokenrouter_sdk.__version__} ({Path(tokenrouter_sdk.__file__).parent})")
     print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"torch threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}, "
-          f"native bfloat16 {cpu_has_bfloat16()}")
+    print(
+        f"torch threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}, "
+        f"native bfloat16 {cpu_has_bfloat16()}"
+    )
     print(f"cache dir {cache_dir()}")
     for name, pair in sorted(PAIRS.items()):
         folders = ["smollm2-135m-instruct"] if pair.small is None else [pair.small.folder, pair.large.folder]
         done = all((cache_dir() / f / "config.json").exists() for f in folders)
         dtype = "float32" if pair.small is None else str(pair_dtype()).removeprefix("torch.")
-        print(f"pair {name}: {'converted' if done else 'not converted yet (fetched at first use)'}, runs in {dtype}"
-              f" ({pair.summary})")
+        print(
+            f"pair {name}: {'converted' if done else 'not converted yet (fetched at first use)'}, runs in {dtype}"
+            f" ({pair.summary})"
+        )
     try:
         data = load("gsm8k", 1).source
     except (FileNotFoundError, ValueError) as e:
@@ -218,6 +251,7 @@ def cmd_info(args) -> int:
     print(f"demo data gsm8k from {data}")
     from ..backends.attention.kernel_choice import describe
     from ..backends.autotune import report
+
     for line in report(describers=(describe,)):
         print(line)
     return 0
@@ -227,6 +261,7 @@ def cmd_bench(args) -> int:
     """The side-by-side throughput benchmark (see `tokenrouter_sdk.bench`)."""
     from ..bench import CsvLog, environment, format_accounting, format_table, run_bench, write_html
     from .common import build_policy, describe_pair, fail, load_models, per_model, policy_registry, tp_of
+
     prog = "tokenrouter bench"
     ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
     registry, own = policy_registry(args, prog)
@@ -234,7 +269,7 @@ def cmd_bench(args) -> int:
         raise fail(prog, "give the routed policies with --policy (repeatable) or --policies, not both")
     policies = args.policy or args.policies or ([own] if own else ["random10", "random30", "rstitch"])
     for pol in policies:  # every spec is checked before anything loads
-        if not (pol.startswith("random") and pol[len("random"):].isdigit()):
+        if not (pol.startswith("random") and pol[len("random") :].isdigit()):
             build_policy(registry, pol, prog, transport="thread" if args.backend == "sim" else args.transport)
     if args.thresholds != "auto" and "delayed" not in args.modes:
         raise fail(prog, f"--thresholds apply to the delayed cells, and --modes {' '.join(args.modes)} has none")
@@ -246,19 +281,35 @@ def cmd_bench(args) -> int:
     if args.backend == "sim":
         from ..backends.sim_runner import LatencyModel
         from ..models import tiny_tokenizer
-        given = [f for f, v in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
-                                ("--random-pair", args.random_pair), ("--small-layers", args.small_layers),
-                                ("--transport", None if args.transport == "auto" else args.transport),
-                                ("--cuda-graphs", args.cuda_graphs or None)) if v is not None]
+
+        given = [
+            f
+            for f, v in (
+                ("--model", args.model),
+                ("--device", args.device),
+                ("--dtype", args.dtype),
+                ("--random-pair", args.random_pair),
+                ("--small-layers", args.small_layers),
+                ("--transport", None if args.transport == "auto" else args.transport),
+                ("--cuda-graphs", args.cuda_graphs or None),
+            )
+            if v is not None
+        ]
         if given:
             raise fail(prog, f"--backend sim runs latency models: {', '.join(given)} do not apply")
-        models, tok = {"small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051}),
-                       "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158})}, tiny_tokenizer()
+        models, tok = (
+            {
+                "small": LatencyModel({1: 0.024, 8: 0.039, 16: 0.051}),
+                "large": LatencyModel({1: 0.064, 8: 0.110, 16: 0.158}),
+            },
+            tiny_tokenizer(),
+        )
         prompts = [[5 + i % 200] * 40 for i in range(64)]
         kw = {"backend": "sim"}
     elif args.random_pair:
         from ..placement import DeviceError, resolve_device, resolve_dtype
         from ..random_models import id_tokenizer, random_model, random_prompts
+
         names = args.random_pair.split(",")
         if len(names) != 2:
             raise fail(prog, f"--random-pair takes SMALL,LARGE (e.g. qwen3-0.6b,qwen3-8b), got {args.random_pair!r}")
@@ -268,8 +319,10 @@ def cmd_bench(args) -> int:
         dt = per_model(args.dtype or "bfloat16", ["small", "large"], "--dtype", prog)
         pick = lambda v, n: v[n] if isinstance(v, dict) else v  # noqa: E731
         try:
-            models = {n: random_model(name, dtype=resolve_dtype(pick(dt, n)), device=resolve_device(pick(dev, n)),
-                                      seed=i) for i, (n, name) in enumerate(zip(("small", "large"), names))}
+            models = {
+                n: random_model(name, dtype=resolve_dtype(pick(dt, n)), device=resolve_device(pick(dev, n)), seed=i)
+                for i, (n, name) in enumerate(zip(("small", "large"), names))
+            }
         except (DeviceError, ValueError) as e:
             raise fail(prog, f"{type(e).__name__}: {e}") from None
         tok = id_tokenizer()
@@ -302,10 +355,23 @@ def cmd_bench(args) -> int:
     print(environment())
     deadline = time.monotonic() + 60 * args.time_budget_min if args.time_budget_min else None
     log = CsvLog(args.out + ".csv")
-    cells = run_bench(models, tok, prompts, policies=policies, modes=args.modes, concurrency=ints(args.concurrency),
-                      max_new_tokens=ints(args.max_new_tokens), baselines=not args.no_baselines,
-                      thresholds=args.thresholds, deadline=deadline, on_cell=log, warmup_tokens=args.warmup_tokens,
-                      max_routers=args.max_routers, registry=registry, **kw)
+    cells = run_bench(
+        models,
+        tok,
+        prompts,
+        policies=policies,
+        modes=args.modes,
+        concurrency=ints(args.concurrency),
+        max_new_tokens=ints(args.max_new_tokens),
+        baselines=not args.no_baselines,
+        thresholds=args.thresholds,
+        deadline=deadline,
+        on_cell=log,
+        warmup_tokens=args.warmup_tokens,
+        max_routers=args.max_routers,
+        registry=registry,
+        **kw,
+    )
     print(format_table(cells))
     print("\nwhere the time went (per cell and model):")
     print(format_accounting(cells))
@@ -323,35 +389,73 @@ def add_bench_arguments(b: argparse.ArgumentParser, *, out: bool = True) -> argp
     ``out=False`` leaves out ``--out`` (the caller sets ``args.out``, an output prefix)."""
     b.add_argument("--backend", choices=["torch", "sim"], default="torch")
     from .common import add_model_arguments, add_policy_arguments, add_prefix_cache_flag
-    add_policy_arguments(b, default=None, repeat=True,
-                         what="a routed policy to bench (repeat for several; default random10 random30 rstitch)")
-    b.add_argument("--policies", nargs="+", default=None,
-                   help="the routed policies, in one flag: random<PCT> (RandomRouting at that large fraction) or "
-                        "registry specs (default random10 random30 rstitch)")
+
+    add_policy_arguments(
+        b,
+        default=None,
+        repeat=True,
+        what="a routed policy to bench (repeat for several; default random10 random30 rstitch)",
+    )
+    b.add_argument(
+        "--policies",
+        nargs="+",
+        default=None,
+        help="the routed policies, in one flag: random<PCT> (RandomRouting at that large fraction) or "
+        "registry specs (default random10 random30 rstitch)",
+    )
     b.add_argument("--modes", nargs="+", default=["sync", "model_sync", "async", "delayed"])
     b.add_argument("--concurrency", nargs="+", default=["1", "4", "8", "16"])
     b.add_argument("--max-new-tokens", nargs="+", default=["256"])
     b.add_argument("--thresholds", default="auto", help="delayed thresholds: auto (planner) or small=8,large=4")
     b.add_argument("--no-baselines", action="store_true", help="skip retain_kv=False, large-only, small-only")
     add_model_arguments(b)
-    b.add_argument("--data", help="prompts: a benchmark name, a JSONL with 'question' or a text file with one "
-                                  "prompt per line (default: the first 64 GSM8K questions, shipped with the package)")
-    b.add_argument("--random-pair", metavar="SMALL,LARGE",
-                   help="random-weight models built from configs, e.g. qwen3-0.6b,qwen3-8b (token-id prompts; "
-                        "--device default cuda, --dtype default bfloat16)")
+    b.add_argument(
+        "--data",
+        help="prompts: a benchmark name, a JSONL with 'question' or a text file with one "
+        "prompt per line (default: the first 64 GSM8K questions, shipped with the package)",
+    )
+    b.add_argument(
+        "--random-pair",
+        metavar="SMALL,LARGE",
+        help="random-weight models built from configs, e.g. qwen3-0.6b,qwen3-8b (token-id prompts; "
+        "--device default cuda, --dtype default bfloat16)",
+    )
     b.add_argument("--prompt-tokens", type=int, default=None, help="prompt length with --random-pair (default 128)")
-    b.add_argument("--max-kv-tokens", type=int, default=None,
-                   help="KV pool per model, tokens (default: large enough that KV never limits a cell)")
-    b.add_argument("--transport", choices=["auto", "process", "thread"], default="auto",
-                   help="sub-servers in processes or threads (default: processes for two torch models)")
-    b.add_argument("--time-budget-min", type=float, default=None,
-                   help="start no cell after this many minutes (cells so far are reported)")
-    b.add_argument("--warmup-tokens", type=int, default=0,
-                   help="unmeasured warm-up generation per new Router (tokens; use on GPUs)")
-    b.add_argument("--max-routers", type=int, default=None,
-                   help="Routers open at once (default: all; 1 for large pairs on a small GPU)")
-    b.add_argument("--cuda-graphs", action="store_true",
-                   help="serve decode steps from captured CUDA graphs (torch backend on a GPU)")
+    b.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=None,
+        help="KV pool per model, tokens (default: large enough that KV never limits a cell)",
+    )
+    b.add_argument(
+        "--transport",
+        choices=["auto", "process", "thread"],
+        default="auto",
+        help="sub-servers in processes or threads (default: processes for two torch models)",
+    )
+    b.add_argument(
+        "--time-budget-min",
+        type=float,
+        default=None,
+        help="start no cell after this many minutes (cells so far are reported)",
+    )
+    b.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=0,
+        help="unmeasured warm-up generation per new Router (tokens; use on GPUs)",
+    )
+    b.add_argument(
+        "--max-routers",
+        type=int,
+        default=None,
+        help="Routers open at once (default: all; 1 for large pairs on a small GPU)",
+    )
+    b.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="serve decode steps from captured CUDA graphs (torch backend on a GPU)",
+    )
     add_prefix_cache_flag(b)
     if out:
         b.add_argument("--out", default="bench", help="output prefix for .csv and .html")
@@ -362,46 +466,86 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with the ``demo``, ``bench``, ``info`` and ``eval`` subcommands."""
     p = argparse.ArgumentParser(prog="tokenrouter", description="Token-level routing between a small and a large LM.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="GSM8K questions on the packaged CPU pair: large-only, small-only and "
-                                    "routed by R-Stitch, compared in one table")
-    d.add_argument("--data", help="a benchmark name (gsm8k, math500, aime24, amc23, commonsenseqa), a JSONL with a "
-                                  "'question' field, or a text file with one prompt per line (default: the GSM8K "
-                                  "test set shipped with the package)")
+    d = sub.add_parser(
+        "demo",
+        help="GSM8K questions on the packaged CPU pair: large-only, small-only and "
+        "routed by R-Stitch, compared in one table",
+    )
+    d.add_argument(
+        "--data",
+        help="a benchmark name (gsm8k, math500, aime24, amc23, commonsenseqa), a JSONL with a "
+        "'question' field, or a text file with one prompt per line (default: the GSM8K "
+        "test set shipped with the package)",
+    )
     d.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --data)")
     d.add_argument("-n", "--num", type=int, default=4, help="number of prompts from the data (default 4)")
     d.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
     from ..pairs import DEFAULT_PAIR, PAIRS
-    d.add_argument("--pair", choices=sorted(PAIRS), default=DEFAULT_PAIR,
-                   help=f"the model pair (default {DEFAULT_PAIR}: Qwen2.5-Coder 0.5B -> 1.5B, fetched and converted "
-                        f"once, about 1.6 GB; smollm2: SmolLM2-135M and its self-draft, small and fast, near 0%% on "
-                        f"GSM8K)")
-    d.add_argument("--tau", type=float, default=None,
-                   help="R-Stitch: the small model hands off above this normalised entropy (default: the pair's "
-                        "operating point, " + ", ".join(f"{n} {p.rstitch[0]}" for n, p in sorted(PAIRS.items())) + ")")
-    d.add_argument("--tau-back", type=float, default=None,
-                   help="R-Stitch: the large model hands back at or below this normalised entropy (default: the "
-                        "pair's, " + ", ".join(f"{n} {p.rstitch[1]}" for n, p in sorted(PAIRS.items())) + ")")
-    d.add_argument("--no-baselines", action="store_true", help="run the routed policy only (no large-only and "
-                                                               "small-only runs)")
-    d.add_argument("--no-prefill-peers", action="store_true",
-                   help="prefill a prompt only on its entry model (a first handoff then prefills it on the peer)")
-    d.add_argument("--small-layers", type=int, default=None,
-                   help="--pair smollm2: small = plain truncation to this many layers (default: the packaged "
-                        "self-draft)")
-    d.add_argument("--concurrency", type=int, default=1,
-                   help="requests in flight (default 1: see the module docstring of tokenrouter_sdk.cli)")
+
+    d.add_argument(
+        "--pair",
+        choices=sorted(PAIRS),
+        default=DEFAULT_PAIR,
+        help=f"the model pair (default {DEFAULT_PAIR}: Qwen2.5-Coder 0.5B -> 1.5B, fetched and converted "
+        f"once, about 1.6 GB; smollm2: SmolLM2-135M and its self-draft, small and fast, near 0%% on "
+        f"GSM8K)",
+    )
+    d.add_argument(
+        "--tau",
+        type=float,
+        default=None,
+        help="R-Stitch: the small model hands off above this normalised entropy (default: the pair's "
+        "operating point, " + ", ".join(f"{n} {p.rstitch[0]}" for n, p in sorted(PAIRS.items())) + ")",
+    )
+    d.add_argument(
+        "--tau-back",
+        type=float,
+        default=None,
+        help="R-Stitch: the large model hands back at or below this normalised entropy (default: the "
+        "pair's, " + ", ".join(f"{n} {p.rstitch[1]}" for n, p in sorted(PAIRS.items())) + ")",
+    )
+    d.add_argument(
+        "--no-baselines", action="store_true", help="run the routed policy only (no large-only and small-only runs)"
+    )
+    d.add_argument(
+        "--no-prefill-peers",
+        action="store_true",
+        help="prefill a prompt only on its entry model (a first handoff then prefills it on the peer)",
+    )
+    d.add_argument(
+        "--small-layers",
+        type=int,
+        default=None,
+        help="--pair smollm2: small = plain truncation to this many layers (default: the packaged self-draft)",
+    )
+    d.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="requests in flight (default 1: see the module docstring of tokenrouter_sdk.cli)",
+    )
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     d.add_argument("--seed", type=int, default=None, help="per-request sampling seed (with --temperature > 0)")
     d.add_argument("--no-color", action="store_true", help="markers instead of colours")
     from .common import add_prefix_cache_flag
+
     add_prefix_cache_flag(d)
-    d.add_argument("--compile", choices=["off", "wait", "background"], default="off",
-                   help="compiled steps (EngineConfig.compile): off (eager), wait (the warm-up call waits for the "
-                        "compile: every timed step compiled) or background (default off)")
-    d.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
-                   help="the models' forward (EngineConfig.model_impl): auto (default: native, merged and prepacked "
-                        "projections), native, or transformers (the transformers forward, to compare)")
+    d.add_argument(
+        "--compile",
+        choices=["off", "wait", "background"],
+        default="off",
+        help="compiled steps (EngineConfig.compile): off (eager), wait (the warm-up call waits for the "
+        "compile: every timed step compiled) or background (default off)",
+    )
+    d.add_argument(
+        "--model-impl",
+        choices=["auto", "native", "transformers"],
+        default="auto",
+        help="the models' forward (EngineConfig.model_impl): auto (default: native, merged and prepacked "
+        "projections), native, or transformers (the transformers forward, to compare)",
+    )
     from .common import add_kernels_flag
+
     add_kernels_flag(d)
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="committed-token throughput: policies x modes x concurrency, side by side")
@@ -409,12 +553,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_bench)
     sub.add_parser("info", help="versions, threads, cache folder").set_defaults(fn=cmd_info)
     from .distill import add_parser as add_distill_parser
+
     add_distill_parser(sub)
     from .train import add_parser as add_train_parser
+
     add_train_parser(sub)
     from .eval import add_parser as add_eval_parser
+
     add_eval_parser(sub)
     from .serve import add_parser as add_serve_parser
+
     add_serve_parser(sub)
     return p
 
@@ -423,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tokenrouter`` script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.argv = argv[argv.index(args.cmd) + 1:]  # the subcommand's own arguments (a sharded eval relaunches them)
+    args.argv = argv[argv.index(args.cmd) + 1 :]  # the subcommand's own arguments (a sharded eval relaunches them)
     return args.fn(args)
 
 

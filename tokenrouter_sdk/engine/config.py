@@ -164,8 +164,10 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.max_kv_tokens is not None and self.kv_memory_fraction is not None:
-            raise ValueError("give max_kv_tokens (tokens per model) or kv_memory_fraction (a share of the memory "
-                             "left after the weights), not both")
+            raise ValueError(
+                "give max_kv_tokens (tokens per model) or kv_memory_fraction (a share of the memory "
+                "left after the weights), not both"
+            )
         f = self.kv_memory_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise ValueError(f"kv_memory_fraction must be a number in (0, 1], got {f!r}")
@@ -175,8 +177,10 @@ class EngineConfig:
         if isinstance(self.thresholds, str) and self.thresholds != "auto":
             raise ValueError(f"thresholds must be a dict of B_i per model or 'auto', got {self.thresholds!r}")
         if self.thresholds and not self.mode.batches_delayed:
-            raise ValueError(f"thresholds apply to mode='delayed' (delayed batching), but mode is {self.mode!r}: "
-                             f"drop thresholds or set mode='delayed'")
+            raise ValueError(
+                f"thresholds apply to mode='delayed' (delayed batching), but mode is {self.mode!r}: "
+                f"drop thresholds or set mode='delayed'"
+            )
         if self.backend not in ("torch", "sim"):
             raise ValueError(f"unknown backend {self.backend!r}; choose 'torch' or 'sim'")
         if self.compile not in (False, True, "background", "wait"):

@@ -150,15 +150,23 @@ class RunnerInfo:
         if isinstance(runner, RunnerSpec):
             return runner.describe()
         pool = runner.pool
-        return cls(int(runner.vocab_size), int(runner.max_context), getattr(runner, "device", None),
-                   getattr(runner, "dtype", None),
-                   PoolShape(int(pool.num_blocks), int(pool.block_size), int(getattr(pool, "scratch_blocks", 0))))
+        return cls(
+            int(runner.vocab_size),
+            int(runner.max_context),
+            getattr(runner, "device", None),
+            getattr(runner, "dtype", None),
+            PoolShape(int(pool.num_blocks), int(pool.block_size), int(getattr(pool, "scratch_blocks", 0))),
+        )
 
     def geometry(self) -> dict:
         """What the engine plans with: ``vocab_size``, ``max_context``, ``num_blocks``,
         ``block_size`` (the form a sub-server reports it in when it starts)."""
-        return {"vocab_size": int(self.vocab_size), "max_context": int(self.max_context),
-                "num_blocks": int(self.pool.num_blocks), "block_size": int(self.pool.block_size)}
+        return {
+            "vocab_size": int(self.vocab_size),
+            "max_context": int(self.max_context),
+            "num_blocks": int(self.pool.num_blocks),
+            "block_size": int(self.pool.block_size),
+        }
 
 
 @runtime_checkable
@@ -184,6 +192,7 @@ def build_runner(runner):
     if not isinstance(runner, RunnerSpec):
         return runner
     from ..build_lock import MODEL_BUILD
+
     with MODEL_BUILD:
         return runner.build()
 
@@ -296,6 +305,7 @@ def dead_letter(model: str, msg, why: str, t: float):
     """The `Finished(failed)` that answers ``msg`` sent to dead ``model`` (None if ``msg`` carries
     no request)."""
     from . import messages as M
+
     if isinstance(msg, (M.Admit, M.HandoffMsg)):
         rid = msg.config.rid if isinstance(msg, M.Admit) else msg.rid
         return M.Finished(rid, model, "failed", f"model '{model}' is dead ({why}): the request was routed to it", t)

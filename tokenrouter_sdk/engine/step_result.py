@@ -27,8 +27,9 @@ def dispatch(handlers: dict, msg, receiver: str) -> None:
     """
     fn = handlers.get(type(msg))
     if fn is None:
-        raise UnknownMessage(f"{receiver} got a message of unknown type {type(msg).__module__}."
-                             f"{type(msg).__qualname__}: {msg!r:.200}")
+        raise UnknownMessage(
+            f"{receiver} got a message of unknown type {type(msg).__module__}.{type(msg).__qualname__}: {msg!r:.200}"
+        )
     fn(msg)
 
 

@@ -20,6 +20,21 @@ from .metrics import load_metric, metric_path
 from .result import EvalResult
 from .sweep import evaluate_policies, evaluate_policy, merge_sweep
 
-__all__ = ["evaluate_policy", "evaluate_policies", "merge_sweep", "calibrate_large_share", "Calibration",
-           "load_benchmark", "EvalResult", "Benchmark",
-           "BENCHMARKS", "load_metric", "metric_path", "extract_answer", "extract_math_answer", "extract_choice", "is_correct", "answers_agree"]
+__all__ = [
+    "evaluate_policy",
+    "evaluate_policies",
+    "merge_sweep",
+    "calibrate_large_share",
+    "Calibration",
+    "load_benchmark",
+    "EvalResult",
+    "Benchmark",
+    "BENCHMARKS",
+    "load_metric",
+    "metric_path",
+    "extract_answer",
+    "extract_math_answer",
+    "extract_choice",
+    "is_correct",
+    "answers_agree",
+]

@@ -70,10 +70,10 @@ def last_boxed(text: str) -> str | None:
             j += 1
         if depth:
             break
-        found, i = text[m.end():j - 1].strip(), j
+        found, i = text[m.end() : j - 1].strip(), j
     if found is not None and (m := _BOX.match(found)) and found.endswith("}"):
         sub = last_boxed(found)
-        if sub is not None and len(found[m.end():-1].strip()) == len(sub):
+        if sub is not None and len(found[m.end() : -1].strip()) == len(sub):
             return sub
     return found
 
@@ -90,8 +90,10 @@ _CURRENCY = re.compile(r"^(-?)\s*\\?\$\s*(?=[-\d.])")
 # One expression: numbers and LaTeX commands (with their brace arguments, nested up to three
 # deep) joined by operators, or side by side for implicit products (``2\sqrt{3}``).
 _BR = r"\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}"
-_RELATION = r"(?:le|ge|leq|geq|neq|ne|lt|gt|approx|sim|equiv|to|implies|Rightarrow|rightarrow|iff|quad|qquad|" \
-            r"cdot|times|pm|mp|div|in|cup|cap|boxed|fbox|text|mbox|textbf|mathrm)\b"
+_RELATION = (
+    r"(?:le|ge|leq|geq|neq|ne|lt|gt|approx|sim|equiv|to|implies|Rightarrow|rightarrow|iff|quad|qquad|"
+    r"cdot|times|pm|mp|div|in|cup|cap|boxed|fbox|text|mbox|textbf|mathrm)\b"
+)
 _CMD = rf"\\(?!{_RELATION})[a-zA-Z]+(?:\s*{_BR})*"
 _UNIT = r"\\(?:text|mbox|textbf|mathrm)\s*\{[^{}]*\}"
 _ATOM = rf"(?:\d+(?:\.\d+)?|\.\d+|{_CMD})(?:\s*\^\s*(?:{_BR}|\d))?"
@@ -131,7 +133,7 @@ def _top_level_rhs(expr: str) -> str:
             depth -= 1
         elif ch == "=" and depth == 0:
             cut = i
-    return expr[cut + 1:] if cut >= 0 else expr
+    return expr[cut + 1 :] if cut >= 0 else expr
 
 
 def _clean(ans: str) -> str:
@@ -139,7 +141,7 @@ def _clean(ans: str) -> str:
     separators and a leading currency sign removed, outer whitespace and a trailing period
     stripped."""
     ans = ans.strip()
-    if (m := re.fullmatch(r"\\(?:text|mbox|textbf|mathrm)\s*\{([^{}]*)\}", ans)):
+    if m := re.fullmatch(r"\\(?:text|mbox|textbf|mathrm)\s*\{([^{}]*)\}", ans):
         ans = m.group(1).strip()
     ans = strip_thousands(ans).strip()
     ans = _CURRENCY.sub(r"\1", ans)
@@ -217,7 +219,7 @@ def extract_math_answer(text: str | None) -> str | None:
     text = strip_thousands(text, prose=True)
     anchors = list(_ANCHOR.finditer(text))
     if anchors:
-        found = _from_anchor_tail(text[anchors[-1].end():].strip().split("\n")[0])
+        found = _from_anchor_tail(text[anchors[-1].end() :].strip().split("\n")[0])
         if found:
             return found
     return _last_expression(text)
@@ -225,6 +227,7 @@ def extract_math_answer(text: str | None) -> str | None:
 
 def _parse(s: str):
     import math_verify
+
     with _quiet_timeout() as t:
         return math_verify.parse(s if "$" in s or "\\boxed" in s else f"${s}$", parsing_timeout=t)
 
@@ -243,6 +246,7 @@ def math_equal(a: str | None, b: str | None) -> bool:
     if _norm(a) == _norm(b):
         return True
     import math_verify
+
     pa, pb = _parse(a), _parse(b)
     if not pa or not pb:
         return False
@@ -264,8 +268,7 @@ def extract_choice(text: str | None, labels: str = "ABCDE") -> str | None:
         m = re.fullmatch(rf"\(?\s*(?:\\text\{{)?([{L}])\}}?\s*\)?", boxed.strip())
         if m:
             return m.group(1).upper()
-    pats = [rf"(?:answer(?:\s+is)?|option|choice)\s*[:=]?\s*\(?([{L}])\)?(?![A-Za-z])",
-            rf"\(([{L}])\)"]
+    pats = [rf"(?:answer(?:\s+is)?|option|choice)\s*[:=]?\s*\(?([{L}])\)?(?![A-Za-z])", rf"\(([{L}])\)"]
     for p in pats:
         hits = re.findall(p, text, flags=re.I)
         hits = [h for h in hits if h.upper() in labels]

@@ -77,8 +77,15 @@ def next_threshold(hist: list[dict], target: float) -> float | None:
     return a["threshold"] + w * (b["threshold"] - a["threshold"])
 
 
-def search_threshold(run: Callable[[float], dict], target: float, first: Sequence[float],
-                     propose: Callable[[list[dict]], float | None], *, rounds: int, tol: float) -> tuple[float, list[dict]]:
+def search_threshold(
+    run: Callable[[float], dict],
+    target: float,
+    first: Sequence[float],
+    propose: Callable[[list[dict]], float | None],
+    *,
+    rounds: int,
+    tol: float,
+) -> tuple[float, list[dict]]:
     """Run thresholds until one realises ``target`` within ``tol``: ``first`` in order, then
     ``propose(runs so far)`` (None stops), at most ``rounds`` runs.
 
@@ -103,26 +110,44 @@ def search_threshold(run: Callable[[float], dict], target: float, first: Sequenc
     return best["threshold"], hist
 
 
-def measure_share(router, policy, prompts: list, *, max_new_tokens: int, temperature: float = 0.0,
-                  seed: int | None = 0, concurrency: int | None = 16) -> dict:
+def measure_share(
+    router,
+    policy,
+    prompts: list,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = 0,
+    concurrency: int | None = 16,
+) -> dict:
     """One run of ``policy`` on ``prompts``: ``large_fraction`` (committed tokens of answered
     requests written by the last model / all of them), ``tokens``, ``hop_rate``, ``failed``.
 
     Raises:
         RuntimeError: every request failed (names the first error)."""
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # failed requests are counted here
-        outs = router.generate(prompts, policy=policy, max_new_tokens=max_new_tokens, temperature=temperature,
-                               seed=seed, concurrency=concurrency)
+        outs = router.generate(
+            prompts,
+            policy=policy,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            concurrency=concurrency,
+        )
     ok = [o for o in outs if o.ok]
     if not ok:
         raise RuntimeError(f"calibration run of {policy!r} failed: every request failed; first error: {outs[0].error}")
     large = list(router.models)[-1]
     tokens = sum(len(o.token_ids) for o in ok)
-    return {"large_fraction": sum(o.token_models.count(large) for o in ok) / tokens if tokens else 0.0,
-            "tokens": tokens, "hop_rate": sum(o.hops for o in ok) / tokens if tokens else 0.0,
-            "failed": len(outs) - len(ok)}
+    return {
+        "large_fraction": sum(o.token_models.count(large) for o in ok) / tokens if tokens else 0.0,
+        "tokens": tokens,
+        "hop_rate": sum(o.hops for o in ok) / tokens if tokens else 0.0,
+        "failed": len(outs) - len(ok),
+    }
 
 
 def _bisect(target: float, lo: float, hi: float, param: str, tol: float) -> Callable[[list[dict]], float | None]:
@@ -146,8 +171,10 @@ def _bisect(target: float, lo: float, hi: float, param: str, tol: float) -> Call
             x = a + (target - fa) / (fb - fa) * (b - a)  # linear interpolation of the share
             return x if a + 0.25 * (b - a) <= x <= b - 0.25 * (b - a) else (a + b) / 2
         if s_lo == s_hi and not state["grown"]:
-            raise CalibrationError(f"{param}={lo:g} and {param}={state['hi']:g} both realise a large share of {s_lo:.3f}: "
-                             f"the threshold changes nothing there; give bounds (values) where it does")
+            raise CalibrationError(
+                f"{param}={lo:g} and {param}={state['hi']:g} both realise a large share of {s_lo:.3f}: "
+                f"the threshold changes nothing there; give bounds (values) where it does"
+            )
         increasing = s_hi > s_lo
         beyond_hi = target > s_hi if increasing else target < s_hi
         if beyond_hi and state["grown"] < MAX_EXPANSIONS:
@@ -155,15 +182,30 @@ def _bisect(target: float, lo: float, hi: float, param: str, tol: float) -> Call
             state["hi"] = lo + 4 * (state["hi"] - lo)
             return state["hi"]
         shares = sorted(at.values())
-        raise CalibrationError(f"no {param} in [{lo:g}, {state['hi']:g}] realises a large share of {target:g} (the runs "
-                         f"realised {shares[0]:.3f} to {shares[-1]:.3f}): give bounds (values) that reach it")
+        raise CalibrationError(
+            f"no {param} in [{lo:g}, {state['hi']:g}] realises a large share of {target:g} (the runs "
+            f"realised {shares[0]:.3f} to {shares[-1]:.3f}): give bounds (values) that reach it"
+        )
+
     return propose
 
 
-def calibrate_large_share(router, policy_factory, prompts: list, target: float, *, param: str | None = None,
-                          bounds: tuple[float, float] = (0.0, 1.0), rounds: int = 8, tol: float = 0.02,
-                          max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = 0,
-                          concurrency: int | None = 16, ids: Sequence[str] | None = None) -> Calibration:
+def calibrate_large_share(
+    router,
+    policy_factory,
+    prompts: list,
+    target: float,
+    *,
+    param: str | None = None,
+    bounds: tuple[float, float] = (0.0, 1.0),
+    rounds: int = 8,
+    tol: float = 0.02,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int | None = 0,
+    concurrency: int | None = 16,
+    ids: Sequence[str] | None = None,
+) -> Calibration:
     """The threshold at which a policy with one threshold realises a large share of about
     ``target`` on ``prompts`` (the module docstring says how).
 
@@ -203,29 +245,48 @@ def calibrate_large_share(router, policy_factory, prompts: list, target: float, 
         raise ValueError("calibrate_large_share: no calibration prompts")
     if len(prompts) < FEW_PROMPTS:
         import warnings
-        warnings.warn(f"calibrating on {len(prompts)} prompt(s), fewer than {FEW_PROMPTS}: the large share the "
-                      f"threshold realises on other questions may be far from the target {target:g}; calibrate on "
-                      f"more (calibration=N, --calibration N)", UserWarning, stacklevel=2)
+
+        warnings.warn(
+            f"calibrating on {len(prompts)} prompt(s), fewer than {FEW_PROMPTS}: the large share the "
+            f"threshold realises on other questions may be far from the target {target:g}; calibrate on "
+            f"more (calibration=N, --calibration N)",
+            UserWarning,
+            stacklevel=2,
+        )
     if isinstance(policy_factory, type):
         if not param:
-            raise TypeError(f"calibrate_large_share: a Policy class needs param= (the threshold argument of "
-                            f"{policy_factory.__name__}), or give a callable value -> Policy")
+            raise TypeError(
+                f"calibrate_large_share: a Policy class needs param= (the threshold argument of "
+                f"{policy_factory.__name__}), or give a callable value -> Policy"
+            )
         cls = policy_factory
         factory, pname = (lambda v: cls(**{param: v})), param
     elif callable(policy_factory):
         factory, pname = policy_factory, param or "value"
     else:
-        raise TypeError(f"calibrate_large_share: policy_factory must be a callable value -> Policy or a Policy "
-                        f"class, got {type(policy_factory).__name__}")
+        raise TypeError(
+            f"calibrate_large_share: policy_factory must be a callable value -> Policy or a Policy "
+            f"class, got {type(policy_factory).__name__}"
+        )
 
     def run(v: float) -> dict:
-        return measure_share(router, factory(v), prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                             seed=seed, concurrency=concurrency)
-    value, hist = search_threshold(run, float(target), [lo, hi], _bisect(float(target), lo, hi, pname, tol),
-                                   rounds=rounds, tol=tol)
+        return measure_share(
+            router,
+            factory(v),
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            concurrency=concurrency,
+        )
+
+    value, hist = search_threshold(
+        run, float(target), [lo, hi], _bisect(float(target), lo, hi, pname, tol), rounds=rounds, tol=tol
+    )
     got = next(h["large_fraction"] for h in hist if h["threshold"] == value)
-    return Calibration(pname, value, float(target), got, abs(got - target) <= tol, tol, len(prompts),
-                       list(ids or []), hist)
+    return Calibration(
+        pname, value, float(target), got, abs(got - target) <= tol, tol, len(prompts), list(ids or []), hist
+    )
 
 
 # -- inside a sweep (`evaluate_policy(..., target_large_share=...)`) -------------------------------
@@ -244,8 +305,10 @@ def check_targets(target_large_share) -> list[float]:
         raise ValueError("target_large_share is empty: give a share in (0, 1), e.g. 0.3, or a list of them")
     for t in shares:
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 < t < 1:
-            raise ValueError(f"target_large_share must be in (0, 1) (a share of committed tokens written by the "
-                             f"large model), got {t!r}")
+            raise ValueError(
+                f"target_large_share must be in (0, 1) (a share of committed tokens written by the "
+                f"large model), got {t!r}"
+            )
     return [float(t) for t in shares]
 
 
@@ -257,6 +320,7 @@ def _calibration_prompts(calibration, bench, dataset, drop: set, seed) -> tuple[
         ValueError: a count below 1, a benchmark given as loaded (its held-out questions cannot
             be drawn: give ``calibration`` as a Benchmark or prompts), or no question left."""
     from .datasets import Benchmark, load_benchmark
+
     if calibration is None:
         calibration = CALIBRATION_QUESTIONS
     if isinstance(calibration, Benchmark):
@@ -266,17 +330,32 @@ def _calibration_prompts(calibration, bench, dataset, drop: set, seed) -> tuple[
             raise ValueError("calibration is an empty list of prompts")
         return list(calibration), [f"prompt-{k:04d}" for k in range(len(calibration))]
     if isinstance(calibration, bool) or not isinstance(calibration, int) or calibration < 1:
-        raise ValueError(f"calibration must be a number of held-out questions (>= 1), a Benchmark or a list of "
-                         f"prompts, got {calibration!r}")
+        raise ValueError(
+            f"calibration must be a number of held-out questions (>= 1), a Benchmark or a list of "
+            f"prompts, got {calibration!r}"
+        )
     if isinstance(dataset, Benchmark):
-        raise ValueError("with a loaded Benchmark as dataset, give calibration as a Benchmark or a list of prompts "
-                         "held out from it (the held-out questions cannot be drawn from it)")
+        raise ValueError(
+            "with a loaded Benchmark as dataset, give calibration as a Benchmark or a list of prompts "
+            "held out from it (the held-out questions cannot be drawn from it)"
+        )
     cal = load_benchmark(dataset, limit=calibration, seed=seed, exclude=set(drop) | set(bench.ids))
     return list(cal.prompts), list(cal.ids)
 
 
-def calibrate_entries(router, entries: list, targets: list[float], bench, dataset, calibration, drop: set, seed,
-                      sampling: dict, concurrency, who: str) -> tuple[dict, dict]:
+def calibrate_entries(
+    router,
+    entries: list,
+    targets: list[float],
+    bench,
+    dataset,
+    calibration,
+    drop: set,
+    seed,
+    sampling: dict,
+    concurrency,
+    who: str,
+) -> tuple[dict, dict]:
     """Calibrate every swept policy of a sweep for each target on the held-out questions; each
     entry's values become the thresholds found (one point per target).
 
@@ -287,6 +366,7 @@ def calibrate_entries(router, entries: list, targets: list[float], bench, datase
     Raises:
         ValueError: as `calibrate_large_share`."""
     import warnings
+
     prompts, ids = _calibration_prompts(calibration, bench, dataset, drop, seed)
     per_point, out = {}, {}
     for i, e in enumerate(entries):
@@ -294,23 +374,43 @@ def calibrate_entries(router, entries: list, targets: list[float], bench, datase
         bounds = (min([0.0, *nums]), max([1.0, *nums]))
         thresholds = []
         for j, t in enumerate(targets):
-            cal = calibrate_large_share(router, e.factory, prompts, t, param=e.param, bounds=bounds,
-                                        max_new_tokens=sampling["max_new_tokens"], temperature=sampling["temperature"],
-                                        seed=sampling["seed"], concurrency=concurrency, ids=ids)
+            cal = calibrate_large_share(
+                router,
+                e.factory,
+                prompts,
+                t,
+                param=e.param,
+                bounds=bounds,
+                max_new_tokens=sampling["max_new_tokens"],
+                temperature=sampling["temperature"],
+                seed=sampling["seed"],
+                concurrency=concurrency,
+                ids=ids,
+            )
             if not cal.within_tol:
-                warnings.warn(f"{who}: {e.name or e.param}: the closest calibration run for a large share of {t:g} "
-                              f"realised {cal.large_fraction:.3f} ({e.param}={cal.threshold:g}, {len(cal.rounds)} "
-                              f"runs on {len(prompts)} questions); evaluated at that threshold", UserWarning,
-                              stacklevel=4)
+                warnings.warn(
+                    f"{who}: {e.name or e.param}: the closest calibration run for a large share of {t:g} "
+                    f"realised {cal.large_fraction:.3f} ({e.param}={cal.threshold:g}, {len(cal.rounds)} "
+                    f"runs on {len(prompts)} questions); evaluated at that threshold",
+                    UserWarning,
+                    stacklevel=4,
+                )
             thresholds.append(cal.threshold)
             rec = cal.to_dict()
             rec.pop("ids")
             per_point[(i, j)] = {"target_large_share": t, "calibration": rec}
         e.values = thresholds
         e.first = e.factory(thresholds[0])
-        out[e.name or str(i)] = {"param": e.param, "bounds": list(bounds),
-                                 "targets": {f"{t:g}": per_point[(i, j)]["calibration"]["threshold"]
-                                             for j, t in enumerate(targets)}}
-    return per_point, {"targets": targets, "n_questions": len(prompts), "ids": ids, "policies": out,
-                       "rule": "bisection of each policy's threshold on the held-out questions until a run realises "
-                               "the target large share within its tol (calibrate_large_share)"}
+        out[e.name or str(i)] = {
+            "param": e.param,
+            "bounds": list(bounds),
+            "targets": {f"{t:g}": per_point[(i, j)]["calibration"]["threshold"] for j, t in enumerate(targets)},
+        }
+    return per_point, {
+        "targets": targets,
+        "n_questions": len(prompts),
+        "ids": ids,
+        "policies": out,
+        "rule": "bisection of each policy's threshold on the held-out questions until a run realises "
+        "the target large share within its tol (calibrate_large_share)",
+    }

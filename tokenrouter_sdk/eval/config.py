@@ -36,33 +36,45 @@ def describe_model(model) -> dict:
     if cfg is None:
         return {"repr": repr(model)}
     from ..deferred import DeferredModel
+
     try:
         p = model if isinstance(model, DeferredModel) else next(model.parameters())
         dtype, device = str(p.dtype).removeprefix("torch."), str(p.device)
     except (StopIteration, AttributeError, TypeError):
         dtype = device = None
     cls = (cfg.architectures or ["?"])[0] if isinstance(model, DeferredModel) else type(model).__name__
-    return {"class": cls, "name_or_path": str(getattr(cfg, "_name_or_path", "")),
-            "model_type": getattr(cfg, "model_type", None),
-            "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
-            "hidden_size": getattr(cfg, "hidden_size", None), "vocab_size": getattr(cfg, "vocab_size", None),
-            "dtype": dtype, "device": device}
+    return {
+        "class": cls,
+        "name_or_path": str(getattr(cfg, "_name_or_path", "")),
+        "model_type": getattr(cfg, "model_type", None),
+        "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
+        "hidden_size": getattr(cfg, "hidden_size", None),
+        "vocab_size": getattr(cfg, "vocab_size", None),
+        "dtype": dtype,
+        "device": device,
+    }
 
 
 def describe_router(router) -> dict:
     """Models (smallest first) and engine settings of a `Router`."""
     cfg = router.config
     info = getattr(router.models, "info", router.models.__getitem__)  # a model loaded elsewhere stays there
-    return {"models": {n: describe_model(info(n)) for n in router.models},
-            "tokenizer": type(router.tokenizer).__name__ + ":" + str(getattr(router.tokenizer, "name_or_path", "")),
-            "mode": cfg.mode, "retain_kv": cfg.retain_kv, "prefix_cache": cfg.prefix_cache,
-            "thresholds": _jsonable(router.thresholds), "max_batch_tokens": cfg.max_batch_tokens,
-            "transport": router.transport_name}
+    return {
+        "models": {n: describe_model(info(n)) for n in router.models},
+        "tokenizer": type(router.tokenizer).__name__ + ":" + str(getattr(router.tokenizer, "name_or_path", "")),
+        "mode": cfg.mode,
+        "retain_kv": cfg.retain_kv,
+        "prefix_cache": cfg.prefix_cache,
+        "thresholds": _jsonable(router.thresholds),
+        "max_batch_tokens": cfg.max_batch_tokens,
+        "transport": router.transport_name,
+    }
 
 
 def library_versions() -> dict:
     """Versions of Python and the libraries a sweep's numbers depend on."""
     from importlib.metadata import PackageNotFoundError, version
+
     out = {"python": platform.python_version()}
     for lib in ("tokenrouter-sdk", "torch", "transformers", "datasets", "evaluate", "math-verify", "plotly"):
         try:
@@ -71,6 +83,7 @@ def library_versions() -> dict:
             out[lib] = None
     try:
         import torch
+
         out["torch_threads"] = torch.get_num_threads()
     except ImportError:  # pragma: no cover
         pass

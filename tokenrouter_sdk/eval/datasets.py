@@ -13,12 +13,27 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 
-from tokenrouter_sdk.benchmarks import (ALIASES, BENCHMARKS, CHOICE_TEMPLATE, GSM8K_TEMPLATE, MATH_TEMPLATE,
-                                        BenchmarkRows, BenchmarkSpec)
+from tokenrouter_sdk.benchmarks import (
+    ALIASES,
+    BENCHMARKS,
+    CHOICE_TEMPLATE,
+    GSM8K_TEMPLATE,
+    MATH_TEMPLATE,
+    BenchmarkRows,
+    BenchmarkSpec,
+)
 from tokenrouter_sdk.benchmarks import load as load_rows
 
-__all__ = ["Benchmark", "load_benchmark", "BENCHMARKS", "ALIASES", "BenchmarkSpec", "GSM8K_TEMPLATE",
-           "MATH_TEMPLATE", "CHOICE_TEMPLATE"]
+__all__ = [
+    "Benchmark",
+    "load_benchmark",
+    "BENCHMARKS",
+    "ALIASES",
+    "BenchmarkSpec",
+    "GSM8K_TEMPLATE",
+    "MATH_TEMPLATE",
+    "CHOICE_TEMPLATE",
+]
 
 
 @dataclass
@@ -60,8 +75,16 @@ class Benchmark(BenchmarkRows):
 
     def describe(self) -> dict:
         """JSON-able description (recorded in sweep results)."""
-        out = {"name": self.name, "kind": self.kind, "source": self.source, "n": len(self),
-               "limit": self.limit, "seed": self.seed, "ids": self.ids, "template": self.template}
+        out = {
+            "name": self.name,
+            "kind": self.kind,
+            "source": self.source,
+            "n": len(self),
+            "limit": self.limit,
+            "seed": self.seed,
+            "ids": self.ids,
+            "template": self.template,
+        }
         if "excluded" in self.extra:
             out["excluded"] = self.extra["excluded"]
         return out
@@ -71,6 +94,7 @@ class Benchmark(BenchmarkRows):
 def _quiet_progress():
     """No `datasets` progress bars for these tiny loads (restores the previous setting)."""
     from datasets.utils import logging as ds_logging
+
     was = ds_logging.is_progress_bar_enabled()
     ds_logging.disable_progress_bar()
     try:
@@ -80,9 +104,15 @@ def _quiet_progress():
             ds_logging.enable_progress_bar()
 
 
-def load_benchmark(name_or_path: str | os.PathLike = "gsm8k", limit: int | None = None, seed: int | None = None,
-                   split: str | None = None, template: str | None = None, kind: str | None = None,
-                   exclude=None) -> Benchmark:
+def load_benchmark(
+    name_or_path: str | os.PathLike = "gsm8k",
+    limit: int | None = None,
+    seed: int | None = None,
+    split: str | None = None,
+    template: str | None = None,
+    kind: str | None = None,
+    exclude=None,
+) -> Benchmark:
     """Load a benchmark subset with its prompts.
 
     Args:
@@ -128,6 +158,7 @@ def load_benchmark(name_or_path: str | os.PathLike = "gsm8k", limit: int | None 
         raise ValueError(f"{data.source}: rows lack ['answer']; each row needs {{id, question, answer}}")
     tpl = template or spec.template
     import datasets
+
     with _quiet_progress():
         ds = datasets.Dataset.from_list(data.rows)
         if seed is not None:
@@ -137,8 +168,12 @@ def load_benchmark(name_or_path: str | os.PathLike = "gsm8k", limit: int | None 
             order = [str(x) for x in ds["id"]]
             drawn = order[:limit] if limit is not None else order
             hit = [i for i in drawn if i in exclude]
-            extra["excluded"] = {"n": sum(i in exclude for i in order), "in_draw": len(hit), "draw": len(drawn),
-                                 "ids": hit}
+            extra["excluded"] = {
+                "n": sum(i in exclude for i in order),
+                "in_draw": len(hit),
+                "draw": len(drawn),
+                "ids": hit,
+            }
             ds = ds.select([k for k, i in enumerate(order) if i not in exclude])
             if not len(ds):
                 raise ValueError(f"{data.source}: every question is excluded ({len(order)} of them)")

@@ -30,6 +30,7 @@ def _heads(policy, depth: int = 2):
     """(label, head record) of ``policy`` and of the policies it holds (attributes, lists and dict
     values of them, ``depth`` levels down)."""
     from ..policy import Policy
+
     meta = getattr(type(policy), "head_meta", None)
     if isinstance(meta, property):
         yield type(policy).__name__, policy.head_meta

@@ -61,10 +61,28 @@ from ..policies.registry import builtin_registry
 
 log = logging.getLogger("tokenrouter.lm_eval")
 
-ENGINE_KEYS = ("mode", "thresholds", "max_kv_tokens", "kv_memory_fraction", "max_concurrency", "processes",
-               "block_size", "prefill_peers", "cuda_graphs")
-MODEL_KEYS = ("small_model", "large_model", "small_layers", "device", "dtype", "small_device", "large_device",
-              "small_dtype", "large_dtype")
+ENGINE_KEYS = (
+    "mode",
+    "thresholds",
+    "max_kv_tokens",
+    "kv_memory_fraction",
+    "max_concurrency",
+    "processes",
+    "block_size",
+    "prefill_peers",
+    "cuda_graphs",
+)
+MODEL_KEYS = (
+    "small_model",
+    "large_model",
+    "small_layers",
+    "device",
+    "dtype",
+    "small_device",
+    "large_device",
+    "small_dtype",
+    "large_dtype",
+)
 DEFAULT_CONCURRENCY = 32
 _COLLECTING: contextvars.ContextVar[list | None] = contextvars.ContextVar("tokenrouter_lm_eval_models", default=None)
 
@@ -91,8 +109,10 @@ def _concurrency(concurrency, batch_size, max_batch_size) -> int | None:
     """
     auto = isinstance(batch_size, str) and batch_size.strip().lower().startswith("auto")
     if max_batch_size is not None and not auto:
-        raise ValueError("max_batch_size caps batch_size=auto only; with another batch_size it has no effect: drop "
-                         "it or pass --batch_size auto")
+        raise ValueError(
+            "max_batch_size caps batch_size=auto only; with another batch_size it has no effect: drop "
+            "it or pass --batch_size auto"
+        )
     if concurrency is not None:
         return int(concurrency)
     if batch_size is None:
@@ -129,18 +149,47 @@ class TokenRouterLM(TemplateLM):
             arguments, one of small_model/large_model, per-model devices with the packaged pair).
     """
 
-    def __init__(self, policy: str | None = None, small_model: str | None = None, large_model: str | None = None,
-                 small_layers: int | None = None, concurrency: int | None = None, max_gen_toks: int = 256,
-                 chat: bool = False, router=None, batch_size=None, max_batch_size=None, device=None, dtype=None,
-                 small_device=None, large_device=None, small_dtype=None, large_dtype=None,
-                 chat_template_kwargs=None, enable_thinking: bool | None = None, route_context: bool = False,
-                 add_bos_token: bool | None = None, **kwargs):
+    def __init__(
+        self,
+        policy: str | None = None,
+        small_model: str | None = None,
+        large_model: str | None = None,
+        small_layers: int | None = None,
+        concurrency: int | None = None,
+        max_gen_toks: int = 256,
+        chat: bool = False,
+        router=None,
+        batch_size=None,
+        max_batch_size=None,
+        device=None,
+        dtype=None,
+        small_device=None,
+        large_device=None,
+        small_dtype=None,
+        large_dtype=None,
+        chat_template_kwargs=None,
+        enable_thinking: bool | None = None,
+        route_context: bool = False,
+        add_bos_token: bool | None = None,
+        **kwargs,
+    ):
         super().__init__()
         engine = {k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_KEYS}
-        models = {k: v for k, v in dict(small_model=small_model, large_model=large_model, small_layers=small_layers,
-                                        device=device, dtype=dtype, small_device=small_device,
-                                        large_device=large_device, small_dtype=small_dtype,
-                                        large_dtype=large_dtype).items() if v is not None}
+        models = {
+            k: v
+            for k, v in dict(
+                small_model=small_model,
+                large_model=large_model,
+                small_layers=small_layers,
+                device=device,
+                dtype=dtype,
+                small_device=small_device,
+                large_device=large_device,
+                small_dtype=small_dtype,
+                large_dtype=large_dtype,
+            ).items()
+            if v is not None
+        }
         self.concurrency = _concurrency(concurrency, batch_size, max_batch_size)
         if isinstance(chat_template_kwargs, str):
             chat_template_kwargs = json.loads(chat_template_kwargs)
@@ -150,8 +199,10 @@ class TokenRouterLM(TemplateLM):
         if router is not None:
             given = sorted(set(models) | set(engine))
             if given:
-                raise ValueError(f"router= is a ready Router: the model and engine arguments {given} cannot apply to "
-                                 f"it; set them when building the Router")
+                raise ValueError(
+                    f"router= is a ready Router: the model and engine arguments {given} cannot apply to "
+                    f"it; set them when building the Router"
+                )
             if policy is None and kwargs:
                 raise ValueError(f"policy arguments {sorted(kwargs)} need a policy name (policy=...)")
             self.router, self._own = router, False
@@ -163,8 +214,14 @@ class TokenRouterLM(TemplateLM):
             self.router, self._own = self._build(models, engine), True
         self.max_gen_toks, self.chat, self.route_context = int(max_gen_toks), bool(chat), bool(route_context)
         self.add_bos_token = _is_gemma(self.router.tokenizer) if add_bos_token is None else _flag(add_bos_token)
-        self.totals = {"committed_tokens": 0, "hops": 0, "large_tokens": 0, "generate_s": 0.0, "requests": 0,
-                       "failed": 0}
+        self.totals = {
+            "committed_tokens": 0,
+            "hops": 0,
+            "large_tokens": 0,
+            "generate_s": 0.0,
+            "requests": 0,
+            "failed": 0,
+        }
         made = _COLLECTING.get()
         if made is not None:
             made.append(self)
@@ -175,6 +232,7 @@ class TokenRouterLM(TemplateLM):
         (``batch_size``, ``max_batch_size``, ``device``) in ``additional_config``: a ``device``
         in the model arguments wins over ``--device``."""
         from lm_eval import utils
+
         return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
 
     @classmethod
@@ -186,21 +244,32 @@ class TokenRouterLM(TemplateLM):
     def _build(self, models: dict, engine: dict):
         from ..placement import ModelSpec
         from ..router import Router
+
         small, large = models.get("small_model"), models.get("large_model")
         if (small is None) != (large is None):
             raise ValueError("give both small_model and large_model, or neither (the packaged pair)")
         per_model = [k for k in ("small_device", "large_device", "small_dtype", "large_dtype") if k in models]
         if small is None:
             if per_model:
-                raise ValueError(f"{per_model} need small_model and large_model; the packaged pair shares layers, "
-                                 f"so it takes one device and dtype")
-            return Router.default(self.policy, small_layers=models.get("small_layers"), device=models.get("device"),
-                                  dtype=models.get("dtype"), **engine)
+                raise ValueError(
+                    f"{per_model} need small_model and large_model; the packaged pair shares layers, "
+                    f"so it takes one device and dtype"
+                )
+            return Router.default(
+                self.policy,
+                small_layers=models.get("small_layers"),
+                device=models.get("device"),
+                dtype=models.get("dtype"),
+                **engine,
+            )
         if "small_layers" in models:
-            raise ValueError("small_layers shapes the packaged pair's small model; it does not apply with "
-                             "small_model/large_model")
-        specs = {"small": ModelSpec(small, models.get("small_device"), models.get("small_dtype")),
-                 "large": ModelSpec(large, models.get("large_device"), models.get("large_dtype"))}
+            raise ValueError(
+                "small_layers shapes the packaged pair's small model; it does not apply with small_model/large_model"
+            )
+        specs = {
+            "small": ModelSpec(small, models.get("small_device"), models.get("small_dtype")),
+            "large": ModelSpec(large, models.get("large_device"), models.get("large_dtype")),
+        }
         return Router(specs, self.policy, device=models.get("device"), dtype=models.get("dtype"), **engine)
 
     # -- tokens -------------------------------------------------------------------------------------
@@ -233,15 +302,16 @@ class TokenRouterLM(TemplateLM):
         """
         prompts, conts = [], []
         for ctx, cont in pairs:
-            seq = (list(ctx) + list(cont))[-self.max_length:]
-            ctx, cont = seq[:max(1, len(seq) - len(cont))], seq[max(1, len(seq) - len(cont)):]
+            seq = (list(ctx) + list(cont))[-self.max_length :]
+            ctx, cont = seq[: max(1, len(seq) - len(cont))], seq[max(1, len(seq) - len(cont)) :]
             if self.route_context:
                 ctx, cont = ctx[:1], ctx[1:] + cont
             prompts.append(ctx)
             conts.append(cont)
         t0 = time.perf_counter()
-        outs = self.router.score(prompts, conts, policy=self.policy, logprobs=1, concurrency=self.concurrency,
-                                 progress=not disable_tqdm)
+        outs = self.router.score(
+            prompts, conts, policy=self.policy, logprobs=1, concurrency=self.concurrency, progress=not disable_tqdm
+        )
         self._account(outs, time.perf_counter() - t0)
         bad = next((o for o in outs if not o.ok), None)
         if bad is not None:
@@ -252,8 +322,10 @@ class TokenRouterLM(TemplateLM):
         """``(sum of the continuation's routed log-probabilities, whether each token was its
         writer's most likely)`` per ``((context, continuation), context ids, continuation ids)``."""
         if self.chat:
-            raise ValueError("chat=True renders generation contexts with the chat template; for log-likelihood "
-                             "tasks use lm-eval's --apply_chat_template instead")
+            raise ValueError(
+                "chat=True renders generation contexts with the chat template; for log-likelihood "
+                "tasks use lm-eval's --apply_chat_template instead"
+            )
         self._check_template_use()
         outs = self._score([(ctx, cont) for _, ctx, cont in requests], disable_tqdm)
         res = []
@@ -270,17 +342,24 @@ class TokenRouterLM(TemplateLM):
         """The routed log-likelihood of each whole text, in disjoint windows of the models'
         context (lm-eval's rolling windows; the first token is scored after the prefix token)."""
         from lm_eval import utils
+
         windows, owner = [], []
         for i, (string,) in enumerate(req.args for req in requests):
-            for ctx, cont in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for ctx, cont in map(
+                utils.make_disjoint_window,
+                utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((ctx, cont))
                 owner.append(i)
         outs = self._score(windows, disable_tqdm) if windows else []
         totals = [0.0] * len(requests)
         for i, (_, cont), out in zip(owner, windows, outs):
-            totals[i] += float(sum(out.logprobs[-len(cont):]))
+            totals[i] += float(sum(out.logprobs[-len(cont) :]))
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals
@@ -299,14 +378,19 @@ class TokenRouterLM(TemplateLM):
         temperature = float(kw.pop("temperature", 0.0) or 0.0)
         if do_sample is False:
             temperature = 0.0
-        out = {"max_new_tokens": int(kw.pop("max_gen_toks", kw.pop("max_new_tokens", self.max_gen_toks))),
-               "temperature": temperature, "stop": tuple(stop)}
+        out = {
+            "max_new_tokens": int(kw.pop("max_gen_toks", kw.pop("max_new_tokens", self.max_gen_toks))),
+            "temperature": temperature,
+            "stop": tuple(stop),
+        }
         for key in ("top_p", "top_k", "seed"):
             if kw.get(key) is not None:
                 out[key] = kw.pop(key)
         if kw:
-            raise ValueError(f"tokenrouter: generation arguments {sorted(kw)} are not supported (supported: until, "
-                             f"do_sample, temperature, max_gen_toks, top_p, top_k, seed)")
+            raise ValueError(
+                f"tokenrouter: generation arguments {sorted(kw)} are not supported (supported: until, "
+                f"do_sample, temperature, max_gen_toks, top_p, top_k, seed)"
+            )
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -324,9 +408,16 @@ class TokenRouterLM(TemplateLM):
         for idx in groups.values():
             prompts = [requests[i].args[0] for i in idx]
             t0 = time.perf_counter()
-            outs = self.router.generate(prompts, policy=self.policy, chat=self.chat, concurrency=self.concurrency,
-                                        progress=not disable_tqdm, add_special_tokens=self.add_bos_token, **extra,
-                                        **sampling[idx[0]])
+            outs = self.router.generate(
+                prompts,
+                policy=self.policy,
+                chat=self.chat,
+                concurrency=self.concurrency,
+                progress=not disable_tqdm,
+                add_special_tokens=self.add_bos_token,
+                **extra,
+                **sampling[idx[0]],
+            )
             self._account(outs, time.perf_counter() - t0)
             for i, out in zip(idx, outs):
                 texts[i] = out.text if out.ok else ""
@@ -351,18 +442,33 @@ class TokenRouterLM(TemplateLM):
         the time spent in generation and scoring calls), ``requests``, ``failed`` and the policy."""
         t = self.totals
         n = t["committed_tokens"]
-        return {"policy": repr(self.policy), "models": list(self.router.models), "requests": t["requests"],
-                "failed": t["failed"], "committed_tokens": n, "hops": t["hops"],
-                "hop_rate": t["hops"] / n if n else 0.0, "large_fraction": t["large_tokens"] / n if n else 0.0,
-                "generate_s": t["generate_s"], "committed_tok_s": n / t["generate_s"] if t["generate_s"] else 0.0}
+        return {
+            "policy": repr(self.policy),
+            "models": list(self.router.models),
+            "requests": t["requests"],
+            "failed": t["failed"],
+            "committed_tokens": n,
+            "hops": t["hops"],
+            "hop_rate": t["hops"] / n if n else 0.0,
+            "large_fraction": t["large_tokens"] / n if n else 0.0,
+            "generate_s": t["generate_s"],
+            "committed_tok_s": n / t["generate_s"] if t["generate_s"] else 0.0,
+        }
 
     def routing_table(self) -> str:
         """`routing` as a Markdown table, the shape of lm-eval's results table: what the
         command-line wrapper prints after it."""
         r = self.routing()
         head = ["policy", "requests", "failed", "committed tokens", "hop rate", "large share", "committed tok/s"]
-        row = [r["policy"], r["requests"], r["failed"], r["committed_tokens"], f"{r['hop_rate']:.4f}",
-               f"{r['large_fraction']:.3f}", f"{r['committed_tok_s']:.1f}"]
+        row = [
+            r["policy"],
+            r["requests"],
+            r["failed"],
+            r["committed_tokens"],
+            f"{r['hop_rate']:.4f}",
+            f"{r['large_fraction']:.3f}",
+            f"{r['committed_tok_s']:.1f}",
+        ]
         cells = [[str(c).replace("|", "/") for c in x] for x in (head, row)]
         return "\n".join(["|" + "|".join(c) + "|" for c in (cells[0], ["---"] * len(head), cells[1])])
 
@@ -383,16 +489,18 @@ class TokenRouterLM(TemplateLM):
         """Raise ValueError when chat template variables were given but no chat template renders
         the requests (neither ``chat=True`` nor lm-eval's ``--apply_chat_template``)."""
         if self.chat_template_kwargs and not self.chat and not self._templated:
-            raise ValueError(f"chat_template_kwargs {self.chat_template_kwargs} apply to the chat template, which "
-                             f"renders no request here: pass --apply_chat_template (or chat=True for generation)")
+            raise ValueError(
+                f"chat_template_kwargs {self.chat_template_kwargs} apply to the chat template, which "
+                f"renders no request here: pass --apply_chat_template (or chat=True for generation)"
+            )
 
     _templated = False  # lm-eval rendered a request with apply_chat_template
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
         self._templated = True
-        return self.router.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                         add_generation_prompt=add_generation_prompt,
-                                                         **self.chat_template_kwargs)
+        return self.router.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
+        )
 
     def close(self) -> None:
         """Close the Router if this object built it."""

@@ -102,8 +102,14 @@ class CpuWindow:
         n = cpus()
         other = self.other_cpu_s
         cores = other / self.wall_s if other is not None and self.wall_s > 0 else None
-        return {"cpu_s": self.cpu_s, "other_cpu_s": other, "other_cores": cores,
-                "other_share": cores / n if cores is not None else None, "load_1m": self.load_1m, "cpus": n}
+        return {
+            "cpu_s": self.cpu_s,
+            "other_cpu_s": other,
+            "other_cores": cores,
+            "other_share": cores / n if cores is not None else None,
+            "load_1m": self.load_1m,
+            "cpus": n,
+        }
 
 
 def load_summary(runs: list[dict]) -> dict:
@@ -112,11 +118,18 @@ def load_summary(runs: list[dict]) -> dict:
     threads too), and whether the runs were taken under load (``high``: other processes used
     more than `HIGH_OTHER_SHARE` of the CPUs in the median run)."""
     import statistics
+
     shares = [r["other_share"] for r in runs if r.get("other_share") is not None]
     loads = [r["load_1m"] for r in runs if r.get("load_1m") is not None]
     n = cpus()
     med = statistics.median(shares) if shares else None
     peak_load = max(loads) if loads else None
     high = med is not None and med > HIGH_OTHER_SHARE
-    return {"cpus": n, "other_share_median": med, "other_share_max": max(shares) if shares else None,
-            "load_1m_max": peak_load, "high": bool(high), "threshold_share": HIGH_OTHER_SHARE}
+    return {
+        "cpus": n,
+        "other_share_median": med,
+        "other_share_max": max(shares) if shares else None,
+        "load_1m_max": peak_load,
+        "high": bool(high),
+        "threshold_share": HIGH_OTHER_SHARE,
+    }

@@ -3,14 +3,27 @@ committed-token throughput or large fraction, the Pareto frontier drawn, referen
 
 from __future__ import annotations
 
-X_AXES = {"throughput": ("throughput_tok_s", "committed-token throughput (tokens/s)", True),
-          "large_fraction": ("large_fraction", "large fraction (committed tokens by the large model)", False),
-          "hop_rate": ("hop_rate", "hop rate (handoffs per committed token)", False)}
+X_AXES = {
+    "throughput": ("throughput_tok_s", "committed-token throughput (tokens/s)", True),
+    "large_fraction": ("large_fraction", "large fraction (committed tokens by the large model)", False),
+    "hop_rate": ("hop_rate", "hop rate (handoffs per committed token)", False),
+}
 Y_AXES = {"accuracy": ("accuracy", "accuracy"), "agreement": ("agreement", "agreement with large-only answers")}
-STYLE = {"sweep": ("circle", None), "large_only": ("diamond", "black"), "small_only": ("square", "grey"),
-         "random": ("x", "#d62728"), "random_span": ("star", "#ff7f0e"), "random_query": ("triangle-up", "#9467bd")}
-NAMES = {"large_only": "large only", "small_only": "small only", "random": "RandomRouting (matched)",
-         "random_span": "RandomSpanRouting (span-matched)", "random_query": "RandomQueryRouting (matched)"}
+STYLE = {
+    "sweep": ("circle", None),
+    "large_only": ("diamond", "black"),
+    "small_only": ("square", "grey"),
+    "random": ("x", "#d62728"),
+    "random_span": ("star", "#ff7f0e"),
+    "random_query": ("triangle-up", "#9467bd"),
+}
+NAMES = {
+    "large_only": "large only",
+    "small_only": "small only",
+    "random": "RandomRouting (matched)",
+    "random_span": "RandomSpanRouting (span-matched)",
+    "random_query": "RandomQueryRouting (matched)",
+}
 
 
 def _num(v):
@@ -51,6 +64,7 @@ def quality_figure(records: list[dict], x: str = "throughput", y: str = "accurac
     import plotly.graph_objects as go
 
     from ..viz.nbfigure import NotebookFigure
+
     (xcol, xlabel, higher), (ycol, ylabel) = _axes(x, y)
     fig = NotebookFigure()
     rows = [r for r in records if r.get(ycol) is not None and r.get(xcol) is not None]
@@ -69,32 +83,71 @@ def quality_figure(records: list[dict], x: str = "throughput", y: str = "accurac
         symbol, color = STYLE[kind]
         err = None
         if ycol == "accuracy":
-            err = dict(type="data", symmetric=False, array=[r["acc_ci_high"] - r["accuracy"] for r in rs],
-                       arrayminus=[r["accuracy"] - r["acc_ci_low"] for r in rs], thickness=1)
-        fig.add_trace(go.Scatter(
-            x=[r[xcol] for r in rs], y=[r[ycol] for r in rs], name=name,
-            mode="lines+markers+text" if kind == "sweep" else "markers",
-            text=[f"{r['value']:.3g}" if kind == "sweep" and r.get("value") is not None else "" for r in rs],
-            textposition="top center", error_y=err,
-            marker=dict(symbol=symbol, size=11 if kind != "sweep" else 9, **({"color": color} if color else {})),
-            customdata=[[r["label"], _num(r.get("hop_rate")), _num(r.get("large_fraction")),
-                         _num(r.get("throughput_tok_s")), r.get("failed", 0) or 0, r.get("n", "?"),
-                         _num(r.get("throughput_min")), _num(r.get("throughput_max"))] for r in rs],
-            hovertemplate="%{customdata[0]}<br>" + ylabel + " %{y:.3f}<br>hop rate %{customdata[1]:.3f}"
-                          "<br>large fraction %{customdata[2]:.3f}<br>throughput %{customdata[3]:.1f} tok/s "
-                          "(%{customdata[6]:.1f}-%{customdata[7]:.1f})<br>failed %{customdata[4]} of "
-                          "%{customdata[5]} requests<extra></extra>"))
+            err = dict(
+                type="data",
+                symmetric=False,
+                array=[r["acc_ci_high"] - r["accuracy"] for r in rs],
+                arrayminus=[r["accuracy"] - r["acc_ci_low"] for r in rs],
+                thickness=1,
+            )
+        fig.add_trace(
+            go.Scatter(
+                x=[r[xcol] for r in rs],
+                y=[r[ycol] for r in rs],
+                name=name,
+                mode="lines+markers+text" if kind == "sweep" else "markers",
+                text=[f"{r['value']:.3g}" if kind == "sweep" and r.get("value") is not None else "" for r in rs],
+                textposition="top center",
+                error_y=err,
+                marker=dict(symbol=symbol, size=11 if kind != "sweep" else 9, **({"color": color} if color else {})),
+                customdata=[
+                    [
+                        r["label"],
+                        _num(r.get("hop_rate")),
+                        _num(r.get("large_fraction")),
+                        _num(r.get("throughput_tok_s")),
+                        r.get("failed", 0) or 0,
+                        r.get("n", "?"),
+                        _num(r.get("throughput_min")),
+                        _num(r.get("throughput_max")),
+                    ]
+                    for r in rs
+                ],
+                hovertemplate="%{customdata[0]}<br>" + ylabel + " %{y:.3f}<br>hop rate %{customdata[1]:.3f}"
+                "<br>large fraction %{customdata[2]:.3f}<br>throughput %{customdata[3]:.1f} tok/s "
+                "(%{customdata[6]:.1f}-%{customdata[7]:.1f})<br>failed %{customdata[4]} of "
+                "%{customdata[5]} requests<extra></extra>",
+            )
+        )
     bad = [r for r in rows if r.get("failed")]
     if bad:
-        fig.add_trace(go.Scatter(x=[r[xcol] for r in bad], y=[r[ycol] for r in bad], mode="markers",
-                                 name="points with failed requests",
-                                 marker=dict(symbol="circle-open", size=22, color="#d62728", line=dict(width=2)),
-                                 text=[f"{r['label']}: {r['failed']} of {r.get('n', '?')} requests failed" for r in bad],
-                                 hoverinfo="text"))
+        fig.add_trace(
+            go.Scatter(
+                x=[r[xcol] for r in bad],
+                y=[r[ycol] for r in bad],
+                mode="markers",
+                name="points with failed requests",
+                marker=dict(symbol="circle-open", size=22, color="#d62728", line=dict(width=2)),
+                text=[f"{r['label']}: {r['failed']} of {r.get('n', '?')} requests failed" for r in bad],
+                hoverinfo="text",
+            )
+        )
     front = pareto_frontier([(r[xcol], r[ycol]) for r in rows], higher)
-    fig.add_trace(go.Scatter(x=[rows[i][xcol] for i in front], y=[rows[i][ycol] for i in front],
-                             name="Pareto frontier", mode="lines", line=dict(dash="dash", color="#2ca02c"),
-                             hoverinfo="skip"))
-    fig.update_layout(title=title or f"{ylabel} vs {xlabel.split(' (')[0]}", xaxis_title=xlabel,
-                      yaxis_title=ylabel, template="plotly_white", legend=dict(orientation="h", y=-0.2))
+    fig.add_trace(
+        go.Scatter(
+            x=[rows[i][xcol] for i in front],
+            y=[rows[i][ycol] for i in front],
+            name="Pareto frontier",
+            mode="lines",
+            line=dict(dash="dash", color="#2ca02c"),
+            hoverinfo="skip",
+        )
+    )
+    fig.update_layout(
+        title=title or f"{ylabel} vs {xlabel.split(' (')[0]}",
+        xaxis_title=xlabel,
+        yaxis_title=ylabel,
+        template="plotly_white",
+        legend=dict(orientation="h", y=-0.2),
+    )
     return fig

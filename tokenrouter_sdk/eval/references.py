@@ -59,6 +59,7 @@ def matched_references(swept: list[dict], refs, seed: int = 0) -> tuple[list[Ref
     and 1 (all answered by one model, or no request answered) gets none; ``skipped`` says which
     and why."""
     from ..policies import RandomQueryRouting, RandomRouting, RandomSpanRouting
+
     out: dict[str, RefPoint] = {}
     skipped = []
     want = [k for k in KINDS if k in refs]
@@ -67,32 +68,60 @@ def matched_references(swept: list[dict], refs, seed: int = 0) -> tuple[list[Ref
     for rec in swept:
         f = rec.get("large_fraction")
         if rec.get("answered", 1) == 0 or f is None or not 0.0 < round(float(f), 3) < 1.0:
-            why = (f"none of its {rec.get('n', '?')} requests was answered" if rec.get("answered", 1) == 0 else
-                   f"its large fraction {f if f is None else round(float(f), 3)} is not strictly between 0 and 1")
+            why = (
+                f"none of its {rec.get('n', '?')} requests was answered"
+                if rec.get("answered", 1) == 0
+                else f"its large fraction {f if f is None else round(float(f), 3)} is not strictly between 0 and 1"
+            )
             skipped.append({"point": rec["label"], "references": want, "why": why})
             continue
         f = round(float(f), 3)
         if "random" in want:
             label = f"RandomRouting(p={f:g})"
-            out.setdefault(label, RefPoint(label, "random", RandomRouting(p=f, seed=seed), "p", f, rec["label"],
-                                           {"large_fraction": f}))
+            out.setdefault(
+                label,
+                RefPoint(label, "random", RandomRouting(p=f, seed=seed), "p", f, rec["label"], {"large_fraction": f}),
+            )
         if "random_span" in want:
             lv, sv = rec.get("mean_large_visit"), rec.get("mean_small_visit")
             lv = math.inf if lv is None else _r(max(1.0, lv), 2)
             sv = math.inf if sv is None else _r(max(0.0, sv), 2)
             if math.isinf(sv):
-                skipped.append({"point": rec["label"], "references": ["random_span"],
-                                "why": "no small-model visit of it ended in a hand-off (no visit length to match)"})
+                skipped.append(
+                    {
+                        "point": rec["label"],
+                        "references": ["random_span"],
+                        "why": "no small-model visit of it ended in a hand-off (no visit length to match)",
+                    }
+                )
             else:
                 label = span_label(lv, sv)
-                out.setdefault(label, RefPoint(label, "random_span",
-                                               RandomSpanRouting(large_visit=lv, small_visit=sv, seed=seed),
-                                               "large_visit", lv, rec["label"],
-                                               {"large_fraction": f, "mean_large_visit": lv, "mean_small_visit": sv}))
+                out.setdefault(
+                    label,
+                    RefPoint(
+                        label,
+                        "random_span",
+                        RandomSpanRouting(large_visit=lv, small_visit=sv, seed=seed),
+                        "large_visit",
+                        lv,
+                        rec["label"],
+                        {"large_fraction": f, "mean_large_visit": lv, "mean_small_visit": sv},
+                    ),
+                )
         if "random_query" in want:
             label = f"RandomQueryRouting(p={f:g})"
-            out.setdefault(label, RefPoint(label, "random_query", RandomQueryRouting(p=f, seed=seed), "p", f,
-                                           rec["label"], {"large_fraction": f}))
+            out.setdefault(
+                label,
+                RefPoint(
+                    label,
+                    "random_query",
+                    RandomQueryRouting(p=f, seed=seed),
+                    "p",
+                    f,
+                    rec["label"],
+                    {"large_fraction": f},
+                ),
+            )
     return list(out.values()), skipped
 
 
@@ -137,10 +166,14 @@ def check_reference(rec: dict, answers: list[dict], large: str) -> str | None:
     if matches:
         return None
     if not inside:
-        return (f"reference {rec['label']} realised {what} {share:.3g} on {n} {unit}, outside the 95% sampling range "
-                f"[{lo:.3g}, {hi:.3g}] of its target {target:g} (the large fraction of {rec['matched_to']}): it no "
-                f"longer matches that point; use more questions (limit=) to compare at this fraction")
-    return (f"reference {rec['label']} realised mean visits of {rec['realised_large_visit']} (large) and "
-            f"{rec['realised_small_visit']} (small) tokens, outside the 95% ranges {rec['large_visit_range']} and "
-            f"{rec['small_visit_range']} of the targets of {rec['matched_to']}: it no longer matches that point's "
-            f"visit lengths; use more questions (limit=)")
+        return (
+            f"reference {rec['label']} realised {what} {share:.3g} on {n} {unit}, outside the 95% sampling range "
+            f"[{lo:.3g}, {hi:.3g}] of its target {target:g} (the large fraction of {rec['matched_to']}): it no "
+            f"longer matches that point; use more questions (limit=) to compare at this fraction"
+        )
+    return (
+        f"reference {rec['label']} realised mean visits of {rec['realised_large_visit']} (large) and "
+        f"{rec['realised_small_visit']} (small) tokens, outside the 95% ranges {rec['large_visit_range']} and "
+        f"{rec['small_visit_range']} of the targets of {rec['matched_to']}: it no longer matches that point's "
+        f"visit lengths; use more questions (limit=)"
+    )

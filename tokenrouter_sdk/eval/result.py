@@ -9,17 +9,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # (record key, header, format); "acc_ci" and "tok_s" are drawn from several keys
-TABLE_COLUMNS = [("label", "point", "{}"), ("failed", "failed", "{}"), ("accuracy", "acc", "{:.3f}"),
-                 ("acc_ci", "95% CI", "{}"), ("no_answer", "no_ans", "{:.3f}"), ("agreement", "ans_agree", "{:.3f}"),
-                 ("token_agreement_prefix", "tok_agree", "{:.3f}"), ("hop_rate", "hop_rate", "{:.4f}"),
-                 ("writer_change_rate", "writer_chg", "{:.4f}"), ("large_fraction", "large_frac", "{:.3f}"),
-                 ("tok_s", "tok/s (min-max)", "{}"), ("tok_per_cpu_s", "tok/cpu_s", "{:.1f}"),
-                 ("mean_latency_s", "latency_s", "{:.2f}"), ("tokens_per_answer", "tok/ans", "{:.1f}")]
+TABLE_COLUMNS = [
+    ("label", "point", "{}"),
+    ("failed", "failed", "{}"),
+    ("accuracy", "acc", "{:.3f}"),
+    ("acc_ci", "95% CI", "{}"),
+    ("no_answer", "no_ans", "{:.3f}"),
+    ("agreement", "ans_agree", "{:.3f}"),
+    ("token_agreement_prefix", "tok_agree", "{:.3f}"),
+    ("hop_rate", "hop_rate", "{:.4f}"),
+    ("writer_change_rate", "writer_chg", "{:.4f}"),
+    ("large_fraction", "large_frac", "{:.3f}"),
+    ("tok_s", "tok/s (min-max)", "{}"),
+    ("tok_per_cpu_s", "tok/cpu_s", "{:.1f}"),
+    ("mean_latency_s", "latency_s", "{:.2f}"),
+    ("tokens_per_answer", "tok/ans", "{:.1f}"),
+]
 SUMMARY_KEYS = ("apgr", "large_fraction_50", "large_fraction_80")
 SUMMARY_NAMES = {"apgr": "APGR", "large_fraction_50": "large_frac@50%", "large_fraction_80": "large_frac@80%"}
 RESULTS_JSON, RESULTS_CSV, PLOT_HTML, FIGURES_DIR = "results.json", "results.csv", "plot.html", "figures"
-_CSV_SKIP = ("throughput_runs", "prompt_fed_runs", "matched_points", "targets",
-             "calibration")  # lists and dicts: in results.json only
+_CSV_SKIP = (
+    "throughput_runs",
+    "prompt_fed_runs",
+    "matched_points",
+    "targets",
+    "calibration",
+)  # lists and dicts: in results.json only
 
 
 @dataclass
@@ -78,6 +93,7 @@ class EvalResult:
     def to_pandas(self):
         """The records as a `pandas.DataFrame` (one row per operating point)."""
         import pandas as pd
+
         return pd.DataFrame(self.records)
 
     @property
@@ -93,8 +109,11 @@ class EvalResult:
     @property
     def failures(self) -> list[dict]:
         """The points with failed requests: ``label``, ``failed``, ``n``, ``first_error``."""
-        return [{"label": r["label"], "failed": r["failed"], "n": r.get("n"), "first_error": r.get("first_error")}
-                for r in self.records if r.get("failed")]
+        return [
+            {"label": r["label"], "failed": r["failed"], "n": r.get("n"), "first_error": r.get("first_error")}
+            for r in self.records
+            if r.get("failed")
+        ]
 
     def _columns(self) -> list[tuple]:
         """`TABLE_COLUMNS`, with the target large share beside the realised one when a point was
@@ -102,7 +121,7 @@ class EvalResult:
         if not any(r.get("target_large_share") is not None for r in self.records):
             return TABLE_COLUMNS
         k = next(n for n, c in enumerate(TABLE_COLUMNS) if c[0] == "large_fraction")
-        return [*TABLE_COLUMNS[:k + 1], ("target_large_share", "target", "{:.3f}"), *TABLE_COLUMNS[k + 1:]]
+        return [*TABLE_COLUMNS[: k + 1], ("target_large_share", "target", "{:.3f}"), *TABLE_COLUMNS[k + 1 :]]
 
     def _table_rows(self) -> list[list[str]]:
         cols = self._columns()
@@ -116,8 +135,12 @@ class EvalResult:
                     continue
                 if key == "tok_s":
                     v, lo, hi = r.get("throughput_tok_s"), r.get("throughput_min"), r.get("throughput_max")
-                    row.append("-" if v is None else f"{v:.1f}" + (f" ({lo:.1f}-{hi:.1f})" if lo is not None and
-                                                                    r.get("repeats", 1) > 1 else ""))
+                    row.append(
+                        "-"
+                        if v is None
+                        else f"{v:.1f}"
+                        + (f" ({lo:.1f}-{hi:.1f})" if lo is not None and r.get("repeats", 1) > 1 else "")
+                    )
                     continue
                 if key == "failed":
                     f, n = r.get("failed"), r.get("n")
@@ -136,6 +159,7 @@ class EvalResult:
         mean latency (s), tokens per answer; the RouteLLM summaries and paired differences; then
         the `notes`."""
         from ..tables import text_table
+
         head, *rows = self._table_rows()
         top = self.question_lines()
         parts = top + [text_table(head, rows, align="l" + "r" * (len(head) - 1))]
@@ -156,6 +180,7 @@ class EvalResult:
         if not ids:
             return None
         import hashlib
+
         return hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:8]
 
     def question_lines(self) -> list[str]:
@@ -167,26 +192,39 @@ class EvalResult:
             return []
         seed = ds.get("seed")
         draw = "file order" if seed is None else f"seed {seed}"
-        out = [f"questions: {ds.get('n', '?')} of {ds.get('name', 'the benchmark')} ({draw}; set "
-               f"{self.question_set() or '?'}), the same for every point and reference"]
+        out = [
+            f"questions: {ds.get('n', '?')} of {ds.get('name', 'the benchmark')} ({draw}; set "
+            f"{self.question_set() or '?'}), the same for every point and reference"
+        ]
         ex, ov = self.config.get("excluded"), self.config.get("head_overlap")
         if ex:
             heads = ", ".join(f"{k} ({v} ids)" for k, v in ex["heads"].items())
-            out.append(f"questions: {ds.get('n', '?')} of {ds.get('name', 'the benchmark')}, leaving out "
-                       f"{ex['in_draw']} of the {ex['draw']} first drawn that the learned heads were trained, "
-                       f"validated or calibrated on ({heads}); the next questions in the same order took their "
-                       f"places, for every policy and reference alike")
+            out.append(
+                f"questions: {ds.get('n', '?')} of {ds.get('name', 'the benchmark')}, leaving out "
+                f"{ex['in_draw']} of the {ex['draw']} first drawn that the learned heads were trained, "
+                f"validated or calibrated on ({heads}); the next questions in the same order took their "
+                f"places, for every policy and reference alike"
+            )
         if ov:
-            out.append(f"questions: {ov['n']} of the {ds.get('n', '?')} scored were used to make the learned heads "
-                       f"(exclude_head_questions=False)")
+            out.append(
+                f"questions: {ov['n']} of the {ds.get('n', '?')} scored were used to make the learned heads "
+                f"(exclude_head_questions=False)"
+            )
         return out
 
     def _summary_rows(self):
         head = ["policy", "quality", "points", "failed", "APGR", "large_frac@50%", "large_frac@80%"]
         rows = []
         for s in self.summaries:
-            rows.append([s["policy"], s["metric"], s["points"], s["failed"],
-                         *("n/a" if s.get(k) is None else f"{s[k]:.3f}" for k in SUMMARY_KEYS)])
+            rows.append(
+                [
+                    s["policy"],
+                    s["metric"],
+                    s["points"],
+                    s["failed"],
+                    *("n/a" if s.get(k) is None else f"{s[k]:.3f}" for k in SUMMARY_KEYS),
+                ]
+            )
         return head, rows
 
     def summary_reasons(self) -> list[str]:
@@ -208,24 +246,39 @@ class EvalResult:
         of that gain (arXiv 2406.18665, section 5.1), each ``n/a`` where the policy's points do
         not carry it, with the reason under the table (`tokenrouter_sdk.eval.stats.gain_summary`)."""
         from ..tables import text_table
+
         head, rows = self._summary_rows()
         reasons = self.summary_reasons()
-        return ("RouteLLM summaries (cost = large fraction)\n" + text_table(head, rows, align="llrrrrr")
-                + ("\n" + "\n".join(reasons) if reasons else ""))
+        return (
+            "RouteLLM summaries (cost = large fraction)\n"
+            + text_table(head, rows, align="llrrrrr")
+            + ("\n" + "\n".join(reasons) if reasons else "")
+        )
 
     def _paired_rows(self):
         head = ["point", "vs", "n", "failed", "acc diff [95% CI]", "agree diff [95% CI]"]
 
         def fmt(d, ci):
             return "-" if d is None else f"{d:+.3f} [{ci[0]:+.3f},{ci[1]:+.3f}]"
-        rows = [[p["point"], p["vs"], p["n"], p.get("failed", 0), fmt(p["acc_diff"], p["acc_diff_ci"]),
-                 fmt(p["agree_diff"], p["agree_diff_ci"])] for p in self.paired]
+
+        rows = [
+            [
+                p["point"],
+                p["vs"],
+                p["n"],
+                p.get("failed", 0),
+                fmt(p["acc_diff"], p["acc_diff_ci"]),
+                fmt(p["agree_diff"], p["agree_diff_ci"]),
+            ]
+            for p in self.paired
+        ]
         return head, rows
 
     def paired_table(self) -> str:
         """Paired differences on the questions both points answered: accuracy and agreement of
         each swept point minus its comparator's, with percentile bootstrap 95% intervals."""
         from ..tables import text_table
+
         head, rows = self._paired_rows()
         return "paired differences on the same questions (point - vs)\n" + text_table(head, rows, align="llrrrr")
 
@@ -243,8 +296,10 @@ class EvalResult:
         out = []
         for r in self.records:
             if r.get("failed"):
-                out.append(f"FAILED: {r['label']}: {r['failed']} of {r.get('n', '?')} requests failed; its numbers are "
-                           f"over the {r.get('answered', '?')} answered. First error: {r.get('first_error')}")
+                out.append(
+                    f"FAILED: {r['label']}: {r['failed']} of {r.get('n', '?')} requests failed; its numbers are "
+                    f"over the {r.get('answered', '?')} answered. First error: {r.get('first_error')}"
+                )
         for s in self.config.get("skipped_references") or ():
             out.append(f"references {', '.join(s['references'])} not run for {s['point']}: {s['why']}")
         if self.records and not any(r.get("kind") == "large_only" for r in self.records):
@@ -253,33 +308,49 @@ class EvalResult:
         for r in self.records:
             if r.get("matches_target") is False:
                 lo, hi = r["target_range"]
-                extra = "" if r.get("visits_match", True) else (
-                    f"; mean visits {r.get('realised_large_visit')} / {r.get('realised_small_visit')} against "
-                    f"ranges {r.get('large_visit_range')} / {r.get('small_visit_range')}")
-                out.append(f"reference {r['label']} realised {r['realised']:.3g}, 95% range [{lo:.3g}, {hi:.3g}] of its "
-                           f"target {r['target']:g}{extra}: it does not match {r['matched_to']}")
+                extra = (
+                    ""
+                    if r.get("visits_match", True)
+                    else (
+                        f"; mean visits {r.get('realised_large_visit')} / {r.get('realised_small_visit')} against "
+                        f"ranges {r.get('large_visit_range')} / {r.get('small_visit_range')}"
+                    )
+                )
+                out.append(
+                    f"reference {r['label']} realised {r['realised']:.3g}, 95% range [{lo:.3g}, {hi:.3g}] of its "
+                    f"target {r['target']:g}{extra}: it does not match {r['matched_to']}"
+                )
         for r in self.records:
             cal = r.get("calibration")
             if cal:
                 got = r.get("large_fraction")
-                out.append(f"calibrated: {r['label']}: {cal['param']}={cal['threshold']:g} for a large share of "
-                           f"{cal['target']:g}: {cal['large_fraction']:.3f} on the {cal['n_prompts']} held-out "
-                           f"calibration questions ({len(cal['rounds'])} runs"
-                           + ("" if cal["within_tol"] else f", none within {cal['tol']:g}") + "), "
-                           + ("-" if got is None else f"{got:.3f}") + " on the questions evaluated")
+                out.append(
+                    f"calibrated: {r['label']}: {cal['param']}={cal['threshold']:g} for a large share of "
+                    f"{cal['target']:g}: {cal['large_fraction']:.3f} on the {cal['n_prompts']} held-out "
+                    f"calibration questions ({len(cal['rounds'])} runs"
+                    + ("" if cal["within_tol"] else f", none within {cal['tol']:g}")
+                    + "), "
+                    + ("-" if got is None else f"{got:.3f}")
+                    + " on the questions evaluated"
+                )
         mism = [r["label"] for r in self.records if r.get("repeat_mismatches")]
         if mism:
-            out.append(f"repeats wrote other tokens than the first run for {', '.join(mism)} (answers are the first "
-                       f"run's)")
+            out.append(
+                f"repeats wrote other tokens than the first run for {', '.join(mism)} (answers are the first run's)"
+            )
         t = self.config.get("timing")
         if t:
-            out.append(f"timing: {t['repeats']} run(s) per point, {t['order']}; cache: {t['cache_rule']}; "
-                       f"{t.get('clock', 'wall')} clock")
+            out.append(
+                f"timing: {t['repeats']} run(s) per point, {t['order']}; cache: {t['cache_rule']}; "
+                f"{t.get('clock', 'wall')} clock"
+            )
         m = self.config.get("machine")
         if m and m.get("other_share_median") is not None and (t or {}).get("clock") != "simulated":
-            out.append(f"machine: {m['cpus']} CPUs; other processes used {m['other_share_median']:.0%} of them in the "
-                       f"median run (max {m['other_share_max']:.0%}), load average up to {m['load_1m_max']:.2f}"
-                       + (": UNDER LOAD, compare throughputs from a quiet machine" if m.get("high") else ""))
+            out.append(
+                f"machine: {m['cpus']} CPUs; other processes used {m['other_share_median']:.0%} of them in the "
+                f"median run (max {m['other_share_max']:.0%}), load average up to {m['load_1m_max']:.2f}"
+                + (": UNDER LOAD, compare throughputs from a quiet machine" if m.get("high") else "")
+            )
         return out
 
     def plot(self, x: str = "throughput", y: str = "accuracy"):
@@ -289,6 +360,7 @@ class EvalResult:
         many. Shows inline in a notebook, and in exported notebooks and the docs (a
         `tokenrouter_sdk.viz.nbfigure.NotebookFigure`: plotly's JSON with an HTML form)."""
         from .plots import quality_figure
+
         return quality_figure(self.records, x=x, y=y, title=self._title(x, y))
 
     def plots(self) -> list[tuple[str, str]]:
@@ -311,6 +383,7 @@ class EvalResult:
             ImportError: matplotlib is not installed (``pip install 'tokenrouter-sdk[figures]'``).
         """
         from .static_plots import static_figure
+
         return static_figure(self.records, x=x, y=y, title=self._title(x, y))
 
     def save_figures(self, folder, formats=("png", "pdf")) -> list[Path]:
@@ -323,11 +396,13 @@ class EvalResult:
             ValueError: an unknown format.
         """
         from .static_plots import save_static
+
         return save_static(self.records, folder, self.plots(), formats=formats, title_of=self._title)
 
     def frontier(self, x: str = "throughput", y: str = "accuracy") -> list[str]:
         """Labels of the Pareto-optimal points (see `tokenrouter_sdk.eval.plots.pareto_frontier`)."""
         from .plots import X_AXES, pareto_frontier
+
         xcol, _, higher = X_AXES[x]
         rows = [r for r in self.records if r.get(y) is not None and r.get(xcol) is not None]
         return [rows[i]["label"] for i in pareto_frontier([(r[xcol], r[y]) for r in rows], higher)]
@@ -346,8 +421,14 @@ class EvalResult:
             w.writeheader()
             w.writerows(self.records)
         tmp = folder / (RESULTS_JSON + ".tmp")
-        tmp.write_text(json.dumps({"records": self.records, "config": self.config, "answers": self.answers,
-                                   "stats": self.stats}, indent=1, default=str), encoding="utf-8")
+        tmp.write_text(
+            json.dumps(
+                {"records": self.records, "config": self.config, "answers": self.answers, "stats": self.stats},
+                indent=1,
+                default=str,
+            ),
+            encoding="utf-8",
+        )
         tmp.replace(folder / RESULTS_JSON)
         try:
             self.save_figures(folder / FIGURES_DIR)
@@ -359,9 +440,12 @@ class EvalResult:
             return folder
         body = "".join(f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
         import html as _html
-        (folder / PLOT_HTML).write_text(f"<html><head><meta charset='utf-8'><title>quality at hop rate</title>"
-                                        f"</head><body>{body}<pre>{_html.escape(self.table())}</pre></body></html>",
-                                        encoding="utf-8")
+
+        (folder / PLOT_HTML).write_text(
+            f"<html><head><meta charset='utf-8'><title>quality at hop rate</title>"
+            f"</head><body>{body}<pre>{_html.escape(self.table())}</pre></body></html>",
+            encoding="utf-8",
+        )
         return folder
 
     @classmethod
@@ -386,12 +470,14 @@ class EvalResult:
         import html as _html
 
         from ..tables import html_table
+
         head, *rows = self._table_rows()
         ds = self.config.get("dataset", {})
         top = self.question_lines()
         out = "".join(f"<p>{_html.escape(line)}</p>" for line in top)
-        out += html_table(head, rows, caption=f"{ds.get('name', 'sweep')} (n={ds.get('n', '?')}): "
-                                               f"{len(self.records)} points")
+        out += html_table(
+            head, rows, caption=f"{ds.get('name', 'sweep')} (n={ds.get('n', '?')}): {len(self.records)} points"
+        )
         if self.summaries:
             h, r = self._summary_rows()
             out += html_table(h, r, caption="RouteLLM summaries (cost = large fraction)", align="llrrrrr")

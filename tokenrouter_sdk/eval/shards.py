@@ -70,12 +70,16 @@ def _ray_shard(argv: list[str], entry) -> dict[str, bytes]:
         rc = entry(args)
         if rc:
             raise RuntimeError(f"tokenrouter eval {' '.join(argv)} exited {rc}")
-        return {p.relative_to(tmp).as_posix(): p.read_bytes() for p in Path(tmp).rglob("*")
-                if p.is_file() and p.parent != Path(tmp)}  # points/ and shards/, not the shard's own results
+        return {
+            p.relative_to(tmp).as_posix(): p.read_bytes()
+            for p in Path(tmp).rglob("*")
+            if p.is_file() and p.parent != Path(tmp)
+        }  # points/ and shards/, not the shard's own results
 
 
-def run_ray(argv: list[str], n: int, out: str, entry, *, address: str | None = None, num_cpus: float = 1,
-            num_gpus: float = 0) -> None:
+def run_ray(
+    argv: list[str], n: int, out: str, entry, *, address: str | None = None, num_cpus: float = 1, num_gpus: float = 0
+) -> None:
     """Run the ``n`` shards as Ray tasks and write their files into ``out``; ``entry`` runs one
     (``tokenrouter_sdk.cli.eval.main``, passed in so that this module does not import the command).
 

@@ -14,10 +14,14 @@ from pathlib import Path
 from .plots import NAMES, X_AXES, Y_AXES, _axes, pareto_frontier
 
 FORMATS = ("png", "pdf", "svg")
-MARKERS = {"sweep": "o", "large_only": "D", "small_only": "s", "random": "x", "random_span": "*",
-           "random_query": "^"}
-COLORS = {"large_only": "black", "small_only": "grey", "random": "#d62728", "random_span": "#ff7f0e",
-          "random_query": "#9467bd"}
+MARKERS = {"sweep": "o", "large_only": "D", "small_only": "s", "random": "x", "random_span": "*", "random_query": "^"}
+COLORS = {
+    "large_only": "black",
+    "small_only": "grey",
+    "random": "#d62728",
+    "random_span": "#ff7f0e",
+    "random_query": "#9467bd",
+}
 POLICY_COLORS = ("#1f77b4", "#2ca02c", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 
 
@@ -47,27 +51,51 @@ def static_figure(records: list[dict], x: str = "throughput", y: str = "accuracy
     rows = [r for r in records if r.get(ycol) is not None and r.get(xcol) is not None]
     policies = list(dict.fromkeys(r.get("policy_name") or r["policy"] for r in rows if r["kind"] == "sweep"))
     for i, name in enumerate(policies):
-        rs = sorted((r for r in rows if r["kind"] == "sweep" and (r.get("policy_name") or r["policy"]) == name),
-                    key=lambda r: r[xcol])
+        rs = sorted(
+            (r for r in rows if r["kind"] == "sweep" and (r.get("policy_name") or r["policy"]) == name),
+            key=lambda r: r[xcol],
+        )
         color = POLICY_COLORS[i % len(POLICY_COLORS)]
         label = f"{name} ({rs[0]['param']})" if rs[0].get("param") else str(name)
         _points(ax, rs, xcol, ycol, color=color, marker=MARKERS["sweep"], label=label, line=True)
         for r in rs:
             if r.get("value") is not None:
-                ax.annotate(_short(r["value"]), (r[xcol], r[ycol]), textcoords="offset points", xytext=(0, 6),
-                            ha="center", fontsize=8, color=color)
+                ax.annotate(
+                    _short(r["value"]),
+                    (r[xcol], r[ycol]),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize=8,
+                    color=color,
+                )
     for kind in ("large_only", "small_only", "random", "random_span", "random_query"):
         rs = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r[xcol])
         if rs:
             _points(ax, rs, xcol, ycol, color=COLORS[kind], marker=MARKERS[kind], label=NAMES[kind], line=False)
     bad = [r for r in rows if r.get("failed")]
     if bad:
-        ax.scatter([r[xcol] for r in bad], [r[ycol] for r in bad], s=260, facecolors="none", edgecolors="#d62728",
-                   linewidths=1.5, label="points with failed requests", zorder=4)
+        ax.scatter(
+            [r[xcol] for r in bad],
+            [r[ycol] for r in bad],
+            s=260,
+            facecolors="none",
+            edgecolors="#d62728",
+            linewidths=1.5,
+            label="points with failed requests",
+            zorder=4,
+        )
     front = pareto_frontier([(r[xcol], r[ycol]) for r in rows], higher)
     if front:
-        ax.plot([rows[i][xcol] for i in front], [rows[i][ycol] for i in front], linestyle="--", color="#2ca02c",
-                linewidth=1, label="Pareto frontier", zorder=1)
+        ax.plot(
+            [rows[i][xcol] for i in front],
+            [rows[i][ycol] for i in front],
+            linestyle="--",
+            color="#2ca02c",
+            linewidth=1,
+            label="Pareto frontier",
+            zorder=1,
+        )
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title or f"{ylabel} vs {xlabel.split(' (')[0]}", fontsize=11)
@@ -85,12 +113,24 @@ def _points(ax, rs: list[dict], xcol: str, ycol: str, *, color: str, marker: str
     err = None
     if ycol == "accuracy" and all(r.get("acc_ci_low") is not None and r.get("acc_ci_high") is not None for r in rs):
         err = [[r["accuracy"] - r["acc_ci_low"] for r in rs], [r["acc_ci_high"] - r["accuracy"] for r in rs]]
-    ax.errorbar(xs, ys, yerr=err, color=color, marker=marker, linestyle="-" if line else "none", markersize=6,
-                elinewidth=0.8, capsize=2, label=label, zorder=3)
+    ax.errorbar(
+        xs,
+        ys,
+        yerr=err,
+        color=color,
+        marker=marker,
+        linestyle="-" if line else "none",
+        markersize=6,
+        elinewidth=0.8,
+        capsize=2,
+        label=label,
+        zorder=3,
+    )
 
 
-def save_static(records: list[dict], folder, plots: list[tuple[str, str]], *, formats=("png", "pdf"),
-                title_of=None) -> list[Path]:
+def save_static(
+    records: list[dict], folder, plots: list[tuple[str, str]], *, formats=("png", "pdf"), title_of=None
+) -> list[Path]:
     """Write ``static_figure`` of every ``(x, y)`` in ``plots`` into ``folder`` as
     ``{y}_vs_{x}.{format}`` for each format; returns the paths written.
 

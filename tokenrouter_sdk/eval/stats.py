@@ -15,8 +15,15 @@ Z95 = 1.959964  # the two-sided 95% point of the standard normal
 
 
 # -- visits ------------------------------------------------------------------------------------
-_COUNTS = ("tokens_large", "tokens_small", "visits_large", "visits_small", "ended_large", "ended_small",
-           "at_risk_large")
+_COUNTS = (
+    "tokens_large",
+    "tokens_small",
+    "visits_large",
+    "visits_small",
+    "ended_large",
+    "ended_small",
+    "at_risk_large",
+)
 
 
 def visits_from_trace(trace, rids) -> dict[int, list[list]]:
@@ -25,6 +32,7 @@ def visits_from_trace(trace, rids) -> dict[int, list[list]]:
     was handed on without a commit has 0 tokens), from a call's events (`Admitted`, `Committed`,
     `Hopped`)."""
     from ..engine.messages import Admitted, Committed, Hopped
+
     rids = set(rids)
     evs = [e for e in trace if isinstance(e, (Admitted, Committed, Hopped)) and e.rid in rids]
     evs.sort(key=lambda e: e.t)  # one host clock (sub-servers' events are put on the engine's)
@@ -135,13 +143,15 @@ def mean_range(trials: int, mean: float | None, binomial_range, *, zero: bool) -
 
 
 # -- paired comparisons ------------------------------------------------------------------------
-def paired_bootstrap(a: Sequence[float], b: Sequence[float], *, resamples: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> dict | None:
+def paired_bootstrap(
+    a: Sequence[float], b: Sequence[float], *, resamples: int = 2000, seed: int = 0, level: float = 0.95
+) -> dict | None:
     """Difference of means of paired per-question values (``a[i]`` and ``b[i]`` on question i),
     with a percentile bootstrap interval over the questions (Efron and Tibshirani, An
     Introduction to the Bootstrap, 1993, chapter 13): ``{"n", "diff", "ci_low", "ci_high"}``;
     None without questions. Seeded: the same inputs give the same interval."""
     import numpy as np
+
     n = len(a)
     if n == 0 or len(b) != n:
         return None
@@ -182,8 +192,15 @@ def gain_summary(points: Sequence[tuple[float, float]], small: float, large: flo
     """
     gain = large - small
     keys = ("apgr", "large_fraction_50", "large_fraction_80")
-    out = {"gain": gain, "apgr": None, "large_fraction_50": None, "large_fraction_80": None, "why": None,
-           "why_na": {}, "span": None}
+    out = {
+        "gain": gain,
+        "apgr": None,
+        "large_fraction_50": None,
+        "large_fraction_80": None,
+        "why": None,
+        "why_na": {},
+        "span": None,
+    }
     if not gain > 0:
         out["why"] = f"large-only ({large:.3g}) is not above small-only ({small:.3g}): there is no gain to recover"
         out["why_na"] = dict.fromkeys(keys, out["why"])
@@ -203,12 +220,16 @@ def gain_summary(points: Sequence[tuple[float, float]], small: float, large: flo
     ys = [(sum(by[x]) / len(by[x]) - small) / gain for x in xs]
     bridged = lo + (1.0 - hi)
     if len(mine) < 2:
-        out["why_na"]["apgr"] = (f"one point (large fraction {lo:.3g}): the area would be the straight lines to the "
-                                 f"references; sweep more values")
+        out["why_na"]["apgr"] = (
+            f"one point (large fraction {lo:.3g}): the area would be the straight lines to the "
+            f"references; sweep more values"
+        )
     elif bridged > APGR_MAX_BRIDGE:
-        out["why_na"]["apgr"] = (f"the points span large fractions {lo:.3g} to {hi:.3g}: {bridged:.0%} of the axis "
-                                 f"would be the straight lines to the references (at most "
-                                 f"{APGR_MAX_BRIDGE:.0%}); sweep values that reach further")
+        out["why_na"]["apgr"] = (
+            f"the points span large fractions {lo:.3g} to {hi:.3g}: {bridged:.0%} of the axis "
+            f"would be the straight lines to the references (at most "
+            f"{APGR_MAX_BRIDGE:.0%}); sweep values that reach further"
+        )
     else:
         out["apgr"] = sum((x1 - x0) * (y0 + y1) / 2 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]))
     for share, key in ((0.5, "large_fraction_50"), (0.8, "large_fraction_80")):
@@ -223,10 +244,14 @@ def gain_summary(points: Sequence[tuple[float, float]], small: float, large: flo
         if cross is not None and lo <= cross <= hi:
             out[key] = cross
         elif cross is not None and cross < lo:
-            out["why_na"][key] = (f"reached below the policy's least large fraction {lo:.3g}, on the line from "
-                                  f"small-only; sweep values with a smaller large fraction")
+            out["why_na"][key] = (
+                f"reached below the policy's least large fraction {lo:.3g}, on the line from "
+                f"small-only; sweep values with a smaller large fraction"
+            )
         else:
-            out["why_na"][key] = (f"not reached within the policy's points (large fraction up to {hi:.3g})"
-                                  + (f"; the straight line to large-only would put it at {cross:.3g}"
-                                     if cross is not None else "") + "; sweep values with a larger large fraction")
+            out["why_na"][key] = (
+                f"not reached within the policy's points (large fraction up to {hi:.3g})"
+                + (f"; the straight line to large-only would put it at {cross:.3g}" if cross is not None else "")
+                + "; sweep values with a larger large fraction"
+            )
     return out

@@ -68,27 +68,50 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from .answers import answers_equal, extract_answer, extract_choice
+from .calibrate import CALIBRATION_QUESTIONS, calibrate_entries, check_targets
 from .config import config_hash, describe_policy, describe_router, library_versions, wilson_interval
 from .datasets import Benchmark, load_benchmark
 from .head_data import excluded_ids
 from .machine import CpuWindow, load_summary
-from .references import KINDS as MATCHED, check_reference, matched_references
+from .references import KINDS as MATCHED
+from .references import check_reference, matched_references
 from .result import EvalResult
 from .stats import gain_summary, mean_visits, paired_bootstrap, token_agreement, visit_counts, visits_from_trace
-from .calibrate import CALIBRATION_QUESTIONS, calibrate_entries, check_targets
 
 # name -> (policy class name in tokenrouter_sdk.policies, swept parameter)
-POLICIES = {"rstitch": ("RStitch", "tau"), "random": ("RandomRouting", "p"),
-            "random_query": ("RandomQueryRouting", "p"), "r2r_entropy": ("R2REntropy", "threshold"),
-            "r2r": ("R2R", "tau"), "citer": ("CITER", "tau"), "co_llm": ("CoLLM", "eta"),
-            "query": ("QueryRouter", "threshold")}  # the last four: learned heads (the packaged ones by default)
+POLICIES = {
+    "rstitch": ("RStitch", "tau"),
+    "random": ("RandomRouting", "p"),
+    "random_query": ("RandomQueryRouting", "p"),
+    "r2r_entropy": ("R2REntropy", "threshold"),
+    "r2r": ("R2R", "tau"),
+    "citer": ("CITER", "tau"),
+    "co_llm": ("CoLLM", "eta"),
+    "query": ("QueryRouter", "threshold"),
+}  # the last four: learned heads (the packaged ones by default)
 TRAINING_FREE = ("rstitch", "random", "random_query", "r2r_entropy")
 DEFAULT_VALUES = (0.02, 0.05, 0.1, 0.2, 0.4)  # the training-free policies' default sweep (the CLI's too)
 REFERENCES = ("large_only", "small_only", "random", "random_span", "random_query")
 CACHE_MODES = ("clear", "keep")
-TIMING_KEYS = ("repeats", "throughput_tok_s", "throughput_runs", "throughput_min", "throughput_max", "throughput_spread",
-               "wall_s", "mean_latency_s", "tok_per_cpu_s", "cpu_s", "other_share", "prompt_tokens",
-               "prefix_hit_tokens", "prompt_tokens_fed", "prompt_fed_runs", "repeat_mismatches", "resumed")
+TIMING_KEYS = (
+    "repeats",
+    "throughput_tok_s",
+    "throughput_runs",
+    "throughput_min",
+    "throughput_max",
+    "throughput_spread",
+    "wall_s",
+    "mean_latency_s",
+    "tok_per_cpu_s",
+    "cpu_s",
+    "other_share",
+    "prompt_tokens",
+    "prefix_hit_tokens",
+    "prompt_tokens_fed",
+    "prompt_fed_runs",
+    "repeat_mismatches",
+    "resumed",
+)
 """Record keys that are measurements of time and of the cache state a run met (they differ between
 two runs of the same sweep; everything else is a function of the answers)."""
 DEFAULT_REPEATS = 2
@@ -103,9 +126,11 @@ def policy_factory_for(name: str) -> tuple[Callable[[float], Any], str]:
     """
     key = name.lower().replace("-", "_")
     if key not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; sweepable built-ins: {', '.join(POLICIES)} "
-                         f"(or pass a callable value -> Policy)")
+        raise ValueError(
+            f"unknown policy {name!r}; sweepable built-ins: {', '.join(POLICIES)} (or pass a callable value -> Policy)"
+        )
     from .. import policies
+
     cls_name, param = POLICIES[key]
     cls = getattr(policies, cls_name)
     return (lambda v: cls(**{param: v})), param
@@ -120,8 +145,10 @@ def _factory(policy_factory, param: str | None) -> tuple[Callable[[float], Any],
         return ((lambda v: cls(**{param: v})) if param else (lambda v: cls(v))), param or "value"
     if callable(policy_factory):
         return policy_factory, param or "value"
-    raise TypeError(f"policy_factory must be a policy name, a Policy class or a callable value -> Policy, "
-                    f"got {type(policy_factory).__name__}")
+    raise TypeError(
+        f"policy_factory must be a policy name, a Policy class or a callable value -> Policy, "
+        f"got {type(policy_factory).__name__}"
+    )
 
 
 def default_values(policy_factory, param: str | None = None) -> list[float]:
@@ -139,6 +166,7 @@ def default_values(policy_factory, param: str | None = None) -> list[float]:
         if key in TRAINING_FREE:
             return list(DEFAULT_VALUES)
         from .. import policies
+
         cls_name, p = POLICIES.get(key, (None, None))
         if cls_name is None:
             policy_factory_for(policy_factory)  # raises, naming the known ones
@@ -150,8 +178,10 @@ def default_values(policy_factory, param: str | None = None) -> list[float]:
             v = None
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return [v]
-    raise ValueError(f"give values for {getattr(policy_factory, '__name__', policy_factory)!r}: only the built-in "
-                     f"names and Policy classes with a default {param or 'parameter'} have default values")
+    raise ValueError(
+        f"give values for {getattr(policy_factory, '__name__', policy_factory)!r}: only the built-in "
+        f"names and Policy classes with a default {param or 'parameter'} have default values"
+    )
 
 
 @dataclass
@@ -173,10 +203,13 @@ def _entry(name: str | None, spec, values=None, param: str | None = None) -> _En
     with ``policy``, ``values`` and ``param``, or a `Policy` instance (one point, as it is,
     labelled by its name)."""
     from ..policy import Policy
+
     if isinstance(spec, Policy):
         if values is not None or param is not None:
-            raise ValueError(f"policy {name or type(spec).__name__!r} is an instance: it runs as one point as it is; "
-                             f"give a factory (a class or value -> Policy) to sweep values")
+            raise ValueError(
+                f"policy {name or type(spec).__name__!r} is an instance: it runs as one point as it is; "
+                f"give a factory (a class or value -> Policy) to sweep values"
+            )
         return _Entry(name, lambda v, _p=spec: _p, None, [None], explicit_param=False)
     if isinstance(spec, Mapping):
         spec, values, param = spec.get("policy"), spec.get("values", values), spec.get("param", param)
@@ -196,17 +229,21 @@ def _entry(name: str | None, spec, values=None, param: str | None = None) -> _En
 def _open_router(router_or_models, tokenizer, router_kwargs: dict):
     """(router, whether we own it and must close it)."""
     from ..router import Router
+
     if isinstance(router_or_models, Router):
         if router_kwargs:
-            raise ValueError("router_kwargs apply only when evaluate_policy builds the Router; "
-                             "set them on your Router instead")
+            raise ValueError(
+                "router_kwargs apply only when evaluate_policy builds the Router; set them on your Router instead"
+            )
         return router_or_models, False
     if router_or_models is None or router_or_models == "default":
         return Router.default(**router_kwargs), True
     if isinstance(router_or_models, dict):
         return Router(router_or_models, tokenizer=tokenizer, **router_kwargs), True
-    raise TypeError(f"router_or_models must be a Router, a dict name -> model (smallest first) or 'default', "
-                    f"got {type(router_or_models).__name__}")
+    raise TypeError(
+        f"router_or_models must be a Router, a dict name -> model (smallest first) or 'default', "
+        f"got {type(router_or_models).__name__}"
+    )
 
 
 def _slug(s: str) -> str:
@@ -246,8 +283,18 @@ def _median(xs: list) -> float | None:
 class _Runner:
     """Runs, times and records the operating points on one router and benchmark."""
 
-    def __init__(self, router, bench: Benchmark, common: dict, sampling: dict, concurrency, out_dir, bar,
-                 cache: str, deferred: list):
+    def __init__(
+        self,
+        router,
+        bench: Benchmark,
+        common: dict,
+        sampling: dict,
+        concurrency,
+        out_dir,
+        bar,
+        cache: str,
+        deferred: list,
+    ):
         self.router, self.bench, self.common, self.sampling = router, bench, common, sampling
         self.concurrency, self.bar, self.cache, self.deferred = concurrency, bar, cache, deferred
         self.points_dir = Path(out_dir) / "points" if out_dir is not None else None
@@ -271,11 +318,16 @@ class _Runner:
         fill allocator caches), then an empty prefix cache."""
         self._warm = True
         from ..policies import RandomRouting
+
         n = min(WARMUP_PROMPTS, len(self.bench.prompts))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.router.generate(self.bench.prompts[:n], policy=RandomRouting(p=0.5, seed=0), concurrency=n,
-                                 **dict(self.sampling, max_new_tokens=min(WARMUP_TOKENS, self.sampling["max_new_tokens"])))
+            self.router.generate(
+                self.bench.prompts[:n],
+                policy=RandomRouting(p=0.5, seed=0),
+                concurrency=n,
+                **dict(self.sampling, max_new_tokens=min(WARMUP_TOKENS, self.sampling["max_new_tokens"])),
+            )
         if self.cache == "clear":
             self.router.clear_prefix_cache()
 
@@ -289,8 +341,9 @@ class _Runner:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with CpuWindow() as win:
-                outs = self.router.generate(self.bench.prompts, policy=pt.policy, concurrency=self.concurrency,
-                                            **self.sampling)
+                outs = self.router.generate(
+                    self.bench.prompts, policy=pt.policy, concurrency=self.concurrency, **self.sampling
+                )
         for w in caught:  # shown after the progress bar; failed requests are reported by the sweep itself
             if "requests failed" not in str(w.message):
                 self.deferred.append((w.category, f"{pt.label}: {w.message}"))
@@ -299,15 +352,22 @@ class _Runner:
         ok = [o for o in outs if o.ok]
         tok = sum(len(o.token_ids) for o in ok)
         mach = win.record()
-        run = {"repeat": repeat, "seq": len(self.log), "wall_s": m.wall_s,
-               "throughput_tok_s": tok / m.wall_s if ok and m.wall_s > 0 else None, "committed_tokens": tok,
-               "mean_latency_s": statistics.fmean(o.latency_s or 0.0 for o in ok) if ok else None,
-               "tok_per_cpu_s": (tok / mach["cpu_s"] if ok and not self.sim and mach["cpu_s"] and mach["cpu_s"] > 0
-                                 else None),  # simulated seconds are not CPU seconds
-               "prompt_tokens": sum(x.prefix_query_tokens for x in m.per_model.values()),
-               "prefix_hit_tokens": sum(x.prefix_hit_tokens for x in m.per_model.values()),
-               "prompt_fed": {n: x.prefix_query_tokens - x.prefix_hit_tokens for n, x in m.per_model.items()},
-               "tokens_hash": config_hash([list(o.token_ids) for o in outs]), **mach}
+        run = {
+            "repeat": repeat,
+            "seq": len(self.log),
+            "wall_s": m.wall_s,
+            "throughput_tok_s": tok / m.wall_s if ok and m.wall_s > 0 else None,
+            "committed_tokens": tok,
+            "mean_latency_s": statistics.fmean(o.latency_s or 0.0 for o in ok) if ok else None,
+            "tok_per_cpu_s": (
+                tok / mach["cpu_s"] if ok and not self.sim and mach["cpu_s"] and mach["cpu_s"] > 0 else None
+            ),  # simulated seconds are not CPU seconds
+            "prompt_tokens": sum(x.prefix_query_tokens for x in m.per_model.values()),
+            "prefix_hit_tokens": sum(x.prefix_hit_tokens for x in m.per_model.values()),
+            "prompt_fed": {n: x.prefix_query_tokens - x.prefix_hit_tokens for n, x in m.per_model.items()},
+            "tokens_hash": config_hash([list(o.token_ids) for o in outs]),
+            **mach,
+        }
         self.log.append([repeat, pt.label])
         self.session_runs.append(run)
         if self.bar is not None:
@@ -361,9 +421,19 @@ class _Runner:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         rec = self.records[label]
-        tmp.write_text(json.dumps({"config_hash": rec["config_hash"], "policy": self.policies[label], "record": rec,
-                                   "answers": self.answers[label], "runs": self.runs[label]}, default=str),
-                       encoding="utf-8")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "config_hash": rec["config_hash"],
+                    "policy": self.policies[label],
+                    "record": rec,
+                    "answers": self.answers[label],
+                    "runs": self.runs[label],
+                },
+                default=str,
+            ),
+            encoding="utf-8",
+        )
         tmp.replace(path)
 
     def _path(self, label: str, h: str) -> Path | None:
@@ -375,18 +445,37 @@ class _Runner:
         for qid, out, gold in zip(self.bench.ids, outs, self.gold):
             text = out.text if out.ok else None
             pred = extract_answer(text, kindq) if out.ok else None
-            ans.append({"id": qid, "ok": out.ok, "text": text, "pred": pred,
-                        "correct": bool(out.ok and answers_equal(pred, gold, kindq)),
-                        "tokens": len(out.token_ids), "large_tokens": out.token_models.count(self.large),
-                        "hops": out.hops, "writer_changes": out.writer_changes, "finish_reason": out.finish_reason,
-                        "error": out.error if not out.ok else None, "token_ids": list(out.token_ids),
-                        "visits": visits.get(out.rid) or _runs(out.token_models)})
+            ans.append(
+                {
+                    "id": qid,
+                    "ok": out.ok,
+                    "text": text,
+                    "pred": pred,
+                    "correct": bool(out.ok and answers_equal(pred, gold, kindq)),
+                    "tokens": len(out.token_ids),
+                    "large_tokens": out.token_models.count(self.large),
+                    "hops": out.hops,
+                    "writer_changes": out.writer_changes,
+                    "finish_reason": out.finish_reason,
+                    "error": out.error if not out.ok else None,
+                    "token_ids": list(out.token_ids),
+                    "visits": visits.get(out.rid) or _runs(out.token_models),
+                }
+            )
         return ans
 
     def _record(self, pt: _Point, ans: list[dict], h: str) -> dict:
         rec = record_of(ans, self.large)
-        rec.update(label=pt.label, kind=pt.kind, policy=type(pt.policy).__name__, policy_name=pt.policy_name,
-                   param=pt.param, value=pt.value, config_hash=h, resumed=False)
+        rec.update(
+            label=pt.label,
+            kind=pt.kind,
+            policy=type(pt.policy).__name__,
+            policy_name=pt.policy_name,
+            param=pt.param,
+            value=pt.value,
+            config_hash=h,
+            resumed=False,
+        )
         return rec
 
 
@@ -406,18 +495,32 @@ def record_of(ans: list[dict], large: str) -> dict:
     tokens = sum(a["tokens"] for a in ok)
     vis = mean_visits([visit_counts(a.get("visits") or [], large) for a in ok])
     errors = [a["error"] for a in ans if a not in ok and a.get("error")]
-    return {"n": n, "answered": m, "failed": n - m, "correct": k, "accuracy": k / m if m else None,
-            "acc_ci_low": lo, "acc_ci_high": hi, "agreement": None, "agreement_n": 0,
-            "token_agreement_prefix": None, "token_agreement": None,
-            "extracted": sum(a["pred"] is not None for a in ok) / m if m else None,
-            "no_answer": sum(a["pred"] is None for a in ok) / m if m else None,
-            "hops": sum(a["hops"] for a in ok), "hop_rate": sum(a["hops"] for a in ok) / tokens if tokens else None,
-            "writer_changes": sum(a.get("writer_changes", 0) for a in ok),
-            "writer_change_rate": sum(a.get("writer_changes", 0) for a in ok) / tokens if tokens else None,
-            "large_fraction": sum(a["large_tokens"] for a in ok) / tokens if tokens else None,
-            "mean_large_visit": vis["mean_large_visit"], "mean_small_visit": vis["mean_small_visit"],
-            "tokens_per_answer": tokens / m if m else None, "committed_tokens": tokens,
-            "flagged": n - m > 0, "first_error": (errors[0][:400] if errors else None)}
+    return {
+        "n": n,
+        "answered": m,
+        "failed": n - m,
+        "correct": k,
+        "accuracy": k / m if m else None,
+        "acc_ci_low": lo,
+        "acc_ci_high": hi,
+        "agreement": None,
+        "agreement_n": 0,
+        "token_agreement_prefix": None,
+        "token_agreement": None,
+        "extracted": sum(a["pred"] is not None for a in ok) / m if m else None,
+        "no_answer": sum(a["pred"] is None for a in ok) / m if m else None,
+        "hops": sum(a["hops"] for a in ok),
+        "hop_rate": sum(a["hops"] for a in ok) / tokens if tokens else None,
+        "writer_changes": sum(a.get("writer_changes", 0) for a in ok),
+        "writer_change_rate": sum(a.get("writer_changes", 0) for a in ok) / tokens if tokens else None,
+        "large_fraction": sum(a["large_tokens"] for a in ok) / tokens if tokens else None,
+        "mean_large_visit": vis["mean_large_visit"],
+        "mean_small_visit": vis["mean_small_visit"],
+        "tokens_per_answer": tokens / m if m else None,
+        "committed_tokens": tokens,
+        "flagged": n - m > 0,
+        "first_error": (errors[0][:400] if errors else None),
+    }
 
 
 def _timing(rec: dict, runs: list[dict]) -> None:
@@ -426,16 +529,24 @@ def _timing(rec: dict, runs: list[dict]) -> None:
     tokens than the first."""
     tps = [r["throughput_tok_s"] for r in runs if r.get("throughput_tok_s") is not None]
     med = _median(tps)
-    rec.update(repeats=len(runs), throughput_tok_s=med, throughput_runs=tps,
-               throughput_min=min(tps) if tps else None, throughput_max=max(tps) if tps else None,
-               throughput_spread=(max(tps) - min(tps)) / med if tps and med else None,
-               wall_s=_median([r["wall_s"] for r in runs]), mean_latency_s=_median([r.get("mean_latency_s") for r in runs]),
-               tok_per_cpu_s=_median([r.get("tok_per_cpu_s") for r in runs]),
-               cpu_s=_median([r.get("cpu_s") for r in runs]), other_share=_median([r.get("other_share") for r in runs]),
-               prompt_tokens=runs[0]["prompt_tokens"], prefix_hit_tokens=runs[0]["prefix_hit_tokens"],
-               prompt_tokens_fed=runs[0]["prompt_tokens"] - runs[0]["prefix_hit_tokens"],
-               prompt_fed_runs=[r["prompt_fed"] for r in runs],
-               repeat_mismatches=sum(r.get("tokens_hash") != runs[0].get("tokens_hash") for r in runs[1:]))
+    rec.update(
+        repeats=len(runs),
+        throughput_tok_s=med,
+        throughput_runs=tps,
+        throughput_min=min(tps) if tps else None,
+        throughput_max=max(tps) if tps else None,
+        throughput_spread=(max(tps) - min(tps)) / med if tps and med else None,
+        wall_s=_median([r["wall_s"] for r in runs]),
+        mean_latency_s=_median([r.get("mean_latency_s") for r in runs]),
+        tok_per_cpu_s=_median([r.get("tok_per_cpu_s") for r in runs]),
+        cpu_s=_median([r.get("cpu_s") for r in runs]),
+        other_share=_median([r.get("other_share") for r in runs]),
+        prompt_tokens=runs[0]["prompt_tokens"],
+        prefix_hit_tokens=runs[0]["prefix_hit_tokens"],
+        prompt_tokens_fed=runs[0]["prompt_tokens"] - runs[0]["prefix_hit_tokens"],
+        prompt_fed_runs=[r["prompt_fed"] for r in runs],
+        repeat_mismatches=sum(r.get("tokens_hash") != runs[0].get("tokens_hash") for r in runs[1:]),
+    )
 
 
 # -- across points ---------------------------------------------------------------------------
@@ -473,8 +584,11 @@ def _paired(records: list[dict], answers: dict) -> list[dict]:
         if rec["kind"] != "sweep":
             continue
         mine = answers[rec["label"]]
-        refs = fixed + [r for r in records if r["kind"] in MATCHED and rec["label"] in (r.get("matched_points") or
-                                                                                      [r.get("matched_to")])]
+        refs = fixed + [
+            r
+            for r in records
+            if r["kind"] in MATCHED and rec["label"] in (r.get("matched_points") or [r.get("matched_to")])
+        ]
         for other in refs:
             theirs = answers[other["label"]]
             both = [(a, b) for a, b in zip(mine, theirs) if a.get("ok", True) and b.get("ok", True)]
@@ -483,10 +597,19 @@ def _paired(records: list[dict], answers: dict) -> list[dict]:
             if other["kind"] != "large_only":
                 pa = [(a, b) for a, b in both if a.get("agrees") is not None and b.get("agrees") is not None]
                 agr = paired_bootstrap([float(a["agrees"]) for a, _ in pa], [float(b["agrees"]) for _, b in pa])
-            out.append({"point": rec["label"], "vs": other["label"], "vs_kind": other["kind"], "n": len(both),
-                        "acc_diff": acc and acc["diff"], "acc_diff_ci": acc and [acc["ci_low"], acc["ci_high"]],
-                        "agree_diff": agr and agr["diff"], "agree_diff_ci": agr and [agr["ci_low"], agr["ci_high"]],
-                        "failed": rec["failed"] + by[other["label"]]["failed"]})
+            out.append(
+                {
+                    "point": rec["label"],
+                    "vs": other["label"],
+                    "vs_kind": other["kind"],
+                    "n": len(both),
+                    "acc_diff": acc and acc["diff"],
+                    "acc_diff_ci": acc and [acc["ci_low"], acc["ci_high"]],
+                    "agree_diff": agr and agr["diff"],
+                    "agree_diff_ci": agr and [agr["ci_low"], agr["ci_high"]],
+                    "failed": rec["failed"] + by[other["label"]]["failed"],
+                }
+            )
     return out
 
 
@@ -507,10 +630,17 @@ def _summaries(records: list[dict]) -> list[dict]:
             lo = small.get(metric) if small else None
             hi = large.get(metric) if large else None
             if lo is None or hi is None:
-                why = "needs the small_only and large_only references" + (" and answered requests"
-                                                                           if small and large else "")
-                row.update(gain=None, apgr=None, large_fraction_50=None, large_fraction_80=None, why=why,
-                           why_na=dict.fromkeys(("apgr", "large_fraction_50", "large_fraction_80"), why))
+                why = "needs the small_only and large_only references" + (
+                    " and answered requests" if small and large else ""
+                )
+                row.update(
+                    gain=None,
+                    apgr=None,
+                    large_fraction_50=None,
+                    large_fraction_80=None,
+                    why=why,
+                    why_na=dict.fromkeys(("apgr", "large_fraction_50", "large_fraction_80"), why),
+                )
             else:
                 row.update(gain_summary([(r["large_fraction"], r.get(metric)) for r in recs if r["answered"]], lo, hi))
             out.append(row)
@@ -522,8 +652,9 @@ def _reference_points(run: _Runner, swept_labels: list[str], refs: set) -> tuple
     pts = []
     for ref in found:
         stands = [label for label in swept_labels if _stands_for(ref, run.records[label])]
-        pts.append(_Point(ref.label, ref.kind, ref.policy, ref.param, ref.value, ref.matched_to, None, ref.target,
-                          stands))
+        pts.append(
+            _Point(ref.label, ref.kind, ref.policy, ref.param, ref.value, ref.matched_to, None, ref.target, stands)
+        )
     return pts, skipped
 
 
@@ -534,19 +665,37 @@ def _stands_for(ref, rec: dict) -> bool:
     if ref.kind != "random_span":
         return True
     from .references import matched_references as _m
+
     again, _ = _m([rec], {"random_span"})
     return any(r.label == ref.label for r in again)
 
 
 # -- the sweep -------------------------------------------------------------------------------
-def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] | None = None, *,
-                    dataset: str | Benchmark = "gsm8k", limit: int | None = 64, seed: int | None = 0,
-                    max_new_tokens: int = 256, temperature: float = 0.0, sampling_seed: int | None = 0,
-                    concurrency: int | None = 16, references: bool | Iterable[str] = True, out_dir=None,
-                    param: str | None = None, tokenizer=None, router_kwargs: dict | None = None,
-                    progress: bool = True, exclude_head_questions: bool = True, shard=None,
-                    repeats: int = DEFAULT_REPEATS, cache: str = "clear", target_large_share=None,
-                    calibration=CALIBRATION_QUESTIONS) -> EvalResult:
+def evaluate_policy(
+    router_or_models,
+    policy_factory,
+    values: Iterable[float] | None = None,
+    *,
+    dataset: str | Benchmark = "gsm8k",
+    limit: int | None = 64,
+    seed: int | None = 0,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    sampling_seed: int | None = 0,
+    concurrency: int | None = 16,
+    references: bool | Iterable[str] = True,
+    out_dir=None,
+    param: str | None = None,
+    tokenizer=None,
+    router_kwargs: dict | None = None,
+    progress: bool = True,
+    exclude_head_questions: bool = True,
+    shard=None,
+    repeats: int = DEFAULT_REPEATS,
+    cache: str = "clear",
+    target_large_share=None,
+    calibration=CALIBRATION_QUESTIONS,
+) -> EvalResult:
     """Sweep one policy over ``values`` on a benchmark; quality next to hop rate and throughput
     (`evaluate_policies` with one policy; the module docstring says what is measured and how).
 
@@ -605,12 +754,29 @@ def evaluate_policy(router_or_models, policy_factory, values: Iterable[float] | 
         TypeError: an unusable ``router_or_models`` or ``policy_factory``.
     """
     entry = _entry(None, policy_factory, values, param)
-    return _evaluate(router_or_models, [entry], dataset=dataset, limit=limit, seed=seed,
-                     max_new_tokens=max_new_tokens, temperature=temperature, sampling_seed=sampling_seed,
-                     concurrency=concurrency, references=references, out_dir=out_dir, tokenizer=tokenizer,
-                     router_kwargs=router_kwargs, progress=progress, exclude_head_questions=exclude_head_questions,
-                     shard=shard, repeats=repeats, cache=cache, target_large_share=target_large_share,
-                     calibration=calibration, who="evaluate_policy")
+    return _evaluate(
+        router_or_models,
+        [entry],
+        dataset=dataset,
+        limit=limit,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        sampling_seed=sampling_seed,
+        concurrency=concurrency,
+        references=references,
+        out_dir=out_dir,
+        tokenizer=tokenizer,
+        router_kwargs=router_kwargs,
+        progress=progress,
+        exclude_head_questions=exclude_head_questions,
+        shard=shard,
+        repeats=repeats,
+        cache=cache,
+        target_large_share=target_large_share,
+        calibration=calibration,
+        who="evaluate_policy",
+    )
 
 
 def evaluate_policies(router_or_models, policies: Mapping[str, Any], **kwargs) -> EvalResult:
@@ -642,15 +808,33 @@ def evaluate_policies(router_or_models, policies: Mapping[str, Any], **kwargs) -
         raise ValueError("policies is empty: give name -> policy, e.g. {'rstitch': 'rstitch', 'r2r': 'r2r'}")
     unknown = set(kwargs) - set(_EVALUATE_KWARGS)
     if unknown:
-        raise TypeError(f"evaluate_policies got unexpected arguments {sorted(unknown)}; it takes "
-                        f"{', '.join(_EVALUATE_KWARGS)}")
+        raise TypeError(
+            f"evaluate_policies got unexpected arguments {sorted(unknown)}; it takes {', '.join(_EVALUATE_KWARGS)}"
+        )
     entries = [_entry(str(name), spec) for name, spec in policies.items()]
     return _evaluate(router_or_models, entries, who="evaluate_policies", **kwargs)
 
 
-_EVALUATE_KWARGS = ("dataset", "limit", "seed", "max_new_tokens", "temperature", "sampling_seed", "concurrency",
-                    "references", "out_dir", "tokenizer", "router_kwargs", "progress", "exclude_head_questions",
-                    "shard", "repeats", "cache", "target_large_share", "calibration")
+_EVALUATE_KWARGS = (
+    "dataset",
+    "limit",
+    "seed",
+    "max_new_tokens",
+    "temperature",
+    "sampling_seed",
+    "concurrency",
+    "references",
+    "out_dir",
+    "tokenizer",
+    "router_kwargs",
+    "progress",
+    "exclude_head_questions",
+    "shard",
+    "repeats",
+    "cache",
+    "target_large_share",
+    "calibration",
+)
 
 
 def _label(entry: _Entry, pol, v) -> str:
@@ -661,19 +845,40 @@ def _label(entry: _Entry, pol, v) -> str:
     return f"{entry.name or type(pol).__name__}({pname}={v:g})"
 
 
-def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit=64, seed=0, max_new_tokens=256,
-              temperature=0.0, sampling_seed=0, concurrency=16, references=True, out_dir=None, tokenizer=None,
-              router_kwargs=None, progress=True, exclude_head_questions=True, shard=None,
-              repeats=DEFAULT_REPEATS, cache="clear", target_large_share=None, calibration=None,
-              who="evaluate_policy") -> EvalResult:
+def _evaluate(
+    router_or_models,
+    entries: list[_Entry],
+    *,
+    dataset="gsm8k",
+    limit=64,
+    seed=0,
+    max_new_tokens=256,
+    temperature=0.0,
+    sampling_seed=0,
+    concurrency=16,
+    references=True,
+    out_dir=None,
+    tokenizer=None,
+    router_kwargs=None,
+    progress=True,
+    exclude_head_questions=True,
+    shard=None,
+    repeats=DEFAULT_REPEATS,
+    cache="clear",
+    target_large_share=None,
+    calibration=None,
+    who="evaluate_policy",
+) -> EvalResult:
     refs = set(REFERENCES if references is True else () if references is False else references)
     if refs - set(REFERENCES):
         raise ValueError(f"unknown references {sorted(refs - set(REFERENCES))}; choose from {list(REFERENCES)}")
     if not (isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1):
         raise ValueError(f"repeats must be an int >= 1 (timed runs per point), got {repeats!r}")
     if cache not in CACHE_MODES:
-        raise ValueError(f"cache must be one of {list(CACHE_MODES)} ('clear': every timed run starts with empty "
-                         f"prefix caches), got {cache!r}")
+        raise ValueError(
+            f"cache must be one of {list(CACHE_MODES)} ('clear': every timed run starts with empty "
+            f"prefix caches), got {cache!r}"
+        )
     targets = check_targets(target_large_share)
     for e in entries:  # each first policy's head decides the questions (the others are built as they run)
         e.first = e.factory(e.values[0])
@@ -687,38 +892,62 @@ def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit
     excluded = overlap = None
     if drop:
         info = bench.extra["excluded"]
-        excluded = {"heads": per_head, "in_draw": info["in_draw"], "draw": info["draw"], "in_benchmark": info["n"],
-                    "ids": info["ids"], "rule": "questions the heads' records list as trained, validated or "
-                                                "calibrated on are left out before the limit is taken"}
+        excluded = {
+            "heads": per_head,
+            "in_draw": info["in_draw"],
+            "draw": info["draw"],
+            "in_benchmark": info["n"],
+            "ids": info["ids"],
+            "rule": "questions the heads' records list as trained, validated or "
+            "calibrated on are left out before the limit is taken",
+        }
         if info["n"]:
             heads = " and ".join(f"{k}'s ({v} ids)" for k, v in per_head.items())
-            warnings.warn(f"{who}: left out {info['in_draw']} of the {info['draw']} questions drawn from "
-                          f"{bench.name} ({info['n']} in the whole benchmark) that {heads} head was trained, "
-                          f"validated or calibrated on" + ("; the next questions in the same order took their "
-                                                            "places" if not isinstance(dataset, Benchmark) else "")
-                          + ". exclude_head_questions=False scores them anyway", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"{who}: left out {info['in_draw']} of the {info['draw']} questions drawn from "
+                f"{bench.name} ({info['n']} in the whole benchmark) that {heads} head was trained, "
+                f"validated or calibrated on"
+                + (
+                    "; the next questions in the same order took their places"
+                    if not isinstance(dataset, Benchmark)
+                    else ""
+                )
+                + ". exclude_head_questions=False scores them anyway",
+                UserWarning,
+                stacklevel=3,
+            )
     elif head_ids:
         overlap = sorted(set(bench.ids) & head_ids)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": sampling_seed}
     index, n_shards = _shard(shard, out_dir)
     from ..policies import LargeOnly, SmallOnly
+
     router, owned = _open_router(router_or_models, tokenizer, dict(router_kwargs or {}))
     bar = None
     try:
-        common = {"router": describe_router(router), "dataset": bench.describe(), "sampling": sampling,
-                  "concurrency": concurrency}
+        common = {
+            "router": describe_router(router),
+            "dataset": bench.describe(),
+            "sampling": sampling,
+            "concurrency": concurrency,
+        }
         calibrated = {}
         if targets:  # every point's threshold from its target, on held-out questions
-            calibrated, extra_cal = calibrate_entries(router, entries, targets, bench, dataset, calibration, drop,
-                                                      seed, sampling, concurrency, who)
+            calibrated, extra_cal = calibrate_entries(
+                router, entries, targets, bench, dataset, calibration, drop, seed, sampling, concurrency, who
+            )
             common["calibration"] = extra_cal
         fixed = [k for k in ("large_only", "small_only") if k in refs]
         units = fixed + [("sweep", i, j) for i, e in enumerate(entries) for j in range(len(e.values))]
         mine = [u for k, u in enumerate(units) if k % n_shards == index]  # shard i runs the units u with u % n == i
         if progress:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(mine) * repeats, unit="run",
-                       desc="timed runs" + (f" (shard {index + 1}/{n_shards})" if n_shards > 1 else ""))
+
+            bar = tqdm(
+                total=len(mine) * repeats,
+                unit="run",
+                desc="timed runs" + (f" (shard {index + 1}/{n_shards})" if n_shards > 1 else ""),
+            )
         run = _Runner(router, bench, common, sampling, concurrency, out_dir, bar, cache, deferred)
         t0 = time.perf_counter()
         if "large_only" in mine:
@@ -734,18 +963,31 @@ def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit
             pol = e.first if j == 0 else e.factory(v)
             seen = excluded_ids([pol])[0] & set(bench.ids) if j and exclude_head_questions else set()
             if seen:
-                deferred.append((UserWarning, f"{who}: the policy for {e.param}={v:g} has a learned head of its "
-                                              f"own that saw {len(seen)} of the questions scored (the questions "
-                                              f"were chosen by the first value's head); sweep one head per policy"))
+                deferred.append(
+                    (
+                        UserWarning,
+                        f"{who}: the policy for {e.param}={v:g} has a learned head of its "
+                        f"own that saw {len(seen)} of the questions scored (the questions "
+                        f"were chosen by the first value's head); sweep one head per policy",
+                    )
+                )
             if e.param == "value" and not e.explicit_param and v is not None:  # name it after the attribute holding v
-                e.label_param = next((k for k, a in vars(pol).items() if not k.startswith("_")
-                                      and isinstance(a, (int, float)) and not isinstance(a, bool) and a == v), "value")
+                e.label_param = next(
+                    (
+                        k
+                        for k, a in vars(pol).items()
+                        if not k.startswith("_") and isinstance(a, (int, float)) and not isinstance(a, bool) and a == v
+                    ),
+                    "value",
+                )
             label = _label(e, pol, v)
             if (i, j) in calibrated:
                 label = f"{label[:-1]}, target={calibrated[(i, j)]['target_large_share']:g})"
             if label in labels:
-                raise ValueError(f"{who}: two operating points are both labelled {label!r}; give each policy its own "
-                                 f"name and each value once")
+                raise ValueError(
+                    f"{who}: two operating points are both labelled {label!r}; give each policy its own "
+                    f"name and each value once"
+                )
             labels.add(label)
             run.first(_Point(label, "sweep", pol, e.label_param or e.param, v, None, e.name))
             if (i, j) in calibrated:
@@ -759,7 +1001,7 @@ def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit
         for pt in ref_points:
             run.first(pt)
         for r in range(1, repeats):  # interleaved: every point once per repeat, alternating direction
-            for label in (run.order[::-1] if r % 2 else run.order):
+            for label in run.order[::-1] if r % 2 else run.order:
                 run.again(label, r)
         records = [run.records[label] for label in run.order]
         extra = {"excluded": excluded} if excluded else {}
@@ -768,14 +1010,24 @@ def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit
         machine = load_summary(run.session_runs) if run.session_runs else None
         if machine and run.sim:  # simulated time: the machine's load cannot change the throughputs
             machine["high"] = False
-        config = dict(common, **extra, policies=run.policies,
-                      swept={"param": entries[0].label_param or entries[0].param, "values": entries[0].values},
-                      sweeps={e.name or type(e.first).__name__: {"param": e.label_param or e.param, "values": e.values}
-                              for e in entries},
-                      references=sorted(refs), skipped_references=skipped,
-                      timing=_timing_config(repeats, cache, run.sim), run_order=run.log, machine=machine,
-                      versions=library_versions(), elapsed_s=time.perf_counter() - t0,
-                      finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+        config = dict(
+            common,
+            **extra,
+            policies=run.policies,
+            swept={"param": entries[0].label_param or entries[0].param, "values": entries[0].values},
+            sweeps={
+                e.name or type(e.first).__name__: {"param": e.label_param or e.param, "values": e.values}
+                for e in entries
+            },
+            references=sorted(refs),
+            skipped_references=skipped,
+            timing=_timing_config(repeats, cache, run.sim),
+            run_order=run.log,
+            machine=machine,
+            versions=library_versions(),
+            elapsed_s=time.perf_counter() - t0,
+            finished=time.strftime("%Y-%m-%d %H:%M:%S"),
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -786,14 +1038,22 @@ def _evaluate(router_or_models, entries: list[_Entry], *, dataset="gsm8k", limit
     if machine and machine["high"] and not run.sim:
         warnings.warn(f"{who}: {_load_text(machine)}", UserWarning, stacklevel=3)
     if n_shards == 1:
-        return _assemble(records, {label: run.answers[label] for label in run.order}, config, bench.kind, out_dir,
-                         run.large)
-    sweep_id = config_hash(common, {"sweeps": config["sweeps"], "references": sorted(refs), "repeats": repeats,
-                                    "cache": cache}, "shards")
-    manifest = {"shard": index, "shards": n_shards, "sweep": sweep_id, "kind": bench.kind, "config": config,
-                "large": run.large, "swept": {_unit_key(u): lab for u, lab in zip([u for u in mine if isinstance(u, tuple)],
-                                                                                  swept)},
-                "points": {label: p.relative_to(out_dir).as_posix() for label, p in run.files.items()}}
+        return _assemble(
+            records, {label: run.answers[label] for label in run.order}, config, bench.kind, out_dir, run.large
+        )
+    sweep_id = config_hash(
+        common, {"sweeps": config["sweeps"], "references": sorted(refs), "repeats": repeats, "cache": cache}, "shards"
+    )
+    manifest = {
+        "shard": index,
+        "shards": n_shards,
+        "sweep": sweep_id,
+        "kind": bench.kind,
+        "config": config,
+        "large": run.large,
+        "swept": {_unit_key(u): lab for u, lab in zip([u for u in mine if isinstance(u, tuple)], swept)},
+        "points": {label: p.relative_to(out_dir).as_posix() for label, p in run.files.items()},
+    }
     folder = Path(out_dir) / SHARDS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"shard-{index + 1}-of-{n_shards}.json").write_text(json.dumps(manifest, default=str), encoding="utf-8")
@@ -807,21 +1067,30 @@ def _unit_key(u) -> str:
 
 
 def _timing_config(repeats: int, cache: str, sim: bool) -> dict:
-    return {"repeats": repeats, "order": "interleaved: every point once per repeat, the repeats alternating in "
-                                         "direction", "cache": cache,
-            "cache_rule": ("every model's prefix cache is cleared before each timed run, so every run starts from "
-                           "the state of a new Router" if cache == "clear" else
-                           "the prefix cache is kept between runs: later runs may reuse what earlier ones left"),
-            "warmup": f"one untimed run of {WARMUP_PROMPTS} prompts x {WARMUP_TOKENS} tokens on both models first",
-            "throughput": "committed tokens of answered requests / seconds from first admission to last finish, "
-                          "median over the repeats", "clock": "simulated" if sim else "wall"}
+    return {
+        "repeats": repeats,
+        "order": "interleaved: every point once per repeat, the repeats alternating in direction",
+        "cache": cache,
+        "cache_rule": (
+            "every model's prefix cache is cleared before each timed run, so every run starts from "
+            "the state of a new Router"
+            if cache == "clear"
+            else "the prefix cache is kept between runs: later runs may reuse what earlier ones left"
+        ),
+        "warmup": f"one untimed run of {WARMUP_PROMPTS} prompts x {WARMUP_TOKENS} tokens on both models first",
+        "throughput": "committed tokens of answered requests / seconds from first admission to last finish, "
+        "median over the repeats",
+        "clock": "simulated" if sim else "wall",
+    }
 
 
 def _load_text(machine: dict) -> str:
     share = machine["other_share_median"]
-    return (f"other processes used {share:.0%} of the {machine['cpus']} CPUs in the median timed run (up to "
-            f"{machine['other_share_max']:.0%}; load average up to {machine['load_1m_max']:.2f}): the throughputs were "
-            f"measured under load; time again on a quiet machine before comparing them")
+    return (
+        f"other processes used {share:.0%} of the {machine['cpus']} CPUs in the median timed run (up to "
+        f"{machine['other_share_max']:.0%}; load average up to {machine['load_1m_max']:.2f}): the throughputs were "
+        f"measured under load; time again on a quiet machine before comparing them"
+    )
 
 
 SHARDS_DIR = "shards"
@@ -857,10 +1126,13 @@ def _without(bench: Benchmark, ids: set[str]) -> Benchmark:
     hit = [i for i in bench.ids if i in ids]
     extra = dict(bench.extra, excluded={"n": len(hit), "in_draw": len(hit), "draw": len(bench), "ids": hit})
     if not keep:
-        raise ValueError(f"every question of the given benchmark ({len(bench)}) was used to make the policy's head; "
-                         f"pass exclude_head_questions=False to score them anyway")
-    return Benchmark(bench.name, bench.kind, bench.rows.select(keep), bench.source, bench.template, bench.limit,
-                     bench.seed, extra)
+        raise ValueError(
+            f"every question of the given benchmark ({len(bench)}) was used to make the policy's head; "
+            f"pass exclude_head_questions=False to score them anyway"
+        )
+    return Benchmark(
+        bench.name, bench.kind, bench.rows.select(keep), bench.source, bench.template, bench.limit, bench.seed, extra
+    )
 
 
 def _check_all(records: list[dict], answers: dict, large: str, warn: bool) -> None:
@@ -902,12 +1174,15 @@ def merge_sweep(out_dir) -> EvalResult:
         raise FileNotFoundError(f"no shard manifests in {folder}: run each shard with --shard i/N --out {out_dir}")
     n, sweep = manifests[0]["shards"], manifests[0]["sweep"]
     if any(m["shards"] != n or m["sweep"] != sweep for m in manifests):
-        raise ValueError(f"{folder} holds shards of different sweeps (other models, data, sampling, values or "
-                         f"shard count); give each sweep its own --out folder")
+        raise ValueError(
+            f"{folder} holds shards of different sweeps (other models, data, sampling, values or "
+            f"shard count); give each sweep its own --out folder"
+        )
     missing = sorted(set(range(1, n + 1)) - {m["shard"] + 1 for m in manifests})
     if missing:
-        raise FileNotFoundError(f"shard(s) {missing} of {n} have not finished in {out_dir} (run them with "
-                                f"--shard i/{n})")
+        raise FileNotFoundError(
+            f"shard(s) {missing} of {n} have not finished in {out_dir} (run them with --shard i/{n})"
+        )
     recs, answers, policies, runs = {}, {}, {}, []
     for m in manifests:
         policies.update(m["config"].get("policies", {}))
@@ -931,10 +1206,20 @@ def merge_sweep(out_dir) -> EvalResult:
         rec["matched_points"] = [label for label in swept if _stands_for(ref, recs[label])]
     records = [recs[label] for label in order]
     config = {k: v for k, v in first.items() if k not in ("elapsed_s", "finished", "policies", "run_order")}
-    config.update(policies={label: policies[label] for label in order if label in policies},
-                  elapsed_s=sum(m["config"]["elapsed_s"] for m in manifests), shards=n,
-                  skipped_references=skipped, run_order=[x for m in manifests for x in m["config"].get("run_order", [])],
-                  machine=load_summary(runs) if runs else None,
-                  finished=max(m["config"]["finished"] for m in manifests))
-    return _assemble(records, {label: answers[label] for label in order}, config, manifests[0]["kind"], out_dir,
-                     manifests[0].get("large", "large"))
+    config.update(
+        policies={label: policies[label] for label in order if label in policies},
+        elapsed_s=sum(m["config"]["elapsed_s"] for m in manifests),
+        shards=n,
+        skipped_references=skipped,
+        run_order=[x for m in manifests for x in m["config"].get("run_order", [])],
+        machine=load_summary(runs) if runs else None,
+        finished=max(m["config"]["finished"] for m in manifests),
+    )
+    return _assemble(
+        records,
+        {label: answers[label] for label in order},
+        config,
+        manifests[0]["kind"],
+        out_dir,
+        manifests[0].get("large", "large"),
+    )

@@ -68,6 +68,21 @@ from .for_router import PILOT_PROMPTS, plan_for_router, plan_router, router_late
 from .profile import profile_latency
 from .search import Plan, feasible_thresholds, plan_from_trace, plan_thresholds
 
-__all__ = ["profile_latency", "estimate_routing", "estimate_keep", "estimate_extra_tokens", "DTMCResult",
-           "StateSpaceTooLarge", "estimate_step_overhead", "router_latency", "plan_router", "plan_for_router",
-           "dtmc_throughput", "Plan", "feasible_thresholds", "plan_thresholds", "plan_from_trace", "PILOT_PROMPTS"]
+__all__ = [
+    "profile_latency",
+    "estimate_routing",
+    "estimate_keep",
+    "estimate_extra_tokens",
+    "DTMCResult",
+    "StateSpaceTooLarge",
+    "estimate_step_overhead",
+    "router_latency",
+    "plan_router",
+    "plan_for_router",
+    "dtmc_throughput",
+    "Plan",
+    "feasible_thresholds",
+    "plan_thresholds",
+    "plan_from_trace",
+    "PILOT_PROMPTS",
+]

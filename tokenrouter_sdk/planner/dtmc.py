@@ -43,7 +43,7 @@ def _binom_table(n: int, q: float) -> np.ndarray:
     pmf = np.zeros((n + 1, n + 1))
     for b in range(n + 1):
         for k in range(b + 1):
-            pmf[b, k] = math.comb(b, k) * q ** k * (1 - q) ** (b - k)
+            pmf[b, k] = math.comb(b, k) * q**k * (1 - q) ** (b - k)
     return pmf
 
 
@@ -62,11 +62,20 @@ def _durations(step_s: np.ndarray, dt: float, rounding: str) -> tuple[np.ndarray
     return f.astype(np.int64), p
 
 
-def _gmres_stationary(src: np.ndarray, dst: np.ndarray, w: np.ndarray, n: int, *, tol: float = 1e-11,
-                      restart: int = 60, max_iter: int = 4000) -> tuple[np.ndarray, float]:
+def _gmres_stationary(
+    src: np.ndarray,
+    dst: np.ndarray,
+    w: np.ndarray,
+    n: int,
+    *,
+    tol: float = 1e-11,
+    restart: int = 60,
+    max_iter: int = 4000,
+) -> tuple[np.ndarray, float]:
     """Stationary law pi of the chain with edges (src -> dst, prob w): solves
     (I - P^T + 1 1^T / n) pi = 1 / n with restarted GMRES (unique solution when the chain has
     one recurrent class). Returns (pi clipped to >= 0 and normalised, residual)."""
+
     def norm(x):
         return float(np.sqrt(np.einsum("i,i->", x, x)))
 
@@ -96,9 +105,9 @@ def _gmres_stationary(src: np.ndarray, dst: np.ndarray, w: np.ndarray, n: int, *
         for k in range(m):
             wv = mv(V[k])
             for _ in range(2):  # classical Gram-Schmidt, twice (numerically as good as modified);
-                h = np.einsum("ij,j->i", V[:k + 1], wv)  # einsum, not BLAS: a threaded BLAS on
-                wv -= np.einsum("ij,i->j", V[:k + 1], h)  # busy cores is 20x slower here
-                H[:k + 1, k] += h
+                h = np.einsum("ij,j->i", V[: k + 1], wv)  # einsum, not BLAS: a threaded BLAS on
+                wv -= np.einsum("ij,i->j", V[: k + 1], h)  # busy cores is 20x slower here
+                H[: k + 1, k] += h
             H[k + 1, k] = norm(wv)
             k_used = k + 1
             it += 1
@@ -106,8 +115,8 @@ def _gmres_stationary(src: np.ndarray, dst: np.ndarray, w: np.ndarray, n: int, *
                 V[k + 1] = wv / H[k + 1, k]
             e1 = np.zeros(k + 2)
             e1[0] = beta
-            y, *_ = np.linalg.lstsq(H[:k + 2, :k + 1], e1, rcond=None)
-            res = np.linalg.norm(H[:k + 2, :k + 1] @ y - e1)
+            y, *_ = np.linalg.lstsq(H[: k + 2, : k + 1], e1, rcond=None)
+            res = np.linalg.norm(H[: k + 2, : k + 1] @ y - e1)
             if res <= tol * bnorm or H[k + 1, k] <= 1e-14:
                 break
         x = x + np.einsum("ij,i->j", V[:k_used], y)
@@ -138,9 +147,16 @@ def _launch(a: dict, B: tuple[int, int], tail: bool, fl, pc, cap) -> dict:
     return a
 
 
-def _solve_chain(N: int, B: tuple[int, int], q: tuple[float, float], keep: tuple[float, float],
-                 fl: tuple[np.ndarray, np.ndarray], pc: tuple[np.ndarray, np.ndarray], cap: tuple[int, int],
-                 max_states: int):
+def _solve_chain(
+    N: int,
+    B: tuple[int, int],
+    q: tuple[float, float],
+    keep: tuple[float, float],
+    fl: tuple[np.ndarray, np.ndarray],
+    pc: tuple[np.ndarray, np.ndarray],
+    cap: tuple[int, int],
+    max_states: int,
+):
     """Build the embedded chain by breadth-first search from 'all N queued on model 0' and solve it.
 
     State (right after completions and launches): (Q0, b0, r0, b1, r1) with Q1 = N - Q0 - b0 - b1;
@@ -163,7 +179,7 @@ def _solve_chain(N: int, B: tuple[int, int], q: tuple[float, float], keep: tuple
     z = np.zeros(1, dtype=np.int64)
     a0 = _launch(dict(Q0=z + N, Q1=z, b0=z, r0=z, b1=z, r1=z, p=np.ones(1), src=z), B, tail, fl, pc, cap)
     front = np.unique(encode(a0))
-    known = front.copy()                      # sorted codes of the states found so far
+    known = front.copy()  # sorted codes of the states found so far
     known_idx = np.arange(front.size, dtype=np.int64)
     n_states = front.size
     first = 0
@@ -178,8 +194,10 @@ def _solve_chain(N: int, B: tuple[int, int], q: tuple[float, float], keep: tuple
         Q1 = N - Q0 - b0 - b1
         tau = np.minimum(np.where(b0 > 0, r0, big), np.where(b1 > 0, r1, big))
         if np.any(tau == big):
-            raise RuntimeError(f"DTMC: both models wait below their thresholds {B} with N = {N} "
-                               "(deadlock; the thresholds are infeasible)")
+            raise RuntimeError(
+                f"DTMC: both models wait below their thresholds {B} with N = {N} "
+                "(deadlock; the thresholds are infeasible)"
+            )
         c0 = (b0 > 0) & (r0 == tau)
         c1 = (b1 > 0) & (r1 == tau)
         rewards.append(np.where(c0, b0 * cr[0], 0.0) + np.where(c1, b1 * cr[1], 0.0))
@@ -196,11 +214,16 @@ def _solve_chain(N: int, B: tuple[int, int], q: tuple[float, float], keep: tuple
         C0, C1, B0, B1 = c0[s], c1[s], b0[s], b1[s]
         prob = np.where(C0, pmf[0][B0, np.minimum(k0, B0)], 1.0) * np.where(C1, pmf[1][B1, np.minimum(k1, B1)], 1.0)
         T = tau[s]
-        a = dict(Q0=Q0[s] + np.where(C0, B0 - k0, 0) + np.where(C1, k1, 0),
-                 Q1=Q1[s] + np.where(C1, B1 - k1, 0) + np.where(C0, k0, 0),
-                 b0=np.where(C0, 0, B0), b1=np.where(C1, 0, B1),
-                 r0=np.where(C0 | (B0 == 0), 0, r0[s] - T), r1=np.where(C1 | (B1 == 0), 0, r1[s] - T),
-                 p=prob, src=s + first)
+        a = dict(
+            Q0=Q0[s] + np.where(C0, B0 - k0, 0) + np.where(C1, k1, 0),
+            Q1=Q1[s] + np.where(C1, B1 - k1, 0) + np.where(C0, k0, 0),
+            b0=np.where(C0, 0, B0),
+            b1=np.where(C1, 0, B1),
+            r0=np.where(C0 | (B0 == 0), 0, r0[s] - T),
+            r1=np.where(C1 | (B1 == 0), 0, r1[s] - T),
+            p=prob,
+            src=s + first,
+        )
         m = prob > 0
         a = _launch({k: v[m] for k, v in a.items()}, B, tail, fl, pc, cap)
         codes = encode(a)
@@ -222,8 +245,7 @@ def _solve_chain(N: int, B: tuple[int, int], q: tuple[float, float], keep: tuple
         front = new
     src, dst, w = np.concatenate(srcs), np.concatenate(dsts), np.concatenate(ws)
     pi, resid = _gmres_stationary(src, dst, w, n_states)
-    return (pi, np.concatenate(rewards), np.concatenate(holds), np.concatenate(comps),
-            np.concatenate(busys), resid)
+    return (pi, np.concatenate(rewards), np.concatenate(holds), np.concatenate(comps), np.concatenate(busys), resid)
 
 
 def _as_pair(x, names: list[str], what: str, default=None) -> tuple:
@@ -247,11 +269,20 @@ def _step_seconds(lat: LatencyModel, n: int, extra: float) -> np.ndarray:
     return s
 
 
-def dtmc_throughput(latency: dict[str, LatencyModel], routing: dict[str, float], n: int,
-                    thresholds: dict[str, int], *, keep: dict[str, float] | None = None,
-                    extra_tokens: dict[str, float] | None = None, max_batch: int | None = None,
-                    dt: float | None = None, ticks: int = 4, rounding: str = "stochastic",
-                    max_states: int = 400_000) -> DTMCResult:
+def dtmc_throughput(
+    latency: dict[str, LatencyModel],
+    routing: dict[str, float],
+    n: int,
+    thresholds: dict[str, int],
+    *,
+    keep: dict[str, float] | None = None,
+    extra_tokens: dict[str, float] | None = None,
+    max_batch: int | None = None,
+    dt: float | None = None,
+    ticks: int = 4,
+    rounding: str = "stochastic",
+    max_states: int = 400_000,
+) -> DTMCResult:
     """Steady-state committed tokens per second of delayed batching (see the module docstring).
 
     Args:
@@ -306,8 +337,10 @@ def dtmc_throughput(latency: dict[str, LatencyModel], routing: dict[str, float],
             if dt is not None or cur >= coarsest * 0.999:
                 raise StateSpaceTooLarge(
                     f"the DTMC for N = {n}, thresholds {dict(zip(names, B))} needs more than {max_states} "
-                    f"states even with ticks of {cur * 1e3:.3g} ms; raise max_states or pass a larger dt") from None
+                    f"states even with ticks of {cur * 1e3:.3g} ms; raise max_states or pass a larger dt"
+                ) from None
             cur = min(cur * 1.5, coarsest)
+
     def avg(x):  # no BLAS (see _gmres_stationary)
         return float(np.einsum("i,i->", pi, np.asarray(x, dtype=float)))
 
@@ -320,4 +353,7 @@ def dtmc_throughput(latency: dict[str, LatencyModel], routing: dict[str, float],
         busy={m: avg(busy[:, i] * hold) / mean_ticks for i, m in enumerate(names)},
         mean_batch={m: (avg(comp[:, i]) / steps[i] if steps[i] > 0 else 0.0) for i, m in enumerate(names)},
         steps_s={m: float(steps[i]) / horizon for i, m in enumerate(names)},
-        states=int(pi.size), dt=cur, residual=resid)
+        states=int(pi.size),
+        dt=cur,
+        residual=resid,
+    )

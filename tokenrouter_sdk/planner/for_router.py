@@ -13,15 +13,17 @@ from .estimate import estimate_extra_tokens, estimate_keep, estimate_routing, es
 from .profile import profile_latency
 from .search import Plan, plan_thresholds
 
-
 HISTORY_EVENTS = 4000  # recent engine events the analytic RandomRouting plan reads the per-step overhead from
 PROFILE_ATTR = "_tokenrouter_latency"  # a model's profiles: {torch threads (or (threads, "cuda_graphs")): LatencyModel}
-PILOT_PROMPTS = ("Explain why the sky is blue in a few sentences.",
-                 "What is 17 * 23? Show your steps.",
-                 "Write a short story about a robot who learns to paint.",
-                 "List three uses of a paperclip and explain each one.",
-                 "Summarise the water cycle for a ten-year-old.",
-                 "Give two arguments for and against homework.")
+PILOT_PROMPTS = (
+    "Explain why the sky is blue in a few sentences.",
+    "What is 17 * 23? Show your steps.",
+    "Write a short story about a robot who learns to paint.",
+    "List three uses of a paperclip and explain each one.",
+    "Summarise the water cycle for a ten-year-old.",
+    "Give two arguments for and against homework.",
+)
+
 
 @contextlib.contextmanager
 def _torch_threads(n: int | None):
@@ -64,16 +66,26 @@ def router_latency(router, n: int = 16, **profile_kw) -> dict[str, LatencyModel]
         cached = store.get(key)
         if cached is None or max(cached.table) < top:
             with _torch_threads(threads):
-                cached = profile_latency(model, batch_sizes=sizes, **({"cuda_graphs": True} if graphs else {}),
-                                         **profile_kw)
+                cached = profile_latency(
+                    model, batch_sizes=sizes, **({"cuda_graphs": True} if graphs else {}), **profile_kw
+                )
             store[key] = cached
             setattr(model, PROFILE_ATTR, store)
         out[name] = cached
     return out
 
 
-def plan_router(router, policy, n: int, *, trace: list | None = None, prompts: Sequence | None = None,
-                pilot_tokens: int = 64, latency: dict[str, LatencyModel] | None = None, **kw) -> Plan:
+def plan_router(
+    router,
+    policy,
+    n: int,
+    *,
+    trace: list | None = None,
+    prompts: Sequence | None = None,
+    pilot_tokens: int = 64,
+    latency: dict[str, LatencyModel] | None = None,
+    **kw,
+) -> Plan:
     """Plan delayed-batching thresholds for ``router`` serving ``policy`` at concurrency ``n``.
 
     Inputs: latency from `router_latency` (unless given); routing, commit rule and extra fed
@@ -116,6 +128,7 @@ def pilot_trace(router, policy, n: int, prompts: Sequence | None = None, pilot_t
     (default `PILOT_PROMPTS`, cycled), ``pilot_tokens`` tokens each (EOS ignored), at concurrency
     ``n``, with every delayed-batching threshold at 1 meanwhile (restored afterwards)."""
     from ..request import SamplingParams
+
     plist = list(prompts or PILOT_PROMPTS)
     plist = [plist[i % len(plist)] for i in range(max(n, 4))]
     reqs = router.requests(plist, sampling=SamplingParams(max_new_tokens=pilot_tokens, ignore_eos=True))
@@ -136,8 +149,9 @@ def pilot_trace(router, policy, n: int, prompts: Sequence | None = None, pilot_t
     return list(call.events)
 
 
-def _with_overhead(router, lat: dict[str, LatencyModel], names: list[str], trace: list,
-                   min_steps: int) -> dict[str, LatencyModel]:
+def _with_overhead(
+    router, lat: dict[str, LatencyModel], names: list[str], trace: list, min_steps: int
+) -> dict[str, LatencyModel]:
     """``lat`` plus each model's measured per-step overhead outside the forward
     (`estimate_step_overhead` of ``trace``), when the backend is real and ``trace`` holds at least
     ``min_steps`` steps of every model; else ``lat`` unchanged (the sim backend has no overhead)."""

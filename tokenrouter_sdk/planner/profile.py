@@ -11,9 +11,18 @@ import numpy as np
 from ..backends.sim_runner import LatencyModel
 
 
-def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), *, context: int = 64,
-                    steps: int = 5, warmup: int = 2, extend_tokens: int = 16, vocab_limit: int | None = None,
-                    seed: int = 0, cuda_graphs: bool = False) -> LatencyModel:
+def profile_latency(
+    runner_or_model,
+    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
+    *,
+    context: int = 64,
+    steps: int = 5,
+    warmup: int = 2,
+    extend_tokens: int = 16,
+    vocab_limit: int | None = None,
+    seed: int = 0,
+    cuda_graphs: bool = False,
+) -> LatencyModel:
     """Measure one model's decode-step latency as a function of batch size.
 
     For each batch size b: prefill b requests of ``context`` random tokens, run ``warmup`` decode
@@ -87,8 +96,9 @@ def profile_latency(runner_or_model, batch_sizes: Sequence[int] = (1, 2, 4, 8, 1
                 if b == min(batch_sizes) and extend_tokens > 1:
                     ext = []
                     for _ in range(max(1, steps // 2 + 1)):
-                        ext.append(run(seqs[:1], tables[:1], lens[:1],
-                                       [rng.integers(0, vocab, extend_tokens).tolist()]))
+                        ext.append(
+                            run(seqs[:1], tables[:1], lens[:1], [rng.integers(0, vocab, extend_tokens).tolist()])
+                        )
                     dec = table[b] if b == 1 else run(seqs[:1], tables[:1], lens[:1], [[seqs[0][-1]]])
                     per_token_s = max(0.0, (statistics.median(ext) - dec) / (extend_tokens - 1))
             finally:

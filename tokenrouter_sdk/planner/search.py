@@ -46,10 +46,21 @@ def feasible_thresholds(models: Sequence[str], n: int) -> list[dict[str, int]]:
     return out
 
 
-def plan_thresholds(latency: dict[str, LatencyModel], routing: dict[str, float], n: int, *,
-                    keep: dict[str, float] | None = None, extra_tokens: dict[str, float] | None = None,
-                    search: str = "auto", max_exhaustive: int = 160, search_ticks: float = 2, ticks: float = 4,
-                    refine: int = 5, progress=None, **dtmc_kw) -> Plan:
+def plan_thresholds(
+    latency: dict[str, LatencyModel],
+    routing: dict[str, float],
+    n: int,
+    *,
+    keep: dict[str, float] | None = None,
+    extra_tokens: dict[str, float] | None = None,
+    search: str = "auto",
+    max_exhaustive: int = 160,
+    search_ticks: float = 2,
+    ticks: float = 4,
+    refine: int = 5,
+    progress=None,
+    **dtmc_kw,
+) -> Plan:
     """Best feasible delayed-batching thresholds for concurrency ``n`` by the DTMC.
 
     Candidates are ranked with a coarse tick (``search_ticks`` ticks for the shortest step: the
@@ -83,8 +94,9 @@ def plan_thresholds(latency: dict[str, LatencyModel], routing: dict[str, float],
     feasible = {tuple(c[m] for m in names) for c in cands}
 
     def solve(key: tuple, tk: float) -> DTMCResult:
-        return dtmc_throughput(latency, routing, n, dict(zip(names, key)), keep=keep, extra_tokens=extra_tokens,
-                               ticks=tk, **dtmc_kw)
+        return dtmc_throughput(
+            latency, routing, n, dict(zip(names, key)), keep=keep, extra_tokens=extra_tokens, ticks=tk, **dtmc_kw
+        )
 
     def ev(key: tuple) -> float:
         if key not in memo:
@@ -101,8 +113,11 @@ def plan_thresholds(latency: dict[str, LatencyModel], routing: dict[str, float],
         for c in itertools.product(grid, repeat=len(names)):
             if c in feasible:
                 ev(c)
-        moves = [d for d in itertools.product((-1, 0, 1), repeat=len(names))
-                 if sum(map(abs, d)) == 1 or (sum(map(abs, d)) == 2 and sum(d) == 0)]
+        moves = [
+            d
+            for d in itertools.product((-1, 0, 1), repeat=len(names))
+            if sum(map(abs, d)) == 1 or (sum(map(abs, d)) == 2 and sum(d) == 0)
+        ]
         for cur in sorted(memo, key=lambda k: -memo[k].tok_s)[:3]:
             step = max(1, 1 << max(0, (n // 4).bit_length() - 1))
             while step >= 1:
@@ -117,9 +132,9 @@ def plan_thresholds(latency: dict[str, LatencyModel], routing: dict[str, float],
         return (-memo[k].tok_s, sum(k), k)
 
     if search_ticks != ticks and "dt" not in dtmc_kw:
-        for k in sorted(memo, key=rank)[:max(1, refine)]:
+        for k in sorted(memo, key=rank)[: max(1, refine)]:
             memo[k] = solve(k, ticks)
-        top_keys = sorted(memo, key=rank)[:max(1, refine)]
+        top_keys = sorted(memo, key=rank)[: max(1, refine)]
         refined = set(top_keys)
     else:
         refined = set(memo)
@@ -127,11 +142,27 @@ def plan_thresholds(latency: dict[str, LatencyModel], routing: dict[str, float],
     pick = min(refined, key=rank)
     order.remove(pick)
     order.insert(0, pick)
-    table = [{"thresholds": dict(zip(names, k)), "tok_s": memo[k].tok_s, "busy": memo[k].busy,
-              "mean_batch": memo[k].mean_batch, "states": memo[k].states, "dt": memo[k].dt} for k in order]
+    table = [
+        {
+            "thresholds": dict(zip(names, k)),
+            "tok_s": memo[k].tok_s,
+            "busy": memo[k].busy,
+            "mean_batch": memo[k].mean_batch,
+            "states": memo[k].states,
+            "dt": memo[k].dt,
+        }
+        for k in order
+    ]
     top = memo[pick]
-    return Plan(thresholds=dict(zip(names, pick)), predicted_tok_s=top.tok_s, table=table, n=n,
-                candidates=len(cands), search=mode, best=top)
+    return Plan(
+        thresholds=dict(zip(names, pick)),
+        predicted_tok_s=top.tok_s,
+        table=table,
+        n=n,
+        candidates=len(cands),
+        search=mode,
+        best=top,
+    )
 
 
 def plan_from_trace(router_or_trace, latency: dict[str, LatencyModel], n: int, **kw) -> Plan:

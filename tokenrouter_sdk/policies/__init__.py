@@ -28,6 +28,23 @@ from .query_level import QueryRouter, RandomQueryRouting
 from .r2r import R2R, R2RAleatoric, R2REntropy
 from .rstitch import RStitch
 
-__all__ = ["SingleModel", "SmallOnly", "LargeOnly", "RandomRouting", "RandomSpanRouting", "RStitch", "CITER", "R2R", "R2REntropy",
-           "R2RAleatoric", "CoLLM", "GlimpRouter", "TokenEnsemble", "QueryRouter", "RandomQueryRouting",
-           "HeadMissingError", "save_head", "load_head"]
+__all__ = [
+    "SingleModel",
+    "SmallOnly",
+    "LargeOnly",
+    "RandomRouting",
+    "RandomSpanRouting",
+    "RStitch",
+    "CITER",
+    "R2R",
+    "R2REntropy",
+    "R2RAleatoric",
+    "CoLLM",
+    "GlimpRouter",
+    "TokenEnsemble",
+    "QueryRouter",
+    "RandomQueryRouting",
+    "HeadMissingError",
+    "save_head",
+    "load_head",
+]

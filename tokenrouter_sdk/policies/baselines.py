@@ -124,12 +124,20 @@ class RandomSpanRouting(Policy):
         ValueError: ``large_visit`` below 1 or ``small_visit`` below 0 (or not numbers).
     """
 
-    def __init__(self, large_visit: float = 2.0, small_visit: float = 8.0, seed: int = 0, small: str | None = None,
-                 large: str | None = None):
+    def __init__(
+        self,
+        large_visit: float = 2.0,
+        small_visit: float = 8.0,
+        seed: int = 0,
+        small: str | None = None,
+        large: str | None = None,
+    ):
         for name, v, least in (("large_visit", large_visit, 1), ("small_visit", small_visit, 0)):
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= least):
-                raise ValueError(f"RandomSpanRouting: {name} is a mean visit length in tokens, >= {least} (inf for "
-                                 f"never ending), got {v!r}")
+                raise ValueError(
+                    f"RandomSpanRouting: {name} is a mean visit length in tokens, >= {least} (inf for "
+                    f"never ending), got {v!r}"
+                )
         self.large_visit, self.small_visit = float(large_visit), float(small_visit)
         self.seed, self.small, self.large = seed, small, large
 
@@ -144,5 +152,7 @@ class RandomSpanRouting(Policy):
     def send(self, req, target) -> Handoff:
         if target != (self.large or req.models[-1]):
             return Handoff(keep_sampled=False)
-        return Handoff(keep_sampled=False, span=geometric_span(request_draw(self.seed, req, 2 * req.n_generated + 1),
-                                                               self.large_visit))
+        return Handoff(
+            keep_sampled=False,
+            span=geometric_span(request_draw(self.seed, req, 2 * req.n_generated + 1), self.large_visit),
+        )

@@ -45,8 +45,9 @@ class ConfidenceHead(nn.Module):
     def __init__(self, hidden_size: int):
         super().__init__()
         H = hidden_size
-        self.mlp = nn.Sequential(nn.Linear(H, 2 * H), nn.BatchNorm1d(2 * H), nn.ReLU(), nn.Dropout(0.1),
-                                 nn.Linear(2 * H, H), nn.Dropout(0.1))
+        self.mlp = nn.Sequential(
+            nn.Linear(H, 2 * H), nn.BatchNorm1d(2 * H), nn.ReLU(), nn.Dropout(0.1), nn.Linear(2 * H, H), nn.Dropout(0.1)
+        )
         self.linear = nn.Linear(H, 1)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -56,30 +57,38 @@ class ConfidenceHead(nn.Module):
 def _citer_state_dict(obj):
     if isinstance(obj, dict) and "linear.weight" in obj and "mlp.0.weight" in obj:
         return obj, {}, {"source": "CITER trainer state dict"}
-    raise ValueError("not a CITER head: expected a tokenrouter head file of kind 'citer' or a state dict "
-                     "with keys mlp.0.weight ... linear.weight (aiming-lab/CITER ConfidenceModel)")
+    raise ValueError(
+        "not a CITER head: expected a tokenrouter head file of kind 'citer' or a state dict "
+        "with keys mlp.0.weight ... linear.weight (aiming-lab/CITER ConfidenceModel)"
+    )
 
 
 class CITER(HeadRecord, DeferOneToken):
     """Args:
-        head: the confidence head: a path, a `ConfidenceHead` (or a module with its parameter
-            names) or its state dict; None (default) = the head packaged for `Router.default`'s
-            pair (hidden size 576; another pair fails at its first step with an error naming the
-            fix: train one with ``tokenrouter train citer``). A missing file raises
-            `HeadMissingError`, which says how to get one.
-        tau: route to the large model when c < tau. None (default): the threshold stored in the
-            head file (the packaged head's sends about 0.7 of the tokens to the large model),
-            else 0.95 (CITER's default, see the module docstring).
-        small, large: model names (default: first and last model).
-        pair: with ``head=None``, the named pair whose packaged head to load (``"smollm2"``,
-            the default, or ``"qwen2.5-coder"``).
+    head: the confidence head: a path, a `ConfidenceHead` (or a module with its parameter
+        names) or its state dict; None (default) = the head packaged for `Router.default`'s
+        pair (hidden size 576; another pair fails at its first step with an error naming the
+        fix: train one with ``tokenrouter train citer``). A missing file raises
+        `HeadMissingError`, which says how to get one.
+    tau: route to the large model when c < tau. None (default): the threshold stored in the
+        head file (the packaged head's sends about 0.7 of the tokens to the large model),
+        else 0.95 (CITER's default, see the module docstring).
+    small, large: model names (default: first and last model).
+    pair: with ``head=None``, the named pair whose packaged head to load (``"smollm2"``,
+        the default, or ``"qwen2.5-coder"``).
     """
 
     needs = Needs(hidden=True)
     one_vocabulary = True  # the head learned when the small model's token agrees with the large one's
 
-    def __init__(self, head=None, tau: float | None = None, small: str | None = None, large: str | None = None,
-                 pair: str | None = None):
+    def __init__(
+        self,
+        head=None,
+        tau: float | None = None,
+        small: str | None = None,
+        large: str | None = None,
+        pair: str | None = None,
+    ):
         self.head = head_label(head, "citer", pair)
         sd, cfg, self._head_meta = resolve_head(head, "citer", _citer_state_dict, pair)
         if tau is None:

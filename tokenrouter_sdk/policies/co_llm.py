@@ -79,25 +79,34 @@ def warmup_eta(t: int, eta: float, schedule: str, steps: int) -> float:
 
 class CoLLM(HeadRecord, DeferOneToken):
     """Args:
-        head: the deferral head: a path, a `DeferralHead` or ``{"g": [H], "b": []}``; None
-            (default) = the head packaged for `Router.default`'s pair (hidden size 576; another
-            pair fails at its first step with an error naming the fix: train one with
-            ``tokenrouter train co_llm``). A missing file raises `HeadMissingError`.
-        eta: defer when pi > eta. None (default): the threshold stored in the head file (the
-            packaged head's sends about 0.7 of the tokens to the large model), else 0.5.
-        compose: write the argmax of the mixed distributions at deferral positions (see the
-            module docstring).
-        warmup: threshold schedule, one of ``constant`` (default), ``linear``, ``cosine``,
-            ``exponential``, from 1.0 to eta over ``warmup_steps`` (default 15) output tokens.
-        small, large: model names (default: first and last model).
-        pair: with ``head=None``, the named pair whose packaged head to load (``"smollm2"``,
-            the default, or ``"qwen2.5-coder"``).
+    head: the deferral head: a path, a `DeferralHead` or ``{"g": [H], "b": []}``; None
+        (default) = the head packaged for `Router.default`'s pair (hidden size 576; another
+        pair fails at its first step with an error naming the fix: train one with
+        ``tokenrouter train co_llm``). A missing file raises `HeadMissingError`.
+    eta: defer when pi > eta. None (default): the threshold stored in the head file (the
+        packaged head's sends about 0.7 of the tokens to the large model), else 0.5.
+    compose: write the argmax of the mixed distributions at deferral positions (see the
+        module docstring).
+    warmup: threshold schedule, one of ``constant`` (default), ``linear``, ``cosine``,
+        ``exponential``, from 1.0 to eta over ``warmup_steps`` (default 15) output tokens.
+    small, large: model names (default: first and last model).
+    pair: with ``head=None``, the named pair whose packaged head to load (``"smollm2"``,
+        the default, or ``"qwen2.5-coder"``).
     """
 
     one_vocabulary = True  # the head learned deferral over one vocabulary; compose mixes both models' logits
 
-    def __init__(self, head=None, eta: float | None = None, compose: bool = False, warmup: str = "constant",
-                 warmup_steps: int = 15, small: str | None = None, large: str | None = None, pair: str | None = None):
+    def __init__(
+        self,
+        head=None,
+        eta: float | None = None,
+        compose: bool = False,
+        warmup: str = "constant",
+        warmup_steps: int = 15,
+        small: str | None = None,
+        large: str | None = None,
+        pair: str | None = None,
+    ):
         if warmup not in WARMUPS:
             raise ValueError(f"CoLLM: warmup must be one of {WARMUPS}, got {warmup!r}")
         self.head = head_label(head, "co_llm", pair)
@@ -131,8 +140,10 @@ class CoLLM(HeadRecord, DeferOneToken):
 
     def defer(self, batch: StepBatch) -> torch.Tensor:
         pi = self.deferral_prob(batch)
-        eta = torch.tensor([warmup_eta(r.n_generated, self.eta, self.warmup, self.warmup_steps)
-                            for r in batch.requests], device=pi.device)
+        eta = torch.tensor(
+            [warmup_eta(r.n_generated, self.eta, self.warmup, self.warmup_steps) for r in batch.requests],
+            device=pi.device,
+        )
         d = pi > eta
         if self.compose:
             for i, r in enumerate(batch.requests):
@@ -164,5 +175,5 @@ class CoLLM(HeadRecord, DeferOneToken):
         if self.compose and req.owner == (self.small or req.models[0]):
             return Handoff(keep_sampled=False, greedy=True)  # the assistant's route composes
         if self.compose:
-            return Handoff(keep_sampled=True)                 # back to the base, keeping the composed token
+            return Handoff(keep_sampled=True)  # back to the base, keeping the composed token
         return Handoff(keep_sampled=False, span=1, greedy=True)

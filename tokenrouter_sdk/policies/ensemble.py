@@ -24,11 +24,11 @@ DEFAULT_WEIGHTS_3 = (0.5, 0.3, 0.2)
 
 class TokenEnsemble(Policy):
     """Args:
-        weights: ``{model: w}`` (models left out get 0) or a list aligned with the models
-            (smallest first); non-negative, summing to > 0; normalised. None: 0.5/0.3/0.2 for
-            three models, equal weights otherwise.
-        seed: base seed; the writer of output position i is picked by `request_draw`
-            ``(seed, request, i)`` (position 0: the entry model), like `RandomRouting`.
+    weights: ``{model: w}`` (models left out get 0) or a list aligned with the models
+        (smallest first); non-negative, summing to > 0; normalised. None: 0.5/0.3/0.2 for
+        three models, equal weights otherwise.
+    seed: base seed; the writer of output position i is picked by `request_draw`
+        ``(seed, request, i)`` (position 0: the entry model), like `RandomRouting`.
     """
 
     def __init__(self, weights: dict[str, float] | Sequence[float] | None = None, seed: int = 0):
@@ -49,12 +49,13 @@ class TokenEnsemble(Policy):
         elif isinstance(w, dict):
             unknown = sorted(set(w) - set(models))
             if unknown:
-                raise ValueError(f"TokenEnsemble: weights name unknown models {unknown}; the models are "
-                                 f"{list(models)}")
+                raise ValueError(f"TokenEnsemble: weights name unknown models {unknown}; the models are {list(models)}")
             w = [w.get(m, 0.0) for m in models]
         elif len(w) != len(models):
-            raise ValueError(f"TokenEnsemble: {len(w)} weights for {len(models)} models {list(models)}; "
-                             "give one weight per model (smallest first) or a dict")
+            raise ValueError(
+                f"TokenEnsemble: {len(w)} weights for {len(models)} models {list(models)}; "
+                "give one weight per model (smallest first) or a dict"
+            )
         return [x / sum(w) for x in w]
 
     def writer(self, req, models: Sequence[str], position: int) -> str:

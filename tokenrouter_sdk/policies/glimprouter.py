@@ -57,8 +57,7 @@ def topk_entropy(logits: torch.Tensor, k: int = 20) -> float:
 def _completes(tokenizer, ids: list[int], start: int, tok: int, s: str) -> bool:
     """True if the text of ``ids[start:] + [tok]`` contains ``s`` (decoding only its tail: an
     earlier occurrence would already have been found on an earlier token)."""
-    return s in tokenizer.decode(ids[max(start, len(ids) - 4 * len(s) - 4):] + [tok],
-                                 skip_special_tokens=False)
+    return s in tokenizer.decode(ids[max(start, len(ids) - 4 * len(s) - 4) :] + [tok], skip_special_tokens=False)
 
 
 class GlimpRouter(Policy):
@@ -85,15 +84,23 @@ class GlimpRouter(Policy):
     def needs(self) -> Needs:
         return Needs(topk=self.top_k)
 
-    def __init__(self, theta: float = 1.0, top_k: int = 20, separator: str = "\n\n",
-                 max_step_tokens: int = 512, budget: int | None = 8192,
-                 answer_marker: str | None = "</think>", stop_on_repeat: bool = True,
-                 regenerate_glimpse: bool = False, small: str | None = None, large: str | None = None):
+    def __init__(
+        self,
+        theta: float = 1.0,
+        top_k: int = 20,
+        separator: str = "\n\n",
+        max_step_tokens: int = 512,
+        budget: int | None = 8192,
+        answer_marker: str | None = "</think>",
+        stop_on_repeat: bool = True,
+        regenerate_glimpse: bool = False,
+        small: str | None = None,
+        large: str | None = None,
+    ):
         if not separator:
             raise ValueError("GlimpRouter: separator must be a non-empty string")
         if max_step_tokens < 1 or top_k < 1:
-            raise ValueError(f"GlimpRouter: max_step_tokens and top_k must be >= 1, got "
-                             f"{max_step_tokens}, {top_k}")
+            raise ValueError(f"GlimpRouter: max_step_tokens and top_k must be >= 1, got {max_step_tokens}, {top_k}")
         self.theta, self.top_k, self.separator = theta, top_k, separator
         self.max_step_tokens, self.budget, self.answer_marker = max_step_tokens, budget, answer_marker
         self.stop_on_repeat, self.regenerate_glimpse = stop_on_repeat, regenerate_glimpse
@@ -106,8 +113,10 @@ class GlimpRouter(Policy):
             return large
         tk = step.tokenizer
         if tk is None:
-            raise ValueError("GlimpRouter needs the tokenizer to find step boundaries: create the Router "
-                             "with tokenizer=..., or pass tokenizer= to reference_generate")
+            raise ValueError(
+                "GlimpRouter needs the tokenizer to find step boundaries: create the Router "
+                "with tokenizer=..., or pass tokenizer= to reference_generate"
+            )
         out, pos = step.request.output_ids, step.position
         start = st.setdefault("start", 0)
         st["keep"] = True

@@ -34,18 +34,29 @@ FORMAT, VERSION = "tokenrouter-head", 1
 
 # kind -> (policy class, what the head is, where weights come from)
 KINDS = {
-    "citer": ("CITER", "a confidence head (MLP on the small model's last hidden state giving "
-              "c = P(the small model's token is acceptable))",
-              "aiming-lab/CITER publishes no router weights: train one per model pair"),
-    "co_llm": ("CoLLM", "a deferral head g (a vector [H] and a bias: pi = sigmoid(g . h + b) on the "
-               "small model's last hidden state)",
-               "clinicalml/co-llm publishes no weights: train one per model pair"),
-    "r2r": ("R2R", "a router network on [small last hidden state, sampled-token embedding, top-100 logits]",
-            "published routers: HF nics-efc/R2R_router_collections, file default_router.pt (download it "
-            "where you have hub access and pass its local path)"),
-    "query": ("QueryRouter", "a query-level head (logistic regression or MLP on the small model's last-layer "
-              "hidden state at the last prompt token, giving p = P(the small model answers the prompt correctly))",
-              "RouteLLM's published routers use other features (OpenAI embeddings, BERT): train one per small model"),
+    "citer": (
+        "CITER",
+        "a confidence head (MLP on the small model's last hidden state giving "
+        "c = P(the small model's token is acceptable))",
+        "aiming-lab/CITER publishes no router weights: train one per model pair",
+    ),
+    "co_llm": (
+        "CoLLM",
+        "a deferral head g (a vector [H] and a bias: pi = sigmoid(g . h + b) on the small model's last hidden state)",
+        "clinicalml/co-llm publishes no weights: train one per model pair",
+    ),
+    "r2r": (
+        "R2R",
+        "a router network on [small last hidden state, sampled-token embedding, top-100 logits]",
+        "published routers: HF nics-efc/R2R_router_collections, file default_router.pt (download it "
+        "where you have hub access and pass its local path)",
+    ),
+    "query": (
+        "QueryRouter",
+        "a query-level head (logistic regression or MLP on the small model's last-layer "
+        "hidden state at the last prompt token, giving p = P(the small model answers the prompt correctly))",
+        "RouteLLM's published routers use other features (OpenAI embeddings, BERT): train one per small model",
+    ),
 }
 
 
@@ -61,8 +72,10 @@ def head_pair(pair: str | None) -> str:
     """
     name = "smollm2" if pair is None else str(pair)
     if name not in HEAD_PAIRS:
-        raise ValueError(f"no packaged heads for pair {pair!r}; the pairs with packaged heads are "
-                         f"{', '.join(HEAD_PAIRS)} (or pass head=<a .pt file> trained with tokenrouter train)")
+        raise ValueError(
+            f"no packaged heads for pair {pair!r}; the pairs with packaged heads are "
+            f"{', '.join(HEAD_PAIRS)} (or pass head=<a .pt file> trained with tokenrouter train)"
+        )
     return name
 
 
@@ -86,9 +99,11 @@ class HeadMissingError(FileNotFoundError):
         cls, what, where = KINDS[kind]
         if packaged:
             pair = pair or "smollm2"
-            given = (f"no head was given (head=None) and pair {pair!r} has no packaged {kind} head ({str(path)!r} "
-                     f"is missing; build it with `tokenrouter train {kind} --pair {pair} --package`, or route the "
-                     f"pair that has one: pair='smollm2')")
+            given = (
+                f"no head was given (head=None) and pair {pair!r} has no packaged {kind} head ({str(path)!r} "
+                f"is missing; build it with `tokenrouter train {kind} --pair {pair} --package`, or route the "
+                f"pair that has one: pair='smollm2')"
+            )
         elif path is None:
             given = "no head was given"
         else:
@@ -96,7 +111,8 @@ class HeadMissingError(FileNotFoundError):
         super().__init__(
             f"{cls} needs {what}, and {given}. {where}. Train one for your pair with "
             f"`tokenrouter_sdk.train.train_{kind}(router)` (CLI: `tokenrouter train {kind} --out heads`) and pass "
-            f"head=<its .pt file>. For tests, a head with random weights can be made with `{cls}.random_head(...)`.")
+            f"head=<its .pt file>. For tests, a head with random weights can be made with `{cls}.random_head(...)`."
+        )
         self.kind, self.path = kind, path
 
 
@@ -105,15 +121,25 @@ def save_head(path, kind: str, state_dict: dict, config: dict | None = None, met
     if kind not in KINDS:
         raise ValueError(f"save_head: kind must be one of {sorted(KINDS)}, got {kind!r}")
     sd = {k: v.detach().cpu() for k, v in state_dict.items()}
-    torch.save({"format": FORMAT, "version": VERSION, "kind": kind, "state_dict": sd,
-                "config": dict(config or {}), "meta": dict(meta or {})}, path)
+    torch.save(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": kind,
+            "state_dict": sd,
+            "config": dict(config or {}),
+            "meta": dict(meta or {}),
+        },
+        path,
+    )
 
 
 def _unpack(obj, kind: str, where: str, foreign) -> tuple[dict, dict, dict]:
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
         if obj.get("kind") != kind:
-            raise ValueError(f"{where}: holds a {obj.get('kind')!r} head, but a {kind!r} head was expected "
-                             f"(by {KINDS[kind][0]})")
+            raise ValueError(
+                f"{where}: holds a {obj.get('kind')!r} head, but a {kind!r} head was expected (by {KINDS[kind][0]})"
+            )
         return obj["state_dict"], obj.get("config", {}), obj.get("meta", {})
     if foreign is not None:
         return foreign(obj)
@@ -155,8 +181,9 @@ class HeadRecord:
         return self._head_meta
 
 
-def resolve_head(head, kind: str, foreign: Callable[[object], tuple] | None = None,
-                 pair: str | None = None) -> tuple[dict, dict, dict]:
+def resolve_head(
+    head, kind: str, foreign: Callable[[object], tuple] | None = None, pair: str | None = None
+) -> tuple[dict, dict, dict]:
     """``head`` as given to a policy (a path, an ``nn.Module`` or a state dict) -> ``(state_dict, config, meta)``;
     None = the packaged head of ``pair`` (`packaged_head_path`).
 
@@ -184,11 +211,13 @@ def resolve_head(head, kind: str, foreign: Callable[[object], tuple] | None = No
 def check_hidden(kind: str, head_size: int, model_size: int) -> None:
     """Raise a clear error when the head was made for another hidden size than the model's."""
     if head_size != model_size:
-        raise ValueError(f"{KINDS[kind][0]} head expects hidden size {head_size} (from its weights) but the "
-                         f"small model's hidden states have size {model_size}: the head belongs to another model "
-                         f"(the packaged head is for {PACKAGED_PAIR}). Train one for this pair with "
-                         f"`tokenrouter_sdk.train.train_{kind}(router)` (CLI: `tokenrouter train {kind}`) and pass "
-                         f"head=<its .pt file>")
+        raise ValueError(
+            f"{KINDS[kind][0]} head expects hidden size {head_size} (from its weights) but the "
+            f"small model's hidden states have size {model_size}: the head belongs to another model "
+            f"(the packaged head is for {PACKAGED_PAIR}). Train one for this pair with "
+            f"`tokenrouter_sdk.train.train_{kind}(router)` (CLI: `tokenrouter train {kind}`) and pass "
+            f"head=<its .pt file>"
+        )
 
 
 class DeferOneToken(Policy):

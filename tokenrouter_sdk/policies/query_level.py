@@ -48,8 +48,11 @@ class QueryHead(nn.Module):
         self.config = {"hidden_size": hidden_size, "hidden_dim": hidden_dim}
         self.register_buffer("mu", torch.zeros(hidden_size))
         self.register_buffer("sigma", torch.ones(hidden_size))
-        self.net = (nn.Linear(hidden_size, 1) if hidden_dim == 0 else
-                    nn.Sequential(nn.Linear(hidden_size, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 1)))
+        self.net = (
+            nn.Linear(hidden_size, 1)
+            if hidden_dim == 0
+            else nn.Sequential(nn.Linear(hidden_size, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 1))
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         check_hidden("query", self.config["hidden_size"], h.shape[-1])
@@ -108,16 +111,27 @@ class QueryRouter(HeadRecord, Policy):
     def needs(self) -> Needs:
         return Needs(hidden=True) if self.pooling == "last" else Needs(prompt_hidden=True)
 
-    def __init__(self, head: str | os.PathLike | QueryHead | None = None, threshold: float | None = None,
-                 small: str | None = None, large: str | None = None, pooling: str = "last",
-                 pair: str | None = None):
+    def __init__(
+        self,
+        head: str | os.PathLike | QueryHead | None = None,
+        threshold: float | None = None,
+        small: str | None = None,
+        large: str | None = None,
+        pooling: str = "last",
+        pair: str | None = None,
+    ):
         if pooling not in self.POOLINGS:
             raise ValueError(f"QueryRouter: pooling must be one of {self.POOLINGS}, got {pooling!r}")
         if head is not None and pair is not None and not isinstance(head, QueryHead):
             raise ValueError("QueryRouter: give head=<a file> or pair=<a packaged pair>, not both")
         self._head, config, self._head_meta = _query_head(head, pair)
-        self.head = ("<in memory>" if isinstance(head, QueryHead) else
-                     str(packaged_head_path("query", pair)) if head is None else str(head))
+        self.head = (
+            "<in memory>"
+            if isinstance(head, QueryHead)
+            else str(packaged_head_path("query", pair))
+            if head is None
+            else str(head)
+        )
         if threshold is None:
             threshold = config.get("threshold", 0.5)
         self.threshold, self.small, self.large = threshold, small, large
@@ -134,8 +148,10 @@ class QueryRouter(HeadRecord, Policy):
         ph = batch.prompt_hidden
         missing = [batch.requests[i].rid for i in rows if ph[i] is None]
         if missing:
-            raise ValueError(f"QueryRouter(pooling='mean'): no prompt hidden states for requests {missing} (this "
-                             f"backend's runner gives none); use pooling='last'")
+            raise ValueError(
+                f"QueryRouter(pooling='mean'): no prompt hidden states for requests {missing} (this "
+                f"backend's runner gives none); use pooling='last'"
+            )
         return torch.stack([ph[i].mean(0) for i in rows])
 
     @staticmethod

@@ -51,11 +51,13 @@ from .heads import DeferOneToken, HeadRecord, check_hidden, head_label, on_devic
 
 MODEL_TYPE = "HiddenStatesTokenLMHeadLogitsClassifier"
 INPUT_TYPE = ["hidden_states", "token", "logits"]
-EMBEDDING_SOURCE = "smollm2-135m-instruct"   # the smollm2 pair's token table, in the model cache
+EMBEDDING_SOURCE = "smollm2-135m-instruct"  # the smollm2 pair's token table, in the model cache
 # per named pair, the cache folder of the small model whose token table its packaged router reads
 EMBEDDING_SOURCES = {"smollm2": EMBEDDING_SOURCE, "qwen2.5-coder": "qwen2.5-coder-0.5b-instruct"}
-_BUILDERS = {"smollm2-135m-instruct": "tokenrouter_sdk.models.smollm2_folder()",
-             "qwen2.5-coder-0.5b-instruct": "Router.default(pair='qwen2.5-coder')"}
+_BUILDERS = {
+    "smollm2-135m-instruct": "tokenrouter_sdk.models.smollm2_folder()",
+    "qwen2.5-coder-0.5b-instruct": "Router.default(pair='qwen2.5-coder')",
+}
 
 
 def source_embedding(source: str) -> torch.Tensor:
@@ -68,15 +70,20 @@ def source_embedding(source: str) -> torch.Tensor:
         FileNotFoundError: the cached model is absent (names how to build it).
     """
     if source not in _BUILDERS:
-        raise ValueError(f"R2R: unknown embedding_source {source!r} in the head's config (known: "
-                         f"{', '.join(sorted(_BUILDERS))}); pass embedding=<the small model>")
+        raise ValueError(
+            f"R2R: unknown embedding_source {source!r} in the head's config (known: "
+            f"{', '.join(sorted(_BUILDERS))}); pass embedding=<the small model>"
+        )
     from safetensors import safe_open
 
     from tokenrouter_sdk.models import cache_dir
+
     path = cache_dir() / source / "model.safetensors"
     if not path.exists():
-        raise FileNotFoundError(f"R2R: the head reads the token embeddings of {source} from {path}, which is "
-                                f"missing: build it once with {_BUILDERS[source]}, or pass embedding=<the small model>")
+        raise FileNotFoundError(
+            f"R2R: the head reads the token embeddings of {source} from {path}, which is "
+            f"missing: build it once with {_BUILDERS[source]}, or pass embedding=<the small model>"
+        )
     with safe_open(str(path), "pt") as f:
         return f.get_tensor("model.embed_tokens.weight").float()
 
@@ -87,8 +94,9 @@ class _Block(nn.Module):
     def __init__(self, d_in: int, d_hid: int, d_out: int):
         super().__init__()
         self.layer_norm = nn.LayerNorm(d_in)
-        self.mlp = nn.Sequential(nn.Linear(d_in, d_hid), nn.GELU(), nn.Dropout(0.1),
-                                 nn.Linear(d_hid, d_out), nn.Dropout(0.1))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_in, d_hid), nn.GELU(), nn.Dropout(0.1), nn.Linear(d_hid, d_out), nn.Dropout(0.1)
+        )
         self.dim_change = nn.Linear(d_in, d_out) if d_in != d_out else nn.Identity()
 
     def forward(self, x):
@@ -116,8 +124,15 @@ class RouterNet(nn.Module):
     """``HiddenStatesTokenLMHeadLogitsClassifier`` without its token table, same parameter names.
     forward(h [B, H], e [B, E], z [B, k]) -> logits [B, n_out]."""
 
-    def __init__(self, hidden_size: int, embed_size: int, logits_size: int,
-                 blocks: list[tuple[int, int, int]], n_out: int = 1, normalize_input: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        embed_size: int,
+        logits_size: int,
+        blocks: list[tuple[int, int, int]],
+        n_out: int = 1,
+        normalize_input: bool = False,
+    ):
         super().__init__()
         self.hidden_size, self.embed_size, self.logits_size = hidden_size, embed_size, logits_size
         self.normalize_input = normalize_input
@@ -139,8 +154,13 @@ class RouterNet(nn.Module):
             blocks, i = [], 0
             while f"backbone.blocks.{i}.layer_norm.weight" in sd:
                 p = f"backbone.blocks.{i}."
-                blocks.append((sd[p + "layer_norm.weight"].shape[0], sd[p + "mlp.0.weight"].shape[0],
-                               sd[p + "mlp.3.weight"].shape[0]))
+                blocks.append(
+                    (
+                        sd[p + "layer_norm.weight"].shape[0],
+                        sd[p + "mlp.0.weight"].shape[0],
+                        sd[p + "mlp.3.weight"].shape[0],
+                    )
+                )
                 i += 1
             n_out = sd["backbone.output_layer.1.weight"].shape[0]
             net = cls(H, c - 2 * H, k, blocks, n_out, "layer_norm_hidden_states.weight" in sd)
@@ -158,8 +178,10 @@ class RouterNet(nn.Module):
 def _published(obj):
     """R2R's saved layout (``save_model`` in r2r/models/router.py) -> (state_dict, config, meta)."""
     if not (isinstance(obj, dict) and "state_dict" in obj and "model_type" in obj):
-        raise ValueError("not an R2R router: expected a tokenrouter head file of kind 'r2r' or R2R's "
-                         "default_router.pt layout (model_type, init_args, common_args, state_dict)")
+        raise ValueError(
+            "not an R2R router: expected a tokenrouter head file of kind 'r2r' or R2R's "
+            "default_router.pt layout (model_type, init_args, common_args, state_dict)"
+        )
     if obj["model_type"] != MODEL_TYPE:
         raise ValueError(f"R2R: router model_type {obj['model_type']!r} is not supported, only {MODEL_TYPE!r}")
     common, init = obj.get("common_args") or {}, obj.get("init_args") or {}
@@ -171,27 +193,34 @@ def _published(obj):
 
 class R2R(HeadRecord, DeferOneToken):
     """Args:
-        head: the router: a path to ``default_router.pt`` (or a tokenrouter head file of kind
-            ``"r2r"``), that checkpoint's dict, or a `RouterNet`; None (default) = the router
-            packaged for `Router.default`'s pair (hidden size 576; another pair fails at its first
-            step with an error naming the fix: train one with ``tokenrouter train r2r``). A
-            missing file raises `HeadMissingError`, which says how to get one.
-        embedding: the small model's input embedding table [V, E]: the model itself, its
-            ``nn.Embedding``, or the weight tensor. Required unless the checkpoint holds
-            ``token_embeddings.weight`` (R2R's ``*_all.pt``) or names an ``embedding_source``
-            (the packaged router: SmolLM2-135M-Instruct's table, read from the model cache at
-            the first step, in the process that routes).
-        tau: route when p >= tau; default: the threshold stored in the checkpoint (the packaged
-            router's sends about 0.7 of the tokens to the large model).
-        small, large: model names (default: first and last model).
-        pair: with ``head=None``, the named pair whose packaged router to load (``"smollm2"``,
-            the default, or ``"qwen2.5-coder"``: it reads Qwen2.5-Coder-0.5B's token table).
+    head: the router: a path to ``default_router.pt`` (or a tokenrouter head file of kind
+        ``"r2r"``), that checkpoint's dict, or a `RouterNet`; None (default) = the router
+        packaged for `Router.default`'s pair (hidden size 576; another pair fails at its first
+        step with an error naming the fix: train one with ``tokenrouter train r2r``). A
+        missing file raises `HeadMissingError`, which says how to get one.
+    embedding: the small model's input embedding table [V, E]: the model itself, its
+        ``nn.Embedding``, or the weight tensor. Required unless the checkpoint holds
+        ``token_embeddings.weight`` (R2R's ``*_all.pt``) or names an ``embedding_source``
+        (the packaged router: SmolLM2-135M-Instruct's table, read from the model cache at
+        the first step, in the process that routes).
+    tau: route when p >= tau; default: the threshold stored in the checkpoint (the packaged
+        router's sends about 0.7 of the tokens to the large model).
+    small, large: model names (default: first and last model).
+    pair: with ``head=None``, the named pair whose packaged router to load (``"smollm2"``,
+        the default, or ``"qwen2.5-coder"``: it reads Qwen2.5-Coder-0.5B's token table).
     """
 
     one_vocabulary = True  # the router learned where the small model's tokens diverge from the large one's
 
-    def __init__(self, head=None, embedding=None, tau: float | None = None,
-                 small: str | None = None, large: str | None = None, pair: str | None = None):
+    def __init__(
+        self,
+        head=None,
+        embedding=None,
+        tau: float | None = None,
+        small: str | None = None,
+        large: str | None = None,
+        pair: str | None = None,
+    ):
         self.head = head_label(head, "r2r", pair)
         sd, cfg, self._head_meta = resolve_head(head, "r2r", _published, pair)
         sd = dict(sd)
@@ -200,8 +229,10 @@ class R2R(HeadRecord, DeferOneToken):
         emb = table if embedding is None else embedding
         self._emb_source = cfg.get("embedding_source") if emb is None else None
         if emb is None and self._emb_source is None:
-            raise ValueError("R2R: the checkpoint holds no token embedding table (R2R strips it); pass the small "
-                             "model's: R2R(head, embedding=small_model)")
+            raise ValueError(
+                "R2R: the checkpoint holds no token embedding table (R2R strips it); pass the small "
+                "model's: R2R(head, embedding=small_model)"
+            )
         self._emb = None
         if emb is not None:
             if hasattr(emb, "get_input_embeddings"):
@@ -209,16 +240,25 @@ class R2R(HeadRecord, DeferOneToken):
             self._set_table((emb.weight if isinstance(emb, nn.Embedding) else emb).detach())
         tau = cfg.get("threshold") if tau is None else tau
         if tau is None:
-            raise ValueError("R2R: the checkpoint stores no threshold (common_args.threshold); pass tau=..., "
-                             "e.g. 0.406 (R2R's AIME eval config)")
+            raise ValueError(
+                "R2R: the checkpoint stores no threshold (common_args.threshold); pass tau=..., "
+                "e.g. 0.406 (R2R's AIME eval config)"
+            )
         self.tau, self.small, self.large = float(tau), small, large
         self.hidden_size, self.logits_size = self._net.hidden_size, self._net.logits_size
         self.needs = Needs(hidden=True, topk=self.logits_size)
 
     @classmethod
-    def random_head(cls, hidden_size: int, seed: int = 0, *, logits_size: int = 100,
-                    hidden_dims: tuple[int, ...] = (64, 64), expansion_factor: int = 4,
-                    threshold: float | None = 0.5) -> dict:
+    def random_head(
+        cls,
+        hidden_size: int,
+        seed: int = 0,
+        *,
+        logits_size: int = 100,
+        hidden_dims: tuple[int, ...] = (64, 64),
+        expansion_factor: int = 4,
+        threshold: float | None = 0.5,
+    ) -> dict:
         """A router with random weights in R2R's checkpoint layout (``torch.save`` it to get a
         ``default_router.pt`` look-alike), for tests; E = H as in R2R."""
         dims = list(hidden_dims) + [hidden_dims[-1]]
@@ -226,23 +266,37 @@ class R2R(HeadRecord, DeferOneToken):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             net = RouterNet(hidden_size, hidden_size, logits_size, blocks)
-        init = {"hidden_states_size": hidden_size, "logits_size": logits_size, "hidden_dims": list(hidden_dims),
-                "expansion_factor": expansion_factor, "dropout_rate": 0.1, "use_position_embedding": False,
-                "freeze_lm_head": True, "normalize_input": False, "pretrained_model_name": None}
-        return {"model_type": MODEL_TYPE, "init_args": init, "model_specific_args": {},
-                "common_args": {"threshold": threshold, "input_type": list(INPUT_TYPE)},
-                "state_dict": net.state_dict()}
+        init = {
+            "hidden_states_size": hidden_size,
+            "logits_size": logits_size,
+            "hidden_dims": list(hidden_dims),
+            "expansion_factor": expansion_factor,
+            "dropout_rate": 0.1,
+            "use_position_embedding": False,
+            "freeze_lm_head": True,
+            "normalize_input": False,
+            "pretrained_model_name": None,
+        }
+        return {
+            "model_type": MODEL_TYPE,
+            "init_args": init,
+            "model_specific_args": {},
+            "common_args": {"threshold": threshold, "input_type": list(INPUT_TYPE)},
+            "state_dict": net.state_dict(),
+        }
 
     def _set_table(self, table: torch.Tensor) -> None:
         if table.shape[-1] != self._net.embed_size:
-            raise ValueError(f"R2R: the router expects token embeddings of size {self._net.embed_size} but the "
-                             f"given table has size {table.shape[-1]}: the router belongs to another model")
+            raise ValueError(
+                f"R2R: the router expects token embeddings of size {self._net.embed_size} but the "
+                f"given table has size {table.shape[-1]}: the router belongs to another model"
+            )
         self._emb = table
 
     def __getstate__(self):
         state = self.__dict__.copy()
         if state.get("_emb_source") is not None:
-            state["_emb"] = None          # re-read from the model cache where it is used
+            state["_emb"] = None  # re-read from the model cache where it is used
         return state
 
     def prob(self, batch: StepBatch) -> torch.Tensor:

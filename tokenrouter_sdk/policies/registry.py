@@ -55,8 +55,13 @@ class Param:
         names = []
         for opt in _union_args(self.annotation):
             origin = typing.get_origin(opt) or opt
-            names.append("None" if opt is NoneType else "JSON " + origin.__name__ if origin in (dict, list, tuple, Sequence,
-                         Mapping) else getattr(opt, "__name__", str(opt)))
+            names.append(
+                "None"
+                if opt is NoneType
+                else "JSON " + origin.__name__
+                if origin in (dict, list, tuple, Sequence, Mapping)
+                else getattr(opt, "__name__", str(opt))
+            )
         return " | ".join(names)
 
 
@@ -89,13 +94,41 @@ def _params(cls: type) -> dict[str, Param]:
 
 
 def _builtin_classes() -> dict[str, type]:
-    from . import (CITER, R2R, CoLLM, GlimpRouter, LargeOnly, QueryRouter, R2RAleatoric, R2REntropy,
-                   RandomQueryRouting, RandomRouting, RandomSpanRouting, RStitch, SingleModel, SmallOnly,
-                   TokenEnsemble)
-    return {"rstitch": RStitch, "random": RandomRouting, "large_only": LargeOnly, "small_only": SmallOnly,
-            "single": SingleModel, "citer": CITER, "r2r": R2R, "r2r_entropy": R2REntropy,
-            "r2r_aleatoric": R2RAleatoric, "co_llm": CoLLM, "glimprouter": GlimpRouter, "ensemble": TokenEnsemble,
-            "query_router": QueryRouter, "random_query": RandomQueryRouting, "random_span": RandomSpanRouting}
+    from . import (
+        CITER,
+        R2R,
+        CoLLM,
+        GlimpRouter,
+        LargeOnly,
+        QueryRouter,
+        R2RAleatoric,
+        R2REntropy,
+        RandomQueryRouting,
+        RandomRouting,
+        RandomSpanRouting,
+        RStitch,
+        SingleModel,
+        SmallOnly,
+        TokenEnsemble,
+    )
+
+    return {
+        "rstitch": RStitch,
+        "random": RandomRouting,
+        "large_only": LargeOnly,
+        "small_only": SmallOnly,
+        "single": SingleModel,
+        "citer": CITER,
+        "r2r": R2R,
+        "r2r_entropy": R2REntropy,
+        "r2r_aleatoric": R2RAleatoric,
+        "co_llm": CoLLM,
+        "glimprouter": GlimpRouter,
+        "ensemble": TokenEnsemble,
+        "query_router": QueryRouter,
+        "random_query": RandomQueryRouting,
+        "random_span": RandomSpanRouting,
+    }
 
 
 class PolicyRegistry:
@@ -166,14 +199,17 @@ class PolicyRegistry:
                 accepted = ", ".join(entry.params) or "none"
                 raise PolicySpecError(f"policy '{entry.name}' has no argument {key!r}; its arguments: {accepted}")
             if param.path and not allow_paths:
-                raise PolicySpecError(f"policy '{entry.name}': argument {key!r} names a file on the server and "
-                                      f"cannot be set per request; start the server with --policy "
-                                      f"'{entry.name}:{key}=...' instead")
+                raise PolicySpecError(
+                    f"policy '{entry.name}': argument {key!r} names a file on the server and "
+                    f"cannot be set per request; start the server with --policy "
+                    f"'{entry.name}:{key}=...' instead"
+                )
             kwargs[key] = convert(value, param, entry.name)
         missing = [p.name for p in entry.params.values() if p.required and p.name not in kwargs]
         if missing:
-            raise PolicySpecError(f"policy '{entry.name}' needs argument(s) {missing}: "
-                                  f"e.g. '{entry.name}:{missing[0]}=...'")
+            raise PolicySpecError(
+                f"policy '{entry.name}' needs argument(s) {missing}: e.g. '{entry.name}:{missing[0]}=...'"
+            )
         return entry, kwargs
 
     def build(self, spec: str | Mapping, *, allow_paths: bool = True) -> Policy:
@@ -242,12 +278,14 @@ def parse_spec(spec: str | Mapping) -> tuple[str, dict[str, Any]]:
         raw = dict(spec)
         name = raw.pop("name", None)
         if not isinstance(name, str) or not name.strip():
-            raise PolicySpecError(f"a policy given as an object needs a 'name', e.g. {{'name': 'rstitch', "
-                                  f"'tau': 0.1}}; got {spec!r}")
+            raise PolicySpecError(
+                f"a policy given as an object needs a 'name', e.g. {{'name': 'rstitch', 'tau': 0.1}}; got {spec!r}"
+            )
         return name.strip(), raw
     if not isinstance(spec, str):
-        raise PolicySpecError(f"a policy spec is a string 'name:key=value,...' or an object with 'name', "
-                              f"got {type(spec).__name__}")
+        raise PolicySpecError(
+            f"a policy spec is a string 'name:key=value,...' or an object with 'name', got {type(spec).__name__}"
+        )
     name, _, rest = spec.strip().partition(":")
     if not name.strip():
         raise PolicySpecError(f"empty policy name in {spec!r}; write e.g. 'rstitch:tau=0.1'")
@@ -255,8 +293,9 @@ def parse_spec(spec: str | Mapping) -> tuple[str, dict[str, Any]]:
     for item in _split_top(rest, ",") if rest.strip() else []:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
-            raise PolicySpecError(f"policy argument {item!r} in {spec!r} is not key=value; write e.g. "
-                                  f"'{name.strip()}:tau=0.1'")
+            raise PolicySpecError(
+                f"policy argument {item!r} in {spec!r} is not key=value; write e.g. '{name.strip()}:tau=0.1'"
+            )
         kwargs[key.strip()] = value.strip()
     return name.strip(), kwargs
 
@@ -308,8 +347,7 @@ def convert(value: Any, param: Param, policy: str) -> Any:
                     return v
         except (TypeError, ValueError):
             continue
-    raise PolicySpecError(f"policy '{policy}': argument {param.name!r} must be {param.type_name()}, "
-                          f"got {value!r}")
+    raise PolicySpecError(f"policy '{policy}': argument {param.name!r} must be {param.type_name()}, got {value!r}")
 
 
 # -- the operator's own policy ---------------------------------------------------------------
@@ -339,6 +377,7 @@ def load_policy_class(target: str) -> type:
             sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
             spec.loader.exec_module(module)
             import cloudpickle
+
             cloudpickle.register_pickle_by_value(module)  # sub-servers cannot import it by this name
         else:
             module = importlib.import_module(where)
@@ -348,8 +387,9 @@ def load_policy_class(target: str) -> type:
         raise PolicySpecError(f"importing {where!r} failed: {type(e).__name__}: {e}") from e
     cls = getattr(module, cls_name, None)
     if cls is None:
-        have = sorted(n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Policy)
-                      and v is not Policy)
+        have = sorted(
+            n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Policy) and v is not Policy
+        )
         raise PolicySpecError(f"{where!r} has no class {cls_name!r}; its Policy classes: {have or 'none'}")
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise PolicySpecError(f"{target!r} is not a subclass of tokenrouter_sdk.Policy")

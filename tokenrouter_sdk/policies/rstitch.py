@@ -21,16 +21,22 @@ from tokenrouter_sdk.policy import Handoff, Needs, Policy, Step
 
 class RStitch(Policy):
     """Args:
-        tau: threshold for both directions (normalised entropy, or max-probability).
-        tau_back: threshold on the large model for handing back (default: ``tau``).
-        signal: ``"entropy"`` (default, R-Stitch v4+) or ``"max_prob"`` (v1/v2).
-        small, large: model names (default: first and last model).
+    tau: threshold for both directions (normalised entropy, or max-probability).
+    tau_back: threshold on the large model for handing back (default: ``tau``).
+    signal: ``"entropy"`` (default, R-Stitch v4+) or ``"max_prob"`` (v1/v2).
+    small, large: model names (default: first and last model).
     """
 
     needs = Needs(entropy=True)
 
-    def __init__(self, tau: float = 0.1, tau_back: float | None = None, signal: str = "entropy",
-                 small: str | None = None, large: str | None = None):
+    def __init__(
+        self,
+        tau: float = 0.1,
+        tau_back: float | None = None,
+        signal: str = "entropy",
+        small: str | None = None,
+        large: str | None = None,
+    ):
         if signal not in ("entropy", "max_prob"):
             raise ValueError(f"RStitch: signal must be 'entropy' or 'max_prob', got {signal!r}")
         self.tau, self.tau_back, self.signal = tau, tau if tau_back is None else tau_back, signal

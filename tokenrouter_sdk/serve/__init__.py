@@ -16,8 +16,14 @@ Importing this package imports neither FastAPI nor uvicorn; the names above load
 
 from __future__ import annotations
 
-_LAZY = {"create_app": "app", "close_app": "app", "BackgroundServer": "server", "serve_forever": "server",
-         "ServerMetrics": "metrics", "AutoRestart": "restart"}
+_LAZY = {
+    "create_app": "app",
+    "close_app": "app",
+    "BackgroundServer": "server",
+    "serve_forever": "server",
+    "ServerMetrics": "metrics",
+    "AutoRestart": "restart",
+}
 
 __all__ = list(_LAZY)
 
@@ -25,5 +31,6 @@ __all__ = list(_LAZY)
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
+
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

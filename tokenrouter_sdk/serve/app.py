@@ -10,9 +10,16 @@ from ..policy import Policy
 from .state import MAX_BODY_BYTES, PolicyCache, ServeState
 
 
-def create_app(router, *, policy: Policy | str | None = None, policy_label: str | None = None,
-               registry: PolicyRegistry | None = None, model_id: str = "tokenrouter",
-               max_body_bytes: int = MAX_BODY_BYTES, restart_limit: int = 0):
+def create_app(
+    router,
+    *,
+    policy: Policy | str | None = None,
+    policy_label: str | None = None,
+    registry: PolicyRegistry | None = None,
+    model_id: str = "tokenrouter",
+    max_body_bytes: int = MAX_BODY_BYTES,
+    restart_limit: int = 0,
+):
     """The OpenAI-compatible app of ``router``.
 
     Args:
@@ -51,13 +58,22 @@ def create_app(router, *, policy: Policy | str | None = None, policy_label: str 
         policy = registry.build(policy)
     pol = policy if policy is not None else router.policy
     restarts = AutoRestart(router, restart_limit)  # first: a bad limit leaves nothing behind
-    app = FastAPI(title="tokenrouter", description="OpenAI-compatible token-level routing server",
-                  docs_url="/docs", redoc_url=None)
-    app.state.tr = ServeState(router=router, model_id=model_id, policy=pol,
-                              policy_label=policy_label or repr(pol),
-                              policies=PolicyCache(registry),
-                              metrics=ServerMetrics(router), max_body_bytes=max_body_bytes,
-                              restarts=restarts)
+    app = FastAPI(
+        title="tokenrouter",
+        description="OpenAI-compatible token-level routing server",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.tr = ServeState(
+        router=router,
+        model_id=model_id,
+        policy=pol,
+        policy_label=policy_label or repr(pol),
+        policies=PolicyCache(registry),
+        metrics=ServerMetrics(router),
+        max_body_bytes=max_body_bytes,
+        restarts=restarts,
+    )
     app.state.started = time.time()
     install_handlers(app)
     app.include_router(api)

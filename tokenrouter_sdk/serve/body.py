@@ -11,8 +11,13 @@ from .errors import APIError, bad_request
 
 def too_large(limit: int, size: int | None = None) -> APIError:
     got = f"{size} bytes" if size is not None else f"more than {limit} bytes"
-    return APIError(413, f"the request body is {got}; the limit is {limit} bytes (tokenrouter serve "
-                         f"--max-body-mb): send a shorter prompt", None, "request_too_large")
+    return APIError(
+        413,
+        f"the request body is {got}; the limit is {limit} bytes (tokenrouter serve "
+        f"--max-body-mb): send a shorter prompt",
+        None,
+        "request_too_large",
+    )
 
 
 async def read_json(request, limit: int):
@@ -38,11 +43,14 @@ async def read_json(request, limit: int):
         chunks.append(chunk)
     raw = b"".join(chunks)
     if not raw.strip():
-        raise bad_request(None, "the request body is empty: send a JSON object, e.g. {\"prompt\": \"Hi\"}")
+        raise bad_request(None, 'the request body is empty: send a JSON object, e.g. {"prompt": "Hi"}')
     try:
         return json.loads(raw)
     except json.JSONDecodeError as e:
-        raise bad_request(None, f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; "
-                                f"send a JSON object", "invalid_json") from None
+        raise bad_request(
+            None,
+            f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; send a JSON object",
+            "invalid_json",
+        ) from None
     except UnicodeDecodeError:
         raise bad_request(None, "the request body is not UTF-8 text: send a JSON object", "invalid_json") from None

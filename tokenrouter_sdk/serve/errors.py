@@ -10,8 +10,15 @@ import logging
 
 log = logging.getLogger("tokenrouter.serve")
 
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-         413: "invalid_request_error", 422: "invalid_request_error", 500: "server_error", 503: "server_error"}
+TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 class APIError(Exception):
@@ -26,8 +33,9 @@ class APIError(Exception):
         type: the OpenAI error type (default from the status).
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
@@ -54,17 +62,23 @@ def install_handlers(app) -> None:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     async def http_error(request, exc: HTTPException):
-        msg = {404: f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/completions, "
-                    f"POST /v1/chat/completions, GET /health, GET /metrics",
-               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return JSONResponse(APIError(exc.status_code, msg, None, None).body(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        msg = {
+            404: f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/completions, "
+            f"POST /v1/chat/completions, GET /health, GET /metrics",
+            405: f"method {request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
+        return JSONResponse(
+            APIError(exc.status_code, msg, None, None).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     async def validation_error(request, exc: RequestValidationError):
         err = (exc.errors() or [{}])[0]
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        return JSONResponse(bad_request(loc or None, f"{loc or 'request'}: {err.get('msg', 'invalid')}").body(),
-                            status_code=400)
+        return JSONResponse(
+            bad_request(loc or None, f"{loc or 'request'}: {err.get('msg', 'invalid')}").body(), status_code=400
+        )
 
     async def unexpected(request, exc: Exception):
         log.exception("unexpected error on %s %s", request.method, request.url.path)

@@ -47,8 +47,9 @@ class Generation:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         try:
-            reqs = router.requests(prep.sources if prep.sources is not None else prep.prompts, sampling=prep.params,
-                                   chat=False)
+            reqs = router.requests(
+                prep.sources if prep.sources is not None else prep.prompts, sampling=prep.params, chat=False
+            )
             if prep.forced is not None:  # echo + logprobs: the prompt's tokens after the first are scored
                 for k, r in enumerate(reqs):
                     r.forced = prep.forced[k // prep.n]

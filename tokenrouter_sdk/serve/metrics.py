@@ -48,55 +48,93 @@ class ServerMetrics:
         self.large = self.models[-1]
         self.registry = reg = CollectorRegistry(auto_describe=True)
         p = "tokenrouter_"
-        self.committed = Counter(p + "committed_tokens", "Committed output tokens by writing model", ["model"],
-                                 registry=reg)
-        self.finished = Counter(p + "requests_finished", "Requests ended, by finish reason", ["finish_reason"],
-                                registry=reg)
+        self.committed = Counter(
+            p + "committed_tokens", "Committed output tokens by writing model", ["model"], registry=reg
+        )
+        self.finished = Counter(
+            p + "requests_finished", "Requests ended, by finish reason", ["finish_reason"], registry=reg
+        )
         self.admitted = Counter(p + "requests_admitted", "Requests admitted to the engine", registry=reg)
         self.hops = Counter(p + "hops", "Handoffs between models", registry=reg)
         self.discarded = Counter(p + "discarded_tokens", "Sampled tokens dropped on a handoff", registry=reg)
-        self.queued = Gauge(p + "queued_requests", "Requests a model owned that were not in its last step",
-                            ["model"], registry=reg)
-        self.owned = Gauge(p + "requests_owned", "Requests ready to step on a model (last kv_stats)", ["model"],
-                           registry=reg)
-        self.pending = Gauge(p + "requests_pending", "Requests handed off with KV kept on a model (last kv_stats)",
-                             ["model"], registry=reg)
+        self.queued = Gauge(
+            p + "queued_requests", "Requests a model owned that were not in its last step", ["model"], registry=reg
+        )
+        self.owned = Gauge(
+            p + "requests_owned", "Requests ready to step on a model (last kv_stats)", ["model"], registry=reg
+        )
+        self.pending = Gauge(
+            p + "requests_pending",
+            "Requests handed off with KV kept on a model (last kv_stats)",
+            ["model"],
+            registry=reg,
+        )
         self.kv_used = Gauge(p + "kv_used_blocks", "KV blocks in use per model", ["model"], registry=reg)
         self.kv_total = Gauge(p + "kv_blocks", "Usable KV blocks per model", ["model"], registry=reg)
-        self.kv_cached = Gauge(p + "kv_cached_blocks", "KV blocks in the prefix cache per model (held or idle)",
-                               ["model"], registry=reg)
-        self.prefix_hit = Counter(p + "prefix_cache_hit_tokens", "Tokens taken from the prefix cache instead of "
-                                  "prefilled, per model", ["model"], registry=reg)
-        self.prefix_query = Counter(p + "prefix_cache_query_tokens", "Tokens requests brought when they arrived "
-                                    "at a model with no KV there (hit rate = hit / query)", ["model"], registry=reg)
-        self.step = Histogram(p + "step_seconds", "Step time per model, seconds", ["model"], buckets=STEP_BUCKETS,
-                              registry=reg)
-        self.forward = Histogram(p + "forward_seconds", "Model forward time per step, seconds", ["model"],
-                                 buckets=STEP_BUCKETS, registry=reg)
-        self.batch = Histogram(p + "step_batch_size", "Requests per step per model", ["model"],
-                               buckets=BATCH_BUCKETS, registry=reg)
-        self.ttft = Histogram(p + "ttft_seconds", "Admission to first committed token, seconds",
-                              buckets=TTFT_BUCKETS, registry=reg)
+        self.kv_cached = Gauge(
+            p + "kv_cached_blocks", "KV blocks in the prefix cache per model (held or idle)", ["model"], registry=reg
+        )
+        self.prefix_hit = Counter(
+            p + "prefix_cache_hit_tokens",
+            "Tokens taken from the prefix cache instead of prefilled, per model",
+            ["model"],
+            registry=reg,
+        )
+        self.prefix_query = Counter(
+            p + "prefix_cache_query_tokens",
+            "Tokens requests brought when they arrived at a model with no KV there (hit rate = hit / query)",
+            ["model"],
+            registry=reg,
+        )
+        self.step = Histogram(
+            p + "step_seconds", "Step time per model, seconds", ["model"], buckets=STEP_BUCKETS, registry=reg
+        )
+        self.forward = Histogram(
+            p + "forward_seconds", "Model forward time per step, seconds", ["model"], buckets=STEP_BUCKETS, registry=reg
+        )
+        self.batch = Histogram(
+            p + "step_batch_size", "Requests per step per model", ["model"], buckets=BATCH_BUCKETS, registry=reg
+        )
+        self.ttft = Histogram(
+            p + "ttft_seconds", "Admission to first committed token, seconds", buckets=TTFT_BUCKETS, registry=reg
+        )
         Gauge(p + "hop_rate", "Hops per committed token since start", registry=reg).set_function(self.hop_rate)
-        Gauge(p + "large_fraction", "Share of committed tokens written by the largest model since start",
-              registry=reg).set_function(self.large_fraction)
+        Gauge(
+            p + "large_fraction", "Share of committed tokens written by the largest model since start", registry=reg
+        ).set_function(self.large_fraction)
         counts = router.request_counts
         Gauge(p + "requests_in_flight", "Requests admitted and not ended", registry=reg).set_function(
-            lambda: counts()["in_flight"])
+            lambda: counts()["in_flight"]
+        )
         Gauge(p + "requests_waiting", "Requests submitted and not admitted yet", registry=reg).set_function(
-            lambda: counts()["waiting"])
+            lambda: counts()["waiting"]
+        )
         self._lock = threading.Lock()
         self._tokens = {m: 0 for m in self.models}
         self._hops = 0
         self._admit_t: dict[int, float] = {}
         self._last_step: dict[str, float] = {}  # model -> time.monotonic() of its last StepDone
-        self._by_model = {m: (self.committed.labels(m), self.step.labels(m), self.forward.labels(m),
-                              self.batch.labels(m), self.kv_used.labels(m), self.queued.labels(m),
-                              self.kv_cached.labels(m), self.prefix_hit.labels(m), self.prefix_query.labels(m))
-                          for m in self.models}
+        self._by_model = {
+            m: (
+                self.committed.labels(m),
+                self.step.labels(m),
+                self.forward.labels(m),
+                self.batch.labels(m),
+                self.kv_used.labels(m),
+                self.queued.labels(m),
+                self.kv_cached.labels(m),
+                self.prefix_hit.labels(m),
+                self.prefix_query.labels(m),
+            )
+            for m in self.models
+        }
         self._prefix = {m: [0, 0] for m in self.models}  # model -> [hit tokens, query tokens]
-        hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix-cache hit rate per model since start: tokens reused / "
-                         "tokens brought on arrival", ["model"], registry=reg)
+        hit_rate = Gauge(
+            p + "prefix_cache_hit_rate",
+            "Prefix-cache hit rate per model since start: tokens reused / tokens brought on arrival",
+            ["model"],
+            registry=reg,
+        )
         for m in self.models:
             hit_rate.labels(m).set_function(lambda m=m: self.prefix_hit_rate(m))
         for m, (blocks, _) in router.kv_capacity.items():
@@ -155,8 +193,12 @@ class ServerMetrics:
         with self._lock:
             total = sum(self._tokens.values())
             hops, large = self._hops, self._tokens.get(self.large, 0)
-        return {"committed_tokens": total, "hops": hops, "hop_rate": hops / total if total else 0.0,
-                "large_fraction": large / total if total else 0.0}
+        return {
+            "committed_tokens": total,
+            "hops": hops,
+            "hop_rate": hops / total if total else 0.0,
+            "large_fraction": large / total if total else 0.0,
+        }
 
     def step_ages(self) -> dict[str, float]:
         """Seconds since each model's last step (models that never stepped are left out)."""

@@ -85,13 +85,17 @@ def _unsupported(req, chat: bool) -> None:
             raise bad_request("response_format", "only response_format {'type': 'text'} is supported")
     else:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise bad_request("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}] (top alternatives per token), got "
-                                          f"{req.logprobs}")
+            raise bad_request(
+                "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}] (top alternatives per token), got {req.logprobs}"
+            )
         if req.echo and req.stream:
             raise bad_request("echo", "echo with stream is not supported; send stream: false")
         if req.echo and req.logprobs is not None and req.stop:
-            raise bad_request("stop", "stop with echo and logprobs is not supported (the prompt is scored token by "
-                                      "token and a stop string could end it there); leave stop out")
+            raise bad_request(
+                "stop",
+                "stop with echo and logprobs is not supported (the prompt is scored token by "
+                "token and a stop string could end it there); leave stop out",
+            )
         if req.best_of not in (None, 1):
             raise bad_request("best_of", f"best_of={req.best_of}: only 1 is supported")
         if req.suffix:
@@ -107,13 +111,18 @@ def _check_ids(router, ids: list[int], param: str) -> list[int]:
         raise bad_request(param, f"{param} has token id {bad}, outside the vocabulary [0, {vocab})")
     ctx = router.max_context
     if len(ids) >= ctx:
-        raise bad_request(param, f"{param} has {len(ids)} tokens but the models' context is {ctx} tokens: shorten it "
-                                 f"to at most {ctx - 1} tokens", "context_length_exceeded")
+        raise bad_request(
+            param,
+            f"{param} has {len(ids)} tokens but the models' context is {ctx} tokens: shorten it "
+            f"to at most {ctx - 1} tokens",
+            "context_length_exceeded",
+        )
     return ids
 
 
-def completion_prompts(router, prompt, chat_template_kwargs: dict | None = None,
-                       add_special_tokens: bool = True) -> list[list[int]]:
+def completion_prompts(
+    router, prompt, chat_template_kwargs: dict | None = None, add_special_tokens: bool = True
+) -> list[list[int]]:
     """Token ids of a completions ``prompt`` (raw text: no chat template; with the tokenizer's
     special tokens, e.g. a BOS, unless ``add_special_tokens`` is False, as vLLM does), one list
     per prompt; a list of chat messages is rendered with the chat template (and
@@ -130,8 +139,11 @@ def completion_prompts(router, prompt, chat_template_kwargs: dict | None = None,
             raise bad_request("prompt", "prompt: a list of objects must be chat messages {'role', 'content'}") from None
         return [chat_prompt(router, messages, "prompt", chat_template_kwargs)]
     if chat_template_kwargs:
-        raise bad_request("chat_template_kwargs", "chat_template_kwargs apply to chat messages; this prompt is text "
-                                                  "or token ids, sent as it is (no chat template)")
+        raise bad_request(
+            "chat_template_kwargs",
+            "chat_template_kwargs apply to chat messages; this prompt is text "
+            "or token ids, sent as it is (no chat template)",
+        )
     if isinstance(prompt, str):
         items = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -162,8 +174,9 @@ def chat_prompt(router, messages, param: str = "messages", chat_template_kwargs:
     """
     plain = plain_messages(messages, param)
     if not getattr(router.tokenizer, "chat_template", None):
-        raise bad_request(param, "the served tokenizer has no chat template: use /v1/completions with a "
-                                      "prompt string instead")
+        raise bad_request(
+            param, "the served tokenizer has no chat template: use /v1/completions with a prompt string instead"
+        )
     try:
         PromptEncoder.check_template_kwargs(chat_template_kwargs)
     except (TypeError, ValueError) as e:
@@ -171,8 +184,9 @@ def chat_prompt(router, messages, param: str = "messages", chat_template_kwargs:
     try:
         ids = router.encode(plain, chat_template_kwargs=chat_template_kwargs)
     except Exception as e:  # noqa: BLE001 - the template refused the conversation (e.g. role order)
-        raise bad_request(param, f"messages could not be rendered with the chat template: "
-                                      f"{type(e).__name__}: {e}") from None
+        raise bad_request(
+            param, f"messages could not be rendered with the chat template: {type(e).__name__}: {e}"
+        ) from None
     return _check_ids(router, ids, param)
 
 
@@ -191,8 +205,11 @@ def plain_messages(messages, param: str = "messages") -> list[dict]:
             parts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"{param}.{i}.content", f"{param}[{i}].content: only text parts "
-                                      f"({{'type': 'text', 'text': ...}}) are supported, got type {part.get('type')!r}")
+                    raise bad_request(
+                        f"{param}.{i}.content",
+                        f"{param}[{i}].content: only text parts "
+                        f"({{'type': 'text', 'text': ...}}) are supported, got type {part.get('type')!r}",
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         plain.append({"role": m.role, "content": content or ""})
@@ -209,13 +226,19 @@ def mixed_sources(router, req, chat: bool) -> list:
         APIError: 400 for what only one vocabulary can mean: token-id prompts, stop token ids,
             logprobs (each token shown as text of one tokenizer).
     """
-    if (req.logprobs if chat else req.logprobs is not None):
-        raise bad_request("logprobs", "logprobs name each token's text, and the served models do not share a "
-                                      "tokenizer; leave logprobs out (Router.generate(logprobs=...) gives them per "
-                                      "writer)")
+    if req.logprobs if chat else req.logprobs is not None:
+        raise bad_request(
+            "logprobs",
+            "logprobs name each token's text, and the served models do not share a "
+            "tokenizer; leave logprobs out (Router.generate(logprobs=...) gives them per "
+            "writer)",
+        )
     if getattr(req, "stop_token_ids", None):
-        raise bad_request("stop_token_ids", "stop_token_ids name different tokens in each served model's vocabulary "
-                                            "(they do not share a tokenizer): use stop strings")
+        raise bad_request(
+            "stop_token_ids",
+            "stop_token_ids name different tokens in each served model's vocabulary "
+            "(they do not share a tokenizer): use stop strings",
+        )
     if chat:
         return [plain_messages(req.messages, "messages")]
     prompt = req.prompt
@@ -223,8 +246,11 @@ def mixed_sources(router, req, chat: bool) -> list:
         return [plain_messages(prompt, "prompt")]
     items = [prompt] if isinstance(prompt, str) else list(prompt or [])
     if any(not isinstance(p, str) for p in items):
-        raise bad_request("prompt", "prompt: token ids mean different text in each served model's vocabulary (they "
-                                    "do not share a tokenizer): send the prompt as text")
+        raise bad_request(
+            "prompt",
+            "prompt: token ids mean different text in each served model's vocabulary (they "
+            "do not share a tokenizer): send the prompt as text",
+        )
     return items
 
 
@@ -248,16 +274,26 @@ def sampling(router, req, prompts: list[list[int]], default_max: int | None) -> 
     elif max_tokens == 0 and scoring and min(len(p) for p in prompts) > 1:
         pass  # echo + logprobs: the prompt alone is scored
     elif max_tokens <= 0:
-        raise bad_request(name, f"{name} must be at least 1, got {max_tokens}"
-                          + (" (0 only with echo and logprobs, for prompts of 2+ tokens)" if max_tokens == 0 else ""))
+        raise bad_request(
+            name,
+            f"{name} must be at least 1, got {max_tokens}"
+            + (" (0 only with echo and logprobs, for prompts of 2+ tokens)" if max_tokens == 0 else ""),
+        )
     elif longest + max_tokens > ctx:
-        raise bad_request(name, f"{name}={max_tokens} with a prompt of {longest} tokens exceeds the context of {ctx} "
-                                f"tokens: set {name} to at most {ctx - longest}", "context_length_exceeded")
+        raise bad_request(
+            name,
+            f"{name}={max_tokens} with a prompt of {longest} tokens exceeds the context of {ctx} "
+            f"tokens: set {name} to at most {ctx - longest}",
+            "context_length_exceeded",
+        )
     for model, (blocks, bs) in router.kv_capacity.items():
         if longest + max_tokens > blocks * bs:
-            raise bad_request(name, f"the prompt ({longest} tokens) plus {name}={max_tokens} does not fit the KV pool "
-                                    f"of model '{model}' ({blocks * bs} tokens): lower {name} to at most "
-                                    f"{blocks * bs - longest}")
+            raise bad_request(
+                name,
+                f"the prompt ({longest} tokens) plus {name}={max_tokens} does not fit the KV pool "
+                f"of model '{model}' ({blocks * bs} tokens): lower {name} to at most "
+                f"{blocks * bs - longest}",
+            )
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature < 0:
         raise bad_request("temperature", f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -273,9 +309,18 @@ def sampling(router, req, prompts: list[list[int]], default_max: int | None) -> 
     ids = list(req.stop_token_ids or [])
     if any(i < 0 for i in ids):
         raise bad_request("stop_token_ids", f"stop_token_ids must be non-negative, got {ids}")
-    return SamplingParams(max_new_tokens=max(1, int(max_tokens)), temperature=float(temperature), top_p=float(top_p),
-                          top_k=int(top_k), seed=req.seed, stop=tuple(stop), stop_token_ids=tuple(ids),
-                          ignore_eos=bool(req.ignore_eos), logprobs=_logprobs(req), n=int(req.n or 1)).validate()
+    return SamplingParams(
+        max_new_tokens=max(1, int(max_tokens)),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        seed=req.seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(ids),
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=_logprobs(req),
+        n=int(req.n or 1),
+    ).validate()
 
 
 def _logprobs(req) -> int | None:
@@ -303,16 +348,29 @@ def prepare(state: ServeState, req: CompletionRequest | ChatCompletionRequest) -
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
     n = int(req.n or 1)
     if n * len(prompts) > MAX_CHOICES:
-        raise bad_request("n", f"{len(prompts)} prompts x n={n} is {n * len(prompts)} choices; at most {MAX_CHOICES} "
-                               f"per request")
+        raise bad_request(
+            "n", f"{len(prompts)} prompts x n={n} is {n * len(prompts)} choices; at most {MAX_CHOICES} per request"
+        )
     params = sampling(router, req, prompts, default_max)
     stream = bool(req.stream)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = bool(getattr(req, "echo", False))
-    prep = Prepared(prompts, params, policy, label, stream, include_usage, req.model or state.model_id, chat, n=n,
-                    logprobs=params.logprobs, echo=echo, prompt_ids=[list(p) for p in prompts],
-                    token_ids_as_text=bool(req.return_tokens_as_token_ids),
-                    sources=mixed_sources(router, req, chat) if router.text is not None else None)
+    prep = Prepared(
+        prompts,
+        params,
+        policy,
+        label,
+        stream,
+        include_usage,
+        req.model or state.model_id,
+        chat,
+        n=n,
+        logprobs=params.logprobs,
+        echo=echo,
+        prompt_ids=[list(p) for p in prompts],
+        token_ids_as_text=bool(req.return_tokens_as_token_ids),
+        sources=mixed_sources(router, req, chat) if router.text is not None else None,
+    )
     if echo and params.logprobs is not None:  # score the prompt: its tokens after the first are teacher-forced
         max_tokens = 0 if req.max_tokens == 0 else params.max_new_tokens
         prep.forced = [p[1:] for p in prompts]

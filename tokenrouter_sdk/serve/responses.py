@@ -30,10 +30,17 @@ def routing(handle, models: list[str]) -> dict:
     """
     out = handle.output
     n = len(out.token_models)
-    return {"writers": list(out.token_models), "hops": out.hops, "discarded": out.discarded,
-            "large_fraction": out.token_models.count(models[-1]) / n if n else 0.0,
-            "ttft_s": out.ttft_s, "latency_s": out.latency_s, "entry": handle.entry,
-            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+    return {
+        "writers": list(out.token_models),
+        "hops": out.hops,
+        "discarded": out.discarded,
+        "large_fraction": out.token_models.count(models[-1]) / n if n else 0.0,
+        "ttft_s": out.ttft_s,
+        "latency_s": out.latency_s,
+        "entry": handle.entry,
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+    }
 
 
 def extension(handles, models: list[str], policy_label: str) -> dict:
@@ -73,8 +80,9 @@ def _tops(tokenizer, ids, lps, tops, k: int, as_id: bool = False) -> list:
     return [[(token_text(tokenizer, a, as_id), v) for a, v in top.items()] for top in tops]
 
 
-def completion_logprobs(tokenizer, ids: list[int], lps: list, tops, k: int, lead: list[int] = (),
-                        as_id: bool = False) -> dict:
+def completion_logprobs(
+    tokenizer, ids: list[int], lps: list, tops, k: int, lead: list[int] = (), as_id: bool = False
+) -> dict:
     """The ``logprobs`` object of a text completion: ``tokens``, ``token_logprobs``,
     ``top_logprobs`` (``{text: logprob}`` per token) and ``text_offset`` (characters into the
     choice's text). ``lead``: prompt tokens the text starts with that have no log-probability
@@ -85,8 +93,12 @@ def completion_logprobs(tokenizer, ids: list[int], lps: list, tops, k: int, lead
         offsets.append(at)
         at += len(t)
     top = [None] * len(lead) + [dict(x) for x in _tops(tokenizer, ids, lps, tops, k, as_id)]
-    return {"tokens": texts, "token_logprobs": [None] * len(lead) + list(lps), "top_logprobs": top,
-            "text_offset": offsets}
+    return {
+        "tokens": texts,
+        "token_logprobs": [None] * len(lead) + list(lps),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(tokenizer, ids: list[int], lps: list, tops, k: int, as_id: bool = False) -> dict:
@@ -95,9 +107,14 @@ def chat_logprobs(tokenizer, ids: list[int], lps: list, tops, k: int, as_id: boo
     content = []
     for t, lp, alts in zip(ids, lps, _tops(tokenizer, ids, lps, tops, k, as_id) if k else [[]] * len(ids)):
         text = token_text(tokenizer, t, as_id)
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
-                        "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode("utf-8"))}
-                                         for a, v in alts]})
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode("utf-8"))} for a, v in alts],
+            }
+        )
     return {"content": content}
 
 
@@ -107,14 +124,23 @@ def choice_logprobs(tokenizer, h, prep) -> dict | None:
     if prep.logprobs is None or out.logprobs is None:
         return None
     if prep.chat:
-        return chat_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs, prep.logprobs,
-                             prep.token_ids_as_text)
+        return chat_logprobs(
+            tokenizer, out.token_ids, out.logprobs, out.top_logprobs, prep.logprobs, prep.token_ids_as_text
+        )
     if prep.echo:  # echo + logprobs: the prompt after its first token was scored (teacher-forced)
         lead = prep.prompt_ids[out.index // prep.n][:1]
-        return completion_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs, prep.logprobs,
-                                   lead=lead, as_id=prep.token_ids_as_text)
-    return completion_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs, prep.logprobs,
-                               as_id=prep.token_ids_as_text)
+        return completion_logprobs(
+            tokenizer,
+            out.token_ids,
+            out.logprobs,
+            out.top_logprobs,
+            prep.logprobs,
+            lead=lead,
+            as_id=prep.token_ids_as_text,
+        )
+    return completion_logprobs(
+        tokenizer, out.token_ids, out.logprobs, out.top_logprobs, prep.logprobs, as_id=prep.token_ids_as_text
+    )
 
 
 def choice_text(tokenizer, h, prep) -> str:
@@ -155,14 +181,26 @@ def completion(handles, prep, models: list[str], tokenizer=None) -> dict:
         finish = FINISH.get(out.finish_reason, out.finish_reason)
         lps = choice_logprobs(tokenizer, h, prep) if tokenizer is not None else None
         if prep.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lps,
-                            "finish_reason": finish})
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": lps,
+                    "finish_reason": finish,
+                }
+            )
         else:
             text = choice_text(tokenizer, h, prep) if tokenizer is not None else out.text
             choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": finish})
-    return {"id": rid, "object": "chat.completion" if prep.chat else "text_completion", "created": created,
-            "model": prep.model, "choices": choices, "usage": usage(handles, prep),
-            "tokenrouter": extension(handles, models, prep.policy_label)}
+    return {
+        "id": rid,
+        "object": "chat.completion" if prep.chat else "text_completion",
+        "created": created,
+        "model": prep.model,
+        "choices": choices,
+        "usage": usage(handles, prep),
+        "tokenrouter": extension(handles, models, prep.policy_label),
+    }
 
 
 class ChunkWriter:
@@ -197,14 +235,26 @@ class ChunkWriter:
             return chat_logprobs(tokenizer, ids, lps, tops, self.prep.logprobs, self.prep.token_ids_as_text)
         return completion_logprobs(tokenizer, ids, lps, tops, self.prep.logprobs, as_id=self.prep.token_ids_as_text)
 
-    def chunk(self, index: int, text: str, writers: list[str], finish: str | None = None, extra: dict | None = None,
-              logprobs: dict | None = None) -> str:
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        writers: list[str],
+        finish: str | None = None,
+        extra: dict | None = None,
+        logprobs: dict | None = None,
+    ) -> str:
         """One chunk: ``text`` of choice ``index``, the writers of the tokens it covers (a
         ``tokenrouter.writers`` list; text can lag its tokens while a character or a possible
         stop string is incomplete), their ``logprobs`` (when asked for), and on the last chunk of
         a choice its finish reason and ``extra`` (the routing of the whole request, and usage)."""
-        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.prep.model,
-                "choices": [self._choice(index, text, finish, logprobs)]}
+        body = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.prep.model,
+            "choices": [self._choice(index, text, finish, logprobs)],
+        }
         if extra:
             body |= extra
         else:
@@ -213,8 +263,17 @@ class ChunkWriter:
 
     def usage_chunk(self, handles, ext: dict) -> str:
         """The chunk with ``choices: []`` and usage that ``stream_options.include_usage`` asks for."""
-        return self._event({"id": self.id, "object": self.object, "created": self.created, "model": self.prep.model,
-                            "choices": [], "usage": usage(handles, self.prep), "tokenrouter": ext})
+        return self._event(
+            {
+                "id": self.id,
+                "object": self.object,
+                "created": self.created,
+                "model": self.prep.model,
+                "choices": [],
+                "usage": usage(handles, self.prep),
+                "tokenrouter": ext,
+            }
+        )
 
     def error(self, err: APIError) -> str:
         return self._event(err.body())

@@ -47,8 +47,9 @@ class AutoRestart:
         """Engine thread, under its lock: only hand the restart to a thread of its own."""
         if not isinstance(ev, M.ModelDied) or self._closed:
             return
-        t = threading.Thread(target=self._restart, args=(ev.model, ev.error), daemon=True,
-                             name=f"tokenrouter-restart-{ev.model}")
+        t = threading.Thread(
+            target=self._restart, args=(ev.model, ev.error), daemon=True, name=f"tokenrouter-restart-{ev.model}"
+        )
         with self._lock:
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
         t.start()
@@ -57,11 +58,23 @@ class AutoRestart:
         with self._lock:
             done = self.restarts.get(model, 0)
             if done >= self.limit:
-                self.history.append({"model": model, "error": error, "action": "limit", "seconds": 0.0,
-                                     "detail": f"{done} restart(s) done, limit {self.limit}"})
-                log.error("sub-server '%s' died (%s); not restarting it: %d restart(s) done, the limit is %d "
-                          "(--restart-limit); /health answers 503 until the server is restarted",
-                          model, error, done, self.limit)
+                self.history.append(
+                    {
+                        "model": model,
+                        "error": error,
+                        "action": "limit",
+                        "seconds": 0.0,
+                        "detail": f"{done} restart(s) done, limit {self.limit}",
+                    }
+                )
+                log.error(
+                    "sub-server '%s' died (%s); not restarting it: %d restart(s) done, the limit is %d "
+                    "(--restart-limit); /health answers 503 until the server is restarted",
+                    model,
+                    error,
+                    done,
+                    self.limit,
+                )
                 return
             self.restarts[model] = done + 1
         log.warning("sub-server '%s' died (%s); restarting it (%d of %d)", model, error, done + 1, self.limit)
@@ -70,10 +83,16 @@ class AutoRestart:
             self.router.restart(model, timeout=self.timeout)
         except Exception as e:  # noqa: BLE001 - logged; the model stays dead and /health says so
             secs = time.perf_counter() - t0
-            self.history.append({"model": model, "error": error, "action": "failed", "seconds": secs,
-                                 "detail": f"{type(e).__name__}: {e}"})
-            log.error("sub-server '%s' could not be restarted after %.1f s: %s: %s", model, secs,
-                      type(e).__name__, e)
+            self.history.append(
+                {
+                    "model": model,
+                    "error": error,
+                    "action": "failed",
+                    "seconds": secs,
+                    "detail": f"{type(e).__name__}: {e}",
+                }
+            )
+            log.error("sub-server '%s' could not be restarted after %.1f s: %s: %s", model, secs, type(e).__name__, e)
             return
         secs = time.perf_counter() - t0
         self.history.append({"model": model, "error": error, "action": "restarted", "seconds": secs, "detail": ""})

@@ -52,8 +52,11 @@ async def _generate(request: Request, cls) -> Response:
             gen.abort("another prompt of the request failed")
             raise_for_failure(failed)
         streaming = True
-        return StreamingResponse(_events(st, gen, prep, first), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _events(st, gen, prep, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     finally:
         if not streaming:
             gen.close()
@@ -77,8 +80,9 @@ async def _events(st: ServeState, gen: Generation, prep: Prepared, items: list):
                     ev, piece = payload
                     pending.setdefault(idx, []).extend([ev.model] * len(ev.tokens))
                     if ev.logprobs is not None:
-                        scored.setdefault(idx, []).extend((t, lp, dict(top)) for t, (lp, top) in
-                                                          zip(ev.tokens, ev.logprobs))
+                        scored.setdefault(idx, []).extend(
+                            (t, lp, dict(top)) for t, (lp, top) in zip(ev.tokens, ev.logprobs)
+                        )
                     texts.setdefault(idx, []).append(piece)
                 else:
                     texts.setdefault(idx, []).append(payload)
@@ -88,14 +92,17 @@ async def _events(st: ServeState, gen: Generation, prep: Prepared, items: list):
                 if idx in ended:
                     continue
                 if text:
-                    yield writer.chunk(idx, text, pending.pop(idx, []), logprobs=writer.logprobs(tok, scored.pop(idx, [])))
+                    yield writer.chunk(
+                        idx, text, pending.pop(idx, []), logprobs=writer.logprobs(tok, scored.pop(idx, []))
+                    )
             for idx in ended:
                 h = gen.handles[idx]
                 text = "".join(texts.get(idx, []))
                 if not h.output.ok:
                     if text:
-                        yield writer.chunk(idx, text, pending.pop(idx, []),
-                                           logprobs=writer.logprobs(tok, scored.pop(idx, [])))
+                        yield writer.chunk(
+                            idx, text, pending.pop(idx, []), logprobs=writer.logprobs(tok, scored.pop(idx, []))
+                        )
                     gen.abort("another prompt of the request failed")
                     try:
                         raise_for_failure([h])
@@ -104,12 +111,20 @@ async def _events(st: ServeState, gen: Generation, prep: Prepared, items: list):
                     yield writer.done()
                     return
                 pending.pop(idx, None)
-                info = (extension(gen.handles, models, prep.policy_label) if len(gen.handles) == 1 else
-                        {"policy": prep.policy_label, "models": models, "index": idx} | routing(h, models))
+                info = (
+                    extension(gen.handles, models, prep.policy_label)
+                    if len(gen.handles) == 1
+                    else {"policy": prep.policy_label, "models": models, "index": idx} | routing(h, models)
+                )
                 lps = writer.logprobs(tok, scored.pop(idx, []))
-                yield writer.chunk(idx, text, [], FINISH.get(h.output.finish_reason, h.output.finish_reason),
-                                   {"usage": usage([h], prep), "tokenrouter": info},
-                                   logprobs=lps if lps is None or lps.get("content", lps.get("tokens")) else None)
+                yield writer.chunk(
+                    idx,
+                    text,
+                    [],
+                    FINISH.get(h.output.finish_reason, h.output.finish_reason),
+                    {"usage": usage([h], prep), "tokenrouter": info},
+                    logprobs=lps if lps is None or lps.get("content", lps.get("tokens")) else None,
+                )
             if gen.finished:
                 break
             items = await gen.next_events()
@@ -139,11 +154,27 @@ async def models(request: Request):
     router = st.router
     created = int(request.app.state.started)
     names = list(router.models)
-    data = [{"id": st.model_id, "object": "model", "created": created, "owned_by": "tokenrouter",
-             "max_model_len": router.max_context,
-             "tokenrouter": {"models": names, "policy": st.policy_label, "policies": st.policies.registry.names()}}]
-    data += [{"id": m, "object": "model", "created": created, "owned_by": "tokenrouter",
-              "max_model_len": router.max_context, "tokenrouter": {"single_model": True}} for m in names]
+    data = [
+        {
+            "id": st.model_id,
+            "object": "model",
+            "created": created,
+            "owned_by": "tokenrouter",
+            "max_model_len": router.max_context,
+            "tokenrouter": {"models": names, "policy": st.policy_label, "policies": st.policies.registry.names()},
+        }
+    ]
+    data += [
+        {
+            "id": m,
+            "object": "model",
+            "created": created,
+            "owned_by": "tokenrouter",
+            "max_model_len": router.max_context,
+            "tokenrouter": {"single_model": True},
+        }
+        for m in names
+    ]
     return {"object": "list", "data": data}
 
 
@@ -161,17 +192,37 @@ async def health(request: Request):
         raise APIError(503, f"unhealthy: {e}", None, "engine_unavailable") from None
     except TimeoutError as e:
         dead, ages = router.dead, st.metrics.step_ages()
-        models = {m: {"alive": m not in dead and ages.get(m, float("inf")) < BUSY_GRACE_S, "busy": True,
-                      "last_step_s_ago": ages.get(m), "error": dead.get(m)} for m in router.models}
+        models = {
+            m: {
+                "alive": m not in dead and ages.get(m, float("inf")) < BUSY_GRACE_S,
+                "busy": True,
+                "last_step_s_ago": ages.get(m),
+                "error": dead.get(m),
+            }
+            for m in router.models
+        }
         ok = all(v["alive"] for v in models.values())
         body = {"status": "ok" if ok else "unavailable", "models": models}
         if not ok:
-            body["error"] = {"message": f"unhealthy: {e}", "type": "server_error", "param": None,
-                             "code": "engine_unavailable"}
+            body["error"] = {
+                "message": f"unhealthy: {e}",
+                "type": "server_error",
+                "param": None,
+                "code": "engine_unavailable",
+            }
         return JSONResponse(body, status_code=200 if ok else 503)
     dead = router.dead
-    models = {m: {"alive": s.alive and m not in dead, "free_blocks": s.free_blocks, "num_blocks": s.num_blocks,
-                  "owned": s.owned, "pending": s.pending, "error": s.error or dead.get(m)} for m, s in stats.items()}
+    models = {
+        m: {
+            "alive": s.alive and m not in dead,
+            "free_blocks": s.free_blocks,
+            "num_blocks": s.num_blocks,
+            "owned": s.owned,
+            "pending": s.pending,
+            "error": s.error or dead.get(m),
+        }
+        for m, s in stats.items()
+    }
     ok = all(v["alive"] for v in models.values())
     return JSONResponse({"status": "ok" if ok else "unavailable", "models": models}, status_code=200 if ok else 503)
 
@@ -189,10 +240,14 @@ async def tokenizer_info(request: Request):
     router = _state(request).router
     tok = router.tokenizer
     template = getattr(tok, "chat_template", None)
-    return {"tokenizer_class": type(tok).__name__, "eos_token": getattr(tok, "eos_token", None),
-            "bos_token": getattr(tok, "bos_token", None), "pad_token": getattr(tok, "pad_token", None),
-            "chat_template": template if isinstance(template, str) else None,
-            "model_max_length": router.max_context}
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "eos_token": getattr(tok, "eos_token", None),
+        "bos_token": getattr(tok, "bos_token", None),
+        "pad_token": getattr(tok, "pad_token", None),
+        "chat_template": template if isinstance(template, str) else None,
+        "model_max_length": router.max_context,
+    }
 
 
 @api.post("/tokenize")

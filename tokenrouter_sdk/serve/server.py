@@ -27,8 +27,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}; pick another --port (0 = any free "
-                               f"one)") from None
+        raise OSError(
+            e.errno, f"cannot listen on {host}:{port}: {e.strerror}; pick another --port (0 = any free one)"
+        ) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -41,8 +42,15 @@ def url_of(sock: socket.socket) -> str:
 
 def _config(app, log_level: str):
     import uvicorn
-    return uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
-                          timeout_keep_alive=KEEP_ALIVE_S, access_log=False)
+
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=STOP_GRACE_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        access_log=False,
+    )
 
 
 class BackgroundServer:
@@ -58,6 +66,7 @@ class BackgroundServer:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import uvicorn
+
         self.app = app
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
@@ -121,6 +130,7 @@ class BackgroundServer:
 def serve_forever(app, sock: socket.socket, log_level: str = "info") -> None:
     """Serve ``app`` on ``sock`` in this thread until SIGINT/SIGTERM (uvicorn's handlers)."""
     import uvicorn
+
     server = uvicorn.Server(_config(app, log_level))
     try:
         server.run(sockets=[sock])

@@ -43,8 +43,9 @@ class PolicyCache:
             entry, kwargs = self.registry.resolve(spec, allow_paths=False)
         except PolicySpecError as e:
             raise bad_request("policy", f"policy: {e}", "invalid_policy") from None
-        label = entry.name + (":" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(kwargs.items()))
-                              if kwargs else "")
+        label = entry.name + (
+            ":" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(kwargs.items())) if kwargs else ""
+        )
         with self._lock:
             pol = self._items.get(label)
             if pol is not None:
@@ -95,12 +96,20 @@ class ServeState:
         """
         models = list(self.router.models)
         if model is not None and model != self.model_id and model not in models:
-            raise APIError(404, f"model '{model}' does not exist; this server serves '{self.model_id}' (routed) "
-                                f"and {models} (one model each); see GET /v1/models", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"model '{model}' does not exist; this server serves '{self.model_id}' (routed) "
+                f"and {models} (one model each); see GET /v1/models",
+                "model",
+                "model_not_found",
+            )
         if model in models and model != self.model_id:
             if spec is not None:
-                raise bad_request("policy", f"model '{model}' names one sub-model, which writes every token; a "
-                                            f"policy needs model '{self.model_id}'")
+                raise bad_request(
+                    "policy",
+                    f"model '{model}' names one sub-model, which writes every token; a "
+                    f"policy needs model '{self.model_id}'",
+                )
             return self.policies.get({"name": "single", "model": model})
         if spec is None or spec == "default" or spec == "":
             return self.policy, self.policy_label

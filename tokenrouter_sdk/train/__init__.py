@@ -17,30 +17,48 @@ until a function is called.
 
 from __future__ import annotations
 
-__all__ = ["train_r2r", "train_citer", "train_co_llm", "train_query", "TrainResult", "load_examples",
-           "Example", "HELDOUT_IDS", "DEFAULT_DATA", "calibrate_threshold", "finalize"]
+__all__ = [
+    "train_r2r",
+    "train_citer",
+    "train_co_llm",
+    "train_query",
+    "TrainResult",
+    "load_examples",
+    "Example",
+    "HELDOUT_IDS",
+    "DEFAULT_DATA",
+    "calibrate_threshold",
+    "finalize",
+]
 
 
 def __getattr__(name):
     if name == "train_r2r":
         from .r2r import train_r2r
+
         return train_r2r
     if name == "train_citer":
         from .citer import train_citer
+
         return train_citer
     if name == "train_co_llm":
         from .co_llm import train_co_llm
+
         return train_co_llm
     if name == "train_query":
         from .query import train_query
+
         return train_query
     if name == "TrainResult":
         from .common import TrainResult
+
         return TrainResult
     if name in ("calibrate_threshold", "finalize"):
         from . import package
+
         return getattr(package, name)
     if name in ("load_examples", "Example", "HELDOUT_IDS", "DEFAULT_DATA"):
         from . import data
+
         return getattr(data, name)
     raise AttributeError(f"module 'tokenrouter_sdk.train' has no attribute {name!r}")

@@ -31,22 +31,49 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .common import (Pair, TrainResult, auc, base_meta, binary_metrics, fit_bce, reference_texts,
-                     teacher_forced, threshold_youden, write_run)
+from .common import (
+    Pair,
+    TrainResult,
+    auc,
+    base_meta,
+    binary_metrics,
+    fit_bce,
+    reference_texts,
+    teacher_forced,
+    threshold_youden,
+    write_run,
+)
 from .data import Example, as_examples, split
 
 
-def features_co_llm(pair: Pair, examples: list[Example], *, max_gold_tokens: int = 256, reference: str = "gold",
-                    max_new_tokens: int = 96, concurrency: int = 16, cache=None, progress: bool = False) -> dict:
+def features_co_llm(
+    pair: Pair,
+    examples: list[Example],
+    *,
+    max_gold_tokens: int = 256,
+    reference: str = "gold",
+    max_new_tokens: int = 96,
+    concurrency: int = 16,
+    cache=None,
+    progress: bool = False,
+) -> dict:
     """Per position of the reference text (gold, or the large model's response with
     ``reference="large"``, see `reference_texts`): ``hidden`` [N, H], ``lp_small``/``lp_large``
     (log-probs of the reference token, [N]), ``small_greedy``/``large_greedy``/``gold`` (the
     reference token) ids [N], ``example`` [N]."""
-    refs = reference_texts(pair, examples, reference, max_new_tokens=max_new_tokens, concurrency=concurrency,
-                           cache=cache, progress=progress)
+    refs = reference_texts(
+        pair,
+        examples,
+        reference,
+        max_new_tokens=max_new_tokens,
+        concurrency=concurrency,
+        cache=cache,
+        progress=progress,
+    )
     cols = {k: [] for k in ("hidden", "lp_small", "lp_large", "small_greedy", "large_greedy", "gold", "example")}
-    for i, _, g, hs, ls, ll in teacher_forced(pair, examples, refs, max_gold_tokens, "Co-LLM: teacher forcing",
-                                              progress):
+    for i, _, g, hs, ls, ll in teacher_forced(
+        pair, examples, refs, max_gold_tokens, "Co-LLM: teacher forcing", progress
+    ):
         gt = torch.tensor(g)
         lps, lpl = torch.log_softmax(ls, -1), torch.log_softmax(ll, -1)
         cols["hidden"].append(hs)
@@ -77,11 +104,31 @@ class _Z(torch.nn.Module):
         return h @ self.head.g + self.head.b
 
 
-def train_co_llm(router_or_models, prompts=None, *, tokenizer=None, data=None, limit: int | None = None, offset: int = 0,
-                 out="heads", name: str | None = None, max_gold_tokens: int = 256, val_fraction: float = 0.25,
-                 init_epochs: int = 10, epochs: int = 50, lr: float = 1e-3, weight_decay: float = 0.0,
-                 batch_size: int = 256, patience: int = 10, seed: int = 0, reference: str = "gold",
-                 max_new_tokens: int = 96, concurrency: int = 16, cache=None, progress: bool = True) -> TrainResult:
+def train_co_llm(
+    router_or_models,
+    prompts=None,
+    *,
+    tokenizer=None,
+    data=None,
+    limit: int | None = None,
+    offset: int = 0,
+    out="heads",
+    name: str | None = None,
+    max_gold_tokens: int = 256,
+    val_fraction: float = 0.25,
+    init_epochs: int = 10,
+    epochs: int = 50,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    batch_size: int = 256,
+    patience: int = 10,
+    seed: int = 0,
+    reference: str = "gold",
+    max_new_tokens: int = 96,
+    concurrency: int = 16,
+    cache=None,
+    progress: bool = True,
+) -> TrainResult:
     """Train a Co-LLM deferral head on gold answers (or the large model's); save it where `CoLLM`
     reads it.
 
@@ -103,20 +150,44 @@ def train_co_llm(router_or_models, prompts=None, *, tokenizer=None, data=None, l
         differ", deferral rate). ``history`` holds both stages (``init`` and ``marginal``).
     """
     from .data import DEFAULT_DATA, load_examples
+
     examples = as_examples(prompts) if prompts is not None else load_examples(data, limit, offset=offset)
     train, val = split(examples, val_fraction, seed)
-    hyper = {k: v for k, v in locals().items() if k in (
-        "max_gold_tokens", "val_fraction", "init_epochs", "epochs", "lr", "weight_decay", "batch_size",
-        "patience", "seed", "reference")}
+    hyper = {
+        k: v
+        for k, v in locals().items()
+        if k
+        in (
+            "max_gold_tokens",
+            "val_fraction",
+            "init_epochs",
+            "epochs",
+            "lr",
+            "weight_decay",
+            "batch_size",
+            "patience",
+            "seed",
+            "reference",
+        )
+    }
     if reference == "large":
         hyper["max_new_tokens"] = max_new_tokens
     t0 = time.perf_counter()
     with Pair(router_or_models, tokenizer) as pair:
-        f = features_co_llm(pair, train + val, max_gold_tokens=max_gold_tokens, reference=reference,
-                            max_new_tokens=max_new_tokens, concurrency=concurrency, cache=cache, progress=progress)
+        f = features_co_llm(
+            pair,
+            train + val,
+            max_gold_tokens=max_gold_tokens,
+            reference=reference,
+            max_new_tokens=max_new_tokens,
+            concurrency=concurrency,
+            cache=cache,
+            progress=progress,
+        )
         meta = base_meta("co_llm", pair, train, val, (data or DEFAULT_DATA) if prompts is None else None, hyper)
     t_label = time.perf_counter() - t0
     from tokenrouter_sdk.policies.co_llm import DeferralHead
+
     is_tr = f["example"] < len(train)
     T = {k: v[is_tr] for k, v in f.items()}
     V = {k: v[~is_tr] for k, v in f.items()}
@@ -125,27 +196,61 @@ def train_co_llm(router_or_models, prompts=None, *, tokenizer=None, data=None, l
     pseudo = lambda d: ((d["large_greedy"] == d["gold"]) & (d["small_greedy"] != d["gold"])).float()  # noqa: E731
     hist = {"init": None}
     if init_epochs:
-        hist["init"] = fit_bce(net, (T["hidden"],), pseudo(T), val=((V["hidden"],), pseudo(V)), epochs=init_epochs,
-                               lr=lr, weight_decay=weight_decay, batch_size=batch_size, patience=patience,
-                               seed=seed, progress=progress, desc="Co-LLM: weak init")
+        hist["init"] = fit_bce(
+            net,
+            (T["hidden"],),
+            pseudo(T),
+            val=((V["hidden"],), pseudo(V)),
+            epochs=init_epochs,
+            lr=lr,
+            weight_decay=weight_decay,
+            batch_size=batch_size,
+            patience=patience,
+            seed=seed,
+            progress=progress,
+            desc="Co-LLM: weak init",
+        )
     ml = lambda z, xs, y: marginal_nll(z, xs[1], xs[2]).mean()  # noqa: E731
     inputs = lambda d: (d["hidden"], d["lp_small"], d["lp_large"])  # noqa: E731
-    hist["marginal"] = fit_bce(net, inputs(T), T["gold"].float(), val=(inputs(V), V["gold"].float()), epochs=epochs,
-                               lr=lr, weight_decay=weight_decay, batch_size=batch_size, patience=patience,
-                               seed=seed + 1, loss_fn=ml, progress=progress, desc="Co-LLM: marginal likelihood")
+    hist["marginal"] = fit_bce(
+        net,
+        inputs(T),
+        T["gold"].float(),
+        val=(inputs(V), V["gold"].float()),
+        epochs=epochs,
+        lr=lr,
+        weight_decay=weight_decay,
+        batch_size=batch_size,
+        patience=patience,
+        seed=seed + 1,
+        loss_fn=ml,
+        progress=progress,
+        desc="Co-LLM: marginal likelihood",
+    )
     with torch.no_grad():
         z = net(V["hidden"])
         pi = torch.sigmoid(z)
         differ = (V["large_greedy"] != V["small_greedy"]).float()
         eta = threshold_youden(pi, differ)
-        metrics = {"val": binary_metrics(pi > eta, differ) | {"auc": auc(pi, differ)},
-                   "val_nll": {"marginal": float(marginal_nll(z, V["lp_small"], V["lp_large"]).mean()),
-                               "small_only": float(-V["lp_small"].mean()), "large_only": float(-V["lp_large"].mean())},
-                   "deferral_rate_val": float((pi > eta).float().mean()),
-                   "train_rows": int(is_tr.sum()), "val_rows": int((~is_tr).sum()),
-                   "label_s": t_label, "train_s": time.perf_counter() - t0 - t_label}
-    meta |= {"metrics": metrics, "threshold": eta,
-             "threshold_rule": "eta maximising Youden's J of pi > eta for 'greedy tokens differ' on val",
-             "history": hist, "usage": "CoLLM(head, eta=...)"}
+        metrics = {
+            "val": binary_metrics(pi > eta, differ) | {"auc": auc(pi, differ)},
+            "val_nll": {
+                "marginal": float(marginal_nll(z, V["lp_small"], V["lp_large"]).mean()),
+                "small_only": float(-V["lp_small"].mean()),
+                "large_only": float(-V["lp_large"].mean()),
+            },
+            "deferral_rate_val": float((pi > eta).float().mean()),
+            "train_rows": int(is_tr.sum()),
+            "val_rows": int((~is_tr).sum()),
+            "label_s": t_label,
+            "train_s": time.perf_counter() - t0 - t_label,
+        }
+    meta |= {
+        "metrics": metrics,
+        "threshold": eta,
+        "threshold_rule": "eta maximising Youden's J of pi > eta for 'greedy tokens differ' on val",
+        "history": hist,
+        "usage": "CoLLM(head, eta=...)",
+    }
     head_path, js = write_run("co_llm", out, head.state_dict(), {"threshold": eta}, meta, name)
     return TrainResult("co_llm", head_path, js, eta, metrics, meta, hist, data=(T, V))

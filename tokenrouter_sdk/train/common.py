@@ -27,6 +27,7 @@ class Pair:
 
     def __init__(self, router_or_models, tokenizer=None, *, max_kv_tokens: int = 16384):
         from tokenrouter_sdk.router import Router
+
         if isinstance(router_or_models, Router):
             self.router, self._own = router_or_models, False
         else:
@@ -36,8 +37,10 @@ class Pair:
                     raise ValueError(f"give (small, large): got {len(models)} models")
                 models = {"small": models[0], "large": models[1]}
             if not isinstance(models, dict) or len(models) < 2:
-                raise ValueError("training needs a Router or {'small': model, 'large': model} (two models, "
-                                 "small first) plus tokenizer=...")
+                raise ValueError(
+                    "training needs a Router or {'small': model, 'large': model} (two models, "
+                    "small first) plus tokenizer=..."
+                )
             if tokenizer is None:
                 raise ValueError("models given as objects: pass tokenizer=... too")
             self.router = Router(models, tokenizer=tokenizer, processes=False, max_kv_tokens=max_kv_tokens)
@@ -51,15 +54,31 @@ class Pair:
         """Prompt token ids as the Router builds them (chat template when the tokenizer has one)."""
         return self.router.encode(prompt)
 
-    def generate(self, prompt_ids: list[list[int]], model: str, *, max_new_tokens: int, stop=(),
-                 concurrency: int = 16, progress: bool = False) -> list:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        model: str,
+        *,
+        max_new_tokens: int,
+        stop=(),
+        concurrency: int = 16,
+        progress: bool = False,
+    ) -> list:
         """Greedy answers of one model (``"small"``/``"large"``) -> list of `RequestOutput`."""
         from tokenrouter_sdk.policies import LargeOnly, SmallOnly
+
         if not prompt_ids:
             return []
         pol = SmallOnly() if model == "small" else LargeOnly()
-        outs = self.router.generate([list(p) for p in prompt_ids], policy=pol, max_new_tokens=max_new_tokens,
-                                    temperature=0.0, stop=tuple(stop), concurrency=concurrency, progress=progress)
+        outs = self.router.generate(
+            [list(p) for p in prompt_ids],
+            policy=pol,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            stop=tuple(stop),
+            concurrency=concurrency,
+            progress=progress,
+        )
         bad = [o for o in outs if not o.ok]
         if bad:
             raise RuntimeError(f"generation on the {model} model failed: {bad[0].error}")
@@ -67,15 +86,21 @@ class Pair:
 
     def describe(self) -> dict:
         """The pair for ``meta``: per model its class, source name, layers, hidden size, dtype, params."""
+
         def one(m):
             c = m.config
-            return {"class": type(m).__name__, "name_or_path": str(getattr(c, "_name_or_path", "") or ""),
-                    "num_hidden_layers": int(c.num_hidden_layers), "hidden_size": int(c.hidden_size),
-                    "vocab_size": int(c.vocab_size), "dtype": str(next(m.parameters()).dtype),
-                    "parameters": int(sum(p.numel() for p in m.parameters()))}
+            return {
+                "class": type(m).__name__,
+                "name_or_path": str(getattr(c, "_name_or_path", "") or ""),
+                "num_hidden_layers": int(c.num_hidden_layers),
+                "hidden_size": int(c.hidden_size),
+                "vocab_size": int(c.vocab_size),
+                "dtype": str(next(m.parameters()).dtype),
+                "parameters": int(sum(p.numel() for p in m.parameters())),
+            }
+
         shared = {id(p) for p in self.small.parameters()} & {id(p) for p in self.large.parameters()}
-        return {"small": one(self.small), "large": one(self.large),
-                "shared_parameter_tensors": len(shared)}
+        return {"small": one(self.small), "large": one(self.large), "shared_parameter_tensors": len(shared)}
 
     def close(self) -> None:
         if self._own:
@@ -91,13 +116,21 @@ class Pair:
 def model_fingerprint(model) -> str:
     """A short hash of a model's parameter values (float64 sums per tensor), for cache keys."""
     import hashlib
+
     with torch.no_grad():
         sums = [f"{n}:{float(p.detach().double().sum()):.10e}" for n, p in model.named_parameters()]
     return hashlib.sha256("\n".join(sums).encode()).hexdigest()[:16]
 
 
-def reference_responses(pair: Pair, prompt_ids: list[list[int]], *, max_new_tokens: int, concurrency: int = 16,
-                        cache=None, progress: bool = False) -> list[list[int]]:
+def reference_responses(
+    pair: Pair,
+    prompt_ids: list[list[int]],
+    *,
+    max_new_tokens: int,
+    concurrency: int = 16,
+    cache=None,
+    progress: bool = False,
+) -> list[list[int]]:
     """The large model's greedy responses (token ids, at most ``max_new_tokens`` each) to
     ``prompt_ids``: the paths R2R labels along, and the reference text CITER and Co-LLM
     teacher-force with ``reference="large"``.
@@ -114,15 +147,16 @@ def reference_responses(pair: Pair, prompt_ids: list[list[int]], *, max_new_toke
         RuntimeError: a generation failed.
     """
     import hashlib
+
     path = None
     if cache is not None:
-        key = json.dumps({"large": model_fingerprint(pair.large), "prompts": prompt_ids,
-                          "max_new_tokens": max_new_tokens})
+        key = json.dumps(
+            {"large": model_fingerprint(pair.large), "prompts": prompt_ids, "max_new_tokens": max_new_tokens}
+        )
         path = Path(cache) / f"large_responses_{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
         if path.exists():
             return [list(r) for r in json.loads(path.read_text())]
-    outs = pair.generate(prompt_ids, "large", max_new_tokens=max_new_tokens, concurrency=concurrency,
-                         progress=progress)
+    outs = pair.generate(prompt_ids, "large", max_new_tokens=max_new_tokens, concurrency=concurrency, progress=progress)
     responses = [list(o.token_ids) for o in outs]
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,13 +169,23 @@ def reference_responses(pair: Pair, prompt_ids: list[list[int]], *, max_new_toke
 def gold_ids(pair: Pair, ex) -> list[int]:
     """Token ids of the example's gold response (``Example.solution``); ValueError if it has none."""
     if not ex.solution:
-        raise ValueError(f"example {ex.id}: no gold solution; CITER and Co-LLM teacher-force gold answers "
-                         "(give dicts with 'solution' or GSM8K rows with meta.solution)")
+        raise ValueError(
+            f"example {ex.id}: no gold solution; CITER and Co-LLM teacher-force gold answers "
+            "(give dicts with 'solution' or GSM8K rows with meta.solution)"
+        )
     return list(pair.tokenizer.encode(ex.solution, add_special_tokens=False))
 
 
-def reference_texts(pair: Pair, examples: list, reference: str, *, max_new_tokens: int,
-                    concurrency: int = 16, cache=None, progress: bool = False) -> list[list[int]]:
+def reference_texts(
+    pair: Pair,
+    examples: list,
+    reference: str,
+    *,
+    max_new_tokens: int,
+    concurrency: int = 16,
+    cache=None,
+    progress: bool = False,
+) -> list[list[int]]:
     """The token ids CITER and Co-LLM teacher-force per example: the gold solution
     (``reference="gold"``) or the large model's greedy response of at most ``max_new_tokens``
     tokens (``"large"``, `reference_responses`, cached in ``cache``).
@@ -152,8 +196,14 @@ def reference_texts(pair: Pair, examples: list, reference: str, *, max_new_token
     if reference == "gold":
         return [gold_ids(pair, ex) for ex in examples]
     if reference == "large":
-        return reference_responses(pair, [pair.encode(ex.prompt) for ex in examples], max_new_tokens=max_new_tokens,
-                                   concurrency=concurrency, cache=cache, progress=progress)
+        return reference_responses(
+            pair,
+            [pair.encode(ex.prompt) for ex in examples],
+            max_new_tokens=max_new_tokens,
+            concurrency=concurrency,
+            cache=cache,
+            progress=progress,
+        )
     raise ValueError(f"reference must be 'gold' or 'large', got {reference!r}")
 
 
@@ -172,13 +222,16 @@ def forward_features(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]
 
 # -- training ------------------------------------------------------------------------------------
 
-def teacher_forced(pair, examples: list, refs: list[list[int]], max_gold_tokens: int, desc: str,
-                   progress: bool = False):
+
+def teacher_forced(
+    pair, examples: list, refs: list[list[int]], max_gold_tokens: int, desc: str, progress: bool = False
+):
     """Teacher forcing of both models on each example's reference continuation: yields, per
     example with a non-empty reference, ``(index, prompt ids, reference ids g, small hidden
     [len(g), H], small logits [len(g), V], large logits [len(g), V])``; row t is the position
     that predicts ``g[t]`` (references cut to ``max_gold_tokens``)."""
     from tqdm.auto import tqdm
+
     for i, ex in enumerate(tqdm(examples, desc=desc, disable=not progress)):
         p, g = pair.encode(ex.prompt), refs[i][:max_gold_tokens]
         if not g:
@@ -188,10 +241,24 @@ def teacher_forced(pair, examples: list, refs: list[list[int]], max_gold_tokens:
         rows = slice(len(p) - 1, len(p) - 1 + len(g))
         yield i, p, g, hs[rows], ls[rows], ll[rows]
 
-def fit_bce(net: nn.Module, inputs: tuple[torch.Tensor, ...], y: torch.Tensor, *, val: tuple | None = None,
-            epochs: int = 30, lr: float = 1e-3, weight_decay: float = 5e-4, batch_size: int = 256,
-            pos_weight: float | None = None, patience: int = 10, seed: int = 0,
-            loss_fn: Callable | None = None, progress: bool = False, desc: str = "train") -> dict:
+
+def fit_bce(
+    net: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    y: torch.Tensor,
+    *,
+    val: tuple | None = None,
+    epochs: int = 30,
+    lr: float = 1e-3,
+    weight_decay: float = 5e-4,
+    batch_size: int = 256,
+    pos_weight: float | None = None,
+    patience: int = 10,
+    seed: int = 0,
+    loss_fn: Callable | None = None,
+    progress: bool = False,
+    desc: str = "train",
+) -> dict:
     """Train ``net`` (``net(*inputs) -> logits [N]``) with AdamW on BCE-with-logits (or
     ``loss_fn(logits, batch_inputs, y) -> scalar``); keeps the weights of the best validation
     loss (early stopping after ``patience`` epochs without improvement). Batch order and dropout
@@ -224,14 +291,15 @@ def fit_bce(net: nn.Module, inputs: tuple[torch.Tensor, ...], y: torch.Tensor, *
     hist = {"train_loss": [], "val_loss": [], "best_epoch": 0, "initial_train_loss": evaluate(inputs, y)}
     best, best_state, bad = math.inf, {k: v.clone() for k, v in net.state_dict().items()}, 0
     from tqdm.auto import tqdm
-    with torch.random.fork_rng(devices=[]):   # dropout draws from the seeded global generator
+
+    with torch.random.fork_rng(devices=[]):  # dropout draws from the seeded global generator
         torch.manual_seed(seed)
         for epoch in tqdm(range(epochs), desc=desc, disable=not progress):
             net.train()
             perm = torch.randperm(n, generator=g)
             for s in range(0, n, batch_size):
-                b = perm[s:s + batch_size]
-                if len(b) < 2 and n >= 2:     # BatchNorm needs 2 rows
+                b = perm[s : s + batch_size]
+                if len(b) < 2 and n >= 2:  # BatchNorm needs 2 rows
                     continue
                 xs = tuple(x[b] for x in inputs)
                 loss = loss_of(net(*xs), xs, y[b])
@@ -260,9 +328,14 @@ def binary_metrics(pred: torch.Tensor, y: torch.Tensor) -> dict:
     pred, y = pred.bool(), y.bool()
     tp, fp, fn = int((pred & y).sum()), int((pred & ~y).sum()), int((~pred & y).sum())
     n = max(1, len(y))
-    return {"precision": tp / (tp + fp) if tp + fp else float("nan"), "recall": tp / (tp + fn) if tp + fn else float("nan"),
-            "positive_rate": float(pred.float().mean()) if len(y) else float("nan"),
-            "accuracy": int((pred == y).sum()) / n, "n": len(y), "positives": int(y.sum())}
+    return {
+        "precision": tp / (tp + fp) if tp + fp else float("nan"),
+        "recall": tp / (tp + fn) if tp + fn else float("nan"),
+        "positive_rate": float(pred.float().mean()) if len(y) else float("nan"),
+        "accuracy": int((pred == y).sum()) / n,
+        "n": len(y),
+        "positives": int(y.sum()),
+    }
 
 
 def auc(score: torch.Tensor, y: torch.Tensor) -> float:
@@ -282,8 +355,10 @@ def threshold_for_recall(score: torch.Tensor, y: torch.Tensor, target: float) ->
     Raises ValueError when y has no positive (no recall to reach)."""
     pos = torch.sort(score[y.bool()].double(), descending=True).values
     if not len(pos):
-        raise ValueError("threshold_for_recall: no positive label in the validation data; train on more "
-                         "prompts or lower val_fraction")
+        raise ValueError(
+            "threshold_for_recall: no positive label in the validation data; train on more "
+            "prompts or lower val_fraction"
+        )
     k = max(1, math.ceil(target * len(pos) - 1e-9))
     return float(pos[k - 1])
 
@@ -293,8 +368,10 @@ def threshold_below_for_recall(score: torch.Tensor, y: torch.Tensor, target: flo
     the next float32 above the k-th smallest positive score. ValueError without positives."""
     pos = torch.sort(score[y.bool()].float()).values
     if not len(pos):
-        raise ValueError("threshold_below_for_recall: no positive label in the validation data; train on more "
-                         "prompts or lower val_fraction")
+        raise ValueError(
+            "threshold_below_for_recall: no positive label in the validation data; train on more "
+            "prompts or lower val_fraction"
+        )
     k = max(1, math.ceil(target * len(pos) - 1e-9))
     return float(torch.nextafter(pos[k - 1], torch.tensor(math.inf)))
 
@@ -358,6 +435,7 @@ class TrainResult:
         """The trained policy with the chosen threshold (override with ``tau=``/``eta=``/
         ``threshold=``); R2R uses the small model's embedding table kept from training."""
         from tokenrouter_sdk import policies as P
+
         if self.kind == "r2r":
             return P.R2R(str(self.head_path), **({"embedding": self._embedding, "tau": self.threshold} | kw))
         if self.kind == "citer":
@@ -382,28 +460,41 @@ def plain(x):
     if isinstance(x, int):
         return int(x)
     if isinstance(x, str):
-        return str(x)      # also str subclasses such as torch.__version__, which weights_only refuses
+        return str(x)  # also str subclasses such as torch.__version__, which weights_only refuses
     return str(x)
 
 
 def base_meta(kind: str, pair: Pair, train, val, data_source, hyper: dict) -> dict:
     """The common part of every run's ``meta``."""
     import transformers
+
     from tokenrouter_sdk.train.data import HELDOUT
-    return {"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "data": {"source": str(data_source) if data_source is not None else "given prompts",
-                     "train_ids": [e.id for e in train], "val_ids": [e.id for e in val],
-                     "heldout": f"GSM8K test ids gsm8k-test-0000..{HELDOUT - 1:04d} are reserved for evaluation "
-                                "and excluded from training by load_examples"},
-            "models": pair.describe(), "hyperparameters": hyper,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "transformers": transformers.__version__}}
+
+    return {
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "data": {
+            "source": str(data_source) if data_source is not None else "given prompts",
+            "train_ids": [e.id for e in train],
+            "val_ids": [e.id for e in val],
+            "heldout": f"GSM8K test ids gsm8k-test-0000..{HELDOUT - 1:04d} are reserved for evaluation "
+            "and excluded from training by load_examples",
+        },
+        "models": pair.describe(),
+        "hyperparameters": hyper,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
 
 
 def write_run(kind: str, out, state_dict: dict, config: dict, meta: dict, name: str | None = None) -> tuple[Path, Path]:
     """Save the head with `save_head` as ``<out>/<name>.pt`` and ``meta`` as ``<out>/<name>.json``
     (name defaults to ``<kind>_head``); returns both paths."""
     from tokenrouter_sdk.policies.heads import save_head
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = name or f"{kind}_head"

@@ -61,8 +61,9 @@ def gold_response(solution: str, answer: str) -> str:
     return text
 
 
-def load_examples(path=None, limit: int | None = None, *, exclude_heldout: bool = True,
-                  template: str | None = None, offset: int = 0) -> list[Example]:
+def load_examples(
+    path=None, limit: int | None = None, *, exclude_heldout: bool = True, template: str | None = None, offset: int = 0
+) -> list[Example]:
     """Training examples from GSM8K train (shipped with the package), another benchmark by name, or
     a JSONL file with ``{id, question, answer, meta: {solution}}`` rows, read by
     `tokenrouter_sdk.benchmarks.load`.
@@ -93,13 +94,22 @@ def load_examples(path=None, limit: int | None = None, *, exclude_heldout: bool 
     for row in data.rows[offset:]:
         if exclude_heldout and row["id"] in HELDOUT_IDS:
             continue
-        out.append(Example(row["id"], tpl.format(question=row["question"]), row["answer"],
-                           gold_response(row["meta"].get("solution", ""), row["answer"]), row["meta"]))
+        out.append(
+            Example(
+                row["id"],
+                tpl.format(question=row["question"]),
+                row["answer"],
+                gold_response(row["meta"].get("solution", ""), row["answer"]),
+                row["meta"],
+            )
+        )
         if limit is not None and len(out) >= limit:
             break
     if not out:
-        raise ValueError(f"{data.source}: no training examples left (limit={limit}, offset={offset}, "
-                         f"exclude_heldout={exclude_heldout})")
+        raise ValueError(
+            f"{data.source}: no training examples left (limit={limit}, offset={offset}, "
+            f"exclude_heldout={exclude_heldout})"
+        )
     return out
 
 
@@ -123,8 +133,15 @@ def as_examples(prompts) -> list[Example]:
                 prompt = benchmarks.get_spec("gsm8k").prompt(x["question"])
             if prompt is None:
                 raise ValueError(f"example {i}: a dict needs 'prompt' or 'question', got keys {sorted(x)}")
-            out.append(Example(str(x.get("id", f"prompt-{i:04d}")), prompt, str(x.get("answer", "")),
-                               x.get("solution", ""), x.get("meta", {})))
+            out.append(
+                Example(
+                    str(x.get("id", f"prompt-{i:04d}")),
+                    prompt,
+                    str(x.get("answer", "")),
+                    x.get("solution", ""),
+                    x.get("meta", {}),
+                )
+            )
         else:
             raise TypeError(f"example {i}: expected an Example, a dict or a str, got {type(x).__name__}")
     if not out:

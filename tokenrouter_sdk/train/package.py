@@ -35,8 +35,12 @@ __all__ = ["calibrate_threshold", "calibrate_defer", "next_threshold", "finalize
 MIN_CALIBRATION_PROMPTS = 16  # fewer: a warning (the threshold then follows a handful of answers)
 
 # kind -> (policy keyword of the threshold, method giving the score per small step, route when above)
-SCORES = {"citer": ("tau", "confidence", False), "r2r": ("tau", "prob", True),
-          "co_llm": ("eta", "deferral_prob", True), "query": ("threshold", None, False)}
+SCORES = {
+    "citer": ("tau", "confidence", False),
+    "r2r": ("tau", "prob", True),
+    "co_llm": ("eta", "deferral_prob", True),
+    "query": ("threshold", None, False),
+}
 
 
 def make_policy(kind: str, head, threshold: float, embedding=None, extra: dict | None = None):
@@ -44,6 +48,7 @@ def make_policy(kind: str, head, threshold: float, embedding=None, extra: dict |
     ``embedding`` (None: the packaged head's source table); ``extra``: more constructor
     arguments (e.g. Co-LLM's ``compose``)."""
     from tokenrouter_sdk import policies as P
+
     key = SCORES[kind][0]
     extra = dict(extra or {})
     if kind == "r2r":
@@ -52,9 +57,21 @@ def make_policy(kind: str, head, threshold: float, embedding=None, extra: dict |
     return cls(head, **{key: threshold}, **extra)
 
 
-def calibrate_threshold(router, kind: str, head, prompts: list[str], target: float, *, start: float,
-                        max_new_tokens: int = 128, rounds: int = 4, tol: float = 0.015, concurrency: int = 16,
-                        embedding=None, policy_kwargs: dict | None = None) -> tuple[float, list[dict]]:
+def calibrate_threshold(
+    router,
+    kind: str,
+    head,
+    prompts: list[str],
+    target: float,
+    *,
+    start: float,
+    max_new_tokens: int = 128,
+    rounds: int = 4,
+    tol: float = 0.015,
+    concurrency: int = 16,
+    embedding=None,
+    policy_kwargs: dict | None = None,
+) -> tuple[float, list[dict]]:
     """The threshold at which the ``kind`` policy on ``head`` realises a large fraction of about
     ``target`` on ``prompts`` (greedy, ``max_new_tokens`` tokens each), see the module docstring.
 
@@ -76,14 +93,35 @@ def calibrate_threshold(router, kind: str, head, prompts: list[str], target: flo
     if kind not in ("citer", "r2r", "co_llm"):
         raise ValueError(f"calibrate_threshold: kind must be citer, r2r or co_llm, got {kind!r}")
     _, method, above = SCORES[kind]
-    return calibrate_defer(router, lambda v: make_policy(kind, head, v, embedding, policy_kwargs),
-                           lambda pol, batch: getattr(pol, method)(batch), prompts, target, start=start, above=above,
-                           max_new_tokens=max_new_tokens, rounds=rounds, tol=tol, concurrency=concurrency)
+    return calibrate_defer(
+        router,
+        lambda v: make_policy(kind, head, v, embedding, policy_kwargs),
+        lambda pol, batch: getattr(pol, method)(batch),
+        prompts,
+        target,
+        start=start,
+        above=above,
+        max_new_tokens=max_new_tokens,
+        rounds=rounds,
+        tol=tol,
+        concurrency=concurrency,
+    )
 
 
-def calibrate_defer(router, factory, score, prompts: list[str], target: float, *, start: float, above: bool,
-                    max_new_tokens: int = 128, rounds: int = 4, tol: float = 0.015,
-                    concurrency: int = 16) -> tuple[float, list[dict]]:
+def calibrate_defer(
+    router,
+    factory,
+    score,
+    prompts: list[str],
+    target: float,
+    *,
+    start: float,
+    above: bool,
+    max_new_tokens: int = 128,
+    rounds: int = 4,
+    tol: float = 0.015,
+    concurrency: int = 16,
+) -> tuple[float, list[dict]]:
     """`calibrate_threshold` for any one-token deferral policy (`DeferOneToken`: CITER, R2R,
     Co-LLM, R2REntropy, R2RAleatoric).
 
@@ -101,10 +139,13 @@ def calibrate_defer(router, factory, score, prompts: list[str], target: float, *
     if not 0 < target < 1:
         raise ValueError(f"calibrate: target must be in (0, 1), got {target}")
     if len(prompts) < MIN_CALIBRATION_PROMPTS:
-        warnings.warn(f"calibrating the threshold on {len(prompts)} prompt(s), fewer than {MIN_CALIBRATION_PROMPTS}: "
-                      f"the large fraction it realises on other questions may be far from the target {target}; "
-                      f"calibrate on more prompts (tokenrouter train --calibrate N, with --data holding N questions)",
-                      UserWarning, stacklevel=3)
+        warnings.warn(
+            f"calibrating the threshold on {len(prompts)} prompt(s), fewer than {MIN_CALIBRATION_PROMPTS}: "
+            f"the large fraction it realises on other questions may be far from the target {target}; "
+            f"calibrate on more prompts (tokenrouter train --calibrate N, with --data holding N questions)",
+            UserWarning,
+            stacklevel=3,
+        )
     if router.config.processes:
         raise ValueError("calibration records scores in this process: use Router(..., processes=False)")
     scores: list = []  # the last run's scores
@@ -120,8 +161,9 @@ def calibrate_defer(router, factory, score, prompts: list[str], target: float, *
             return _defer(batch)
 
         pol.defer = recording
-        outs = router.generate(prompts, policy=pol, max_new_tokens=max_new_tokens, temperature=0.0,
-                               concurrency=concurrency)
+        outs = router.generate(
+            prompts, policy=pol, max_new_tokens=max_new_tokens, temperature=0.0, concurrency=concurrency
+        )
         bad = [o for o in outs if not o.ok]
         if bad:
             raise RuntimeError(f"calibration run failed: {bad[0].error}")
@@ -139,6 +181,7 @@ def calibrate_defer(router, factory, score, prompts: list[str], target: float, *
 def packaged_path(kind: str, pair: str | None = None) -> Path:
     """Where the package keeps the head of ``kind`` for a named pair (None: ``smollm2``)."""
     from tokenrouter_sdk.policies.heads import packaged_head_path
+
     return packaged_head_path(kind, pair)
 
 
@@ -150,10 +193,23 @@ def command_line() -> str:
     return shlex.join(argv)
 
 
-def finalize(res, router, *, target: float, calib_prompts: list, max_new_tokens: int = 128, dest=None,
-             name: str | None = None, dtype=None, command: str | None = None, concurrency: int = 16,
-             embedding=None, rounds: int = 4, config: dict | None = None,
-             policy_kwargs: dict | None = None) -> tuple[Path, Path, float]:
+def finalize(
+    res,
+    router,
+    *,
+    target: float,
+    calib_prompts: list,
+    max_new_tokens: int = 128,
+    dest=None,
+    name: str | None = None,
+    dtype=None,
+    command: str | None = None,
+    concurrency: int = 16,
+    embedding=None,
+    rounds: int = 4,
+    config: dict | None = None,
+    policy_kwargs: dict | None = None,
+) -> tuple[Path, Path, float]:
     """Give a trained head (`TrainResult`) its default threshold and write it for use.
 
     Token-level heads: `calibrate_threshold` on ``calib_prompts`` (`Example` or str) for
@@ -172,6 +228,7 @@ def finalize(res, router, *, target: float, calib_prompts: list, max_new_tokens:
         ``(head path, JSON path, threshold)``.
     """
     from tokenrouter_sdk.policies.heads import load_head, save_head
+
     kind = res.kind
     sd, cfg, meta = load_head(res.head_path, kind)
     cfg = dict(cfg) | dict(config or {})
@@ -192,20 +249,41 @@ def finalize(res, router, *, target: float, calib_prompts: list, max_new_tokens:
     ids = [getattr(p, "id", f"prompt-{i:04d}") for i, p in enumerate(calib_prompts)]
     if kind == "query":
         thr = res.threshold
-        dt = {"value": thr, "target_large_fraction": target, "unit": "share of prompts answered by the large model",
-              "rule": "quantile of p over the training prompts (train_query large_share)",
-              "measured_train_share": res.metrics.get("large_share_train")}
+        dt = {
+            "value": thr,
+            "target_large_fraction": target,
+            "unit": "share of prompts answered by the large model",
+            "rule": "quantile of p over the training prompts (train_query large_share)",
+            "measured_train_share": res.metrics.get("large_share_train"),
+        }
     else:
-        thr, hist = calibrate_threshold(router, kind, head_path, prompts, target, start=res.threshold,
-                                        max_new_tokens=max_new_tokens, concurrency=concurrency,
-                                        embedding=embedding, rounds=rounds, policy_kwargs=policy_kwargs)
-        dt = {"value": thr, "target_large_fraction": target, "unit": "share of committed tokens written by the large "
-              "model", "rule": "calibrated in the engine (greedy) on the calibration prompts: the quantile of the "
-              "head's scores on the small model's steps, then the interpolation between the two runs bracketing the "
-              "target, repeated until the realised large fraction is within 0.015 (at most 4 runs)",
-              "calibration_ids": ids, "n_prompts": len(ids), "max_new_tokens": max_new_tokens, "rounds": hist,
-              "realised_large_fraction": next(h["large_fraction"] for h in hist if h["threshold"] == thr),
-              "policy_kwargs": {k: str(v) for k, v in (policy_kwargs or {}).items()}}
+        thr, hist = calibrate_threshold(
+            router,
+            kind,
+            head_path,
+            prompts,
+            target,
+            start=res.threshold,
+            max_new_tokens=max_new_tokens,
+            concurrency=concurrency,
+            embedding=embedding,
+            rounds=rounds,
+            policy_kwargs=policy_kwargs,
+        )
+        dt = {
+            "value": thr,
+            "target_large_fraction": target,
+            "unit": "share of committed tokens written by the large model",
+            "rule": "calibrated in the engine (greedy) on the calibration prompts: the quantile of the "
+            "head's scores on the small model's steps, then the interpolation between the two runs bracketing the "
+            "target, repeated until the realised large fraction is within 0.015 (at most 4 runs)",
+            "calibration_ids": ids,
+            "n_prompts": len(ids),
+            "max_new_tokens": max_new_tokens,
+            "rounds": hist,
+            "realised_large_fraction": next(h["large_fraction"] for h in hist if h["threshold"] == thr),
+            "policy_kwargs": {k: str(v) for k, v in (policy_kwargs or {}).items()},
+        }
     meta["default_threshold"] = dt
     meta = plain(meta)
     save_head(head_path, kind, sd, plain(cfg | {"threshold": thr}), meta)

@@ -11,8 +11,8 @@
 Importing this package imports neither plotly nor ipywidgets; the views do when drawn.
 """
 
-from .live import LiveView, in_notebook
 from .htmlview import HTMLView
+from .live import LiveView, in_notebook
 from .trace import TraceState
 
 __all__ = ["HTMLView", "LiveView", "TraceState", "in_notebook"]

@@ -40,6 +40,7 @@ def export_html(notebook, path=None, *, plotlyjs: str = "inline", template: str 
     page, _ = HTMLExporter(template_name=template).from_notebook_node(nb)
     if plotlyjs == "inline":
         from plotly.offline import get_plotlyjs
+
         head = f'<script type="text/javascript">{get_plotlyjs()}</script>'
     elif plotlyjs == "cdn":
         head = ""

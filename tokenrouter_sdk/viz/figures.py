@@ -25,20 +25,27 @@ def figure_data(state: TraceState, now: float | None = None) -> list[dict]:
     for kind in ("own", "pending"):
         for m in state.models:
             ys, bases, widths, texts = bars[(kind, m)]
-            out.append(dict(y=list(ys), base=[float(b) for b in bases], x=[float(w) for w in widths],
-                            hovertext=list(texts)))
+            out.append(
+                dict(y=list(ys), base=[float(b) for b in bases], x=[float(w) for w in widths], hovertext=list(texts))
+            )
     t0 = state.t0 or 0.0
     for m in state.models:
         ser = state.series.get(m)
-        out.append(dict(x=[float(t) - t0 for t in ser.t] if ser else [], y=[float(b) for b in ser.batch] if ser else []))
-        out.append(dict(x=[float(t) - t0 for t in ser.t] if ser else [], y=[float(q) for q in ser.queue] if ser else []))
+        out.append(
+            dict(x=[float(t) - t0 for t in ser.t] if ser else [], y=[float(b) for b in ser.batch] if ser else [])
+        )
+        out.append(
+            dict(x=[float(t) - t0 for t in ser.t] if ser else [], y=[float(q) for q in ser.queue] if ser else [])
+        )
     return out
 
 
 def _title(state: TraceState, now: float | None) -> str:
     s = state.stats(now)
-    return (f"{s['committed']} committed tokens · {s['tok_s']:.1f} tok/s · hop rate {s['hop_rate']:.3f} "
-            f"· large fraction {s['large_fraction']:.2f}")
+    return (
+        f"{s['committed']} committed tokens · {s['tok_s']:.1f} tok/s · hop rate {s['hop_rate']:.3f} "
+        f"· large fraction {s['large_fraction']:.2f}"
+    )
 
 
 def _height(state: TraceState) -> int:
@@ -68,30 +75,62 @@ def timeline_figure(state: TraceState, now: float | None = None, title: str | No
     except ImportError as e:  # pragma: no cover - plotly is a test dependency
         raise ImportError("the timeline needs plotly: pip install 'tokenrouter-sdk[viz]' (or plotly)") from e
     models = state.models
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.12,
-                        subplot_titles=("who writes each request (thin bar: pending, KV kept)",
-                                        "per model: batch size (solid) and queue length (dotted)"))
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        row_heights=[0.68, 0.32],
+        vertical_spacing=0.12,
+        subplot_titles=(
+            "who writes each request (thin bar: pending, KV kept)",
+            "per model: batch size (solid) and queue length (dotted)",
+        ),
+    )
     data = figure_data(state, now)
     k = 0
     for kind in ("own", "pending"):
         for m in models:
             d = data[k]
             k += 1
-            fig.add_trace(go.Bar(orientation="h", name=f"{m} writes" if kind == "own" else f"pending on {m}",
-                                 marker_color=model_color(models, m, strong=True),
-                                 opacity=1.0 if kind == "own" else 0.5, width=0.55 if kind == "own" else 0.22,
-                                 offset=-0.4 if kind == "own" else 0.18, hoverinfo="text",
-                                 legendgroup=m, **d), row=1, col=1)
+            fig.add_trace(
+                go.Bar(
+                    orientation="h",
+                    name=f"{m} writes" if kind == "own" else f"pending on {m}",
+                    marker_color=model_color(models, m, strong=True),
+                    opacity=1.0 if kind == "own" else 0.5,
+                    width=0.55 if kind == "own" else 0.22,
+                    offset=-0.4 if kind == "own" else 0.18,
+                    hoverinfo="text",
+                    legendgroup=m,
+                    **d,
+                ),
+                row=1,
+                col=1,
+            )
     for m in models:
         for what in ("batch", "queue"):
             d = data[k]
             k += 1
-            fig.add_trace(go.Scatter(mode="lines", name=f"{m} {what}", legendgroup=m, line_shape="hv",
-                                     line=dict(color=model_color(models, m, strong=True),
-                                               dash="solid" if what == "batch" else "dot"), **d), row=2, col=1)
-    fig.update_layout(title=title if title is not None else _title(state, now), barmode="overlay",
-                      height=_height(state), template="plotly_white",
-                      margin=dict(l=60, r=20, t=70, b=40), legend=dict(orientation="h", y=-0.18))
+            fig.add_trace(
+                go.Scatter(
+                    mode="lines",
+                    name=f"{m} {what}",
+                    legendgroup=m,
+                    line_shape="hv",
+                    line=dict(color=model_color(models, m, strong=True), dash="solid" if what == "batch" else "dot"),
+                    **d,
+                ),
+                row=2,
+                col=1,
+            )
+    fig.update_layout(
+        title=title if title is not None else _title(state, now),
+        barmode="overlay",
+        height=_height(state),
+        template="plotly_white",
+        margin=dict(l=60, r=20, t=70, b=40),
+        legend=dict(orientation="h", y=-0.18),
+    )
     fig.update_yaxes(autorange="reversed", row=1, col=1, type="category")
     fig.update_yaxes(title_text="requests", row=2, col=1, rangemode="tozero")
     fig.update_xaxes(title_text="seconds since the first admission", row=2, col=1)
@@ -110,6 +149,7 @@ def timeline_spec(state: TraceState, base: dict, now: float | None = None) -> di
         now: clock value where running requests' bars end.
     """
     data = [dict(trace, **d) for trace, d in zip(base["data"], figure_data(state, now))]
-    layout = dict(base["layout"], title={**(base["layout"].get("title") or {}), "text": _title(state, now)},
-                  height=_height(state))
+    layout = dict(
+        base["layout"], title={**(base["layout"].get("title") or {}), "text": _title(state, now)}, height=_height(state)
+    )
     return {"data": data, "layout": layout}

@@ -22,6 +22,7 @@ class HTMLView:
     def save(self, path) -> Path:
         """Write a standalone HTML page to ``path``; returns the path."""
         p = Path(path)
-        p.write_text(f"<!doctype html><html><head><meta charset='utf-8'></head><body>{self.html}</body></html>",
-                     encoding="utf-8")
+        p.write_text(
+            f"<!doctype html><html><head><meta charset='utf-8'></head><body>{self.html}</body></html>", encoding="utf-8"
+        )
         return p

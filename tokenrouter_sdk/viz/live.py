@@ -78,8 +78,7 @@ class LiveView:
         ImportError: ``kind="widget"`` without ipywidgets or plotly installed.
     """
 
-    def __init__(self, router, handles, kind: str = "auto", interval: float = 0.25, out=None,
-                 max_share: float = 0.03):
+    def __init__(self, router, handles, kind: str = "auto", interval: float = 0.25, out=None, max_share: float = 0.03):
         if kind not in ("auto", "widget", "text"):
             raise ValueError(f"live view kind must be 'auto', 'widget' or 'text', got {kind!r}")
         if not interval > 0:
@@ -96,10 +95,17 @@ class LiveView:
             self.fallback = _widget_modules_missing()
             if self.fallback:
                 self.kind = "text"
-                print(f"live view: {self.fallback} is not installed, showing the text view "
-                      f"(pip install 'tokenrouter-sdk[viz]' for the notebook view)", file=self.out or sys.stdout)
-        self.state = TraceState(self.models, {h.rid for h in self.handles}, {h.rid: h.entry for h in self.handles},
-                                {h.rid: h.output.index for h in self.handles})
+                print(
+                    f"live view: {self.fallback} is not installed, showing the text view "
+                    f"(pip install 'tokenrouter-sdk[viz]' for the notebook view)",
+                    file=self.out or sys.stdout,
+                )
+        self.state = TraceState(
+            self.models,
+            {h.rid for h in self.handles},
+            {h.rid: h.entry for h in self.handles},
+            {h.rid: h.output.index for h in self.handles},
+        )
         self._index = {h.rid: h.output.index for h in self.handles}
         self._pos = 0
         self._pieces: dict[int, list[str]] = {h.rid: [] for h in self.handles}
@@ -127,15 +133,16 @@ class LiveView:
             self.bar = tqdm(total=len(self.handles), desc="requests", file=self.out, leave=True)
             return
         import ipywidgets as W
-
         import plotly.io as pio
 
         from .figures import timeline_figure
+
         self.css_class = f"tr-live-{uuid.uuid4().hex[:12]}"  # unique across kernel sessions
         self.stats = W.HTML()
         self.toggle = W.HTML(
             f"<style>.{self.css_class}:has(input.tr-toggle:checked) .tr-disc{{display:inline}}</style>"
-            f"<label style='font-size:13px'><input type='checkbox' class='tr-toggle'> show discarded tokens</label>")
+            f"<label style='font-size:13px'><input type='checkbox' class='tr-toggle'> show discarded tokens</label>"
+        )
         self.answers = W.HTML(layout=W.Layout(max_height="360px", overflow="auto"))
         self.plot = W.Output()
         self._base = json.loads(pio.to_json(timeline_figure(self.state, title="starting"), validate=False))
@@ -143,6 +150,7 @@ class LiveView:
         self.widget.add_class(self.css_class)
         if self.displayed:
             from IPython.display import display
+
             self._handle = display(self.widget, display_id=True)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -173,17 +181,27 @@ class LiveView:
         with self.router.consistent():
             new = self.call.events_since(self._pos)
             self._pos += len(new)
-            snap = {h.rid: (list(h.output.token_ids), list(h.output.token_models), list(h.output.discarded_log),
-                            h.output.finish_reason, h.output.hops) for h in self.handles}
+            snap = {
+                h.rid: (
+                    list(h.output.token_ids),
+                    list(h.output.token_models),
+                    list(h.output.discarded_log),
+                    h.output.finish_reason,
+                    h.output.hops,
+                )
+                for h in self.handles
+            }
         self.state.feed(new)
         self._final = self._final or final
         now = None if final else time.perf_counter()
         if self.kind == "text":
             s = self.state.stats(now)
             self.bar.n = s["finished"]
-            self.bar.set_postfix_str(f"{s['tok_s']:.1f} tok/s, hop rate {s['hop_rate']:.3f}, "
-                                     f"large {s['large_fraction']:.2f}, prefix hit {s['prefix_hit_rate']:.2f}",
-                                     refresh=True)
+            self.bar.set_postfix_str(
+                f"{s['tok_s']:.1f} tok/s, hop rate {s['hop_rate']:.3f}, "
+                f"large {s['large_fraction']:.2f}, prefix hit {s['prefix_hit_rate']:.2f}",
+                refresh=True,
+            )
             if final:
                 self.bar.close()
                 print(self.summary(), file=self.out or sys.stdout)
@@ -199,14 +217,17 @@ class LiveView:
 
     def _stats_html(self, now=None) -> str:
         s = self.state.stats(now)
-        return (f"<b>{s['finished']}/{s['requests']}</b> requests · <b>{s['tok_s']:.1f}</b> "
-                f"committed tok/s · hop rate <b>{s['hop_rate']:.3f}</b> · large fraction "
-                f"<b>{s['large_fraction']:.2f}</b> · prefix-cache hit rate <b>{s['prefix_hit_rate']:.2f}</b> · "
-                f"{s['discarded']} discarded · {s['elapsed_s']:.1f} s")
+        return (
+            f"<b>{s['finished']}/{s['requests']}</b> requests · <b>{s['tok_s']:.1f}</b> "
+            f"committed tok/s · hop rate <b>{s['hop_rate']:.3f}</b> · large fraction "
+            f"<b>{s['large_fraction']:.2f}</b> · prefix-cache hit rate <b>{s['prefix_hit_rate']:.2f}</b> · "
+            f"{s['discarded']} discarded · {s['elapsed_s']:.1f} s"
+        )
 
     def _plot_bundle(self, now=None) -> dict:
         from .figures import timeline_spec
         from .plotlyjs import figure_html
+
         spec = timeline_spec(self.state, self._base, now)
         return {PLOTLY_MIME: spec, "text/html": figure_html(spec), "text/plain": "<live timeline>"}
 
@@ -219,39 +240,48 @@ class LiveView:
             pieces = self._pieces[rid]
             dpieces = self._dpieces.setdefault(rid, [])
             if self.vocabs is not None:
-                pieces[:] = byte_pieces(ids, token_models[:len(ids)], self.vocabs)
-                dpieces.extend(self.vocabs[m].table[t].decode("utf-8", "replace") for _p, t, m in log[len(dpieces):])
+                pieces[:] = byte_pieces(ids, token_models[: len(ids)], self.vocabs)
+                dpieces.extend(self.vocabs[m].table[t].decode("utf-8", "replace") for _p, t, m in log[len(dpieces) :])
             else:
                 if len(ids) > len(pieces):
                     pieces.extend(token_pieces(tok, ids, start=len(pieces)))
-                dpieces.extend(_piece_at(tok, ids, pos, t) for pos, t, _m in log[len(dpieces):])
+                dpieces.extend(_piece_at(tok, ids, pos, t) for pos, t, _m in log[len(dpieces) :])
             title = f"req {self._index[rid]} · {reason or 'running'} · {len(pieces)} tokens · {hops} hops"
-            self._html[rid] = answer_html(pieces, token_models[:len(pieces)], models, log, dpieces, title)
+            self._html[rid] = answer_html(pieces, token_models[: len(pieces)], models, log, dpieces, title)
             self._n_seen[rid] = key
         self.answers.value = self._answers_page(toggle=False)
 
     def _answers_page(self, toggle: bool) -> str:
-        return page_html([self._html[r] for r in sorted(self._html, key=self._index.get)], self.models,
-                         toggle_id=f"tr-toggle-{self.css_class}", toggle=toggle)
+        return page_html(
+            [self._html[r] for r in sorted(self._html, key=self._index.get)],
+            self.models,
+            toggle_id=f"tr-toggle-{self.css_class}",
+            toggle=toggle,
+        )
 
     # -- after the run ----------------------------------------------------------------------
     def figure(self):
         """The timeline as drawn last, as a `tokenrouter_sdk.viz.nbfigure.NotebookFigure`."""
         from .figures import timeline_figure
+
         return timeline_figure(self.state, None if self._final else time.perf_counter())
 
     def summary(self) -> str:
         """The final text summary: stats line and one line per model."""
         s = self.state.stats()
-        lines = [f"{s['finished']}/{s['requests']} requests · {s['committed']} committed tokens in "
-                 f"{s['elapsed_s']:.2f} s ({s['tok_s']:.1f} tok/s) · hop rate {s['hop_rate']:.3f} · "
-                 f"large fraction {s['large_fraction']:.2f} · prefix hit {s['prefix_hit_rate']:.2f} · "
-                 f"{s['discarded']} discarded"]
+        lines = [
+            f"{s['finished']}/{s['requests']} requests · {s['committed']} committed tokens in "
+            f"{s['elapsed_s']:.2f} s ({s['tok_s']:.1f} tok/s) · hop rate {s['hop_rate']:.3f} · "
+            f"large fraction {s['large_fraction']:.2f} · prefix hit {s['prefix_hit_rate']:.2f} · "
+            f"{s['discarded']} discarded"
+        ]
         for m in self.state.models:
             ser = self.state.series[m]
             mean_b = sum(ser.batch) / len(ser.batch) if ser.batch else 0.0
-            lines.append(f"  {m}: {len(ser.t)} steps, mean batch {mean_b:.1f}, max queue "
-                         f"{max(ser.queue, default=0)}, {self.state.tokens_by_model[m]} tokens written")
+            lines.append(
+                f"  {m}: {len(ser.t)} steps, mean batch {mean_b:.1f}, max queue "
+                f"{max(ser.queue, default=0)}, {self.state.tokens_by_model[m]} tokens written"
+            )
         return "\n".join(lines)
 
     def close(self) -> None:
@@ -278,6 +308,7 @@ class LiveView:
                 from IPython.display import display
 
                 from .htmlview import HTMLView
+
                 page = f"<div class='tr-stats'>{self._stats_html()}</div>{self._answers_page(toggle=True)}"
                 self._handle.update(HTMLView(page, self.summary()))
                 display(self.figure())

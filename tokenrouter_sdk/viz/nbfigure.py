@@ -22,4 +22,5 @@ class NotebookFigure(go.Figure):
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
+
         display(figure_bundle(self), raw=True)

@@ -43,6 +43,7 @@ L.script=s; document.head.appendChild(s);
 def plotlyjs_url() -> str:
     """The CDN address of the plotly.js version bundled with the installed plotly package."""
     from plotly.offline import get_plotlyjs_version
+
     return f"https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js"
 
 
@@ -73,10 +74,12 @@ def figure_html(fig, div_id: str | None = None) -> str:
         text = json.dumps(body)  # plain lists and numbers (plotly's own JSON of a figure, the live view)
     except TypeError:  # numpy arrays, dates: plotly's encoder
         text = pio.to_json(body, validate=False)
-    return (f'<div id="{div_id}" class="tr-plotly" style="height:{int(height)}px;width:100%">'
-            f'</div><script type="text/javascript">'
-            + _LOADER % {"id": json.dumps(div_id), "spec": _script_json(text), "url": json.dumps(plotlyjs_url())}
-            + "</script>")
+    return (
+        f'<div id="{div_id}" class="tr-plotly" style="height:{int(height)}px;width:100%">'
+        f'</div><script type="text/javascript">'
+        + _LOADER % {"id": json.dumps(div_id), "spec": _script_json(text), "url": json.dumps(plotlyjs_url())}
+        + "</script>"
+    )
 
 
 def figure_bundle(fig, text: str | None = None) -> dict:
@@ -93,7 +96,7 @@ def figure_bundle(fig, text: str | None = None) -> dict:
     bundle = pio.renderers["plotly_mimetype"].to_mimebundle(dict(spec))
     bundle["text/html"] = figure_html(bundle["application/vnd.plotly.v1+json"])
     if text is None:
-        title = ((spec.get("layout") or {}).get("title") or {})
+        title = (spec.get("layout") or {}).get("title") or {}
         title = title.get("text") if isinstance(title, dict) else title
         text = f"<plotly figure: {title or 'untitled'}>"
     bundle["text/plain"] = text

@@ -7,8 +7,22 @@ import html
 
 from ..tables import html_table, text_table
 
-KV_COLUMNS = ("model", "alive", "used_blocks", "free_blocks", "num_blocks", "block_size", "owned", "pending",
-              "running_blocks", "pending_blocks", "cached_blocks", "idle_cached", "prefix_hit_rate", "error")
+KV_COLUMNS = (
+    "model",
+    "alive",
+    "used_blocks",
+    "free_blocks",
+    "num_blocks",
+    "block_size",
+    "owned",
+    "pending",
+    "running_blocks",
+    "pending_blocks",
+    "cached_blocks",
+    "idle_cached",
+    "prefix_hit_rate",
+    "error",
+)
 
 
 class KVStats(dict):
@@ -28,9 +42,25 @@ class KVStats(dict):
         return [f"{m}: {z.describe()}" for m, z in self.sizing.items()]
 
     def rows(self) -> list[list]:
-        return [[m, s.alive, s.num_blocks - s.free_blocks, s.free_blocks, s.num_blocks, s.block_size, s.owned,
-                 s.pending, s.running_blocks, s.pending_blocks, s.cached_blocks, s.idle_cached_blocks,
-                 round(s.hit_rate, 3) if s.prefix_cache else "off", s.error] for m, s in self.items()]
+        return [
+            [
+                m,
+                s.alive,
+                s.num_blocks - s.free_blocks,
+                s.free_blocks,
+                s.num_blocks,
+                s.block_size,
+                s.owned,
+                s.pending,
+                s.running_blocks,
+                s.pending_blocks,
+                s.cached_blocks,
+                s.idle_cached_blocks,
+                round(s.hit_rate, 3) if s.prefix_cache else "off",
+                s.error,
+            ]
+            for m, s in self.items()
+        ]
 
     def table(self) -> str:
         """The table as plain text."""
@@ -39,7 +69,8 @@ class KVStats(dict):
     def __repr__(self) -> str:
         sizing = "".join(f"\n{line}" for line in self.sizing_lines())
         return f"KV pools (blocks of tokens; owned/pending: requests)\n{self.table()}" + (
-            f"\npool sizes:{sizing}" if sizing else "")
+            f"\npool sizes:{sizing}" if sizing else ""
+        )
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(repr(self))

@@ -48,21 +48,31 @@ def token_pieces(tokenizer, ids: list[int], start: int = 0, window: int = 8) -> 
     for i in range(start, len(ids)):
         w = max(0, i - window)
         prev = tokenizer.decode(ids[w:i], skip_special_tokens=True).rstrip("\ufffd") if i > w else ""
-        text = tokenizer.decode(ids[w:i + 1], skip_special_tokens=True)
+        text = tokenizer.decode(ids[w : i + 1], skip_special_tokens=True)
         if text.endswith("\ufffd"):
             out.append("")
         else:
-            out.append(text[len(prev):] if text.startswith(prev) else text)
+            out.append(text[len(prev) :] if text.startswith(prev) else text)
     return out
 
 
 def legend_html(models: list[str]) -> str:
-    return '<div class="tr-legend">' + "".join(
-        f'<span style="background:{model_color(models, m)}">{html.escape(m)}</span>' for m in models) + "</div>"
+    return (
+        '<div class="tr-legend">'
+        + "".join(f'<span style="background:{model_color(models, m)}">{html.escape(m)}</span>' for m in models)
+        + "</div>"
+    )
 
 
-def answer_html(pieces: list[str], token_models: list[str], models: list[str], discarded=(),
-                discarded_pieces=(), title: str = "", show_discarded: bool | None = None) -> str:
+def answer_html(
+    pieces: list[str],
+    token_models: list[str],
+    models: list[str],
+    discarded=(),
+    discarded_pieces=(),
+    title: str = "",
+    show_discarded: bool | None = None,
+) -> str:
     """One answer as coloured spans.
 
     Args:
@@ -83,12 +93,16 @@ def answer_html(pieces: list[str], token_models: list[str], models: list[str], d
             _pos, tok, m = discarded[k]
             txt = discarded_pieces[k] if k < len(discarded_pieces) else f"<{tok}>"
             style = f"background:{model_color(models, m)};" + ("display:inline;" if show_discarded else "")
-            parts.append(f'<span class="tr-disc" title="discarded: sampled by {html.escape(m)}, id {tok}" '
-                         f'style="{style}">{html.escape(txt) or "&#8203;"}</span>')
+            parts.append(
+                f'<span class="tr-disc" title="discarded: sampled by {html.escape(m)}, id {tok}" '
+                f'style="{style}">{html.escape(txt) or "&#8203;"}</span>'
+            )
         if i < len(pieces):
             m = token_models[i]
-            parts.append(f'<span class="tr-tok" data-model="{html.escape(m)}" title="{html.escape(m)} · token {i}" '
-                         f'style="background:{model_color(models, m)}">{html.escape(pieces[i])}</span>')
+            parts.append(
+                f'<span class="tr-tok" data-model="{html.escape(m)}" title="{html.escape(m)} · token {i}" '
+                f'style="background:{model_color(models, m)}">{html.escape(pieces[i])}</span>'
+            )
     head = f'<div class="tr-head">{html.escape(title)}</div>' if title else ""
     return f'{head}<div class="tr-ans">{"".join(parts)}</div>'
 
@@ -96,10 +110,18 @@ def answer_html(pieces: list[str], token_models: list[str], models: list[str], d
 def page_html(answers: list[str], models: list[str], toggle_id: str = "tr-toggle", toggle: bool = True) -> str:
     """The answers under a legend and (with ``toggle``) a CSS-only "show discarded tokens"
     checkbox; a self-contained ``<div>`` with its own ``<style>``."""
-    box = (f'<input type="checkbox" class="tr-toggle" id="{toggle_id}"> '
-           f'<label for="{toggle_id}">show discarded tokens</label>') if toggle else ""
-    return (f'<div class="tr-root"><style>{CSS}</style>{legend_html(models)}{box}'
-            f'<div class="tr-answers">{"".join(answers)}</div></div>')
+    box = (
+        (
+            f'<input type="checkbox" class="tr-toggle" id="{toggle_id}"> '
+            f'<label for="{toggle_id}">show discarded tokens</label>'
+        )
+        if toggle
+        else ""
+    )
+    return (
+        f'<div class="tr-root"><style>{CSS}</style>{legend_html(models)}{box}'
+        f'<div class="tr-answers">{"".join(answers)}</div></div>'
+    )
 
 
 def byte_pieces(ids: list[int], writers: list[str], vocabs: dict) -> list[str]:
@@ -108,6 +130,7 @@ def byte_pieces(ids: list[int], writers: list[str], vocabs: dict) -> list[str]:
     UTF-8 decoder, so a token that ends inside a character gets ``""`` and the one completing it
     carries it; the pieces join to the output's text."""
     import codecs
+
     dec = codecs.getincrementaldecoder("utf-8")("replace")
     out = [dec.decode(vocabs[m].table[t]) for t, m in zip(ids, writers)]
     if out:
@@ -120,10 +143,14 @@ def output_pieces(out, tokenizer, vocabs: dict | None = None) -> tuple[list[str]
     ``vocabs`` (model -> `ByteVocab`) for models that do not share a tokenizer."""
     log = list(getattr(out, "discarded_log", ()) or ())
     if vocabs is not None:
-        return (byte_pieces(list(out.token_ids), list(out.token_models), vocabs),
-                [vocabs[m].table[tok].decode("utf-8", "replace") for _pos, tok, m in log])
-    return (token_pieces(tokenizer, list(out.token_ids)),
-            [_piece_at(tokenizer, out.token_ids, pos, tok) for pos, tok, _m in log])
+        return (
+            byte_pieces(list(out.token_ids), list(out.token_models), vocabs),
+            [vocabs[m].table[tok].decode("utf-8", "replace") for _pos, tok, m in log],
+        )
+    return (
+        token_pieces(tokenizer, list(out.token_ids)),
+        [_piece_at(tokenizer, out.token_ids, pos, tok) for pos, tok, _m in log],
+    )
 
 
 def output_title(out) -> str:
@@ -132,14 +159,26 @@ def output_title(out) -> str:
     return f"req {out.index} · {out.finish_reason or 'running'} · {len(out.token_ids)} tokens · {out.hops} hops"
 
 
-def output_html(out, pieces: tuple[list[str], list[str]], models: list[str], show_discarded: bool | None = None,
-                title: str | None = None) -> str:
+def output_html(
+    out,
+    pieces: tuple[list[str], list[str]],
+    models: list[str],
+    show_discarded: bool | None = None,
+    title: str | None = None,
+) -> str:
     """`answer_html` of one `RequestOutput`, given its `output_pieces`."""
     log = list(getattr(out, "discarded_log", ()) or ())
-    return answer_html(pieces[0], list(out.token_models), models, log, pieces[1],
-                       output_title(out) if title is None else title, show_discarded)
+    return answer_html(
+        pieces[0],
+        list(out.token_models),
+        models,
+        log,
+        pieces[1],
+        output_title(out) if title is None else title,
+        show_discarded,
+    )
 
 
 def _piece_at(tokenizer, ids, pos: int, tok: int) -> str:
     """The text ``tok`` would have had at output position ``pos``."""
-    return token_pieces(tokenizer, list(ids[max(0, pos - 8):pos]) + [int(tok)], start=min(pos, 8))[0]
+    return token_pieces(tokenizer, list(ids[max(0, pos - 8) : pos]) + [int(tok)], start=min(pos, 8))[0]

@@ -172,11 +172,18 @@ class TraceState:
         n = self.committed
         t1 = now if now is not None else self.t_last
         el = (t1 - self.t0) if (self.t0 is not None and t1 is not None) else 0.0
-        return dict(tok_s=n / el if el > 0 else 0.0, hop_rate=self.hops / n if n else 0.0,
-                    large_fraction=self.tokens_by_model[self.models[-1]] / n if n else 0.0,
-                    committed=n, hops=self.hops, discarded=self.discarded, finished=self.finished,
-                    requests=len(self.tracks), elapsed_s=el,
-                    prefix_hit_rate=self.prefix_hit / self.prefix_query if self.prefix_query else 0.0)
+        return dict(
+            tok_s=n / el if el > 0 else 0.0,
+            hop_rate=self.hops / n if n else 0.0,
+            large_fraction=self.tokens_by_model[self.models[-1]] / n if n else 0.0,
+            committed=n,
+            hops=self.hops,
+            discarded=self.discarded,
+            finished=self.finished,
+            requests=len(self.tracks),
+            elapsed_s=el,
+            prefix_hit_rate=self.prefix_hit / self.prefix_query if self.prefix_query else 0.0,
+        )
 
     def bars(self, now: float | None = None) -> dict:
         """Timeline bars relative to ``t0``: ``{("own", model) | ("pending", model): (ys, bases,

@@ -16,6 +16,22 @@ from .interface import attend_paged, attend_tokens
 from .metadata import DecodeView, ForwardBatch, KernelPart, PagedKernel, Tile
 from .spec import AttentionSpec, LayerParams, UnsupportedAttention, read_spec
 
-__all__ = ["ATTN_NAME", "AttentionSpec", "DecodeView", "ForwardBatch", "KernelPart", "LayerParams", "PadSeq", "PagedKernel", "Tile",
-           "UnsupportedAttention", "attend_paged", "attend_tokens", "pack", "paged_mask", "read_spec",
-           "register_attention", "use_paged_attention"]
+__all__ = [
+    "ATTN_NAME",
+    "AttentionSpec",
+    "DecodeView",
+    "ForwardBatch",
+    "KernelPart",
+    "LayerParams",
+    "PadSeq",
+    "PagedKernel",
+    "Tile",
+    "UnsupportedAttention",
+    "attend_paged",
+    "attend_tokens",
+    "pack",
+    "paged_mask",
+    "read_spec",
+    "register_attention",
+    "use_paged_attention",
+]

@@ -37,8 +37,8 @@ def tiles(start: int, n: int, window: int | None, slots: torch.Tensor, dev) -> t
     out = []
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        qa, qb = start + a, start + b                     # query positions
-        ka = max(0, qa - window + 1)                      # first key any of them sees
+        qa, qb = start + a, start + b  # query positions
+        ka = max(0, qa - window + 1)  # first key any of them sees
         kp, qp = torch.arange(ka, qb)[None, :], torch.arange(qa, qb)[:, None]
         mask = ((kp <= qp) & (kp > qp - window)).to(dev)
         if start == 0:  # keys are the step's own rows
@@ -55,11 +55,11 @@ def _decode_views(spec: AttentionSpec, dec_kv: list, dec_len: list[int], shared:
             rows, lens = dec_kv, dec_len
         else:
             lens = [min(n, w) for n in dec_len]
-            rows = [sl[n - m:] for sl, n, m in zip(dec_kv, dec_len, lens)]
+            rows = [sl[n - m :] for sl, n, m in zip(dec_kv, dec_len, lens)]
         lmax = max(lens)
         kv = torch.zeros(len(rows), lmax, dtype=torch.long)
         for i, sl in enumerate(rows):
-            kv[i, :len(sl)] = sl
+            kv[i, : len(sl)] = sl
         mask = None
         if min(lens) != lmax:
             mask = (torch.arange(lmax)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(dev)
@@ -67,8 +67,9 @@ def _decode_views(spec: AttentionSpec, dec_kv: list, dec_len: list[int], shared:
     return tuple(views)
 
 
-def pack(seqs: list, pool, spec: AttentionSpec, device, kernel: PagedKernel | None = None
-         ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack(
+    seqs: list, pool, spec: AttentionSpec, device, kernel: PagedKernel | None = None
+) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's `ForwardBatch`, token ids [1, T], positions [1, T] and each request's last
     packed index [B].
 
@@ -91,7 +92,7 @@ def pack(seqs: list, pool, spec: AttentionSpec, device, kernel: PagedKernel | No
         ids.extend(s.tokens)
         pos.extend(range(s.start, end))
         all_slots = s.slots if isinstance(s, PadSeq) else pool.slots(s.table, 0, end)
-        slots.append(all_slots[s.start:])
+        slots.append(all_slots[s.start :])
         if kernel is not None and (n == 1 or (s.start > 0 and n <= kernel.max_queries)):
             kern.append((t, n, end, all_slots))
         elif n == 1:
@@ -112,6 +113,14 @@ def pack(seqs: list, pool, spec: AttentionSpec, device, kernel: PagedKernel | No
     if dec_q:
         dec = _decode_views(spec, dec_kv, dec_len, shared * pool.block_size, dev)
         dq = torch.tensor(dec_q, device=dev)
-    fb = ForwardBatch(pool, torch.cat(slots).to(dev), spec.layers, spec.view, dq, dec, segs=segs,
-                      kern=kernel.part(kern) if kern else None)
+    fb = ForwardBatch(
+        pool,
+        torch.cat(slots).to(dev),
+        spec.layers,
+        spec.view,
+        dq,
+        dec,
+        segs=segs,
+        kern=kernel.part(kern) if kern else None,
+    )
     return (fb, torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), torch.tensor(last, device=dev))

@@ -58,8 +58,8 @@ def attend(dv: DecodeView, lp: LayerParams, kc: torch.Tensor, vc: torch.Tensor, 
         return (o1 / l1).reshape(bd, h, 1, d)
     rest = dv.kv[:, ls:].reshape(-1)
     kr = kc.index_select(0, rest).view(bd, lr, hkv, d).permute(0, 2, 3, 1)  # [Bd, Hkv, D, Lr]
-    vr = vc.index_select(0, rest).view(bd, lr, hkv, d).transpose(1, 2)      # [Bd, Hkv, Lr, D]
-    s2 = torch.matmul(q, kr) * scale                                        # [Bd, Hkv, g, Lr]
+    vr = vc.index_select(0, rest).view(bd, lr, hkv, d).transpose(1, 2)  # [Bd, Hkv, Lr, D]
+    s2 = torch.matmul(q, kr) * scale  # [Bd, Hkv, g, Lr]
     if cap:
         s2 = torch.tanh(s2 / cap) * cap
     if dv.mask is not None:

@@ -48,14 +48,30 @@ class CpuKernel:
         cols = torch.tensor([k[:3] for k in rows], dtype=torch.long).T.contiguous()
         return KernelPart(self, table, cols[0], cols[1], cols[2])
 
-    def attend(self, part: KernelPart, p: LayerParams, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor) -> None:
+    def attend(
+        self, part: KernelPart, p: LayerParams, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+    ) -> None:
         """Write the rows of ``out`` [T, H, D] that ``part``'s requests own: their queries of
         ``q`` [T, H, D] (contiguous) against their keys in one layer's pool kc, vc [slots, Hkv, D]."""
-        self.op(out, q, kc, vc, part.table, part.q_start, part.q_len, part.kv_len, p.scale, CHUNK,
-                p.window or 0, p.softcap or 0.0, self.tile_from)
+        self.op(
+            out,
+            q,
+            kc,
+            vc,
+            part.table,
+            part.q_start,
+            part.q_len,
+            part.kv_len,
+            p.scale,
+            CHUNK,
+            p.window or 0,
+            p.softcap or 0.0,
+            self.tile_from,
+        )
 
     def store(self, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``kc[slots[t]] = k[t]``, ``vc[slots[t]] = v[t]`` in one call: k, v [T, Hkv, D] with
         unit stride in D, slots [T] int64. Raises RuntimeError on a slot outside the pool."""
-        self.store_op(kc, vc, slots, k if k.stride(-1) == 1 else k.contiguous(), v if v.stride(-1) == 1 else v.contiguous())
+        self.store_op(
+            kc, vc, slots, k if k.stride(-1) == 1 else k.contiguous(), v if v.stride(-1) == 1 else v.contiguous()
+        )

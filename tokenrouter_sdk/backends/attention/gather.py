@@ -22,8 +22,9 @@ SCORE_ROWS = 256
 
 
 def sdpa(q, k, v, mask, is_causal: bool, scale: float):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def _fold(mask: torch.Tensor, g: int) -> torch.Tensor:
@@ -49,7 +50,7 @@ def scores_attend(q, k, v, mask, p: LayerParams, causal: bool = False) -> torch.
         n = e - a
         keys = e if causal else k.shape[2]
         qa = q[:, :, a:e].reshape(b, hkv, g * n, d)
-        s = torch.matmul(qa, k[:, :, :keys].transpose(-1, -2)) * p.scale          # [B, Hkv, g*n, keys]
+        s = torch.matmul(qa, k[:, :, :keys].transpose(-1, -2)) * p.scale  # [B, Hkv, g*n, keys]
         if p.softcap:
             s = torch.tanh(s / p.softcap) * p.softcap
         if causal:
@@ -89,7 +90,9 @@ def attend_folded(q, k, v, mask: torch.Tensor, p: LayerParams) -> torch.Tensor:
     return sdpa(q.reshape(b, hkv, (h // hkv) * nq, d), k, v, mask, False, p.scale).reshape(b, h, nq, d)
 
 
-def attend_decodes(dv: DecodeView, p: LayerParams, kc: torch.Tensor, vc: torch.Tensor, qd: torch.Tensor) -> torch.Tensor:
+def attend_decodes(
+    dv: DecodeView, p: LayerParams, kc: torch.Tensor, vc: torch.Tensor, qd: torch.Tensor
+) -> torch.Tensor:
     """Decode queries qd [Bd, H, Q, D] against each request's keys of ``dv`` (one layer's pool
     kc, vc [slots, Hkv, D]); returns [Bd, H, Q, D]."""
     bd, lmax = dv.kv.shape
@@ -100,10 +103,10 @@ def attend_decodes(dv: DecodeView, p: LayerParams, kc: torch.Tensor, vc: torch.T
 
 
 def _tile(qi, kc, vc, k, v, t: Tile, p: LayerParams) -> torch.Tensor:
-    qa = qi[:, :, t.q0:t.q1]
+    qa = qi[:, :, t.q0 : t.q1]
     if t.slots is None:
-        ka = k[t.k0:t.k1].transpose(0, 1).unsqueeze(0)                      # [1, Hkv, L, D]
-        va = v[t.k0:t.k1].transpose(0, 1).unsqueeze(0)
+        ka = k[t.k0 : t.k1].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        va = v[t.k0 : t.k1].transpose(0, 1).unsqueeze(0)
     else:
         ka = kc.index_select(0, t.slots).transpose(0, 1).unsqueeze(0)
         va = vc.index_select(0, t.slots).transpose(0, 1).unsqueeze(0)
@@ -124,5 +127,5 @@ def attend_segment(qi, kc, vc, k, v, tiles: tuple[Tile, ...], p: LayerParams) ->
         return _tile(qi, kc, vc, k, v, tiles[0], p)[0].transpose(0, 1)
     out = qi.new_empty(qi.shape[2], qi.shape[1], qi.shape[3])
     for t in tiles:
-        out[t.q0:t.q1] = _tile(qi, kc, vc, k, v, t, p)[0].transpose(0, 1)
+        out[t.q0 : t.q1] = _tile(qi, kc, vc, k, v, t, p)[0].transpose(0, 1)
     return out

@@ -35,8 +35,21 @@ def paged_mask(device) -> torch.Tensor:
     return torch.empty(0, 0, 0, 0, dtype=torch.bool, device=device)
 
 
-def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                    softcap=None, tr_batch=None, tr_op: bool = False, tr_probe: dict | None = None, **kwargs):
+def paged_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    tr_batch=None,
+    tr_op: bool = False,
+    tr_probe: dict | None = None,
+    **kwargs,
+):
     """Attention over the paged KV pool. query [1, H, T, D], key/value [1, Hkv, T, D]; returns
     ([1, T, H, D], None) as transformers expects (see the module docstring for the cases)."""
     if tr_batch is not None:
@@ -45,11 +58,22 @@ def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         return torch.ops.tokenrouter.paged_attention(query, key, value, module.layer_idx), None
     if tr_probe is not None:
         tr_probe.update(kwargs)
-        tr_probe.update(dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
-                        _head_dim=query.shape[-1])
+        tr_probe.update(
+            dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, _head_dim=query.shape[-1]
+        )
         raise _Probed
-    return own_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                         sliding_window=sliding_window, softcap=softcap, **kwargs)
+    return own_attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        **kwargs,
+    )
 
 
 def own_attention(module, query, key, value, attention_mask, **kwargs):
@@ -61,10 +85,14 @@ def own_attention(module, query, key, value, attention_mask, **kwargs):
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if fn is not None:
             if attention_mask is not None and attention_mask.dtype == torch.bool:
-                attention_mask = torch.where(attention_mask, torch.tensor(0.0, dtype=query.dtype, device=query.device),
-                                             torch.finfo(query.dtype).min)
+                attention_mask = torch.where(
+                    attention_mask,
+                    torch.tensor(0.0, dtype=query.dtype, device=query.device),
+                    torch.finfo(query.dtype).min,
+                )
             return fn(module, query, key, value, attention_mask, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -72,6 +100,7 @@ def _mask(**kwargs):
     """The mask of an ordinary forward of a switched model: transformers' boolean mask, always
     built (the model's own attention may be the eager one, which needs it even when causal)."""
     from transformers.masking_utils import sdpa_mask
+
     kwargs["allow_is_causal_skip"] = False
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(**kwargs)
@@ -81,6 +110,7 @@ def register_attention() -> None:
     """Register ``ATTN_NAME`` with transformers (idempotent; called by the runners)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(ATTN_NAME, paged_attention)
     AttentionMaskInterface.register(ATTN_NAME, _mask)
 

@@ -23,8 +23,9 @@ from . import cascade, gather
 from .metadata import ForwardBatch
 
 
-def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  stored: bool = False) -> torch.Tensor:
+def attend_tokens(
+    fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stored: bool = False
+) -> torch.Tensor:
     """Write the step's new K/V of ``layer`` into the pool slots of ``fb`` (unless ``stored``:
     the caller wrote them) and attend every request to its cached prefix with the layer's
     parameters. q [T, H, D], k/v [T, Hkv, D] (any strides); returns a new [T, H, D] tensor."""
@@ -43,8 +44,8 @@ def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor
         qt = q.transpose(0, 1)
     else:
         only_decodes = not fb.segs and fb.dec_qlen == 1 and fb.dec_q is not None and fb.dec_q.shape[0] == t
-        qt = q.transpose(0, 1)                                               # [H, T, D]
-        out = None if only_decodes else q.new_empty(t, h, d)                # [T, H, D]
+        qt = q.transpose(0, 1)  # [H, T, D]
+        out = None if only_decodes else q.new_empty(t, h, d)  # [T, H, D]
         if fb.dec_q is not None:
             dv = fb.dec[w]
             bd = dv.kv.shape[0]
@@ -52,20 +53,22 @@ def attend_tokens(fb: ForwardBatch, layer: int, q: torch.Tensor, k: torch.Tensor
             # decode token i is packed token fb.dec_q[i]; in a step of decodes only, token i itself
             qd = qt.unsqueeze(2).transpose(0, 1) if only_decodes else qt[:, fb.dec_q].view(h, bd, nq, d).transpose(0, 1)
             if cascade.pays(dv, nq, kc):
-                od = cascade.attend(dv, p, kc, vc, qd)                       # [Bd, H, Q, D]
+                od = cascade.attend(dv, p, kc, vc, qd)  # [Bd, H, Q, D]
             else:
                 od = gather.attend_decodes(dv, p, kc, vc, qd)
             if only_decodes:
                 return od.transpose(1, 2).reshape(t, h, d)
             out[fb.dec_q] = od.transpose(1, 2).reshape(bd * nq, h, d)
     for qs, ql, views in fb.segs:
-        out[qs:qs + ql] = gather.attend_segment(qt[:, qs:qs + ql].unsqueeze(0), kc, vc, k[qs:qs + ql], v[qs:qs + ql],
-                                                views[w], p)
+        out[qs : qs + ql] = gather.attend_segment(
+            qt[:, qs : qs + ql].unsqueeze(0), kc, vc, k[qs : qs + ql], v[qs : qs + ql], views[w], p
+        )
     return out
 
 
 def attend_paged(fb: ForwardBatch, layer: int, query, key, value) -> torch.Tensor:
     """`attend_tokens` in transformers' layout: query [1, H, T, D], key/value [1, Hkv, T, D];
     returns [1, T, H, D]."""
-    return attend_tokens(fb, layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                         value[0].transpose(0, 1)).unsqueeze(0)
+    return attend_tokens(
+        fb, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    ).unsqueeze(0)

@@ -47,7 +47,7 @@ TILES_ENV = "TOKENROUTER_KERNEL_TILES"
 BUCKETS = (2, 4, 8, 16, 32)
 TILE_BUCKETS = (2, 3, 4, 6, 8, 16)
 CONTEXT = 512  # cached keys of each request in the measured step
-DECODES = 3    # decode requests beside the extend
+DECODES = 3  # decode requests beside the extend
 REPS = 5
 
 
@@ -124,17 +124,22 @@ def _derived(entry: dict, field: str, wins: str, rule, least: int) -> bool:
     gives, over ascending distinct buckets (a stored entry its own timings do not give is
     measured again)."""
     buckets, w = entry["buckets"], entry[wins]
-    return (isinstance(entry.get(field), int) and entry[field] >= least and len(buckets) == len(w) > 0
-            and [int(b) for b in buckets] == sorted(set(int(b) for b in buckets))
-            and entry[field] == rule(buckets, w))
+    return (
+        isinstance(entry.get(field), int)
+        and entry[field] >= least
+        and len(buckets) == len(w) > 0
+        and [int(b) for b in buckets] == sorted(set(int(b) for b in buckets))
+        and entry[field] == rule(buckets, w)
+    )
 
 
 def _valid(entry: dict) -> bool:
     return _derived(entry, "limit", "kernel", limit_of, 1)
 
 
-def _timed(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int, buckets, reps: int, clock,
-           backends) -> list[list[float]]:
+def _timed(
+    heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int, buckets, reps: int, clock, backends
+) -> list[list[float]]:
     """Per bucket q, ms per step (median of ``reps``, after one untimed step each) of a step of
     `DECODES` decodes and one extend of q queries at `CONTEXT` cached keys, attended with each of
     ``backends(q)`` (paged kernels) in turn, interleaved."""
@@ -155,7 +160,7 @@ def _timed(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int,
     tables = [[] for _ in range(DECODES + 1)]
     for tb in tables:
         blocks.ensure(tb, CONTEXT + top)
-    spec = AttentionSpec.uniform("measured", layers, dim ** -0.5)
+    spec = AttentionSpec.uniform("measured", layers, dim**-0.5)
     ms = []
     with torch.inference_mode():
         for q in buckets:
@@ -168,6 +173,7 @@ def _timed(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int,
             def step(fb):
                 for layer in range(layers):
                     attend_tokens(fb, layer, x, kv, kv)
+
             times: list[list[float]] = [[] for _ in batches]
             for fb in batches:
                 step(fb)
@@ -181,8 +187,19 @@ def _timed(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int,
     return ms
 
 
-def measure(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int, *, buckets=BUCKETS,
-            reps: int = REPS, clock: Callable[[], float] = time.perf_counter, tile_from: int | None = None) -> dict:
+def measure(
+    op,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    layers: int,
+    *,
+    buckets=BUCKETS,
+    reps: int = REPS,
+    clock: Callable[[], float] = time.perf_counter,
+    tile_from: int | None = None,
+) -> dict:
     """Time one step's attention with the extend in the kernel and in the gather backend.
 
     Args:
@@ -202,17 +219,43 @@ def measure(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers:
     from .cpu_kernel import TILE_FROM, CpuKernel
 
     tf = TILE_FROM if tile_from is None else tile_from
-    ms = _timed(heads, kv_heads, dim, dtype, layers, buckets, reps, clock,
-                lambda q: [CpuKernel(op, q, tf), CpuKernel(op, q - 1, tf)])
+    ms = _timed(
+        heads,
+        kv_heads,
+        dim,
+        dtype,
+        layers,
+        buckets,
+        reps,
+        clock,
+        lambda q: [CpuKernel(op, q, tf), CpuKernel(op, q - 1, tf)],
+    )
     kernel_ms, gather_ms = [m[0] for m in ms], [m[1] for m in ms]
     wins = [a < b for a, b in zip(kernel_ms, gather_ms)]
-    return {"buckets": list(buckets), "kernel": wins, "kernel_ms": [round(v, 4) for v in kernel_ms],
-            "gather_ms": [round(v, 4) for v in gather_ms], "limit": limit_of(buckets, wins),
-            "context": CONTEXT, "decodes": DECODES, "layers": layers}
+    return {
+        "buckets": list(buckets),
+        "kernel": wins,
+        "kernel_ms": [round(v, 4) for v in kernel_ms],
+        "gather_ms": [round(v, 4) for v in gather_ms],
+        "limit": limit_of(buckets, wins),
+        "context": CONTEXT,
+        "decodes": DECODES,
+        "layers": layers,
+    }
 
 
-def measure_tiles(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int, *,
-                  buckets=TILE_BUCKETS, reps: int = REPS, clock: Callable[[], float] = time.perf_counter) -> dict:
+def measure_tiles(
+    op,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    layers: int,
+    *,
+    buckets=TILE_BUCKETS,
+    reps: int = REPS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
     """Time one step's attention with the extend's scores tiled (16 keys at a time) and not, the
     extend in the kernel either way (arguments as `measure`).
 
@@ -222,21 +265,38 @@ def measure_tiles(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, l
     """
     from .cpu_kernel import CpuKernel
 
-    ms = _timed(heads, kv_heads, dim, dtype, layers, buckets, reps, clock,
-                lambda q: [CpuKernel(op, q, q), CpuKernel(op, q, 0)])
+    ms = _timed(
+        heads, kv_heads, dim, dtype, layers, buckets, reps, clock, lambda q: [CpuKernel(op, q, q), CpuKernel(op, q, 0)]
+    )
     tiles_ms, keys_ms = [m[0] for m in ms], [m[1] for m in ms]
     wins = [a < b for a, b in zip(tiles_ms, keys_ms)]
-    return {"buckets": list(buckets), "tiles": wins, "tiles_ms": [round(v, 4) for v in tiles_ms],
-            "keys_ms": [round(v, 4) for v in keys_ms], "tile_from": tile_from_of(buckets, wins),
-            "context": CONTEXT, "decodes": DECODES, "layers": layers}
+    return {
+        "buckets": list(buckets),
+        "tiles": wins,
+        "tiles_ms": [round(v, 4) for v in tiles_ms],
+        "keys_ms": [round(v, 4) for v in keys_ms],
+        "tile_from": tile_from_of(buckets, wins),
+        "context": CONTEXT,
+        "decodes": DECODES,
+        "layers": layers,
+    }
 
 
 def _valid_tiles(entry: dict) -> bool:
     return _derived(entry, "tile_from", "tiles", tile_from_of, 0)
 
 
-def tile_choice(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int, *,
-                measure_fn=measure_tiles, fields: dict | None = None) -> tuple[int, str]:
+def tile_choice(
+    op,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    layers: int,
+    *,
+    measure_fn=measure_tiles,
+    fields: dict | None = None,
+) -> tuple[int, str]:
     """From how many queries the kernel scores a request 16 keys at a time, for a model of these
     shapes: forced by ``TOKENROUTER_KERNEL_TILES``, else this machine's stored choice, else
     measured and stored. Only float32 and bfloat16 pools on a CPU with AVX-512 have tiles (the
@@ -257,14 +317,27 @@ def tile_choice(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, lay
         return 0, f"no tiles for {str(dtype).removeprefix('torch.')}"
     if "avx512f" not in autotune.cpu_flags():
         return 0, "no tiles without AVX-512"
-    entry, source = autotune.choose(tiles_key(heads, kv_heads, dim, dtype, layers),
-                                    lambda: measure_fn(op, heads, kv_heads, dim, dtype, layers), _valid_tiles,
-                                    fields=fields)
+    entry, source = autotune.choose(
+        tiles_key(heads, kv_heads, dim, dtype, layers),
+        lambda: measure_fn(op, heads, kv_heads, dim, dtype, layers),
+        _valid_tiles,
+        fields=fields,
+    )
     return int(entry["tile_from"]), source
 
 
-def extend_limit(op, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, layers: int, *,
-                 measure_fn=measure, fields: dict | None = None, tile_from: int | None = None) -> tuple[int, str]:
+def extend_limit(
+    op,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    layers: int,
+    *,
+    measure_fn=measure,
+    fields: dict | None = None,
+    tile_from: int | None = None,
+) -> tuple[int, str]:
     """The most queries of one extend the kernel attends for a model of these shapes: forced by
     ``TOKENROUTER_KERNEL_EXTEND``, else this machine's stored choice, else measured and stored.
     ``tile_from``: the kernel's tile threshold (`tile_choice`), measured with and stored apart
@@ -297,21 +370,27 @@ def describe(key: str, entry: dict) -> str | None:
         try:
             if not _valid_tiles(entry):
                 return None
-            times = ", ".join(f"{b}: {a:.2f}/{c:.2f}"
-                              for b, a, c in zip(entry["buckets"], entry["tiles_ms"], entry["keys_ms"]))
+            times = ", ".join(
+                f"{b}: {a:.2f}/{c:.2f}" for b, a, c in zip(entry["buckets"], entry["tiles_ms"], entry["keys_ms"])
+            )
         except (KeyError, TypeError, ValueError):
             return None
-        start = (f"from {entry['tile_from']} queries" if entry["tile_from"] else "never")
-        return (f"{key}: the kernel scores 16 keys at a time {start} (ms per step of {entry.get('layers', '?')} "
-                f"layers, {entry.get('decodes', '?')} decodes + one extend at {entry.get('context', '?')} keys, "
-                f"tiles/a key at a time by queries: {times})")
+        start = f"from {entry['tile_from']} queries" if entry["tile_from"] else "never"
+        return (
+            f"{key}: the kernel scores 16 keys at a time {start} (ms per step of {entry.get('layers', '?')} "
+            f"layers, {entry.get('decodes', '?')} decodes + one extend at {entry.get('context', '?')} keys, "
+            f"tiles/a key at a time by queries: {times})"
+        )
     try:
         if not key.startswith("extend kernel") or not _valid(entry):
             return None
-        times = ", ".join(f"{b}: {a:.2f}/{c:.2f}" for b, a, c in zip(entry["buckets"], entry["kernel_ms"], entry["gather_ms"]))
+        times = ", ".join(
+            f"{b}: {a:.2f}/{c:.2f}" for b, a, c in zip(entry["buckets"], entry["kernel_ms"], entry["gather_ms"])
+        )
     except (KeyError, TypeError, ValueError):
         return None
-    return (f"{key}: the kernel attends extends of up to {entry['limit']} queries (ms per step of "
-            f"{entry.get('layers', '?')} layers, {entry.get('decodes', '?')} decodes + one extend at "
-            f"{entry.get('context', '?')} keys, kernel/gather by queries: {times})")
-
+    return (
+        f"{key}: the kernel attends extends of up to {entry['limit']} queries (ms per step of "
+        f"{entry.get('layers', '?')} layers, {entry.get('decodes', '?')} decodes + one extend at "
+        f"{entry.get('context', '?')} keys, kernel/gather by queries: {times})"
+    )

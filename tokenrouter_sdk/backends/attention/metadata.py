@@ -92,8 +92,9 @@ class PagedKernel(Protocol):
     def part(self, rows: list) -> KernelPart:
         """The step's `KernelPart` of (q_start, q_len, kv_len, slots [kv_len]) per request."""
 
-    def attend(self, part: KernelPart, p: LayerParams, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor) -> None:
+    def attend(
+        self, part: KernelPart, p: LayerParams, out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+    ) -> None:
         """Write the rows of ``out`` [T, H, D] that ``part``'s requests own: their queries of
         ``q`` [T, H, D] (contiguous) against their keys in one layer's pool kc, vc
         [slots, Hkv, D], with ``p``'s window, soft-cap and scale."""

@@ -42,8 +42,10 @@ IGNORED = ("dropout", "position_ids", "cache_position", "use_cache", "output_att
 FINAL_SOFTCAP_TYPES = ("gemma2", "gemma3", "gemma3_text")
 
 # config fields that change the logits after the LM head, which the runner does not apply
-POST_HEAD_FIELDS = {"logits_scaling": "logit scaling after the LM head (logits_scaling)",
-                    "logit_scale": "logit scaling after the LM head (logit_scale)"}
+POST_HEAD_FIELDS = {
+    "logits_scaling": "logit scaling after the LM head (logits_scaling)",
+    "logit_scale": "logit scaling after the LM head (logit_scale)",
+}
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -142,7 +144,8 @@ def _refuse(model_name: str, where: str, feature: str) -> UnsupportedAttention:
         f"{model_name}: {where} uses {feature}, which tokenrouter's runner does not compute: its outputs would "
         f"differ from the model's. allow_unknown_attention=True (TorchRunner, EngineConfig, Router, "
         f"--allow-unknown-attention) runs it anyway, computing causal attention with the known parameters "
-        f"(see docs/own-models.md)")
+        f"(see docs/own-models.md)"
+    )
 
 
 def _decoder(model):
@@ -248,10 +251,15 @@ def read_spec(model, *, allow_unknown: bool = False, probes: list | None = None)
         if window is not None and (not isinstance(window, int) or window < 1):
             refuse(f"layer {i}", f"sliding_window={window!r} (expected a positive int)")
             window = None
-        layers[idx] = LayerParams(window=window, softcap=float(softcap) if softcap else None,
-                                  scale=float(scale) if scale is not None else float(head_dim) ** -0.5)
+        layers[idx] = LayerParams(
+            window=window,
+            softcap=float(softcap) if softcap else None,
+            scale=float(scale) if scale is not None else float(head_dim) ** -0.5,
+        )
     n = len(dec.layers)
     if sorted(layers) != list(range(n)):
-        raise UnsupportedAttention(f"{name}: the attention modules' layer_idx are {sorted(layers)}, not 0..{n - 1}: "
-                                   f"each layer needs its own KV pool layer")
+        raise UnsupportedAttention(
+            f"{name}: the attention modules' layer_idx are {sorted(layers)}, not 0..{n - 1}: "
+            f"each layer needs its own KV pool layer"
+        )
     return AttentionSpec(name, tuple(layers[i] for i in range(n)), float(final) if final else None, tuple(ignored))

@@ -28,8 +28,14 @@ class Arrivals:
         prompt = cfg.prompt_of(self.name)
         seen = dict.fromkeys([*msg.peers, self.name], len(prompt))
         rs = RequestState(seen=seen, state=msg.state, seen_bytes={self.name: 0} if self.text is not None else {})
-        seq = Seq(cfg, list(prompt), rs, generator=make_generator(cfg.params.seed, self.index, self.runner.device),
-                  prompt_len=len(prompt), text=TextView() if self.text is not None else None)
+        seq = Seq(
+            cfg,
+            list(prompt),
+            rs,
+            generator=make_generator(cfg.params.seed, self.index, self.runner.device),
+            prompt_len=len(prompt),
+            text=TextView() if self.text is not None else None,
+        )
         seq.reuse = not self.host.needs(cfg.policy_key, "prompt_hidden")
         if cfg.rid in self.aborted:
             self._end_aborted(seq)
@@ -49,9 +55,15 @@ class Arrivals:
             return
         prompt = cfg.prompt_of(self.name)
         n = len(prompt)
-        seq = Seq(cfg, list(prompt), RequestState(seen={msg.entry: n, self.name: n}), prefill_only=True,
-                  generator=make_generator(cfg.params.seed, self.index, self.runner.device), prompt_len=n,
-                  text=TextView() if self.text is not None else None)
+        seq = Seq(
+            cfg,
+            list(prompt),
+            RequestState(seen={msg.entry: n, self.name: n}),
+            prefill_only=True,
+            generator=make_generator(cfg.params.seed, self.index, self.runner.device),
+            prompt_len=n,
+            text=TextView() if self.text is not None else None,
+        )
         if not self.sched.too_big(seq):
             self.sched.add_owned(seq)
 
@@ -94,8 +106,11 @@ class Arrivals:
             return
         if seq is None:
             known = msg.request.seen[self.name] - len(msg.suffix)  # > 0: the source counted on an admission prefill
-            seq = Seq(msg.config, list(msg.config.prompt_ids[:known]),
-                      generator=make_generator(msg.config.params.seed, self.index, self.runner.device))
+            seq = Seq(
+                msg.config,
+                list(msg.config.prompt_ids[:known]),
+                generator=make_generator(msg.config.params.seed, self.index, self.runner.device),
+            )
         seq.prefill_only = False
         seq.tokens.extend(msg.suffix)
         if seq.kv_len >= len(seq.tokens):  # peer discarded and bounced back: recompute the last position
@@ -106,14 +121,22 @@ class Arrivals:
             return
         if len(seq.tokens) != msg.request.seen[self.name]:
             self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", f"internal error: model '{self.name}' holds {len(seq.tokens)} "
-                         f"tokens of request {seq.rid}, the handoff says {msg.request.seen[self.name]}")
+            self._finish(
+                seq,
+                "failed",
+                f"internal error: model '{self.name}' holds {len(seq.tokens)} "
+                f"tokens of request {seq.rid}, the handoff says {msg.request.seen[self.name]}",
+            )
             return
         bad = [t for t in msg.suffix if not 0 <= t < self.runner.vocab_size]
         if bad:
             self.sched.seqs[seq.rid] = seq
-            self._finish(seq, "failed", f"model '{msg.src}' wrote token id {bad[0]}, outside model '{self.name}'s "
-                         f"vocabulary [0, {self.runner.vocab_size}); the models must share one tokenizer")
+            self._finish(
+                seq,
+                "failed",
+                f"model '{msg.src}' wrote token id {bad[0]}, outside model '{self.name}'s "
+                f"vocabulary [0, {self.runner.vocab_size}); the models must share one tokenizer",
+            )
             return
         self._take_over(seq, msg)
 
@@ -124,15 +147,22 @@ class Arrivals:
         token that changed, so the next step feeds the rest."""
         if seq is None:
             prompt = msg.config.prompt_of(self.name)
-            seq = Seq(msg.config, list(prompt), generator=make_generator(msg.config.params.seed, self.index,
-                                                                        self.runner.device),
-                      prompt_len=len(prompt), text=TextView())
+            seq = Seq(
+                msg.config,
+                list(prompt),
+                generator=make_generator(msg.config.params.seed, self.index, self.runner.device),
+                prompt_len=len(prompt),
+                text=TextView(),
+            )
         seq.prefill_only = False
         kv = seq.kv_len
         retokenize(seq, self.text.vocab, msg.data, self.sched)
         seq.rs, seq.resamples = msg.request, 0
-        self._emit(M.Retokenized(seq.rid, self.name, max(0, kv - seq.kv_len), len(seq.tokens) - seq.kv_len,
-                                 len(seq.tokens), self.clock()))
+        self._emit(
+            M.Retokenized(
+                seq.rid, self.name, max(0, kv - seq.kv_len), len(seq.tokens) - seq.kv_len, len(seq.tokens), self.clock()
+            )
+        )
         if msg.rid in self.aborted:
             self._end_aborted(seq)
             return

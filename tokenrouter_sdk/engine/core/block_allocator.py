@@ -40,8 +40,9 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a block allocator needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
-                             f"{block_size}")
+            raise ValueError(
+                f"a block allocator needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.refs = [0] * self.num_blocks
@@ -139,7 +140,7 @@ class BlockAllocator:
             return out
         for i in range(start, max_blocks):
             chain_keys(tokens, bs, i + 1, keys)
-            b = cache.find(keys[i], tokens[i * bs:(i + 1) * bs])
+            b = cache.find(keys[i], tokens[i * bs : (i + 1) * bs])
             if b is None:
                 break
             if self.refs[b] == 0:
@@ -157,7 +158,7 @@ class BlockAllocator:
         bs = self.block_size
         chain_keys(tokens, bs, end, keys)
         for i in range(start, end):
-            self.cache.add(keys[i], table[i], tokens[i * bs:(i + 1) * bs])
+            self.cache.add(keys[i], table[i], tokens[i * bs : (i + 1) * bs])
 
 
 def blocks_of(runner) -> BlockAllocator:
@@ -169,7 +170,9 @@ def blocks_of(runner) -> BlockAllocator:
     pool = runner.pool
     blocks = getattr(runner, "kv_blocks", None)
     if not isinstance(blocks, BlockAllocator) or (blocks.num_blocks, blocks.block_size) != (
-            pool.num_blocks, pool.block_size):
+        pool.num_blocks,
+        pool.block_size,
+    ):
         blocks = BlockAllocator.over(pool)
         runner.kv_blocks = blocks
     return blocks

@@ -49,8 +49,9 @@ def commit_token(s: Seq, tok: int, model: str, max_context: int, tokenizer) -> t
     return reason, why
 
 
-def commit_text(text: TextMode, s: Seq, tok: int, model: str,
-                max_context: int) -> tuple[str | None, str | None, int, int | None]:
+def commit_text(
+    text: TextMode, s: Seq, tok: int, model: str, max_context: int
+) -> tuple[str | None, str | None, int, int | None]:
     """Commit ``tok`` to ``s`` on ``model`` (models that do not share a tokenizer): its bytes
     join the committed output; this model's EOS ids, the stop strings (in the text), the context
     and ``max_new_tokens`` (the unit model's tokens of the text) end the request, in that order.

@@ -23,14 +23,17 @@ def forward(runner, inputs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor,
     """
     out = runner.forward(inputs)
     if not isinstance(out, ForwardOut):
-        raise TypeError(f"{type(runner).__name__}.forward returned {type(out).__name__}; a Runner.forward "
-                        f"returns tokenrouter_sdk.engine.runner.ForwardOut(logits, hidden, fed_hidden)")
+        raise TypeError(
+            f"{type(runner).__name__}.forward returned {type(out).__name__}; a Runner.forward "
+            f"returns tokenrouter_sdk.engine.runner.ForwardOut(logits, hidden, fed_hidden)"
+        )
     fed = list(out.fed_hidden) if out.fed_hidden is not None else [None] * len(inputs)
     return out.logits, out.hidden, fed
 
 
-def forward_each(runner, inputs: list[SeqInput]) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None,
-                                                          list, list[tuple[int, Exception]]]:
+def forward_each(
+    runner, inputs: list[SeqInput]
+) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None, list, list[tuple[int, Exception]]]:
     """The forward of ``inputs``; when it raises, each input alone. Returns ``(rows that ran,
     their logits [R, V], hidden [R, H], per row the fed hidden states or None, (index,
     exception) per input that failed)``; logits and hidden are None when none ran.

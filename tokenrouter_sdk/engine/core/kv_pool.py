@@ -47,11 +47,22 @@ class KVPool:
     * dtype bytes.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32, device="cpu", scratch_blocks: int = 0):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        scratch_blocks: int = 0,
+    ):
         if num_blocks < 1 or block_size < 1 or scratch_blocks < 0:
-            raise ValueError(f"KV pool needs num_blocks >= 1, block_size >= 1 and scratch_blocks >= 0, got "
-                             f"{num_blocks}, {block_size}, {scratch_blocks}")
+            raise ValueError(
+                f"KV pool needs num_blocks >= 1, block_size >= 1 and scratch_blocks >= 0, got "
+                f"{num_blocks}, {block_size}, {scratch_blocks}"
+            )
         self.num_blocks, self.block_size, self.scratch_blocks = num_blocks, block_size, scratch_blocks
         self.scratch_slot = num_blocks * block_size if scratch_blocks else None
         shape = (num_layers, (num_blocks + scratch_blocks) * block_size, kv_heads, head_dim)
@@ -78,6 +89,7 @@ class KVPool:
         """
         bs = self.block_size
         if not (0 <= start <= end and (end == start or end <= len(table) * bs)):
-            raise IndexError(f"positions [{start}, {end}) are not all in the request's {len(table)} blocks "
-                             f"of {bs} tokens")
+            raise IndexError(
+                f"positions [{start}, {end}) are not all in the request's {len(table)} blocks of {bs} tokens"
+            )
         return (torch.tensor(table, dtype=torch.long).mul_(bs).unsqueeze(1) + self._offsets).view(-1)[start:end]

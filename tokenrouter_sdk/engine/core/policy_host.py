@@ -16,8 +16,8 @@ or the engine.
 | ``entry(req, models)`` (or ``entry(req)``) | a model name, or None (the first model) |
 | ``may_use(req, models)`` | a list, tuple or set of model names |
 | ``route(step)`` | a model name (its own to stay), a bool with two models (True: hand off), or `Resample()` |
-| ``route_batch(batch)`` | a list (or tuple) of ``len(batch)`` route decisions; an exception instance in it fails that request alone |
-| ``send(req, target)`` | a `Handoff` (``keep_sampled`` bool, ``span`` None or an int >= 1, ``greedy`` bool), or None (``Handoff()``) |
+| ``route_batch(batch)`` | a list or tuple of ``len(batch)`` decisions (an exception in it fails its request) |
+| ``send(req, target)`` | a `Handoff` (``keep_sampled``, ``span`` None or >= 1, ``greedy``), or None (``Handoff()``) |
 | ``receive(handoff, req)`` | None |
 
 `check_policy` checks the policy object itself when a call is submitted (an instance, not its
@@ -40,9 +40,26 @@ from .commit_rules import given_tokens
 if TYPE_CHECKING:
     from .scheduler import Seq
 
-__all__ = ["PolicyHost", "RequestFailed", "PolicyReturnError", "describe", "policy_text", "check_policy",
-           "check_vocabulary", "call_entry", "call_may_use", "call_route_batch", "call_send", "call_receive",
-           "entry_model", "may_use_models", "route_decision", "route_batch_decisions", "handoff", "receive_result"]
+__all__ = [
+    "PolicyHost",
+    "RequestFailed",
+    "PolicyReturnError",
+    "describe",
+    "policy_text",
+    "check_policy",
+    "check_vocabulary",
+    "call_entry",
+    "call_may_use",
+    "call_route_batch",
+    "call_send",
+    "call_receive",
+    "entry_model",
+    "may_use_models",
+    "route_decision",
+    "route_batch_decisions",
+    "handoff",
+    "receive_result",
+]
 
 _REPR_MAX = 120
 
@@ -59,7 +76,7 @@ def _safe_repr(obj) -> str:
         text = f"<{type(obj).__name__} object>"
     if not isinstance(text, str):
         text = f"<{type(obj).__name__} object>"
-    return text if len(text) <= _REPR_MAX else text[:_REPR_MAX - 3] + "..."
+    return text if len(text) <= _REPR_MAX else text[: _REPR_MAX - 3] + "..."
 
 
 def describe(value) -> str:
@@ -86,20 +103,28 @@ def check_policy(policy) -> None:
     """
     if isinstance(policy, type):
         if issubclass(policy, Policy):
-            raise TypeError(f"policy={policy.__qualname__} is the class, not an instance: pass "
-                            f"{policy.__qualname__}(...) (e.g. policy={policy.__qualname__}())")
+            raise TypeError(
+                f"policy={policy.__qualname__} is the class, not an instance: pass "
+                f"{policy.__qualname__}(...) (e.g. policy={policy.__qualname__}())"
+            )
         raise TypeError(f"policy must be a tokenrouter_sdk.Policy instance, got the class {policy.__qualname__}")
     if isinstance(policy, str):
-        raise TypeError(f"policy must be a Policy instance, got the string {policy!r}: build a built-in one by name "
-                        f"with tokenrouter_sdk.policies.registry.build_policy({policy!r}), or import its class "
-                        f"from tokenrouter_sdk.policies")
+        raise TypeError(
+            f"policy must be a Policy instance, got the string {policy!r}: build a built-in one by name "
+            f"with tokenrouter_sdk.policies.registry.build_policy({policy!r}), or import its class "
+            f"from tokenrouter_sdk.policies"
+        )
     if not isinstance(policy, Policy):
-        raise TypeError(f"policy must be a tokenrouter_sdk.Policy instance (subclass Policy and override route), "
-                        f"got {describe(policy)}")
+        raise TypeError(
+            f"policy must be a tokenrouter_sdk.Policy instance (subclass Policy and override route), "
+            f"got {describe(policy)}"
+        )
     needs = getattr(policy, "needs", None)
     if not isinstance(needs, Needs):
-        raise TypeError(f"policy {policy_text(policy)}: needs must be a tokenrouter_sdk.Needs, got {describe(needs)}; "
-                        f"e.g. needs = Needs(entropy=True) as a class attribute")
+        raise TypeError(
+            f"policy {policy_text(policy)}: needs must be a tokenrouter_sdk.Needs, got {describe(needs)}; "
+            f"e.g. needs = Needs(entropy=True) as a class attribute"
+        )
 
 
 def check_vocabulary(policy, models: Sequence[str], mixed: bool) -> None:
@@ -118,10 +143,12 @@ def check_vocabulary(policy, models: Sequence[str], mixed: bool) -> None:
         why = "it reads the handing-off model's logits (Needs(handoff_logits=True)), which are over another vocabulary"
     else:
         return
-    raise ValueError(f"policy {policy_text(policy)} needs models that share one tokenizer: {why}; the models "
-                     f"{list(models)} have different tokenizers. Route them with a policy that reads each model's "
-                     f"own step (RStitch, an entropy or confidence threshold, RandomRouting, TokenEnsemble), or pick "
-                     f"models of one family")
+    raise ValueError(
+        f"policy {policy_text(policy)} needs models that share one tokenizer: {why}; the models "
+        f"{list(models)} have different tokenizers. Route them with a policy that reads each model's "
+        f"own step (RStitch, an entropy or confidence threshold, RandomRouting, TokenEnsemble), or pick "
+        f"models of one family"
+    )
 
 
 def _name(value, models: Sequence[str]) -> str | None:
@@ -137,6 +164,7 @@ def _takes_models(fn) -> bool:
     """Whether a bound ``entry`` takes the models as well as the request (``entry(req, models)``,
     or ``*args``); an override written as ``entry(self, req)`` takes the request alone."""
     import inspect
+
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -156,8 +184,10 @@ def entry_model(value, models: Sequence[str]) -> str | None:
         return None
     name = _name(value, models)
     if name is None:
-        raise PolicyReturnError(f"returned {describe(value)}; accepted: one of {list(models)} (the model that "
-                                f"prefills the request) or None (the first model, {models[0]!r})")
+        raise PolicyReturnError(
+            f"returned {describe(value)}; accepted: one of {list(models)} (the model that "
+            f"prefills the request) or None (the first model, {models[0]!r})"
+        )
     return name
 
 
@@ -176,14 +206,19 @@ def may_use_models(value, models: Sequence[str]) -> list[str]:
         name = _name(m, models)
         (out if name is not None else bad).append(name if name is not None else m)
     if bad:
-        raise PolicyReturnError(f"returned {describe(value)}, where {', '.join(describe(b) for b in bad)} names no "
-                                f"model; accepted: {accepted}")
+        raise PolicyReturnError(
+            f"returned {describe(value)}, where {', '.join(describe(b) for b in bad)} names no "
+            f"model; accepted: {accepted}"
+        )
     return out
 
 
 def _route_accepted(models: Sequence[str]) -> str:
-    return (f"one of {list(models)} (the model that writes next; its own name to stay)"
-            + (", a bool (True hands off to the other model)" if len(models) == 2 else "") + " or Resample()")
+    return (
+        f"one of {list(models)} (the model that writes next; its own name to stay)"
+        + (", a bool (True hands off to the other model)" if len(models) == 2 else "")
+        + " or Resample()"
+    )
 
 
 def route_decision(value, models: Sequence[str], own: str) -> str | Resample:
@@ -199,8 +234,10 @@ def route_decision(value, models: Sequence[str], own: str) -> str | Resample:
     if isinstance(value, bool):
         if len(models) == 2:
             return models[1 - list(models).index(own)] if value else own
-        raise PolicyReturnError(f"returned {describe(value)}, but a bool names a model only with two models and "
-                                f"there are {len(models)}; accepted: {_route_accepted(models)}")
+        raise PolicyReturnError(
+            f"returned {describe(value)}, but a bool names a model only with two models and "
+            f"there are {len(models)}; accepted: {_route_accepted(models)}"
+        )
     name = _name(value, models)
     if name is not None:
         return name
@@ -220,11 +257,14 @@ def route_batch_decisions(value, n: int) -> list:
     """
     if not isinstance(value, (list, tuple)):
         hint = " (a tensor: return .tolist())" if type(value).__module__.split(".")[0] in ("torch", "numpy") else ""
-        raise PolicyReturnError(f"returned {describe(value)}{hint}; accepted: a list of {n} decisions, one per "
-                                f"request of the batch")
+        raise PolicyReturnError(
+            f"returned {describe(value)}{hint}; accepted: a list of {n} decisions, one per request of the batch"
+        )
     if len(value) != n:
-        raise PolicyReturnError(f"returned {len(value)} decisions for a batch of {n} requests; accepted: a list of "
-                                f"{n} decisions, one per request (len(batch))")
+        raise PolicyReturnError(
+            f"returned {len(value)} decisions for a batch of {n} requests; accepted: a list of "
+            f"{n} decisions, one per request (len(batch))"
+        )
     return list(value)
 
 
@@ -238,8 +278,10 @@ def handoff(value) -> Handoff:
     if value is None:
         return Handoff()
     if not isinstance(value, Handoff):
-        raise PolicyReturnError(f"returned {describe(value)}; accepted: a Handoff (e.g. Handoff(keep_sampled=True) "
-                                f"or Handoff(keep_sampled=False, span=4)) or None (Handoff())")
+        raise PolicyReturnError(
+            f"returned {describe(value)}; accepted: a Handoff (e.g. Handoff(keep_sampled=True) "
+            f"or Handoff(keep_sampled=False, span=4)) or None (Handoff())"
+        )
     try:
         value.check()
     except (TypeError, ValueError) as e:
@@ -255,8 +297,10 @@ def receive_result(value) -> None:
             ``req.state`` there, and route from it).
     """
     if value is not None:
-        raise PolicyReturnError(f"returned {describe(value)}; accepted: None (receive is a hook: set req.state "
-                                f"there, route decides where the request goes)")
+        raise PolicyReturnError(
+            f"returned {describe(value)}; accepted: None (receive is a hook: set req.state "
+            f"there, route decides where the request goes)"
+        )
 
 
 # -- the hooks, called and checked: the only calls of a policy's hooks in the package -----------
@@ -367,8 +411,9 @@ class PolicyHost:
         except PolicyReturnError as ex:
             return self.models[0], f"policy {policy_text(policy)}.entry {ex} (request {req.rid})"
         except Exception as ex:  # noqa: BLE001 - a policy error fails this request only
-            return self.models[0], (f"policy {policy_text(policy)}.entry raised {type(ex).__name__}: {ex} "
-                                    f"(request {req.rid})")
+            return self.models[0], (
+                f"policy {policy_text(policy)}.entry raised {type(ex).__name__}: {ex} (request {req.rid})"
+            )
 
     def may_use(self, policy: Policy, req: RequestView) -> tuple[tuple[str, ...], str | None]:
         """``(peers, error)`` of a request entering on ``req.owner``: the models ``may_use``
@@ -380,8 +425,7 @@ class PolicyHost:
         except PolicyReturnError as ex:
             return (), f"policy {policy_text(policy)}.may_use {ex} (request {req.rid})"
         except Exception as ex:  # noqa: BLE001 - a policy error fails this request only
-            return (), (f"policy {policy_text(policy)}.may_use raised {type(ex).__name__}: {ex} "
-                        f"(request {req.rid})")
+            return (), (f"policy {policy_text(policy)}.may_use raised {type(ex).__name__}: {ex} (request {req.rid})")
 
     # -- the error wording of a sub-server's hooks -------------------------------------------
     def name(self, s: Seq) -> str:
@@ -392,7 +436,9 @@ class PolicyHost:
         """(message, formatted traceback) of policy method ``fn`` raising ``e`` for ``s``: the
         message names the policy, its source file and line, the model and the position."""
         frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ else []
-        own = [f for f in frames if _policy_frame(f.filename) and not (f.filename == "<string>" and f.name == "__init__")]
+        own = [
+            f for f in frames if _policy_frame(f.filename) and not (f.filename == "<string>" and f.name == "__init__")
+        ]
         where = (own or frames or [None])[-1]
         loc = f" at {where.filename}:{where.lineno}" if where else ""
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
@@ -400,13 +446,18 @@ class PolicyHost:
             text = str(e)
         except Exception:  # noqa: BLE001 - an exception whose __str__ raises
             text = "<unprintable>"
-        return (f"policy {self.name(s)}.{fn} raised {type(e).__name__}: {text}{loc} on model '{self.model}' "
-                f"at output position {s.rs.n_committed} of request {s.rid}", tb)
+        return (
+            f"policy {self.name(s)}.{fn} raised {type(e).__name__}: {text}{loc} on model '{self.model}' "
+            f"at output position {s.rs.n_committed} of request {s.rid}",
+            tb,
+        )
 
     def returned(self, s: Seq, fn: str, e: Exception) -> str:
         """The message of policy method ``fn`` returning a value it may not (`PolicyReturnError`)."""
-        return (f"policy {self.name(s)}.{fn} {e} (on model '{self.model}' at output position {s.rs.n_committed} "
-                f"of request {s.rid})")
+        return (
+            f"policy {self.name(s)}.{fn} {e} (on model '{self.model}' at output position {s.rs.n_committed} "
+            f"of request {s.rid})"
+        )
 
     def view(self, s: Seq) -> RequestView:
         """What a policy sees of ``s`` on this model (`RequestView`; its text decoded when read)."""
@@ -415,14 +466,30 @@ class PolicyHost:
         else:
             tok = self.tokenizer
             text = (lambda: tok.decode(s.output_ids, skip_special_tokens=True)) if tok is not None else ""
-        return RequestView(rid=s.rid, prompt_ids=s.config.prompt_of(self.model), output_ids=s.output_ids,
-                           owner=self.model, state=s.rs.state, hops=s.rs.hops, models=tuple(self.models),
-                           key=s.config.key, text_of=text)
+        return RequestView(
+            rid=s.rid,
+            prompt_ids=s.config.prompt_of(self.model),
+            output_ids=s.output_ids,
+            owner=self.model,
+            state=s.rs.state,
+            hops=s.rs.hops,
+            models=tuple(self.models),
+            key=s.config.key,
+            text_of=text,
+        )
 
     # -- a sub-server's hooks: route, send, receive ------------------------------------------
-    def decide(self, batch: list[Seq], tokens: list[int], logits: torch.Tensor, hidden: torch.Tensor,
-               prompt_hidden: list, draw: Callable[[list[int]], list[int]], resampled: Callable[[Seq, int], None],
-               limit: int) -> list:
+    def decide(
+        self,
+        batch: list[Seq],
+        tokens: list[int],
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        prompt_hidden: list,
+        draw: Callable[[list[int]], list[int]],
+        resampled: Callable[[Seq, int], None],
+        limit: int,
+    ) -> list:
         """The final decision per request of ``batch`` (`route`), with every `Resample` carried
         out: the token is discarded (``resampled(seq, token)`` reports it), the position drawn
         again from the same logits (``draw(rows) -> tokens``, written into ``tokens``) and routed
@@ -444,7 +511,8 @@ class PolicyHost:
                     decisions[i] = RequestFailed(
                         f"policy {self.name(s)} resampled output position {s.rs.n_committed} "
                         f"of request {s.rid} {s.resamples} times in a row on model '{self.model}'; let a draw "
-                        f"stand (return the model) after at most {limit}")
+                        f"stand (return the model) after at most {limit}"
+                    )
                     continue
                 s.rs.discarded += 1
                 resampled(s, tokens[i])
@@ -456,8 +524,9 @@ class PolicyHost:
             for i, d in zip(redo, self.route(batch, tokens, logits, hidden, prompt_hidden, redo)):
                 decisions[i] = d
 
-    def route(self, batch: list[Seq], tokens: list[int], logits: torch.Tensor, hidden: torch.Tensor,
-              prompt_hidden: list, idx) -> list:
+    def route(
+        self, batch: list[Seq], tokens: list[int], logits: torch.Tensor, hidden: torch.Tensor, prompt_hidden: list, idx
+    ) -> list:
         """Decisions for the requests of ``batch`` at rows ``idx``: per row a model name, a
         `Resample`, or a `RequestFailed` that fails it. A request inside a forced span goes on
         (its owner until the span's last token, then back) without asking the policy; the others
@@ -500,30 +569,50 @@ class PolicyHost:
                         out[j] = RequestFailed(self.returned(s, fn, e))
         return out
 
-    def _route_group(self, pol: Policy, batch: list[Seq], tokens: list[int], logits, hidden, prompt_hidden: list,
-                     rows_i: list[int]) -> tuple[list, str]:
+    def _route_group(
+        self, pol: Policy, batch: list[Seq], tokens: list[int], logits, hidden, prompt_hidden: list, rows_i: list[int]
+    ) -> tuple[list, str]:
         """One ``route_batch`` call for the rows ``rows_i`` of one policy: (per row its raw
         decision or a `RequestFailed`, the hook name errors use)."""
         n = len(rows_i)
         rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
-        sb = StepBatch(self.model, self.models, torch.tensor([tokens[i] for i in rows_i]), logits, hidden,
-                       [self.view(batch[i]) for i in rows_i], self.tokenizer, needs=pol.needs, rows=rows,
-                       policy=policy_text(pol), peer_logits=[batch[i].rs.peer_logits for i in rows_i],
-                       prompt_hidden=[prompt_hidden[i] for i in rows_i])
+        sb = StepBatch(
+            self.model,
+            self.models,
+            torch.tensor([tokens[i] for i in rows_i]),
+            logits,
+            hidden,
+            [self.view(batch[i]) for i in rows_i],
+            self.tokenizer,
+            needs=pol.needs,
+            rows=rows,
+            policy=policy_text(pol),
+            peer_logits=[batch[i].rs.peer_logits for i in rows_i],
+            prompt_hidden=[prompt_hidden[i] for i in rows_i],
+        )
         fn = "route" if type(pol).route_batch is Policy.route_batch else "route_batch"  # the default calls route
         try:  # once: never re-run for a request because another one failed (state changes apply once)
             res = call_route_batch(pol, sb, n)
         except PolicyReturnError as e:
-            res = [RequestFailed(self.returned(batch[i], "route_batch", e)
-                                 + f"; the {n} requests of this batch fail with it") for i in rows_i]
+            res = [
+                RequestFailed(
+                    self.returned(batch[i], "route_batch", e) + f"; the {n} requests of this batch fail with it"
+                )
+                for i in rows_i
+            ]
         except Exception as e:  # noqa: BLE001 - one vectorised decision: every request of it fails
             res = []
             for i in rows_i:
                 msg, tb = self.raised(batch[i], "route_batch", e)
-                res.append(RequestFailed(msg + f"; the {n} requests of this batch fail with it (route_batch "
-                                         f"is not run again request by request; to fail one request alone, put "
-                                         f"the exception in its place in the returned list, or raise in route "
-                                         f"with the default route_batch)", tb))
+                res.append(
+                    RequestFailed(
+                        msg + f"; the {n} requests of this batch fail with it (route_batch "
+                        f"is not run again request by request; to fail one request alone, put "
+                        f"the exception in its place in the returned list, or raise in route "
+                        f"with the default route_batch)",
+                        tb,
+                    )
+                )
         if sb.tokens_changed:
             for k, i in enumerate(rows_i):
                 tokens[i] = int(sb.tokens[k])
@@ -543,7 +632,8 @@ class PolicyHost:
             raise RequestFailed(
                 f"policy {self.name(s)} handed request {s.rid} off "
                 f"{s.rs.hops_since_commit} times in a row without committing a token (ping-pong between "
-                f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay")
+                f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay"
+            )
 
     def send(self, s: Seq, target: str) -> Handoff:
         """The `Handoff` the policy of ``s`` gives for handing it to ``target``.

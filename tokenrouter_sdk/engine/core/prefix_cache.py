@@ -42,7 +42,7 @@ def chain_keys(tokens, block_size: int, n_blocks: int, have: list[bytes] | None 
     """
     keys = [] if have is None else have
     for i in range(len(keys), n_blocks):
-        keys.append(block_key(keys[-1] if keys else ROOT, tokens[i * block_size:(i + 1) * block_size]))
+        keys.append(block_key(keys[-1] if keys else ROOT, tokens[i * block_size : (i + 1) * block_size]))
     return keys
 
 

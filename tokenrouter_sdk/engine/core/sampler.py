@@ -27,8 +27,9 @@ def make_generator(seed: int | None, model_index: int, device) -> torch.Generato
     return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
     """Sample one token per row.
 
     Greedy rows (``temperature == 0``) take the argmax of ``logits`` as given. The other rows are
@@ -75,7 +76,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         nan_rows = [rows[j] for j in bad.nonzero().flatten().tolist()]
         raise RuntimeError(
             f"sampling rows {nan_rows}: the probabilities hold NaN (the logits hold NaN or +inf, "
-            "or no finite logit is left); check the model's logits for these requests")
+            "or no finite logit is left); check the model's logits for these requests"
+        )
     return out
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...request import RequestConfig
-from .block_allocator import BlockAllocator, KVPoolFull
 from ..messages import RequestState, Stats
+from .block_allocator import BlockAllocator, KVPoolFull
 from .prefix_cache import chain_keys
 
 
@@ -85,7 +85,7 @@ class Seq:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
 
 class Scheduler:
@@ -107,8 +107,14 @@ class Scheduler:
         total_hit_tokens, total_query_tokens: the same, summed since the scheduler started.
     """
 
-    def __init__(self, blocks: BlockAllocator, max_batch_tokens: int = 4096, max_batch_size: int = 256,
-                 prefix_cache: bool = False, cache_hold: int = 0):
+    def __init__(
+        self,
+        blocks: BlockAllocator,
+        max_batch_tokens: int = 4096,
+        max_batch_size: int = 256,
+        prefix_cache: bool = False,
+        cache_hold: int = 0,
+    ):
         self.blocks, self.cache_hold = blocks, cache_hold
         if prefix_cache:
             blocks.enable_prefix_cache()
@@ -160,7 +166,7 @@ class Scheduler:
         """``seq.tokens`` changed from position ``n`` on (a re-encoding of its text): forget the
         prefix-cache keys of the blocks that hold those positions and keep only the first ``n``
         tokens in KV (`rewind`)."""
-        del seq.keys[n // self.blocks.block_size:]
+        del seq.keys[n // self.blocks.block_size :]
         if seq.kv_len > n:
             self.rewind(seq, n)
 
@@ -180,8 +186,12 @@ class Scheduler:
             seq.arrived = True
             self.query_tokens += len(seq.tokens)
             self.total_query_tokens += len(seq.tokens)
-        if blocks.cache is None or not seq.reuse or seq.kv_len != len(seq.table) * blocks.block_size \
-                or seq.n_cached != len(seq.table):
+        if (
+            blocks.cache is None
+            or not seq.reuse
+            or seq.kv_len != len(seq.table) * blocks.block_size
+            or seq.n_cached != len(seq.table)
+        ):
             return True
         limit = (len(seq.tokens) - 1) // blocks.block_size  # the last position is always fed: its block stays private
         start = seq.n_cached
@@ -204,7 +214,7 @@ class Scheduler:
         full = len(seq.tokens) // self.blocks.block_size
         if full > seq.n_cached:
             chain_keys(seq.tokens, self.blocks.block_size, full, seq.keys)
-            self._computing.update(seq.keys[seq.n_cached:full])
+            self._computing.update(seq.keys[seq.n_cached : full])
 
     def cache_blocks(self, batch: list[Seq]) -> None:
         """After a successful step: cache the blocks it filled (each request's full blocks of
@@ -226,13 +236,17 @@ class Scheduler:
         leaked). Names the model, the request, the numbers and the fix."""
         blocks, have = self.blocks, self.blocks.capacity_tokens
         if not self.too_big(seq):
-            return (f"KV pool of model '{model}' has {blocks.num_free} free blocks and request {seq.rid} needs "
-                    f"{blocks.blocks_for(len(seq.tokens)) - len(seq.table)} more, but no request of this model holds "
-                    f"the others: the pool is used by another engine (a runner object given to two Routers?) "
-                    f"or leaked; give each Router its own runners")
-        return (f"KV pool of model '{model}' is too small for request {seq.rid}: it needs {len(seq.tokens)} "
-                f"tokens of KV, the pool holds {have} tokens; raise max_kv_tokens (Router(..., max_kv_tokens=...)), "
-                f"lower max_new_tokens or shorten the prompt")
+            return (
+                f"KV pool of model '{model}' has {blocks.num_free} free blocks and request {seq.rid} needs "
+                f"{blocks.blocks_for(len(seq.tokens)) - len(seq.table)} more, but no request of this model holds "
+                f"the others: the pool is used by another engine (a runner object given to two Routers?) "
+                f"or leaked; give each Router its own runners"
+            )
+        return (
+            f"KV pool of model '{model}' is too small for request {seq.rid}: it needs {len(seq.tokens)} "
+            f"tokens of KV, the pool holds {have} tokens; raise max_kv_tokens (Router(..., max_kv_tokens=...)), "
+            f"lower max_new_tokens or shorten the prompt"
+        )
 
     def stats(self, model: str, token: int = 0) -> Stats:
         """The KV pool and request counts of ``model``'s scheduler, as a `Stats` event
@@ -240,11 +254,22 @@ class Scheduler:
         blocks, seqs, owned = self.blocks, self.seqs, self.owned
         run = sum(len(s.table) for s in owned.values())
         pend = sum(len(s.table) for r, s in seqs.items() if r not in owned)
-        return Stats(model, token, blocks.num_free, blocks.num_blocks, blocks.block_size, len(owned),
-                     len(seqs) - len(owned), run, pend, cached_blocks=blocks.cached_blocks,
-                     idle_cached_blocks=blocks.idle_cached_blocks,
-                     prefix_hit_tokens=self.total_hit_tokens, prefix_query_tokens=self.total_query_tokens,
-                     prefix_cache=blocks.cache is not None)
+        return Stats(
+            model,
+            token,
+            blocks.num_free,
+            blocks.num_blocks,
+            blocks.block_size,
+            len(owned),
+            len(seqs) - len(owned),
+            run,
+            pend,
+            cached_blocks=blocks.cached_blocks,
+            idle_cached_blocks=blocks.idle_cached_blocks,
+            prefix_hit_tokens=self.total_hit_tokens,
+            prefix_query_tokens=self.total_query_tokens,
+            prefix_cache=blocks.cache is not None,
+        )
 
     def too_big(self, seq: Seq) -> bool:
         return self.blocks.blocks_for(len(seq.tokens)) > self.blocks.num_blocks
@@ -256,8 +281,9 @@ class Scheduler:
                 return True
             except KVPoolFull:
                 pending = [s for s in self.seqs.values() if s.status == "pending" and s.table]
-                others = [s for s in reversed(self.owned.values()) if s.rid not in in_batch and s.rid != seq.rid
-                          and s.table]
+                others = [
+                    s for s in reversed(self.owned.values()) if s.rid not in in_batch and s.rid != seq.rid and s.table
+                ]
                 victims = pending or others
                 if not victims:
                     return False

@@ -38,16 +38,16 @@ import torch
 from ...policy import Handoff
 from ...request import SamplingParams
 from .. import messages as M
+from ..config import MODES, EngineConfig, Mode
+from ..runner import SeqInput
+from ..step_result import StepResult, UnknownMessage, dispatch
 from .arrivals import Arrivals
 from .block_allocator import blocks_of
 from .commit_rules import commit_text, commit_token, given_tokens, logprobs
-from ..config import MODES, EngineConfig, Mode
 from .forward import forward_each
 from .policy_host import PolicyHost, RequestFailed
-from ..runner import SeqInput
 from .sampler import sample
 from .scheduler import Scheduler, Seq
-from ..step_result import StepResult, UnknownMessage, dispatch
 from .text_mode import TextMode
 
 GREEDY = SamplingParams()  # how a request samples after a Handoff(greedy=True)
@@ -77,14 +77,28 @@ class SubServer(Arrivals):
     Not thread-safe: one thread calls `handle`, `take` and `step`.
     """
 
-    def __init__(self, name: str, models: list[str], runner, tokenizer, config: EngineConfig,
-                 thresholds: dict[str, int] | None = None, vocab_limit: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, text: TextMode | None = None):
+    def __init__(
+        self,
+        name: str,
+        models: list[str],
+        runner,
+        tokenizer,
+        config: EngineConfig,
+        thresholds: dict[str, int] | None = None,
+        vocab_limit: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        text: TextMode | None = None,
+    ):
         self.name, self.models, self.index = name, list(models), list(models).index(name)
         self.text = text
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
-        self.sched = Scheduler(blocks_of(runner), config.max_batch_tokens, config.max_batch_size,
-                               prefix_cache=config.prefix_cache, cache_hold=TEXT_CACHE_HOLD if text is not None else 0)
+        self.sched = Scheduler(
+            blocks_of(runner),
+            config.max_batch_tokens,
+            config.max_batch_size,
+            prefix_cache=config.prefix_cache,
+            cache_hold=TEXT_CACHE_HOLD if text is not None else 0,
+        )
         self.host = PolicyHost(name, models, tokenizer)
         self.policies = self.host.policies  # key -> Policy, registered by RegisterPolicy
         self.aborted: collections.OrderedDict[int, tuple[str, str | None]] = collections.OrderedDict()
@@ -99,14 +113,25 @@ class SubServer(Arrivals):
         self._out = StepResult()  # what handling and stepping produced since the last take/step
         self._late: list | None = None  # inside a step: its Finished events, placed after its StepDone
         self.clock = clock
-        self._may_step = ((lambda: bool(self._go)) if self.mode.gated else self.delayed_ok
-                          if self.mode.batches_delayed else (lambda: bool(self.sched.owned)))
+        self._may_step = (
+            (lambda: bool(self._go))
+            if self.mode.gated
+            else self.delayed_ok
+            if self.mode.batches_delayed
+            else (lambda: bool(self.sched.owned))
+        )
         self._handlers = {
-            M.Admit: self._admit, M.Prefill: self._prefill, M.HandoffMsg: self._receive,
-            M.Release: self._release, M.Abort: self._abort, M.Shutdown: self._shutdown,
+            M.Admit: self._admit,
+            M.Prefill: self._prefill,
+            M.HandoffMsg: self._receive,
+            M.Release: self._release,
+            M.Abort: self._abort,
+            M.Shutdown: self._shutdown,
             M.RegisterPolicy: lambda m: self.host.add(m.key, m.policy),
-            M.UnregisterPolicy: lambda m: self.host.remove(m.key), M.Go: lambda m: self._go.append(m.round),
-            M.SetInflight: self._set_inflight, M.SetThresholds: self._set_thresholds,
+            M.UnregisterPolicy: lambda m: self.host.remove(m.key),
+            M.Go: lambda m: self._go.append(m.round),
+            M.SetInflight: self._set_inflight,
+            M.SetThresholds: self._set_thresholds,
             M.StatsQuery: lambda m: self._emit(self.stats(m.token)),
             M.ClearPrefixCache: lambda m: self.sched.blocks.clear_prefix_cache(),
         }
@@ -212,8 +237,9 @@ class SubServer(Arrivals):
         """The forward (`forward_each`: a request whose own inputs fail fails alone). Returns the
         requests that ran, their logits and hidden states, and per request the hidden states of
         every fed position where asked (else None)."""
-        inputs = [SeqInput(s.tokens[s.kv_len:], s.kv_len, s.table, all_hidden=self._wants_prompt_hidden(s))
-                  for s in batch]
+        inputs = [
+            SeqInput(s.tokens[s.kv_len :], s.kv_len, s.table, all_hidden=self._wants_prompt_hidden(s)) for s in batch
+        ]
         ok, logits, hidden, fed, failed = forward_each(self.runner, inputs)
         for i, e in failed:
             self._fail_forward(batch[i], e)
@@ -224,8 +250,7 @@ class SubServer(Arrivals):
         if s.prefill_only:  # an admission prefill: skip it (a handoff here prefills on arrival)
             self.sched.remove(s.rid)
             return
-        self._finish(s, "failed", f"forward of model '{self.name}' failed for request {s.rid}: "
-                     f"{type(e).__name__}: {e}")
+        self._finish(s, "failed", f"forward of model '{self.name}' failed for request {s.rid}: {type(e).__name__}: {e}")
 
     def _step(self, batch: list[Seq], preempted: int, round: int | None) -> None:
         t0 = self.clock()
@@ -246,14 +271,21 @@ class SubServer(Arrivals):
                 fed_hidden = [fed_hidden[i] for i in keep]
         if batch:
             if logits.shape[-1] > self.vocab_limit:
-                logits = logits[:, :self.vocab_limit]
+                logits = logits[:, : self.vocab_limit]
             if self._banned is not None:  # tokens writing bytes a peer's vocabulary cannot spell
                 logits = logits.index_fill(1, self._banned.to(logits.device), float("-inf"))
-            prompt_hidden = [None if h is None else h[:s.prompt_len] for s, h in zip(batch, fed_hidden)]
+            prompt_hidden = [None if h is None else h[: s.prompt_len] for s, h in zip(batch, fed_hidden)]
             tokens = self._sample(batch, logits, range(len(batch)))
-            decisions = self.host.decide(batch, tokens, logits, hidden, prompt_hidden,
-                                         lambda idx: self._sample(batch, logits, idx), self._resampled,
-                                         self.config.max_hops_without_commit)
+            decisions = self.host.decide(
+                batch,
+                tokens,
+                logits,
+                hidden,
+                prompt_hidden,
+                lambda idx: self._sample(batch, logits, idx),
+                self._resampled,
+                self.config.max_hops_without_commit,
+            )
             for s in batch:
                 s.rs.peer_logits = None  # read by this step's route only
             for i, (s, tok, dec) in enumerate(zip(batch, tokens, decisions)):
@@ -266,19 +298,35 @@ class SubServer(Arrivals):
                     self._finish(s, "failed", *e.args)
                 except Exception as e:  # noqa: BLE001 - never let one request stop the sub-server
                     if s.rid in self.sched.seqs:
-                        self._finish(s, "failed", f"internal error while applying the decision {dec!r} of policy "
-                                     f"{self.host.name(s)} to request {s.rid} on model '{self.name}': "
-                                     f"{type(e).__name__}: {e}",
-                                     "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+                        self._finish(
+                            s,
+                            "failed",
+                            f"internal error while applying the decision {dec!r} of policy "
+                            f"{self.host.name(s)} to request {s.rid} on model '{self.name}': "
+                            f"{type(e).__name__}: {e}",
+                            "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+                        )
         blocks, owned = self.sched.blocks, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
-        self._emit(M.StepDone(model=self.name, t_start=t0, t_end=self.clock(),
-                              forward_s=self.runner.last_forward_s if ran else 0.0, batch_size=len(fed),
-                              tokens_fed=sum(fed.values()), fed=fed, preempted=preempted, round=round,
-                              kv_used_blocks=blocks.num_blocks - blocks.num_free,
-                              queued=max(0, len(owned) - len(batch)), kv_pending_blocks=pending,
-                              cache_hit_tokens=self.sched.hit_tokens, cache_query_tokens=self.sched.query_tokens,
-                              kv_cached_blocks=blocks.cached_blocks))
+        self._emit(
+            M.StepDone(
+                model=self.name,
+                t_start=t0,
+                t_end=self.clock(),
+                forward_s=self.runner.last_forward_s if ran else 0.0,
+                batch_size=len(fed),
+                tokens_fed=sum(fed.values()),
+                fed=fed,
+                preempted=preempted,
+                round=round,
+                kv_used_blocks=blocks.num_blocks - blocks.num_free,
+                queued=max(0, len(owned) - len(batch)),
+                kv_pending_blocks=pending,
+                cache_hit_tokens=self.sched.hit_tokens,
+                cache_query_tokens=self.sched.query_tokens,
+                kv_cached_blocks=blocks.cached_blocks,
+            )
+        )
 
     def _sample(self, batch: list[Seq], logits: torch.Tensor, idx) -> list[int]:
         """A token per request of ``batch`` at rows ``idx`` (greedy after ``Handoff(greedy=True)``)."""
@@ -321,15 +369,32 @@ class SubServer(Arrivals):
             reason, why, chars, units = commit_text(self.text, s, tok, self.name, self.runner.max_context)
         else:
             reason, why = commit_token(s, tok, self.name, self.runner.max_context, self.tokenizer)
-        self._emit(M.Committed(s.rid, self.name, [tok], self.clock(), reason is not None, None if lp is None else [lp],
-                               chars=chars, units=units))
+        self._emit(
+            M.Committed(
+                s.rid,
+                self.name,
+                [tok],
+                self.clock(),
+                reason is not None,
+                None if lp is None else [lp],
+                chars=chars,
+                units=units,
+            )
+        )
         if reason:
             self._finish(s, reason, None, stop_reason=why)
             return True
         return False
 
-    def _handoff(self, s: Seq, target: str, h: Handoff, committed: bool, token: int | None = None,
-                 peer_logits: torch.Tensor | None = None) -> None:
+    def _handoff(
+        self,
+        s: Seq,
+        target: str,
+        h: Handoff,
+        committed: bool,
+        token: int | None = None,
+        peer_logits: torch.Tensor | None = None,
+    ) -> None:
         s.rs.hops += 1
         s.rs.hops_since_commit = 0 if committed else s.rs.hops_since_commit + 1
         self.host.check_hops(s, self.config.max_hops_without_commit)
@@ -341,16 +406,30 @@ class SubServer(Arrivals):
         if self.text is not None:  # the committed bytes the target has not seen
             b_seen = seen_bytes.get(target)
             seen_bytes[target] = s.rs.n_bytes
-            suffix, data = [], bytes(s.text.data[b_seen or 0:])
+            suffix, data = [], bytes(s.text.data[b_seen or 0 :])
             config = s.config if b_seen is None else None
         else:
             suffix, data = s.tokens[t_seen:], b""
             config = s.config if t_seen <= len(s.config.prompt_ids) else None
-        travels = dataclasses.replace(s.rs, seen=seen, span=h.span, return_to=self.name if h.span is not None else None,
-                                      greedy=bool(h.greedy), peer_logits=peer_logits, seen_bytes=seen_bytes)
+        travels = dataclasses.replace(
+            s.rs,
+            seen=seen,
+            span=h.span,
+            return_to=self.name if h.span is not None else None,
+            greedy=bool(h.greedy),
+            peer_logits=peer_logits,
+            seen_bytes=seen_bytes,
+        )
         msg = M.HandoffMsg(s.rid, self.name, suffix, travels, h.keep_sampled, config=config, data=data)
-        s.rs = dataclasses.replace(s.rs, seen=dict(seen), span=None, return_to=None, greedy=False, peer_logits=None,
-                                   seen_bytes=dict(seen_bytes))
+        s.rs = dataclasses.replace(
+            s.rs,
+            seen=dict(seen),
+            span=None,
+            return_to=None,
+            greedy=False,
+            peer_logits=None,
+            seen_bytes=dict(seen_bytes),
+        )
         s.resamples = 0
         self.sched.set_pending(s)
         if not self.retain_kv:  # baseline: forget the KV, the return re-prefills (what the prefix cache lacks)
@@ -367,4 +446,3 @@ class SubServer(Arrivals):
             if m != self.name and n > 0:
                 self._send(m, M.Release(s.rid))
         self.sched.remove(s.rid)
-

@@ -69,7 +69,8 @@ class Vocabularies:
             except TokenizerBytesError as e:
                 raise TokenizerBytesError(
                     f"models {', '.join(repr(m) for m in names)} do not share a tokenizer, so they can only share "
-                    f"text, and {e}") from None
+                    f"text, and {e}"
+                ) from None
         bad = unspellable(vocabs.values())
         banned = {n: tuple(v.ids_writing(bad)) for n, v in vocabs.items()}
         return cls(dict(tokenizers), vocabs, {n: tuple(eos.get(n, ())) for n in names}, banned, names[-1])

@@ -53,9 +53,11 @@ class KVReservation:
 
     def fits(self, need: dict[str, int], shared: dict[str, list]) -> bool:
         """Whether a request of this ``need``/``shared`` fits beside the ones reserved."""
-        return all(self.reserved[m] + len(self.shared[m]) + need[m]
-                   + sum(1 for k in shared[m] if k not in self.shared[m]) <= self.capacity[m][0]
-                   for m in self.capacity)
+        return all(
+            self.reserved[m] + len(self.shared[m]) + need[m] + sum(1 for k in shared[m] if k not in self.shared[m])
+            <= self.capacity[m][0]
+            for m in self.capacity
+        )
 
     def reserve(self, need: dict[str, int], shared: dict[str, list]) -> None:
         """Count an admitted request's blocks."""

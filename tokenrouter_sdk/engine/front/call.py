@@ -32,8 +32,13 @@ class Call:
         done: set when every request ended.
     """
 
-    def __init__(self, engine: "EngineLink", limit: int | None, policy_key: int,
-                 listener: Callable[[str, RequestHandle, object], None] | None):
+    def __init__(
+        self,
+        engine: "EngineLink",
+        limit: int | None,
+        policy_key: int,
+        listener: Callable[[str, RequestHandle, object], None] | None,
+    ):
         self.engine, self.limit, self.policy_key, self.listener = engine, limit, policy_key, listener
         self.handles: list[RequestHandle] = []
         self.events: list = []
@@ -84,6 +89,7 @@ class Call:
         def wake():
             if not fut.done():
                 fut.set_result(None)
+
         self.engine.on_done(self, lambda: loop.call_soon_threadsafe(wake))
         while True:
             try:
@@ -101,5 +107,6 @@ class Call:
     def metrics(self):
         """`tokenrouter_sdk.metrics.Metrics` of this call (O(its events))."""
         from .metrics import compute_metrics
+
         events = self.engine.events_of(self)
         return compute_metrics(events, {h.rid for h in self.handles}, self.engine.models)

@@ -36,7 +36,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.text = ""
         self._prefix = 0  # window start: the tokens before it are in ``text`` for good
-        self._read = 0    # tokens up to here are in ``text``
+        self._read = 0  # tokens up to here are in ``text``
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""
@@ -45,11 +45,11 @@ class IncrementalDetokenizer:
         """Append token ids; return the text that became stable (possibly ""). ``model`` (the
         writer) is not needed: every model shares the tokenizer."""
         self.ids.extend(int(i) for i in ids)
-        before = self._decode(self.ids[self._prefix:self._read])
-        now = self._decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix : self._read])
+        now = self._decode(self.ids[self._prefix :])
         if len(now) <= len(before) or now.endswith(REPLACEMENT):
             return ""  # nothing new yet, or a character still incomplete
-        delta = now[len(before):]
+        delta = now[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
@@ -61,9 +61,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The text of every token not yet released (an incomplete character stays as U+FFFD);
         after it, ``text`` covers every token."""
-        before = self._decode(self.ids[self._prefix:self._read])
-        now = self._decode(self.ids[self._prefix:])
-        delta = now[len(before):]
+        before = self._decode(self.ids[self._prefix : self._read])
+        now = self._decode(self.ids[self._prefix :])
+        delta = now[len(before) :]
         self._prefix = self._read = len(self.ids)
         self.text += delta
         return delta
@@ -91,7 +91,7 @@ class ByteDetokenizer:
         self._read = 0  # bytes up to here went through the decoder
 
     def _decode(self, final: bool = False) -> str:
-        delta = self._dec.decode(bytes(self.data[self._read:]), final=final)
+        delta = self._dec.decode(bytes(self.data[self._read :]), final=final)
         self._read = len(self.data)
         self.text += delta
         return delta

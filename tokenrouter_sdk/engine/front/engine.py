@@ -24,13 +24,13 @@ from ...request import RequestConfig, RequestInput, RequestView, prompt_key, tok
 from .. import messages as M
 from ..config import EngineConfig, valid_thresholds
 from ..core.policy_host import PolicyHost, check_policy, check_vocabulary
-from .call import Call
-from .request_handle import RequestHandle
-from .admission import KVReservation
+from ..core.text_mode import Vocabularies
 from ..runner import RemoteRunner, RunnerInfo, RunnerSpec
 from ..step_result import dispatch
-from ..core.text_mode import Vocabularies
 from ..transports.transport import ThreadTransport
+from .admission import KVReservation
+from .call import Call
+from .request_handle import RequestHandle
 
 RECENT_EVENTS = 4096  # events kept engine-wide for the planner's history and Router-wide views
 
@@ -76,13 +76,20 @@ class Engine:
             `UnsupportedAttention`, out of memory for a KV pool).
     """
 
-    def __init__(self, runners: dict, tokenizer, config: EngineConfig | None = None, *, transport=None,
-                 eos_ids: Sequence[int] = (), text: Vocabularies | None = None):
+    def __init__(
+        self,
+        runners: dict,
+        tokenizer,
+        config: EngineConfig | None = None,
+        *,
+        transport=None,
+        eos_ids: Sequence[int] = (),
+        text: Vocabularies | None = None,
+    ):
         self.config = config or EngineConfig()
         self.models = list(runners)
         self.info = {m: RunnerInfo.of(r) for m, r in runners.items()}
-        self._views = {m: RemoteRunner(r, self.info[m]) if isinstance(r, RunnerSpec) else r
-                       for m, r in runners.items()}
+        self._views = {m: RemoteRunner(r, self.info[m]) if isinstance(r, RunnerSpec) else r for m, r in runners.items()}
         self.tokenizer, self.text = tokenizer, text
         tok_eos = token_ids(getattr(tokenizer, "eos_token_id", None))
         self.eos_ids = tuple(dict.fromkeys(int(i) for i in [*tok_eos, *eos_ids]))
@@ -112,20 +119,37 @@ class Engine:
         self._stats: dict[int, dict] = {}
         self._stats_cv = threading.Condition(self._lock)
         self._event_handlers = {
-            M.StepDone: self._on_step_done, M.Idle: self._on_idle, M.Stats: self._on_stats,
-            M.ModelDied: self._on_died, M.Committed: self._on_committed, M.Hopped: self._on_hopped,
-            M.Resampled: self._on_resampled, M.Finished: self._on_finished, M.Retokenized: self._on_retokenized,
+            M.StepDone: self._on_step_done,
+            M.Idle: self._on_idle,
+            M.Stats: self._on_stats,
+            M.ModelDied: self._on_died,
+            M.Committed: self._on_committed,
+            M.Hopped: self._on_hopped,
+            M.Resampled: self._on_resampled,
+            M.Finished: self._on_finished,
+            M.Retokenized: self._on_retokenized,
         }
         self._next_token = 0
         self._round, self._awaiting, self._rr = 0, set(), 0
         self._done_waiters: dict[int, list[Callable[[], None]]] = {}
         self.transport = transport if transport is not None else ThreadTransport()
         self.clock = self.transport.clock
-        specs = {name: dict(name=name, models=self.models, runner=r, config=self.config, thresholds=self.thresholds,
-                            vocab_limit=self.vocab_limits[name],
-                            **(dict(tokenizer=text.tokenizers[name], text=text.mode(name)) if text is not None
-                               else dict(tokenizer=tokenizer)))
-                 for name, r in runners.items()}
+        specs = {
+            name: dict(
+                name=name,
+                models=self.models,
+                runner=r,
+                config=self.config,
+                thresholds=self.thresholds,
+                vocab_limit=self.vocab_limits[name],
+                **(
+                    dict(tokenizer=text.tokenizers[name], text=text.mode(name))
+                    if text is not None
+                    else dict(tokenizer=tokenizer)
+                ),
+            )
+            for name, r in runners.items()
+        }
         self.transport.start(specs, self.handle_event)
         self._check_reported()
 
@@ -145,9 +169,11 @@ class Engine:
             want = self.info[m].geometry()
             if got != want:
                 self.transport.close()
-                raise RuntimeError(f"model '{m}': its runner was built as {got} in its sub-server, but its spec "
-                                   f"described {want}; the engine sizes admission, vocabulary and context from "
-                                   f"the spec, so its describe() must say what build() makes")
+                raise RuntimeError(
+                    f"model '{m}': its runner was built as {got} in its sub-server, but its spec "
+                    f"described {want}; the engine sizes admission, vocabulary and context from "
+                    f"the spec, so its describe() must say what build() makes"
+                )
 
     # -- policies ---------------------------------------------------------------------------
     def _register(self, policy: Policy) -> int:
@@ -176,8 +202,14 @@ class Engine:
                 self.transport.send(name, M.UnregisterPolicy(key))
 
     # -- submission -------------------------------------------------------------------------
-    def submit(self, requests: Sequence[RequestInput], policy: Policy, *, concurrency: int | None = None,
-               listener: Callable[[str, RequestHandle, object], None] | None = None) -> Call:
+    def submit(
+        self,
+        requests: Sequence[RequestInput],
+        policy: Policy,
+        *,
+        concurrency: int | None = None,
+        listener: Callable[[str, RequestHandle, object], None] | None = None,
+    ) -> Call:
         """Queue a batch of requests routed by ``policy``; returns its `Call` at once.
 
         Args:
@@ -231,14 +263,17 @@ class Engine:
         self.check_alive()
         if self._dead:
             m, why = next(iter(self._dead.items()))
-            raise EngineDeadError(f"the sub-server of model '{m}' is dead ({why}); this Router cannot serve new "
-                                  f"requests until it is restarted: router.restart('{m}'), or close it and build "
-                                  f"a new Router")
+            raise EngineDeadError(
+                f"the sub-server of model '{m}' is dead ({why}); this Router cannot serve new "
+                f"requests until it is restarted: router.restart('{m}'), or close it and build "
+                f"a new Router"
+            )
         if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
             raise ValueError(f"concurrency must be None or an int >= 1, got {concurrency!r}")
 
-    def _new_handle(self, i: int, req: RequestInput, policy: Policy, call: Call, key: int,
-                    seen: collections.Counter) -> RequestHandle:
+    def _new_handle(
+        self, i: int, req: RequestInput, policy: Policy, call: Call, key: int, seen: collections.Counter
+    ) -> RequestHandle:
         """The handle of request ``i`` of ``call`` (policy ``key``): its id and request key (``seen``:
         how many of each given token sequence came before it in the call), its entry model and
         the peers it prefills (the policy's ``entry`` and ``may_use``, run by the host: an error
@@ -253,24 +288,61 @@ class Engine:
         with self._lock:
             rid = self._next_rid
             self._next_rid += 1
-        cfg = RequestConfig(rid, ids, req.params, key, self.eos_ids, rkey, tuple(req.forced or ()),
-                            prompts=req.prompts if self.text is not None else None)
+        cfg = RequestConfig(
+            rid,
+            ids,
+            req.params,
+            key,
+            self.eos_ids,
+            rkey,
+            tuple(req.forced or ()),
+            prompts=req.prompts if self.text is not None else None,
+        )
         error, entry, state, peers = req.error, self.models[0], {}, ()
         models = tuple(self.models)
         if error is None:
-            entry, error = self.host.entry(policy, RequestView(rid=rid, prompt_ids=cfg.prompt_ids, output_ids=[],
-                                                               owner="", state=state, hops=0, models=models, key=rkey))
+            entry, error = self.host.entry(
+                policy,
+                RequestView(
+                    rid=rid,
+                    prompt_ids=cfg.prompt_ids,
+                    output_ids=[],
+                    owner="",
+                    state=state,
+                    hops=0,
+                    models=models,
+                    key=rkey,
+                ),
+            )
         if error is None and self.config.prefill_peers:
-            peers, error = self.host.may_use(policy, RequestView(rid=rid, prompt_ids=cfg.prompt_ids, output_ids=[],
-                                                                 owner=entry, state=state, hops=0, models=models,
-                                                                 key=rkey))
+            peers, error = self.host.may_use(
+                policy,
+                RequestView(
+                    rid=rid,
+                    prompt_ids=cfg.prompt_ids,
+                    output_ids=[],
+                    owner=entry,
+                    state=state,
+                    hops=0,
+                    models=models,
+                    key=rkey,
+                ),
+            )
         p = req.params
         if self.text is not None:  # per writer: its own EOS ids are not part of the text
             stop_ids = {m: frozenset() if p.ignore_eos else frozenset(e) for m, e in self.text.eos.items()}
         else:
             stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
-        h = RequestHandle(cfg, req.prompt, entry, call, i, self.tokenizer, stop_ids,
-                          vocabs=self.text.vocabs if self.text is not None else None)
+        h = RequestHandle(
+            cfg,
+            req.prompt,
+            entry,
+            call,
+            i,
+            self.tokenizer,
+            stop_ids,
+            vocabs=self.text.vocabs if self.text is not None else None,
+        )
         h.output.sample = req.sample
         h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
         h.need, h.shared = self.kv.need(cfg.prompts or ids, p.max_new_tokens)
@@ -342,9 +414,11 @@ class Engine:
             return
         slack = sum(b - 1 for b in self.thresholds.values())
         if slack >= n:
-            raise ValueError(f"delayed batching thresholds {self.thresholds} need sum(B_i - 1) = {slack} < N, "
-                             f"but N = {n} requests are in flight; lower a threshold or raise concurrency "
-                             f"to at least {slack + 1}")
+            raise ValueError(
+                f"delayed batching thresholds {self.thresholds} need sum(B_i - 1) = {slack} < N, "
+                f"but N = {n} requests are in flight; lower a threshold or raise concurrency "
+                f"to at least {slack + 1}"
+            )
 
     def _broadcast_inflight(self) -> None:
         for name in self.models:
@@ -397,6 +471,7 @@ class Engine:
             with self._lock:
                 if fn in self._observers:
                     self._observers.remove(fn)
+
         return remove
 
     def _record(self, call: Call | None, ev) -> None:
@@ -471,8 +546,9 @@ class Engine:
         h.owner = ev.dst
         h.visited.add(ev.dst)
         if ev.dst in self._dead:
-            self._end(h, "failed", f"model '{ev.dst}' is dead ({self._dead[ev.dst]}): the request was routed "
-                      f"to it", ev.t)
+            self._end(
+                h, "failed", f"model '{ev.dst}' is dead ({self._dead[ev.dst]}): the request was routed to it", ev.t
+            )
             self._release_live(h.rid)
             return
         out.hops += 1
@@ -503,8 +579,9 @@ class Engine:
         if ev.model in self._dead:  # answered for a dead model: free what the live ones hold
             self._release_live(h.rid)
 
-    def _end(self, h: RequestHandle, reason: str, error: str | None, t: float, stop_reason=None,
-             tb: str | None = None) -> None:
+    def _end(
+        self, h: RequestHandle, reason: str, error: str | None, t: float, stop_reason=None, tb: str | None = None
+    ) -> None:
         """Make ``h``'s output final (first end wins) and free its place."""
         out = h.output
         out.finish_reason, out.error, out.stop_reason, out.traceback = reason, error, stop_reason, tb
@@ -618,8 +695,10 @@ class Engine:
         want = self.info[model].geometry()
         if got is not None and got != want:
             self.transport.send(model, M.Shutdown())
-            raise RuntimeError(f"restart('{model}'): its runner was built as {got} in its new sub-server, but its "
-                               f"spec described {want}")
+            raise RuntimeError(
+                f"restart('{model}'): its runner was built as {got} in its new sub-server, but its "
+                f"spec described {want}"
+            )
         with self._lock:
             self._dead.pop(model, None)
             self._kick()
@@ -706,8 +785,10 @@ class Engine:
         if self._closed:
             raise RuntimeError("kv_stats: the Router is closed (its sub-servers and KV pools are gone)")
         self.check_alive()
-        dead = {m: M.Stats(m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False, error=why)
-                for m, why in self._dead.items()}
+        dead = {
+            m: M.Stats(m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False, error=why)
+            for m, why in self._dead.items()
+        }
         live = [m for m in self.models if m not in dead]
         with self._lock:
             self._next_token += 1
@@ -725,8 +806,13 @@ class Engine:
                         raise TimeoutError(f"sub-server(s) {missing} did not report KV stats within {timeout} s")
                     self._stats_cv.wait(min(left, 0.25))
                     self.check_alive()
-            return {m: box.get(m) or M.Stats(m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False,
-                                            error=self._dead.get(m)) for m in self.models}
+            return {
+                m: box.get(m)
+                or M.Stats(
+                    m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False, error=self._dead.get(m)
+                )
+                for m in self.models
+            }
         finally:
             with self._lock:
                 self._stats.pop(token, None)

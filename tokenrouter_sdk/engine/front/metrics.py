@@ -140,9 +140,11 @@ class Metrics:
         rows = self._rows()
         lines = [f"{k:<20} {v:.4g}" if isinstance(v, float) else f"{k:<20} {v}" for k, v in rows]
         for name, m in self.per_model.items():
-            lines.append(f"[{name}] steps={m.steps} busy={m.busy_fraction:.2f} fwd_frac={m.forward_fraction:.2f} "
-                         f"step={m.mean_step_s * 1e3:.1f}ms committed={m.committed_tokens} fed={m.tokens_fed} "
-                         f"prefix_hit={m.prefix_hit_rate:.2f} batch_hist={dict(sorted(m.batch_size_hist.items()))}")
+            lines.append(
+                f"[{name}] steps={m.steps} busy={m.busy_fraction:.2f} fwd_frac={m.forward_fraction:.2f} "
+                f"step={m.mean_step_s * 1e3:.1f}ms committed={m.committed_tokens} fed={m.tokens_fed} "
+                f"prefix_hit={m.prefix_hit_rate:.2f} batch_hist={dict(sorted(m.batch_size_hist.items()))}"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -154,21 +156,60 @@ class Metrics:
     def _repr_html_(self) -> str:
         """Two tables: the run-level numbers, and one row per model."""
         from ...tables import html_table
-        run = html_table(("metric", "value"), self._rows(),
-                         caption=f"Metrics of {self.requests} requests (_s: seconds, _tok_s: tokens/s)")
+
+        run = html_table(
+            ("metric", "value"),
+            self._rows(),
+            caption=f"Metrics of {self.requests} requests (_s: seconds, _tok_s: tokens/s)",
+        )
         if not self.per_model:
             return run
-        cols = ("model", "steps", "busy_fraction", "forward_fraction", "mean_step_ms", "tokens_fed",
-                "committed_tokens", "preemptions", "prefix_hit_rate", "batch sizes (size×steps)")
-        rows = [(n, m.steps, m.busy_fraction, m.forward_fraction, m.mean_step_s * 1e3, m.tokens_fed,
-                 m.committed_tokens, m.preemptions, m.prefix_hit_rate,
-                 ", ".join(f"{b}×{c}" for b, c in sorted(m.batch_size_hist.items()))) for n, m in self.per_model.items()]
+        cols = (
+            "model",
+            "steps",
+            "busy_fraction",
+            "forward_fraction",
+            "mean_step_ms",
+            "tokens_fed",
+            "committed_tokens",
+            "preemptions",
+            "prefix_hit_rate",
+            "batch sizes (size×steps)",
+        )
+        rows = [
+            (
+                n,
+                m.steps,
+                m.busy_fraction,
+                m.forward_fraction,
+                m.mean_step_s * 1e3,
+                m.tokens_fed,
+                m.committed_tokens,
+                m.preemptions,
+                m.prefix_hit_rate,
+                ", ".join(f"{b}×{c}" for b, c in sorted(m.batch_size_hist.items())),
+            )
+            for n, m in self.per_model.items()
+        ]
         return run + html_table(cols, rows, caption="per model")
 
 
-MIXED_FIELDS = frozenset({"committed_chars", "throughput_chars_s", "large_fraction_chars", "large_tokens",
-                          "throughput_large_tok_s", "large_fraction_large_tok", "hop_rate_large_tok", "retokenized",
-                          "refed_per_hop_mean", "refed_per_hop_max", "fed_per_hop_mean", "context_per_hop_mean"})
+MIXED_FIELDS = frozenset(
+    {
+        "committed_chars",
+        "throughput_chars_s",
+        "large_fraction_chars",
+        "large_tokens",
+        "throughput_large_tok_s",
+        "large_fraction_large_tok",
+        "hop_rate_large_tok",
+        "retokenized",
+        "refed_per_hop_mean",
+        "refed_per_hop_max",
+        "fed_per_hop_mean",
+        "context_per_hop_mean",
+    }
+)
 """The `Metrics` fields of models that do not share a tokenizer."""
 
 
@@ -260,16 +301,22 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
         busy = sum(s.t_end - s.t_start for s in ss)
         fwd = sum(s.forward_s for s in ss)
         m.per_model[name] = ModelMetrics(
-            steps=len(ss), busy_fraction=busy / m.wall_s if m.wall_s > 0 else 0.0,
-            forward_fraction=fwd / busy if busy > 0 else 0.0, mean_step_s=busy / len(ss) if ss else 0.0,
-            tokens_fed=sum(s.tokens_fed for s in ss), committed_tokens=per_model_tok[name],
-            batch_size_hist=dict(Counter(s.batch_size for s in ss)), preemptions=sum(s.preempted for s in ss),
+            steps=len(ss),
+            busy_fraction=busy / m.wall_s if m.wall_s > 0 else 0.0,
+            forward_fraction=fwd / busy if busy > 0 else 0.0,
+            mean_step_s=busy / len(ss) if ss else 0.0,
+            tokens_fed=sum(s.tokens_fed for s in ss),
+            committed_tokens=per_model_tok[name],
+            batch_size_hist=dict(Counter(s.batch_size for s in ss)),
+            preemptions=sum(s.preempted for s in ss),
             kv_blocks_peak=max((s.kv_used_blocks for s in ss), default=0),
             kv_blocks_mean=statistics.fmean(s.kv_used_blocks for s in ss) if ss else 0.0,
             kv_pending_blocks_peak=max((s.kv_pending_blocks for s in ss), default=0),
             prefix_hit_tokens=sum(s.cache_hit_tokens for s in ss),
             prefix_query_tokens=sum(s.cache_query_tokens for s in ss),
-            kv_cached_blocks=ss[-1].kv_cached_blocks if ss else 0, committed_chars=chars[name])
+            kv_cached_blocks=ss[-1].kv_cached_blocks if ss else 0,
+            committed_chars=chars[name],
+        )
         pm = m.per_model[name]
         pm.prefix_hit_rate = pm.prefix_hit_tokens / pm.prefix_query_tokens if pm.prefix_query_tokens else 0.0
         m.preemptions += m.per_model[name].preemptions

@@ -28,8 +28,17 @@ class RequestHandle:
         call: the `Call` it belongs to.
     """
 
-    def __init__(self, config: RequestConfig, prompt, entry: str, call: "CallLink", index: int, tokenizer,
-                 stop_ids: frozenset | dict, vocabs: dict | None = None):
+    def __init__(
+        self,
+        config: RequestConfig,
+        prompt,
+        entry: str,
+        call: "CallLink",
+        index: int,
+        tokenizer,
+        stop_ids: frozenset | dict,
+        vocabs: dict | None = None,
+    ):
         self.config, self.entry, self.owner, self.call = config, entry, entry, call
         self.output = RequestOutput(rid=config.rid, prompt=prompt, index=index, key=config.key)
         if config.params.logprobs is not None:
@@ -111,7 +120,7 @@ class RequestHandle:
         text = self.final_text if self.final_text is not None else self.detok.text
         if limit <= self.released:
             return ""
-        piece = text[self.released:limit]
+        piece = text[self.released : limit]
         self.released = limit
         return piece
 
@@ -126,5 +135,5 @@ class RequestHandle:
                 self.detok.flush()
                 text = self.detok.text
                 hit = self.stops.find(text) if self.stops is not None else None
-                self.final_text = text[:hit[0]] if hit else text
+                self.final_text = text[: hit[0]] if hit else text
         return self.final_text

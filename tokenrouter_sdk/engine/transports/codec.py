@@ -62,10 +62,30 @@ class PolicyBlob:
 
 
 MESSAGES: tuple[type, ...] = (
-    M.Admit, M.Prefill, M.HandoffMsg, M.Release, M.Abort, M.RegisterPolicy, M.UnregisterPolicy, M.Shutdown,
-    M.Go, M.SetThresholds, M.SetInflight, M.StatsQuery,
-    M.Admitted, M.Committed, M.Hopped, M.Resampled, M.Finished, M.StepDone, M.Idle, M.ModelDied, M.Stats,
-    PolicyBlob, M.ClearPrefixCache, M.Retokenized,
+    M.Admit,
+    M.Prefill,
+    M.HandoffMsg,
+    M.Release,
+    M.Abort,
+    M.RegisterPolicy,
+    M.UnregisterPolicy,
+    M.Shutdown,
+    M.Go,
+    M.SetThresholds,
+    M.SetInflight,
+    M.StatsQuery,
+    M.Admitted,
+    M.Committed,
+    M.Hopped,
+    M.Resampled,
+    M.Finished,
+    M.StepDone,
+    M.Idle,
+    M.ModelDied,
+    M.Stats,
+    PolicyBlob,
+    M.ClearPrefixCache,
+    M.Retokenized,
 )
 """Every type that travels, in tag order (append new ones at the end)."""
 
@@ -86,6 +106,7 @@ def _opaque_dump(value) -> bytes:
         return pickle.dumps(value, _PROTO)
     except Exception:  # noqa: BLE001 - a value of a class defined in __main__ or a notebook cell
         import cloudpickle
+
         return cloudpickle.dumps(value, _PROTO)
 
 
@@ -175,8 +196,10 @@ def encode(msg) -> bytes:
     """
     tag = _TAG.get(type(msg))
     if tag is None:
-        raise UnknownMessage(f"cannot send a message of unknown type {type(msg).__module__}."
-                             f"{type(msg).__qualname__}; known: {', '.join(c.__name__ for c in MESSAGES)}")
+        raise UnknownMessage(
+            f"cannot send a message of unknown type {type(msg).__module__}."
+            f"{type(msg).__qualname__}; known: {', '.join(c.__name__ for c in MESSAGES)}"
+        )
     schema = _SCHEMA_OF[type(msg)]
     values = schema.to_wire(msg)
     try:
@@ -202,8 +225,10 @@ def decode(data: bytes):
         msgspec.ValidationError: a field does not match its type (names the field's position).
     """
     if not data or data[0] >= len(MESSAGES):
-        raise UnknownMessage(f"message with unknown tag {data[:1]!r} ({len(data)} bytes); "
-                             f"sender and receiver must run the same tokenrouter_sdk")
+        raise UnknownMessage(
+            f"message with unknown tag {data[:1]!r} ({len(data)} bytes); "
+            f"sender and receiver must run the same tokenrouter_sdk"
+        )
     cls = MESSAGES[data[0]]
     return _SCHEMA_OF[cls].from_wire(_DECODERS[data[0]].decode(memoryview(data)[1:]))
 
@@ -222,6 +247,6 @@ def split_result(frames: list[bytes]) -> tuple[list[bytes], list[tuple[str, byte
     """The encoded events and ``(peer model, encoded message)`` pairs of `encode_result`'s
     frames (less the kind frame)."""
     n = int(frames[0])
-    events = frames[1:1 + n]
-    rest = frames[1 + n:]
+    events = frames[1 : 1 + n]
+    rest = frames[1 + n :]
     return events, [(rest[i].decode(), rest[i + 1]) for i in range(0, len(rest), 2)]

@@ -66,8 +66,16 @@ class CoreShare:
         threads: the torch thread count this process last set.
     """
 
-    def __init__(self, path: str, index: int, models: int, cores: int, wait_s: float = 0.2, settle_s: float = 0.02,
-                 set_threads=None):
+    def __init__(
+        self,
+        path: str,
+        index: int,
+        models: int,
+        cores: int,
+        wait_s: float = 0.2,
+        settle_s: float = 0.02,
+        set_threads=None,
+    ):
         self.path, self.index, self.models, self.cores = path, index, models, max(1, int(cores))
         self.wait_s, self.settle_s, self.set_threads = wait_s, settle_s, set_threads
         self.threads = 0
@@ -82,8 +90,8 @@ class CoreShare:
             with open(self.path, "r+b") as f:
                 self._mm = mmap.mmap(f.fileno(), _size(self.models))
             n = self.models
-            self._since = memoryview(self._mm)[n:n + 8 * n].cast("d")
-            self._held = memoryview(self._mm)[n + 8 * n:n + 16 * n].cast("d")
+            self._since = memoryview(self._mm)[n : n + 8 * n].cast("d")
+            self._held = memoryview(self._mm)[n + 8 * n : n + 16 * n].cast("d")
         return self._mm
 
     def share(self) -> tuple[int, int]:
@@ -92,13 +100,13 @@ class CoreShare:
         less than ``settle_s`` that holds more than one request counts as busy (one of them is
         likely back within a step); one that holds a single request handed it over and waits
         for it (at one request in flight the models take turns)."""
-        flags = list(self._map()[:self.models])
+        flags = list(self._map()[: self.models])
         now = time.monotonic()
         for j, b in enumerate(flags):
             if not b and j != self.index and self._held[j] > 1 and now - self._since[j] < self.settle_s:
                 flags[j] = WANTS
         busy = 1 + sum(1 for j, b in enumerate(flags) if b and j != self.index)
-        rank = sum(1 for b in flags[:self.index] if b)
+        rank = sum(1 for b in flags[: self.index] if b)
         held = sum(b for j, b in enumerate(flags) if j != self.index and b != WANTS)
         return max(1, self.cores // busy + (1 if rank < self.cores % busy else 0)), self.cores - held
 
@@ -120,6 +128,7 @@ class CoreShare:
         if want != self.threads:
             if self.set_threads is None:
                 import torch
+
                 self.set_threads = torch.set_num_threads
             self.set_threads(want)
             self.threads = want
@@ -138,7 +147,7 @@ class CoreShare:
         so the peer starts within a layer instead of after the whole step."""
         if self.threads <= 1 or self._mm is None:
             return
-        flags = self._mm[:self.models]
+        flags = self._mm[: self.models]
         if WANTS not in flags:
             return
         want, _ = self.share()

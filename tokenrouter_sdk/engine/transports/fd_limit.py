@@ -55,21 +55,32 @@ def ensure_room(needed: int, what: str) -> None:
     if lim is None or now is None:
         return
     import resource
+
     soft, hard = lim
     want = now + needed + HEADROOM
     if soft == resource.RLIM_INFINITY or want <= soft:
         return
     if hard != resource.RLIM_INFINITY and want > hard:
-        raise OSError(errno.EMFILE, f"{what} need about {needed} more open files, but this process has {now} open "
-                                    f"of its limit of {soft} (hard limit {hard}): raise it before starting Python "
-                                    f"(`ulimit -n {max(4096, want)}` in the shell), close Routers you no longer "
-                                    f"use (router.close()), or run sub-servers in threads "
-                                    f"(Router(..., processes=False))")
+        raise OSError(
+            errno.EMFILE,
+            f"{what} need about {needed} more open files, but this process has {now} open "
+            f"of its limit of {soft} (hard limit {hard}): raise it before starting Python "
+            f"(`ulimit -n {max(4096, want)}` in the shell), close Routers you no longer "
+            f"use (router.close()), or run sub-servers in threads "
+            f"(Router(..., processes=False))",
+        )
     new = want if hard == resource.RLIM_INFINITY else min(hard, max(want, min(hard, 4 * soft)))
     resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    log.warning("raised the soft limit of open files (ulimit -n) of this process from %d to %d (hard limit %s): "
-                "%d are open and %s need about %d more", soft, new,
-                "unlimited" if hard == resource.RLIM_INFINITY else hard, now, what, needed)
+    log.warning(
+        "raised the soft limit of open files (ulimit -n) of this process from %d to %d (hard limit %s): "
+        "%d are open and %s need about %d more",
+        soft,
+        new,
+        "unlimited" if hard == resource.RLIM_INFINITY else hard,
+        now,
+        what,
+        needed,
+    )
 
 
 def too_many_files(e: BaseException, what: str) -> BaseException:
@@ -79,8 +90,11 @@ def too_many_files(e: BaseException, what: str) -> BaseException:
         return e
     lim, now = limits(), open_fds()
     nums = f"{now} open of a limit of {lim[0]} (hard limit {lim[1]})" if lim and now is not None else "at its limit"
-    err = OSError(errno.EMFILE, f"{what}: too many open files ({nums}): raise the limit before starting Python "
-                                f"(`ulimit -n 4096` in the shell), close Routers you no longer use (router.close()), "
-                                f"or run sub-servers in threads (Router(..., processes=False)); the error was: {e}")
+    err = OSError(
+        errno.EMFILE,
+        f"{what}: too many open files ({nums}): raise the limit before starting Python "
+        f"(`ulimit -n 4096` in the shell), close Routers you no longer use (router.close()), "
+        f"or run sub-servers in threads (Router(..., processes=False)); the error was: {e}",
+    )
     err.__cause__ = e
     return err

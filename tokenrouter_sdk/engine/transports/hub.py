@@ -50,8 +50,8 @@ import traceback
 from typing import Callable, Protocol
 
 from .. import messages as M
-from .codec import FRAMES, Frame, decode, encode, split_result
 from ..runner import dead_letter
+from .codec import FRAMES, Frame, decode, encode, split_result
 from .wire import _child_spec, policy_blob
 
 
@@ -106,8 +106,9 @@ class Launcher(Protocol):
         Raises:
             Exception: the sub-servers cannot be started (names the fix); nothing is left."""
 
-    def launch(self, specs: dict, address: str, report: Callable[[str, str], None],
-               started: dict[str, Started]) -> None:
+    def launch(
+        self, specs: dict, address: str, report: Callable[[str, str], None], started: dict[str, Started]
+    ) -> None:
         """Start one sub-server per spec, each connecting to ``address``, and put what the hub
         watches of each into ``started`` as it starts. ``report(model, text)`` records why a
         sub-server failed. Raises what starting raised (the transport then ends every one in
@@ -153,10 +154,18 @@ def boot_record(hello: dict, launched: tuple[float, float], pickled: tuple[float
     Raises:
         KeyError, TypeError: ``hello`` lacks a time (a sub-server of another version)."""
     (t0, t1), (p0, p1), b = launched, pickled, hello
-    return {"start": t1 - t0, "to_main": b["main"] - t0, "pickle": p1 - p0,
-            "transfer": b["received"] - max(b["main"], p1), "unpickle": b["loaded"] - b["received"],
-            "build": b["built"] - b["loaded"], "connect": now - b["built"], "total": now - min(t0, p0),
-            "preloaded": bool(b["preloaded"]), "pid": b["pid"]}
+    return {
+        "start": t1 - t0,
+        "to_main": b["main"] - t0,
+        "pickle": p1 - p0,
+        "transfer": b["received"] - max(b["main"], p1),
+        "unpickle": b["loaded"] - b["received"],
+        "build": b["built"] - b["loaded"],
+        "connect": now - b["built"],
+        "total": now - min(t0, p0),
+        "preloaded": bool(b["preloaded"]),
+        "pid": b["pid"],
+    }
 
 
 def release_pools(specs: dict) -> None:
@@ -195,8 +204,14 @@ class HubTransport:
 
     clock = staticmethod(time.perf_counter)
 
-    def __init__(self, launcher: Launcher, *, address: str = "ipc", start_timeout: float | None = 600.0,
-                 close_timeout: float = 5.0):
+    def __init__(
+        self,
+        launcher: Launcher,
+        *,
+        address: str = "ipc",
+        start_timeout: float | None = 600.0,
+        close_timeout: float = 5.0,
+    ):
         self.launcher = launcher
         self.address_spec = address
         self.start_timeout = start_timeout
@@ -313,14 +328,22 @@ class HubTransport:
             for m, p in self.procs.items():
                 with contextlib.suppress(ValueError):
                     codes[m] = p.exitcode
-            why = "; ".join(f"'{m}': " + (f"died ({exit_text(codes.get(m))})" if m in self._dead or codes.get(m)
-                                          is not None else "still starting")
-                            + (f": {self._errors[m]}" if m in self._errors else "")
-                            for m in self.procs if m not in self._ready)
+            why = "; ".join(
+                f"'{m}': "
+                + (
+                    f"died ({exit_text(codes.get(m))})"
+                    if m in self._dead or codes.get(m) is not None
+                    else "still starting"
+                )
+                + (f": {self._errors[m]}" if m in self._errors else "")
+                for m in self.procs
+                if m not in self._ready
+            )
             self._closing = True
             self.close()
-            raise RuntimeError(f"{self.launcher.what} could not start (each must connect within "
-                               f"{self.start_timeout} s): {why}")
+            raise RuntimeError(
+                f"{self.launcher.what} could not start (each must connect within {self.start_timeout} s): {why}"
+            )
 
     def restart(self, model: str, first=(), timeout: float | None = None) -> None:
         """Start ``model``'s sub-server again after it died, from the spec it started with (a
@@ -401,14 +424,17 @@ class HubTransport:
         deadline = time.monotonic() + limit
         while model not in self._ready:
             if model in self._dead:
-                raise RuntimeError(f"restart('{model}'): the new sub-server died while starting: "
-                                   f"{self._dead_why.get(model, 'no reason given')}")
+                raise RuntimeError(
+                    f"restart('{model}'): the new sub-server died while starting: "
+                    f"{self._dead_why.get(model, 'no reason given')}"
+                )
             if self._closed or self._closing:
                 raise RuntimeError(f"restart('{model}'): the Router was closed while the sub-server started")
             if time.monotonic() > deadline:
                 started[model].signal(signal.SIGKILL)
-                raise RuntimeError(f"restart('{model}'): the new sub-server did not connect within {limit} s; "
-                                   f"it was ended")
+                raise RuntimeError(
+                    f"restart('{model}'): the new sub-server did not connect within {limit} s; it was ended"
+                )
             time.sleep(0.01)
 
     def _encode_first(self, model: str, msg) -> tuple[bytes, bytes | None]:
@@ -473,6 +499,7 @@ class HubTransport:
                 self.send(name, M.Shutdown())
         deadline = time.monotonic() + timeout
         from multiprocessing.connection import wait
+
         for name, p in self.procs.items():
             while not self._ended(name) and time.monotonic() < deadline:
                 left = deadline - time.monotonic()
@@ -489,10 +516,16 @@ class HubTransport:
     def _open_hub(self, address: str) -> None:
         """Bind the hub's ROUTER socket on ``address`` and make its wake-up pipe."""
         import zmq
+
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
-        for opt, val in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.LINGER, 0),
-                         (zmq.ROUTER_HANDOVER, 1)):  # a restarted sub-server takes its identities over
+        for opt, val in (
+            (zmq.SNDHWM, 0),
+            (zmq.RCVHWM, 0),
+            (zmq.ROUTER_MANDATORY, 1),
+            (zmq.LINGER, 0),
+            (zmq.ROUTER_HANDOVER, 1),
+        ):  # a restarted sub-server takes its identities over
             self._router.setsockopt(opt, val)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -553,9 +586,11 @@ class HubTransport:
             try:
                 blob = policy_blob(msg.key, msg.policy)
             except Exception as e:  # noqa: BLE001
-                raise TypeError(f"policy {msg.policy!r} cannot be sent to the {self.launcher.what} "
-                                f"({type(e).__name__}: {e}); make it picklable (cloudpickle) or run the "
-                                f"sub-servers in threads with Router(..., processes=False)") from e
+                raise TypeError(
+                    f"policy {msg.policy!r} cannot be sent to the {self.launcher.what} "
+                    f"({type(e).__name__}: {e}); make it picklable (cloudpickle) or run the "
+                    f"sub-servers in threads with Router(..., processes=False)"
+                ) from e
         with self._lock:
             self._last_policy = (msg, blob)
             if model in self._dead:  # bounced: a restarted sub-server gets its policies anew
@@ -583,7 +618,7 @@ class HubTransport:
         addr = self.address
         for wild in ("tcp://0.0.0.0:", "tcp://*:"):
             if addr.startswith(wild):
-                return "tcp://127.0.0.1:" + addr[len(wild):]
+                return "tcp://127.0.0.1:" + addr[len(wild) :]
         return addr
 
     def _remove_ipc_dir(self) -> None:
@@ -605,6 +640,7 @@ class HubTransport:
         """Send messages to ``dest`` as one multipart message (one batch for its inbox); what a
         dead ``dest`` was sent is answered with `dead_letter`."""
         import zmq
+
         if not datas or dest not in self.procs:
             return
         if dest in self._dead:
@@ -663,6 +699,7 @@ class HubTransport:
     def _recv_router(self) -> bool:
         """Handle every message waiting on the ROUTER; True if any."""
         import zmq
+
         got = False
         while True:
             try:
@@ -687,6 +724,7 @@ class HubTransport:
 
     def _record_boot(self, name: str, data: bytes) -> None:
         import json
+
         now = time.perf_counter()
         try:
             hello = json.loads(data)
@@ -701,6 +739,7 @@ class HubTransport:
 
     def _on_death(self, name: str) -> None:
         import zmq
+
         deadline = time.monotonic() + 0.2  # collect the sub-server's last words (events, error text)
         while time.monotonic() < deadline:
             if self._router.poll(20, zmq.POLLIN):
@@ -724,6 +763,7 @@ class HubTransport:
     def _watch(self, name: str, p: Started) -> None:
         """Watch ``p``'s sentinels for ``name``'s end (hub thread)."""
         import zmq
+
         for s in p.sentinels():
             fd = s if isinstance(s, int) else s.fileno()
             self._sentinels[fd] = name
@@ -757,6 +797,7 @@ class HubTransport:
 
     def _hub_loop(self) -> None:
         import zmq
+
         self._poller = poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -782,8 +823,11 @@ class HubTransport:
                 for name in self.procs:
                     self._dead.add(name)
                 for name in self.procs:
-                    self._emit(M.ModelDied(name, f"the sub-server message hub failed: {type(e).__name__}: {e}",
-                                           time.perf_counter()))
+                    self._emit(
+                        M.ModelDied(
+                            name, f"the sub-server message hub failed: {type(e).__name__}: {e}", time.perf_counter()
+                        )
+                    )
         finally:
             if self._closed:
                 with contextlib.suppress(Exception):

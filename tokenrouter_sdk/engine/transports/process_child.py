@@ -22,11 +22,12 @@ import traceback
 from .. import messages as M
 from ..core.serve_loop import serve
 from ..core.subserver import SubServer
-from .codec import Frame, PolicyBlob, decode, encode_result
 from ..runner import RunnerInfo, RunnerSpec
+from .codec import Frame, PolicyBlob, decode, encode_result
 from .wire import _LoadError, load_policy, load_spec, recv_spec
 
 _IMPORTED_IN = os.getpid()  # another pid in a sub-server: this module came with a fork server's fork
+
 
 def _prepare_runner(runner) -> None:
     """Per-process setup a runner needs after unpickling (e.g. registries, which are per
@@ -85,12 +86,23 @@ def lend_between_layers(runner, cores) -> None:
         runner.between_layers = cores.give_back
 
 
-def run_subserver(name: str, address: str, threads: int, receive, load, *, t_main: float, preloaded: bool = False,
-                  watch_parent: bool = True, cores=None) -> int:
+def run_subserver(
+    name: str,
+    address: str,
+    threads: int,
+    receive,
+    load,
+    *,
+    t_main: float,
+    preloaded: bool = False,
+    watch_parent: bool = True,
+    cores=None,
+) -> int:
     """Run model ``name``'s sub-server until `Shutdown`: get its spec (``receive()`` -> data,
     ``load(*data)`` -> the spec dict or a `_LoadError`), connect to the hub at ``address``, build
     the `SubServer` (`build_subserver`) and serve it (`serve_loop.serve`). Returns the exit code
-    (0: shut down, 1: crashed, reported to the hub as ``Frame.ERROR``). ``watch_parent``: also stop when the parent process ends (for a
+    (0: shut down, 1: crashed, reported to the hub as ``Frame.ERROR``). ``watch_parent``: also stop when the parent
+    process ends (for a
     process started by `ProcessTransport`; a Ray actor ends with its owner instead). ``cores``:
     a `tokenrouter_sdk.engine.transports.cores.CoreShare`: the thread count follows it step by step."""
     import torch
@@ -124,11 +136,21 @@ def run_subserver(name: str, address: str, threads: int, receive, load, *, t_mai
             raise RuntimeError(spec.text)
         ss = build_subserver(spec)
         lend_between_layers(ss.runner, cores)
-        boot = {"pid": os.getpid(), "preloaded": preloaded, "main": t_main, "received": t_received,
-                "loaded": t_loaded, "built": time.perf_counter(), "runner": RunnerInfo.of(ss.runner).geometry()}
-        rx = threading.Thread(target=_child_receive,
-                              args=(ctx, address, name, inbox, stop, fatal, orphaned, boot, watch_parent),
-                              name=f"tokenrouter-{name}-rx", daemon=True)
+        boot = {
+            "pid": os.getpid(),
+            "preloaded": preloaded,
+            "main": t_main,
+            "received": t_received,
+            "loaded": t_loaded,
+            "built": time.perf_counter(),
+            "runner": RunnerInfo.of(ss.runner).geometry(),
+        }
+        rx = threading.Thread(
+            target=_child_receive,
+            args=(ctx, address, name, inbox, stop, fatal, orphaned, boot, watch_parent),
+            name=f"tokenrouter-{name}-rx",
+            daemon=True,
+        )
         rx.start()
         serve(ss, inbox, deliver, cores=cores)
         if fatal:
@@ -154,14 +176,24 @@ def run_subserver(name: str, address: str, threads: int, receive, load, *, t_mai
     return code
 
 
-def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, fatal: list,
-                   orphaned: threading.Event, boot: dict | None = None, watch_parent: bool = True) -> None:
+def _child_receive(
+    ctx,
+    address: str,
+    name: str,
+    inbox,
+    stop: threading.Event,
+    fatal: list,
+    orphaned: threading.Event,
+    boot: dict | None = None,
+    watch_parent: bool = True,
+) -> None:
     """Receiver thread of a child: says ``hi`` (with ``boot``, start-up times, and ``now``, this
     process's clock as it sends, as JSON), then hub messages -> ``inbox``; Shutdown also when
     the parent dies (``watch_parent``)."""
     import multiprocessing
 
     import zmq
+
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"i:" + name.encode())
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -186,8 +218,9 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, f
                         try:
                             msg = decode(frame)
                         except Exception as e:  # noqa: BLE001 - cannot go on without it: stop, say why
-                            fatal.append(f"sub-server '{name}' could not load a message from the engine: "
-                                         f"{type(e).__name__}: {e}")
+                            fatal.append(
+                                f"sub-server '{name}' could not load a message from the engine: {type(e).__name__}: {e}"
+                            )
                             msg = M.Shutdown()
                         if isinstance(msg, PolicyBlob):
                             msg = load_policy(msg, name)
@@ -202,7 +235,7 @@ def _child_receive(ctx, address: str, name: str, inbox, stop: threading.Event, f
                 orphaned.set()
                 inbox.put(M.Shutdown())
                 if address.startswith("ipc://"):  # nobody else will remove the hub's folder
-                    shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
+                    shutil.rmtree(os.path.dirname(address[len("ipc://") :]), ignore_errors=True)
                 t = threading.Timer(5.0, os._exit, args=(0,))  # if a forward never returns
                 t.daemon = True
                 t.start()

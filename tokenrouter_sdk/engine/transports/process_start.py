@@ -33,8 +33,13 @@ import threading
 START_METHODS = ("forkserver", "spawn")
 
 # imported once by the fork server: everything a sub-server needs before it can unpickle its spec
-PRELOAD = ("torch", "transformers", "tokenrouter_sdk.engine.transports.process_child", "tokenrouter_sdk.engine.core.subserver",
-           "tokenrouter_sdk.backends.torch_runner")
+PRELOAD = (
+    "torch",
+    "transformers",
+    "tokenrouter_sdk.engine.transports.process_child",
+    "tokenrouter_sdk.engine.core.subserver",
+    "tokenrouter_sdk.backends.torch_runner",
+)
 # packages whose modules named by a spec (model classes, tokenizers, runners) are preloaded too
 PRELOAD_PACKAGES = ("torch", "transformers", "tokenizers", "tokenrouter_sdk")
 
@@ -85,6 +90,7 @@ def get_context(method: str, specs: dict | None = None, modules=()):
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         from multiprocessing import forkserver
+
         before = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or []
         wanted = [*PRELOAD, *spec_modules(specs or {}), *modules, *before]
         ctx.set_forkserver_preload([m for m in dict.fromkeys(wanted) if m != "__main__"])
@@ -101,6 +107,7 @@ def prestart(method: str | None = None, modules=()) -> None:
         return
     get_context(method, modules=modules)
     from multiprocessing import forkserver
+
     with no_main_reimport():
         forkserver.ensure_running()
 
@@ -126,6 +133,7 @@ def no_main_reimport():
     needs arrives pickled by value, and a script without a ``__main__`` guard must not build a
     second Router inside each child."""
     import multiprocessing.spawn as spawn
+
     orig = spawn.get_preparation_data
 
     def prep(name):

@@ -43,8 +43,7 @@ import threading
 import time
 from typing import Callable
 
-from . import fd_limit
-from . import process_start
+from . import fd_limit, process_start
 from .cores import CoreShare, create_flags
 from .hub import HubTransport, Started, boot_record
 from .process_child import _child_main
@@ -66,6 +65,7 @@ def _release_pool(spec: dict) -> None:
     pool.release()
     if cuda:
         import torch
+
         torch.cuda.empty_cache()
 
 
@@ -146,11 +146,13 @@ class ProcessLauncher:
 
     what = "sub-server processes"
 
-    def __init__(self, threads: int | None = None, start_method: str | None = None,
-                 start_timeout: float | None = 600.0):
+    def __init__(
+        self, threads: int | None = None, start_method: str | None = None, start_timeout: float | None = 600.0
+    ):
         if start_method is not None and start_method not in process_start.START_METHODS:
-            raise ValueError(f"ProcessTransport start_method must be one of {process_start.START_METHODS}, "
-                             f"got {start_method!r}")
+            raise ValueError(
+                f"ProcessTransport start_method must be one of {process_start.START_METHODS}, got {start_method!r}"
+            )
         self.fixed_threads = threads
         self.kind = start_method
         self.threads: int | None = None
@@ -196,23 +198,30 @@ class ProcessLauncher:
             self._payloads = {name: self._pickle(name, spec) for name, spec in specs.items()}
         return None
 
-    def launch(self, specs: dict, address: str, report: Callable[[str, str], None],
-               started: dict[str, Started]) -> None:
+    def launch(
+        self, specs: dict, address: str, report: Callable[[str, str], None], started: dict[str, Started]
+    ) -> None:
         """Start one process per model, each with one end of a new spec channel."""
         with process_start.no_main_reimport():
             for name in specs:
                 mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._chans[name] = mine
-                p = self._mp.Process(target=_child_main,
-                                     args=(name, address, self.threads, theirs, self._shares.get(name)),
-                                     name=f"tokenrouter-{name}", daemon=True)
+                p = self._mp.Process(
+                    target=_child_main,
+                    args=(name, address, self.threads, theirs, self._shares.get(name)),
+                    name=f"tokenrouter-{name}",
+                    daemon=True,
+                )
                 t0 = time.perf_counter()
                 try:
                     p.start()
                 except Exception as e:
                     mine.close()
-                    raise _with_context(e, f"could not start the sub-server process of model '{name}': {e}; "
-                                           f"Router(..., processes=False) runs sub-servers in threads") from e
+                    raise _with_context(
+                        e,
+                        f"could not start the sub-server process of model '{name}': {e}; "
+                        f"Router(..., processes=False) runs sub-servers in threads",
+                    ) from e
                 finally:
                     theirs.close()
                 self.launched[name] = (t0, time.perf_counter())
@@ -272,9 +281,12 @@ class ProcessLauncher:
         try:
             out = dump_spec(_child_spec(spec))
         except Exception as e:
-            raise _with_context(e, f"the sub-server spec of model '{name}' cannot be sent to its process "
-                                   f"({type(e).__name__}: {e}); Router(..., processes=False) runs "
-                                   f"sub-servers in threads") from e
+            raise _with_context(
+                e,
+                f"the sub-server spec of model '{name}' cannot be sent to its process "
+                f"({type(e).__name__}: {e}); Router(..., processes=False) runs "
+                f"sub-servers in threads",
+            ) from e
         self.pickled[name] = (t0, time.perf_counter())
         _release_pool(spec)
         return out
@@ -319,10 +331,20 @@ class ProcessTransport(HubTransport):
         launcher: its `ProcessLauncher` (``shared``, ``cores_dir``).
     """
 
-    def __init__(self, threads: int | None = None, address: str = "ipc", start_timeout: float | None = 600.0,
-                 close_timeout: float = 5.0, start_method: str | None = None):
-        super().__init__(ProcessLauncher(threads, start_method, start_timeout), address=address,
-                         start_timeout=start_timeout, close_timeout=close_timeout)
+    def __init__(
+        self,
+        threads: int | None = None,
+        address: str = "ipc",
+        start_timeout: float | None = 600.0,
+        close_timeout: float = 5.0,
+        start_method: str | None = None,
+    ):
+        super().__init__(
+            ProcessLauncher(threads, start_method, start_timeout),
+            address=address,
+            start_timeout=start_timeout,
+            close_timeout=close_timeout,
+        )
 
 
 def _cpus() -> int:

@@ -52,8 +52,12 @@ class SubServerActor:
     def node(self) -> dict:
         """Where this actor runs: ``{"node_id", "ip", "pid"}``."""
         import ray
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid()}
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
 
     def run(self, name: str, address: str, threads: int, payload: bytes) -> int:
         """Serve model ``name``'s sub-server (its spec: ``payload``) until `Shutdown`; returns
@@ -69,8 +73,9 @@ class SubServerActor:
             except BaseException as e:  # noqa: BLE001 - reported through the hub
                 return _LoadError(f"could not load the sub-server spec in the Ray actor: {type(e).__name__}: {e}")
 
-        return run_subserver(name, address, threads, lambda: (payload,), load, t_main=time.perf_counter(),
-                     watch_parent=False)
+        return run_subserver(
+            name, address, threads, lambda: (payload,), load, t_main=time.perf_counter(), watch_parent=False
+        )
 
 
 class ActorProcess:
@@ -92,13 +97,17 @@ class ActorProcess:
 
     def _wait(self) -> None:
         import ray
+
         try:
             code = ray.get(self.ref)
             self.exitcode = int(code) if isinstance(code, int) else 0
         except Exception as e:  # noqa: BLE001 - the actor or its node died (no exit code to tell)
             where = f"node {self.node.get('node_id', '?')[:12]} ({self.node.get('ip', '?')})"
-            self._on_error(self.name, f"its Ray actor on {where} is gone: {type(e).__name__}: "
-                                      f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+            self._on_error(
+                self.name,
+                f"its Ray actor on {where} is gone: {type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+            )
         finally:
             self._ended.set()
             try:
@@ -120,6 +129,7 @@ class ActorProcess:
         """Kill the actor (Ray has no gentler way to end a busy one)."""
         if not self.ended():
             import ray
+
             try:
                 ray.kill(self.actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -150,8 +160,7 @@ class RayLauncher:
     kind = "ray"
     what = "the sub-servers' Ray actors"
 
-    def __init__(self, address: str | None, resources: dict, strategy: str, threads: int,
-                 start_timeout: float | None):
+    def __init__(self, address: str | None, resources: dict, strategy: str, threads: int, start_timeout: float | None):
         self.ray_address, self.resources, self.strategy = address, resources, strategy
         self.threads = threads
         self.start_timeout = start_timeout
@@ -187,13 +196,16 @@ class RayLauncher:
         try:
             ray.get(self.placement_group.ready(), timeout=self.start_timeout)
         except Exception as e:  # noqa: BLE001 - cannot be placed: say what was asked
-            raise RuntimeError(f"Ray could not place the sub-servers ({bundles}, {self.strategy}) within "
-                               f"{self.start_timeout} s: {type(e).__name__}; check the cluster's resources "
-                               f"(ray status)") from e
+            raise RuntimeError(
+                f"Ray could not place the sub-servers ({bundles}, {self.strategy}) within "
+                f"{self.start_timeout} s: {type(e).__name__}; check the cluster's resources "
+                f"(ray status)"
+            ) from e
         return f"tcp://{ray.util.get_node_ip_address()}:*"
 
-    def launch(self, specs: dict, address: str, report: Callable[[str, str], None],
-               started: dict[str, Started]) -> None:
+    def launch(
+        self, specs: dict, address: str, report: Callable[[str, str], None], started: dict[str, Started]
+    ) -> None:
         """One actor per model in its bundle, handed its spec (by value, through Ray's object
         store) and the hub's address."""
         import cloudpickle
@@ -206,8 +218,9 @@ class RayLauncher:
             t0 = time.perf_counter()
             payload = cloudpickle.dumps(_child_spec(spec))
             self.pickled[name] = (t0, time.perf_counter())
-            strategy = PlacementGroupSchedulingStrategy(self.placement_group,
-                                                        placement_group_bundle_index=self._bundle.get(name, i))
+            strategy = PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=self._bundle.get(name, i)
+            )
             actor = cls.options(scheduling_strategy=strategy, name=None).remote()
             self.actors[name] = actor
             refs[name] = (actor, actor.node.remote(), payload)
@@ -261,6 +274,7 @@ class RayLauncher:
                     pass
             if self.placement_group is not None:
                 from ray.util.placement_group import remove_placement_group
+
                 try:
                     remove_placement_group(self.placement_group)
                 except Exception:  # noqa: BLE001 - the cluster is gone
@@ -301,8 +315,16 @@ class RayTransport(HubTransport):
         placement_group: the Router's placement group (None before `start` and after `close`).
     """
 
-    def __init__(self, address: str | None = None, *, resources: dict | None = None, strategy: str = "PACK",
-                 threads: int | None = None, start_timeout: float | None = 600.0, close_timeout: float = 5.0):
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        resources: dict | None = None,
+        strategy: str = "PACK",
+        threads: int | None = None,
+        start_timeout: float | None = 600.0,
+        close_timeout: float = 5.0,
+    ):
         try:
             import ray  # noqa: F401
         except ImportError as e:

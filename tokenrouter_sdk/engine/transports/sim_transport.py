@@ -78,6 +78,7 @@ class SimTransport:
 
     def start(self, specs: dict, on_event: Callable[[object], None]) -> None:
         from ..core.subserver import SubServer
+
         self.subservers = {}
         for name, spec in specs.items():
             spec = dict(spec, runner=_TimedRunner(build_runner(spec["runner"]), self._forwarded(name)))
@@ -90,6 +91,7 @@ class SimTransport:
     def _forwarded(self, name: str) -> Callable[[float], None]:
         def done(dt: float) -> None:
             self._local[name] = self.now + dt
+
         return done
 
     def _loop(self) -> None:
@@ -99,8 +101,11 @@ class SimTransport:
                     self._cv.wait()
                 if self._closed:
                     return
-                due = [heapq.heappop(self._heap) for _ in range(len(self._heap))
-                       if self._heap and self._heap[0][0] <= self.now]
+                due = [
+                    heapq.heappop(self._heap)
+                    for _ in range(len(self._heap))
+                    if self._heap and self._heap[0][0] <= self.now
+                ]
             for _, _, dest, msg in due:
                 if dest is None:
                     try:
@@ -144,8 +149,10 @@ class SimTransport:
         Raises:
             RuntimeError: always (names this transport and the way on: a new Router).
         """
-        raise RuntimeError(f"restart('{model}'): {type(self).__name__} cannot restart a sub-server; "
-                           f"close this Router and build a new one")
+        raise RuntimeError(
+            f"restart('{model}'): {type(self).__name__} cannot restart a sub-server; "
+            f"close this Router and build a new one"
+        )
 
     def reported(self) -> dict[str, dict]:
         """Per model, its runner as built (`RunnerInfo.geometry`)."""

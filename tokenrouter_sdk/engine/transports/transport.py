@@ -80,8 +80,9 @@ class ThreadTransport:
         self._specs = dict(specs)
         built: dict[str, list] = {name: [threading.Event(), None, None] for name in specs}  # done, sub-server, error
         for name, spec in specs.items():
-            t = threading.Thread(target=self._host, args=(name, spec, built[name]), name=f"tokenrouter-{name}",
-                                 daemon=True)
+            t = threading.Thread(
+                target=self._host, args=(name, spec, built[name]), name=f"tokenrouter-{name}", daemon=True
+            )
             t.start()
             self._threads.append(t)
         for done, _, _ in built.values():
@@ -107,6 +108,7 @@ class ThreadTransport:
         """A sub-server thread: build the sub-server (``box``: [done event, sub-server, error]),
         then serve it once every one is built (the engine's start returned)."""
         from ..core.subserver import SubServer
+
         try:
             spec = dict(spec, runner=build_runner(spec["runner"]))
             box[1] = SubServer(**spec, clock=self.clock_for(name))
@@ -131,6 +133,7 @@ class ThreadTransport:
 
     def _serve(self, ss) -> None:
         from ..core.serve_loop import serve
+
         inbox = self.inboxes[ss.name]
         try:
             serve(ss, inbox, self._deliver)

@@ -31,8 +31,8 @@ import traceback
 from collections import ChainMap
 
 from ...policy import Policy
-from .codec import PolicyBlob
 from ..messages import RegisterPolicy
+from .codec import PolicyBlob
 
 _PROTO = pickle.HIGHEST_PROTOCOL
 
@@ -55,6 +55,7 @@ def policy_sources(policy) -> dict:
     (file name, the file's lines as ``linecache`` holds them, or None)`` for every function of the
     policy's classes (a notebook cell's "file" is only in this process's ``linecache``)."""
     import linecache
+
     out = {}
     for cls in type(policy).__mro__:
         if cls.__module__.startswith(("tokenrouter_sdk", "builtins")):
@@ -76,6 +77,7 @@ def restore_sources(policy, sources: dict) -> None:
     ``linecache``, so an error in it names the cell or file and shows the line (see
     `policy_sources`)."""
     import linecache
+
     for cls in type(policy).__mro__:
         for name, f in _functions(cls).items():
             hit = sources.get(name)
@@ -95,6 +97,7 @@ def policy_blob(key: int, policy) -> PolicyBlob:
         Exception: whatever cloudpickle raises for an object it cannot pickle.
     """
     import cloudpickle
+
     return PolicyBlob(key, cloudpickle.dumps(policy, _PROTO), repr(policy), policy_sources(policy))
 
 
@@ -102,6 +105,7 @@ def _importable(top: str) -> bool:
     """Whether a new process can import the top-level module ``top`` (its finders find it; the
     modules of this process, ``sys.modules``, are not consulted)."""
     import sys
+
     if top in sys.builtin_module_names:
         return True
     for finder in sys.meta_path:
@@ -121,6 +125,7 @@ def shipping_problem(policy) -> str | None:
     cannot import (a module imported from a path only this process has). Modules registered
     with ``cloudpickle.register_pickle_by_value`` and ``__main__`` (a notebook) travel by value."""
     import cloudpickle
+
     try:
         cloudpickle.dumps(policy, _PROTO)
     except Exception as e:  # noqa: BLE001 - whatever cloudpickle raises, reported with the fix
@@ -133,8 +138,10 @@ def shipping_problem(policy) -> str | None:
         if mod == "__main__" or any(".".join(parts[:k]) in by_value for k in range(1, len(parts) + 1)):
             continue
         if not _importable(parts[0]):
-            return (f"its class {cls.__qualname__} is defined in module {mod!r}, which a new process cannot "
-                    f"import (install it, or call cloudpickle.register_pickle_by_value on the module)")
+            return (
+                f"its class {cls.__qualname__} is defined in module {mod!r}, which a new process cannot "
+                f"import (install it, or call cloudpickle.register_pickle_by_value on the module)"
+            )
     return None
 
 
@@ -147,11 +154,18 @@ def load_policy(blob: PolicyBlob, where: str) -> RegisterPolicy:
     except Exception as e:  # noqa: BLE001
         hint = ""
         if isinstance(e, (ImportError, AttributeError)):
-            hint = ("; its module cannot be imported there: install it, or call "
-                    "cloudpickle.register_pickle_by_value(module) before a Router first uses the policy")
-        return RegisterPolicy(blob.key, _UnloadablePolicy(
-            blob.text, f"policy {blob.text} could not be loaded in the sub-server process of model "
-                       f"'{where}': {type(e).__name__}: {e}{hint}"))
+            hint = (
+                "; its module cannot be imported there: install it, or call "
+                "cloudpickle.register_pickle_by_value(module) before a Router first uses the policy"
+            )
+        return RegisterPolicy(
+            blob.key,
+            _UnloadablePolicy(
+                blob.text,
+                f"policy {blob.text} could not be loaded in the sub-server process of model "
+                f"'{where}': {type(e).__name__}: {e}{hint}",
+            ),
+        )
     try:
         restore_sources(policy, blob.sources or {})
     except Exception:  # noqa: BLE001 - names in tracebacks only; the policy works without them
@@ -198,6 +212,7 @@ class _TensorFinder:
     def __init__(self):
         import cloudpickle
         import torch
+
         found: list = []
 
         class Finder(cloudpickle.CloudPickler):
@@ -242,6 +257,7 @@ def pack_shared(obj, segment_bytes: int = SEGMENT_BYTES) -> dict:
 
 def _pack(obj, segment_bytes: int) -> dict:
     import torch
+
     groups: dict[int, tuple] = {}
     for t in _TensorFinder()(obj):
         if t.device.type != "cpu" or t.is_sparse or t.layout != torch.strided:
@@ -275,8 +291,9 @@ def _pack(obj, segment_bytes: int) -> dict:
             dst.copy_(torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)))
             for t in ts:
                 size = t.element_size()
-                t.data = torch.empty(0, dtype=t.dtype).set_(seg, (off + t.storage_offset() * size) // size,
-                                                             t.size(), t.stride())
+                t.data = torch.empty(0, dtype=t.dtype).set_(
+                    seg, (off + t.storage_offset() * size) // size, t.size(), t.stride()
+                )
             moved += n
     return {"segments": len(segments), "storages": len(plan), "bytes": moved}
 
@@ -364,8 +381,10 @@ def load_spec(data: bytes, fds: list[int]):
     try:
         return pickle.loads(data)
     except BaseException as e:  # noqa: BLE001 - reported by the child through the hub
-        return _LoadError(f"could not load the sub-server spec in the child process: {type(e).__name__}: {e}\n"
-                          + traceback.format_exc())
+        return _LoadError(
+            f"could not load the sub-server spec in the child process: {type(e).__name__}: {e}\n"
+            + traceback.format_exc()
+        )
     finally:
         for fd in _received.fds.values():
             os.close(fd)
@@ -384,7 +403,7 @@ def send_spec(sock: socket.socket, data: bytes, fds: list[int]) -> None:
     """
     sock.sendall(_HEADER.pack(len(fds), len(data)))
     for i in range(0, len(fds), _FD_CHUNK):
-        socket.send_fds(sock, [b"f"], fds[i:i + _FD_CHUNK])
+        socket.send_fds(sock, [b"f"], fds[i : i + _FD_CHUNK])
     sock.sendall(data)
 
 
@@ -414,11 +433,14 @@ def recv_spec(sock: socket.socket) -> tuple[bytes, list[int]]:
             msg, got, flags, _ = socket.recv_fds(sock, 1, min(_FD_CHUNK, n_fds - len(fds)))
             fds += got
             if not msg:
-                raise EOFError(f"the engine's process closed the spec channel after {len(fds)} of {n_fds} "
-                               f"file descriptors")
+                raise EOFError(
+                    f"the engine's process closed the spec channel after {len(fds)} of {n_fds} file descriptors"
+                )
             if flags & socket.MSG_CTRUNC:
-                raise OSError(f"received {len(fds)} of {n_fds} file descriptors of the model's shared "
-                              f"memory: the rest were cut off (too many open files? raise `ulimit -n`)")
+                raise OSError(
+                    f"received {len(fds)} of {n_fds} file descriptors of the model's shared "
+                    f"memory: the rest were cut off (too many open files? raise `ulimit -n`)"
+                )
         return _recv_exact(sock, n_bytes), fds
     except BaseException:
         for fd in fds:
@@ -432,11 +454,20 @@ class _FreshPool:
 
     def __init__(self, pool):
         layers, slots, heads, dim = pool.k.shape
-        self.args = (layers, heads, dim, pool.num_blocks, pool.block_size, pool.k.dtype, str(pool.k.device),
-                     getattr(pool, "scratch_blocks", 0))
+        self.args = (
+            layers,
+            heads,
+            dim,
+            pool.num_blocks,
+            pool.block_size,
+            pool.k.dtype,
+            str(pool.k.device),
+            getattr(pool, "scratch_blocks", 0),
+        )
 
     def __reduce__(self):
         from ..core.kv_pool import KVPool
+
         return KVPool, self.args
 
 
@@ -448,6 +479,7 @@ def _child_spec(spec: dict) -> dict:
     import copy
 
     from ..core.kv_pool import KVPool
+
     spec = dict(spec)
     runner = spec.get("runner")
     fresh_pool = isinstance(getattr(runner, "pool", None), KVPool) and runner.pool.k is not None

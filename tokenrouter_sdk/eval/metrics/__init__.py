@@ -25,4 +25,5 @@ def load_metric(name: str):
     """``evaluate.load`` of a packaged metric module by name (offline), e.g.
     ``load_metric("math_accuracy").compute(predictions=[...], references=[...])``."""
     import evaluate
+
     return evaluate.load(str(metric_path(name)))

@@ -43,9 +43,13 @@ class AnswerAccuracy(evaluate.Metric):
 
     def _info(self):
         return evaluate.MetricInfo(
-            description=self.about, citation="", inputs_description=self.about_inputs,
-            features=datasets.Features({"predictions": datasets.Value("string"),
-                                        "references": datasets.Value("string")}))
+            description=self.about,
+            citation="",
+            inputs_description=self.about_inputs,
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
+        )
 
     def _compute(self, predictions, references):
         ok = [is_correct(p, r, self.kind) for p, r in zip(predictions, references)]

@@ -32,11 +32,18 @@ Nothing imports torch until a function is used.
 from __future__ import annotations
 
 _WHERE = {
-    "synthetic_prompts": "data", "MATH_INSTRUCTION": "data",
-    "teacher_continuations": "teacher", "teacher_targets": "teacher", "TeacherData": "teacher",
-    "system_prefix_len": "teacher", "prompt_ids": "teacher",
-    "draft_hidden": "training", "train_draft": "training", "distill": "pipeline",
-    "agreement": "evaluate", "step_time_ratio": "evaluate",
+    "synthetic_prompts": "data",
+    "MATH_INSTRUCTION": "data",
+    "teacher_continuations": "teacher",
+    "teacher_targets": "teacher",
+    "TeacherData": "teacher",
+    "system_prefix_len": "teacher",
+    "prompt_ids": "teacher",
+    "draft_hidden": "training",
+    "train_draft": "training",
+    "distill": "pipeline",
+    "agreement": "evaluate",
+    "step_time_ratio": "evaluate",
     "DistillConfig": "config",
 }
 __all__ = sorted(_WHERE)

@@ -20,7 +20,7 @@ def agreement(model, seqs: list[list[int]], prompt_lens: list[int]) -> dict:
         if len(ids) <= p:
             continue
         logits = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False).logits[0]
-        pred = logits[p - 1:len(ids) - 1].argmax(-1).cpu()
+        pred = logits[p - 1 : len(ids) - 1].argmax(-1).cpu()
         gold = torch.tensor(ids[p:])
         hit += int((pred == gold).sum())
         n += len(gold)
@@ -53,4 +53,3 @@ def step_time_ratio(small, large, batch_sizes=(1, 8), prompt_tokens: int = 128, 
         row["ratio"] = row["small"] / row["large"]
         out[f"B={B}"] = row
     return out
-

@@ -9,21 +9,36 @@ from dataclasses import dataclass, field
 import torch
 
 
-def teacher_continuations(large, tok, prompts: list[str], max_new_tokens: int = 160, *,
-                          greedy_fraction: float = 0.5, temperature: float = 0.7, seed: int = 0,
-                          concurrency: int = 32, progress: bool = True) -> list[list[int]]:
+def teacher_continuations(
+    large,
+    tok,
+    prompts: list[str],
+    max_new_tokens: int = 160,
+    *,
+    greedy_fraction: float = 0.5,
+    temperature: float = 0.7,
+    seed: int = 0,
+    concurrency: int = 32,
+    progress: bool = True,
+) -> list[list[int]]:
     """Full token sequences (chat-templated prompt + the large model's continuation) for each
     prompt, generated with this package's engine (one sub-server, in-process)."""
     from tokenrouter_sdk.policies import SingleModel
     from tokenrouter_sdk.request import SamplingParams
-
     from tokenrouter_sdk.router import Router
 
     n_greedy = int(round(greedy_fraction * len(prompts)))
-    sampling = [SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if i < n_greedy else temperature,
-                               seed=seed + i) for i in range(len(prompts))]
-    with Router({"large": large}, SingleModel("large"), tokenizer=tok, processes=False,
-                max_kv_tokens=concurrency * (max_new_tokens + 256)) as r:
+    sampling = [
+        SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if i < n_greedy else temperature, seed=seed + i)
+        for i in range(len(prompts))
+    ]
+    with Router(
+        {"large": large},
+        SingleModel("large"),
+        tokenizer=tok,
+        processes=False,
+        max_kv_tokens=concurrency * (max_new_tokens + 256),
+    ) as r:
         outs = r.generate(prompts, sampling=sampling, concurrency=concurrency, progress=progress)
         return [r.encode(p) + list(o.token_ids) for p, o in zip(prompts, outs)]
 
@@ -60,8 +75,9 @@ class TeacherData:
 
 
 @torch.no_grad()
-def teacher_targets(large, seqs: list[list[int]], k: int, *, topk: int = 32, start: int = 0,
-                    progress: bool = True) -> TeacherData:
+def teacher_targets(
+    large, seqs: list[list[int]], k: int, *, topk: int = 32, start: int = 0, progress: bool = True
+) -> TeacherData:
     """One forward of ``large`` per sequence: its residual after layer ``k`` and top-``topk``
     next-token log-probabilities at every position (see `TeacherData`)."""
     from tqdm.auto import tqdm
@@ -77,7 +93,6 @@ def teacher_targets(large, seqs: list[list[int]], k: int, *, topk: int = 32, sta
         data.top_logp.append(v.cpu())
         data.start.append(min(start, len(ids) - 2))
     return data
-
 
 
 def prompt_ids(tok, prompt: str) -> list[int]:

@@ -27,9 +27,19 @@ def draft_hidden(extra, norm, rotary, h: torch.Tensor) -> torch.Tensor:
     return norm(h)
 
 
-def train_draft(large, data: TeacherData, m: int = 2, *, seconds: float = 1200.0, max_epochs: int = 20,
-                lr: float = 3e-4, batch_tokens: int = 2048, seed: int = 0, progress: bool = True,
-                log=None) -> tuple[list, torch.nn.Module, dict]:
+def train_draft(
+    large,
+    data: TeacherData,
+    m: int = 2,
+    *,
+    seconds: float = 1200.0,
+    max_epochs: int = 20,
+    lr: float = 3e-4,
+    batch_tokens: int = 2048,
+    seed: int = 0,
+    progress: bool = True,
+    log=None,
+) -> tuple[list, torch.nn.Module, dict]:
     """Train ``m`` decoder layers + final norm on ``data`` for at most ``seconds`` (wall clock) or
     ``max_epochs``. Returns ``(extra_layers, norm, stats)``; stats holds ``steps``, ``epochs``,
     ``seconds``, ``loss_first``/``loss_last`` (mean soft cross-entropy, nats/token)."""
@@ -43,6 +53,7 @@ def train_draft(large, data: TeacherData, m: int = 2, *, seconds: float = 1200.0
     amp = lm_head.weight.dtype == torch.float32  # bf16 autocast for fp32 models (2x faster on AVX512-BF16 CPUs)
     rng = random.Random(seed)
     order = list(range(len(data.hidden)))
+
     # batches of sequences up to batch_tokens (padded to the longest; right padding is harmless
     # under causal attention, and padded positions carry no loss)
     def batches():
@@ -57,6 +68,7 @@ def train_draft(large, data: TeacherData, m: int = 2, *, seconds: float = 1200.0
             longest = max(longest, t)
         if cur:
             yield cur
+
     steps_per_epoch = sum(1 for _ in batches())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     est_steps = max_epochs * steps_per_epoch
@@ -65,6 +77,7 @@ def train_draft(large, data: TeacherData, m: int = 2, *, seconds: float = 1200.0
     def lr_factor(s: int) -> float:  # warm-up, then cosine over whichever budget (steps, seconds) ends first
         frac = max(s / max(1, est_steps), (time.perf_counter() - t0) / seconds)
         return min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     bar = tqdm(total=est_steps, desc="distil", disable=not progress)
     done = False
@@ -81,7 +94,7 @@ def train_draft(large, data: TeacherData, m: int = 2, *, seconds: float = 1200.0
             for r, i in enumerate(b):
                 t = data.hidden[i].shape[0]
                 h[r, :t], tid[r, :t], tlp[r, :t] = data.hidden[i], data.top_ids[i], data.top_logp[i]
-                mask[r, data.start[i]:t - 1] = True
+                mask[r, data.start[i] : t - 1] = True
             with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=amp):
                 x = draft_hidden(extra, norm, rotary, h)[mask]
                 logits = lm_head(x if amp else x.to(lm_head.weight.dtype)).float()
@@ -100,8 +113,10 @@ def train_draft(large, data: TeacherData, m: int = 2, *, seconds: float = 1200.0
             if step % 20 == 0:
                 bar.set_postfix(loss=f"{statistics.fmean(losses[-20:]):.3f}")
                 if log:
-                    log(f"step {step} epoch {epoch} loss {statistics.fmean(losses[-20:]):.4f} "
-                        f"{time.perf_counter() - t0:.0f}s")
+                    log(
+                        f"step {step} epoch {epoch} loss {statistics.fmean(losses[-20:]):.4f} "
+                        f"{time.perf_counter() - t0:.0f}s"
+                    )
             if time.perf_counter() - t0 > seconds:
                 done = True
                 break
@@ -109,7 +124,12 @@ def train_draft(large, data: TeacherData, m: int = 2, *, seconds: float = 1200.0
     bar.close()
     for mod in [*extra, norm]:
         mod.eval().requires_grad_(False)
-    stats = {"steps": step, "epochs": epoch, "steps_per_epoch": steps_per_epoch,
-             "seconds": round(time.perf_counter() - t0, 1), "loss_first": first,
-             "loss_last": statistics.fmean(losses[-20:]) if losses else None}
+    stats = {
+        "steps": step,
+        "epochs": epoch,
+        "steps_per_epoch": steps_per_epoch,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "loss_first": first,
+        "loss_last": statistics.fmean(losses[-20:]) if losses else None,
+    }
     return extra, norm, stats

@@ -12,7 +12,7 @@ from tokenrouter_sdk.eval.metrics import answer_metric
 
 _DESCRIPTION = "Share of model outputs whose chosen letter equals the reference letter."
 
-_KWARGS = answer_metric.usage("choice_accuracy", 'gold letters, e.g. "A"', "letter", 'The answer is (A).', "A")
+_KWARGS = answer_metric.usage("choice_accuracy", 'gold letters, e.g. "A"', "letter", "The answer is (A).", "A")
 
 
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)

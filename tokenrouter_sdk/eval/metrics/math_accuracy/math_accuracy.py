@@ -13,7 +13,9 @@ from tokenrouter_sdk.eval.metrics import answer_metric
 _DESCRIPTION = """Share of model outputs whose final answer (last \\boxed{}, 'the answer is', or last number)
 is mathematically equivalent (Math-Verify) to the reference answer."""
 
-_KWARGS = answer_metric.usage("math_accuracy", 'gold final answers, e.g. "18", "\\\\frac{14}{3}"', "answer", 'so \\boxed{1,000}', "1000")
+_KWARGS = answer_metric.usage(
+    "math_accuracy", 'gold final answers, e.g. "18", "\\\\frac{14}{3}"', "answer", "so \\boxed{1,000}", "1000"
+)
 
 
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
