@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .engine import messages as M
+from .engine import messages
 from .eval.answers import MATH, answers_equal, extract_answer, is_correct
 from .metrics import Metrics
 from .policies import LargeOnly, SmallOnly
@@ -109,7 +109,7 @@ def step_accounting(events: list, models: list[str]) -> dict[str, dict]:
         for m in models
     }
     for ev in events:
-        if not isinstance(ev, M.StepDone) or ev.model not in out or not ev.batch_size:
+        if not isinstance(ev, messages.StepDone) or ev.model not in out or not ev.batch_size:
             continue
         a = out[ev.model]
         a["steps"] += 1

@@ -304,9 +304,11 @@ class Transport(Protocol):
 def dead_letter(model: str, msg, why: str, t: float):
     """The `Finished(failed)` that answers ``msg`` sent to dead ``model`` (None if ``msg`` carries
     no request)."""
-    from . import messages as M
+    from . import messages
 
-    if isinstance(msg, (M.Admit, M.HandoffMsg)):
-        rid = msg.config.rid if isinstance(msg, M.Admit) else msg.rid
-        return M.Finished(rid, model, "failed", f"model '{model}' is dead ({why}): the request was routed to it", t)
+    if isinstance(msg, (messages.Admit, messages.HandoffMsg)):
+        rid = msg.config.rid if isinstance(msg, messages.Admit) else msg.rid
+        return messages.Finished(
+            rid, model, "failed", f"model '{model}' is dead ({why}): the request was routed to it", t
+        )
     return None

@@ -25,7 +25,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..engine import messages as M
+from ..engine import messages
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -147,7 +147,7 @@ class ServerMetrics:
 
     # -- the observer (engine thread, under its lock: counters only) ---------------------------
     def observe(self, ev) -> None:
-        if isinstance(ev, M.Committed):
+        if isinstance(ev, messages.Committed):
             n = len(ev.tokens)
             row = self._by_model.get(ev.model)
             if row is not None:
@@ -157,7 +157,7 @@ class ServerMetrics:
             t0 = self._admit_t.pop(ev.rid, None)
             if t0 is not None:
                 self.ttft.observe(max(0.0, ev.t - t0))
-        elif isinstance(ev, M.StepDone):
+        elif isinstance(ev, messages.StepDone):
             self._last_step[ev.model] = time.monotonic()
             row = self._by_model.get(ev.model)
             if row is not None:
@@ -174,16 +174,16 @@ class ServerMetrics:
                         acc = self._prefix[ev.model]
                         acc[0] += ev.cache_hit_tokens
                         acc[1] += ev.cache_query_tokens
-        elif isinstance(ev, M.Hopped):
+        elif isinstance(ev, messages.Hopped):
             self.hops.inc()
             if not ev.kept:
                 self.discarded.inc()
             with self._lock:
                 self._hops += 1
-        elif isinstance(ev, M.Admitted):
+        elif isinstance(ev, messages.Admitted):
             self.admitted.inc()
             self._admit_t[ev.rid] = ev.t
-        elif isinstance(ev, M.Finished):
+        elif isinstance(ev, messages.Finished):
             self.finished.labels(ev.reason).inc()
             self._admit_t.pop(ev.rid, None)
 

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from ..engine import messages as M
+from ..engine import messages
 
 log = logging.getLogger("tokenrouter.serve")
 
@@ -45,7 +45,7 @@ class AutoRestart:
 
     def _observe(self, ev) -> None:
         """Engine thread, under its lock: only hand the restart to a thread of its own."""
-        if not isinstance(ev, M.ModelDied) or self._closed:
+        if not isinstance(ev, messages.ModelDied) or self._closed:
             return
         t = threading.Thread(
             target=self._restart, args=(ev.model, ev.error), daemon=True, name=f"tokenrouter-restart-{ev.model}"

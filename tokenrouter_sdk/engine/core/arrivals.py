@@ -11,7 +11,7 @@ reports through its ``_emit``, ``_send`` and ``_finish``.
 
 from __future__ import annotations
 
-from .. import messages as M
+from .. import messages
 from .sampler import make_generator
 from .scheduler import RequestState, Seq
 from .text_mode import TextView, retokenize
@@ -23,7 +23,7 @@ class Arrivals:
     """The message handlers of `SubServer` that bring a request in or let it go (see the
     module docstring)."""
 
-    def _admit(self, msg: M.Admit) -> None:
+    def _admit(self, msg: messages.Admit) -> None:
         cfg = msg.config
         prompt = cfg.prompt_of(self.name)
         seen = dict.fromkeys([*msg.peers, self.name], len(prompt))
@@ -42,11 +42,11 @@ class Arrivals:
         else:
             self._own(seq)
 
-    def _release(self, msg: M.Release) -> None:
+    def _release(self, msg: messages.Release) -> None:
         self.sched.remove(msg.rid)
         self.aborted.pop(msg.rid, None)  # it ended: no handoff of it can follow
 
-    def _prefill(self, msg: M.Prefill) -> None:
+    def _prefill(self, msg: messages.Prefill) -> None:
         """Admission prefill of a peer: feed the prompt in a coming step, then keep it pending.
         One that cannot run here (aborted, too big for the pool) is skipped: a later handoff
         carries the config and prefills on arrival."""
@@ -67,7 +67,7 @@ class Arrivals:
         if not self.sched.too_big(seq):
             self.sched.add_owned(seq)
 
-    def _abort(self, msg: M.Abort) -> None:
+    def _abort(self, msg: messages.Abort) -> None:
         self.aborted[msg.rid] = (msg.reason, msg.error)
         while len(self.aborted) > ABORTED_KEPT:
             self.aborted.popitem(last=False)
@@ -91,15 +91,15 @@ class Arrivals:
             return
         self.sched.add_owned(seq)
 
-    def _receive(self, msg: M.HandoffMsg) -> None:
+    def _receive(self, msg: messages.HandoffMsg) -> None:
         seq = self.sched.seqs.get(msg.rid)
         if seq is None and msg.config is None:  # our KV of it was freed by an abort meanwhile
             if msg.rid in self.aborted:
                 reason, error = self.aborted.pop(msg.rid)
-                self._emit(M.Finished(msg.rid, self.name, reason, error, self.clock()))
+                self._emit(messages.Finished(msg.rid, self.name, reason, error, self.clock()))
                 for m, n in msg.request.seen.items():
                     if m != self.name and n > 0:
-                        self._send(m, M.Release(msg.rid))
+                        self._send(m, messages.Release(msg.rid))
             return
         if self.text is not None:
             self._receive_text(seq, msg)
@@ -140,7 +140,7 @@ class Arrivals:
             return
         self._take_over(seq, msg)
 
-    def _receive_text(self, seq: Seq | None, msg: M.HandoffMsg) -> None:
+    def _receive_text(self, seq: Seq | None, msg: messages.HandoffMsg) -> None:
         """A handoff between models that do not share a tokenizer: encode the committed bytes
         this model has not seen (``msg.data``) in its tokens, re-encoding the end of its view as
         far back as the token boundary requires (`TextView.receive`); rewind the KV to the first
@@ -159,7 +159,7 @@ class Arrivals:
         retokenize(seq, self.text.vocab, msg.data, self.sched)
         seq.rs, seq.resamples = msg.request, 0
         self._emit(
-            M.Retokenized(
+            messages.Retokenized(
                 seq.rid, self.name, max(0, kv - seq.kv_len), len(seq.tokens) - seq.kv_len, len(seq.tokens), self.clock()
             )
         )
@@ -172,7 +172,7 @@ class Arrivals:
             return
         self._take_over(seq, msg)
 
-    def _take_over(self, seq: Seq, msg: M.HandoffMsg) -> None:
+    def _take_over(self, seq: Seq, msg: messages.HandoffMsg) -> None:
         """The policy's ``receive`` hook, then this model owns ``seq``."""
         error = self.host.receive(seq, msg.keep_sampled)
         if error is not None:

@@ -37,7 +37,7 @@ import torch
 
 from ...policy import Handoff
 from ...request import SamplingParams
-from .. import messages as M
+from .. import messages
 from ..config import MODES, EngineConfig, Mode
 from ..runner import SeqInput
 from ..step_result import StepResult, UnknownMessage, dispatch
@@ -121,19 +121,19 @@ class SubServer(Arrivals):
             else (lambda: bool(self.sched.owned))
         )
         self._handlers = {
-            M.Admit: self._admit,
-            M.Prefill: self._prefill,
-            M.HandoffMsg: self._receive,
-            M.Release: self._release,
-            M.Abort: self._abort,
-            M.Shutdown: self._shutdown,
-            M.RegisterPolicy: lambda m: self.host.add(m.key, m.policy),
-            M.UnregisterPolicy: lambda m: self.host.remove(m.key),
-            M.Go: lambda m: self._go.append(m.round),
-            M.SetInflight: self._set_inflight,
-            M.SetThresholds: self._set_thresholds,
-            M.StatsQuery: lambda m: self._emit(self.stats(m.token)),
-            M.ClearPrefixCache: lambda m: self.sched.blocks.clear_prefix_cache(),
+            messages.Admit: self._admit,
+            messages.Prefill: self._prefill,
+            messages.HandoffMsg: self._receive,
+            messages.Release: self._release,
+            messages.Abort: self._abort,
+            messages.Shutdown: self._shutdown,
+            messages.RegisterPolicy: lambda m: self.host.add(m.key, m.policy),
+            messages.UnregisterPolicy: lambda m: self.host.remove(m.key),
+            messages.Go: lambda m: self._go.append(m.round),
+            messages.SetInflight: self._set_inflight,
+            messages.SetThresholds: self._set_thresholds,
+            messages.StatsQuery: lambda m: self._emit(self.stats(m.token)),
+            messages.ClearPrefixCache: lambda m: self.sched.blocks.clear_prefix_cache(),
         }
 
     @property
@@ -163,16 +163,16 @@ class SubServer(Arrivals):
         """
         dispatch(self._handlers, msg, f"sub-server '{self.name}'")
 
-    def _shutdown(self, msg: M.Shutdown) -> None:
+    def _shutdown(self, msg: messages.Shutdown) -> None:
         self._running = False
 
-    def _set_inflight(self, msg: M.SetInflight) -> None:
+    def _set_inflight(self, msg: messages.SetInflight) -> None:
         self.inflight = msg.n
 
-    def _set_thresholds(self, msg: M.SetThresholds) -> None:
+    def _set_thresholds(self, msg: messages.SetThresholds) -> None:
         self.thresholds = dict(msg.thresholds)
 
-    def stats(self, token: int = 0) -> M.Stats:
+    def stats(self, token: int = 0) -> messages.Stats:
         """This sub-server's KV pool and request counts, as a `Stats` event (`Scheduler.stats`)."""
         return self.sched.stats(self.name, token)
 
@@ -223,7 +223,7 @@ class SubServer(Arrivals):
                 self._out.events.extend(late)
             return True
         if rnd is not None:
-            self._emit(M.Idle(self.name, rnd))
+            self._emit(messages.Idle(self.name, rnd))
         return False
 
     def _wants_prompt_hidden(self, s: Seq) -> bool:
@@ -309,7 +309,7 @@ class SubServer(Arrivals):
         blocks, owned = self.sched.blocks, self.sched.owned
         pending = sum(len(s.table) for r, s in self.sched.seqs.items() if r not in owned)
         self._emit(
-            M.StepDone(
+            messages.StepDone(
                 model=self.name,
                 t_start=t0,
                 t_end=self.clock(),
@@ -337,7 +337,7 @@ class SubServer(Arrivals):
         return given_tokens(batch, tokens, idx)
 
     def _resampled(self, s: Seq, tok: int) -> None:
-        self._emit(M.Resampled(s.rid, self.name, tok, s.rs.n_committed, self.clock()))
+        self._emit(messages.Resampled(s.rid, self.name, tok, s.rs.n_committed, self.clock()))
 
     def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
         lp = None if s.config.params.logprobs is None else logprobs(logits[row], tok, s.config.params.logprobs)
@@ -370,7 +370,7 @@ class SubServer(Arrivals):
         else:
             reason, why = commit_token(s, tok, self.name, self.runner.max_context, self.tokenizer)
         self._emit(
-            M.Committed(
+            messages.Committed(
                 s.rid,
                 self.name,
                 [tok],
@@ -402,7 +402,7 @@ class SubServer(Arrivals):
         seen = dict(s.rs.seen)
         seen[target] = len(s.tokens)
         seen_bytes = dict(s.rs.seen_bytes)
-        self._emit(M.Hopped(s.rid, self.name, target, committed, self.clock(), token))
+        self._emit(messages.Hopped(s.rid, self.name, target, committed, self.clock(), token))
         if self.text is not None:  # the committed bytes the target has not seen
             b_seen = seen_bytes.get(target)
             seen_bytes[target] = s.rs.n_bytes
@@ -420,7 +420,7 @@ class SubServer(Arrivals):
             peer_logits=peer_logits,
             seen_bytes=seen_bytes,
         )
-        msg = M.HandoffMsg(s.rid, self.name, suffix, travels, h.keep_sampled, config=config, data=data)
+        msg = messages.HandoffMsg(s.rid, self.name, suffix, travels, h.keep_sampled, config=config, data=data)
         s.rs = dataclasses.replace(
             s.rs,
             seen=dict(seen),
@@ -437,12 +437,12 @@ class SubServer(Arrivals):
         self._send(target, msg)
 
     def _finish(self, s: Seq, reason: str, error: str | None, tb: str | None = None, stop_reason=None) -> None:
-        ev = M.Finished(s.rid, self.name, reason, error, self.clock(), stop_reason, tb)
+        ev = messages.Finished(s.rid, self.name, reason, error, self.clock(), stop_reason, tb)
         if self._late is not None:
             self._late.append(ev)  # so a request's last step is in the trace before it ends
         else:
             self._emit(ev)
         for m, n in s.rs.seen.items():
             if m != self.name and n > 0:
-                self._send(m, M.Release(s.rid))
+                self._send(m, messages.Release(s.rid))
         self.sched.remove(s.rid)

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from ...policy import Policy
 from ...request import RequestConfig, RequestInput, RequestView, prompt_key, token_ids
-from .. import messages as M
+from .. import messages
 from ..config import EngineConfig, valid_thresholds
 from ..core.policy_host import PolicyHost, check_policy, check_vocabulary
 from ..core.text_mode import Vocabularies
@@ -119,15 +119,15 @@ class Engine:
         self._stats: dict[int, dict] = {}
         self._stats_cv = threading.Condition(self._lock)
         self._event_handlers = {
-            M.StepDone: self._on_step_done,
-            M.Idle: self._on_idle,
-            M.Stats: self._on_stats,
-            M.ModelDied: self._on_died,
-            M.Committed: self._on_committed,
-            M.Hopped: self._on_hopped,
-            M.Resampled: self._on_resampled,
-            M.Finished: self._on_finished,
-            M.Retokenized: self._on_retokenized,
+            messages.StepDone: self._on_step_done,
+            messages.Idle: self._on_idle,
+            messages.Stats: self._on_stats,
+            messages.ModelDied: self._on_died,
+            messages.Committed: self._on_committed,
+            messages.Hopped: self._on_hopped,
+            messages.Resampled: self._on_resampled,
+            messages.Finished: self._on_finished,
+            messages.Retokenized: self._on_retokenized,
         }
         self._next_token = 0
         self._round, self._awaiting, self._rr = 0, set(), 0
@@ -186,7 +186,7 @@ class Engine:
                 self._next_key += 1
                 self._policies[key] = [policy, 0]
             self._policies[key][1] += 1
-        msg = M.RegisterPolicy(key, policy)
+        msg = messages.RegisterPolicy(key, policy)
         for name in self.models:
             self.transport.send(name, msg)
         return key
@@ -199,7 +199,7 @@ class Engine:
         if entry[1] <= 0:
             del self._policies[key]
             for name in self.models:
-                self.transport.send(name, M.UnregisterPolicy(key))
+                self.transport.send(name, messages.UnregisterPolicy(key))
 
     # -- submission -------------------------------------------------------------------------
     def submit(
@@ -349,7 +349,7 @@ class Engine:
         return h
 
     def _fail_before_admission(self, h: RequestHandle, error: str) -> None:
-        ev = M.Admitted(h.rid, h.entry, self.clock())
+        ev = messages.Admitted(h.rid, h.entry, self.clock())
         self._record(h.call, ev)
         self._end(h, "failed", error, self.clock())
 
@@ -385,14 +385,14 @@ class Engine:
         self._inflight += 1
         h.call.inflight += 1
         self.kv.reserve(h.need, h.shared)
-        self._record(h.call, M.Admitted(h.rid, h.entry, h.t_admit))
+        self._record(h.call, messages.Admitted(h.rid, h.entry, h.t_admit))
         if self.config.mode.batches_delayed:
             self._broadcast_inflight()
         peers = tuple(m for m in h.peers if m not in self._dead)
         h.visited = {h.entry, *peers}
         for m in peers:  # before the Admit: the entry's first handoff can only come after it
-            self.transport.send(m, M.Prefill(h.config, h.entry))
-        self.transport.send(h.entry, M.Admit(h.config, h.t_admit, h.state, peers))
+            self.transport.send(m, messages.Prefill(h.config, h.entry))
+        self.transport.send(h.entry, messages.Admit(h.config, h.t_admit, h.state, peers))
 
     # -- thresholds and gated modes ---------------------------------------------------------
     def set_thresholds(self, thresholds: dict[str, int]) -> None:
@@ -405,7 +405,7 @@ class Engine:
         with self._lock:
             self.thresholds = new
         for name in self.models:
-            self.transport.send(name, M.SetThresholds(new))
+            self.transport.send(name, messages.SetThresholds(new))
 
     def check_thresholds(self, n: int) -> None:
         """Raise ValueError unless sum_i (B_i - 1) < n (TokenRouter paper, appendix: with fewer
@@ -422,7 +422,7 @@ class Engine:
 
     def _broadcast_inflight(self) -> None:
         for name in self.models:
-            self.transport.send(name, M.SetInflight(self._inflight))
+            self.transport.send(name, messages.SetInflight(self._inflight))
 
     def _kick(self) -> None:
         """Gated modes: start the next round if none is running and work is in flight."""
@@ -433,7 +433,7 @@ class Engine:
         self._rr += 1
         self._awaiting = set(targets)
         for name in targets:
-            self.transport.send(name, M.Go(self._round))
+            self.transport.send(name, messages.Go(self._round))
 
     def _round_done(self, model: str, rnd: int | None) -> None:
         if rnd is not None and rnd == self._round:
@@ -454,11 +454,11 @@ class Engine:
             admitted = h.t_admit is not None
             if not admitted:
                 h.call.queue.remove(h)
-                self._record(h.call, M.Admitted(h.rid, h.entry, self.clock()))
+                self._record(h.call, messages.Admitted(h.rid, h.entry, self.clock()))
             self._end(h, "aborted", reason, self.clock())
         if admitted:
             for name in self.models:
-                self.transport.send(name, M.Abort(rid, "aborted", reason))
+                self.transport.send(name, messages.Abort(rid, "aborted", reason))
 
     # -- events -----------------------------------------------------------------------------
     def add_observer(self, fn: Callable[[object], None]) -> Callable[[], None]:
@@ -494,7 +494,7 @@ class Engine:
         """Dispatch by type; the caller holds ``_lock``."""
         dispatch(self._event_handlers, ev, "the engine")
 
-    def _on_step_done(self, ev: M.StepDone) -> None:
+    def _on_step_done(self, ev: messages.StepDone) -> None:
         self.recent.append(ev)
         for call in self._calls:
             if call.inflight:
@@ -503,23 +503,23 @@ class Engine:
             fn(ev)
         self._round_done(ev.model, ev.round)
 
-    def _on_idle(self, ev: M.Idle) -> None:
+    def _on_idle(self, ev: messages.Idle) -> None:
         self._round_done(ev.model, ev.round)
 
-    def _on_stats(self, ev: M.Stats) -> None:
+    def _on_stats(self, ev: messages.Stats) -> None:
         box = self._stats.get(ev.token)
         if box is not None:
             box[ev.model] = ev
             self._stats_cv.notify_all()
 
-    def _on_died(self, ev: M.ModelDied) -> None:
+    def _on_died(self, ev: messages.ModelDied) -> None:
         self._model_died(ev.model, ev.error)
 
     def _live_handle(self, ev) -> RequestHandle | None:
         h = self.handles.get(ev.rid)
         return None if h is None or h.done.is_set() else h
 
-    def _on_committed(self, ev: M.Committed) -> None:
+    def _on_committed(self, ev: messages.Committed) -> None:
         h = self._live_handle(ev)
         if h is None:
             return
@@ -537,7 +537,7 @@ class Engine:
         if h.call.listener is not None:
             h.call.listener("tokens", h, (ev, piece))
 
-    def _on_hopped(self, ev: M.Hopped) -> None:
+    def _on_hopped(self, ev: messages.Hopped) -> None:
         h = self._live_handle(ev)
         if h is None:
             return
@@ -558,12 +558,12 @@ class Engine:
         if h.call.listener is not None:
             h.call.listener("hop", h, ev)
 
-    def _on_retokenized(self, ev: M.Retokenized) -> None:
+    def _on_retokenized(self, ev: messages.Retokenized) -> None:
         h = self._live_handle(ev)
         if h is not None:
             self._record(h.call, ev)
 
-    def _on_resampled(self, ev: M.Resampled) -> None:
+    def _on_resampled(self, ev: messages.Resampled) -> None:
         h = self._live_handle(ev)
         if h is None:
             return
@@ -571,7 +571,7 @@ class Engine:
         h.output.discarded += 1
         h.output.discarded_log.append((len(h.output.token_ids), ev.token, ev.model))
 
-    def _on_finished(self, ev: M.Finished) -> None:
+    def _on_finished(self, ev: messages.Finished) -> None:
         h = self._live_handle(ev)
         if h is None:
             return
@@ -590,7 +590,7 @@ class Engine:
         t0 = h.t_admit if h.t_admit is not None else h.t_submit
         out.latency_s = t - t0
         out.ttft_s = None if h.t_first is None else h.t_first - t0
-        self._record(h.call, M.Finished(h.rid, h.owner, reason, error, t, stop_reason, tb))
+        self._record(h.call, messages.Finished(h.rid, h.owner, reason, error, t, stop_reason, tb))
         call = h.call
         if h.t_admit is not None:
             self._inflight -= 1
@@ -637,7 +637,7 @@ class Engine:
             return
         for m in self.models:
             if m not in self._dead and not self.transport.alive(m):
-                self.handle_event(M.ModelDied(m, f"sub-server '{m}' is not running", self.clock()))
+                self.handle_event(messages.ModelDied(m, f"sub-server '{m}' is not running", self.clock()))
 
     def _model_died(self, model: str, error: str) -> None:
         """Fail every request ``model`` held (it owned it, or kept its KV pending: a return there
@@ -657,7 +657,7 @@ class Engine:
         self._awaiting.discard(model)
         if not self._awaiting:
             self._kick()
-        ev = M.ModelDied(model, error, self.clock())
+        ev = messages.ModelDied(model, error, self.clock())
         for fn in self._observers:
             fn(ev)
 
@@ -686,15 +686,15 @@ class Engine:
         if model not in self._dead:
             raise RuntimeError(f"restart('{model}'): its sub-server is running; only a dead one is restarted")
         with self._lock:
-            first = [M.RegisterPolicy(k, pol) for k, (pol, _) in self._policies.items()]
-            first.append(M.SetThresholds(dict(self.thresholds)))
+            first = [messages.RegisterPolicy(k, pol) for k, (pol, _) in self._policies.items()]
+            first.append(messages.SetThresholds(dict(self.thresholds)))
             if self.config.mode.batches_delayed:
-                first.append(M.SetInflight(self._inflight))
+                first.append(messages.SetInflight(self._inflight))
         self.transport.restart(model, first, timeout)
         got = self.transport.reported().get(model)
         want = self.info[model].geometry()
         if got is not None and got != want:
-            self.transport.send(model, M.Shutdown())
+            self.transport.send(model, messages.Shutdown())
             raise RuntimeError(
                 f"restart('{model}'): its runner was built as {got} in its new sub-server, but its "
                 f"spec described {want}"
@@ -708,7 +708,7 @@ class Engine:
         KV of it pending free it."""
         for m in self.models:
             if m not in self._dead:
-                self.transport.send(m, M.Abort(rid, "failed", None))
+                self.transport.send(m, messages.Abort(rid, "failed", None))
 
     @property
     def dead(self) -> dict[str, str]:
@@ -771,9 +771,9 @@ class Engine:
             raise RuntimeError("clear_prefix_cache: the Router is closed")
         for name in self.models:
             if name not in self._dead:
-                self.transport.send(name, M.ClearPrefixCache())
+                self.transport.send(name, messages.ClearPrefixCache())
 
-    def kv_stats(self, timeout: float = 10.0) -> dict[str, M.Stats]:
+    def kv_stats(self, timeout: float = 10.0) -> dict[str, messages.Stats]:
         """Each sub-server's KV pool and request counts (`Stats`), asked through the transport,
         so sub-servers in processes answer too; a dead model answers at once (``alive=False``).
         A sub-server answers after the messages sent to it before.
@@ -786,7 +786,7 @@ class Engine:
             raise RuntimeError("kv_stats: the Router is closed (its sub-servers and KV pools are gone)")
         self.check_alive()
         dead = {
-            m: M.Stats(m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False, error=why)
+            m: messages.Stats(m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False, error=why)
             for m, why in self._dead.items()
         }
         live = [m for m in self.models if m not in dead]
@@ -796,7 +796,7 @@ class Engine:
             self._stats[token] = box
         try:
             for name in live:
-                self.transport.send(name, M.StatsQuery(token))
+                self.transport.send(name, messages.StatsQuery(token))
             deadline = time.perf_counter() + timeout
             with self._stats_cv:
                 while any(m not in box and m not in self._dead for m in live):
@@ -808,7 +808,7 @@ class Engine:
                     self.check_alive()
             return {
                 m: box.get(m)
-                or M.Stats(
+                or messages.Stats(
                     m, 0, 0, self.capacity[m][0], self.capacity[m][1], 0, 0, alive=False, error=self._dead.get(m)
                 )
                 for m in self.models

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from .. import messages as M
+from .. import messages
 from ..step_result import UnknownMessage
 
 _PROTO = pickle.HIGHEST_PROTOCOL
@@ -62,37 +62,37 @@ class PolicyBlob:
 
 
 MESSAGES: tuple[type, ...] = (
-    M.Admit,
-    M.Prefill,
-    M.HandoffMsg,
-    M.Release,
-    M.Abort,
-    M.RegisterPolicy,
-    M.UnregisterPolicy,
-    M.Shutdown,
-    M.Go,
-    M.SetThresholds,
-    M.SetInflight,
-    M.StatsQuery,
-    M.Admitted,
-    M.Committed,
-    M.Hopped,
-    M.Resampled,
-    M.Finished,
-    M.StepDone,
-    M.Idle,
-    M.ModelDied,
-    M.Stats,
+    messages.Admit,
+    messages.Prefill,
+    messages.HandoffMsg,
+    messages.Release,
+    messages.Abort,
+    messages.RegisterPolicy,
+    messages.UnregisterPolicy,
+    messages.Shutdown,
+    messages.Go,
+    messages.SetThresholds,
+    messages.SetInflight,
+    messages.StatsQuery,
+    messages.Admitted,
+    messages.Committed,
+    messages.Hopped,
+    messages.Resampled,
+    messages.Finished,
+    messages.StepDone,
+    messages.Idle,
+    messages.ModelDied,
+    messages.Stats,
     PolicyBlob,
-    M.ClearPrefixCache,
-    M.Retokenized,
+    messages.ClearPrefixCache,
+    messages.Retokenized,
 )
 """Every type that travels, in tag order (append new ones at the end)."""
 
 OPAQUE: dict[type, frozenset[str]] = {
-    M.Admit: frozenset({"state"}),
-    M.RequestState: frozenset({"state", "peer_logits"}),
-    M.RegisterPolicy: frozenset({"policy"}),
+    messages.Admit: frozenset({"state"}),
+    messages.RequestState: frozenset({"state", "peer_logits"}),
+    messages.RegisterPolicy: frozenset({"policy"}),
 }
 """Per type, the fields of user data that travel pickled (any Python value)."""
 
@@ -118,7 +118,7 @@ def _opaque_load(data: bytes):
     return pickle.loads(data)
 
 
-NESTED: tuple[type, ...] = (M.RequestState,)
+NESTED: tuple[type, ...] = (messages.RequestState,)
 """Dataclasses inside messages that travel field by field (with their own opaque fields)."""
 
 _PLAIN, _OPAQUE, _NESTED = 0, 1, 2

@@ -49,7 +49,7 @@ import time
 import traceback
 from typing import Callable, Protocol
 
-from .. import messages as M
+from .. import messages
 from ..runner import dead_letter
 from .codec import FRAMES, Frame, decode, encode, split_result
 from .wire import _child_spec, policy_blob
@@ -279,11 +279,11 @@ class HubTransport:
         """Deliver ``msg`` to ``model``'s sub-server (any thread; order kept per caller)."""
         if self._closed:
             return
-        if isinstance(msg, M.RegisterPolicy):
+        if isinstance(msg, messages.RegisterPolicy):
             data = self._policy_bytes(model, msg)
             if data is None:
                 return
-        elif isinstance(msg, M.UnregisterPolicy):
+        elif isinstance(msg, messages.UnregisterPolicy):
             with self._lock:
                 self._policy_cache.pop((model, msg.key), None)
             data = encode(msg)
@@ -398,7 +398,7 @@ class HubTransport:
                     for key in [k for k in self._policy_cache if k[0] == model]:
                         del self._policy_cache[key]
                     for msg, data in zip(first, held):
-                        if isinstance(msg, M.RegisterPolicy):
+                        if isinstance(msg, messages.RegisterPolicy):
                             self._policy_cache[(model, msg.key)] = data[1]
                 self._buffer[model] = [data[0] for data in held]
                 self._watch(model, started[model])
@@ -439,7 +439,7 @@ class HubTransport:
 
     def _encode_first(self, model: str, msg) -> tuple[bytes, bytes | None]:
         """(wire bytes of ``msg`` for a restarted ``model``, the policy bytes it then holds)."""
-        if isinstance(msg, M.RegisterPolicy):
+        if isinstance(msg, messages.RegisterPolicy):
             blob = policy_blob(msg.key, msg.policy)
             return encode(blob), blob.data
         return encode(msg), None
@@ -496,7 +496,7 @@ class HubTransport:
         self._closing = True
         for name in self.procs:
             if name not in self._dead:
-                self.send(name, M.Shutdown())
+                self.send(name, messages.Shutdown())
         deadline = time.monotonic() + timeout
         from multiprocessing.connection import wait
 
@@ -574,7 +574,7 @@ class HubTransport:
         self._errors.setdefault(model, text)
 
     # -- internals ------------------------------------------------------------------------
-    def _policy_bytes(self, model: str, msg: M.RegisterPolicy) -> bytes | None:
+    def _policy_bytes(self, model: str, msg: messages.RegisterPolicy) -> bytes | None:
         """The wire bytes of ``msg`` for ``model``, or None when that sub-server already holds
         these exact bytes. The policy is pickled once per message (one message goes to every
         model)."""
@@ -687,9 +687,9 @@ class HubTransport:
         batch per peer), then its events to the engine. The hub handles one frame at a time, so
         no peer's reaction to the messages is handled before these events, and the engine's
         reply to them (a gated mode's `Go`) reaches a peer after the handoffs."""
-        events, messages = split_result(frames)
+        events, outgoing = split_result(frames)
         batches: dict[str, list[bytes]] = {}
-        for dest, data in messages:
+        for dest, data in outgoing:
             batches.setdefault(dest, []).append(data)
         for dest, datas in batches.items():
             self._deliver(dest, datas)
@@ -754,7 +754,7 @@ class HubTransport:
         text = f"sub-server process '{name}' died ({exit_text(code)})" + (f": {err}" if err else "")
         self._dead_why[name] = text
         if not self._closing:
-            self._emit(M.ModelDied(name, text, time.perf_counter()))
+            self._emit(messages.ModelDied(name, text, time.perf_counter()))
         self._dead.add(name)  # after the report: alive() turns False only once the engine knows why
         self._ready.discard(name)  # a restarted sub-server is ready once its own hi arrives
         if not self._closing:
@@ -824,7 +824,7 @@ class HubTransport:
                     self._dead.add(name)
                 for name in self.procs:
                     self._emit(
-                        M.ModelDied(
+                        messages.ModelDied(
                             name, f"the sub-server message hub failed: {type(e).__name__}: {e}", time.perf_counter()
                         )
                     )

@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 
-from .. import messages as M
+from .. import messages
 from ..core.serve_loop import serve
 from ..core.subserver import SubServer
 from ..runner import RunnerInfo, RunnerSpec
@@ -221,11 +221,11 @@ def _child_receive(
                             fatal.append(
                                 f"sub-server '{name}' could not load a message from the engine: {type(e).__name__}: {e}"
                             )
-                            msg = M.Shutdown()
+                            msg = messages.Shutdown()
                         if isinstance(msg, PolicyBlob):
                             msg = load_policy(msg, name)
                         msgs.append(msg)
-                        if isinstance(msg, M.Shutdown):
+                        if isinstance(msg, messages.Shutdown):
                             last = True
                             break
                     _put_all(inbox, msgs)
@@ -233,7 +233,7 @@ def _child_receive(
                         return
             if parent is not None and parent.sentinel in ready:  # the parent is gone: stop serving
                 orphaned.set()
-                inbox.put(M.Shutdown())
+                inbox.put(messages.Shutdown())
                 if address.startswith("ipc://"):  # nobody else will remove the hub's folder
                     shutil.rmtree(os.path.dirname(address[len("ipc://") :]), ignore_errors=True)
                 t = threading.Timer(5.0, os._exit, args=(0,))  # if a forward never returns

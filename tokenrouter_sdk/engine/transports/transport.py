@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Callable
 
-from .. import messages as M
+from .. import messages
 from ..runner import RunnerInfo, RunnerSpec, build_runner, dead_letter
 
 
@@ -91,7 +91,7 @@ class ThreadTransport:
         errors = [b[2] for b in built.values() if b[2] is not None]
         if errors:
             for name in self.subservers:
-                self.inboxes[name].put(M.Shutdown())
+                self.inboxes[name].put(messages.Shutdown())
             for t in self._threads:
                 t.join()
             self._threads.clear()
@@ -140,7 +140,7 @@ class ThreadTransport:
         except BaseException as e:  # noqa: BLE001 - report, the engine fails its requests
             why = f"sub-server '{ss.name}' crashed: {type(e).__name__}: {e}"
             self._dead[ss.name] = why
-            self.events.put(M.ModelDied(ss.name, why, self.clock()))
+            self.events.put(messages.ModelDied(ss.name, why, self.clock()))
             while True:  # answer what was sent to it meanwhile
                 try:
                     msg = inbox.get_nowait()
@@ -208,7 +208,7 @@ class ThreadTransport:
 
     def close(self, timeout: float = 10.0) -> None:
         for name in self.subservers:
-            self.send(name, M.Shutdown())
+            self.send(name, messages.Shutdown())
         for t in self._threads:
             t.join(timeout)
         self._threads.clear()
