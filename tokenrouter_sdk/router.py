@@ -1069,7 +1069,7 @@ class Router:
         self.engine.clear_prefix_cache()
 
     def kv_stats(self, timeout: float = 10.0) -> dict:
-        """Per model, its KV pool and requests now (a `tokenrouter_sdk.viz.tables.KVStats`: a
+        """Per model, its KV pool and requests now (a `tokenrouter_sdk.viz.kv_table.KVStats`: a
         ``dict`` that a notebook shows as a table): a `tokenrouter_sdk.engine.messages.Stats` with
         ``free_blocks``, ``num_blocks``, ``block_size`` (tokens per block), ``owned`` (requests
         ready to step there), ``pending`` (handed off, KV kept), ``running_blocks`` and
@@ -1083,7 +1083,7 @@ class Router:
             TimeoutError: a live sub-server did not answer within ``timeout`` seconds.
             RuntimeError: the Router is closed.
         """
-        from .viz.tables import KVStats
+        from .viz.kv_table import KVStats
 
         return KVStats(self.engine.kv_stats(timeout), sizing=getattr(self, "kv_sizing", None))
 

@@ -6,7 +6,7 @@ starts it in the background of a notebook on the Router's own engine. Endpoints,
 
 - `create_app` (`tokenrouter_sdk.serve.app`): the FastAPI app of a Router.
 - `BackgroundServer`, `serve_forever` (`tokenrouter_sdk.serve.server`): running it.
-- `ServerMetrics` (`tokenrouter_sdk.serve.metrics`): its Prometheus registry.
+- `ServerMetrics` (`tokenrouter_sdk.serve.prometheus_metrics`): its Prometheus registry.
 - `AutoRestart` (`tokenrouter_sdk.serve.restart`): a dead sub-server restarted, up to a limit.
 
 The ``tokenrouter`` model type of lm-evaluation-harness is `tokenrouter_sdk.eval.lm_eval_model`.

@@ -48,7 +48,7 @@ def create_app(
     from fastapi import FastAPI
 
     from .errors import install_handlers
-    from .metrics import ServerMetrics
+    from .prometheus_metrics import ServerMetrics
     from .restart import AutoRestart
     from .routes import api
 

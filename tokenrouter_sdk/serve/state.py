@@ -71,7 +71,7 @@ class ServeState:
         model_id: the id clients send as ``model`` for routed generation.
         policy, policy_label: the default policy and how it is shown.
         policies: per-request policies (`PolicyCache`).
-        metrics: the server's `tokenrouter_sdk.serve.metrics.ServerMetrics`.
+        metrics: the server's `tokenrouter_sdk.serve.prometheus_metrics.ServerMetrics`.
         max_body_bytes: larger request bodies are refused (413) before parsing.
         active: the `Generation` objects of requests being served (aborted when the server stops).
         restarts: its `tokenrouter_sdk.serve.restart.AutoRestart` (restarts of dead sub-servers).

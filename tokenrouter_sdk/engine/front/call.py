@@ -106,7 +106,7 @@ class Call:
 
     def metrics(self):
         """`tokenrouter_sdk.metrics.Metrics` of this call (O(its events))."""
-        from .metrics import compute_metrics
+        from .committed_metrics import compute_metrics
 
         events = self.engine.events_of(self)
         return compute_metrics(events, {h.rid for h in self.handles}, self.engine.models)
