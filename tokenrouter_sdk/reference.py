@@ -156,7 +156,7 @@ def reference_generate(
         prompt_h = all_hidden[: len(prompt_ids)] if first else None
         resamples = 0
         while True:
-            sb = StepBatch(
+            step_batch = StepBatch(
                 owner,
                 names,
                 torch.tensor([tok]),
@@ -169,10 +169,10 @@ def reference_generate(
                 peer_logits=[step_peer],
                 prompt_hidden=[prompt_h],
             )
-            dec = PH.call_route_batch(policy, sb, 1)[0]
+            dec = PH.call_route_batch(policy, step_batch, 1)[0]
             if isinstance(dec, BaseException):
                 raise dec
-            tok = forced[len(out)] if given else int(sb.tokens[0])
+            tok = forced[len(out)] if given else int(step_batch.tokens[0])
             if given and isinstance(dec, Resample):
                 dec = owner
             if not isinstance(dec, Resample):

@@ -141,7 +141,7 @@ def reference_generate_text(
         prompt_h = all_hidden[: len(prompts[owner])] if first else None
         resamples = 0
         while True:
-            sb = StepBatch(
+            step_batch = StepBatch(
                 owner,
                 names,
                 torch.tensor([tok]),
@@ -154,10 +154,10 @@ def reference_generate_text(
                 peer_logits=[None],
                 prompt_hidden=[prompt_h],
             )
-            dec = PH.call_route_batch(policy, sb, 1)[0]
+            dec = PH.call_route_batch(policy, step_batch, 1)[0]
             if isinstance(dec, BaseException):
                 raise dec
-            tok = int(sb.tokens[0])
+            tok = int(step_batch.tokens[0])
             if not isinstance(dec, Resample):
                 break
             resamples += 1

@@ -181,10 +181,10 @@ def build_runners(models: dict, tokenizer, config: EngineConfig, dtype, device, 
         if loaded or engines
         else {}
     )
-    for name, rs in engines.items():
-        rs.max_kv_tokens = sizing[name].tokens
-        rs.describe()
-        runners[name] = rs
+    for name, runner_spec in engines.items():
+        runner_spec.max_kv_tokens = sizing[name].tokens
+        runner_spec.describe()
+        runners[name] = runner_spec
     for name, m in loaded.items():
         ranks = check_tp(name, tps[name], config)
         if ranks > 1:
@@ -326,12 +326,12 @@ def engine_runner_spec(name: str, spec, device, dtype, tp, config: EngineConfig,
     if spec.runner == "vllm":
         from .backends.vllm_runner import VLLMRunnerSpec
 
-        rs = VLLMRunnerSpec(src, **common)
+        runner_spec = VLLMRunnerSpec(src, **common)
     else:
         from .backends.sglang_runner import SGLangRunnerSpec
 
-        rs = SGLangRunnerSpec(src, **common)
-    rs.describe()  # the engine installed, the config readable: fail here, not in the sub-server
+        runner_spec = SGLangRunnerSpec(src, **common)
+    runner_spec.describe()  # the engine installed, the config readable: fail here, not in the sub-server
     tok = None
     if with_tokenizer:
         try:
@@ -344,7 +344,7 @@ def engine_runner_spec(name: str, spec, device, dtype, tp, config: EngineConfig,
         ids = token_ids(GenerationConfig.from_pretrained(src).eos_token_id)
     except (OSError, ValueError):
         ids = token_ids(getattr(tok, "eos_token_id", None))
-    return rs, tok, ids
+    return runner_spec, tok, ids
 
 
 def parameter_count(model) -> int:

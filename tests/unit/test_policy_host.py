@@ -42,8 +42,8 @@ class Scripted(Policy):
 
 def seq(rid, key=3, committed=0):
     s = Seq(RequestConfig(rid, [5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True), key), [5, 6, 7])
-    s.rs.seen = {"small": 3}
-    s.rs.n_committed = committed
+    s.request_state.seen = {"small": 3}
+    s.request_state.n_committed = committed
     return s
 
 
@@ -115,7 +115,7 @@ def test_resample_is_carried_out_by_the_host_until_a_draw_stands_or_the_limit():
     host.add(4, Scripted(route=Resample()))
     a, b = seq(1, key=3), seq(2, key=4)
     decisions, drawn = route(host, [a, b], limit=2)
-    assert decisions[0] == "small" and a.rs.discarded == 2
+    assert decisions[0] == "small" and a.request_state.discarded == 2
     assert drawn[:2] == [(1, 1), (2, 1)]  # the first draws are discarded and reported
     assert isinstance(decisions[1], RequestFailed)
     assert decisions[1].args[0] == (

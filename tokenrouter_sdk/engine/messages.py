@@ -39,7 +39,7 @@ class Prefill:
 @dataclass
 class RequestState:
     """What travels with a request from model to model: the one place to add such a field (the
-    scheduler's `Seq` holds it as ``rs``; a `HandoffMsg` carries it as ``request``; the codec
+    scheduler's `Seq` holds it as ``request_state``; a `HandoffMsg` carries it as ``request``; the codec
     sends it field by field, the policy state and the logits pickled).
 
     Attributes:

@@ -70,33 +70,33 @@ def quality_figure(records: list[dict], x: str = "throughput", y: str = "accurac
     rows = [r for r in records if r.get(ycol) is not None and r.get(xcol) is not None]
     groups = []  # (kind, records, trace name)
     for kind in ["sweep", "large_only", "small_only", "random", "random_span", "random_query"]:
-        rs = [r for r in rows if r["kind"] == kind]
+        kind_rows = [r for r in rows if r["kind"] == kind]
         if kind != "sweep":
-            if rs:
-                groups.append((kind, rs, NAMES[kind]))
+            if kind_rows:
+                groups.append((kind, kind_rows, NAMES[kind]))
             continue
-        for name in dict.fromkeys(r.get("policy_name") or r["policy"] for r in rs):
-            g = [r for r in rs if (r.get("policy_name") or r["policy"]) == name]
+        for name in dict.fromkeys(r.get("policy_name") or r["policy"] for r in kind_rows):
+            g = [r for r in kind_rows if (r.get("policy_name") or r["policy"]) == name]
             groups.append((kind, g, f"{name} ({g[0]['param']})" if g[0].get("param") else str(name)))
-    for kind, rs, name in groups:
-        rs.sort(key=lambda r: r[xcol])
+    for kind, kind_rows, name in groups:
+        kind_rows.sort(key=lambda r: r[xcol])
         symbol, color = STYLE[kind]
         err = None
         if ycol == "accuracy":
             err = dict(
                 type="data",
                 symmetric=False,
-                array=[r["acc_ci_high"] - r["accuracy"] for r in rs],
-                arrayminus=[r["accuracy"] - r["acc_ci_low"] for r in rs],
+                array=[r["acc_ci_high"] - r["accuracy"] for r in kind_rows],
+                arrayminus=[r["accuracy"] - r["acc_ci_low"] for r in kind_rows],
                 thickness=1,
             )
         fig.add_trace(
             go.Scatter(
-                x=[r[xcol] for r in rs],
-                y=[r[ycol] for r in rs],
+                x=[r[xcol] for r in kind_rows],
+                y=[r[ycol] for r in kind_rows],
                 name=name,
                 mode="lines+markers+text" if kind == "sweep" else "markers",
-                text=[f"{r['value']:.3g}" if kind == "sweep" and r.get("value") is not None else "" for r in rs],
+                text=[f"{r['value']:.3g}" if kind == "sweep" and r.get("value") is not None else "" for r in kind_rows],
                 textposition="top center",
                 error_y=err,
                 marker=dict(symbol=symbol, size=11 if kind != "sweep" else 9, **({"color": color} if color else {})),
@@ -111,7 +111,7 @@ def quality_figure(records: list[dict], x: str = "throughput", y: str = "accurac
                         _num(r.get("throughput_min")),
                         _num(r.get("throughput_max")),
                     ]
-                    for r in rs
+                    for r in kind_rows
                 ],
                 hovertemplate="%{customdata[0]}<br>" + ylabel + " %{y:.3f}<br>hop rate %{customdata[1]:.3f}"
                 "<br>large fraction %{customdata[2]:.3f}<br>throughput %{customdata[3]:.1f} tok/s "

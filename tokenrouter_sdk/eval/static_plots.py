@@ -51,14 +51,14 @@ def static_figure(records: list[dict], x: str = "throughput", y: str = "accuracy
     rows = [r for r in records if r.get(ycol) is not None and r.get(xcol) is not None]
     policies = list(dict.fromkeys(r.get("policy_name") or r["policy"] for r in rows if r["kind"] == "sweep"))
     for i, name in enumerate(policies):
-        rs = sorted(
+        sweep_rows = sorted(
             (r for r in rows if r["kind"] == "sweep" and (r.get("policy_name") or r["policy"]) == name),
             key=lambda r: r[xcol],
         )
         color = POLICY_COLORS[i % len(POLICY_COLORS)]
-        label = f"{name} ({rs[0]['param']})" if rs[0].get("param") else str(name)
-        _points(ax, rs, xcol, ycol, color=color, marker=MARKERS["sweep"], label=label, line=True)
-        for r in rs:
+        label = f"{name} ({sweep_rows[0]['param']})" if sweep_rows[0].get("param") else str(name)
+        _points(ax, sweep_rows, xcol, ycol, color=color, marker=MARKERS["sweep"], label=label, line=True)
+        for r in sweep_rows:
             if r.get("value") is not None:
                 ax.annotate(
                     _short(r["value"]),
@@ -70,9 +70,9 @@ def static_figure(records: list[dict], x: str = "throughput", y: str = "accuracy
                     color=color,
                 )
     for kind in ("large_only", "small_only", "random", "random_span", "random_query"):
-        rs = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r[xcol])
-        if rs:
-            _points(ax, rs, xcol, ycol, color=COLORS[kind], marker=MARKERS[kind], label=NAMES[kind], line=False)
+        sweep_rows = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r[xcol])
+        if sweep_rows:
+            _points(ax, sweep_rows, xcol, ycol, color=COLORS[kind], marker=MARKERS[kind], label=NAMES[kind], line=False)
     bad = [r for r in rows if r.get("failed")]
     if bad:
         ax.scatter(
@@ -108,11 +108,18 @@ def static_figure(records: list[dict], x: str = "throughput", y: str = "accuracy
     return fig
 
 
-def _points(ax, rs: list[dict], xcol: str, ycol: str, *, color: str, marker: str, label: str, line: bool) -> None:
-    xs, ys = [r[xcol] for r in rs], [r[ycol] for r in rs]
+def _points(
+    ax, sweep_rows: list[dict], xcol: str, ycol: str, *, color: str, marker: str, label: str, line: bool
+) -> None:
+    xs, ys = [r[xcol] for r in sweep_rows], [r[ycol] for r in sweep_rows]
     err = None
-    if ycol == "accuracy" and all(r.get("acc_ci_low") is not None and r.get("acc_ci_high") is not None for r in rs):
-        err = [[r["accuracy"] - r["acc_ci_low"] for r in rs], [r["acc_ci_high"] - r["accuracy"] for r in rs]]
+    if ycol == "accuracy" and all(
+        r.get("acc_ci_low") is not None and r.get("acc_ci_high") is not None for r in sweep_rows
+    ):
+        err = [
+            [r["accuracy"] - r["acc_ci_low"] for r in sweep_rows],
+            [r["acc_ci_high"] - r["accuracy"] for r in sweep_rows],
+        ]
     ax.errorbar(
         xs,
         ys,

@@ -27,11 +27,13 @@ class Arrivals:
         cfg = msg.config
         prompt = cfg.prompt_of(self.name)
         seen = dict.fromkeys([*msg.peers, self.name], len(prompt))
-        rs = RequestState(seen=seen, state=msg.state, seen_bytes={self.name: 0} if self.text is not None else {})
+        request_state = RequestState(
+            seen=seen, state=msg.state, seen_bytes={self.name: 0} if self.text is not None else {}
+        )
         seq = Seq(
             cfg,
             list(prompt),
-            rs,
+            request_state,
             generator=make_generator(cfg.params.seed, self.index, self.runner.device),
             prompt_len=len(prompt),
             text=TextView() if self.text is not None else None,
@@ -115,7 +117,7 @@ class Arrivals:
         seq.tokens.extend(msg.suffix)
         if seq.kv_len >= len(seq.tokens):  # peer discarded and bounced back: recompute the last position
             self.sched.rewind(seq, len(seq.tokens) - 1)
-        seq.rs, seq.resamples = msg.request, 0
+        seq.request_state, seq.resamples = msg.request, 0
         if msg.rid in self.aborted:
             self._end_aborted(seq)
             return
@@ -157,7 +159,7 @@ class Arrivals:
         seq.prefill_only = False
         kv = seq.kv_len
         retokenize(seq, self.text.vocab, msg.data, self.sched)
-        seq.rs, seq.resamples = msg.request, 0
+        seq.request_state, seq.resamples = msg.request, 0
         self._emit(
             messages.Retokenized(
                 seq.rid, self.name, max(0, kv - seq.kv_len), len(seq.tokens) - seq.kv_len, len(seq.tokens), self.clock()

@@ -30,13 +30,13 @@ def commit_token(s: Seq, tok: int, model: str, max_context: int, tokenizer) -> t
     """Commit ``tok`` to ``s`` on ``model`` (one shared tokenizer): ``(finish reason or None,
     stop reason)``; the stop reason is the stop token id or the stop string found, else None."""
     s.tokens.append(tok)
-    s.rs.seen[model] = len(s.tokens)
-    s.rs.n_committed += 1
-    s.rs.hops_since_commit = s.resamples = 0
+    s.request_state.seen[model] = len(s.tokens)
+    s.request_state.n_committed += 1
+    s.request_state.hops_since_commit = s.resamples = 0
     p = s.config.params
     reason, why = None, None
-    if s.rs.n_committed <= len(s.config.forced):
-        if s.rs.n_committed >= p.max_new_tokens or len(s.tokens) >= max_context:
+    if s.request_state.n_committed <= len(s.config.forced):
+        if s.request_state.n_committed >= p.max_new_tokens or len(s.tokens) >= max_context:
             reason = "length"
     elif tok in p.stop_token_ids:
         reason, why = "stop", tok
@@ -44,7 +44,7 @@ def commit_token(s: Seq, tok: int, model: str, max_context: int, tokenizer) -> t
         reason = "eos"
     elif p.stop and (why := _hit_stop(s, tokenizer)) is not None:
         reason = "stop"
-    elif s.rs.n_committed >= p.max_new_tokens or len(s.tokens) >= max_context:
+    elif s.request_state.n_committed >= p.max_new_tokens or len(s.tokens) >= max_context:
         reason = "length"
     return reason, why
 
@@ -60,12 +60,12 @@ def commit_text(
     data = text.vocab.table[tok]
     s.tokens.append(tok)
     s.text.append(data)
-    rs = s.rs
-    rs.n_bytes += len(data)
-    rs.seen_bytes[model] = rs.n_bytes
-    rs.seen[model] = len(s.tokens)
-    rs.n_committed += 1
-    rs.hops_since_commit = s.resamples = 0
+    request_state = s.request_state
+    request_state.n_bytes += len(data)
+    request_state.seen_bytes[model] = request_state.n_bytes
+    request_state.seen[model] = len(s.tokens)
+    request_state.n_committed += 1
+    request_state.hops_since_commit = s.resamples = 0
     p = s.config.params
     reason, why, units = None, None, None
     if tok in text.eos_ids and not p.ignore_eos:
@@ -74,7 +74,7 @@ def commit_text(
         reason = "stop"
     elif len(s.tokens) >= max_context:
         reason = "length"
-    elif rs.n_bytes >= p.max_new_tokens:  # a token writes at least one byte: fewer bytes, fewer tokens
+    elif request_state.n_bytes >= p.max_new_tokens:  # a token writes at least one byte: fewer bytes, fewer tokens
         units = _count_units(text, s)
         reason = "length" if units >= p.max_new_tokens else None
     if reason is not None and units is None:
@@ -85,9 +85,11 @@ def commit_text(
 def _count_units(text: TextMode, s: Seq) -> int:
     """The committed text's tokens in the unit model's vocabulary (`ByteVocab.count`; the
     count's stable boundary travels with the request)."""
-    rs = s.rs
-    rs.units, rs.unit_at, rs.unit_base = text.unit.count(s.text.data, rs.unit_at, rs.unit_base)
-    return rs.units
+    request_state = s.request_state
+    request_state.units, request_state.unit_at, request_state.unit_base = text.unit.count(
+        s.text.data, request_state.unit_at, request_state.unit_base
+    )
+    return request_state.units
 
 
 def _hit_stop_text(s: Seq, added: int) -> str | None:
@@ -133,7 +135,7 @@ def given_tokens(batch: list[Seq], tokens: list[int], idx) -> list[int]:
     still inside its forced output (`RequestConfig.forced`: teacher forcing) in place of the
     drawn one (in place; returned)."""
     for j, i in enumerate(idx):
-        forced, pos = batch[i].config.forced, batch[i].rs.n_committed
+        forced, pos = batch[i].config.forced, batch[i].request_state.n_committed
         if pos < len(forced):
             tokens[j] = forced[pos]
     return tokens

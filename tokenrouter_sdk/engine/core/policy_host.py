@@ -448,14 +448,14 @@ class PolicyHost:
             text = "<unprintable>"
         return (
             f"policy {self.name(s)}.{fn} raised {type(e).__name__}: {text}{loc} on model '{self.model}' "
-            f"at output position {s.rs.n_committed} of request {s.rid}",
+            f"at output position {s.request_state.n_committed} of request {s.rid}",
             tb,
         )
 
     def returned(self, s: Seq, fn: str, e: Exception) -> str:
         """The message of policy method ``fn`` returning a value it may not (`PolicyReturnError`)."""
         return (
-            f"policy {self.name(s)}.{fn} {e} (on model '{self.model}' at output position {s.rs.n_committed} "
+            f"policy {self.name(s)}.{fn} {e} (on model '{self.model}' at output position {s.request_state.n_committed} "
             f"of request {s.rid})"
         )
 
@@ -471,8 +471,8 @@ class PolicyHost:
             prompt_ids=s.config.prompt_of(self.model),
             output_ids=s.output_ids,
             owner=self.model,
-            state=s.rs.state,
-            hops=s.rs.hops,
+            state=s.request_state.state,
+            hops=s.request_state.hops,
             models=tuple(self.models),
             key=s.config.key,
             text_of=text,
@@ -503,18 +503,18 @@ class PolicyHost:
                 if not isinstance(d, Resample):
                     continue
                 s = batch[i]
-                if s.rs.n_committed < len(s.config.forced):  # a given token: nothing to draw again
+                if s.request_state.n_committed < len(s.config.forced):  # a given token: nothing to draw again
                     decisions[i] = self.model
                     continue
                 s.resamples += 1
                 if s.resamples > limit:
                     decisions[i] = RequestFailed(
-                        f"policy {self.name(s)} resampled output position {s.rs.n_committed} "
+                        f"policy {self.name(s)} resampled output position {s.request_state.n_committed} "
                         f"of request {s.rid} {s.resamples} times in a row on model '{self.model}'; let a draw "
                         f"stand (return the model) after at most {limit}"
                     )
                     continue
-                s.rs.discarded += 1
+                s.request_state.discarded += 1
                 resampled(s, tokens[i])
                 redo.append(i)
             if not redo:
@@ -544,8 +544,8 @@ class PolicyHost:
         groups: dict[int, list[int]] = {}
         for j, i in enumerate(idx):
             s = batch[i]
-            if s.rs.span is not None:
-                out[j] = s.rs.return_to if s.rs.span <= 1 else self.model
+            if s.request_state.span is not None:
+                out[j] = s.request_state.return_to if s.request_state.span <= 1 else self.model
             else:
                 groups.setdefault(s.config.policy_key, []).append(j)
         for key, js in groups.items():
@@ -576,7 +576,7 @@ class PolicyHost:
         decision or a `RequestFailed`, the hook name errors use)."""
         n = len(rows_i)
         rows = None if rows_i == list(range(len(batch))) else torch.tensor(rows_i, dtype=torch.long)
-        sb = StepBatch(
+        step_batch = StepBatch(
             self.model,
             self.models,
             torch.tensor([tokens[i] for i in rows_i]),
@@ -587,12 +587,12 @@ class PolicyHost:
             needs=pol.needs,
             rows=rows,
             policy=policy_text(pol),
-            peer_logits=[batch[i].rs.peer_logits for i in rows_i],
+            peer_logits=[batch[i].request_state.peer_logits for i in rows_i],
             prompt_hidden=[prompt_hidden[i] for i in rows_i],
         )
         fn = "route" if type(pol).route_batch is Policy.route_batch else "route_batch"  # the default calls route
         try:  # once: never re-run for a request because another one failed (state changes apply once)
-            res = call_route_batch(pol, sb, n)
+            res = call_route_batch(pol, step_batch, n)
         except PolicyReturnError as e:
             res = [
                 RequestFailed(
@@ -613,9 +613,9 @@ class PolicyHost:
                         tb,
                     )
                 )
-        if sb.tokens_changed:
+        if step_batch.tokens_changed:
             for k, i in enumerate(rows_i):
-                tokens[i] = int(sb.tokens[k])
+                tokens[i] = int(step_batch.tokens[k])
             forced = given_tokens(batch, [tokens[i] for i in rows_i], rows_i)
             for k, i in enumerate(rows_i):
                 tokens[i] = forced[k]
@@ -623,15 +623,15 @@ class PolicyHost:
 
     def check_hops(self, s: Seq, limit: int) -> None:
         """Fail ``s`` when its policy handed it off more than ``limit`` times in a row without
-        a commit (``s.rs.hops_since_commit``, counted by the caller).
+        a commit (``s.request_state.hops_since_commit``, counted by the caller).
 
         Raises:
             RequestFailed: naming the policy, the request, the count and the fix.
         """
-        if s.rs.hops_since_commit > limit:
+        if s.request_state.hops_since_commit > limit:
             raise RequestFailed(
                 f"policy {self.name(s)} handed request {s.rid} off "
-                f"{s.rs.hops_since_commit} times in a row without committing a token (ping-pong between "
+                f"{s.request_state.hops_since_commit} times in a row without committing a token (ping-pong between "
                 f"models); let the receiving model keep its token (Handoff(keep_sampled=True)) or stay"
             )
 
@@ -651,14 +651,14 @@ class PolicyHost:
             raise RequestFailed(*self.raised(s, "send", e)) from e
 
     def receive(self, s: Seq, keep_sampled: bool) -> tuple | None:
-        """Run the ``receive`` hook of ``s`` arriving here (``Handoff(keep_sampled, s.rs.span,
-        s.rs.greedy)``); None when it went well, else the ``Finished`` error arguments
+        """Run the ``receive`` hook of ``s`` arriving here (``Handoff(keep_sampled, s.request_state.span,
+        s.request_state.greedy)``); None when it went well, else the ``Finished`` error arguments
         (message, and the traceback when it raised) that fail the request."""
         pol = self.policies.get(s.config.policy_key)
         try:
             if pol is None:
                 raise RuntimeError("the request's policy is no longer registered")
-            call_receive(pol, Handoff(keep_sampled, s.rs.span, s.rs.greedy), self.view(s))
+            call_receive(pol, Handoff(keep_sampled, s.request_state.span, s.request_state.greedy), self.view(s))
         except PolicyReturnError as e:
             return (self.returned(s, "receive", e),)
         except Exception as e:  # noqa: BLE001 - a policy error fails this request only

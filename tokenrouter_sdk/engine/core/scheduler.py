@@ -38,7 +38,7 @@ class Seq:
     Attributes:
         config: the request's immutable part.
         tokens: prompt + committed tokens this model knows, shape [n].
-        rs: its `RequestState`: what travels with it to the next model (seen counts, committed
+        request_state: its `RequestState`: what travels with it to the next model (seen counts, committed
             count, hop counters, policy state, forced span, greedy, peer logits).
         kv_len: how many of them are in this model's KV (invariant: KV holds tokens[:kv_len]).
         table: block table in this model's pool.
@@ -61,7 +61,7 @@ class Seq:
 
     config: RequestConfig
     tokens: list[int]
-    rs: RequestState = field(default_factory=RequestState)
+    request_state: RequestState = field(default_factory=RequestState)
     kv_len: int = 0
     table: list[int] = field(default_factory=list)
     status: str = "waiting"

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 __all__ = ["serve"]
 
 
-def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], None], cores=None) -> None:
-    """Serve ``ss`` until `Shutdown`: handle every message waiting in ``inbox`` (block when it
+def serve(subserver: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], None], cores=None) -> None:
+    """Serve ``subserver`` until `Shutdown`: handle every message waiting in ``inbox`` (block when it
     cannot step), hand what handling produced to ``deliver``, run one step and hand its
     `StepResult` to ``deliver`` (only non-empty results are delivered). The thread transport
     and the sub-server process run this loop; ``deliver`` must keep the order of `StepResult`
@@ -28,21 +28,21 @@ def serve(ss: SubServer, inbox: queue.Queue, deliver: Callable[[StepResult], Non
     Raises:
         RunnerDied, or whatever a step raises outside a request: the caller reports the model dead.
     """
-    while ss.running:
+    while subserver.running:
         try:
-            wait = not ss.can_step()
+            wait = not subserver.can_step()
             if wait and cores is not None:
-                cores.idle(len(ss.sched.seqs))
-            ss.handle(inbox.get(block=wait))
+                cores.idle(len(subserver.sched.seqs))
+            subserver.handle(inbox.get(block=wait))
             while True:
-                ss.handle(inbox.get_nowait())
+                subserver.handle(inbox.get_nowait())
         except queue.Empty:
             pass
-        res = ss.take()
+        res = subserver.take()
         if res:
             deliver(res)
-        if cores is not None and ss.can_step():
+        if cores is not None and subserver.can_step():
             cores.busy()
-        res = ss.step()
+        res = subserver.step()
         if res:
             deliver(res)

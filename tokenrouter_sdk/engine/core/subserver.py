@@ -109,12 +109,12 @@ class SubServer(Arrivals):
         banned = [i for i in (text.banned if text is not None else ()) if i < self.vocab_limit]
         self._banned = torch.tensor(banned, dtype=torch.long) if banned else None
         self.inflight = 0
-        self._go: list[int] = []
+        self._go_rounds: list[int] = []
         self._out = StepResult()  # what handling and stepping produced since the last take/step
-        self._late: list | None = None  # inside a step: its Finished events, placed after its StepDone
+        self._late_finishes: list | None = None  # inside a step: its Finished events, placed after its StepDone
         self.clock = clock
         self._may_step = (
-            (lambda: bool(self._go))
+            (lambda: bool(self._go_rounds))
             if self.mode.gated
             else self.delayed_ok
             if self.mode.batches_delayed
@@ -129,7 +129,7 @@ class SubServer(Arrivals):
             messages.Shutdown: self._shutdown,
             messages.RegisterPolicy: lambda m: self.host.add(m.key, m.policy),
             messages.UnregisterPolicy: lambda m: self.host.remove(m.key),
-            messages.Go: lambda m: self._go.append(m.round),
+            messages.Go: lambda m: self._go_rounds.append(m.round),
             messages.SetInflight: self._set_inflight,
             messages.SetThresholds: self._set_thresholds,
             messages.StatsQuery: lambda m: self._emit(self.stats(m.token)),
@@ -209,17 +209,17 @@ class SubServer(Arrivals):
         return self.take()
 
     def _step_once(self) -> bool:
-        rnd = self._go.pop(0) if self.mode.gated else None
+        rnd = self._go_rounds.pop(0) if self.mode.gated else None
         pre = self.sched.preemptions
         batch = self.sched.schedule()
         for seq in self.sched.unfit:
             self._finish(seq, "failed", self.sched.kv_error(seq, self.name))
         if batch:
-            self._late = []
+            self._late_finishes = []
             try:
                 self._step(batch, self.sched.preemptions - pre, rnd)
             finally:
-                late, self._late = self._late, None
+                late, self._late_finishes = self._late_finishes, None
                 self._out.events.extend(late)
             return True
         if rnd is not None:
@@ -229,7 +229,7 @@ class SubServer(Arrivals):
     def _wants_prompt_hidden(self, s: Seq) -> bool:
         """Whether this step must keep every prompt position's hidden state of ``s``: its first
         step (on its entry model, from position 0) under a policy with ``Needs(prompt_hidden)``."""
-        if s.prefill_only or s.rs.hops or s.rs.n_committed or s.kv_len:
+        if s.prefill_only or s.request_state.hops or s.request_state.n_committed or s.kv_len:
             return False
         return self.host.needs(s.config.policy_key, "prompt_hidden")
 
@@ -252,7 +252,7 @@ class SubServer(Arrivals):
             return
         self._finish(s, "failed", f"forward of model '{self.name}' failed for request {s.rid}: {type(e).__name__}: {e}")
 
-    def _step(self, batch: list[Seq], preempted: int, round: int | None) -> None:
+    def _step(self, batch: list[Seq], preempted: int, go_round: int | None) -> None:
         t0 = self.clock()
         fed = {s.rid: len(s.tokens) - s.kv_len for s in batch}
         batch, logits, hidden, fed_hidden = self._forward(batch)
@@ -287,7 +287,7 @@ class SubServer(Arrivals):
                 self.config.max_hops_without_commit,
             )
             for s in batch:
-                s.rs.peer_logits = None  # read by this step's route only
+                s.request_state.peer_logits = None  # read by this step's route only
             for i, (s, tok, dec) in enumerate(zip(batch, tokens, decisions)):
                 if isinstance(dec, RequestFailed):
                     self._finish(s, "failed", *dec.args)
@@ -318,7 +318,7 @@ class SubServer(Arrivals):
                 tokens_fed=sum(fed.values()),
                 fed=fed,
                 preempted=preempted,
-                round=round,
+                round=go_round,
                 kv_used_blocks=blocks.num_blocks - blocks.num_free,
                 queued=max(0, len(owned) - len(batch)),
                 kv_pending_blocks=pending,
@@ -332,17 +332,17 @@ class SubServer(Arrivals):
         """A token per request of ``batch`` at rows ``idx`` (greedy after ``Handoff(greedy=True)``)."""
         idx = list(idx)
         rows = logits if len(idx) == len(batch) else logits[torch.tensor(idx, dtype=torch.long)]
-        params = [GREEDY if batch[i].rs.greedy else batch[i].config.params for i in idx]
+        params = [GREEDY if batch[i].request_state.greedy else batch[i].config.params for i in idx]
         tokens = sample(rows, params, [batch[i].generator for i in idx]).tolist()
         return given_tokens(batch, tokens, idx)
 
     def _resampled(self, s: Seq, tok: int) -> None:
-        self._emit(messages.Resampled(s.rid, self.name, tok, s.rs.n_committed, self.clock()))
+        self._emit(messages.Resampled(s.rid, self.name, tok, s.request_state.n_committed, self.clock()))
 
     def _apply(self, s: Seq, tok: int, target: str, logits: torch.Tensor, row: int) -> None:
         lp = None if s.config.params.logprobs is None else logprobs(logits[row], tok, s.config.params.logprobs)
-        if s.rs.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
-            s.rs.span -= 1
+        if s.request_state.span is not None:  # forced span on the peer (e.g. R2R: the large model writes 1 token)
+            s.request_state.span -= 1
             if self._commit(s, tok, lp) or target == self.name:
                 return
             self._handoff(s, target, Handoff(keep_sampled=True), committed=True)
@@ -355,7 +355,7 @@ class SubServer(Arrivals):
             if self._commit(s, tok, lp):
                 return
         else:
-            s.rs.discarded += 1
+            s.request_state.discarded += 1
         peer = None
         if not h.keep_sampled and self.host.needs(s.config.policy_key, "handoff_logits"):
             peer = logits[row].detach().cpu()  # only here: a torch op lets peer threads run
@@ -395,24 +395,24 @@ class SubServer(Arrivals):
         token: int | None = None,
         peer_logits: torch.Tensor | None = None,
     ) -> None:
-        s.rs.hops += 1
-        s.rs.hops_since_commit = 0 if committed else s.rs.hops_since_commit + 1
+        s.request_state.hops += 1
+        s.request_state.hops_since_commit = 0 if committed else s.request_state.hops_since_commit + 1
         self.host.check_hops(s, self.config.max_hops_without_commit)
-        t_seen = s.rs.seen.get(target, 0)
-        seen = dict(s.rs.seen)
+        t_seen = s.request_state.seen.get(target, 0)
+        seen = dict(s.request_state.seen)
         seen[target] = len(s.tokens)
-        seen_bytes = dict(s.rs.seen_bytes)
+        seen_bytes = dict(s.request_state.seen_bytes)
         self._emit(messages.Hopped(s.rid, self.name, target, committed, self.clock(), token))
         if self.text is not None:  # the committed bytes the target has not seen
             b_seen = seen_bytes.get(target)
-            seen_bytes[target] = s.rs.n_bytes
+            seen_bytes[target] = s.request_state.n_bytes
             suffix, data = [], bytes(s.text.data[b_seen or 0 :])
             config = s.config if b_seen is None else None
         else:
             suffix, data = s.tokens[t_seen:], b""
             config = s.config if t_seen <= len(s.config.prompt_ids) else None
         travels = dataclasses.replace(
-            s.rs,
+            s.request_state,
             seen=seen,
             span=h.span,
             return_to=self.name if h.span is not None else None,
@@ -421,8 +421,8 @@ class SubServer(Arrivals):
             seen_bytes=seen_bytes,
         )
         msg = messages.HandoffMsg(s.rid, self.name, suffix, travels, h.keep_sampled, config=config, data=data)
-        s.rs = dataclasses.replace(
-            s.rs,
+        s.request_state = dataclasses.replace(
+            s.request_state,
             seen=dict(seen),
             span=None,
             return_to=None,
@@ -438,11 +438,11 @@ class SubServer(Arrivals):
 
     def _finish(self, s: Seq, reason: str, error: str | None, tb: str | None = None, stop_reason=None) -> None:
         ev = messages.Finished(s.rid, self.name, reason, error, self.clock(), stop_reason, tb)
-        if self._late is not None:
-            self._late.append(ev)  # so a request's last step is in the trace before it ends
+        if self._late_finishes is not None:
+            self._late_finishes.append(ev)  # so a request's last step is in the trace before it ends
         else:
             self._emit(ev)
-        for m, n in s.rs.seen.items():
+        for m, n in s.request_state.seen.items():
             if m != self.name and n > 0:
                 self._send(m, messages.Release(s.rid))
         self.sched.remove(s.rid)

@@ -297,24 +297,24 @@ def compute_metrics(trace: list, rids: set[int] | None, models: list[str]) -> Me
         if t0 <= s.t_start <= t1:
             steps[s.model].append(s)
     for name in models:
-        ss = steps.get(name, [])
-        busy = sum(s.t_end - s.t_start for s in ss)
-        fwd = sum(s.forward_s for s in ss)
+        model_steps = steps.get(name, [])
+        busy = sum(s.t_end - s.t_start for s in model_steps)
+        fwd = sum(s.forward_s for s in model_steps)
         m.per_model[name] = ModelMetrics(
-            steps=len(ss),
+            steps=len(model_steps),
             busy_fraction=busy / m.wall_s if m.wall_s > 0 else 0.0,
             forward_fraction=fwd / busy if busy > 0 else 0.0,
-            mean_step_s=busy / len(ss) if ss else 0.0,
-            tokens_fed=sum(s.tokens_fed for s in ss),
+            mean_step_s=busy / len(model_steps) if model_steps else 0.0,
+            tokens_fed=sum(s.tokens_fed for s in model_steps),
             committed_tokens=per_model_tok[name],
-            batch_size_hist=dict(Counter(s.batch_size for s in ss)),
-            preemptions=sum(s.preempted for s in ss),
-            kv_blocks_peak=max((s.kv_used_blocks for s in ss), default=0),
-            kv_blocks_mean=statistics.fmean(s.kv_used_blocks for s in ss) if ss else 0.0,
-            kv_pending_blocks_peak=max((s.kv_pending_blocks for s in ss), default=0),
-            prefix_hit_tokens=sum(s.cache_hit_tokens for s in ss),
-            prefix_query_tokens=sum(s.cache_query_tokens for s in ss),
-            kv_cached_blocks=ss[-1].kv_cached_blocks if ss else 0,
+            batch_size_hist=dict(Counter(s.batch_size for s in model_steps)),
+            preemptions=sum(s.preempted for s in model_steps),
+            kv_blocks_peak=max((s.kv_used_blocks for s in model_steps), default=0),
+            kv_blocks_mean=statistics.fmean(s.kv_used_blocks for s in model_steps) if model_steps else 0.0,
+            kv_pending_blocks_peak=max((s.kv_pending_blocks for s in model_steps), default=0),
+            prefix_hit_tokens=sum(s.cache_hit_tokens for s in model_steps),
+            prefix_query_tokens=sum(s.cache_query_tokens for s in model_steps),
+            kv_cached_blocks=model_steps[-1].kv_cached_blocks if model_steps else 0,
             committed_chars=chars[name],
         )
         pm = m.per_model[name]

@@ -130,7 +130,7 @@ class Engine:
             messages.Retokenized: self._on_retokenized,
         }
         self._next_token = 0
-        self._round, self._awaiting, self._rr = 0, set(), 0
+        self._round, self._awaiting, self._next_target = 0, set(), 0
         self._done_waiters: dict[int, list[Callable[[], None]]] = {}
         self.transport = transport if transport is not None else ThreadTransport()
         self.clock = self.transport.clock
@@ -429,8 +429,8 @@ class Engine:
         if not self.config.mode.gated or self._awaiting or self._inflight == 0 or self._closed:
             return
         self._round += 1
-        targets = self.config.mode.round_targets([m for m in self.models if m not in self._dead], self._rr)
-        self._rr += 1
+        targets = self.config.mode.round_targets([m for m in self.models if m not in self._dead], self._next_target)
+        self._next_target += 1
         self._awaiting = set(targets)
         for name in targets:
             self.transport.send(name, messages.Go(self._round))

@@ -134,8 +134,8 @@ def run_subserver(
         t_loaded = time.perf_counter()
         if isinstance(spec, _LoadError):
             raise RuntimeError(spec.text)
-        ss = build_subserver(spec)
-        lend_between_layers(ss.runner, cores)
+        subserver = build_subserver(spec)
+        lend_between_layers(subserver.runner, cores)
         boot = {
             "pid": os.getpid(),
             "preloaded": preloaded,
@@ -143,7 +143,7 @@ def run_subserver(
             "received": t_received,
             "loaded": t_loaded,
             "built": time.perf_counter(),
-            "runner": RunnerInfo.of(ss.runner).geometry(),
+            "runner": RunnerInfo.of(subserver.runner).geometry(),
         }
         rx = threading.Thread(
             target=_child_receive,
@@ -152,7 +152,7 @@ def run_subserver(
             daemon=True,
         )
         rx.start()
-        serve(ss, inbox, deliver, cores=cores)
+        serve(subserver, inbox, deliver, cores=cores)
         if fatal:
             raise RuntimeError(fatal[0])
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the requests

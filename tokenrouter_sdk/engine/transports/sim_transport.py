@@ -115,14 +115,14 @@ class SimTransport:
                 else:
                     self.subservers[dest].handle(msg)
             ran = False
-            for name, ss in self.subservers.items():
-                res = ss.take()
+            for name, subserver in self.subservers.items():
+                res = subserver.take()
                 if res:
                     self._deliver(res, self.now)
                 if self._busy[name] <= self.now:
                     self._stepping, self._local[name] = name, self.now
                     try:
-                        res = ss.step()
+                        res = subserver.step()
                     finally:
                         self._stepping = None
                     self._deliver(res, self._local[name])
@@ -156,12 +156,12 @@ class SimTransport:
 
     def reported(self) -> dict[str, dict]:
         """Per model, its runner as built (`RunnerInfo.geometry`)."""
-        return {name: RunnerInfo.of(ss.runner.wrapped).geometry() for name, ss in self.subservers.items()}
+        return {name: RunnerInfo.of(subserver.runner.wrapped).geometry() for name, subserver in self.subservers.items()}
 
     def local_runner(self, model: str):
         """``model``'s runner object (it lives in this process), or None."""
-        ss = self.subservers.get(model)
-        return None if ss is None else ss.runner.wrapped
+        subserver = self.subservers.get(model)
+        return None if subserver is None else subserver.runner.wrapped
 
     def close(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -169,8 +169,8 @@ class SimTransport:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        for ss in self.subservers.values():  # the runners live here: their KV storage ends with them
-            runner = ss.runner.wrapped
+        for subserver in self.subservers.values():  # the runners live here: their KV storage ends with them
+            runner = subserver.runner.wrapped
             release = getattr(runner, "release", None)
             release() if release is not None else runner.pool.release()
 

@@ -95,8 +95,8 @@ class ThreadTransport:
             for t in self._threads:
                 t.join()
             self._threads.clear()
-            for ss in self.subservers.values():
-                release = getattr(ss.runner, "release", None)
+            for subserver in self.subservers.values():
+                release = getattr(subserver.runner, "release", None)
                 if release is not None:
                     release()
             self.subservers = {}
@@ -131,22 +131,22 @@ class ThreadTransport:
             except Exception:  # noqa: BLE001 - never let an engine error stop the delivery of events
                 traceback.print_exc()
 
-    def _serve(self, ss) -> None:
+    def _serve(self, subserver) -> None:
         from ..core.serve_loop import serve
 
-        inbox = self.inboxes[ss.name]
+        inbox = self.inboxes[subserver.name]
         try:
-            serve(ss, inbox, self._deliver)
+            serve(subserver, inbox, self._deliver)
         except BaseException as e:  # noqa: BLE001 - report, the engine fails its requests
-            why = f"sub-server '{ss.name}' crashed: {type(e).__name__}: {e}"
-            self._dead[ss.name] = why
-            self.events.put(messages.ModelDied(ss.name, why, self.clock()))
+            why = f"sub-server '{subserver.name}' crashed: {type(e).__name__}: {e}"
+            self._dead[subserver.name] = why
+            self.events.put(messages.ModelDied(subserver.name, why, self.clock()))
             while True:  # answer what was sent to it meanwhile
                 try:
                     msg = inbox.get_nowait()
                 except queue.Empty:
                     break
-                ev = dead_letter(ss.name, msg, why, self.clock())
+                ev = dead_letter(subserver.name, msg, why, self.clock())
                 if ev is not None:
                     self.events.put(ev)
 
@@ -191,12 +191,12 @@ class ThreadTransport:
 
     def reported(self) -> dict[str, dict]:
         """Per model, its runner as built in its sub-server thread (`RunnerInfo.geometry`)."""
-        return {name: RunnerInfo.of(ss.runner).geometry() for name, ss in self.subservers.items()}
+        return {name: RunnerInfo.of(subserver.runner).geometry() for name, subserver in self.subservers.items()}
 
     def local_runner(self, model: str):
         """``model``'s runner object (it lives in this process), or None."""
-        ss = self.subservers.get(model)
-        return None if ss is None else ss.runner
+        subserver = self.subservers.get(model)
+        return None if subserver is None else subserver.runner
 
     def pending(self, model: str) -> bool:
         """Whether messages wait in ``model``'s inbox."""
@@ -214,6 +214,6 @@ class ThreadTransport:
         self._threads.clear()
         self.events.put(None)
         self._collector.join(timeout)
-        for ss in self.subservers.values():  # the runners live here: their KV storage ends with them
-            release = getattr(ss.runner, "release", None)
-            release() if release is not None else ss.runner.pool.release()
+        for subserver in self.subservers.values():  # the runners live here: their KV storage ends with them
+            release = getattr(subserver.runner, "release", None)
+            release() if release is not None else subserver.runner.pool.release()
