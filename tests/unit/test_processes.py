@@ -243,6 +243,10 @@ def test_a_killed_sub_server_is_restarted_and_serves_the_reference(pair, tok):
             assert h.output.finish_reason == "failed" and (
                 "sub-server process 'large' died" in h.output.error or "model 'large' is dead" in h.output.error
             ), h.output.error
+        deadline = time.monotonic() + 30  # a request can fail by a dead letter before the death is reported
+        while "large" not in r.dead:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         with pytest.raises(EngineDeadError, match=r"router.restart\('large'\)"):
             r.generate(mixed_prompts(1), max_new_tokens=4, timeout=30)
         assert r.restart("large", timeout=60) == ["large"]

@@ -260,7 +260,8 @@ class Resampled:
 class Finished:
     """The request ended on ``model`` at ``t``: ``reason`` is eos | length | stop | aborted |
     failed; ``error`` says why for failed/aborted; ``stop_reason`` is the stop string or stop
-    token id that ended it (reason ``stop``)."""
+    token id that ended it (reason ``stop``); ``undelivered``: a dead letter (`dead_letter`), the
+    answer to a message ``model`` could not receive, so no sub-server freed the request's KV."""
 
     rid: int
     model: str
@@ -269,6 +270,7 @@ class Finished:
     t: float
     stop_reason: str | int | None = None
     traceback: str | None = None
+    undelivered: bool = False
 
 
 @dataclass

@@ -308,7 +308,6 @@ def dead_letter(model: str, msg, why: str, t: float):
 
     if isinstance(msg, (messages.Admit, messages.HandoffMsg)):
         rid = msg.config.rid if isinstance(msg, messages.Admit) else msg.rid
-        return messages.Finished(
-            rid, model, "failed", f"model '{model}' is dead ({why}): the request was routed to it", t
-        )
+        error = f"model '{model}' is dead ({why}): the request was routed to it"
+        return messages.Finished(rid, model, "failed", error, t, undelivered=True)
     return None

@@ -576,7 +576,7 @@ class Engine:
         if h is None:
             return
         self._end(h, ev.reason, ev.error, ev.t, ev.stop_reason, ev.traceback)
-        if ev.model in self._dead:  # answered for a dead model: free what the live ones hold
+        if ev.model in self._dead or ev.undelivered:  # answered for a dead model: free what the live ones hold
             self._release_live(h.rid)
 
     def _end(
