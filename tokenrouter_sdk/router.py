@@ -58,13 +58,12 @@ class TokenEvent:
 
 def _processes_by_default(models: dict, runners: dict) -> bool:
     """Whether sub-servers run in processes when ``processes`` is not given: for two or more
-    torch models (given as models, not as runner objects), and for one on the CPU. A CPU forward computes in OpenMP
-    teams, and a team
-    started from any thread but a process's main one runs 25-45% slower once another thread of
-    the process (a notebook's main thread that ran torch) has a team of its own (libgomp shortens
-    its spin-waits when a process holds more OpenMP threads than cores: measured on this
-    project's 2-core CPU, SmolLM2-135M, 18 against 32 tokens/s one request at a time); a
-    sub-server process computes in its main thread."""
+    torch models (given as models, not as runner objects), and for one on the CPU. A CPU forward
+    computes in OpenMP teams, and a team started from any thread but a process's main one runs
+    slower once another thread of the process (a notebook's main thread that ran torch) has a
+    team of its own (libgomp shortens its spin-waits when a process holds more OpenMP threads than
+    cores; docs/benchmarks.md, "Processes for one CPU model"); a sub-server process computes in
+    its main thread."""
     built = [runners[n] for n, m in models.items() if not isinstance(m, Runner)]
     if len(built) >= 2:
         return True
@@ -980,13 +979,12 @@ class Router:
     def child_threads(self) -> int | None:
         """Torch threads each sub-server process (or Ray actor) runs with; None where the
         sub-servers run in this process (threads, ``backend="sim"``) or the count is not set yet."""
-        return getattr(self.engine.transport, "child_threads", None)  # only transports with child processes have it
+        return self.engine.transport.child_threads
 
     def pids(self) -> dict[str, int] | None:
         """Per model, the process id of its sub-server (for a Ray actor, its pid on its node);
         None where the sub-servers run in this process (threads, ``backend="sim"``)."""
-        pids = getattr(self.engine.transport, "pids", None)  # only transports with child processes have it
-        return pids() if pids is not None else None
+        return self.engine.transport.pids()
 
     def check_alive(self) -> None:
         """Report now a sub-server that stopped without saying so: its requests fail naming it

@@ -34,12 +34,12 @@ def message_sizes(vocab: int) -> dict:
 
     import torch
 
-    from tokenrouter_sdk.engine import messages as M
+    from tokenrouter_sdk.engine import messages
     from tokenrouter_sdk.engine.transports import codec
 
     def handoff(state):
-        rs = M.RequestState({"small": 140, "large": 140}, 12, 3, 0, 1, state, 1, "small")
-        return len(codec.encode(M.HandoffMsg(7, "small", [101, 102], rs, False, None)))
+        request_state = messages.RequestState({"small": 140, "large": 140}, 12, 3, 0, 1, state, 1, "small")
+        return len(codec.encode(messages.HandoffMsg(7, "small", [101, 102], request_state, False, None)))
 
     rng = random.Random("42:7")
     rng.random()
@@ -49,7 +49,7 @@ def message_sizes(vocab: int) -> dict:
         "handoff_distribution_state": handoff({"p": torch.softmax(torch.randn(vocab), -1)}),
         "step_done_batch8": len(
             codec.encode(
-                M.StepDone(
+                messages.StepDone(
                     model="small",
                     t_start=1.0,
                     t_end=1.1,
@@ -65,7 +65,7 @@ def message_sizes(vocab: int) -> dict:
                 )
             )
         ),
-        "committed_one_token": len(codec.encode(M.Committed(7, "small", [101], 1.05))),
+        "committed_one_token": len(codec.encode(messages.Committed(7, "small", [101], 1.05))),
     }
 
 

@@ -31,7 +31,7 @@ MAX_BYTES = 2_000_000  # a tutorial saved with its outputs stays under this
 SHORT = {
     "01_quickstart": "MAX_NEW_TOKENS = 12",
     "02_write_a_policy": "MAX_NEW_TOKENS = 12\nN_PROMPTS = 2",
-    "03_quality_at_hop_rate": "LIMIT = 2\nVALUES = [0.1]\nMAX_NEW_TOKENS = 16\nREFERENCES = ['large_only']",
+    "03_quality_at_hop_rate": "LIMIT = 2\nVALUES = [0.05]\nMAX_NEW_TOKENS = 16\nREFERENCES = ['large_only']",
     "04_scheduling": "N_REQUESTS = 4\nMAX_NEW_TOKENS = 8\nPROFILE = dict(steps=1, warmup=0, context=8)\n"
     "MODES = ['async', 'delayed']",
 }

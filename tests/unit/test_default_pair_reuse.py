@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from tokenrouter_sdk import models as M
+from tokenrouter_sdk import models
 from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
 
 
@@ -25,14 +25,14 @@ def loads(tmp_path, monkeypatch):
         count["n"] += 1
         return tiny_model(num_layers=3, seed=count["n"], dtype=dtype), tiny_tokenizer()
 
-    monkeypatch.setattr(M, "smollm2_folder", lambda cache=None: folder)
-    monkeypatch.setattr(M, "load_model", load)
-    monkeypatch.setattr(M, "_REUSABLE", {})
+    monkeypatch.setattr(models, "smollm2_folder", lambda cache=None: folder)
+    monkeypatch.setattr(models, "load_model", load)
+    monkeypatch.setattr(models, "_REUSABLE", {})
     return count
 
 
 def _pair(**kw):
-    return M.default_pair(small_layers=2, reuse=True, **kw)
+    return models.default_pair(small_layers=2, reuse=True, **kw)
 
 
 def test_same_objects_while_held_and_unchanged(loads):
@@ -40,10 +40,10 @@ def test_same_objects_while_held_and_unchanged(loads):
     assert loads["n"] == 1
     again = _pair()
     assert loads["n"] == 1 and all(a is b for a, b in zip(first, again))
-    assert M.default_pair(small_layers=2)[0] is not first[0] and loads["n"] == 2  # reuse off: a load
+    assert models.default_pair(small_layers=2)[0] is not first[0] and loads["n"] == 2  # reuse off: a load
     assert _pair()[0] is first[0] and loads["n"] == 2
     assert _pair(dtype=torch.float64)[0] is not first[0] and loads["n"] == 3  # another key
-    other_depth = M.default_pair(small_layers=1, reuse=True)
+    other_depth = models.default_pair(small_layers=1, reuse=True)
     assert other_depth[0] is not first[0] and loads["n"] == 4
 
 
@@ -52,7 +52,7 @@ def test_nothing_is_kept_alive(loads):
     del large, small, tok
     gc.collect()
     assert _pair() and loads["n"] == 2
-    assert len(M._REUSABLE) == 1  # the dead entry was dropped
+    assert len(models._REUSABLE) == 1  # the dead entry was dropped
 
 
 def _modify_in_place(large, small, tok):

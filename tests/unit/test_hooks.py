@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenrouter_sdk import Handoff, Needs, Policy, Router, SamplingParams
-from tokenrouter_sdk.engine import messages as M
+from tokenrouter_sdk.engine import messages
 from tokenrouter_sdk.policies import LargeOnly, RStitch, SmallOnly
 from tokenrouter_sdk.policies.co_llm import CoLLM
 from tokenrouter_sdk.policies.glimprouter import GlimpRouter
@@ -218,12 +218,12 @@ class RedrawOdd(Policy):
 @pytest.mark.parametrize("params,concurrency", MODES)
 def test_resample(pair, tok, params, concurrency):
     outs, events = run(pair, tok, RedrawOdd(), params, concurrency)
-    res = [e for e in events if isinstance(e, M.Resampled)]
+    res = [e for e in events if isinstance(e, messages.Resampled)]
     assert len(res) >= 8 and all(e.model == "small" and e.token % 2 for e in res)
     for o in outs:
         mine = [(e.position, e.token, e.model) for e in res if e.rid == o.rid]
         assert set(mine) <= set(o.discarded_log) and len(o.discarded_log) == o.discarded
-        hop_discards = sum(1 for e in events if isinstance(e, M.Hopped) and e.rid == o.rid and not e.kept)
+        hop_discards = sum(1 for e in events if isinstance(e, messages.Hopped) and e.rid == o.rid and not e.kept)
         assert o.discarded == len(mine) + hop_discards
     if params is SAMPLED:  # redraws change the draws: fewer odd small tokens than without them
         odd = sum(t % 2 for o in outs for t, m in zip(o.token_ids, o.token_models) if m == "small")
@@ -340,11 +340,11 @@ def fed_per_step(events, model="large"):
     order; how they interleave with the peer's depends on thread timing, so it is not used)."""
     committed, at_hop, fed = {}, {}, {}
     for ev in events:
-        if isinstance(ev, M.Committed):
+        if isinstance(ev, messages.Committed):
             committed[ev.rid] = committed.get(ev.rid, 0) + len(ev.tokens)
-        elif isinstance(ev, M.Hopped) and ev.dst == model and ev.rid not in at_hop:
+        elif isinstance(ev, messages.Hopped) and ev.dst == model and ev.rid not in at_hop:
             at_hop[ev.rid] = committed.get(ev.rid, 0)
-        elif isinstance(ev, M.StepDone) and ev.model == model:
+        elif isinstance(ev, messages.StepDone) and ev.model == model:
             for rid, n in ev.fed.items():
                 fed.setdefault(rid, []).append(n)
     return at_hop, fed

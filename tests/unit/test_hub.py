@@ -15,7 +15,7 @@ import pytest
 
 from tokenrouter_sdk import SamplingParams
 from tokenrouter_sdk.backends.torch_runner import TorchRunnerSpec
-from tokenrouter_sdk.engine import messages as M
+from tokenrouter_sdk.engine import messages
 from tokenrouter_sdk.engine.front.engine import Engine
 from tokenrouter_sdk.engine.transports.hub import HubTransport
 from tokenrouter_sdk.engine.transports.process_child import run_subserver
@@ -103,7 +103,7 @@ class ThreadLauncher:
         return {"by": "threads", "pid": hello["pid"]}
 
     def adjust(self, event):
-        if self.shift and isinstance(event, M.StepDone):
+        if self.shift and isinstance(event, messages.StepDone):
             event = dataclasses.replace(event, t_start=event.t_start + self.shift, t_end=event.t_end + self.shift)
         return event
 
@@ -165,7 +165,7 @@ def test_the_engine_sees_events_as_the_launcher_adjusts_them(models, tok):
         _run(engine, [[5, 6, 7]], RandomRouting(p=0.5, seed=1), SamplingParams(max_new_tokens=4, ignore_eos=True))
     finally:
         engine.close()
-    steps = [ev for ev in seen if isinstance(ev, M.StepDone)]
+    steps = [ev for ev in seen if isinstance(ev, messages.StepDone)]
     assert steps and all(ev.t_start > time.perf_counter() + 900 for ev in steps)
 
 

@@ -233,7 +233,7 @@ def test_plan_for_a_sim_router_analytic_and_pilot():
         assert sum(b - 1 for b in plan.thresholds.values()) < 6 and plan.predicted_tok_s > 0
 
 
-def test_router_latency_profiles_torch_models_once():
+def test_router_latency_profiles_torch_models_once(monkeypatch):
     import torch
 
     from tokenrouter_sdk.models import tiny_model, tiny_tokenizer
@@ -249,13 +249,13 @@ def test_router_latency_profiles_torch_models_once():
         seen = []
         real = torch.set_num_threads
         old = torch.get_num_threads()
-        r.engine.transport.child_threads = old + 1
+        monkeypatch.setattr(type(r.engine.transport), "child_threads", old + 1)  # as sub-server processes
         try:
             torch.set_num_threads = lambda k: (seen.append(k), real(k))[1]
             other = router_latency(r, 4, context=8, steps=1, warmup=1, extend_tokens=0)
         finally:
             torch.set_num_threads = real
-            del r.engine.transport.child_threads
+            monkeypatch.undo()
         assert seen == [old + 1, old] * 2 and torch.get_num_threads() == old  # once per model
         assert other["small"] is not lat["small"]
         assert set(small._tokenrouter_latency) == {old, old + 1}

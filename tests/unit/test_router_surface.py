@@ -8,7 +8,7 @@ from pathlib import Path
 from tests.helpers import mixed_prompts
 from tokenrouter_sdk import Router
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
-from tokenrouter_sdk.engine import messages as M
+from tokenrouter_sdk.engine import messages
 from tokenrouter_sdk.policies import RandomRouting
 from tokenrouter_sdk.request import SamplingParams
 
@@ -64,9 +64,9 @@ def test_router_surface_answers_the_engines_values(pair, tok):
         seen = []
         remove = r.add_observer(seen.append)
         r.generate(mixed_prompts(2, seed=1), max_new_tokens=6, ignore_eos=True)
-        steps = [ev for ev in seen if isinstance(ev, M.StepDone)]
+        steps = [ev for ev in seen if isinstance(ev, messages.StepDone)]
         assert steps and sum(ev.model == "large" for ev in steps) > 0
-        assert sum(isinstance(ev, M.Finished) for ev in seen) == 2
+        assert sum(isinstance(ev, messages.Finished) for ev in seen) == 2
         remove()
         last = r.trace
         n = len(seen)

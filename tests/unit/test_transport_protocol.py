@@ -5,6 +5,7 @@ import inspect
 import pytest
 
 from tokenrouter_sdk import Router
+from tokenrouter_sdk import router as router_module
 from tokenrouter_sdk.backends.sim_runner import LatencyModel
 from tokenrouter_sdk.engine.front import engine as engine_module
 from tokenrouter_sdk.engine.runner import Transport
@@ -16,6 +17,7 @@ from tokenrouter_sdk.engine.transports.transport import ThreadTransport
 from tokenrouter_sdk.policies import LargeOnly
 
 ENGINE_CALLS = {"start", "send", "hold", "clock", "alive", "close", "restart", "reported", "local_runner", "pending"}
+ROUTER_CALLS = {"pids"}
 TRANSPORTS = (ThreadTransport, SimTransport, HubTransport, ProcessTransport, RayTransport)
 
 
@@ -24,7 +26,7 @@ def declared(proto) -> set[str]:
 
 
 def test_the_protocol_declares_what_the_engine_calls():
-    assert declared(Transport) == ENGINE_CALLS
+    assert declared(Transport) == ENGINE_CALLS | ROUTER_CALLS
     called = set()
     src = inspect.getsource(engine_module)
     for n in ENGINE_CALLS | {"subservers", "child_threads", "pids"}:
@@ -36,8 +38,16 @@ def test_the_protocol_declares_what_the_engine_calls():
 
 @pytest.mark.parametrize("cls", TRANSPORTS, ids=lambda c: c.__name__)
 def test_every_transport_implements_the_protocol(cls):
-    missing = [n for n in sorted(ENGINE_CALLS) if not callable(getattr(cls, n, None))]
+    missing = [n for n in sorted(ENGINE_CALLS | ROUTER_CALLS) if not callable(getattr(cls, n, None))]
     assert not missing, f"{cls.__name__} lacks {missing}"
+    assert isinstance(vars(Transport)["child_threads"], property) and hasattr(cls, "child_threads")
+
+
+def test_the_router_reads_the_transport_without_probing(pair, tok):
+    src = inspect.getsource(router_module)
+    assert "getattr(self.engine.transport" not in src and "hasattr(self.engine.transport" not in src
+    with Router(pair, LargeOnly(), tokenizer=tok, processes=False) as r:
+        assert r.pids() is None and r.child_threads is None
 
 
 def test_sim_transport_answers_each_call():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import Alternate
-from tokenrouter_sdk.engine import messages as M
+from tokenrouter_sdk.engine import messages
 from tokenrouter_sdk.engine.step_result import StepResult, UnknownMessage
 from tokenrouter_sdk.engine.transports import codec
 from tokenrouter_sdk.engine.transports.wire import load_policy, policy_blob
@@ -37,13 +37,13 @@ CFG = RequestConfig(
 STATE = {"window": (1, 2), "p": Point(3), "scores": [0.5]}
 
 SAMPLES = {
-    M.Admit: M.Admit(CFG, 1.5, STATE, ("large",)),
-    M.Prefill: M.Prefill(CFG, "small"),
-    M.HandoffMsg: M.HandoffMsg(
+    messages.Admit: messages.Admit(CFG, 1.5, STATE, ("large",)),
+    messages.Prefill: messages.Prefill(CFG, "small"),
+    messages.HandoffMsg: messages.HandoffMsg(
         3,
         "small",
         [7, 8],
-        M.RequestState(
+        messages.RequestState(
             {"small": 5, "large": 5},
             2,
             3,
@@ -58,22 +58,22 @@ SAMPLES = {
         False,
         CFG,
     ),
-    M.Release: M.Release(3),
-    M.Abort: M.Abort(3, "failed", None),
-    M.RegisterPolicy: M.RegisterPolicy(4, Alternate()),
-    M.UnregisterPolicy: M.UnregisterPolicy(4),
-    M.Shutdown: M.Shutdown(),
-    M.ClearPrefixCache: M.ClearPrefixCache(),
-    M.Go: M.Go(7),
-    M.SetThresholds: M.SetThresholds({"small": 2, "large": 1}),
-    M.SetInflight: M.SetInflight(5),
-    M.StatsQuery: M.StatsQuery(2),
-    M.Admitted: M.Admitted(3, "small", 0.5),
-    M.Committed: M.Committed(3, "large", [9], 2.0, True, [(-0.5, ((9, -0.5), (4, -1.25)))]),
-    M.Hopped: M.Hopped(3, "small", "large", False, 2.5, 41),
-    M.Resampled: M.Resampled(3, "small", 12, 4, 3.0),
-    M.Finished: M.Finished(3, "large", "stop", None, 3.5, "\n", "Traceback ..."),
-    M.StepDone: M.StepDone(
+    messages.Release: messages.Release(3),
+    messages.Abort: messages.Abort(3, "failed", None),
+    messages.RegisterPolicy: messages.RegisterPolicy(4, Alternate()),
+    messages.UnregisterPolicy: messages.UnregisterPolicy(4),
+    messages.Shutdown: messages.Shutdown(),
+    messages.ClearPrefixCache: messages.ClearPrefixCache(),
+    messages.Go: messages.Go(7),
+    messages.SetThresholds: messages.SetThresholds({"small": 2, "large": 1}),
+    messages.SetInflight: messages.SetInflight(5),
+    messages.StatsQuery: messages.StatsQuery(2),
+    messages.Admitted: messages.Admitted(3, "small", 0.5),
+    messages.Committed: messages.Committed(3, "large", [9], 2.0, True, [(-0.5, ((9, -0.5), (4, -1.25)))]),
+    messages.Hopped: messages.Hopped(3, "small", "large", False, 2.5, 41),
+    messages.Resampled: messages.Resampled(3, "small", 12, 4, 3.0),
+    messages.Finished: messages.Finished(3, "large", "stop", None, 3.5, "\n", "Traceback ..."),
+    messages.StepDone: messages.StepDone(
         model="small",
         t_start=1.0,
         t_end=2.0,
@@ -90,21 +90,21 @@ SAMPLES = {
         cache_query_tokens=32,
         kv_cached_blocks=4,
     ),
-    M.Idle: M.Idle("large", 7),
-    M.ModelDied: M.ModelDied("large", "exit code -9", 4.0),
-    M.Stats: M.Stats("small", 2, 10, 20, 16, 1, 2, 3, 4, True, None, True, 5, 1, 64, 128),
+    messages.Idle: messages.Idle("large", 7),
+    messages.ModelDied: messages.ModelDied("large", "exit code -9", 4.0),
+    messages.Stats: messages.Stats("small", 2, 10, 20, 16, 1, 2, 3, 4, True, None, True, 5, 1, 64, 128),
     codec.PolicyBlob: codec.PolicyBlob(4, b"\x80\x05.", "Alternate()", {"f": ("<cell 3>", None)}),
-    M.Retokenized: M.Retokenized(3, "large", 2, 5, 40, 4.5),
+    messages.Retokenized: messages.Retokenized(3, "large", 2, 5, 40, 4.5),
 }
 # models that do not share a tokenizer: per-model prompts, committed bytes, byte counts, characters
 MIXED_CFG = dataclasses.replace(CFG, prompts={"small": [1, 2], "large": [7, 8, 9]})
 MIXED = [
-    M.Admit(MIXED_CFG, 1.5, {}, ()),
-    M.HandoffMsg(
+    messages.Admit(MIXED_CFG, 1.5, {}, ()),
+    messages.HandoffMsg(
         3,
         "small",
         [],
-        M.RequestState(
+        messages.RequestState(
             {"small": 5, "large": 1},
             2,
             3,
@@ -118,8 +118,8 @@ MIXED = [
         MIXED_CFG,
         b"\xe4\xbd\xa0a\xe4",
     ),
-    M.Committed(3, "small", [300], 2.0, False, None, 1, None),
-    M.Committed(3, "large", [9], 2.5, True, None, 0, 17),
+    messages.Committed(3, "small", [300], 2.0, False, None, 1, None),
+    messages.Committed(3, "large", [9], 2.5, True, None, 0, 17),
 ]
 
 
@@ -134,7 +134,7 @@ def test_every_message_round_trips(cls):
     assert type(back) is cls
     for f in dataclasses.fields(cls):
         a, b = getattr(msg, f.name), getattr(back, f.name)
-        if isinstance(a, M.RequestState):
+        if isinstance(a, messages.RequestState):
             assert torch.equal(a.peer_logits, b.peer_logits) and b.peer_logits.dtype == a.peer_logits.dtype
             a, b = dataclasses.replace(a, peer_logits=None), dataclasses.replace(b, peer_logits=None)
             assert b == a and type(b.state["window"]) is tuple
@@ -154,21 +154,22 @@ def test_the_fields_of_models_without_one_tokenizer_round_trip(msg):
 
 def test_a_step_result_round_trips_as_frames():
     res = StepResult(
-        [SAMPLES[M.Committed], SAMPLES[M.StepDone]], [("large", SAMPLES[M.HandoffMsg]), ("large", M.Release(3))]
+        [SAMPLES[messages.Committed], SAMPLES[messages.StepDone]],
+        [("large", SAMPLES[messages.HandoffMsg]), ("large", messages.Release(3))],
     )
     frames = codec.encode_result(res)
     assert codec.FRAMES[frames[0]] is codec.Frame.RESULT
-    events, messages = codec.split_result(frames[1:])
+    events, outgoing = codec.split_result(frames[1:])
     assert [codec.decode(e) for e in events] == res.events
-    assert [d for d, _ in messages] == ["large", "large"] and codec.decode(messages[1][1]) == M.Release(3)
+    assert [d for d, _ in outgoing] == ["large", "large"] and codec.decode(outgoing[1][1]) == messages.Release(3)
 
 
 def test_a_field_of_the_wrong_type_is_refused_by_name():
-    bad = codec.encode(M.Go(1))[:1] + msgspec.msgpack.encode(["one"])
+    bad = codec.encode(messages.Go(1))[:1] + msgspec.msgpack.encode(["one"])
     with pytest.raises(msgspec.ValidationError, match="int"):
         codec.decode(bad)
     with pytest.raises(TypeError, match=r"Go\.round"):
-        codec.encode(M.Go(object()))
+        codec.encode(messages.Go(object()))
 
 
 def test_an_unknown_message_is_an_explicit_error_in_the_codec():

@@ -198,7 +198,9 @@ class Committed:
     log-probability under ``model`` and the top alternatives, most likely first. Models that
     do not share a tokenizer: ``chars``, the characters that begin in the tokens' bytes, and
     ``units``, the committed text's length in the unit model's tokens after them where it was
-    counted (always on the last); None otherwise."""
+    counted (always on the last); None otherwise. ``stop_token``: the last token is the stop
+    token id or end-of-sequence id that ended the request (it is in the output's tokens, not in
+    its text)."""
 
     rid: int
     model: str
@@ -208,6 +210,7 @@ class Committed:
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
     chars: int | None = None
     units: int | None = None
+    stop_token: bool = False
 
 
 @dataclass

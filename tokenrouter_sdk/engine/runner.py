@@ -254,7 +254,8 @@ class Transport(Protocol):
     live in this process by model (empty when they live elsewhere), and ``pending(model)``
     says whether messages wait for one of them; ``send(model, msg)`` delivers a
     message to a sub-server (in order per sender); ``hold()`` is a batch submission (delivered
-    whole); ``clock()`` is the time; ``alive(model)`` whether it serves; ``close()`` stops all.
+    whole); ``clock()`` is the time; ``alive(model)`` whether it serves; ``close()`` stops all;
+    ``pids()`` and ``child_threads`` describe sub-server processes (the Router shows them).
     A message to a dead sub-server that carries a request (`Admit`, `HandoffMsg`) is answered
     with that request's ``Finished(failed)``. The engine calls every method below; a transport
     that cannot do one (`SimTransport` cannot ``restart``) raises ``RuntimeError`` naming
@@ -298,6 +299,17 @@ class Transport(Protocol):
     def pending(self, model: str) -> bool:
         """Whether messages for ``model`` wait to be delivered in this process (False when its
         sub-server lives elsewhere)."""
+        ...
+
+    def pids(self) -> dict[str, int] | None:
+        """Per model, the process id of its sub-server; None when the sub-servers live in this
+        process."""
+        ...
+
+    @property
+    def child_threads(self) -> int | None:
+        """Torch threads each sub-server process runs with; None when the sub-servers live in
+        this process or the count is not set yet."""
         ...
 
 

@@ -3,12 +3,12 @@ the request: the one place the sub-server's stop rules live.
 
 `commit_token` (models sharing one tokenizer) appends the token and checks, in order: inside a
 forced output (teacher forcing) only the length; then the request's stop token ids, the EOS ids
-(unless ``ignore_eos``), the stop strings (in the decoded output) and the length
-(``max_new_tokens`` or the model's context). `commit_text` (models that do not share a
-tokenizer, docs/mixed-vocabularies.md) appends the token's bytes and checks this model's EOS
-ids, the stop strings (in the bytes), the context and ``max_new_tokens`` counted in the unit
-model's tokens of the text. Both update the request's counters (`RequestState`) and report why
-it ended; the sub-server emits the events.
+(unless ``ignore_eos``) and the length (``max_new_tokens`` or the model's context).
+`commit_text` (models that do not share a tokenizer, docs/mixed-vocabularies.md) appends the
+token's bytes and checks this model's EOS ids, the context and ``max_new_tokens`` counted in the
+unit model's tokens of the text. Both update the request's counters (`RequestState`) and report
+why it ended; the sub-server emits the events. Stop strings are not a rule here: they are found
+where the text is made (`RequestHandle.commit`, in the engine), which then ends the request.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 __all__ = ["commit_token", "commit_text", "given_tokens", "logprobs"]
 
 
-def commit_token(s: Seq, tok: int, model: str, max_context: int, tokenizer) -> tuple[str | None, object]:
+def commit_token(s: Seq, tok: int, model: str, max_context: int) -> tuple[str | None, int | None]:
     """Commit ``tok`` to ``s`` on ``model`` (one shared tokenizer): ``(finish reason or None,
-    stop reason)``; the stop reason is the stop token id or the stop string found, else None."""
+    the stop token id that ended it or None)``."""
     s.tokens.append(tok)
     s.request_state.seen[model] = len(s.tokens)
     s.request_state.n_committed += 1
@@ -42,21 +42,17 @@ def commit_token(s: Seq, tok: int, model: str, max_context: int, tokenizer) -> t
         reason, why = "stop", tok
     elif tok in s.config.eos_ids and not p.ignore_eos:
         reason = "eos"
-    elif p.stop and (why := _hit_stop(s, tokenizer)) is not None:
-        reason = "stop"
     elif s.request_state.n_committed >= p.max_new_tokens or len(s.tokens) >= max_context:
         reason = "length"
     return reason, why
 
 
-def commit_text(
-    text: TextMode, s: Seq, tok: int, model: str, max_context: int
-) -> tuple[str | None, str | None, int, int | None]:
+def commit_text(text: TextMode, s: Seq, tok: int, model: str, max_context: int) -> tuple[str | None, int, int | None]:
     """Commit ``tok`` to ``s`` on ``model`` (models that do not share a tokenizer): its bytes
-    join the committed output; this model's EOS ids, the stop strings (in the text), the context
-    and ``max_new_tokens`` (the unit model's tokens of the text) end the request, in that order.
-    Returns ``(finish reason or None, stop string or None, characters that begin in the token's
-    bytes, the output's tokens in the unit model's vocabulary when counted, else None)``."""
+    join the committed output; this model's EOS ids, the context and ``max_new_tokens`` (the
+    unit model's tokens of the text) end the request, in that order. Returns ``(finish reason
+    or None, characters that begin in the token's bytes, the output's tokens in the unit model's
+    vocabulary when counted, else None)``."""
     data = text.vocab.table[tok]
     s.tokens.append(tok)
     s.text.append(data)
@@ -67,11 +63,9 @@ def commit_text(
     request_state.n_committed += 1
     request_state.hops_since_commit = s.resamples = 0
     p = s.config.params
-    reason, why, units = None, None, None
+    reason, units = None, None
     if tok in text.eos_ids and not p.ignore_eos:
         reason = "eos"
-    elif p.stop and (why := _hit_stop_text(s, len(data))) is not None:
-        reason = "stop"
     elif len(s.tokens) >= max_context:
         reason = "length"
     elif request_state.n_bytes >= p.max_new_tokens:  # a token writes at least one byte: fewer bytes, fewer tokens
@@ -79,7 +73,7 @@ def commit_text(
         reason = "length" if units >= p.max_new_tokens else None
     if reason is not None and units is None:
         units = _count_units(text, s)
-    return reason, why, char_count(data), units
+    return reason, char_count(data), units
 
 
 def _count_units(text: TextMode, s: Seq) -> int:
@@ -90,33 +84,6 @@ def _count_units(text: TextMode, s: Seq) -> int:
         s.text.data, request_state.unit_at, request_state.unit_base
     )
     return request_state.units
-
-
-def _hit_stop_text(s: Seq, added: int) -> str | None:
-    """The stop string the committed text now holds in its end (the last ``added`` bytes
-    plus enough before them to hold the longest stop string), or None."""
-    stops = s.config.params.stop
-    span = max(len(x.encode("utf-8")) for x in stops) + added + 3
-    tail = bytes(s.text.data[-span:]).decode("utf-8", "replace")
-    hits = [(tail.find(x), x) for x in stops if x in tail]
-    return min(hits)[1] if hits else None
-
-
-def _hit_stop(s: Seq, tokenizer) -> str | None:
-    """The stop string the output's text now contains (decoded as the final text is: special
-    tokens skipped), or None. Only the tail is decoded: enough tokens to hold the longest
-    stop string plus the characters one token may add."""
-    stops = s.config.params.stop
-    longest = max(len(x) for x in stops)
-    out = s.output_ids
-    n = longest + 8
-    while True:
-        tail = tokenizer.decode(out[-n:], skip_special_tokens=True)
-        if len(tail) >= longest + 8 or n >= len(out):
-            break
-        n *= 2
-    hits = [(tail.find(x), x) for x in stops if x in tail]
-    return min(hits)[1] if hits else None
 
 
 def logprobs(row: torch.Tensor, tok: int, k: int) -> tuple:

@@ -363,12 +363,13 @@ class SubServer(Arrivals):
 
     def _commit(self, s: Seq, tok: int, lp: tuple | None = None) -> bool:
         """Commit ``tok`` (``lp``: its log-probabilities, `logprobs`); return True if the request
-        finished (`commit_token`, `commit_text`: the stop rules)."""
-        chars = units = None
+        finished (`commit_token`, `commit_text`: the stop rules but stop strings, which the engine
+        finds in the text)."""
+        chars = units = why = None
         if self.text is not None:
-            reason, why, chars, units = commit_text(self.text, s, tok, self.name, self.runner.max_context)
+            reason, chars, units = commit_text(self.text, s, tok, self.name, self.runner.max_context)
         else:
-            reason, why = commit_token(s, tok, self.name, self.runner.max_context, self.tokenizer)
+            reason, why = commit_token(s, tok, self.name, self.runner.max_context)
         self._emit(
             messages.Committed(
                 s.rid,
@@ -379,6 +380,7 @@ class SubServer(Arrivals):
                 None if lp is None else [lp],
                 chars=chars,
                 units=units,
+                stop_token=reason in ("stop", "eos"),
             )
         )
         if reason:

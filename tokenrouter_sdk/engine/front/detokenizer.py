@@ -54,6 +54,16 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def peek(self) -> str:
+        """The stable text and what the tokens after it decode to so far, without the incomplete
+        character at its end (the text stop strings are searched in: a token that completes one
+        and begins another character still completes it). Nothing is released."""
+        if self._read == len(self.ids):
+            return self.text
+        before = self._decode(self.ids[self._prefix : self._read])
+        now = self._decode(self.ids[self._prefix :])
+        return self.text + now[len(before) :].rstrip(REPLACEMENT)
+
     def extend(self, ids, model: str | None = None) -> None:
         """Append token ids without decoding (text nobody streams: `flush` decodes it once)."""
         self.ids.extend(int(i) for i in ids)
@@ -100,6 +110,10 @@ class ByteDetokenizer:
         """Append the bytes of ``model``'s token ids; return the text that became stable."""
         self.data += self.vocabs[model].bytes_of(ids)
         return self._decode()
+
+    def peek(self) -> str:
+        """The stable text (a character whose bytes are not all there is not part of it)."""
+        return self.text
 
     def extend(self, ids, model: str) -> None:
         """Append the bytes of ``model``'s token ids without decoding them yet."""

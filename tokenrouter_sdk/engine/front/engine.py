@@ -329,19 +329,8 @@ class Engine:
                 ),
             )
         p = req.params
-        if self.text is not None:  # per writer: its own EOS ids are not part of the text
-            stop_ids = {m: frozenset() if p.ignore_eos else frozenset(e) for m, e in self.text.eos.items()}
-        else:
-            stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
         h = RequestHandle(
-            cfg,
-            req.prompt,
-            entry,
-            call,
-            i,
-            self.tokenizer,
-            stop_ids,
-            vocabs=self.text.vocabs if self.text is not None else None,
+            cfg, req.prompt, entry, call, i, self.tokenizer, vocabs=self.text.vocabs if self.text is not None else None
         )
         h.output.sample = req.sample
         h.t_submit, h.state, h.error, h.peers = self.clock(), state, error, peers
@@ -523,19 +512,18 @@ class Engine:
         h = self._live_handle(ev)
         if h is None:
             return
-        out = h.output
-        self._record(h.call, ev)
         if h.t_first is None:
             h.t_first = ev.t
-        out.token_ids.extend(ev.tokens)
-        out.token_models.extend([ev.model] * len(ev.tokens))
-        if out.logprobs is not None and ev.logprobs is not None:
-            out.logprobs.extend(lp for lp, _ in ev.logprobs)
-            if out.top_logprobs is not None:
-                out.top_logprobs.extend(dict(top) for _, top in ev.logprobs)
-        piece = h.add_text(ev.tokens, ev.last, ev.model)
+        still_served = not ev.last  # the sub-server has not ended it itself
+        ev, piece = h.commit(ev)
+        self._record(h.call, ev)
         if h.call.listener is not None:
             h.call.listener("tokens", h, (ev, piece))
+        if h.stop_hit is not None:  # a stop string ends it: the sub-servers stop it and free its KV
+            self._end(h, "stop", None, ev.t, h.stop_hit)
+            if still_served:
+                for name in self.models:
+                    self.transport.send(name, messages.Abort(h.rid, "stop", None))
 
     def _on_hopped(self, ev: messages.Hopped) -> None:
         h = self._live_handle(ev)

@@ -1,17 +1,23 @@
 """`RequestHandle`: one submitted request's growing output, its text and streams, and its end.
 
+A handle owns the rule that stop strings end a request: it makes the request's text, so it
+finds them there (`RequestHandle.commit`) and the engine ends the request; the sub-servers decide
+every other end (stop token ids, EOS, length) where the tokens are committed.
+
 Locking: a handle is written only by the engine while it holds its lock (event handling,
-admission, abort); its text methods (`RequestHandle.add_text`, ``take_text``, ``finalize_text``)
+admission, abort); its output methods (`RequestHandle.commit`, ``take_text``, ``finalize_text``)
 run there. Readers outside the engine read ``output`` once ``done`` is set, or under
 `Engine.consistent`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import TYPE_CHECKING
 
 from ...request import RequestConfig, RequestOutput
+from ..messages import Committed
 from .detokenizer import ByteDetokenizer, IncrementalDetokenizer, StopMatcher
 
 if TYPE_CHECKING:
@@ -36,7 +42,6 @@ class RequestHandle:
         call: "CallLink",
         index: int,
         tokenizer,
-        stop_ids: frozenset | dict,
         vocabs: dict | None = None,
     ):
         self.config, self.entry, self.owner, self.call = config, entry, entry, call
@@ -57,7 +62,8 @@ class RequestHandle:
         else:
             self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(config.params.stop) if config.params.stop else None
-        self.stop_ids = stop_ids  # ids that end the request (per writer, a dict): their text is not part of it
+        self.stop_hit: str | None = None  # the stop string that ended the request
+        self._searched = 0  # characters of text searched for stop strings
         self.released = 0  # characters of text given to streams
         self.final_text: str | None = None
         self.state: dict = {}  # the policy state entry() started
@@ -78,34 +84,79 @@ class RequestHandle:
         """Abort this request (see `Engine.abort`)."""
         self.call.engine.abort(self.rid, reason)
 
-    # -- text -------------------------------------------------------------------------------
-    def add_text(self, tokens: list[int], last: bool, model: str | None = None) -> str:
-        """Feed committed tokens (written by ``model``) to the detokenizer; return the text that
-        became safe to stream: stable, before any stop string, and not possibly the start of one.
-        With ``last`` (the request ends with these tokens) everything up to the final text's end.
-        Called by the engine under its lock, once per `Committed` event of this request, in order.
+    # -- output ---------------------------------------------------------------------------
+    def commit(self, ev: Committed) -> tuple[Committed, str]:
+        """Add the tokens of one `Committed` event of this request to its output and text, and
+        end the text at the first stop string: the token that completes one is the output's last
+        (``stop_hit`` names the string; the engine ends the request with ``"stop"``). Inside a
+        forced output (`RequestConfig.forced`) no stop string ends it. A token that ended the
+        request by its id (``ev.stop_token``) is in the tokens, not in the text. Called by the
+        engine under its lock, once per event of this request, in order.
 
         Args:
-            tokens: the committed token ids, in order (ids that end the request are left out of
-                the text).
-            last: whether the request ends with these tokens.
-            model: the model that wrote them (picks its stop ids and, with models that do not
-                share a tokenizer, its vocabulary).
+            ev: the event; its ``tokens`` in order, written by ``ev.model`` (with models that
+                do not share a tokenizer, it picks the vocabulary).
 
         Returns:
-            The new text to stream ("" when none, or without a tokenizer).
+            ``(event, text)``: the event as far as it belongs to the output (cut after a stop
+            string's last token, with ``last`` set; else ``ev`` itself) and the new text that is
+            safe to stream: stable, before any stop string and not possibly the start of one,
+            or up to the final text's end when the request ends with these tokens ("" when none,
+            or without a tokenizer).
         """
+        ids = ev.tokens[:-1] if ev.last and ev.stop_token else ev.tokens
+        n = len(ev.tokens)
+        if self.detok is not None and self.stops is not None:
+            cut = self._until_stop(ids, ev.model)
+            if cut is not None:
+                n = cut
+                ev = dataclasses.replace(
+                    ev,
+                    tokens=ev.tokens[:n],
+                    last=True,
+                    logprobs=None if ev.logprobs is None else ev.logprobs[:n],
+                    chars=ev.chars if n == len(ev.tokens) else None,
+                    units=ev.units if n == len(ev.tokens) else None,
+                    stop_token=False,
+                )
+        elif self.detok is not None and ids:  # nobody streams: decoded once at the end
+            (self.detok.extend if self.call.listener is None else self.detok.add)(ids, ev.model)
+        self._extend_output(ev)
+        return ev, self._release(ev.last)
+
+    def _extend_output(self, ev: Committed) -> None:
+        out = self.output
+        out.token_ids.extend(ev.tokens)
+        out.token_models.extend([ev.model] * len(ev.tokens))
+        if out.logprobs is not None and ev.logprobs is not None:
+            out.logprobs.extend(lp for lp, _ in ev.logprobs)
+            if out.top_logprobs is not None:
+                out.top_logprobs.extend(dict(top) for _, top in ev.logprobs)
+
+    def _until_stop(self, ids: list[int], model: str) -> int | None:
+        """Decode ``ids`` one at a time and search each new character for a stop string (past
+        the forced output); the number of ``ids`` up to the one that completes one, or None."""
+        base, forced = len(self.output.token_ids), len(self.config.forced)
+        for j, tok in enumerate(ids):
+            self.detok.add([tok], model)
+            if base + j + 1 <= forced:
+                continue
+            text = self.detok.peek()
+            hit = self.stops.find(text, self._searched)
+            self._searched = len(text)
+            if hit is not None:
+                self.stop_hit = hit[1]
+                return j + 1
+        return None
+
+    def _release(self, last: bool) -> str:
+        """The text that became safe to stream (all of the final text with ``last``)."""
         if self.detok is None:
             return ""
-        stop_ids = self.stop_ids.get(model, ()) if isinstance(self.stop_ids, dict) else self.stop_ids
-        ids = [t for t in tokens if t not in stop_ids]
-        if self.call.listener is None:  # nobody streams: decode once at the end
-            self.detok.extend(ids, model)
-            return self.take_text(len(self.finalize_text())) if last else ""
-        if ids:
-            self.detok.add(ids, model)
         if last:
             return self.take_text(len(self.finalize_text()))
+        if self.call.listener is None:  # nobody streams
+            return ""
         text = self.detok.text
         limit = len(text)
         if self.stops is not None:

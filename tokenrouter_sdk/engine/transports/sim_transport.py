@@ -71,6 +71,15 @@ class SimTransport:
             for model, msg in res.messages:
                 heapq.heappush(self._heap, (t, next(self._seq), model, msg))
 
+    def pids(self) -> None:
+        """None: the sub-servers live in this process."""
+        return None
+
+    @property
+    def child_threads(self) -> None:
+        """None: the sub-servers live in this process."""
+        return None
+
     def pending(self, model: str) -> bool:
         """Whether messages for ``model`` wait to be delivered."""
         with self._cv:

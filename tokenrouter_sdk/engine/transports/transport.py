@@ -198,6 +198,15 @@ class ThreadTransport:
         subserver = self.subservers.get(model)
         return None if subserver is None else subserver.runner
 
+    def pids(self) -> None:
+        """None: the sub-servers live in this process."""
+        return None
+
+    @property
+    def child_threads(self) -> None:
+        """None: the sub-servers live in this process."""
+        return None
+
     def pending(self, model: str) -> bool:
         """Whether messages wait in ``model``'s inbox."""
         q = self.inboxes.get(model)
