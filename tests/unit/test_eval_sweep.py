@@ -237,6 +237,53 @@ def test_a_learned_head_is_not_scored_on_its_training_questions(pair, tok, bench
         assert res.excluded is None and len(res.answers["RStitch(tau=0.9)"]) == 4
 
 
+def test_a_learned_head_trained_elsewhere_lets_the_other_points_resume(pair, tok, bench, tmp_path):
+    b, _ = bench
+    out = tmp_path / "out"
+    far = _query_head_with_record(tmp_path, ["train-0"], ["train-1"], ["train-0"])  # no question of the draw
+    with Router(pair, tokenizer=tok) as r:
+        first = evaluate_policy(
+            r, RStitch, [0.9], dataset=b, param="tau", out_dir=out, references=["large_only"], **SAMPLING
+        )
+        again = evaluate_policy(
+            r,
+            lambda v: QueryRouter(far, threshold=v),
+            [0.5],
+            dataset=b,
+            out_dir=out,
+            references=["large_only"],
+            **SAMPLING,
+        )
+    assert again.excluded is None or again.excluded["in_benchmark"] == 0
+    assert again.config["dataset"] == first.config["dataset"]  # the same questions, the same points
+    recs = {x["kind"]: x for x in again.records}
+    assert recs["large_only"]["resumed"] and not recs["sweep"]["resumed"]
+
+
+def test_a_point_saved_under_another_label_resumes_by_its_configuration(pair, tok, bench, tmp_path):
+    from tokenrouter_sdk.eval import evaluate_policies
+
+    b, _ = bench
+    out = tmp_path / "out"
+    with Router(pair, tokenizer=tok) as r:
+        one = evaluate_policy(r, RStitch, [0.9], dataset=b, param="tau", out_dir=out, references=False, **SAMPLING)
+        both = evaluate_policies(
+            r,
+            {"rstitch": (RStitch, [0.9], "tau"), "stitch2": (RStitch, [0.8], "tau")},
+            dataset=b,
+            out_dir=out,
+            references=False,
+            **SAMPLING,
+        )
+    recs = {x["label"]: x for x in both.records}
+    assert set(recs) == {"rstitch(tau=0.9)", "stitch2(tau=0.8)"}
+    assert recs["rstitch(tau=0.9)"]["resumed"] and not recs["stitch2(tau=0.8)"]["resumed"]
+    assert both.answers["rstitch(tau=0.9)"] == one.answers["RStitch(tau=0.9)"]
+    assert recs["rstitch(tau=0.9)"]["policy_name"] == "rstitch"
+    names = sorted(p.name.split("-")[0] for p in (out / "points").glob("*.json"))
+    assert names == ["rstitch_tau=0.9_", "stitch2_tau=0.8_"]  # the file moved to the label it has now
+
+
 def test_a_reference_off_its_target_is_flagged():
     from tokenrouter_sdk.eval.config import binomial_range
     from tokenrouter_sdk.eval.references import check_reference

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from tokenrouter_sdk import Policy, Router
 from tokenrouter_sdk.engine import messages
-from tokenrouter_sdk.engine.front.detokenizer import IncrementalDetokenizer
+from tokenrouter_sdk.engine.front.detokenizer import IncrementalDetokenizer, StopMatcher
 from tokenrouter_sdk.engine.front.request_handle import RequestHandle
 from tokenrouter_sdk.request import RequestConfig, SamplingParams
 
@@ -103,3 +103,27 @@ def test_the_engine_ends_a_request_whose_text_completes_a_stop_string(tok):
             time.sleep(0.05)
         again = r.generate([1, 2, 3], max_new_tokens=20, stop=[", 5,"])
         assert again.finish_reason == "stop" and again.text == " 1, 2, 3, 4"
+
+
+def test_streaming_with_stop_strings_searches_each_character_a_bounded_number_of_times(monkeypatch):
+    searched = []
+    find = StopMatcher.find
+
+    def counting(self, text, start=0):
+        searched.append(len(text) - start)
+        return find(self, text, start)
+
+    monkeypatch.setattr(StopMatcher, "find", counting)
+    h = handle(["zz"])
+    h.call.listener = lambda *a: None
+    streamed = []
+    for t in range(600):
+        _, piece = h.commit(messages.Committed(0, "small", [0 if t % 2 else 3], float(t)))
+        streamed.append(piece)
+    text = "".join(streamed)
+    assert len(text) == 900 and h.stop_hit is None
+    assert sum(searched) <= 3 * len(text), sum(searched)  # linear in the text, not quadratic
+    h = handle(["bd"])
+    h.call.listener = lambda *a: None
+    pieces = [h.commit(messages.Committed(0, "small", [t], 1.0))[1] for t in (3, 0, 3)]
+    assert pieces == ["d", "a", ""] and h.stop_hit == "bd" and h.finalize_text() == "da"

@@ -208,3 +208,12 @@ def test_cli_options_reach_the_pipelines():
     assert (kw["unverified"], kw["offset"], kw["cache"], kw["max_new_tokens"]) == ("divergent", 556, "c", 80)
     kw = pipeline_kwargs(build_parser().parse_args(["train", "co_llm", "--limit", "5"]))
     assert kw["reference"] == "gold" and "max_new_tokens" not in kw and kw["offset"] == 0
+
+
+def test_the_query_pipeline_takes_the_concurrency_of_its_generations():
+    from tokenrouter_sdk.cli.main import build_parser
+    from tokenrouter_sdk.cli.train import pipeline_kwargs
+
+    kw = pipeline_kwargs(build_parser().parse_args(["train", "query", "--concurrency", "8", "--max-new-tokens", "64"]))
+    assert (kw["concurrency"], kw["max_new_tokens"], kw["reference"]) == (8, 64, "gold")
+    assert "cache" not in kw  # its generations are not cached

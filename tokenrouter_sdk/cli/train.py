@@ -38,7 +38,7 @@ KIND_FLAGS = {
     "rollouts": (("citer",), 4),
     "reference": (("citer", "co_llm", "query"), "gold"),
     "cache": (("r2r", "citer", "co_llm"), None),
-    "concurrency": (("r2r", "citer", "co_llm"), 16),
+    "concurrency": (("r2r", "citer", "co_llm", "query"), 16),
     "calibrate": (KINDS, 16),
     "calibrate_tokens": (("r2r", "citer", "co_llm"), 128),
     "max_new_tokens": (("r2r", "query", "citer", "co_llm"), 96),
@@ -109,7 +109,7 @@ def add_parser(sub) -> None:
         "--concurrency",
         type=int,
         default=None,
-        help="r2r, citer, co_llm: generation batch, requests in flight (default 16)",
+        help="requests in flight in its generations (r2r, citer, co_llm, query; default 16)",
     )
     t.add_argument("--epochs", type=int, default=None, help="training epochs (default: the pipeline's)")
     t.add_argument(
@@ -184,7 +184,8 @@ def pipeline_kwargs(args) -> dict:
     if args.kind in ("r2r", "query") or args.reference == "large":
         kw["max_new_tokens"] = args.max_new_tokens
     if args.kind in ("r2r", "citer", "co_llm"):
-        kw |= {"cache": args.cache, "concurrency": args.concurrency}
+        kw["cache"] = args.cache
+    kw["concurrency"] = args.concurrency
     if args.kind in ("citer", "co_llm"):
         kw["reference"] = args.reference
     if args.kind == "r2r":

@@ -74,7 +74,9 @@ class Benchmark(BenchmarkRows):
         return self.rows.to_pandas()
 
     def describe(self) -> dict:
-        """JSON-able description (recorded in sweep results)."""
+        """JSON-able description (recorded in sweep results, and part of each point's
+        configuration hash): ``excluded`` only when questions were left out, so a sweep whose
+        heads leave none out resumes the points of one without heads."""
         out = {
             "name": self.name,
             "kind": self.kind,
@@ -85,7 +87,7 @@ class Benchmark(BenchmarkRows):
             "ids": self.ids,
             "template": self.template,
         }
-        if "excluded" in self.extra:
+        if self.extra.get("excluded", {}).get("n"):
             out["excluded"] = self.extra["excluded"]
         return out
 

@@ -382,15 +382,18 @@ class _Runner:
         self.points[pt.label] = pt
         path = self._path(pt.label, h)
         self.files[pt.label] = path
-        if path is not None and path.is_file():
-            saved = json.loads(path.read_text(encoding="utf-8"))
-            if saved.get("config_hash") == h and saved.get("runs"):
-                rec, ans, runs = saved["record"], saved["answers"], saved["runs"]
-                rec["resumed"] = True
-                self._keep(pt, rec, ans, runs)
-                if self.bar is not None:
-                    self.bar.update(len(runs))
-                return rec
+        found = self._saved(path, h)
+        if found is not None:
+            saved, was = found
+            rec, ans, runs = saved["record"], saved["answers"], saved["runs"]
+            rec.update(resumed=True, label=pt.label, policy_name=pt.policy_name, param=pt.param, value=pt.value)
+            self._keep(pt, rec, ans, runs)
+            if was != path:  # saved under another label (the same configuration): it moves to this one
+                self._save(pt.label)
+                was.unlink()
+            if self.bar is not None:
+                self.bar.update(len(runs))
+            return rec
         outs, run = self._timed(pt, 0)
         ans = self._answers(outs, self._visits)
         rec = self._record(pt, ans, h)
@@ -438,6 +441,19 @@ class _Runner:
 
     def _path(self, label: str, h: str) -> Path | None:
         return self.points_dir / f"{_slug(label)}-{h}.json" if self.points_dir else None
+
+    def _saved(self, path: Path | None, h: str) -> tuple[dict, Path] | None:
+        """The saved point of configuration ``h`` with at least one run, and its file: ``path``,
+        else a file of the same configuration saved under another label (a point's label is
+        its policy's name, which differs between a one-policy and a several-policy sweep)."""
+        if path is None:
+            return None
+        for f in [path, *sorted(self.points_dir.glob(f"*-{h}.json"))]:
+            if f.is_file():
+                saved = json.loads(f.read_text(encoding="utf-8"))
+                if saved.get("config_hash") == h and saved.get("runs"):
+                    return saved, f
+        return None
 
     # -- recording ---------------------------------------------------------------------------
     def _answers(self, outs, visits: dict) -> list[dict]:

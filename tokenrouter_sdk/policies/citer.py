@@ -19,11 +19,12 @@ The large model writes its token greedily, as in CITER, whatever the request's s
 (``Handoff(greedy=True)``); the small model samples with the request's parameters.
 Weights: CITER publishes none. ``head`` takes a tokenrouter head file (kind ``"citer"``), the
 state dict the CITER trainer saves (``mlp_training.py``: same parameter names), or a module.
-Without one, the head packaged for `Router.default`'s pair is loaded
-(``tokenrouter_sdk/assets/smollm2_citer_head.pt``, trained by ``tokenrouter train citer``; its record,
-with the measured agreement, is the ``.json`` beside it) with its stored tau, calibrated so that
-about 0.7 of the committed tokens come from the large model (greedy, GSM8K prompts; measured on
-the 128 held-out GSM8K questions: see the record's ``heldout`` section). The pair's small model
+Without one, the head packaged for ``pair`` is loaded
+(``tokenrouter_sdk/assets/<pair>_citer_head.pt``, trained by ``tokenrouter train citer``; its record,
+with the measured agreement, is the ``.json`` beside it) with its stored tau, calibrated in the
+engine (greedy, GSM8K prompts) so that a share of the committed tokens come from the large model:
+about 0.7 for ``smollm2`` (measured on the 128 held-out GSM8K questions: see the record's
+``heldout`` section), about 0.3 for ``qwen2.5-coder`` (labels from gold GSM8K train solutions). The pair's small model
 writes a different token from the large one at about half the positions, so a router that keeps
 the large model's answers has to write about that much with it; at a quarter large fraction no
 head beats random routing on this pair (docs/train.md). A larger ``tau`` routes more.
@@ -66,13 +67,13 @@ def _citer_state_dict(obj):
 class CITER(HeadRecord, DeferOneToken):
     """Args:
     head: the confidence head: a path, a `ConfidenceHead` (or a module with its parameter
-        names) or its state dict; None (default) = the head packaged for `Router.default`'s
-        pair (hidden size 576; another pair fails at its first step with an error naming the
-        fix: train one with ``tokenrouter train citer``). A missing file raises
-        `HeadMissingError`, which says how to get one.
+        names) or its state dict; None (default) = the head packaged for ``pair`` (hidden size
+        576 for ``smollm2``, 896 for ``qwen2.5-coder``; another pair fails at its first step
+        with an error naming the fix: train one with ``tokenrouter train citer``). A missing
+        file raises `HeadMissingError`, which says how to get one.
     tau: route to the large model when c < tau. None (default): the threshold stored in the
-        head file (the packaged head's sends about 0.7 of the tokens to the large model),
-        else 0.95 (CITER's default, see the module docstring).
+        head file (the packaged heads' send about 0.7 (smollm2) and 0.3 (qwen2.5-coder) of the
+        tokens to the large model), else 0.95 (CITER's default, see the module docstring).
     small, large: model names (default: first and last model).
     pair: with ``head=None``, the named pair whose packaged head to load (``"smollm2"``,
         the default, or ``"qwen2.5-coder"``).

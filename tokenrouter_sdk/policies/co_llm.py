@@ -32,12 +32,14 @@ Weights: Co-LLM publishes none, and it fine-tunes the whole base model jointly w
 trained on a frozen small model is an approximation. ``head`` takes a tokenrouter head file (kind
 ``"co_llm"``), a `DeferralHead`, or a state dict ``{"g": [H], "b": []}``; the deferral row of a
 fine-tuned Co-LLM checkpoint is ``lm_head.weight[-1]`` (pass ``{"g": row, "b": torch.tensor(0.)}``).
-Without one, the head packaged for `Router.default`'s pair is loaded
-(``tokenrouter_sdk/assets/smollm2_co_llm_head.pt``, trained by ``tokenrouter train co_llm``; its
-record is the ``.json`` beside it) with its stored eta, calibrated so that about 0.7 of the
-committed tokens come from the large model (greedy, GSM8K prompts; measured on the 128 held-out
-GSM8K questions: the record's ``heldout`` section; on this pair no head beats random routing at a
-quarter large fraction, docs/train.md). A smaller ``eta`` routes more.
+Without one, the head packaged for ``pair`` is loaded
+(``tokenrouter_sdk/assets/<pair>_co_llm_head.pt``, trained by ``tokenrouter train co_llm``; its
+record is the ``.json`` beside it) with its stored eta, calibrated in the engine (greedy, GSM8K
+train prompts) so that a share of the committed tokens come from the large model: about 0.7 for
+``smollm2`` (measured on the 128 held-out GSM8K questions: the record's ``heldout`` section; on
+that pair no head beats random routing at a quarter large fraction, docs/train.md), about 0.3
+for ``qwen2.5-coder`` (trained on gold GSM8K train solutions; docs/train.md). A smaller ``eta``
+routes more.
 """
 
 from __future__ import annotations
@@ -80,11 +82,12 @@ def warmup_eta(t: int, eta: float, schedule: str, steps: int) -> float:
 class CoLLM(HeadRecord, DeferOneToken):
     """Args:
     head: the deferral head: a path, a `DeferralHead` or ``{"g": [H], "b": []}``; None
-        (default) = the head packaged for `Router.default`'s pair (hidden size 576; another
-        pair fails at its first step with an error naming the fix: train one with
-        ``tokenrouter train co_llm``). A missing file raises `HeadMissingError`.
+        (default) = the head packaged for ``pair`` (hidden size 576 for ``smollm2``, 896 for
+        ``qwen2.5-coder``; another pair fails at its first step with an error naming the fix:
+        train one with ``tokenrouter train co_llm``). A missing file raises `HeadMissingError`.
     eta: defer when pi > eta. None (default): the threshold stored in the head file (the
-        packaged head's sends about 0.7 of the tokens to the large model), else 0.5.
+        packaged heads' send about 0.7 (smollm2) and 0.3 (qwen2.5-coder) of the tokens to the
+        large model), else 0.5.
     compose: write the argmax of the mixed distributions at deferral positions (see the
         module docstring).
     warmup: threshold schedule, one of ``constant`` (default), ``linear``, ``cosine``,

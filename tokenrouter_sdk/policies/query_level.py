@@ -21,10 +21,11 @@ Head file: the shared format of ``policies/heads.py`` (kind ``"query"``; ``confi
 ``{"hidden_size", "hidden_dim", "threshold"?}``), read with ``torch.load(weights_only=True)``.
 Training (which prompts S answers correctly -> logistic regression / MLP):
 ``tokenrouter_sdk.train.train_query`` (CLI ``tokenrouter train query``). Without a head, the one
-packaged for `Router.default`'s pair is loaded (``tokenrouter_sdk/assets/smollm2_query_head.pt``;
-its record is the ``.json`` beside it) with its stored threshold, which sends about 0.25 of the
-prompts to the large model (the quantile of p over its training prompts; measured on the 128
-held-out GSM8K questions: the record's ``heldout`` section).
+packaged for ``pair`` is loaded (``tokenrouter_sdk/assets/<pair>_query_head.pt``; its record is
+the ``.json`` beside it) with its stored threshold, the quantile of p over its training prompts
+that sends a share of them to the large model: about 0.25 for ``smollm2`` (labels: agreement
+with the large model's answer; measured on the 128 held-out GSM8K questions: the record's
+``heldout`` section), 0.3 for ``qwen2.5-coder`` (labels: the small model's answer is right).
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ def _query_head(head, pair: str | None = None) -> tuple[QueryHead, dict, dict]:
 class QueryRouter(HeadRecord, Policy):
     """Args:
         head: a head file (see the module docstring) or a `QueryHead`; None (default) = the head
-            packaged for `Router.default`'s pair (hidden size 576; another pair fails at its first
-            step with an error naming the fix: train one with ``tokenrouter train query``). A
-            missing file raises `HeadMissingError`.
+            packaged for ``pair`` (hidden size 576 for ``smollm2``, 896 for ``qwen2.5-coder``;
+            another pair fails at its first step with an error naming the fix: train one with
+            ``tokenrouter train query``). A missing file raises `HeadMissingError`.
         threshold: L writes the answer when p = P(S correct) < threshold (RouteLLM calibrates it
             as a quantile of the router's scores for a target share of L requests). None
             (default): the threshold stored in the head file (the packaged head's sends about

@@ -446,8 +446,7 @@ class Engine:
                 self._record(h.call, messages.Admitted(h.rid, h.entry, self.clock()))
             self._end(h, "aborted", reason, self.clock())
         if admitted:
-            for name in self.models:
-                self.transport.send(name, messages.Abort(rid, "aborted", reason))
+            self._abort_on_models(rid, "aborted", reason)
 
     # -- events -----------------------------------------------------------------------------
     def add_observer(self, fn: Callable[[object], None]) -> Callable[[], None]:
@@ -522,8 +521,7 @@ class Engine:
         if h.stop_hit is not None:  # a stop string ends it: the sub-servers stop it and free its KV
             self._end(h, "stop", None, ev.t, h.stop_hit)
             if still_served:
-                for name in self.models:
-                    self.transport.send(name, messages.Abort(h.rid, "stop", None))
+                self._abort_on_models(h.rid, "stop", None)
 
     def _on_hopped(self, ev: messages.Hopped) -> None:
         h = self._live_handle(ev)
@@ -694,9 +692,14 @@ class Engine:
     def _release_live(self, rid: int) -> None:
         """A request ended without its owner's word (its owner died): the live models that hold
         KV of it pending free it."""
+        self._abort_on_models(rid, "failed", None)
+
+    def _abort_on_models(self, rid: int, status: str, reason: str | None) -> None:
+        """Tell every live sub-server to stop request ``rid`` and free its KV (a dead one holds
+        none: its pool went with it)."""
         for m in self.models:
             if m not in self._dead:
-                self.transport.send(m, messages.Abort(rid, "failed", None))
+                self.transport.send(m, messages.Abort(rid, status, reason))
 
     @property
     def dead(self) -> dict[str, str]:

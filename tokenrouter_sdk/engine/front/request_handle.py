@@ -63,7 +63,9 @@ class RequestHandle:
             self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(config.params.stop) if config.params.stop else None
         self.stop_hit: str | None = None  # the stop string that ended the request
-        self._searched = 0  # characters of text searched for stop strings
+        self._searched = 0  # characters of text (with pending bytes) searched for stop strings
+        self._stream_searched = 0  # characters of stable text searched before streaming it
+        self._stream_stop: int | None = None  # where the first stop string in the stable text begins
         self.released = 0  # characters of text given to streams
         self.final_text: str | None = None
         self.state: dict = {}  # the policy state entry() started
@@ -160,8 +162,11 @@ class RequestHandle:
         text = self.detok.text
         limit = len(text)
         if self.stops is not None:
-            hit = self.stops.find(text)
-            limit = hit[0] if hit else len(text) - self.stops.held(text)
+            if self._stream_stop is None:  # the stable text only grows: search only what is new
+                hit = self.stops.find(text, self._stream_searched)
+                self._stream_searched = len(text)
+                self._stream_stop = hit[0] if hit else None
+            limit = self._stream_stop if self._stream_stop is not None else len(text) - self.stops.held(text)
         return self.take_text(limit)
 
     def take_text(self, limit: int) -> str:
