@@ -258,6 +258,9 @@ def test_a_learned_head_trained_elsewhere_lets_the_other_points_resume(pair, tok
     assert again.config["dataset"] == first.config["dataset"]  # the same questions, the same points
     recs = {x["kind"]: x for x in again.records}
     assert recs["large_only"]["resumed"] and not recs["sweep"]["resumed"]
+    lines = again.notes()
+    assert any("none of them was used to train" in line for line in lines), lines
+    assert not any("leaving out 0" in line for line in lines)
 
 
 def test_a_point_saved_under_another_label_resumes_by_its_configuration(pair, tok, bench, tmp_path):

@@ -197,7 +197,10 @@ class EvalResult:
             f"{self.question_set() or '?'}), the same for every point and reference"
         ]
         ex, ov = self.config.get("excluded"), self.config.get("head_overlap")
-        if ex:
+        if ex and not ex["in_draw"]:
+            heads = ", ".join(f"{k} ({v} ids)" for k, v in ex["heads"].items())
+            out.append(f"questions: none of them was used to train, validate or calibrate the learned heads ({heads})")
+        elif ex:
             heads = ", ".join(f"{k} ({v} ids)" for k, v in ex["heads"].items())
             out.append(
                 f"questions: {ds.get('n', '?')} of {ds.get('name', 'the benchmark')}, leaving out "
