@@ -24,10 +24,10 @@ Without one, the head packaged for ``pair`` is loaded
 with the measured agreement, is the ``.json`` beside it) with its stored tau, calibrated in the
 engine (greedy, GSM8K prompts) so that a share of the committed tokens come from the large model:
 about 0.7 for ``smollm2`` (measured on the 128 held-out GSM8K questions: see the record's
-``heldout`` section), about 0.3 for ``qwen2.5-coder`` (labels from gold GSM8K train solutions). The pair's small model
-writes a different token from the large one at about half the positions, so a router that keeps
-the large model's answers has to write about that much with it; at a quarter large fraction no
-head beats random routing on this pair (docs/train.md). A larger ``tau`` routes more.
+``heldout`` section), about 0.3 for ``qwen2.5-coder`` (labels from gold GSM8K train solutions).
+SmolLM2's self-draft writes a different token from its large model at about half the positions,
+so a router that keeps the large model's answers has to write about that much with it; at a
+quarter large fraction no head beats random routing on that pair (docs/train.md). A larger ``tau`` routes more.
 """
 
 from __future__ import annotations
